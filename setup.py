@@ -1,0 +1,120 @@
+"""Build attnkit: the Python package plus the native extension ``attnkit._C``.
+
+``attnkit._C`` is built from ``csrc/``: the C++ (CPU) sources always, the CUDA sources
+when torch has CUDA and nvcc is found (``ATTNKIT_BUILD_CUDA=auto|0|1``).  The extension is
+*optional*: when it cannot be compiled (no compiler, say) the install still succeeds, the
+package imports, and ``attnkit.backends()`` reports the ``cpu`` backend unavailable with the
+reason.  Install for development with ``pip install --no-build-isolation -e .`` (torch must be
+installed first: the extension is built against it).
+"""
+import glob
+import os
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+PACKAGES = [
+    "attnkit",
+    "attnkit.kernels",
+    "attnkit.ops",
+    "attnkit.reference",
+    "attnkit.nn",
+    "attnkit.theory",
+    "attnkit.bench",
+]
+PACKAGE_DIR = {
+    "attnkit": "pytorch_ext",
+    "attnkit.kernels": "kernels",
+    "attnkit.ops": "pytorch_ext/ops",
+    "attnkit.reference": "pytorch_ext/reference",
+    "attnkit.nn": "pytorch_ext/nn",
+    "attnkit.theory": "pytorch_ext/theory",
+    "attnkit.bench": "bench",
+}
+
+
+def _want_cuda(torch_utils):
+    flag = os.environ.get("ATTNKIT_BUILD_CUDA", "auto").strip().lower()
+    if flag not in ("auto", "0", "1"):
+        raise SystemExit(f"ATTNKIT_BUILD_CUDA must be auto, 0 or 1; got {flag!r}")
+    if flag == "0":
+        return False
+    import torch
+
+    has_torch_cuda = torch.version.cuda is not None
+    has_nvcc = torch_utils.CUDA_HOME is not None
+    if flag == "1":
+        if not (has_torch_cuda and has_nvcc):
+            raise SystemExit(
+                "ATTNKIT_BUILD_CUDA=1 but "
+                + ("torch was built without CUDA" if not has_torch_cuda else "nvcc was not found")
+            )
+        return True
+    return has_torch_cuda and has_nvcc
+
+
+def _extensions():
+    try:
+        from torch.utils import cpp_extension
+    except ImportError:  # pragma: no cover - torch is a build requirement
+        print("attnkit: torch is not importable; building without attnkit._C")
+        return [], {}
+
+    cpp_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    cxx_flags = ["-O3", "-fopenmp", "-std=c++17"]
+    # attnkit is built from source on the machine that runs it, so the CPU kernels are tuned
+    # for it (AVX-512 / AVX512-BF16 where present).  ATTNKIT_MARCH=x86-64-v3 (or any -march
+    # value, or "none") builds a portable binary instead.
+    march = os.environ.get("ATTNKIT_MARCH", "native")
+    if march != "none":
+        cxx_flags.append(f"-march={march}")
+    link_flags = ["-fopenmp"]
+    if _want_cuda(cpp_extension):
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            import torch
+
+            if not torch.cuda.is_available():
+                os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+        cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
+        ext = cpp_extension.CUDAExtension(
+            "attnkit._C",
+            cpp_sources + cuda_sources,
+            extra_compile_args={
+                "cxx": cxx_flags + ["-DATTNKIT_WITH_CUDA"],
+                "nvcc": ["-O3", "--use_fast_math", "-std=c++17", "-DATTNKIT_WITH_CUDA"],
+            },
+            extra_link_args=link_flags,
+            optional=True,
+        )
+    else:
+        ext = cpp_extension.CppExtension(
+            "attnkit._C",
+            cpp_sources,
+            extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=link_flags,
+            optional=True,
+        )
+    build_ext = cpp_extension.BuildExtension.with_options(no_python_abi_suffix=False)
+    return [ext], {"build_ext": build_ext}
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    name="attnkit",
+    version="0.1.0",
+    description="Fused softmax, linear, sparse and Hopfield attention kernels for PyTorch",
+    long_description=open(os.path.join(ROOT, "README.md")).read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={
+        "triton": ["triton"],
+        "bench": ["matplotlib", "tqdm", "pytest-benchmark"],
+        "test": ["pytest", "expecttest", "triton"],
+    },
+)
