@@ -1,0 +1,32 @@
+"""attnkit: fused softmax, linear, sparse and Hopfield attention kernels for PyTorch.
+
+Public API (all tensors [B, H, N, D], like torch's scaled_dot_product_attention):
+
+- :func:`softmax_attention` — a drop-in for ``scaled_dot_product_attention``
+- :func:`linear_attention` — kernelized attention φ(q)·Σφ(k)vᵀ, causal or not
+- :func:`sparse_attention` with :mod:`attnkit.patterns` — strided, fixed, star, block layouts
+- :func:`hopfield_update`, :func:`hopfield_energy` — the modern Hopfield update and its energy
+- :func:`backends` — which backends (reference, cpu, triton, cuda) are usable here, per family
+"""
+import torch  # noqa: F401  (loads libtorch before the native extension)
+
+from . import patterns
+from ._dispatch import BackendStatus, BackendUnavailableError, backends
+from .ops.hopfield import hopfield_energy, hopfield_update
+from .ops.linear import linear_attention
+from .ops.softmax import softmax_attention
+from .ops.sparse import sparse_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "softmax_attention",
+    "linear_attention",
+    "sparse_attention",
+    "hopfield_update",
+    "hopfield_energy",
+    "patterns",
+    "backends",
+    "BackendStatus",
+    "BackendUnavailableError",
+]

@@ -1,0 +1,184 @@
+"""The one place that picks a backend for an op call.
+
+Backends (see DESIGN.md):
+
+========== ======================================================================
+reference  pure PyTorch, any device; materializes scores (for checking, not speed)
+cpu        C++ kernels in ``attnkit._C`` (CPU tensors)
+triton     Triton kernels (CUDA tensors; CPU tensors only with ``TRITON_INTERPRET=1``)
+cuda       CUDA C++ kernels in ``attnkit._C`` (CUDA tensors, when built with CUDA)
+========== ======================================================================
+
+A family lists the kernel backends it has implemented with :func:`register_kernel` (its op
+module does so at import).  Without an explicit ``backend=`` (or ``ATTNKIT_BACKEND``), a CPU
+tensor goes to ``cpu`` and a CUDA tensor to ``triton``; when the family has no such kernel
+yet, or the backend cannot run here, the default falls back to ``reference``.  A backend asked
+for by name is never replaced: if it cannot run, the call raises
+:class:`BackendUnavailableError` saying why.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import NamedTuple
+
+import torch
+
+# "hopfield_energy" dispatches apart from "hopfield" (the update): it had a C++ kernel first.
+FAMILIES = ("softmax", "linear", "sparse", "hopfield", "hopfield_energy")
+BACKENDS = ("reference", "cpu", "triton", "cuda")
+ENV_VAR = "ATTNKIT_BACKEND"
+
+_IMPLEMENTED: dict[str, set[str]] = {family: {"reference"} for family in FAMILIES}
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend was asked for that cannot run this call here (the message says why)."""
+
+
+class BackendStatus(NamedTuple):
+    usable: bool
+    reason: str  # empty when usable
+
+
+def register_kernel(family: str, backend: str) -> None:
+    """Declare that ``family`` has kernels for ``backend`` (called by ops/<family>.py)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    _IMPLEMENTED[family].add(backend)
+
+
+def implemented(family: str) -> tuple[str, ...]:
+    """The backends ``family`` has an implementation for, in BACKENDS order."""
+    return tuple(b for b in BACKENDS if b in _IMPLEMENTED[family])
+
+
+@functools.lru_cache(maxsize=None)
+def _native_import_error() -> str:
+    """'' when attnkit._C imports, else why not."""
+    try:
+        from . import _C  # noqa: F401
+    except ImportError as exc:  # not built (no compiler at install time) or broken
+        return f"attnkit._C is not built or failed to load ({exc})"
+    return ""
+
+
+def native():
+    """The compiled extension module ``attnkit._C`` (raises BackendUnavailableError if absent)."""
+    reason = _native_import_error()
+    if reason:
+        raise BackendUnavailableError(reason)
+    from . import _C
+
+    return _C
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_import_error() -> str:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install triton)"
+    return ""
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run in the interpreter (TRITON_INTERPRET=1, CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def backend_status(backend: str) -> BackendStatus:
+    """Whether ``backend`` can run on this machine at all, and why not."""
+    if backend == "reference":
+        return BackendStatus(True, "")
+    if backend == "cpu":
+        reason = _native_import_error()
+        return BackendStatus(not reason, reason)
+    if backend == "triton":
+        reason = _triton_import_error()
+        if not reason and not torch.cuda.is_available() and not triton_interpreted():
+            reason = "no CUDA device (set TRITON_INTERPRET=1 to run Triton kernels on CPU tensors)"
+        return BackendStatus(not reason, reason)
+    if backend == "cuda":
+        if not torch.cuda.is_available():
+            return BackendStatus(False, "no CUDA device (or torch was built without CUDA)")
+        reason = _native_import_error()
+        if not reason and not native().built_with_cuda():
+            reason = "attnkit._C was built without CUDA (reinstall with nvcc present, ATTNKIT_BUILD_CUDA=1)"
+        return BackendStatus(not reason, reason)
+    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+
+
+def backends() -> dict[str, dict[str, BackendStatus]]:
+    """Which backends are usable here, per family, and why not where not.
+
+    Returns ``{family: {backend: BackendStatus(usable, reason)}}`` for every family in
+    :data:`FAMILIES` and backend in :data:`BACKENDS`.
+
+    Example::
+
+        >>> attnkit.backends()["softmax"]["reference"]
+        BackendStatus(usable=True, reason='')
+    """
+    machine = {backend: backend_status(backend) for backend in BACKENDS}
+    table: dict[str, dict[str, BackendStatus]] = {}
+    for family in FAMILIES:
+        row = {}
+        for backend in BACKENDS:
+            if backend not in _IMPLEMENTED[family]:
+                row[backend] = BackendStatus(False, f"{family} has no {backend} kernels yet")
+            else:
+                row[backend] = machine[backend]
+        table[family] = row
+    return table
+
+
+def _device_problem(backend: str, device: torch.device) -> str:
+    """'' when ``backend`` can take tensors on ``device``, else why not."""
+    if backend == "reference":
+        return ""
+    if backend == "cpu" and device.type != "cpu":
+        return f"the cpu backend takes CPU tensors; got tensors on {device}"
+    if backend == "cuda" and device.type != "cuda":
+        return f"the cuda backend takes CUDA tensors; got tensors on {device}"
+    if backend == "triton":
+        if device.type == "cpu" and not triton_interpreted():
+            return "the triton backend takes CUDA tensors (CPU tensors only with TRITON_INTERPRET=1)"
+        if device.type not in ("cpu", "cuda"):
+            return f"the triton backend takes CUDA tensors; got tensors on {device}"
+    return ""
+
+
+def resolve(family: str, backend: str | None, device: torch.device, op: str) -> str:
+    """Pick the backend for one call of ``op`` (a public function name) on ``device``.
+
+    ``backend`` (or the environment variable ``ATTNKIT_BACKEND`` when it is None) names one
+    explicitly; None lets the device decide.  Raises ValueError for an unknown name and
+    BackendUnavailableError for a backend that cannot run this call here.
+    """
+    requested = backend if backend is not None else (os.environ.get(ENV_VAR) or None)
+    if requested is None:
+        default = {"cpu": "cpu", "cuda": "triton"}.get(device.type, "reference")
+        if (
+            default in _IMPLEMENTED[family]
+            and backend_status(default).usable
+            and not _device_problem(default, device)
+        ):
+            return default
+        return "reference"
+    if not isinstance(requested, str) or requested not in BACKENDS:
+        source = "backend" if backend is not None else ENV_VAR
+        raise ValueError(f"{op}: unknown {source} {requested!r}; expected one of {', '.join(BACKENDS)}")
+    if requested not in _IMPLEMENTED[family]:
+        raise BackendUnavailableError(
+            f"{op}: the {requested} backend has no {family} kernels yet; "
+            f"implemented: {', '.join(implemented(family))}"
+        )
+    status = backend_status(requested)
+    if not status.usable:
+        raise BackendUnavailableError(f"{op}: backend {requested!r} cannot run here: {status.reason}")
+    problem = _device_problem(requested, device)
+    if problem:
+        raise BackendUnavailableError(f"{op}: {problem}")
+    return requested

@@ -1,0 +1,87 @@
+"""Input checks shared by the public functions.
+
+Each raises before any kernel runs, with a message that names the function, what was
+expected and what came: TypeError for a wrong kind of thing (not a tensor, not floating
+point), ValueError for a wrong value (rank, sizes, ranges, mismatched dtypes or devices).
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+
+FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_tensor(fn: str, name: str, x, layout: str) -> None:
+    """``x`` is a floating-point tensor whose rank matches ``layout`` (e.g. "[B, H, N, D]")."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor {layout}; got {type(x).__name__}")
+    rank = len(layout.strip("[]").split(","))
+    if x.dim() != rank:
+        raise ValueError(
+            f"{fn}: {name} must be a {rank}-D tensor {layout}; got {x.dim()}-D with shape {tuple(x.shape)}"
+        )
+    if x.dtype not in FLOATING:
+        raise TypeError(
+            f"{fn}: {name} must be floating point (float16, bfloat16, float32 or float64); "
+            f"got {_dtype_name(x.dtype)}"
+        )
+
+
+def check_same_dtype_device(fn: str, tensors: Mapping[str, torch.Tensor]) -> None:
+    """All tensors share the first one's dtype and device."""
+    items = list(tensors.items())
+    first_name, first = items[0]
+    for name, x in items[1:]:
+        if x.dtype != first.dtype:
+            raise ValueError(
+                f"{fn}: {name} must have the dtype of {first_name} ({_dtype_name(first.dtype)}); "
+                f"got {_dtype_name(x.dtype)}"
+            )
+        if x.device != first.device:
+            raise ValueError(
+                f"{fn}: {name} must be on the device of {first_name} ({first.device}); got {x.device}"
+            )
+
+
+def check_size_match(fn: str, what: str, sizes: Mapping[str, int]) -> None:
+    """All named sizes are equal, e.g. what="batch size", sizes={"query": 2, "key": 3}."""
+    values = list(sizes.values())
+    if any(v != values[0] for v in values[1:]):
+        got = ", ".join(f"{name} {value}" for name, value in sizes.items())
+        raise ValueError(f"{fn}: {' and '.join(sizes)} must have the same {what}; got {got}")
+
+
+def check_real(fn: str, name: str, value, *, low=None, low_inclusive=True, high=None,
+               allow_none=False) -> None:
+    """A finite real number within [low, high] (exclusive low when low_inclusive=False)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{fn}: {name} must be a finite real number; got {value!r}")
+    if low is not None and (value < low or (value == low and not low_inclusive)):
+        bound = f">= {low}" if low_inclusive else f"> {low}"
+        raise ValueError(f"{fn}: {name} must be {bound}; got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"{fn}: {name} must be <= {high}; got {value!r}")
+
+
+def check_int(fn: str, name: str, value, *, low=None, high=None) -> None:
+    """An integer (not bool) within [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{fn}: {name} must be an int; got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{fn}: {name} must be >= {low}; got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{fn}: {name} must be <= {high}; got {value}")
+
+
+def check_choice(fn: str, name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{fn}: unknown {name} {value!r}; expected one of {', '.join(map(repr, choices))}")

@@ -1,0 +1,2 @@
+def softmax_attention(*args, **kwargs):
+    raise NotImplementedError  # placeholder, being written

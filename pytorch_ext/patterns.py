@@ -1,0 +1,1 @@
+"""Attention patterns (placeholder, being written)."""

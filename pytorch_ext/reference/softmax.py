@@ -1,0 +1,69 @@
+"""Reference softmax attention: straightforward PyTorch, the ground truth of the tests.
+
+Computes in the dtype it is given (run it in float64 for ground truth, or in float16 /
+bfloat16 to measure the error a naive implementation makes in that dtype).  Materializes the
+[B, H, N, M] score matrix: for checking, not for speed.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def expand_kv_heads(x: torch.Tensor, num_query_heads: int) -> torch.Tensor:
+    """Repeat each key/value head so that ``x`` has ``num_query_heads`` heads (GQA / MQA)."""
+    groups = num_query_heads // x.shape[-3]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
+
+
+def softmax_attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    return_lse: bool = False,
+    dropout_mask: torch.Tensor | None = None,
+):
+    """SDPA semantics on [B, H, N, D] tensors, with zeros (and LSE -inf) for fully masked rows.
+
+    query [B, H, N, D], key [B, Hk, M, D], value [B, Hk, M, Dv] -> out [B, H, N, Dv]
+    (and lse [B, H, N] when ``return_lse``; float64 for float64 inputs, float32 otherwise).
+    ``attn_mask``: bool (True = attend) or additive float, broadcastable to [B, H, N, M].
+    ``is_causal``: key j is visible to query i when j <= i (top-left aligned, like SDPA).
+    ``dropout_mask``: optional bool [B, H, N, M] of kept probabilities (True = keep); without it
+    and with ``dropout_p > 0`` one is drawn with torch.rand.
+    """
+    num_heads = query.shape[-3]
+    if enable_gqa:
+        key = expand_kv_heads(key, num_heads)
+        value = expand_kv_heads(value, num_heads)
+    n, m = query.shape[-2], key.shape[-2]
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    if is_causal:
+        causal = torch.ones(n, m, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(scores.dtype)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    # A fully masked row has lse = -inf; subtracting a finite stand-in gives exp(-inf) = 0.
+    finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    probs = torch.exp(scores - finite_lse)
+    if dropout_p > 0.0:
+        if dropout_mask is None:
+            dropout_mask = torch.rand_like(probs) >= dropout_p
+        probs = probs * dropout_mask / (1.0 - dropout_p)
+    out = torch.matmul(probs, value)
+    if not return_lse:
+        return out
+    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    return out, lse.squeeze(-1).to(lse_dtype)
