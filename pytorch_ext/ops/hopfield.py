@@ -1,6 +1,248 @@
-def hopfield_update(*args, **kwargs):
-    raise NotImplementedError  # placeholder, being written
+"""Modern Hopfield update and energy: the public functions and the ``attnkit::hopfield_energy_fwd`` op.
+
+Two dispatch families:
+
+- ``"hopfield"`` (:func:`hopfield_update`): the reference implementation only, for now.
+- ``"hopfield_energy"`` (:func:`hopfield_energy`): a C++ CPU kernel, the op
+  ``torch.ops.attnkit.hopfield_energy_fwd(state, stored, beta) -> (energy, lse)`` declared in
+  ``csrc/ops.cpp`` and implemented in ``csrc/cpu/hopfield.cpp``.  This module gives that op its
+  fake (meta) implementation, so ``torch.compile(fullgraph=True)`` traces it, and its autograd
+  formula.  Everything here is registered only when ``attnkit._C`` loads: without the
+  extension the package still imports and the energy runs on the reference.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._dispatch import BackendUnavailableError, native, register_kernel, resolve
+from .._validation import check_int, check_real, check_same_dtype_device, check_size_match, check_tensor
+from ..reference.hopfield import hopfield_energy_reference, hopfield_update_reference
+
+__all__ = ["hopfield_update", "hopfield_energy"]
+
+_ENERGY_OP_NAME = "attnkit::hopfield_energy_fwd"
+
+# The energy backward recomputes the S×N probabilities from the saved log-sum-exp in slices of
+# the stored patterns, so at most about this many probabilities exist at once (one slice of at
+# least one pattern per (batch, head, query): the bound is max(this, B·H·S)).
+_BWD_PROBS_BUDGET = 1 << 22
 
 
-def hopfield_energy(*args, **kwargs):
-    raise NotImplementedError  # placeholder, being written
+def _load_energy_op():
+    """The C++ energy op when attnkit._C loads and declares it, else None."""
+    try:
+        native()  # importing attnkit._C runs its TORCH_LIBRARY registrations
+    except BackendUnavailableError:
+        return None
+    try:
+        return torch.ops.attnkit.hopfield_energy_fwd.default
+    except AttributeError:  # an extension built from older sources, without this op
+        return None
+
+
+_energy_op = _load_energy_op()
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The kernels accumulate (and return energy and lse) in float32, float64 for float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _energy_fake(state, stored, beta):
+    b, h, s, _ = state.shape
+    dtype = _acc_dtype(state.dtype)
+    return state.new_empty((b, h, s), dtype=dtype), state.new_empty((b, h, s), dtype=dtype)
+
+
+def _energy_setup_context(ctx, inputs, output):
+    state, stored, beta = inputs
+    _, lse = output
+    ctx.save_for_backward(state, stored, lse)
+    ctx.beta = beta
+
+
+def _bwd_chunk(batch_heads: int, s: int, n: int) -> int:
+    """How many stored patterns one backward slice covers (≥ 1)."""
+    return max(1, min(n, _BWD_PROBS_BUDGET // max(1, batch_heads * s)))
+
+
+def _chunk_probs(xi, x_chunk, lse, beta):
+    """p_i = exp(β x_iᵀ ξ − lse) for the patterns of one slice: [B, H, S, chunk]."""
+    return torch.exp(torch.matmul(xi, x_chunk.transpose(-2, -1)) * beta - lse.unsqueeze(-1))
+
+
+def _energy_backward(ctx, grad_energy, grad_lse):
+    """Gradients of (energy, lse) with respect to state and stored, from the saved lse.
+
+    With p_i = exp(β x_iᵀ ξ − lse):  ∂lse/∂ξ = β Σ_i p_i x_i,  ∂lse/∂x_i = β p_i ξ, and
+    E = −lse/β + ½ξᵀξ + β⁻¹ log N + ½M², so with c = β·ḡ_lse − ḡ_E per query row:
+      ∂/∂ξ   = ḡ_E ξ + c Σ_i p_i x_i
+      ∂/∂x_i = Σ_rows c p_i ξ  +  (Σ_rows ḡ_E) x_{i*} on the max-norm row i* only
+    (the subgradient of ½M² = ½ max_i ‖x_i‖²; on a tie the first maximal row takes it).
+    """
+    state, stored, lse = ctx.saved_tensors
+    beta = ctx.beta
+    acc = lse.dtype
+    xi = state.to(acc)
+    x = stored.to(acc)
+    b, h, s, _ = xi.shape
+    n = x.shape[-2]
+    g_e = grad_energy.to(acc) if grad_energy is not None else torch.zeros_like(lse)
+    g_l = grad_lse.to(acc) if grad_lse is not None else torch.zeros_like(lse)
+    coef = (beta * g_l - g_e).unsqueeze(-1)  # [B, H, S, 1]
+    want_state, want_stored = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+
+    chunk = _bwd_chunk(b * h, s, n)
+    weighted = torch.zeros_like(xi) if want_state else None  # Σ_i p_i x_i
+    stored_parts = []
+    for start in range(0, n, chunk):
+        x_chunk = x[:, :, start:start + chunk]
+        probs = _chunk_probs(xi, x_chunk, lse, beta)
+        if want_state:
+            weighted = weighted + torch.matmul(probs, x_chunk)
+        if want_stored:
+            stored_parts.append(torch.matmul((probs * coef).transpose(-2, -1), xi))
+
+    grad_state = grad_stored = None
+    if want_state:
+        grad_state = (g_e.unsqueeze(-1) * xi + coef * weighted).to(state.dtype)
+    if want_stored:
+        grad_x = torch.cat(stored_parts, dim=-2) if stored_parts else torch.zeros_like(x)
+        top = x.pow(2).sum(dim=-1).argmax(dim=-1)  # [B, H]
+        onehot = torch.nn.functional.one_hot(top, n).to(acc)  # [B, H, N]
+        grad_x = grad_x + (onehot * g_e.sum(dim=-1, keepdim=True)).unsqueeze(-1) * x
+        grad_stored = grad_x.to(stored.dtype)
+    return grad_state, grad_stored, None
+
+
+if _energy_op is not None:
+    torch.library.register_fake(_ENERGY_OP_NAME, _energy_fake)
+    torch.library.register_autograd(_ENERGY_OP_NAME, _energy_backward, setup_context=_energy_setup_context)
+    register_kernel("hopfield_energy", "cpu")
+
+
+def _check_common(fn: str, state, stored) -> None:
+    """Checks shared by both functions: state [B,H,S,D] and stored [B,H,N,D], beta > 0."""
+    check_tensor(fn, "state", state, "[B, H, S, D]")
+    check_tensor(fn, "stored", stored, "[B, H, N, D]")
+    check_size_match(fn, "batch size", {"state": state.shape[0], "stored": stored.shape[0]})
+    check_size_match(fn, "number of heads", {"state": state.shape[1], "stored": stored.shape[1]})
+    check_size_match(fn, "head dim", {"state": state.shape[3], "stored": stored.shape[3]})
+    check_same_dtype_device(fn, {"state": state, "stored": stored})
+    if state.shape[3] < 1:
+        raise ValueError(f"{fn}: the head dim D must be >= 1; got state of shape {tuple(state.shape)}")
+    if stored.shape[2] < 1:
+        raise ValueError(
+            f"{fn}: stored must hold at least one pattern (N >= 1); got stored of shape {tuple(stored.shape)}"
+        )
+
+
+def hopfield_update(
+    state: torch.Tensor,
+    stored: torch.Tensor,
+    *,
+    beta: float | None = None,
+    steps: int = 1,
+    values: torch.Tensor | None = None,
+    tol: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """The modern Hopfield update (Ramsauer et al. 2020): retrieve stored patterns from states.
+
+    Args:
+        state: ξ, ``[B, H, S, D]`` — S query states (S may be 0: an empty result).
+        stored: X, ``[B, H, N, D]`` — N ≥ 1 stored patterns x_i.  N = 0 raises ValueError: there
+            is nothing to retrieve (softmax over no pattern is undefined).
+        beta: inverse temperature β > 0 (finite); default ``1/√D``.
+        steps: number of updates, an int ≥ 1.
+        values: optional V, ``[B, H, N, Dv]`` — one value row per stored pattern.
+        tol: optional early stop per query, a real ≥ 0 (see below).
+        backend: ``None`` | ``"reference"`` | ``"cpu"`` | ``"triton"`` | ``"cuda"`` (env
+            ``ATTNKIT_BACKEND``).  The update has only the reference implementation for now;
+            naming a kernel backend raises :class:`attnkit.BackendUnavailableError`.
+
+    Returns:
+        Without ``values``: ξ after ``steps`` updates ξ ← softmax(β ξ Xᵀ) X, ``[B, H, S, D]``.
+        With ``values``: ``steps − 1`` such updates in the stored space, then
+        softmax(β ξ Xᵀ) V, ``[B, H, S, Dv]``.  Same dtype and device as ``state``
+        (float16, bfloat16, float32 or float64; all inputs must share dtype and device).
+
+    ``tol``: after each update in the stored space (every one of the ``steps`` updates without
+    ``values``, the first ``steps − 1`` with it), each query row's change max_d |ξ_new − ξ_old|
+    is compared with ``tol``; the row keeps that update and, when the change is ≤ ``tol``, is
+    frozen: later updates leave it unchanged, while the other rows go on.  The final
+    retrieval through ``values`` always runs for every row.  ``tol=None`` never freezes;
+    ``tol=0`` freezes only rows at an exact fixed point, so it returns the same as ``None``.
+    Every row is still computed at each step (masked, not skipped), so ``tol`` changes the
+    result, not the cost.
+
+    Example::
+
+        >>> patterns = torch.randn(1, 1, 100, 64).sign()        # 100 stored ±1 patterns
+        >>> noisy = patterns[:, :, :5] * torch.where(torch.rand(1, 1, 5, 64) < 0.1, -1.0, 1.0)
+        >>> out = attnkit.hopfield_update(noisy, patterns, beta=1.0)
+        >>> bool((out.sign() == patterns[:, :, :5]).all())
+        True
+    """
+    fn = "attnkit.hopfield_update"
+    _check_common(fn, state, stored)
+    if values is not None:
+        check_tensor(fn, "values", values, "[B, H, N, Dv]")
+        check_size_match(fn, "batch size", {"values": values.shape[0], "stored": stored.shape[0]})
+        check_size_match(fn, "number of heads", {"values": values.shape[1], "stored": stored.shape[1]})
+        check_size_match(fn, "length N", {"values": values.shape[2], "stored": stored.shape[2]})
+        check_same_dtype_device(fn, {"state": state, "values": values})
+    if beta is not None:
+        check_real(fn, "beta", beta, low=0, low_inclusive=False)
+    check_int(fn, "steps", steps, low=1)
+    check_real(fn, "tol", tol, low=0, allow_none=True)
+    resolve("hopfield", backend, state.device, fn)  # reference only for now
+    return hopfield_update_reference(state, stored, beta=beta, steps=steps, values=values, tol=tol)
+
+
+def hopfield_energy(
+    state: torch.Tensor,
+    stored: torch.Tensor,
+    beta: float,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Modern Hopfield energy of each state:  ``[B, H, S, D]``, ``[B, H, N, D]`` -> ``[B, H, S]``.
+
+    E(ξ) = −β⁻¹ log Σ_i exp(β x_iᵀ ξ) + ½ ξᵀξ + β⁻¹ log N + ½ M²,  M = max_i ‖x_i‖ (per batch
+    and head).  The constants make E ≥ 0; the update of :func:`hopfield_update` never raises it.
+
+    Args:
+        state: ξ, ``[B, H, S, D]`` (S may be 0: an empty result).
+        stored: X, ``[B, H, N, D]`` with N ≥ 1 (ValueError otherwise).
+        beta: inverse temperature β > 0 (finite), required.
+        backend: ``None`` | ``"reference"`` | ``"cpu"`` | ``"triton"`` | ``"cuda"`` (env
+            ``ATTNKIT_BACKEND``).  CPU tensors default to the C++ kernel (``"cpu"``), which makes
+            one pass over the stored patterns per state with an online log-sum-exp, and whose
+            backward never holds more than a bounded slice of the S×N probabilities; other
+            devices use the reference for now.
+
+    Returns:
+        ``[B, H, S]`` in the dtype of ``state`` (float16, bfloat16, float32 or float64; the
+        kernel accumulates in float32, float64 for float64).  Differentiable in ``state`` and
+        ``stored`` (the ½M² term through its subgradient: the max-norm pattern).
+
+    Example::
+
+        >>> stored = torch.randn(2, 4, 100, 64)
+        >>> state = torch.randn(2, 4, 10, 64)
+        >>> e0 = attnkit.hopfield_energy(state, stored, 0.125)
+        >>> e1 = attnkit.hopfield_energy(attnkit.hopfield_update(state, stored, beta=0.125), stored, 0.125)
+        >>> bool((e1 <= e0 + 1e-4).all())
+        True
+    """
+    fn = "attnkit.hopfield_energy"
+    _check_common(fn, state, stored)
+    check_real(fn, "beta", beta, low=0, low_inclusive=False)
+    chosen = resolve("hopfield_energy", backend, state.device, fn)
+    if chosen == "cpu":
+        energy, _ = torch.ops.attnkit.hopfield_energy_fwd(state, stored, float(beta))
+        return energy.to(state.dtype)
+    return hopfield_energy_reference(state, stored, beta)

@@ -54,10 +54,19 @@ def softmax_attention_reference(
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask.to(scores.dtype)
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    # A fully masked row has lse = -inf; subtracting a finite stand-in gives exp(-inf) = 0.
-    finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    probs = torch.exp(scores - finite_lse)
+    # Softmax with a detached shift (softmax is shift invariant, so the gradient is exact).  The
+    # shift is the row's log-sum-exp, replaced by 0 where it is -inf (a fully masked row, or
+    # M = 0): every exponent is then exp(-inf) = 0, so the row's denominator is 0.  Guarding the
+    # division and the log with `where` keeps such rows at output 0 / LSE -inf *and* keeps their
+    # gradients 0 -- torch.logsumexp's own backward gives NaN there (-inf - -inf), which an
+    # additive -inf mask would pass on to query and key.
+    shift = torch.logsumexp(scores.detach(), dim=-1, keepdim=True)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    exps = torch.exp(scores - shift)
+    denom = exps.sum(dim=-1, keepdim=True)
+    attended = denom > 0
+    safe_denom = torch.where(attended, denom, torch.ones_like(denom))
+    probs = exps / safe_denom
     if dropout_p > 0.0:
         if dropout_mask is None:
             dropout_mask = torch.rand_like(probs) >= dropout_p
@@ -65,5 +74,6 @@ def softmax_attention_reference(
     out = torch.matmul(probs, value)
     if not return_lse:
         return out
+    lse = torch.where(attended, shift + torch.log(safe_denom), torch.full_like(denom, float("-inf")))
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return out, lse.squeeze(-1).to(lse_dtype)

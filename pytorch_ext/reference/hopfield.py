@@ -1,0 +1,87 @@
+"""Reference modern Hopfield update and energy: straightforward PyTorch, the ground truth of the tests.
+
+Computes in the dtype it is given (run it in float64 for ground truth, or in float16 /
+bfloat16 to measure the error a naive implementation makes in that dtype).  Materializes the
+[B, H, S, N] score matrix: for checking, not for speed.  No input checks: the public
+functions in ``attnkit.ops.hopfield`` validate before calling these.
+
+With state ξ (one row per query), stored patterns X (one row x_i per pattern) and inverse
+temperature β (Ramsauer et al., "Hopfield Networks is All You Need", 2020):
+
+- update:  ξ ← softmax(β ξ Xᵀ) X
+- energy:  E(ξ) = −β⁻¹ log Σ_i exp(β x_iᵀ ξ) + ½ ξᵀξ + β⁻¹ log N + ½ M²,  M = max_i ‖x_i‖
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def hopfield_retrieve(state: torch.Tensor, stored: torch.Tensor, beta: float,
+                      values: torch.Tensor | None = None) -> torch.Tensor:
+    """One retrieval: softmax(β ξ Xᵀ) V with V = ``values`` (or X itself when None).
+
+    state [B, H, S, D], stored [B, H, N, D], values [B, H, N, Dv] -> [B, H, S, Dv (or D)].
+    """
+    scores = torch.matmul(state, stored.transpose(-2, -1)) * beta
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, stored if values is None else values)
+
+
+def hopfield_update_reference(
+    state: torch.Tensor,
+    stored: torch.Tensor,
+    *,
+    beta: float | None = None,
+    steps: int = 1,
+    values: torch.Tensor | None = None,
+    tol: float | None = None,
+) -> torch.Tensor:
+    """``steps`` modern Hopfield updates of ``state`` against ``stored`` (see attnkit.hopfield_update).
+
+    Without ``values``: ``steps`` updates ξ ← softmax(β ξ Xᵀ) X, returns ξ [B, H, S, D].
+    With ``values`` [B, H, N, Dv]: ``steps − 1`` such updates, then returns
+    softmax(β ξ Xᵀ) V [B, H, S, Dv].
+    ``tol``: after each update in the stored space, a query row whose change
+    max_d |ξ_new − ξ_old| is ≤ tol keeps that update and is frozen for the remaining updates.
+    ``beta`` defaults to 1/√D.
+    """
+    if beta is None:
+        beta = 1.0 / math.sqrt(state.shape[-1])
+    stored_updates = steps if values is None else steps - 1
+    xi = state
+    # Rows still updating; None until tol first freezes something (and always None without tol).
+    active = None
+    for _ in range(stored_updates):
+        new = hopfield_retrieve(xi, stored, beta)
+        if tol is None:
+            xi = new
+            continue
+        # Masking instead of skipping rows keeps the loop free of data-dependent control flow
+        # (torch.compile traces it whole); a frozen row just keeps its previous value.
+        change = (new - xi).abs().amax(dim=-1)
+        if active is None:
+            xi = new
+            active = change > tol
+        else:
+            xi = torch.where(active.unsqueeze(-1), new, xi)
+            active = active & (change > tol)
+    if values is not None:
+        return hopfield_retrieve(xi, stored, beta, values)
+    return xi
+
+
+def hopfield_energy_reference(state: torch.Tensor, stored: torch.Tensor, beta: float) -> torch.Tensor:
+    """Modern Hopfield energy of each state row: state [B, H, S, D], stored [B, H, N ≥ 1, D] -> [B, H, S].
+
+    E(ξ) = −β⁻¹ logsumexp_i(β x_iᵀ ξ) + ½ ξᵀξ + β⁻¹ log N + ½ M², M = max_i ‖x_i‖ per batch
+    and head.  The last two terms make E ≥ 0 (and E = 0 only at ξ = x_i with ‖x_i‖ = M as β → ∞).
+    Returned in the dtype of ``state``.
+    """
+    n = stored.shape[-2]
+    scores = torch.matmul(state, stored.transpose(-2, -1)) * beta
+    lse = torch.logsumexp(scores, dim=-1)
+    # M² directly as the largest squared norm: same value as max‖x_i‖², no sqrt to differentiate.
+    max_sq = stored.pow(2).sum(dim=-1).amax(dim=-1, keepdim=True)
+    return -lse / beta + 0.5 * state.pow(2).sum(dim=-1) + math.log(n) / beta + 0.5 * max_sq

@@ -1,0 +1,651 @@
+"""attnkit.softmax_attention: the public function (validation, dispatch, numerics, autograd,
+dropout, compile).
+
+Ground truth is ``loop_attention`` below: float64, one query row at a time, key/value heads
+picked by index arithmetic, masks applied with ``where`` and products summed elementwise -- a
+different formulation from the library's reference (matmul, repeat_interleave, masked_fill).
+torch's own SDPA in float64 is a second oracle wherever its semantics match ours (it gives NaN
+on fully masked rows, where we give 0).
+
+``assert_close_to_reference`` is the tolerance rule of DESIGN.md; the kernel tests of this
+family reuse it.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnkit
+from attnkit import BackendUnavailableError
+from attnkit._dispatch import BACKENDS, implemented
+from attnkit.reference.softmax import softmax_attention_reference
+
+F64 = torch.float64
+OP = "attnkit.softmax_attention"
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------
+# tolerance rule and ground truth
+# ----------------------------------------------------------------------------------------------
+
+
+def _max_finite_err(x: torch.Tensor, ref64: torch.Tensor, name: str) -> float:
+    """max |x - ref64| over the finite entries, after checking that x has no NaN and the same
+    infinities as ref64 (lse is -inf on fully masked rows)."""
+    x = x.detach().to(F64)
+    ref64 = ref64.detach()
+    assert not torch.isnan(x).any(), f"{name}: NaN in the result"
+    assert not torch.isnan(ref64).any(), f"{name}: NaN in the float64 reference"
+    inf_x, inf_ref = torch.isinf(x), torch.isinf(ref64)
+    assert torch.equal(inf_x, inf_ref), f"{name}: infinities differ from the reference"
+    assert torch.equal(x[inf_x], ref64[inf_ref]), f"{name}: signs of infinities differ"
+    finite = ~inf_ref
+    if not finite.any():
+        return 0.0
+    return (x[finite] - ref64[finite]).abs().max().item()
+
+
+def assert_close_to_reference(out, ref64, ref_lowp=None, *, grad=False, name="output"):
+    """The test rule of DESIGN.md, for one tensor (an output, an lse or a gradient).
+
+    ``ref64`` is the float64 ground truth computed from the *same* (already rounded) inputs.
+    - float64 ``out``: max error <= 1e-10 · max|ref64| (both are exact up to rounding).
+    - float32: max error <= 2e-5 · max|ref64| (1e-4 for gradients, ``grad=True``).
+    - float16 / bfloat16: max error <= 2 · (max error of ``ref_lowp``) + 1e-3, where
+      ``ref_lowp`` is the reference run in that dtype (the error a naive implementation makes).
+    Non-finite entries (lse = -inf) must match exactly; NaN never passes.
+    """
+    assert out.shape == ref64.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref64.shape)}"
+    assert ref64.dtype == F64, f"{name}: the reference must be float64; got {ref64.dtype}"
+    err = _max_finite_err(out, ref64, name)
+    finite = torch.isfinite(ref64)
+    size = ref64.detach()[finite].abs().max().item() if finite.any() else 0.0
+    if out.dtype == F64:
+        tol = 1e-10 * size
+    elif out.dtype == torch.float32:
+        tol = (1e-4 if grad else 2e-5) * size
+    elif out.dtype in LOW_PRECISION:
+        assert ref_lowp is not None, f"{name}: a {out.dtype} result needs ref_lowp"
+        tol = 2.0 * _max_finite_err(ref_lowp, ref64, f"{name} (reference in {out.dtype})") + 1e-3
+    else:
+        raise AssertionError(f"{name}: unexpected dtype {out.dtype}")
+    assert err <= tol, f"{name} ({out.dtype}): max error {err:.3e} > tolerance {tol:.3e}"
+
+
+def loop_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, *, keep=None, dropout_p=0.0):
+    """Independent float64 ground truth with SDPA semantics; returns (out, lse).
+
+    Differentiable (q, k, v and a floating mask), and gradient-safe on fully masked rows.
+    ``keep``: optional bool [B, H, N, M] dropout mask (True = kept, scaled by 1 / (1 - p)).
+    """
+    q, k, v = q.to(F64), k.to(F64), v.to(F64)
+    b, h, n, d = q.shape
+    hk, m, dv = k.shape[1], k.shape[2], v.shape[3]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if m == 0 or n == 0:
+        out = q.new_zeros(b, h, n, dv) + 0.0 * (q.sum() + k.sum() + v.sum())
+        return out, torch.full((b, h, n), float("-inf"), dtype=F64)
+    kv_head = torch.arange(h) // (h // hk)  # query head -> its key/value head
+    kh, vh = k[:, kv_head], v[:, kv_head]  # [B, H, M, *]
+    allowed = torch.ones(b, h, n, m, dtype=torch.bool)
+    bias = torch.zeros(b, h, n, m, dtype=F64)
+    if attn_mask is not None:
+        full = torch.broadcast_to(attn_mask, (b, h, n, m))
+        if attn_mask.dtype == torch.bool:
+            allowed = full
+        else:
+            bias = full.to(F64)
+            allowed = full > float("-inf")
+    outs, lses = [], []
+    for i in range(n):
+        ok = allowed[:, :, i, :].clone()
+        if is_causal:
+            ok[..., i + 1:] = False
+        s = (q[:, :, i, None, :] * kh).sum(-1) * scale + bias[:, :, i, :]  # [B, H, M]
+        any_ok = ok.any(-1, keepdim=True)
+        top = torch.where(ok, s, float("-inf")).amax(-1, keepdim=True).detach()
+        top = torch.where(any_ok, top, torch.zeros_like(top))
+        w = torch.where(ok, torch.exp(torch.where(ok, s, top) - top), torch.zeros_like(s))
+        den = w.sum(-1, keepdim=True)
+        den = torch.where(any_ok, den, torch.ones_like(den))
+        p = w / den
+        if keep is not None:
+            p = p * keep[:, :, i, :] / (1.0 - dropout_p)
+        outs.append((p[..., None] * vh).sum(-2))
+        lses.append(torch.where(any_ok, torch.log(den) + top, torch.full_like(den, float("-inf")))[..., 0])
+    return torch.stack(outs, dim=2), torch.stack(lses, dim=2)
+
+
+def make_qkv(b, h, hk, n, m, d, dv, seed=0, dtype=F64, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(shape, generator=g, dtype=F64) for shape in
+               ((b, h, n, d), (b, hk, m, d), (b, hk, m, dv))]
+    return [t.to(dtype).requires_grad_(requires_grad) for t in tensors]
+
+
+def make_mask(kind, b, h, n, m, seed=0, shape=None, dtype=F64):
+    """None | "bool" | "additive" mask (shape defaults to [B, H, N, M]).  A bool mask keeps about
+    70% of the entries, an additive one is N(0, 1) with about 20% -inf; either way key i % M stays
+    visible to row i, so no row is fully masked."""
+    if kind in (None, "causal"):
+        return None
+    g = torch.Generator().manual_seed(seed + 1000)
+    shape = (b, h, n, m) if shape is None else shape
+    if kind == "bool":
+        mask = torch.rand(shape, generator=g) < 0.7
+        rows = torch.arange(shape[-2])
+        mask[..., rows, rows % shape[-1]] = True  # one visible key per row (if m > 0)
+        return mask
+    bias = torch.randn(shape, generator=g, dtype=F64)
+    bias = bias.masked_fill(torch.rand(shape, generator=g) < 0.2, float("-inf"))
+    rows = torch.arange(shape[-2])
+    bias[..., rows, rows % shape[-1]] = 0.0
+    return bias.to(dtype)
+
+
+# Mask shapes cycled through the parametrized cases: full, 2-D, per-batch, key padding, 3-D.
+MASK_SHAPES = (
+    lambda b, h, n, m: (b, h, n, m),
+    lambda b, h, n, m: (n, m),
+    lambda b, h, n, m: (b, 1, n, m),
+    lambda b, h, n, m: (1, h, 1, m),
+    lambda b, h, n, m: (h, n, m),
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# values against the float64 ground truths
+# ----------------------------------------------------------------------------------------------
+
+SIZES = (1, 7, 64, 129)
+
+
+@pytest.mark.parametrize("d", (16, 80))
+@pytest.mark.parametrize("m", SIZES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("mask_kind", (None, "causal", "bool", "additive"))
+def test_matches_loop_and_sdpa_float64(mask_kind, n, m, d):
+    # GQA ratio and mask shape vary with the case so that all of them meet every size.
+    case = SIZES.index(n) * 4 + SIZES.index(m) + (d == 80)
+    ratio = (1, 2, 4)[case % 3]
+    b, h = 2, 4
+    dv = d // 2 + 3  # Dv != D
+    q, k, v = make_qkv(b, h, h // ratio, n, m, d, dv, seed=case)
+    shape = MASK_SHAPES[case % len(MASK_SHAPES)](b, h, n, m)
+    mask = make_mask(mask_kind, b, h, n, m, seed=case, shape=shape)
+    causal = mask_kind == "causal"
+    out, lse = attnkit.softmax_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                         enable_gqa=ratio > 1, return_lse=True)
+    ref_out, ref_lse = loop_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    assert out.dtype == F64 and lse.dtype == F64
+    assert_close_to_reference(out, ref_out, name="out")
+    assert_close_to_reference(lse, ref_lse, name="lse")
+    # torch's SDPA agrees everywhere (these masks leave no row fully masked).
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=ratio > 1)
+    assert_close_to_reference(out, sdpa, name="out vs SDPA")
+
+
+@pytest.mark.parametrize("scale", (None, 0.3, -1.5, 0.0, 2))
+def test_scale(scale):
+    q, k, v = make_qkv(1, 2, 2, 7, 9, 16, 5)
+    out = attnkit.softmax_attention(q, k, v, scale=scale)
+    assert_close_to_reference(out, loop_attention(q, k, v, scale=scale)[0])
+    assert_close_to_reference(out, F.scaled_dot_product_attention(q, k, v, scale=scale))
+
+
+def test_causal_is_top_left_aligned():
+    # N > M: rows i >= M see every key; N < M: row i sees keys 0..i only (SDPA's convention).
+    for n, m in ((9, 4), (4, 9)):
+        q, k, v = make_qkv(1, 1, 1, n, m, 8, 8)
+        out = attnkit.softmax_attention(q, k, v, is_causal=True)
+        for i in range(n):
+            visible = min(i + 1, m)
+            s = (k[0, 0, :visible] @ q[0, 0, i]) / math.sqrt(8)
+            expected = torch.softmax(s, 0) @ v[0, 0, :visible]
+            torch.testing.assert_close(out[0, 0, i], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_bool_and_additive_masks_agree():
+    # A bool mask and the additive mask with -inf where it is False are the same attention.
+    q, k, v = make_qkv(2, 2, 2, 7, 64, 16, 16)
+    keep = make_mask("bool", 2, 2, 7, 64)
+    bias = torch.zeros(keep.shape, dtype=F64).masked_fill(~keep, float("-inf"))
+    a = attnkit.softmax_attention(q, k, v, attn_mask=keep)
+    b = attnkit.softmax_attention(q, k, v, attn_mask=bias)
+    torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+
+
+def test_gqa_shares_key_value_heads():
+    # With enable_gqa, query head h uses key/value head h // (H // Hk): same as expanding k, v.
+    q, k, v = make_qkv(2, 6, 2, 7, 9, 16, 8)
+    out = attnkit.softmax_attention(q, k, v, enable_gqa=True)
+    expanded = attnkit.softmax_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1))
+    torch.testing.assert_close(out, expanded, rtol=0, atol=1e-14)
+    # ... and not the other assignment (h % Hk), so the test can tell them apart.
+    wrong = attnkit.softmax_attention(q, k.repeat(1, 3, 1, 1), v.repeat(1, 3, 1, 1))
+    assert (out - wrong).abs().max() > 1e-3
+
+
+def test_enable_gqa_with_equal_heads_is_plain_attention():
+    q, k, v = make_qkv(1, 3, 3, 7, 7, 16, 16)
+    torch.testing.assert_close(attnkit.softmax_attention(q, k, v, enable_gqa=True),
+                               attnkit.softmax_attention(q, k, v), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("n,m,d,mask_kind,ratio", [
+    (129, 64, 80, "causal", 2),
+    (64, 129, 16, "additive", 1),
+    (7, 129, 80, "bool", 4),
+    (1, 7, 16, None, 1),
+])
+def test_low_precision_against_float64(dtype, n, m, d, mask_kind, ratio):
+    b, h = 2, 4
+    q, k, v = make_qkv(b, h, h // ratio, n, m, d, d, seed=n + m, dtype=dtype, requires_grad=True)
+    mask = make_mask(mask_kind, b, h, n, m, seed=n, dtype=torch.float32)
+    kw = dict(attn_mask=mask, is_causal=mask_kind == "causal", enable_gqa=ratio > 1)
+    out, lse = attnkit.softmax_attention(q, k, v, return_lse=True, **kw)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+
+    # float64 truth from the same rounded inputs (and the mask as the inputs' dtype sees it).
+    q64, k64, v64 = (t.detach().to(F64).requires_grad_() for t in (q, k, v))
+    mask64 = None if mask is None else mask.to(dtype).to(F64) if mask.is_floating_point() else mask
+    ref_out, ref_lse = loop_attention(q64, k64, v64, attn_mask=mask64, is_causal=kw["is_causal"])
+    q_lp, k_lp, v_lp = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    low_out, low_lse = softmax_attention_reference(q_lp, k_lp, v_lp, return_lse=True, **kw)
+
+    assert_close_to_reference(out, ref_out, low_out, name="out")
+    assert_close_to_reference(lse, ref_lse, low_lse, name="lse")
+
+    g = torch.randn(out.shape, dtype=F64)
+    grads = torch.autograd.grad(out, (q, k, v), g.to(dtype))
+    ref_grads = torch.autograd.grad(ref_out, (q64, k64, v64), g)
+    low_grads = torch.autograd.grad(low_out, (q_lp, k_lp, v_lp), g.to(dtype))
+    for name, got, ref, low in zip("qkv", grads, ref_grads, low_grads):
+        assert_close_to_reference(got, ref, low, grad=True, name=f"grad {name}")
+
+
+def test_tolerance_helper_can_fail():
+    # The helper must reject a result that is off by more than the rule allows.
+    ref = torch.linspace(-1, 1, 50, dtype=F64)
+    with pytest.raises(AssertionError, match="tolerance"):
+        assert_close_to_reference((ref * (1 + 1e-4)).float(), ref)
+    assert_close_to_reference((ref * (1 + 1e-4)).float(), ref, grad=True)
+    low = ref.to(torch.bfloat16)
+    with pytest.raises(AssertionError, match="tolerance"):
+        assert_close_to_reference((ref + 0.05).to(torch.bfloat16), ref, low)
+    lse = torch.tensor([0.5, float("-inf")], dtype=F64)
+    with pytest.raises(AssertionError, match="infinities"):
+        assert_close_to_reference(torch.tensor([0.5, 0.0]), lse)
+    with pytest.raises(AssertionError, match="NaN"):
+        assert_close_to_reference(torch.tensor([0.5, float("nan")]), lse)
+
+
+# ----------------------------------------------------------------------------------------------
+# layouts, lse, empty inputs
+# ----------------------------------------------------------------------------------------------
+
+
+def test_non_contiguous_inputs():
+    b, h, hk, n, m, d, dv = 2, 4, 2, 7, 63, 16, 12
+    g = torch.Generator().manual_seed(3)
+    # [B, N, H, D] storage transposed to [B, H, N, D]; value sliced from a wider tensor;
+    # key strided along the sequence; mask expanded (stride 0 over batch and heads).
+    q = torch.randn(b, n, h, d, generator=g, dtype=F64).transpose(1, 2)
+    k = torch.randn(b, hk, 2 * m, d, generator=g, dtype=F64)[:, :, ::2]
+    v = torch.randn(b, hk, m, 2 * dv, generator=g, dtype=F64)[..., 5:5 + dv]
+    mask = make_mask("bool", 1, 1, n, m).expand(b, h, n, m)
+    assert not any(t.is_contiguous() for t in (q, k, v, mask))
+    out, lse = attnkit.softmax_attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True)
+    ref_out, ref_lse = loop_attention(q, k, v, attn_mask=mask)
+    assert_close_to_reference(out, ref_out)
+    assert_close_to_reference(lse, ref_lse, name="lse")
+    dense = attnkit.softmax_attention(q.contiguous(), k.contiguous(), v.contiguous(),
+                                      attn_mask=mask.contiguous(), enable_gqa=True)
+    torch.testing.assert_close(out, dense, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype,lse_dtype", [
+    (F64, F64), (torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32)])
+def test_return_lse_shapes_and_dtypes(dtype, lse_dtype):
+    q, k, v = make_qkv(2, 3, 3, 7, 9, 16, 5, dtype=dtype)
+    plain = attnkit.softmax_attention(q, k, v)
+    out, lse = attnkit.softmax_attention(q, k, v, return_lse=True)
+    assert out.shape == (2, 3, 7, 5) and out.dtype == dtype
+    assert lse.shape == (2, 3, 7) and lse.dtype == lse_dtype
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    # lse is the log-partition of the scaled scores: softmax = exp(scores - lse).
+    scores = (q.to(F64) @ k.to(F64).transpose(-1, -2)) / 4.0
+    tol = 1e-12 if dtype == F64 else 1e-5 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(lse.to(F64), torch.logsumexp(scores, -1), rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("n,m", [(0, 5), (4, 0), (0, 0)])
+def test_empty_sequences(n, m):
+    q, k, v = make_qkv(2, 4, 2, n, m, 8, 6, requires_grad=True)
+    out, lse = attnkit.softmax_attention(q, k, v, enable_gqa=True, is_causal=True, return_lse=True)
+    assert out.shape == (2, 4, n, 6) and lse.shape == (2, 4, n)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(lse, torch.full_like(lse, float("-inf")))
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and torch.equal(t.grad, torch.zeros_like(t))
+    # With a mask of the right (empty) shape too.
+    mask = torch.ones(n, m, dtype=torch.bool)
+    assert attnkit.softmax_attention(q, k, v, attn_mask=mask, enable_gqa=True).shape == (2, 4, n, 6)
+
+
+def test_empty_batch():
+    q, k, v = make_qkv(0, 2, 2, 7, 9, 8, 8)
+    out, lse = attnkit.softmax_attention(q, k, v, return_lse=True)
+    assert out.shape == (0, 2, 7, 8) and lse.shape == (0, 2, 7)
+
+
+# ----------------------------------------------------------------------------------------------
+# fully masked rows
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ("bool", "additive"))
+def test_fully_masked_rows_are_zero_with_zero_gradients(kind):
+    b, h, n, m = 2, 2, 7, 9
+    q, k, v = make_qkv(b, h, h, n, m, 16, 8, requires_grad=True)
+    keep = make_mask("bool", b, h, n, m)
+    keep[0, 1, 3] = False  # one row
+    keep[1, 0] = False  # a whole head
+    mask = keep if kind == "bool" else torch.zeros(keep.shape, dtype=F64).masked_fill(~keep, float("-inf"))
+    if kind == "additive":
+        mask.requires_grad_()
+    dead = ~keep.any(-1)  # [B, H, N]
+    out, lse = attnkit.softmax_attention(q, k, v, attn_mask=mask, return_lse=True)
+    assert torch.equal(out[dead], torch.zeros_like(out[dead]))
+    assert torch.isneginf(lse[dead]).all() and torch.isfinite(lse[~dead]).all()
+    ref_out, ref_lse = loop_attention(q, k, v, attn_mask=mask)
+    assert_close_to_reference(out, ref_out)
+    assert_close_to_reference(lse, ref_lse, name="lse")
+    # SDPA returns NaN on those rows; we don't.
+    assert torch.isnan(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)[dead]).all()
+
+    # Gradients: no NaN, zero for the dead rows' queries, and the dead rows contribute nothing
+    # to key/value gradients (a loss on the dead rows alone gives zero gradients everywhere).
+    # The loss also uses lse (where finite): a kernel's lse backward must be safe too.
+    g = torch.randn(out.shape, dtype=F64)
+    inputs = (q, k, v) + ((mask,) if kind == "additive" else ())
+    loss = (out * g).sum() + torch.where(dead, 0.0, lse).sum()
+    grads = torch.autograd.grad(loss, inputs)
+    ref_loss = (ref_out * g).sum() + torch.where(dead, 0.0, ref_lse).sum()
+    ref_grads = torch.autograd.grad(ref_loss, inputs)
+    for name, got, ref in zip(("q", "k", "v", "mask"), grads, ref_grads):
+        assert_close_to_reference(got, ref, grad=True, name=f"grad {name}")
+    assert torch.equal(grads[0][dead], torch.zeros_like(grads[0][dead]))
+    dead_only = torch.autograd.grad((out * dead[..., None]).sum(), inputs)
+    for got in dead_only:
+        assert torch.equal(got, torch.zeros_like(got))
+
+
+# ----------------------------------------------------------------------------------------------
+# gradients
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ("plain", "causal", "bool_dead_row", "additive", "gqa_lse", "dv"))
+def test_gradcheck(variant):
+    b, h, hk, n, m, d, dv = 1, 2, 2, 5, 6, 3, 3
+    kw = {}
+    if variant == "gqa_lse":
+        h, hk = 4, 2
+        kw = dict(enable_gqa=True)
+    if variant == "dv":
+        dv, m = 4, 3
+    q, k, v = make_qkv(b, h, hk, n, m, d, dv, requires_grad=True)
+    inputs = [q, k, v]
+    if variant == "causal":
+        kw = dict(is_causal=True)
+    if variant == "bool_dead_row":
+        mask = make_mask("bool", b, h, n, m)
+        mask[0, 1, 2] = False
+        kw = dict(attn_mask=mask)
+    if variant == "additive":
+        mask = make_mask("additive", b, 1, n, m, shape=(b, 1, n, m)).requires_grad_()
+        mask.data[0, 0, 4] = float("-inf")  # a fully masked row
+        inputs.append(mask)
+
+    def fn(*args):
+        extra = dict(kw)
+        if variant == "additive":
+            extra["attn_mask"] = args[3]
+        out, lse = attnkit.softmax_attention(*args[:3], return_lse=True, **extra)
+        # gradcheck cannot difference -inf; the fully masked rows' lse is a constant anyway.
+        return out, torch.where(torch.isfinite(lse), lse, 0.0)
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7)
+    if variant == "plain":
+        assert torch.autograd.gradgradcheck(fn, inputs, eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,m,mask_kind,ratio", [(129, 64, "causal", 4), (64, 129, "additive", 2),
+                                                  (7, 7, "bool", 1)])
+def test_float32_gradients_against_float64(n, m, mask_kind, ratio):
+    b, h = 1, 4
+    q, k, v = make_qkv(b, h, h // ratio, n, m, 16, 24, dtype=torch.float32, requires_grad=True)
+    mask = make_mask(mask_kind, b, h, n, m, dtype=torch.float32)
+    kw = dict(attn_mask=mask, is_causal=mask_kind == "causal", enable_gqa=ratio > 1)
+    out = attnkit.softmax_attention(q, k, v, **kw)
+    q64, k64, v64 = (t.detach().to(F64).requires_grad_() for t in (q, k, v))
+    mask64 = mask.to(F64) if mask is not None and mask.is_floating_point() else mask
+    ref = loop_attention(q64, k64, v64, attn_mask=mask64, is_causal=kw["is_causal"])[0]
+    assert_close_to_reference(out, ref)
+    g = torch.randn(out.shape, dtype=F64)
+    for name, got, want in zip("qkv", torch.autograd.grad(out, (q, k, v), g.float()),
+                               torch.autograd.grad(ref, (q64, k64, v64), g)):
+        assert_close_to_reference(got, want, grad=True, name=f"grad {name}")
+
+
+# ----------------------------------------------------------------------------------------------
+# dropout (reference backend: torch.rand, reproducible under torch.manual_seed)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_dropout_zero_is_no_dropout():
+    q, k, v = make_qkv(2, 2, 2, 7, 9, 16, 8)
+    plain = attnkit.softmax_attention(q, k, v, backend="reference")
+    for p in (0.0, 0):
+        torch.manual_seed(5)
+        out = attnkit.softmax_attention(q, k, v, dropout_p=p, backend="reference")
+        assert torch.equal(out, plain)
+
+
+def test_dropout_same_seed_same_output():
+    q, k, v = make_qkv(2, 2, 2, 7, 9, 16, 8)
+    runs = []
+    for seed in (11, 11, 12):
+        torch.manual_seed(seed)
+        runs.append(attnkit.softmax_attention(q, k, v, dropout_p=0.4, backend="reference"))
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+
+
+def test_dropout_matches_explicit_mask_values_and_grads():
+    # The reference draws keep = torch.rand([B, H, N, M]) >= p; with the same seed the oracle
+    # can rebuild that mask and apply it independently.
+    b, h, hk, n, m, p = 2, 4, 2, 7, 9, 0.3
+    q, k, v = make_qkv(b, h, hk, n, m, 16, 8, requires_grad=True)
+    torch.manual_seed(21)
+    out, lse = attnkit.softmax_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True,
+                                         return_lse=True, backend="reference")
+    torch.manual_seed(21)
+    keep = torch.rand(b, h, n, m, dtype=F64) >= p
+    ref_out, ref_lse = loop_attention(q, k, v, is_causal=True, keep=keep, dropout_p=p)
+    assert_close_to_reference(out, ref_out)
+    assert_close_to_reference(lse, ref_lse, name="lse")  # lse is taken before dropout
+    g = torch.randn(out.shape, dtype=F64)
+    for name, got, want in zip("qkv", torch.autograd.grad(out, (q, k, v), g),
+                               torch.autograd.grad(ref_out, (q, k, v), g)):
+        assert_close_to_reference(got, want, grad=True, name=f"grad {name}")
+
+
+def test_dropout_statistics_per_probability():
+    # q = 0 makes every probability 1/M; value = identity makes out = the dropped probability
+    # matrix itself.  Each entry must be 0 or 1 / (M (1 - p)), kept with probability 1 - p.
+    # Fixed seed: deterministic, so it cannot flake; the bound is 6 standard deviations.
+    b, h, n, m, p = 2, 2, 64, 64, 0.3
+    q = torch.zeros(b, h, n, 8, dtype=F64)
+    k = torch.randn(b, h, m, 8, dtype=F64)
+    v = torch.eye(m, dtype=F64).expand(b, h, m, m)
+    torch.manual_seed(1234)
+    out = attnkit.softmax_attention(q, k, v, dropout_p=p, backend="reference")
+    kept_value = 1.0 / (m * (1.0 - p))
+    kept = out > 0
+    torch.testing.assert_close(out[kept], torch.full_like(out[kept], kept_value), rtol=1e-12, atol=0)
+    count = out.numel()
+    frac = kept.double().mean().item()
+    assert abs(frac - (1 - p)) <= 6 * math.sqrt(p * (1 - p) / count), frac
+    # Unbiased: the mean probability stays 1/M.
+    assert abs(out.mean().item() - 1.0 / m) <= 6 * kept_value * math.sqrt(p * (1 - p) / count)
+
+
+def test_dropout_expectation_is_the_undropped_output():
+    # E[dropout output] = output without dropout.  Average K draws and compare within 6 standard
+    # errors, the variance computed from the data: Var = p/(1-p) · Σ_j P_ij² v_j².
+    b, h, n, m, d, p, draws = 1, 2, 7, 9, 16, 0.25, 400
+    q, k, v = make_qkv(b, h, h, n, m, d, 4)
+    plain = attnkit.softmax_attention(q, k, v, backend="reference")
+    torch.manual_seed(99)
+    mean = sum(attnkit.softmax_attention(q, k, v, dropout_p=p, backend="reference")
+               for _ in range(draws)) / draws
+    probs = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d), -1)
+    var = p / (1 - p) * (probs[..., None] ** 2 * v[:, :, None] ** 2).sum(-2)
+    assert ((mean - plain).abs() <= 6 * (var / draws).sqrt()).all()
+    # And dropout did change the individual draws.
+    assert not torch.equal(mean, plain)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.compile
+# ----------------------------------------------------------------------------------------------
+
+
+def test_compile_fullgraph():
+    compiled = torch.compile(attnkit.softmax_attention, fullgraph=True)
+    # 1) causal + GQA + lse, M != N, with a backward through the compiled graph
+    q, k, v = make_qkv(1, 4, 2, 7, 9, 16, 8, dtype=torch.float32, requires_grad=True)
+    out, lse = compiled(q, k, v, is_causal=True, enable_gqa=True, return_lse=True)
+    eager, eager_lse = attnkit.softmax_attention(q, k, v, is_causal=True, enable_gqa=True, return_lse=True)
+    q64, k64, v64 = (t.detach().to(F64).requires_grad_() for t in (q, k, v))
+    ref, ref_lse = loop_attention(q64, k64, v64, is_causal=True)
+    assert_close_to_reference(out, ref)
+    assert_close_to_reference(lse, ref_lse, name="lse")
+    torch.testing.assert_close(out, eager, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(lse, eager_lse, rtol=2e-5, atol=1e-6)
+    g = torch.randn(out.shape)
+    for name, got, want in zip("qkv", torch.autograd.grad(out, (q, k, v), g),
+                               torch.autograd.grad(ref, (q64, k64, v64), g.double())):
+        assert_close_to_reference(got, want, grad=True, name=f"grad {name}")
+    # 2) a broadcast bool mask with a fully masked row
+    q, k, v = make_qkv(2, 2, 2, 7, 9, 16, 8, dtype=torch.float32)
+    mask = make_mask("bool", 1, 1, 7, 9, shape=(7, 9))
+    mask[3] = False
+    out = compiled(q, k, v, attn_mask=mask)
+    assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
+    assert_close_to_reference(out, loop_attention(q, k, v, attn_mask=mask)[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# validation and dispatch
+# ----------------------------------------------------------------------------------------------
+
+
+def _qkv():
+    return make_qkv(2, 4, 4, 7, 9, 16, 8, dtype=torch.float32)
+
+
+def _call(**changes):
+    q, k, v = _qkv()
+    args = dict(query=q, key=k, value=v)
+    args.update(changes)
+    return attnkit.softmax_attention(**args)
+
+
+@pytest.mark.parametrize("changes,exc,match", [
+    (dict(query=[[1.0]]), TypeError, "query must be a torch.Tensor"),
+    (dict(value=None), TypeError, "value must be a torch.Tensor"),
+    (dict(query=torch.randn(4, 7, 16)), ValueError, r"query must be a 4-D tensor \[B, H, N, D\]; got 3-D"),
+    (dict(key=torch.randn(1, 2, 4, 9, 16)), ValueError, "key must be a 4-D tensor"),
+    (dict(value=torch.randn(2, 4, 9)), ValueError, "value must be a 4-D tensor"),
+    (dict(query=torch.ones(2, 4, 7, 16, dtype=torch.int64)), TypeError, "query must be floating point"),
+    (dict(key=torch.ones(2, 4, 9, 16, dtype=torch.bool)), TypeError, "key must be floating point"),
+    (dict(value=torch.randn(2, 4, 9, 8, dtype=F64)), ValueError, "value must have the dtype of query"),
+    (dict(key=torch.randn(2, 4, 9, 16, device="meta")), ValueError, "key must be on the device of query"),
+    (dict(key=torch.randn(3, 4, 9, 16)), ValueError, "same batch size; got query 2, key 3, value 2"),
+    (dict(value=torch.randn(1, 4, 9, 8)), ValueError, "same batch size"),
+    (dict(key=torch.randn(2, 4, 9, 15)), ValueError, "same head dim D; got query 16, key 15"),
+    (dict(value=torch.randn(2, 4, 8, 8)), ValueError, "same sequence length M; got key 9, value 8"),
+    (dict(value=torch.randn(2, 2, 9, 8)), ValueError, "same number of heads Hk; got key 4, value 2"),
+    (dict(key=torch.randn(2, 2, 9, 16), value=torch.randn(2, 2, 9, 8)), ValueError,
+     "same number of heads unless enable_gqa=True; got query 4, key 2"),
+    (dict(key=torch.randn(2, 3, 9, 16), value=torch.randn(2, 3, 9, 8), enable_gqa=True), ValueError,
+     "must be a multiple of the key's; got query 4, key 3"),
+    (dict(attn_mask=[[True]]), TypeError, "attn_mask must be a torch.Tensor or None; got list"),
+    (dict(attn_mask=torch.ones(7, 9, dtype=torch.int32)), TypeError,
+     "attn_mask must be bool .* or floating point .*; got int32"),
+    (dict(attn_mask=torch.ones(7, 8, dtype=torch.bool)), ValueError,
+     r"attn_mask must be broadcastable to \[B, H, N, M\] = \[2, 4, 7, 9\]; got shape \[7, 8\]"),
+    (dict(attn_mask=torch.ones(3, 4, 7, 9, dtype=torch.bool)), ValueError, "must be broadcastable"),
+    (dict(attn_mask=torch.ones(1, 1, 1, 7, 9, dtype=torch.bool)), ValueError, "must be broadcastable"),
+    (dict(attn_mask=torch.zeros(7, 9, device="meta")), ValueError, "attn_mask must be on the device of query"),
+    (dict(attn_mask=torch.ones(7, 9, dtype=torch.bool), is_causal=True), ValueError,
+     "attn_mask and is_causal=True cannot be combined"),
+    (dict(dropout_p=-0.1), ValueError, "dropout_p must be >= 0.0; got -0.1"),
+    (dict(dropout_p=1.0), ValueError, "dropout_p must be < 1; got 1.0"),
+    (dict(dropout_p=float("nan")), TypeError, "dropout_p must be a finite real number"),
+    (dict(dropout_p="0.1"), TypeError, "dropout_p must be a finite real number"),
+    (dict(scale=float("inf")), TypeError, "scale must be a finite real number; got inf"),
+    (dict(scale=float("nan")), TypeError, "scale must be a finite real number"),
+    (dict(scale="1"), TypeError, "scale must be a finite real number"),
+    (dict(is_causal=1), TypeError, "is_causal must be a bool; got 1"),
+    (dict(enable_gqa=None), TypeError, "enable_gqa must be a bool"),
+    (dict(return_lse="yes"), TypeError, "return_lse must be a bool"),
+    (dict(backend="fast"), ValueError, "unknown backend 'fast'; expected one of reference, cpu, triton, cuda"),
+])
+def test_validation_errors(changes, exc, match):
+    with pytest.raises(exc, match=f"^{OP}: .*{match}" if not match.startswith("^") else match):
+        _call(**changes)
+
+
+def test_unknown_backend_from_environment(monkeypatch):
+    monkeypatch.setenv("ATTNKIT_BACKEND", "bogus")
+    with pytest.raises(ValueError, match=f"{OP}: unknown ATTNKIT_BACKEND 'bogus'"):
+        _call()
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b not in implemented("softmax")])
+def test_backend_without_kernels_raises(backend):
+    with pytest.raises(BackendUnavailableError, match=f"{OP}: the {backend} backend has no softmax kernels"):
+        _call(backend=backend)
+
+
+def test_reference_backend_explicit_and_from_environment(monkeypatch):
+    q, k, v = _qkv()
+    expected = softmax_attention_reference(q, k, v)
+    torch.testing.assert_close(attnkit.softmax_attention(q, k, v, backend="reference"), expected,
+                               rtol=0, atol=0)
+    monkeypatch.setenv("ATTNKIT_BACKEND", "reference")
+    torch.testing.assert_close(attnkit.softmax_attention(q, k, v), expected, rtol=0, atol=0)
+
+
+def test_validation_happens_before_computation(monkeypatch):
+    # A bad argument must raise even though the backend would have run fine: validation comes
+    # first.  Make the implementation explode so any computation shows up.
+    import attnkit.ops.softmax as ops_softmax
+
+    def boom(*args, **kwargs):
+        raise AssertionError("computation ran before validation")
+
+    monkeypatch.setitem(ops_softmax._IMPLEMENTATIONS, "reference", boom)
+    with pytest.raises(ValueError, match="dropout_p must be < 1"):
+        _call(dropout_p=1.5, backend="reference")
+    with pytest.raises(AssertionError, match="computation ran"):
+        _call(backend="reference")

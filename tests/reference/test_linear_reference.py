@@ -1,0 +1,158 @@
+"""The linear-attention reference against an independent float64 loop over queries."""
+import math
+
+import pytest
+import torch
+
+from attnkit.reference.linear import FEATURE_MAPS, feature_map_reference, linear_attention_reference
+
+F64 = torch.float64
+
+
+def phi_loop(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The feature maps written out from their definitions (not via torch.nn.functional)."""
+    if name == "elu":  # elu(x) + 1 = x + 1 for x > 0, exp(x) otherwise
+        return torch.where(x > 0, x + 1.0, torch.exp(torch.clamp(x, max=0.0)))
+    if name == "relu":
+        return torch.where(x > 0, x, torch.zeros_like(x))
+    assert name == "identity"
+    return x
+
+
+def linear_loop(q, k, v, *, causal, feature_map, normalize, eps, scale):
+    """out_i = Σ_{j∈S_i} w_ij v_j (/ (Σ w_ij + eps) or * scale), one query i at a time, in float64."""
+    q, k, v = q.to(F64), k.to(F64), v.to(F64)
+    pq, pk = phi_loop(q, feature_map), phi_loop(k, feature_map)
+    b, h, n, _ = q.shape
+    m, dv = k.shape[2], v.shape[3]
+    out = torch.zeros(b, h, n, dv, dtype=F64)
+    for i in range(n):
+        stop = i + 1 if causal else m
+        w = (pq[:, :, i, None, :] * pk[:, :, :stop, :]).sum(-1)  # [B, H, |S_i|]
+        num = (w[..., None] * v[:, :, :stop, :]).sum(-2)  # [B, H, Dv]
+        if normalize:
+            out[:, :, i] = num / (w.sum(-1, keepdim=True) + eps)
+        else:
+            out[:, :, i] = num * scale
+    return out
+
+
+def make(b, h, n, m, d, dv, dtype=F64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, n, d, generator=g, dtype=F64).to(dtype)
+    k = torch.randn(b, h, m, d, generator=g, dtype=F64).to(dtype)
+    v = torch.randn(b, h, m, dv, generator=g, dtype=F64).to(dtype)
+    return q, k, v
+
+
+# ---------------------------------------------------------------------------- feature maps
+
+@pytest.mark.parametrize("name", FEATURE_MAPS)
+def test_feature_map_matches_definition(name):
+    x = torch.linspace(-6.0, 6.0, 241, dtype=F64)
+    torch.testing.assert_close(feature_map_reference(x, name), phi_loop(x, name), rtol=1e-14, atol=1e-14)
+
+
+def test_feature_map_known_values():
+    x = torch.tensor([-1.0, 0.0, 2.0], dtype=F64)
+    torch.testing.assert_close(feature_map_reference(x, "elu"),
+                               torch.tensor([math.exp(-1.0), 1.0, 3.0], dtype=F64))
+    torch.testing.assert_close(feature_map_reference(x, "relu"), torch.tensor([0.0, 0.0, 2.0], dtype=F64))
+    torch.testing.assert_close(feature_map_reference(x, "identity"), x)
+    # elu + 1 is strictly positive even far into the negative range (what makes normalize safe)
+    assert (feature_map_reference(torch.tensor([-30.0], dtype=F64), "elu") > 0).all()
+
+
+def test_feature_map_unknown_name():
+    with pytest.raises(ValueError, match="unknown feature_map 'softmax'"):
+        feature_map_reference(torch.zeros(3), "softmax")
+
+
+# ---------------------------------------------------------------------------- vs the loop
+
+@pytest.mark.parametrize("d", [16, 32])
+@pytest.mark.parametrize("n", [1, 7, 100])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("feature_map", FEATURE_MAPS)
+def test_reference_matches_loop(feature_map, causal, normalize, n, d):
+    m = n if causal else n + 5  # non-causal: key length differs from the query length
+    dv = 11  # value head dim differs from D
+    q, k, v = make(2, 3, n, m, d, dv, seed=n * 100 + d)
+    kwargs = dict(causal=causal, feature_map=feature_map, normalize=normalize, eps=1e-6, scale=0.37)
+    out = linear_attention_reference(q, k, v, **kwargs)
+    expected = linear_loop(q, k, v, **kwargs)
+    assert out.shape == (2, 3, n, dv) and out.dtype == F64
+    # identity + normalize divides by sums of signed weights, which can be small: the float64
+    # rounding of either side is amplified by Σ|w| / |Σ w|, hence rtol 1e-9 rather than 1e-14.
+    torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_value_dim_equal_and_larger(causal):
+    for dv in (16, 40):
+        q, k, v = make(1, 2, 9, 9, 16, dv, seed=dv)
+        kwargs = dict(causal=causal, feature_map="elu", normalize=True, eps=1e-6, scale=1.0)
+        torch.testing.assert_close(linear_attention_reference(q, k, v, **kwargs),
+                                   linear_loop(q, k, v, **kwargs), rtol=1e-12, atol=1e-12)
+
+
+def test_eps_enters_the_normalizer():
+    q, k, v = make(1, 1, 5, 5, 4, 3, seed=3)
+    for eps in (0.0, 1e-3, 10.0):
+        kwargs = dict(causal=True, feature_map="elu", normalize=True, eps=eps, scale=1.0)
+        torch.testing.assert_close(linear_attention_reference(q, k, v, **kwargs),
+                                   linear_loop(q, k, v, **kwargs), rtol=1e-12, atol=1e-12)
+
+
+def test_causal_first_query_sees_only_first_key():
+    q, k, v = make(1, 1, 6, 6, 8, 5, seed=4)
+    out = linear_attention_reference(q, k, v, causal=True, feature_map="elu", normalize=True,
+                                     eps=0.0, scale=1.0)
+    # one visible key, positive weight: the normalized output is exactly that key's value
+    torch.testing.assert_close(out[0, 0, 0], v[0, 0, 0], rtol=1e-14, atol=1e-14)
+
+
+def test_scale_only_without_normalize():
+    q, k, v = make(1, 2, 7, 7, 8, 8, seed=5)
+    base = dict(causal=False, feature_map="relu", eps=1e-6)
+    a = linear_attention_reference(q, k, v, normalize=True, scale=1.0, **base)
+    b = linear_attention_reference(q, k, v, normalize=True, scale=123.0, **base)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    c = linear_attention_reference(q, k, v, normalize=False, scale=1.0, **base)
+    d = linear_attention_reference(q, k, v, normalize=False, scale=-0.5, **base)
+    torch.testing.assert_close(d, -0.5 * c, rtol=1e-14, atol=1e-14)
+
+
+# ---------------------------------------------------------------------------- dtypes, empty
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_computes_in_given_dtype(dtype):
+    q, k, v = make(1, 2, 33, 33, 16, 8, dtype=dtype, seed=6)
+    for causal in (False, True):
+        out = linear_attention_reference(q, k, v, causal=causal, feature_map="elu", normalize=True,
+                                         eps=1e-6, scale=1.0)
+        assert out.dtype == dtype
+        expected = linear_loop(q, k, v, causal=causal, feature_map="elu", normalize=True,
+                               eps=1e-6, scale=1.0)
+        # a low-precision run is close to, but (for 16-bit types) not identical with, float64
+        err = (out.to(F64) - expected).abs().max().item()
+        assert err < {torch.float32: 1e-5, torch.bfloat16: 0.1, torch.float16: 0.02}[dtype]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_query_length(causal):
+    q, k, v = make(2, 3, 0, 0 if causal else 4, 8, 5)
+    out = linear_attention_reference(q, k, v, causal=causal, feature_map="elu", normalize=True,
+                                     eps=1e-6, scale=1.0)
+    assert out.shape == (2, 3, 0, 5)
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-6])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_no_keys_gives_zeros(normalize, eps):
+    q, k, v = make(2, 3, 7, 0, 8, 5)
+    out = linear_attention_reference(q, k, v, causal=False, feature_map="elu", normalize=normalize,
+                                     eps=eps, scale=2.0)
+    assert out.shape == (2, 3, 7, 5)
+    assert torch.equal(out, torch.zeros_like(out))  # also: no NaN from 0 / (0 + 0)

@@ -1,0 +1,48 @@
+"""The package builds and imports without a C++ compiler (attnkit._C then reported missing)."""
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_install_without_a_compiler_still_imports(tmp_path):
+    src = tmp_path / "src"
+    # A copy of the sources without the developer's built .so files.
+    skip = shutil.ignore_patterns("*.so", "__pycache__", "build", "*.egg-info", "out")
+    for path in ("pytorch_ext", "kernels", "bench", "csrc"):
+        shutil.copytree(ROOT / path, src / path, ignore=skip)
+    for path in ("setup.py", "README.md"):
+        shutil.copy(ROOT / path, src / path)
+    env = dict(os.environ, CC="/bin/false", CXX="/bin/false")
+    env.pop("ATTNKIT_REQUIRE_NATIVE", None)
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", str(src),
+         "-w", str(wheels)],
+        check=True, env=env, cwd=tmp_path,
+    )
+    (wheel,) = wheels.glob("attnkit-*.whl")
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        check=True, cwd=tmp_path,
+    )
+    assert not list(target.rglob("_C*.so"))
+    probe = (
+        "import attnkit, torch;"
+        "s = attnkit.backends()['hopfield_energy']['cpu'];"
+        "assert not s.usable and 'attnkit._C' in s.reason, s;"
+        "q = torch.randn(1, 1, 3, 4);"
+        "print(attnkit.softmax_attention(q, q, q).shape)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], check=True, capture_output=True, text=True,
+        env=dict(os.environ, PYTHONPATH=str(target)), cwd=tmp_path,
+    )
+    assert "torch.Size([1, 1, 3, 4])" in out.stdout

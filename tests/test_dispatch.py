@@ -1,0 +1,102 @@
+"""Backend selection (pytorch_ext/_dispatch.py) and attnkit.backends()."""
+import pytest
+import torch
+
+import attnkit
+from attnkit import _dispatch
+from attnkit._dispatch import BACKENDS, FAMILIES, BackendUnavailableError, resolve
+
+CPU = torch.device("cpu")
+
+
+def test_backends_table_covers_every_family_and_backend():
+    table = attnkit.backends()
+    assert set(table) == set(FAMILIES)
+    for family, row in table.items():
+        assert set(row) == set(BACKENDS)
+        assert row["reference"].usable and row["reference"].reason == ""
+        for backend, status in row.items():
+            # An unusable backend always says why.
+            assert status.usable or status.reason, (family, backend)
+
+
+def test_native_extension_is_built_and_reported():
+    # The extension is part of every supported install (CI builds with a compiler); a missing
+    # one must show up here rather than as silently skipped kernel tests.
+    assert _dispatch.backend_status("cpu") == (True, "")
+    assert attnkit.backends()["hopfield_energy"]["cpu"].usable
+
+
+def test_default_falls_back_to_reference_until_a_family_has_kernels(monkeypatch):
+    monkeypatch.delenv("ATTNKIT_BACKEND", raising=False)
+    monkeypatch.setitem(_dispatch._IMPLEMENTED, "linear", {"reference"})
+    assert resolve("linear", None, CPU, "op") == "reference"
+    monkeypatch.setitem(_dispatch._IMPLEMENTED, "linear", {"reference", "cpu"})
+    assert resolve("linear", None, CPU, "op") == "cpu"
+
+
+def test_default_on_meta_device_is_reference(monkeypatch):
+    monkeypatch.delenv("ATTNKIT_BACKEND", raising=False)
+    assert resolve("softmax", None, torch.device("meta"), "op") == "reference"
+
+
+def test_unknown_backend_is_a_value_error():
+    with pytest.raises(ValueError, match=r"op: unknown backend 'fast'; expected one of reference"):
+        resolve("softmax", "fast", CPU, "op")
+
+
+def test_environment_variable_overrides_the_default(monkeypatch):
+    monkeypatch.setitem(_dispatch._IMPLEMENTED, "linear", {"reference", "cpu"})
+    monkeypatch.setenv("ATTNKIT_BACKEND", "reference")
+    assert resolve("linear", None, CPU, "op") == "reference"
+    # An explicit argument beats the environment.
+    assert resolve("linear", "cpu", CPU, "op") == "cpu"
+    monkeypatch.setenv("ATTNKIT_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="unknown ATTNKIT_BACKEND 'bogus'"):
+        resolve("linear", None, CPU, "op")
+
+
+def test_backend_without_kernels_for_the_family_says_so(monkeypatch):
+    monkeypatch.setitem(_dispatch._IMPLEMENTED, "linear", {"reference"})
+    with pytest.raises(BackendUnavailableError, match="no linear kernels yet; implemented: reference"):
+        resolve("linear", "cpu", CPU, "attnkit.linear_attention")
+
+
+def test_backend_on_the_wrong_device_says_why(monkeypatch):
+    monkeypatch.setitem(_dispatch._IMPLEMENTED, "linear", set(BACKENDS))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(BackendUnavailableError, match="cuda"):
+        resolve("linear", "cuda", CPU, "op")
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET=1"):
+            resolve("linear", "triton", CPU, "op")
+
+
+def test_triton_on_cpu_tensors_needs_the_interpreter(monkeypatch):
+    monkeypatch.setitem(_dispatch._IMPLEMENTED, "linear", set(BACKENDS))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve("linear", "triton", CPU, "op") == "triton"
+
+
+def test_missing_extension_is_reported_with_its_reason(monkeypatch):
+    monkeypatch.setattr(_dispatch, "_native_import_error", lambda: "attnkit._C is not built (test)")
+    assert attnkit.backends()["hopfield_energy"]["cpu"] == (False, "attnkit._C is not built (test)")
+    with pytest.raises(BackendUnavailableError, match="is not built"):
+        resolve("hopfield_energy", "cpu", CPU, "op")
+    monkeypatch.delenv("ATTNKIT_BACKEND", raising=False)
+    assert resolve("hopfield_energy", None, CPU, "op") == "reference"
+
+
+def test_register_kernel_rejects_unknown_names():
+    with pytest.raises(ValueError, match="unknown family"):
+        _dispatch.register_kernel("nope", "cpu")
+    with pytest.raises(ValueError, match="unknown backend"):
+        _dispatch.register_kernel("softmax", "nope")
+
+
+def test_public_api_names():
+    for name in ("softmax_attention", "linear_attention", "sparse_attention", "hopfield_update",
+                 "hopfield_energy", "patterns", "backends"):
+        assert name in attnkit.__all__ and hasattr(attnkit, name)
+    for name in ("strided", "fixed", "star", "block_layout", "connectivity"):
+        assert callable(getattr(attnkit.patterns, name))
