@@ -63,7 +63,9 @@ def check_real(fn: str, name: str, value, *, low=None, low_inclusive=True, high=
     """A finite real number within [low, high] (exclusive low when low_inclusive=False)."""
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    # `-inf < value < inf` rather than math.isfinite: under torch.compile a float argument seen
+    # with two values becomes symbolic, and math.isfinite cannot trace it (NaN fails both sides).
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (-math.inf < value < math.inf):
         raise TypeError(f"{fn}: {name} must be a finite real number; got {value!r}")
     if low is not None and (value < low or (value == low and not low_inclusive)):
         bound = f">= {low}" if low_inclusive else f"> {low}"
@@ -80,6 +82,12 @@ def check_int(fn: str, name: str, value, *, low=None, high=None) -> None:
         raise ValueError(f"{fn}: {name} must be >= {low}; got {value}")
     if high is not None and value > high:
         raise ValueError(f"{fn}: {name} must be <= {high}; got {value}")
+
+
+def check_bool(fn: str, name: str, value) -> None:
+    """A real bool (not 0/1, not a tensor)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{fn}: {name} must be a bool; got {value!r}")
 
 
 def check_choice(fn: str, name: str, value, choices) -> None:

@@ -1,6 +1,21 @@
-"""Shared test setup: GPU-marked tests run only where CUDA is present."""
-import pytest
-import torch
+"""Shared test setup: GPU-marked tests run only where CUDA is present; Triton kernels run in
+the interpreter where there is no GPU."""
+import os
+
+# Without a GPU the Triton kernels run under the interpreter on CPU tensors.  The flag is read
+# when a kernel is decorated (@triton.jit), i.e. when attnkit.kernels.* is first imported, so it
+# is set here, before any test module imports attnkit.
+try:
+    import torch as _torch_probe
+
+    _HAS_CUDA = _torch_probe.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _HAS_CUDA = False
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

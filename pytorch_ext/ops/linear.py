@@ -6,39 +6,23 @@ kernel backends register themselves in ``_IMPLEMENTATIONS`` and with
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .._dispatch import resolve
-from .._validation import check_choice, check_same_dtype_device, check_size_match, check_tensor
+from .._validation import (
+    check_bool,
+    check_choice,
+    check_real,
+    check_same_dtype_device,
+    check_size_match,
+    check_tensor,
+)
 from ..reference.linear import FEATURE_MAPS, linear_attention_reference
 
 FAMILY = "linear"
 OP_NAME = "attnkit.linear_attention"
 
 _IMPLEMENTATIONS = {"reference": linear_attention_reference}
-
-
-def _check_bool(fn: str, name: str, value) -> None:
-    # A truthy non-bool (a tensor, a string) would silently pick a branch; ask for a real bool.
-    if not isinstance(value, bool):
-        raise TypeError(f"{fn}: {name} must be a bool; got {value!r}")
-
-
-def _check_real(fn: str, name: str, value, *, low=None) -> None:
-    """_validation.check_real's check and messages, traceable by torch.compile.
-
-    Once a compiled caller has seen two different floats, Dynamo passes the argument as a
-    symbolic float, and ``math.isfinite`` on it breaks the graph (fullgraph=True fails).
-    Two comparisons say the same (NaN fails both) and trace fine.
-    TODO: drop this for check_real once the shared helper gets the same fix.
-    """
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not (-math.inf < value < math.inf)):
-        raise TypeError(f"{fn}: {name} must be a finite real number; got {value!r}")
-    if low is not None and value < low:
-        raise ValueError(f"{fn}: {name} must be >= {low}; got {value!r}")
 
 
 def _validate(query, key, value, causal, feature_map, normalize, eps, scale) -> None:
@@ -53,16 +37,16 @@ def _validate(query, key, value, causal, feature_map, normalize, eps, scale) -> 
                                                 "value": value.shape[1]})
     check_size_match(fn, "head dim D", {"query": query.shape[3], "key": key.shape[3]})
     check_size_match(fn, "sequence length M", {"key": key.shape[2], "value": value.shape[2]})
-    _check_bool(fn, "causal", causal)
-    _check_bool(fn, "normalize", normalize)
+    check_bool(fn, "causal", causal)
+    check_bool(fn, "normalize", normalize)
     if causal and key.shape[2] != query.shape[2]:
         raise ValueError(
             f"{fn}: causal=True needs the key length M to equal the query length N "
             f"(self-attention); got N={query.shape[2]}, M={key.shape[2]}"
         )
     check_choice(fn, "feature_map", feature_map, FEATURE_MAPS)
-    _check_real(fn, "eps", eps, low=0.0)
-    _check_real(fn, "scale", scale)
+    check_real(fn, "eps", eps, low=0.0)
+    check_real(fn, "scale", scale)
 
 
 def linear_attention(

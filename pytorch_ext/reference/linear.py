@@ -85,4 +85,4 @@ def linear_attention_reference(
         # Empty sums: num is already exact zeros (and still attached to the graph); dividing
         # would give 0/0 = NaN when eps == 0.
         return num
-    return num / den
+    return num / (den + eps)
