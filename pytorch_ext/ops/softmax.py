@@ -12,7 +12,13 @@ import math
 import torch
 
 from .._dispatch import resolve
-from .._validation import check_real, check_same_dtype_device, check_size_match, check_tensor
+from .._validation import (
+    check_bool,
+    check_real,
+    check_same_dtype_device,
+    check_size_match,
+    check_tensor,
+)
 from ..reference.softmax import softmax_attention_reference
 
 FAMILY = "softmax"
@@ -29,13 +35,6 @@ def _run_reference(query, key, value, attn_mask, dropout_p, is_causal, scale, en
 
 # backend name -> implementation with _run_reference's signature.
 _IMPLEMENTATIONS = {"reference": _run_reference}
-
-
-def _check_bool(name: str, value) -> None:
-    # Like SDPA, which rejects is_causal=1: a flag given as a number is probably a misplaced
-    # positional argument.
-    if not isinstance(value, bool):
-        raise TypeError(f"{OP_NAME}: {name} must be a bool; got {value!r}")
 
 
 def _check_mask(attn_mask, query: torch.Tensor, target: tuple[int, int, int, int]) -> None:
@@ -142,9 +141,11 @@ def softmax_attention(
     check_size_match(OP_NAME, "head dim D", {"query": head_dim, "key": key.shape[3]})
     check_size_match(OP_NAME, "sequence length M", {"key": m, "value": value.shape[2]})
     check_size_match(OP_NAME, "number of heads Hk", {"key": kv_heads, "value": value.shape[1]})
-    _check_bool("is_causal", is_causal)
-    _check_bool("enable_gqa", enable_gqa)
-    _check_bool("return_lse", return_lse)
+    # Flags must be real bools, like SDPA, which rejects is_causal=1: a number there is
+    # probably a misplaced positional argument.
+    check_bool(OP_NAME, "is_causal", is_causal)
+    check_bool(OP_NAME, "enable_gqa", enable_gqa)
+    check_bool(OP_NAME, "return_lse", return_lse)
     if heads != kv_heads:
         if not enable_gqa:
             raise ValueError(

@@ -37,7 +37,11 @@ def softmax_attention_reference(
     ``attn_mask``: bool (True = attend) or additive float, broadcastable to [B, H, N, M].
     ``is_causal``: key j is visible to query i when j <= i (top-left aligned, like SDPA).
     ``dropout_mask``: optional bool [B, H, N, M] of kept probabilities (True = keep); without it
-    and with ``dropout_p > 0`` one is drawn with torch.rand.
+    and with ``dropout_p > 0`` one is drawn as ``torch.rand_like(scores) >= dropout_p`` (so a
+    call is reproducible under torch.manual_seed); kept probabilities are scaled by 1/(1 - p).
+    The lse is that of the scores before dropout.  Differentiable in every floating input
+    (attn_mask included), with zero -- not NaN -- gradients on fully masked rows.
+    No input checks: the public function validates.
     """
     num_heads = query.shape[-3]
     if enable_gqa:

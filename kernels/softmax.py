@@ -1,0 +1,769 @@
+"""Triton kernels for softmax attention (FlashAttention-2 structure), forward and backward.
+
+Layer 1 of the softmax family (see DESIGN.md): ``@triton.jit`` kernels and the launchers that
+size their grids.  No autograd here -- ``pytorch_ext/ops/softmax.py`` registers the launchers as
+a ``torch.library`` op and wires :func:`softmax_bwd` in as its backward.
+
+Launchers
+---------
+``softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=0, config=None)``
+    -> ``(out [B, H, N, Dv] in q.dtype, lse [B, H, N] float32)``
+``softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal, dropout_p=0.0, seed=0,
+config=None)`` -> ``(dq, dk, dv)`` shaped and typed like ``q, k, v``
+``dropout_keep_mask(B, H, N, M, dropout_p, seed, device)`` -> bool ``[B, H, N, M]``, True = kept
+
+Shapes: q ``[B, H, N, D]``, k ``[B, Hk, M, D]``, v ``[B, Hk, M, Dv]`` with ``H % Hk == 0``;
+query head ``h`` reads key/value head ``h // (H // Hk)`` (GQA / MQA; K and V are never
+repeated in memory, and the dK/dV kernel sums over the group's query heads itself).  Any
+strides are read as given.  ``mask``: None, bool (True = attend) or floating (added to the
+scores), broadcastable to ``[B, H, N, M]``; broadcast dimensions are read through stride 0,
+never densified.  ``is_causal``: top-left aligned, key j visible to query i iff j <= i (N != M
+allowed).  Head dims up to 256, any value (the tile is padded to a power of two with masked
+loads); float16, bfloat16, float32 with float32 accumulation.  A row with no visible key gives
+out = 0, lse = -inf and zero gradients.
+
+Numerics: scores are kept in base 2 (``s * scale * log2(e)``) so the kernels use ``exp2``; the
+stored lse is in natural log.  The backward recomputes the probabilities from the lse
+(``p = exp2(s - lse * log2(e))``) and uses ``D = rowsum(dO * O)``, which stays exact with
+dropout because ``O`` is the dropped output.
+
+Dropout: the keep decision of element (b, h, i, j) is ``tl.rand(seed, ((b*H + h)*N + i)*M + j)
+>= dropout_p`` (Philox, counter = the flat index of the element in a [B, H, N, M] tensor), so the
+forward, both backward kernels and :func:`dropout_keep_mask` all draw the same mask from the
+seed.  Kept probabilities are scaled by 1 / (1 - dropout_p).
+
+Tuning: ``FWD_CONFIGS``, ``BWD_DKDV_CONFIGS`` and ``BWD_DQ_CONFIGS`` are the ``triton.autotune``
+search spaces (BLOCK_M = query tile, BLOCK_N = key tile, num_warps, num_stages), chosen for
+sm_80 / sm_90 and keyed on the head dims, causality, mask kind, dropout and the dtypes.  Each
+list is first filtered by the padded head dim (:func:`configs_for`) so that no config that
+cannot fit the register file is tried.  ``config=`` (a ``triton.Config``) skips autotuning; under
+the Triton interpreter (no GPU) the first eligible config is used instead of benchmarking.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+__all__ = [
+    "softmax_fwd",
+    "softmax_bwd",
+    "dropout_keep_mask",
+    "configs_for",
+    "FWD_CONFIGS",
+    "BWD_DKDV_CONFIGS",
+    "BWD_DQ_CONFIGS",
+    "MAX_HEAD_DIM",
+    "SUPPORTED_DTYPES",
+]
+
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+# ----------------------------------------------------------------------------------------------
+# autotune search spaces
+# ----------------------------------------------------------------------------------------------
+
+
+def _cfg(block_m, block_n, num_warps, num_stages):
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=num_warps,
+                         num_stages=num_stages)
+
+
+# Forward: one program per (query tile, head, batch); wide query tiles amortize the K/V loads.
+FWD_CONFIGS = [
+    _cfg(128, 64, 4, 3),
+    _cfg(128, 128, 8, 3),
+    _cfg(128, 64, 8, 4),
+    _cfg(128, 32, 4, 3),
+    _cfg(64, 64, 4, 4),
+    _cfg(64, 32, 4, 2),
+]
+# dK/dV: one program per (key tile, kv head, batch) looping over query tiles; the key tile holds
+# four accumulators-worth of state (k, v, dk, dv), so the query tile is the narrow one.
+BWD_DKDV_CONFIGS = [
+    _cfg(32, 128, 4, 3),
+    _cfg(64, 128, 8, 3),
+    _cfg(64, 64, 4, 3),
+    _cfg(32, 64, 4, 2),
+    _cfg(16, 64, 4, 2),
+]
+# dQ: one program per (query tile, head, batch) looping over key tiles.
+BWD_DQ_CONFIGS = [
+    _cfg(128, 32, 4, 3),
+    _cfg(128, 64, 8, 3),
+    _cfg(64, 64, 4, 3),
+    _cfg(64, 32, 4, 2),
+    _cfg(32, 64, 4, 2),
+]
+_CONFIG_LISTS = {"fwd": FWD_CONFIGS, "dkdv": BWD_DKDV_CONFIGS, "dq": BWD_DQ_CONFIGS}
+# BLOCK_M * BLOCK_N * (padded head dim) above which a config spills registers on sm_80/sm_90
+# (the forward keeps one [BLOCK_M, Dv] accumulator; each backward kernel keeps two).
+_TILE_LIMIT = {"fwd": 128 * 128 * 128, "dkdv": 32 * 128 * 128, "dq": 32 * 128 * 128}
+_TUNE_KEY = ["HEAD_D", "HEAD_DV", "IS_CAUSAL", "MASK_KIND", "HAS_DROPOUT"]  # + dtypes (automatic)
+
+
+def configs_for(kernel: str, head_dim: int, value_dim: int | None = None) -> list:
+    """The autotune candidates of ``kernel`` ("fwd", "dkdv" or "dq") for these head dims."""
+    dmax = _pow2(max(head_dim, head_dim if value_dim is None else value_dim))
+    configs = _CONFIG_LISTS[kernel]
+    fit = [c for c in configs
+           if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * dmax <= _TILE_LIMIT[kernel]]
+    if not fit:  # never leave the autotuner empty-handed: fall back to the smallest tile
+        fit = [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+    return fit
+
+
+@functools.lru_cache(maxsize=None)
+def _autotuned(kernel: str, dmax: int):
+    fn = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}[kernel]
+    return triton.autotune(configs=configs_for(kernel, dmax), key=_TUNE_KEY)(fn)
+
+
+def _pow2(x: int) -> int:
+    # tl.dot needs every dimension >= 16 on GPUs, hence the floor.
+    return max(16, triton.next_power_of_2(int(x)))
+
+
+# ----------------------------------------------------------------------------------------------
+# shared device helpers
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_2d(ptrs, row_ok, col_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    # Bounds checks only where a tile can run past the tensor, so that full tiles load unmasked.
+    if CHECK_ROWS and CHECK_COLS:
+        x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    elif CHECK_ROWS:
+        x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    elif CHECK_COLS:
+        x = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _apply_user_mask(s, mask_base, rows, cols, stride_mn, stride_mm, N, M,
+                     MASK_KIND: tl.constexpr):
+    """s (base-2 scores) with the user mask applied; ``rows`` are query indices and ``cols`` key
+    indices, shaped to broadcast to s (either [BM, 1] x [1, BN] or transposed)."""
+    if MASK_KIND != 0:
+        # int64 offsets: a dense [N, M] mask passes 2**31 elements at N = M = 46341.
+        ptrs = mask_base + rows.to(tl.int64) * stride_mn + cols.to(tl.int64) * stride_mm
+        inb = (rows < N) & (cols < M)
+        if MASK_KIND == 1:
+            keep = tl.load(ptrs, mask=inb, other=0)
+            s = tl.where(keep != 0, s, float("-inf"))
+        else:
+            bias = tl.load(ptrs, mask=inb, other=0.0).to(tl.float32)
+            s = s + bias * _LOG2E
+    return s
+
+
+@triton.jit
+def _dropout_keep(seed, dropout_p, row_base, rows, cols, M):
+    """True where element (row_base + rows, cols) of the flat [B*H*N, M] grid is kept.
+    ``row_base`` = (b*H + h)*N as int64; rows/cols broadcast like in _apply_user_mask."""
+    offsets = (row_base + rows.to(tl.int64)) * M + cols.to(tl.int64)
+    return tl.rand(seed, offsets) >= dropout_p
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, lo, hi,
+               qk_scale, dropout_p, seed, drop_row,
+               stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
+               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    # MASKED=False: every key tile in [lo, hi) lies inside M and (causal) wholly at or left of
+    # the diagonal of every row of this query tile, so no per-element bounds/causal test.
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_2d(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                     offs_n < M, offs_d < HEAD_D, MASKED, BLOCK_D != HEAD_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        s = _apply_user_mask(s, mask_base, offs_m[:, None], offs_n[None, :], stride_mn,
+                             stride_mm, N, M, MASK_KIND)
+        if MASKED:
+            valid = offs_n[None, :] < M
+            if IS_CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # While a row has seen only -inf scores its max is -inf; shifting by 0 instead keeps
+        # exp2 at 0 rather than exp2(-inf - -inf) = NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        # The normalizer sums the undropped probabilities (dropout acts after the softmax).
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, dropout_p, drop_row, offs_m[:, None], offs_n[None, :], M)
+            p = tl.where(keep, p, 0.0)
+        v = _load_2d(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                     offs_n < M, offs_dv < HEAD_DV, MASKED, BLOCK_DV != HEAD_DV)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, Mask, Out, Lse,
+    sm_scale, dropout_p, seed,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mn, stride_mm,
+    stride_ob, stride_oh, stride_on, stride_od,
+    H, N, M, GROUP,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    if IS_CAUSAL:
+        # Later query tiles see more keys: launch them first so the tail of the grid is short.
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    hk = h // GROUP
+
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    mask_base = Mask + b * stride_mb + h * stride_mh
+    drop_row = (b * H + h) * N
+
+    i0 = pid_m * BLOCK_M
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load_2d(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                 offs_m < N, offs_d < HEAD_D, True, BLOCK_D != HEAD_D)
+
+    qk_scale = sm_scale * _LOG2E
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    if IS_CAUSAL:
+        hi = tl.minimum(M, i0 + BLOCK_M)  # no row of this tile sees a key past its last row
+        full_hi = (tl.minimum(M, i0 + 1) // BLOCK_N) * BLOCK_N
+    else:
+        hi = M
+        full_hi = (M // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, 0, full_hi,
+        qk_scale, dropout_p, seed, drop_row,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, DOT_PREC,
+        BLOCK_N, False)
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, full_hi, hi,
+        qk_scale, dropout_p, seed, drop_row,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, DOT_PREC,
+        BLOCK_N, True)
+
+    # l_i > 0 iff the row saw a finite score (its maximum contributes exp2(0) = 1).
+    attended = l_i > 0.0
+    l_safe = tl.where(attended, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if HAS_DROPOUT:
+        out = out * (1.0 / (1.0 - dropout_p))
+    lse = tl.where(attended, (m_i + tl.math.log2(l_safe)) * _LN2, float("-inf"))
+
+    row_ok = offs_m < N
+    o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on \
+        + offs_dv[None, :] * stride_od
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DV))
+    tl.store(Lse + drop_row + offs_m, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_bwd_preprocess(
+    Out, dO, Delta,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_gb, stride_gh, stride_gn, stride_gd,
+    H, N,
+    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] (float32)."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < N
+    o = _load_2d(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
+                 + offs_dv[None, :] * stride_od, row_ok, offs_dv < HEAD_DV, True,
+                 BLOCK_DV != HEAD_DV)
+    do = _load_2d(dO + b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gn
+                  + offs_dv[None, :] * stride_gd, row_ok, offs_dv < HEAD_DV, True,
+                  BLOCK_DV != HEAD_DV)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + (b * H + h) * N + offs_m, delta, mask=row_ok)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, drop_row,
+                offs_n, offs_d, offs_dv, lo, hi, qk_scale, dropout_p, seed,
+                stride_qn, stride_qd, stride_gn, stride_gd, stride_mn, stride_mm, N, M,
+                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+                BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+    # Works on transposed tiles ([keys, queries]) so that dk and dv come out of plain dots.
+    # Query rows past N need no mask: they load lse = +inf (so p = 0) and dO = 0, delta = 0.
+    # Key rows past M give garbage rows of dk/dv that are never stored (dots are row-wise).
+    # MASKED=True (causal only): the tiles that straddle the diagonal.
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < N
+        q = _load_2d(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                     row_ok, offs_d < HEAD_D, True, BLOCK_D != HEAD_D)
+        do = _load_2d(do_base + offs_m[:, None] * stride_gn + offs_dv[None, :] * stride_gd,
+                      row_ok, offs_dv < HEAD_DV, True, BLOCK_DV != HEAD_DV)
+        lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+        # Fully masked rows have lse = -inf; +inf makes every p of that row exp2(-inf) = 0.
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
+        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale
+        s_t = _apply_user_mask(s_t, mask_base, offs_m[None, :], offs_n[:, None], stride_mn,
+                               stride_mm, N, M, MASK_KIND)
+        if MASKED:
+            s_t = tl.where(offs_n[:, None] <= offs_m[None, :], s_t, float("-inf"))
+        p_t = tl.math.exp2(s_t - lse2[None, :])
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        if HAS_DROPOUT:
+            keep_t = _dropout_keep(seed, dropout_p, drop_row, offs_m[None, :], offs_n[:, None], M)
+            inv_keep = 1.0 / (1.0 - dropout_p)
+            pd_t = tl.where(keep_t, p_t * inv_keep, 0.0)
+            dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
+        else:
+            pd_t = p_t
+        dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, Mask, dO, Lse, Delta, dK, dV,
+    sm_scale, dropout_p, seed,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mn, stride_mm,
+    stride_gb, stride_gh, stride_gn, stride_gd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H, N, M, GROUP,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    j0 = pid_n * BLOCK_N
+    offs_n = j0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = offs_n < M
+    k = _load_2d(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn
+                 + offs_d[None, :] * stride_kd, col_ok, offs_d < HEAD_D, True, BLOCK_D != HEAD_D)
+    v = _load_2d(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn
+                 + offs_dv[None, :] * stride_vd, col_ok, offs_dv < HEAD_DV, True,
+                 BLOCK_DV != HEAD_DV)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    qk_scale = sm_scale * _LOG2E
+
+    if IS_CAUSAL:
+        # Queries before j0 see none of these keys; query tiles that start at or after the
+        # tile's last key (j0 + BLOCK_N - 1) see all of them.
+        lo = (j0 // BLOCK_M) * BLOCK_M
+        mid = tl.minimum(tl.cdiv(j0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, N)
+    else:
+        lo = 0
+        mid = 0
+
+    # GQA: the query heads of the group all read this key/value head; sum their contributions
+    # here rather than materializing per-query-head dK/dV and reducing afterwards.
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = dO + b * stride_gb + h * stride_gh
+        mask_base = Mask + b * stride_mb + h * stride_mh
+        drop_row = (b * H + h) * N
+        lse_base = Lse + drop_row
+        delta_base = Delta + drop_row
+        if IS_CAUSAL:
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, drop_row,
+                offs_n, offs_d, offs_dv, lo, mid, qk_scale, dropout_p, seed,
+                stride_qn, stride_qd, stride_gn, stride_gd, stride_mn, stride_mm, N, M,
+                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC,
+                BLOCK_M, True)
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, drop_row,
+            offs_n, offs_d, offs_dv, mid, N, qk_scale, dropout_p, seed,
+            stride_qn, stride_qd, stride_gn, stride_gd, stride_mn, stride_mm, N, M,
+            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC,
+            BLOCK_M, False)
+
+    dk = dk * sm_scale
+    tl.store(dK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn
+             + offs_d[None, :] * stride_dkd, dk.to(dK.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_d[None, :] < HEAD_D))
+    tl.store(dV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvn
+             + offs_dv[None, :] * stride_dvd, dv.to(dV.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DV))
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
+              offs_m, offs_d, offs_dv, lo, hi, qk_scale, dropout_p, seed,
+              stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
+              HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    # Same tile split as the forward (MASKED: key tiles past M or across the diagonal).  Key
+    # columns past M must be masked here: they would otherwise get p = exp2(-lse) != 0.
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_2d(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                     offs_n < M, offs_d < HEAD_D, MASKED, BLOCK_D != HEAD_D)
+        v = _load_2d(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                     offs_n < M, offs_dv < HEAD_DV, MASKED, BLOCK_DV != HEAD_DV)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        s = _apply_user_mask(s, mask_base, offs_m[:, None], offs_n[None, :], stride_mn,
+                             stride_mm, N, M, MASK_KIND)
+        if MASKED:
+            valid = offs_n[None, :] < M
+            if IS_CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(valid, s, float("-inf"))
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, dropout_p, drop_row, offs_m[:, None], offs_n[None, :], M)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, Mask, dO, Lse, Delta, dQ,
+    sm_scale, dropout_p, seed,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mn, stride_mm,
+    stride_gb, stride_gh, stride_gn, stride_gd,
+    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+    H, N, M, GROUP,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    if IS_CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    hk = h // GROUP
+    drop_row = (b * H + h) * N
+
+    i0 = pid_m * BLOCK_M
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < N
+    q = _load_2d(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn
+                 + offs_d[None, :] * stride_qd, row_ok, offs_d < HEAD_D, True, BLOCK_D != HEAD_D)
+    do = _load_2d(dO + b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gn
+                  + offs_dv[None, :] * stride_gd, row_ok, offs_dv < HEAD_DV, True,
+                  BLOCK_DV != HEAD_DV)
+    lse = tl.load(Lse + drop_row + offs_m, mask=row_ok, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
+    delta = tl.load(Delta + drop_row + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    qk_scale = sm_scale * _LOG2E
+
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    mask_base = Mask + b * stride_mb + h * stride_mh
+    if IS_CAUSAL:
+        hi = tl.minimum(M, i0 + BLOCK_M)
+        full_hi = (tl.minimum(M, i0 + 1) // BLOCK_N) * BLOCK_N
+    else:
+        hi = M
+        full_hi = (M // BLOCK_N) * BLOCK_N
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
+                   offs_m, offs_d, offs_dv, 0, full_hi, qk_scale, dropout_p, seed,
+                   stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
+                   HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
+                   DOT_PREC, BLOCK_N, False)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
+                   offs_m, offs_d, offs_dv, full_hi, hi, qk_scale, dropout_p, seed,
+                   stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
+                   HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
+                   DOT_PREC, BLOCK_N, True)
+    dq = dq * sm_scale
+    tl.store(dQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn
+             + offs_d[None, :] * stride_dqd, dq.to(dQ.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D))
+
+
+# ----------------------------------------------------------------------------------------------
+# dropout mask (for tests and for users who want to see the mask a seed gives)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dropout_keep_kernel(Keep, dropout_p, seed, H, N, M,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    num_n = tl.cdiv(M, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    drop_row = (b * H + h) * N
+    keep = _dropout_keep(seed, dropout_p, drop_row, offs_m[:, None], offs_n[None, :], M)
+    ptrs = Keep + (drop_row + offs_m.to(tl.int64))[:, None] * M + offs_n[None, :]
+    tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < N) & (offs_n[None, :] < M))
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+# Under TRITON_INTERPRET=1, @triton.jit gives an interpreted function instead of a JITFunction;
+# the autotuner cannot benchmark there (no GPU timers), so the launchers pick a config.
+_INTERPRETED = not isinstance(_attn_fwd_kernel, triton.runtime.JITFunction)
+
+
+def _check_device(fn: str, t: torch.Tensor) -> None:
+    if not (t.is_cuda or _INTERPRETED):
+        raise RuntimeError(
+            f"{fn}: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before "
+            f"attnkit.kernels.softmax is imported, for CPU tensors); got a {t.device.type} tensor")
+
+
+def _check_inputs(fn, q, k, v, dropout_p):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{fn}: {name} must be 4-D [B, H, L, D]; got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{fn}: {name} must be float16, bfloat16 or float32; got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{fn}: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, H, _, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"{fn}: batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"{fn}: k and v must have the same heads and length; got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[3] != D:
+        raise ValueError(f"{fn}: k head dim must equal q's ({D}); got {k.shape[3]}")
+    if k.shape[1] == 0 or H % k.shape[1] != 0:
+        raise ValueError(f"{fn}: query heads ({H}) must be a multiple of key/value heads "
+                         f"({k.shape[1]})")
+    for name, d in (("q/k head dim", D), ("v head dim", v.shape[3])):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{fn}: {name} must be in 1..{MAX_HEAD_DIM}; got {d}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1); got {dropout_p}")
+    _check_device(fn, q)
+
+
+def _prepare_mask(fn, mask, q, B, H, N, M):
+    """(MASK_KIND, tensor to pass, its 4 strides).  0 = none, 1 = bool, 2 = additive."""
+    if mask is None:
+        return 0, q, (0, 0, 0, 0)  # q is a stand-in pointer; MASK_KIND=0 never reads it
+    try:
+        mask = mask.expand(B, H, N, M)  # a view: broadcast dimensions get stride 0
+    except RuntimeError as exc:
+        raise ValueError(f"{fn}: mask of shape {tuple(mask.shape)} does not broadcast to "
+                         f"[B, H, N, M] = {[B, H, N, M]}") from exc
+    if mask.dtype == torch.bool:
+        return 1, mask.view(torch.uint8), mask.stride()  # same itemsize: any strides view
+    if mask.is_floating_point():
+        return 2, mask, mask.stride()
+    raise TypeError(f"{fn}: mask must be bool or floating; got {mask.dtype}")
+
+
+def _meta(config):
+    """(BLOCK_M, BLOCK_N, launch kwargs) of a triton.Config."""
+    kw = dict(config.kwargs)
+    return kw["BLOCK_M"], kw["BLOCK_N"], dict(kw, num_warps=config.num_warps,
+                                              num_stages=config.num_stages)
+
+
+def _launch(name, dmax, grid, args, consts, config):
+    """Run kernel ``name`` with ``config`` or, when None, autotuned (first candidate when
+    interpreted).  ``grid(BLOCK_M, BLOCK_N)`` gives the launch grid."""
+    fn = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}[name]
+    if config is None and _INTERPRETED:
+        config = configs_for(name, dmax)[0]
+    if config is None:
+        tuned = _autotuned(name, dmax)
+        wrap_triton(tuned)[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **consts)
+    else:
+        bm, bn, launch = _meta(config)
+        wrap_triton(fn)[grid(bm, bn)](*args, **consts, **launch)
+
+
+def _strides(t):
+    return tuple(t.stride())
+
+
+def _dot_precision(dtype):
+    # float32 inputs: full-precision products (TF32 would miss the 2e-5 accuracy target);
+    # float16 / bfloat16 ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=0, config=None):
+    """Flash-attention forward.  Returns ``(out [B, H, N, Dv] in q.dtype, lse [B, H, N] f32)``.
+
+    ``scale`` None means 1/sqrt(D).  ``config``: a ``triton.Config`` with BLOCK_M / BLOCK_N
+    (and num_warps / num_stages) to skip autotuning; see ``FWD_CONFIGS``.
+    """
+    fn = "softmax_fwd"
+    _check_inputs(fn, q, k, v, dropout_p)
+    B, H, N, D = q.shape
+    Hk, M, Dv = k.shape[1], k.shape[2], v.shape[3]
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out = torch.empty((B, H, N, Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    mask_kind, mask_t, mask_strides = _prepare_mask(fn, mask, q, B, H, N, M)
+    if B * H * N == 0:
+        return out, lse
+    if M == 0:  # no key at all: every row is fully masked
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    has_dropout = dropout_p > 0.0
+    block_d, block_dv = _pow2(D), _pow2(Dv)
+    args = (q, k, v, mask_t, out, lse,
+            scale, float(dropout_p) if has_dropout else 0.0, int(seed) if has_dropout else 0,
+            *_strides(q), *_strides(k), *_strides(v), *mask_strides, *_strides(out),
+            H, N, M, H // Hk)
+    consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                  IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout,
+                  DOT_PREC=_dot_precision(q.dtype))
+    _launch("fwd", max(block_d, block_dv), lambda bm, bn: (triton.cdiv(N, bm), H, B), args,
+            consts, config)
+    return out, lse
+
+
+def softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal, dropout_p=0.0, seed=0,
+                config=None):
+    """Flash-attention backward from the forward's ``out`` and ``lse``; returns (dq, dk, dv).
+
+    ``dropout_p`` / ``seed`` must be those of the forward (the mask is regenerated).  ``config``:
+    None (autotune), one ``triton.Config`` for both the dK/dV and the dQ kernel, or a pair
+    ``(dkdv_config, dq_config)``; see ``BWD_DKDV_CONFIGS`` and ``BWD_DQ_CONFIGS``.  No gradient
+    is returned for an additive mask.
+    """
+    fn = "softmax_bwd"
+    _check_inputs(fn, q, k, v, dropout_p)
+    B, H, N, D = q.shape
+    Hk, M, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if tuple(grad_out.shape) != (B, H, N, Dv) or tuple(out.shape) != (B, H, N, Dv):
+        raise ValueError(f"{fn}: grad_out and out must have shape {(B, H, N, Dv)}; got "
+                         f"{tuple(grad_out.shape)} and {tuple(out.shape)}")
+    if tuple(lse.shape) != (B, H, N) or lse.dtype != torch.float32:
+        raise ValueError(f"{fn}: lse must be float32 of shape {(B, H, N)}; got "
+                         f"{lse.dtype} {tuple(lse.shape)}")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    mask_kind, mask_t, mask_strides = _prepare_mask(fn, mask, q, B, H, N, M)
+    if config is None or isinstance(config, triton.Config):
+        cfg_dkdv = cfg_dq = config
+    else:
+        cfg_dkdv, cfg_dq = config
+
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    if B * H == 0:
+        return dq, dk, dv
+    if N == 0 or M == 0:  # no query-key pair: nothing flows back
+        return dq.zero_(), dk.zero_(), dv.zero_()
+
+    lse = lse.contiguous()
+    delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    block_d, block_dv = _pow2(D), _pow2(Dv)
+    pre_block = 64
+    wrap_triton(_attn_bwd_preprocess)[(triton.cdiv(N, pre_block), H, B)](
+        out, grad_out, delta, *_strides(out), *_strides(grad_out), H, N,
+        HEAD_DV=Dv, BLOCK_DV=block_dv, BLOCK_M=pre_block)
+
+    has_dropout = dropout_p > 0.0
+    common = (scale, float(dropout_p) if has_dropout else 0.0, int(seed) if has_dropout else 0,
+              *_strides(q), *_strides(k), *_strides(v), *mask_strides, *_strides(grad_out))
+    consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                  IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout,
+                  DOT_PREC=_dot_precision(q.dtype))
+    dmax = max(block_d, block_dv)
+    _launch("dkdv", dmax, lambda bm, bn: (triton.cdiv(M, bn), Hk, B),
+            (q, k, v, mask_t, grad_out, lse, delta, dk, dv, *common, *_strides(dk),
+             *_strides(dv), H, N, M, H // Hk), consts, cfg_dkdv)
+    _launch("dq", dmax, lambda bm, bn: (triton.cdiv(N, bm), H, B),
+            (q, k, v, mask_t, grad_out, lse, delta, dq, *common, *_strides(dq), H, N, M,
+             H // Hk), consts, cfg_dq)
+    return dq, dk, dv
+
+
+def dropout_keep_mask(B, H, N, M, dropout_p, seed, device):
+    """The keep mask (bool [B, H, N, M], True = kept) that ``softmax_fwd`` / ``softmax_bwd``
+    apply for this ``dropout_p`` and ``seed``."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_keep_mask: dropout_p must be in [0, 1); got {dropout_p}")
+    keep = torch.empty((B, H, N, M), dtype=torch.bool, device=device)
+    if keep.numel() == 0:
+        return keep
+    _check_device("dropout_keep_mask", keep)
+    bm = min(32, triton.next_power_of_2(N))  # no tl.dot here: tiles may be thin
+    bn = min(2048 // bm, triton.next_power_of_2(M))
+    wrap_triton(_dropout_keep_kernel)[(triton.cdiv(N, bm) * triton.cdiv(M, bn), H, B)](
+        keep.view(torch.uint8), float(dropout_p), int(seed), H, N, M, BLOCK_M=bm, BLOCK_N=bn)
+    return keep
