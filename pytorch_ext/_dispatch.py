@@ -18,7 +18,6 @@ for by name is never replaced: if it cannot run, the call raises
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from typing import NamedTuple
@@ -56,14 +55,21 @@ def implemented(family: str) -> tuple[str, ...]:
     return tuple(b for b in BACKENDS if b in _IMPLEMENTED[family])
 
 
-@functools.lru_cache(maxsize=None)
+# Import probes run once per process; plain dicts rather than functools.lru_cache, which
+# torch.compile warns about when it traces through resolve().
+_PROBES: dict[str, str] = {}
+
+
 def _native_import_error() -> str:
     """'' when attnkit._C imports, else why not."""
-    try:
-        from . import _C  # noqa: F401
-    except ImportError as exc:  # not built (no compiler at install time) or broken
-        return f"attnkit._C is not built or failed to load ({exc})"
-    return ""
+    if "native" not in _PROBES:
+        try:
+            from . import _C  # noqa: F401
+
+            _PROBES["native"] = ""
+        except ImportError as exc:  # not built (no compiler at install time) or broken
+            _PROBES["native"] = f"attnkit._C is not built or failed to load ({exc})"
+    return _PROBES["native"]
 
 
 def native():
@@ -76,11 +82,11 @@ def native():
     return _C
 
 
-@functools.lru_cache(maxsize=None)
 def _triton_import_error() -> str:
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed (pip install triton)"
-    return ""
+    if "triton" not in _PROBES:
+        missing = importlib.util.find_spec("triton") is None
+        _PROBES["triton"] = "triton is not installed (pip install triton)" if missing else ""
+    return _PROBES["triton"]
 
 
 def triton_interpreted() -> bool:

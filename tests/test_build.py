@@ -35,14 +35,19 @@ def test_install_without_a_compiler_still_imports(tmp_path):
     )
     assert not list(target.rglob("_C*.so"))
     probe = (
+        # The developer's editable install puts a finder on sys.meta_path that would resolve
+        # attnkit._C from the source tree; drop it so only the wheel under test is seen.
+        "import sys;"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()];"
         "import attnkit, torch;"
+        "assert attnkit.__file__.startswith(sys.argv[1]), attnkit.__file__;"
         "s = attnkit.backends()['hopfield_energy']['cpu'];"
         "assert not s.usable and 'attnkit._C' in s.reason, s;"
         "q = torch.randn(1, 1, 3, 4);"
         "print(attnkit.softmax_attention(q, q, q).shape)"
     )
     out = subprocess.run(
-        [sys.executable, "-c", probe], check=True, capture_output=True, text=True,
+        [sys.executable, "-c", probe, str(target)], check=True, capture_output=True, text=True,
         env=dict(os.environ, PYTHONPATH=str(target)), cwd=tmp_path,
     )
     assert "torch.Size([1, 1, 3, 4])" in out.stdout

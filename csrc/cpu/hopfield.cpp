@@ -11,6 +11,12 @@
 // block of scores is accumulated in registers (per d: one contiguous kP-wide load, kQ
 // broadcasts, kQ vector FMAs), and folded into a running (max, sum) log-sum-exp per query.
 // The exponentials use a polynomial that the compiler vectorizes (float); double uses std::exp.
+//
+// Cancellation: E is a difference of terms (lse/beta, log(N)/beta, |xi|^2/2, M^2/2) that can be
+// far larger than E itself (small beta with small scores: all scores nearly equal, lse ~ log N).
+// A float32 row then carries an error of ~eps32 * (size of the terms), which is far more than
+// eps32 * |E|.  Such rows (terms > kCancellation * |E|) are recomputed in double from the
+// inputs: rare in practice, and it keeps every float32 energy within a few eps32 of |E|.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -27,6 +33,7 @@ namespace {
 
 constexpr int64_t kQ = 8;   // queries per task tile
 constexpr int64_t kP = 16;  // stored patterns per tile (one AVX-512 float vector)
+constexpr double kCancellation = 32;  // recompute a float32 row above this cancellation factor
 
 // exp(x) for x <= 0 (the argument is always a score minus the running maximum).  float: range
 // reduction x = k ln2 + r, |r| <= ln2/2, then the degree-7 Taylor polynomial of exp(r)
@@ -52,18 +59,37 @@ inline float exp_nonpositive(float x) {
 
 inline double exp_nonpositive(double x) { return std::exp(x); }
 
+// log sum_i exp(beta * x_i . q) of one query row, in double throughout (the cancellation
+// fallback; scores: scratch space for the N scores).
+template <typename scalar_t>
+double row_lse_double(const scalar_t* q, const scalar_t* X, int64_t N, int64_t D, double beta,
+                      double* scores) {
+  double m = -std::numeric_limits<double>::infinity();
+  for (int64_t i = 0; i < N; ++i) {
+    double dot = 0;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(X[i * D + d]) * static_cast<double>(q[d]);
+    scores[i] = beta * dot;
+    m = scores[i] > m ? scores[i] : m;
+  }
+  double l = 0;
+  for (int64_t i = 0; i < N; ++i) l += std::exp(scores[i] - m);
+  return m + std::log(l);
+}
+
 template <typename scalar_t, typename acc_t>
 void energy_kernel(const scalar_t* state, const scalar_t* stored, acc_t* energy, acc_t* lse,
-                   int64_t BH, int64_t S, int64_t N, int64_t D, acc_t beta) {
+                   int64_t BH, int64_t S, int64_t N, int64_t D, double beta_in) {
+  const acc_t beta = static_cast<acc_t>(beta_in);
   const int64_t tiles = (N + kP - 1) / kP;
   // Packed stored patterns: [BH][tiles][D][kP], zero-padded past N.
   std::vector<acc_t> packed(static_cast<size_t>(BH * tiles * D * kP));
-  std::vector<acc_t> max_sq(BH);
+  std::vector<double> max_sq(BH);  // in double for the cancellation fallback
   at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const scalar_t* X = stored + bh * N * D;
       acc_t* out = packed.data() + bh * tiles * D * kP;
-      acc_t best = 0;
+      double best = 0;
       for (int64_t t = 0; t < tiles; ++t) {
         acc_t* tile = out + t * D * kP;
         for (int64_t p = 0; p < kP; ++p) {
@@ -72,11 +98,11 @@ void energy_kernel(const scalar_t* state, const scalar_t* stored, acc_t* energy,
             for (int64_t d = 0; d < D; ++d) tile[d * kP + p] = 0;
             continue;
           }
-          acc_t sq = 0;
+          double sq = 0;
           for (int64_t d = 0; d < D; ++d) {
             const acc_t x = static_cast<acc_t>(X[i * D + d]);
             tile[d * kP + p] = x;
-            sq += x * x;
+            sq += static_cast<double>(x) * static_cast<double>(x);
           }
           best = std::max(best, sq);
         }
@@ -89,6 +115,7 @@ void energy_kernel(const scalar_t* state, const scalar_t* stored, acc_t* energy,
   const int64_t query_tiles = (S + kQ - 1) / kQ;
   at::parallel_for(0, BH * query_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> xi(static_cast<size_t>(kQ * D));
+    std::vector<double> scores;  // the fallback's scratch, allocated on first use
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / query_tiles;
       const int64_t q0 = (task % query_tiles) * kQ;
@@ -140,11 +167,28 @@ void energy_kernel(const scalar_t* state, const scalar_t* stored, acc_t* energy,
           l[q] += sum;
         }
       }
+      const acc_t half_max_sq = static_cast<acc_t>(0.5 * max_sq[bh]);
       for (int64_t q = 0; q < rows; ++q) {
-        const acc_t row_lse = m[q] + std::log(l[q]);
         const int64_t row = bh * S + q0 + q;
+        acc_t row_lse = m[q] + std::log(l[q]);
+        acc_t row_energy = -row_lse / beta + acc_t(0.5) * xi_sq[q] + log_n / beta + half_max_sq;
+        if constexpr (std::is_same_v<acc_t, float>) {
+          const double terms = std::abs(static_cast<double>(row_lse)) / beta + log_n / beta +
+                               0.5 * xi_sq[q] + 0.5 * max_sq[bh];
+          // (false for NaN: a NaN row stays NaN)
+          if (terms > kCancellation * std::abs(static_cast<double>(row_energy))) {
+            if (scores.empty()) scores.resize(static_cast<size_t>(N));
+            const scalar_t* q_row = Q + q * D;
+            const double lse_d = row_lse_double(q_row, stored + bh * N * D, N, D, beta_in, scores.data());
+            double q_sq = 0;
+            for (int64_t d = 0; d < D; ++d) q_sq += static_cast<double>(q_row[d]) * static_cast<double>(q_row[d]);
+            row_lse = static_cast<acc_t>(lse_d);
+            row_energy = static_cast<acc_t>(-(lse_d - std::log(static_cast<double>(N))) / beta_in +
+                                            0.5 * q_sq + 0.5 * max_sq[bh]);
+          }
+        }
         lse[row] = row_lse;
-        energy[row] = -row_lse / beta + acc_t(0.5) * xi_sq[q] + log_n / beta + acc_t(0.5) * max_sq[bh];
+        energy[row] = row_energy;
       }
     }
   });
@@ -177,7 +221,7 @@ std::tuple<at::Tensor, at::Tensor> hopfield_energy_fwd_cpu(const at::Tensor& sta
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     energy_kernel<scalar_t, acc_t>(st.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
                                    energy.mutable_data_ptr<acc_t>(), lse.mutable_data_ptr<acc_t>(),
-                                   B * H, S, N, D, static_cast<acc_t>(beta));
+                                   B * H, S, N, D, beta);
   });
   return {energy, lse};
 }

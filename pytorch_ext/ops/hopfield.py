@@ -12,8 +12,6 @@ Two dispatch families:
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .._dispatch import BackendUnavailableError, native, register_kernel, resolve
@@ -31,18 +29,18 @@ _BWD_PROBS_BUDGET = 1 << 22
 
 
 def _load_energy_op():
-    """The C++ energy op when attnkit._C loads and declares it, else None."""
+    """(whether attnkit._C loads, the C++ energy op or None)."""
     try:
         native()  # importing attnkit._C runs its TORCH_LIBRARY registrations
     except BackendUnavailableError:
-        return None
+        return False, None
     try:
-        return torch.ops.attnkit.hopfield_energy_fwd.default
+        return True, torch.ops.attnkit.hopfield_energy_fwd.default
     except AttributeError:  # an extension built from older sources, without this op
-        return None
+        return True, None
 
 
-_energy_op = _load_energy_op()
+_native_loaded, _energy_op = _load_energy_op()
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -120,11 +118,16 @@ def _energy_backward(ctx, grad_energy, grad_lse):
 if _energy_op is not None:
     torch.library.register_fake(_ENERGY_OP_NAME, _energy_fake)
     torch.library.register_autograd(_ENERGY_OP_NAME, _energy_backward, setup_context=_energy_setup_context)
+if _energy_op is not None or not _native_loaded:
+    # Without attnkit._C the family still has a cpu kernel, one this machine cannot run: the
+    # dispatcher then reports the extension's import error as the reason (and falls back to the
+    # reference by default).  Only an extension that loads without this op (built from older
+    # sources) leaves the family without one.
     register_kernel("hopfield_energy", "cpu")
 
 
 def _check_common(fn: str, state, stored) -> None:
-    """Checks shared by both functions: state [B,H,S,D] and stored [B,H,N,D], beta > 0."""
+    """Checks shared by both functions: state [B,H,S,D] and stored [B,H,N,D] with N, D >= 1."""
     check_tensor(fn, "state", state, "[B, H, S, D]")
     check_tensor(fn, "stored", stored, "[B, H, N, D]")
     check_size_match(fn, "batch size", {"state": state.shape[0], "stored": stored.shape[0]})
