@@ -1,0 +1,953 @@
+// CUDA C++ kernels of softmax attention (FlashAttention-2 style), registered for the CUDA
+// dispatch key of attnkit::softmax_fwd and attnkit::softmax_bwd (schemas in csrc/ops.cpp).
+//
+// STATUS.  Checked: compiles with nvcc -c for sm_80 and sm_90a against torch's headers
+// (.ci/compile_cuda.sh); ptxas -v: 128-244 registers per thread, no spills except 16-24 bytes
+// in the D = 64 forward.  The device code (this file up to "host side") was also run on the CPU
+// through a host emulation of the warp primitives (one std::thread per CUDA thread, barriers for
+// __syncthreads / shuffles, ldmatrix and mma.m16n8k16 rebuilt from the PTX ISA's fragment
+// tables, shared memory sized exactly and poisoned with NaN, ASan/UBSan on) against the float64
+// reference: fp16/bf16, D 64/128, causal, GQA, bool/float masks, odd N and M, empty M.
+// NOT yet checked: it has not run on a GPU (nor has the host side, below "host side").  Its
+// correctness and speed are tested by tests/csrc/test_softmax_cuda.py (`pytest -m gpu`); until
+// that has passed on a GPU, treat this backend as unverified.
+//
+// WHAT IT COMPUTES.  q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,D] (float16 or bfloat16; D = 64 or
+// 128, value's head dim equal to query's; other head dims fail with a TORCH_CHECK that names
+// them, so the Python side can route elsewhere).  GQA: query head h reads kv head h / (H/Hk).
+// Optional mask [B,H,N,M] (any strides, stride-0 broadcast welcome; each dim may also be 1):
+// bool (True = attend) or float16/bfloat16/float32/float64 (added to the scaled scores).
+// is_causal: key j is visible to query i iff j <= i (top-left; N != M allowed).
+// Forward -> out [B,H,N,D] (input dtype), lse [B,H,N] float32; a row with no visible key gives
+// out 0 and lse -inf.  Backward -> dq, dk, dv (contiguous, input dtype); dk/dv summed over the
+// query heads of each GQA group.
+//
+// HOW.  Thread blocks of 4 warps; each warp owns 16 rows of a 64-row tile and multiplies with
+// tensor-core mma.sync.m16n8k16 (fp16/bf16 operands, fp32 accumulation), through inline PTX.
+// Fragments are read from shared memory with ldmatrix.x4 (.trans for the operands stored
+// key-major, like V in P·V); rows padded by 8 elements, so the loads are bank-conflict free.
+// The accumulator of one product (C layout) is re-packed in registers as the A operand of the
+// next (S -> P -> P·V), as in FlashAttention-2.
+//  - forward: one block per (64 queries, h, b); loops over key tiles of 64 with an online
+//    softmax in the base-2 domain (scores pre-multiplied by scale·log2 e); writes out, lse.
+//  - backward: (1) delta = rowsum(dO ∘ O) per query row (fp32);
+//    (2) dQ: one block per (64 queries, h, b), loops over key tiles, recomputes
+//        P = exp(S - lse), dP = dO·Vᵀ, dS = P ∘ (dP - delta), dQ += dS·K (no atomics);
+//    (3) dK/dV: one block per (64 keys, kv head, b), loops over the query heads of its GQA
+//        group and their query tiles, with Sᵀ = K·Qᵀ: dV += Pᵀ·dO, dPᵀ = V·dOᵀ,
+//        dK += dSᵀ·Q (no atomics; deterministic).
+//  - causal: key tiles entirely above the diagonal are skipped (forward, dQ), and so are the
+//    query tiles entirely before a key tile (dK/dV).  Tiles are bounds-checked (zero-filled
+//    past N / M and masked), so any N and M work.
+//  - masked entries are -inf in the scores (forward) or P = 0 (backward); the running maximum
+//    of a row that has seen only -inf is replaced by 0 when exponentiating, so no -inf - -inf
+//    NaN; a row with lse = -inf is treated as lse = +inf in the backward (P = 0, zero grads).
+// Inputs need only a contiguous last dim with 16-byte aligned rows; others are copied first.
+
+// The CPU torch wheel (used by CI's compile check) does not ship this generated header; it only
+// matters for Windows DLL exports, which c10/cuda/CUDAMacros.h lets us skip.  A CUDA wheel
+// ships it and it is used.
+#if defined(__has_include)
+#if !__has_include(<c10/cuda/impl/cuda_cmake_macros.h>)
+#define C10_CUDA_NO_CMAKE_CONFIGURE_FILE
+#endif
+#endif
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace attnkit {
+namespace {
+
+constexpr int kThreads = 128;  // 4 warps per block
+constexpr int kBlockQ = 64;    // queries per block (forward, dQ): warp w owns rows 16w..16w+15
+constexpr int kBlockK = 64;    // keys per tile (all kernels); dK/dV: warp w owns keys 16w..16w+15
+constexpr int kPad = 8;        // shared-memory row padding (elements): conflict-free fragment loads
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ---------------------------------------------------------------------------------------------
+// mask
+// ---------------------------------------------------------------------------------------------
+
+enum MaskKind : int { kNoMask = 0, kBoolMask, kF32Mask, kF16Mask, kBF16Mask, kF64Mask };
+
+struct Mask {
+  const void* ptr;
+  int kind;
+  int64_t sb, sh, sn, sm;  // element strides (0 where broadcast)
+};
+
+// The mask's contribution to the base-2 score of (query i, key j): 0 / -inf for a bool mask,
+// value · log2(e) for a float one.  `base` = b · sb + h · sh.
+__device__ __forceinline__ float mask_bias_log2(const Mask& mk, int64_t base, int i, int j) {
+  const int64_t off = base + static_cast<int64_t>(i) * mk.sn + static_cast<int64_t>(j) * mk.sm;
+  switch (mk.kind) {
+    case kBoolMask:
+      return static_cast<const uint8_t*>(mk.ptr)[off] ? 0.f : -INFINITY;
+    case kF32Mask:
+      return static_cast<const float*>(mk.ptr)[off] * kLog2e;
+    case kF16Mask:
+      return __half2float(static_cast<const __half*>(mk.ptr)[off]) * kLog2e;
+    case kBF16Mask:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(mk.ptr)[off]) * kLog2e;
+    case kF64Mask:
+      return static_cast<float>(static_cast<const double*>(mk.ptr)[off]) * kLog2e;
+    default:
+      return 0.f;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// element helpers (16-bit values are handled as raw bits; only conversions know the dtype)
+// ---------------------------------------------------------------------------------------------
+
+// Two floats rounded to the input dtype, packed as one 32-bit register: `lo` in the low half
+// (the element with the smaller column index, as the mma fragments want it).
+template <bool kBF16>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (kBF16) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+template <bool kBF16>
+__device__ __forceinline__ float to_float(uint16_t bits) {
+  if constexpr (kBF16) {
+    return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+  } else {
+    return __half2float(__ushort_as_half(bits));
+  }
+}
+
+// 2^x (ex2.approx: ~2 ulp; 2^-inf = +0, which the masking relies on).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// c += a · b for one m16n8k16 tile (a: 16x16 row-major fragment, b: 16x8 column fragment).
+template <bool kBF16>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kBF16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#else
+  // Never launched: the host checks compute capability >= 8.0 first.
+  __trap();
+#endif
+}
+
+// ldmatrix.x4: lanes 8m .. 8m+7 give the row addresses (16 bytes each) of 8x8 matrix m; register
+// m of lane l receives row l / 4, elements 2 (l % 4) and 2 (l % 4) + 1 of matrix m (.trans: the
+// elements [2 (l % 4)][l / 4] and [2 (l % 4) + 1][l / 4], i.e. of the transposed matrix).
+// asm volatile: must stay between the __syncthreads that guard the shared tiles.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// ---------------------------------------------------------------------------------------------
+// fragments (PTX ISA, mma.m16n8k16 with .f16/.bf16; g = lane / 4, t = lane % 4):
+//   A 16x16: reg0 = A[g][2t..2t+1], reg1 = A[g+8][2t..], reg2 = A[g][2t+8..], reg3 = A[g+8][2t+8..]
+//   B 16x8 : reg0 = B[2t..2t+1][g],  reg1 = B[2t+8..2t+9][g]
+//   C 16x8 : c0, c1 = C[g][2t], C[g][2t+1];  c2, c3 = C[g+8][2t], C[g+8][2t+1]
+// Shared-memory tiles are row-major with leading dimension kLd (elements).
+// ---------------------------------------------------------------------------------------------
+
+// All three loaders read 8x8 matrices with one ldmatrix.x4; the rows of a tile are 16-byte
+// aligned (kLd · 2 bytes is a multiple of 16, column offsets are multiples of 8 elements), and
+// the kPad elements of padding put the 8 rows of one matrix on 8 different 4-bank groups.
+
+// A = tile[r0 .. r0+15][c0 .. c0+15].  Matrices: 0 = rows r0.., cols c0..; 1 = rows r0+8..;
+// 2 = cols c0+8..; 3 = both (registers a[0..3] of the A layout, in that order).
+template <int kLd>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint16_t* tile, int r0, int c0, int lane) {
+  const int row = r0 + lane % 8 + ((lane / 8) % 2) * 8;
+  const int col = c0 + (lane / 16) * 8;
+  ldsm_x4(a, tile + row * kLd + col);
+}
+
+// Two B fragments for n-tiles n0 and n0 + 8, where B[k][n] = tile[n + n][k0 + k]: the tile
+// holds B's columns as rows (K for Q·Kᵀ).  Matrices: 0 = rows n0.., cols k0.. (b0[0]);
+// 1 = rows n0.., cols k0+8.. (b0[1]); 2 = rows n0+8.., cols k0.. (b1[0]); 3 = both (b1[1]).
+template <int kLd>
+__device__ __forceinline__ void load_b_nk2(uint32_t (&b0)[2], uint32_t (&b1)[2], const uint16_t* tile, int n0,
+                                           int k0, int lane) {
+  const int row = n0 + lane % 8 + (lane / 16) * 8;
+  const int col = k0 + ((lane / 8) % 2) * 8;
+  uint32_t r[4];
+  ldsm_x4(r, tile + row * kLd + col);
+  b0[0] = r[0], b0[1] = r[1], b1[0] = r[2], b1[1] = r[3];
+}
+
+// Two B fragments for n-tiles n0 and n0 + 8, where B[k][n] = tile[k0 + k][n]: the tile holds
+// B's rows as rows (V for P·V), read transposed.  Matrices: 0 = rows k0.., cols n0.. (b0[0]);
+// 1 = rows k0+8.., cols n0.. (b0[1]); 2 = rows k0.., cols n0+8.. (b1[0]); 3 = both (b1[1]).
+template <int kLd>
+__device__ __forceinline__ void load_b_kn2(uint32_t (&b0)[2], uint32_t (&b1)[2], const uint16_t* tile, int k0,
+                                           int n0, int lane) {
+  const int row = k0 + lane % 8 + ((lane / 8) % 2) * 8;
+  const int col = n0 + (lane / 16) * 8;
+  uint32_t r[4];
+  ldsm_x4_trans(r, tile + row * kLd + col);
+  b0[0] = r[0], b0[1] = r[1], b1[0] = r[2], b1[1] = r[3];
+}
+
+// The A fragment of columns 16 kc .. 16 kc + 15 of a 16-row accumulator held as C fragments
+// c[nt] (8 columns each): columns 16 kc + 0..7 are tile 2 kc, 16 kc + 8..15 tile 2 kc + 1.
+template <bool kBF16, int kNt>
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c)[kNt][4], int kc) {
+  a[0] = pack2<kBF16>(c[2 * kc][0], c[2 * kc][1]);
+  a[1] = pack2<kBF16>(c[2 * kc][2], c[2 * kc][3]);
+  a[2] = pack2<kBF16>(c[2 * kc + 1][0], c[2 * kc + 1][1]);
+  a[3] = pack2<kBF16>(c[2 * kc + 1][2], c[2 * kc + 1][3]);
+}
+
+// Copies rows [0, kR) of a tile of 16-bit elements with kD columns (global row stride `stride`
+// elements, rows 16-byte aligned) to shared memory (leading dimension kD + kPad), 16 bytes per
+// thread and step; rows >= `valid` are zero-filled (never read from global memory).
+template <int kR, int kD>
+__device__ __forceinline__ void load_tile(uint16_t* dst, const uint16_t* src, int64_t stride, int valid) {
+  constexpr int kChunks = kD / 8;
+  static_assert((kR * kChunks) % kThreads == 0, "tile must split evenly over the threads");
+#pragma unroll
+  for (int it = 0; it < kR * kChunks / kThreads; ++it) {
+    const int idx = it * kThreads + static_cast<int>(threadIdx.x);
+    const int r = idx / kChunks, c = idx % kChunks;
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    if (r < valid) val = *reinterpret_cast<const uint4*>(src + r * stride + c * 8);
+    *reinterpret_cast<uint4*>(dst + r * (kD + kPad) + c * 8) = val;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// forward
+// ---------------------------------------------------------------------------------------------
+
+struct FwdParams {
+  const uint16_t* q;
+  const uint16_t* k;
+  const uint16_t* v;
+  uint16_t* out;  // contiguous [B, H, N, D]
+  float* lse;     // contiguous [B, H, N]
+  int64_t q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn;  // element strides
+  Mask mask;
+  int H, group, N, M;  // group = H / Hk
+  float scale_log2;    // scale · log2(e): the scores live in the base-2 domain
+  bool causal;
+};
+
+template <int kD>
+constexpr size_t fwd_smem_bytes() {
+  return static_cast<size_t>(kBlockQ + 2 * kBlockK) * (kD + kPad) * sizeof(uint16_t);
+}
+
+template <bool kBF16, int kD>
+__global__ void __launch_bounds__(kThreads) softmax_fwd_kernel(const FwdParams p) {
+  constexpr int kLd = kD + kPad;
+  constexpr int kNt = kBlockK / 8;  // n-tiles of scores per warp row block
+  extern __shared__ __align__(16) uint16_t smem[];
+  uint16_t* q_s = smem;
+  uint16_t* k_s = q_s + kBlockQ * kLd;
+  uint16_t* v_s = k_s + kBlockK * kLd;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = lane % 4;
+  // Last query tiles first: under causal masking they have the most key tiles.
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * kBlockQ;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int64_t bh = static_cast<int64_t>(b) * p.H + h;
+  const int64_t mask_base = b * p.mask.sb + h * p.mask.sh;
+  const uint16_t* k_g = p.k + b * p.k_sb + hk * p.k_sh;
+  const uint16_t* v_g = p.v + b * p.v_sb + hk * p.v_sh;
+
+  load_tile<kBlockQ, kD>(q_s, p.q + b * p.q_sb + h * p.q_sh + q0 * p.q_sn, p.q_sn, min(kBlockQ, p.N - q0));
+
+  // This thread's two query rows: row0 (accumulator entries 0, 1) and row0 + 8 (entries 2, 3).
+  const int row0 = q0 + warp * 16 + lane / 4;
+  float o[kD / 8][4] = {};
+  float m_run[2] = {-INFINITY, -INFINITY};  // running max of the base-2 scores
+  float l_run[2] = {0.f, 0.f};  // this thread's part of the running sum (reduced at the end)
+
+  const int k_end = p.causal ? min(p.M, q0 + kBlockQ) : p.M;
+  for (int k0 = 0; k0 < k_end; k0 += kBlockK) {
+    __syncthreads();  // every warp is done with the previous K/V tiles (q_s: written before)
+    const int k_valid = min(kBlockK, p.M - k0);
+    load_tile<kBlockK, kD>(k_s, k_g + k0 * p.k_sn, p.k_sn, k_valid);
+    load_tile<kBlockK, kD>(v_s, v_g + k0 * p.v_sn, p.v_sn, k_valid);
+    __syncthreads();
+
+    // S = Q Kᵀ for the warp's 16 rows x 64 keys.
+    float s[kNt][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t a[4];
+      load_a<kLd>(a, q_s, warp * 16, kk * 16, lane);
+#pragma unroll
+      for (int nt = 0; nt < kNt; nt += 2) {
+        uint32_t b0[2], b1[2];
+        load_b_nk2<kLd>(b0, b1, k_s, nt * 8, kk * 16, lane);
+        mma16816<kBF16>(s[nt], a, b0);
+        mma16816<kBF16>(s[nt + 1], a, b1);
+      }
+    }
+
+    // Scale to base 2; -inf where the key is out of range, causally hidden or masked out.
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = row0 + (e / 2) * 8;
+        const int j = k0 + nt * 8 + 2 * t + (e % 2);
+        float x = s[nt][e] * p.scale_log2;
+        const bool visible = j < p.M && !(p.causal && j > i);
+        if (visible && p.mask.kind != kNoMask && i < p.N) x += mask_bias_log2(p.mask, mask_base, i, j);
+        s[nt][e] = visible ? x : -INFINITY;
+      }
+    }
+
+    // Online softmax.  The 4 lanes of a quad (same lane / 4) share a row.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[r], mx);
+      // A row that has seen only -inf: exponentiate against 0 (every term is then 0, no NaN).
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2_approx(m_run[r] - m_use);  // 0 when m_run was -inf
+      m_run[r] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+        s[nt][2 * r] = exp2_approx(s[nt][2 * r] - m_use);
+        s[nt][2 * r + 1] = exp2_approx(s[nt][2 * r + 1] - m_use);
+        sum += s[nt][2 * r] + s[nt][2 * r + 1];
+      }
+      l_run[r] = l_run[r] * alpha + sum;
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        o[dt][2 * r] *= alpha;
+        o[dt][2 * r + 1] *= alpha;
+      }
+    }
+
+    // O += P V (P rounded to the input dtype, as the A operand).
+#pragma unroll
+    for (int kc = 0; kc < kBlockK / 16; ++kc) {
+      uint32_t a[4];
+      acc_to_a<kBF16, kNt>(a, s, kc);
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; dt += 2) {
+        uint32_t b0[2], b1[2];
+        load_b_kn2<kLd>(b0, b1, v_s, kc * 16, dt * 8, lane);
+        mma16816<kBF16>(o[dt], a, b0);
+        mma16816<kBF16>(o[dt + 1], a, b1);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int i = row0 + 8 * r;
+    // l >= 1 whenever the row saw a finite score (its maximum contributes 2^0).
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    if (i < p.N) {
+      uint16_t* o_g = p.out + (bh * p.N + i) * kD;
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        *reinterpret_cast<uint32_t*>(o_g + dt * 8 + 2 * t) = pack2<kBF16>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+      }
+      if (t == 0) p.lse[bh * p.N + i] = l > 0.f ? (m_run[r] + log2f(l)) * kLn2 : -INFINITY;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// backward
+// ---------------------------------------------------------------------------------------------
+
+struct BwdParams {
+  const uint16_t* q;
+  const uint16_t* k;
+  const uint16_t* v;
+  const uint16_t* dout;
+  const float* lse;    // contiguous [B, H, N] (natural log)
+  const float* delta;  // contiguous [B, H, N]: rowsum(dO ∘ O)
+  uint16_t* dq;        // contiguous [B, H, N, D]
+  uint16_t* dk;        // contiguous [B, Hk, M, D]
+  uint16_t* dv;        // contiguous [B, Hk, M, D]
+  int64_t q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh, do_sn;
+  Mask mask;
+  int H, Hk, group, N, M;
+  float scale, scale_log2;
+  bool causal;
+};
+
+// The base-2 lse of a row as the backward uses it: P = 2^(x - lse2).  Rows with no visible key
+// (lse = -inf) and rows past N get +inf, so that every P of theirs is 0.
+__device__ __forceinline__ float lse_log2(const float* lse, int64_t bh, int N, int i) {
+  if (i >= N) return INFINITY;
+  const float value = lse[bh * N + i];
+  return value == -INFINITY ? INFINITY : value * kLog2e;
+}
+
+// delta[b, h, i] = sum_d dO[b, h, i, d] · O[b, h, i, d] (fp32); one warp per row.
+template <bool kBF16, int kD>
+__global__ void __launch_bounds__(256) softmax_bwd_delta_kernel(
+    const uint16_t* out, int64_t o_sb, int64_t o_sh, int64_t o_sn, const uint16_t* dout, int64_t do_sb,
+    int64_t do_sh, int64_t do_sn, float* delta, int H, int N, int64_t rows) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= rows) return;  // uniform per warp
+  const int lane = threadIdx.x % 32;
+  const int i = static_cast<int>(row % N);
+  const int64_t bh = row / N;
+  const int64_t h = bh % H, b = bh / H;
+  const uint16_t* o = out + b * o_sb + h * o_sh + i * o_sn;
+  const uint16_t* d = dout + b * do_sb + h * do_sh + i * do_sn;
+  float acc = 0.f;
+#pragma unroll
+  for (int c = 2 * lane; c < kD; c += 64) {
+    const uint32_t ov = *reinterpret_cast<const uint32_t*>(o + c);
+    const uint32_t dv = *reinterpret_cast<const uint32_t*>(d + c);
+    acc += to_float<kBF16>(static_cast<uint16_t>(ov & 0xffffu)) * to_float<kBF16>(static_cast<uint16_t>(dv & 0xffffu));
+    acc += to_float<kBF16>(static_cast<uint16_t>(ov >> 16)) * to_float<kBF16>(static_cast<uint16_t>(dv >> 16));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) delta[row] = acc;
+}
+
+template <int kD>
+constexpr size_t dq_smem_bytes() {
+  return static_cast<size_t>(2 * kBlockQ + 2 * kBlockK) * (kD + kPad) * sizeof(uint16_t);
+}
+
+// dQ for one tile of 64 queries of one (b, h): warp w owns query rows 16w..16w+15.
+template <bool kBF16, int kD>
+__global__ void __launch_bounds__(kThreads) softmax_bwd_dq_kernel(const BwdParams p) {
+  constexpr int kLd = kD + kPad;
+  constexpr int kNt = kBlockK / 8;
+  extern __shared__ __align__(16) uint16_t smem[];
+  uint16_t* q_s = smem;
+  uint16_t* do_s = q_s + kBlockQ * kLd;
+  uint16_t* k_s = do_s + kBlockQ * kLd;
+  uint16_t* v_s = k_s + kBlockK * kLd;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = lane % 4;
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * kBlockQ;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int64_t bh = static_cast<int64_t>(b) * p.H + h;
+  const int64_t mask_base = b * p.mask.sb + h * p.mask.sh;
+  const uint16_t* k_g = p.k + b * p.k_sb + hk * p.k_sh;
+  const uint16_t* v_g = p.v + b * p.v_sb + hk * p.v_sh;
+
+  const int q_valid = min(kBlockQ, p.N - q0);
+  load_tile<kBlockQ, kD>(q_s, p.q + b * p.q_sb + h * p.q_sh + q0 * p.q_sn, p.q_sn, q_valid);
+  load_tile<kBlockQ, kD>(do_s, p.dout + b * p.do_sb + h * p.do_sh + q0 * p.do_sn, p.do_sn, q_valid);
+
+  const int row0 = q0 + warp * 16 + lane / 4;
+  float lse2[2], dlt[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row0 + 8 * r;
+    lse2[r] = lse_log2(p.lse, bh, p.N, i);
+    dlt[r] = i < p.N ? p.delta[bh * p.N + i] : 0.f;
+  }
+  float dq[kD / 8][4] = {};
+
+  const int k_end = p.causal ? min(p.M, q0 + kBlockQ) : p.M;
+  for (int k0 = 0; k0 < k_end; k0 += kBlockK) {
+    __syncthreads();  // every warp is done with the previous K/V tiles
+    const int k_valid = min(kBlockK, p.M - k0);
+    load_tile<kBlockK, kD>(k_s, k_g + k0 * p.k_sn, p.k_sn, k_valid);
+    load_tile<kBlockK, kD>(v_s, v_g + k0 * p.v_sn, p.v_sn, k_valid);
+    __syncthreads();
+
+    float s[kNt][4] = {};   // S = Q Kᵀ, then P, then dS
+    float dp[kNt][4] = {};  // dP = dO Vᵀ
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t a[4], a_do[4];
+      load_a<kLd>(a, q_s, warp * 16, kk * 16, lane);
+      load_a<kLd>(a_do, do_s, warp * 16, kk * 16, lane);
+#pragma unroll
+      for (int nt = 0; nt < kNt; nt += 2) {
+        uint32_t bk0[2], bk1[2], bv0[2], bv1[2];
+        load_b_nk2<kLd>(bk0, bk1, k_s, nt * 8, kk * 16, lane);
+        load_b_nk2<kLd>(bv0, bv1, v_s, nt * 8, kk * 16, lane);
+        mma16816<kBF16>(s[nt], a, bk0);
+        mma16816<kBF16>(s[nt + 1], a, bk1);
+        mma16816<kBF16>(dp[nt], a_do, bv0);
+        mma16816<kBF16>(dp[nt + 1], a_do, bv1);
+      }
+    }
+
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = row0 + (e / 2) * 8;
+        const int j = k0 + nt * 8 + 2 * t + (e % 2);
+        float x = s[nt][e] * p.scale_log2;
+        const bool visible = j < p.M && !(p.causal && j > i);
+        if (visible && p.mask.kind != kNoMask && i < p.N) x += mask_bias_log2(p.mask, mask_base, i, j);
+        const float prob = visible ? exp2_approx(x - lse2[e / 2]) : 0.f;
+        s[nt][e] = prob * (dp[nt][e] - dlt[e / 2]);
+      }
+    }
+
+    // dQ += dS K  (the scale is applied once, at the end).
+#pragma unroll
+    for (int kc = 0; kc < kBlockK / 16; ++kc) {
+      uint32_t a[4];
+      acc_to_a<kBF16, kNt>(a, s, kc);
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; dt += 2) {
+        uint32_t b0[2], b1[2];
+        load_b_kn2<kLd>(b0, b1, k_s, kc * 16, dt * 8, lane);
+        mma16816<kBF16>(dq[dt], a, b0);
+        mma16816<kBF16>(dq[dt + 1], a, b1);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row0 + 8 * r;
+    if (i < p.N) {
+      uint16_t* g = p.dq + (bh * p.N + i) * kD;
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        *reinterpret_cast<uint32_t*>(g + dt * 8 + 2 * t) =
+            pack2<kBF16>(dq[dt][2 * r] * p.scale, dq[dt][2 * r + 1] * p.scale);
+      }
+    }
+  }
+}
+
+// Query rows per step of the dK/dV kernel: fewer for D = 128, where dK and dV alone take 128
+// accumulator registers per thread.
+// (A variable template: a constexpr function would need --expt-relaxed-constexpr in device code.)
+template <int kD>
+constexpr int kDkdvBlockQ = kD <= 64 ? 64 : 32;
+
+template <int kD>
+constexpr size_t dkdv_smem_bytes() {
+  constexpr int kBr = kDkdvBlockQ<kD>;
+  return static_cast<size_t>(2 * kBlockK + 2 * kBr) * (kD + kPad) * sizeof(uint16_t) + 2 * kBr * sizeof(float);
+}
+
+// dK, dV for one tile of 64 keys of one (b, kv head): warp w owns keys 16w..16w+15 and works
+// on the transposed products (Sᵀ = K Qᵀ), so that its rows of dK and dV stay in registers.
+template <bool kBF16, int kD>
+__global__ void __launch_bounds__(kThreads) softmax_bwd_dkdv_kernel(const BwdParams p) {
+  constexpr int kLd = kD + kPad;
+  constexpr int kBr = kDkdvBlockQ<kD>;
+  constexpr int kNt = kBr / 8;
+  extern __shared__ __align__(16) uint16_t smem[];
+  uint16_t* k_s = smem;
+  uint16_t* v_s = k_s + kBlockK * kLd;
+  uint16_t* q_s = v_s + kBlockK * kLd;
+  uint16_t* do_s = q_s + kBr * kLd;
+  // Byte offset (2 kBlockK + 2 kBr) · kLd · 2 is a multiple of 4 (kLd is even).
+  float* lse_s = reinterpret_cast<float*>(do_s + kBr * kLd);
+  float* dlt_s = lse_s + kBr;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = lane % 4;
+  const int k0 = blockIdx.x * kBlockK;
+  const int hk = blockIdx.y, b = blockIdx.z;
+  const int k_valid = min(kBlockK, p.M - k0);
+  load_tile<kBlockK, kD>(k_s, p.k + b * p.k_sb + hk * p.k_sh + k0 * p.k_sn, p.k_sn, k_valid);
+  load_tile<kBlockK, kD>(v_s, p.v + b * p.v_sb + hk * p.v_sh + k0 * p.v_sn, p.v_sn, k_valid);
+
+  // This thread's two key rows: key0 (entries 0, 1) and key0 + 8 (entries 2, 3).
+  const int key0 = k0 + warp * 16 + lane / 4;
+  float dk[kD / 8][4] = {};
+  float dv[kD / 8][4] = {};
+
+  // Causal: queries i < k0 see none of these keys; k0 is a multiple of kBr.
+  const int i_begin = p.causal ? k0 : 0;
+  for (int hg = 0; hg < p.group; ++hg) {
+    const int h = hk * p.group + hg;
+    const int64_t bh = static_cast<int64_t>(b) * p.H + h;
+    const int64_t mask_base = b * p.mask.sb + h * p.mask.sh;
+    const uint16_t* q_g = p.q + b * p.q_sb + h * p.q_sh;
+    const uint16_t* do_g = p.dout + b * p.do_sb + h * p.do_sh;
+    for (int i0 = i_begin; i0 < p.N; i0 += kBr) {
+      __syncthreads();  // every warp is done with the previous Q/dO tiles (k_s, v_s: written before)
+      const int i_valid = min(kBr, p.N - i0);
+      load_tile<kBr, kD>(q_s, q_g + i0 * p.q_sn, p.q_sn, i_valid);
+      load_tile<kBr, kD>(do_s, do_g + i0 * p.do_sn, p.do_sn, i_valid);
+      for (int idx = threadIdx.x; idx < kBr; idx += kThreads) {
+        const int i = i0 + idx;
+        lse_s[idx] = lse_log2(p.lse, bh, p.N, i);
+        dlt_s[idx] = i < p.N ? p.delta[bh * p.N + i] : 0.f;
+      }
+      __syncthreads();
+
+      // Sᵀ = K Qᵀ (warp's 16 keys x kBr queries) and dPᵀ = V dOᵀ.
+      float st[kNt][4] = {};
+      float dpt[kNt][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        uint32_t ak[4], av[4];
+        load_a<kLd>(ak, k_s, warp * 16, kk * 16, lane);
+        load_a<kLd>(av, v_s, warp * 16, kk * 16, lane);
+#pragma unroll
+        for (int nt = 0; nt < kNt; nt += 2) {
+          uint32_t bq0[2], bq1[2], bdo0[2], bdo1[2];
+          load_b_nk2<kLd>(bq0, bq1, q_s, nt * 8, kk * 16, lane);
+          load_b_nk2<kLd>(bdo0, bdo1, do_s, nt * 8, kk * 16, lane);
+          mma16816<kBF16>(st[nt], ak, bq0);
+          mma16816<kBF16>(st[nt + 1], ak, bq1);
+          mma16816<kBF16>(dpt[nt], av, bdo0);
+          mma16816<kBF16>(dpt[nt + 1], av, bdo1);
+        }
+      }
+
+      // Pᵀ (in st) and dSᵀ = Pᵀ ∘ (dPᵀ - delta) (in dpt).
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = key0 + (e / 2) * 8;
+          const int il = nt * 8 + 2 * t + (e % 2);
+          const int i = i0 + il;
+          float x = st[nt][e] * p.scale_log2;
+          const bool visible = j < p.M && i < p.N && !(p.causal && j > i);
+          if (visible && p.mask.kind != kNoMask) x += mask_bias_log2(p.mask, mask_base, i, j);
+          const float prob = visible ? exp2_approx(x - lse_s[il]) : 0.f;
+          st[nt][e] = prob;
+          dpt[nt][e] = prob * (dpt[nt][e] - dlt_s[il]);
+        }
+      }
+
+      // dV += Pᵀ dO,  dK += dSᵀ Q  (the scale is applied once, at the end).
+#pragma unroll
+      for (int kc = 0; kc < kBr / 16; ++kc) {
+        uint32_t ap[4], ads[4];
+        acc_to_a<kBF16, kNt>(ap, st, kc);
+        acc_to_a<kBF16, kNt>(ads, dpt, kc);
+#pragma unroll
+        for (int dt = 0; dt < kD / 8; dt += 2) {
+          uint32_t bdo0[2], bdo1[2], bq0[2], bq1[2];
+          load_b_kn2<kLd>(bdo0, bdo1, do_s, kc * 16, dt * 8, lane);
+          load_b_kn2<kLd>(bq0, bq1, q_s, kc * 16, dt * 8, lane);
+          mma16816<kBF16>(dv[dt], ap, bdo0);
+          mma16816<kBF16>(dv[dt + 1], ap, bdo1);
+          mma16816<kBF16>(dk[dt], ads, bq0);
+          mma16816<kBF16>(dk[dt + 1], ads, bq1);
+        }
+      }
+    }
+  }
+
+  const int64_t bhk = static_cast<int64_t>(b) * p.Hk + hk;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int j = key0 + 8 * r;
+    if (j < p.M) {
+      uint16_t* gk = p.dk + (bhk * p.M + j) * kD;
+      uint16_t* gv = p.dv + (bhk * p.M + j) * kD;
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        *reinterpret_cast<uint32_t*>(gk + dt * 8 + 2 * t) =
+            pack2<kBF16>(dk[dt][2 * r] * p.scale, dk[dt][2 * r + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(gv + dt * 8 + 2 * t) = pack2<kBF16>(dv[dt][2 * r], dv[dt][2 * r + 1]);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// host side
+// ---------------------------------------------------------------------------------------------
+
+// Rows the kernels can read with 16-byte loads: contiguous last dim, 16-byte aligned start,
+// every other stride (of a dim longer than 1) a multiple of 8 elements.
+bool rows_aligned(const at::Tensor& x) {
+  if (x.numel() == 0) return true;
+  if (x.size(-1) > 1 && x.stride(-1) != 1) return false;
+  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) return false;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) {
+    if (x.size(d) > 1 && x.stride(d) % 8 != 0) return false;
+  }
+  return true;
+}
+
+// x itself when its rows are aligned, else a fresh contiguous copy (a contiguous view with an
+// odd storage offset is copied too: .contiguous() would return it unchanged).
+at::Tensor aligned_rows(const at::Tensor& x) {
+  return rows_aligned(x) ? x : x.clone(at::MemoryFormat::Contiguous);
+}
+
+// Element stride of dim d, 0 where the dim has one element (its index is always 0).
+int64_t stride_or_zero(const at::Tensor& x, int64_t d) { return x.size(d) == 1 ? 0 : x.stride(d); }
+
+struct Shape {
+  int64_t B, H, Hk, N, M, D;
+};
+
+Shape check_qkv(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
+              ": q, k, v must be 4-D [B, H, N, D], [B, Hk, M, D], [B, Hk, M, Dv]; got ", q.dim(), "-D, ",
+              k.dim(), "-D, ", v.dim(), "-D");
+  TORCH_CHECK(q.is_cuda(), fn, ": the cuda backend takes CUDA tensors; got q on ", q.device());
+  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), fn,
+              ": q, k, v must be on one device; got ", q.device(), ", ", k.device(), ", ", v.device());
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, fn,
+              ": the cuda kernels take float16 or bfloat16; got ", q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), fn,
+              ": q, k, v must share one dtype; got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+              v.scalar_type());
+  const Shape s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
+  TORCH_CHECK(k.size(0) == s.B && v.size(0) == s.B && v.size(1) == s.Hk && v.size(2) == s.M && k.size(3) == s.D,
+              fn, ": shapes do not match: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(s.Hk > 0 ? s.H % s.Hk == 0 : s.H == 0, fn,
+              ": the query heads must be a multiple of the key/value heads; got H = ", s.H, ", Hk = ", s.Hk);
+  TORCH_CHECK((s.D == 64 || s.D == 128) && v.size(3) == s.D, fn,
+              ": the cuda kernels support head dims 64 and 128, with value's head dim equal to "
+              "query's; got D = ",
+              s.D, ", Dv = ", v.size(3));
+  TORCH_CHECK(s.N < (int64_t{1} << 30) && s.M < (int64_t{1} << 30), fn, ": sequence lengths must be < 2^30; got N = ",
+              s.N, ", M = ", s.M);
+  TORCH_CHECK(s.H <= 65535 && s.B <= 65535, fn, ": B and H must be <= 65535 (CUDA grid); got B = ", s.B,
+              ", H = ", s.H);
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
+  TORCH_CHECK(major >= 8, fn,
+              ": the cuda kernels need compute capability 8.0 or newer (tensor-core mma.m16n8k16); got ",
+              major, ".x");
+  return s;
+}
+
+Mask make_mask(const char* fn, const std::optional<at::Tensor>& mask, const Shape& s, const at::Tensor& q) {
+  Mask mk{nullptr, kNoMask, 0, 0, 0, 0};
+  if (!mask.has_value() || !mask->defined()) return mk;
+  const at::Tensor& m = *mask;
+  const int64_t want[4] = {s.B, s.H, s.N, s.M};
+  bool fits = m.dim() == 4;
+  for (int64_t d = 0; fits && d < 4; ++d) fits = m.size(d) == want[d] || m.size(d) == 1;
+  TORCH_CHECK(fits, fn, ": mask must have shape [B, H, N, M] = [", s.B, ", ", s.H, ", ", s.N, ", ", s.M,
+              "] (or 1 in any dim); got ", m.sizes());
+  TORCH_CHECK(m.device() == q.device(), fn, ": mask must be on q's device (", q.device(), "); got ", m.device());
+  switch (m.scalar_type()) {
+    case at::kBool: mk.kind = kBoolMask; break;
+    case at::kFloat: mk.kind = kF32Mask; break;
+    case at::kHalf: mk.kind = kF16Mask; break;
+    case at::kBFloat16: mk.kind = kBF16Mask; break;
+    case at::kDouble: mk.kind = kF64Mask; break;
+    default: TORCH_CHECK(false, fn, ": mask must be bool or floating point; got ", m.scalar_type());
+  }
+  mk.ptr = m.numel() > 0 ? m.data_ptr() : nullptr;
+  mk.sb = stride_or_zero(m, 0);
+  mk.sh = stride_or_zero(m, 1);
+  mk.sn = stride_or_zero(m, 2);
+  mk.sm = stride_or_zero(m, 3);
+  return mk;
+}
+
+template <typename Kernel>
+void allow_smem(Kernel kernel, size_t bytes) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+const uint16_t* bits(const at::Tensor& x) { return static_cast<const uint16_t*>(x.data_ptr()); }
+uint16_t* mutable_bits(at::Tensor& x) { return static_cast<uint16_t*>(x.data_ptr()); }
+
+template <bool kBF16, int kD>
+void launch_fwd(const FwdParams& p, dim3 grid, cudaStream_t stream) {
+  constexpr size_t smem = fwd_smem_bytes<kD>();
+  allow_smem(softmax_fwd_kernel<kBF16, kD>, smem);
+  softmax_fwd_kernel<kBF16, kD><<<grid, kThreads, smem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor> softmax_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                    const at::Tensor& v_in, const std::optional<at::Tensor>& mask,
+                                                    double scale, bool is_causal) {
+  constexpr const char* fn = "attnkit::softmax_fwd (cuda)";
+  const Shape s = check_qkv(fn, q_in, k_in, v_in);
+  const Mask mk = make_mask(fn, mask, s, q_in);
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);
+  at::Tensor out = at::empty({s.B, s.H, s.N, s.D}, q.options());
+  at::Tensor lse = at::empty({s.B, s.H, s.N}, q.options().dtype(at::kFloat));
+  if (s.B == 0 || s.H == 0 || s.N == 0) return {out, lse};
+
+  FwdParams p;
+  p.q = bits(q);
+  p.k = bits(k);
+  p.v = bits(v);
+  p.out = mutable_bits(out);
+  p.lse = lse.data_ptr<float>();
+  p.q_sb = stride_or_zero(q, 0), p.q_sh = stride_or_zero(q, 1), p.q_sn = stride_or_zero(q, 2);
+  p.k_sb = stride_or_zero(k, 0), p.k_sh = stride_or_zero(k, 1), p.k_sn = stride_or_zero(k, 2);
+  p.v_sb = stride_or_zero(v, 0), p.v_sh = stride_or_zero(v, 1), p.v_sn = stride_or_zero(v, 2);
+  p.mask = mk;
+  p.H = static_cast<int>(s.H);
+  p.group = static_cast<int>(s.H / s.Hk);
+  p.N = static_cast<int>(s.N);
+  p.M = static_cast<int>(s.M);
+  p.scale_log2 = static_cast<float>(scale) * kLog2e;
+  p.causal = is_causal;
+
+  const dim3 grid(static_cast<unsigned>((s.N + kBlockQ - 1) / kBlockQ), static_cast<unsigned>(s.H),
+                  static_cast<unsigned>(s.B));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  if (bf16) {
+    s.D == 64 ? launch_fwd<true, 64>(p, grid, stream) : launch_fwd<true, 128>(p, grid, stream);
+  } else {
+    s.D == 64 ? launch_fwd<false, 64>(p, grid, stream) : launch_fwd<false, 128>(p, grid, stream);
+  }
+  return {out, lse};
+}
+
+template <bool kBF16, int kD>
+void launch_bwd(const BwdParams& p, const at::Tensor& out, const at::Tensor& dout, float* delta, int64_t B,
+                cudaStream_t stream) {
+  const int64_t rows = B * p.H * static_cast<int64_t>(p.N);
+  if (rows > 0) {
+    constexpr int kRowsPerBlock = 256 / 32;
+    softmax_bwd_delta_kernel<kBF16, kD><<<static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock), 256, 0, stream>>>(
+        bits(out), stride_or_zero(out, 0), stride_or_zero(out, 1), stride_or_zero(out, 2), bits(dout),
+        stride_or_zero(dout, 0), stride_or_zero(dout, 1), stride_or_zero(dout, 2), delta, p.H, p.N, rows);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+    constexpr size_t dq_smem = dq_smem_bytes<kD>();
+    allow_smem(softmax_bwd_dq_kernel<kBF16, kD>, dq_smem);
+    const dim3 dq_grid(static_cast<unsigned>((p.N + kBlockQ - 1) / kBlockQ), static_cast<unsigned>(p.H),
+                       static_cast<unsigned>(B));
+    softmax_bwd_dq_kernel<kBF16, kD><<<dq_grid, kThreads, dq_smem, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (B * p.Hk * static_cast<int64_t>(p.M) > 0) {
+    // Runs also when N = 0: it then writes dK = dV = 0.
+    constexpr size_t dkdv_smem = dkdv_smem_bytes<kD>();
+    allow_smem(softmax_bwd_dkdv_kernel<kBF16, kD>, dkdv_smem);
+    const dim3 kv_grid(static_cast<unsigned>((p.M + kBlockK - 1) / kBlockK), static_cast<unsigned>(p.Hk),
+                       static_cast<unsigned>(B));
+    softmax_bwd_dkdv_kernel<kBF16, kD><<<kv_grid, kThreads, dkdv_smem, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, const std::optional<at::Tensor>& mask, double scale,
+    bool is_causal) {
+  constexpr const char* fn = "attnkit::softmax_bwd (cuda)";
+  const Shape s = check_qkv(fn, q_in, k_in, v_in);
+  const Mask mk = make_mask(fn, mask, s, q_in);
+  const at::IntArrayRef q_shape = q_in.sizes();
+  TORCH_CHECK(dout_in.sizes() == q_shape && out_in.sizes() == q_shape, fn,
+              ": grad_out and out must have q's shape ", q_shape, "; got ", dout_in.sizes(), " and ",
+              out_in.sizes());
+  TORCH_CHECK(dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type(), fn,
+              ": grad_out and out must have q's dtype ", q_in.scalar_type(), "; got ", dout_in.scalar_type(),
+              " and ", out_in.scalar_type());
+  TORCH_CHECK(lse_in.dim() == 3 && lse_in.size(0) == s.B && lse_in.size(1) == s.H && lse_in.size(2) == s.N, fn,
+              ": lse must have shape [B, H, N] = [", s.B, ", ", s.H, ", ", s.N, "]; got ", lse_in.sizes());
+  TORCH_CHECK(lse_in.scalar_type() == at::kFloat, fn, ": lse must be float32; got ", lse_in.scalar_type());
+  TORCH_CHECK(dout_in.device() == q_in.device() && out_in.device() == q_in.device() &&
+                  lse_in.device() == q_in.device(),
+              fn, ": grad_out, out and lse must be on q's device (", q_in.device(), ")");
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);
+  const at::Tensor dout = aligned_rows(dout_in), out = aligned_rows(out_in);
+  const at::Tensor lse = lse_in.contiguous();
+  at::Tensor dq = at::empty({s.B, s.H, s.N, s.D}, q.options());
+  at::Tensor dk = at::empty({s.B, s.Hk, s.M, s.D}, q.options());
+  at::Tensor dv = at::empty({s.B, s.Hk, s.M, s.D}, q.options());
+  at::Tensor delta = at::empty({s.B, s.H, s.N}, q.options().dtype(at::kFloat));
+  if (s.B == 0 || (s.H == 0 && s.Hk == 0)) return {dq, dk, dv};
+
+  BwdParams p;
+  p.q = bits(q);
+  p.k = bits(k);
+  p.v = bits(v);
+  p.dout = bits(dout);
+  p.lse = lse.data_ptr<float>();
+  p.delta = delta.data_ptr<float>();
+  p.dq = mutable_bits(dq);
+  p.dk = mutable_bits(dk);
+  p.dv = mutable_bits(dv);
+  p.q_sb = stride_or_zero(q, 0), p.q_sh = stride_or_zero(q, 1), p.q_sn = stride_or_zero(q, 2);
+  p.k_sb = stride_or_zero(k, 0), p.k_sh = stride_or_zero(k, 1), p.k_sn = stride_or_zero(k, 2);
+  p.v_sb = stride_or_zero(v, 0), p.v_sh = stride_or_zero(v, 1), p.v_sn = stride_or_zero(v, 2);
+  p.do_sb = stride_or_zero(dout, 0), p.do_sh = stride_or_zero(dout, 1), p.do_sn = stride_or_zero(dout, 2);
+  p.mask = mk;
+  p.H = static_cast<int>(s.H);
+  p.Hk = static_cast<int>(s.Hk);
+  p.group = static_cast<int>(s.H / s.Hk);
+  p.N = static_cast<int>(s.N);
+  p.M = static_cast<int>(s.M);
+  p.scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale) * kLog2e;
+  p.causal = is_causal;
+
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  float* delta_ptr = delta.data_ptr<float>();
+  if (q.scalar_type() == at::kBFloat16) {
+    s.D == 64 ? launch_bwd<true, 64>(p, out, dout, delta_ptr, s.B, stream)
+              : launch_bwd<true, 128>(p, out, dout, delta_ptr, s.B, stream);
+  } else {
+    s.D == 64 ? launch_bwd<false, 64>(p, out, dout, delta_ptr, s.B, stream)
+              : launch_bwd<false, 128>(p, out, dout, delta_ptr, s.B, stream);
+  }
+  return {dq, dk, dv};
+}
+
+}  // namespace
+}  // namespace attnkit
+
+TORCH_LIBRARY_IMPL(attnkit, CUDA, m) {
+  m.impl("softmax_fwd", &attnkit::softmax_fwd_cuda);
+  m.impl("softmax_bwd", &attnkit::softmax_bwd_cuda);
+}
