@@ -1,0 +1,86 @@
+"""Softmax attention cases: attnkit.softmax_attention against torch SDPA.
+
+FLOPs: 4·B·H·D·(visible query-key pairs) for the forward (Q·Kᵀ and P·V, 2 FLOPs per
+multiply-add), the pairs being N·M, or Σᵢ min(i+1, M) when causal (top-left); forward+backward
+counts 3.5× the forward (the backward's five matrix products against the forward's two, the
+convention of FlashAttention-2).
+
+Full sizes (issue 3): B=1, H=8, N=4096, D=64 — float32 forward and forward+backward, causal and
+not, and bfloat16 forward; on CUDA also bfloat16 D=128, N=8192, B·H=32.  ``--quick``: N=1024.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .harness import Case, Impl, attnkit_impls, dtype_name, reference_skip, seeded_randn
+
+FAMILY = "softmax"
+
+
+def visible_pairs(n: int, m: int, causal: bool) -> int:
+    """Number of (query, key) pairs attended: all N·M, or top-left causal Σᵢ min(i+1, M)."""
+    if not causal:
+        return n * m
+    full = min(n, m)  # rows 0..full-1 see i+1 keys, the rest see all M
+    return full * (full + 1) // 2 + (n - full) * m
+
+
+def flops(b: int, h: int, n: int, m: int, d: int, dv: int, causal: bool, mode: str) -> float:
+    fwd = 2.0 * b * h * visible_pairs(n, m, causal) * (d + dv)
+    return fwd * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def _inputs(b, h, n, d, dtype, seed):
+    def make(device):
+        return {
+            "q": seeded_randn((b, h, n, d), dtype, device, seed),
+            "k": seeded_randn((b, h, n, d), dtype, device, seed + 1),
+            "v": seeded_randn((b, h, n, d), dtype, device, seed + 2),
+        }
+    return make
+
+
+def _attnkit(causal):
+    def call(backend):
+        def fn(x):
+            import attnkit
+
+            return attnkit.softmax_attention(x["q"], x["k"], x["v"], is_causal=causal, backend=backend)
+        return fn
+    return call
+
+
+def _sdpa(causal):
+    def fn(x):
+        return F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=causal)
+    return fn
+
+
+def make_case(b: int, h: int, n: int, d: int, dtype: torch.dtype, causal: bool, mode: str,
+              device: torch.device, seed: int = 0) -> Case:
+    score_bytes = b * h * n * n * torch.empty((), dtype=dtype).element_size()
+    impls = attnkit_impls(FAMILY, device, _attnkit(causal),
+                          reference_skip_reason=reference_skip(score_bytes, device))
+    impls.append(Impl("torch SDPA", "peer", fn=_sdpa(causal)))
+    name = f"{'causal' if causal else 'full'}-{dtype_name(dtype)}-N{n}-D{d}"
+    params = {"B": b, "H": h, "N": n, "D": d, "dtype": dtype_name(dtype), "causal": causal}
+    return Case(FAMILY, name, mode, params, flops(b, h, n, n, d, d, causal, mode),
+                _inputs(b, h, n, d, dtype, seed), impls,
+                grad_inputs=("q", "k", "v") if mode == "fwd+bwd" else ())
+
+
+def cases(quick: bool, device: torch.device) -> list[Case]:
+    n = 1024 if quick else 4096
+    out = []
+    for mode in ("fwd", "fwd+bwd"):
+        for causal in (False, True):
+            out.append(make_case(1, 8, n, 64, torch.float32, causal, mode, device))
+    out.append(make_case(1, 8, n, 64, torch.bfloat16, False, "fwd", device))
+    if device.type == "cuda":
+        # The GPU target of issue 3: bfloat16, D=128, N=8192, B·H=32.
+        n_gpu = 2048 if quick else 8192
+        for mode in ("fwd", "fwd+bwd"):
+            out.append(make_case(4, 8, n_gpu, 128, torch.bfloat16, False, mode, device))
+            out.append(make_case(4, 8, n_gpu, 128, torch.bfloat16, True, mode, device))
+    return out

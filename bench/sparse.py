@@ -1,0 +1,181 @@
+"""Sparse attention cases: attnkit.sparse_attention against what a user would run instead.
+
+Peers: torch SDPA with the pattern as a dense boolean mask; FlexAttention (``torch.compile``d)
+with a BlockMask built from the same mask; and dense causal SDPA — a different function, shown
+for its cost only (the issue's "≥ 4× dense causal" target).  The masks are built here from the
+pattern definitions of the foundation issue, independently of ``attnkit.patterns``; the attnkit
+runs check once that ``pattern.mask(N)`` agrees.
+
+FLOPs are counted on the kept entries only (effective FLOP/s, the same count for every
+implementation): 4·B·H·D·(number of True entries of the mask).
+
+Full sizes (issue 4): B=1, H=8, N=4096, D=64, float32, forward — strided (stride 64, causal),
+fixed (stride 64, summary 8, causal) and star (relay 0, radius 1); on CUDA also bfloat16, N=16384,
+D=128, strided with stride 128.  ``--quick``: strided, N=1024, stride 32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .harness import Case, Impl, Unavailable, attnkit_impls, dtype_name, reference_skip, seeded_randn
+
+FAMILY = "sparse"
+
+
+def strided_mask(n: int, stride: int, causal: bool = True) -> torch.Tensor:
+    """Child et al. 2019: 0 ≤ i−j ≤ stride (|i−j| ≤ stride if not causal) or (i−j) mod stride = 0."""
+    i = torch.arange(n).unsqueeze(1)
+    j = torch.arange(n).unsqueeze(0)
+    d = i - j
+    local = (d >= 0) & (d <= stride) if causal else d.abs() <= stride
+    mask = local | (torch.remainder(d, stride) == 0)
+    return mask & (j <= i) if causal else mask
+
+
+def fixed_mask(n: int, stride: int, summary: int = 1, causal: bool = True) -> torch.Tensor:
+    """Same block (⌊i/stride⌋ = ⌊j/stride⌋) or a summary column (j mod stride ≥ stride − summary)."""
+    i = torch.arange(n).unsqueeze(1)
+    j = torch.arange(n).unsqueeze(0)
+    mask = (i // stride == j // stride) | (j % stride >= stride - summary)
+    return mask & (j <= i) if causal else mask
+
+
+def star_mask(n: int, relay: int = 0, radius: int = 1, cyclic: bool = False, causal: bool = False) -> torch.Tensor:
+    """Star transformer: satellites see satellites within ``radius`` (numbered without the relay)
+    and the relay; the relay sees everything."""
+    pos = torch.arange(n)
+    sat = pos - (pos > relay).long()  # satellite number of each non-relay position
+    dist = (sat.unsqueeze(1) - sat.unsqueeze(0)).abs()
+    if cyclic:
+        dist = torch.minimum(dist, (n - 1) - dist)
+    is_relay = pos == relay
+    mask = (dist <= radius) & ~is_relay.unsqueeze(1) & ~is_relay.unsqueeze(0)
+    mask |= is_relay.unsqueeze(0) | is_relay.unsqueeze(1)
+    if causal:
+        mask &= pos.unsqueeze(0) <= pos.unsqueeze(1)
+    return mask
+
+
+# pattern name (also its attnkit.patterns factory) -> the bench's own mask builder
+PATTERNS = {"strided": strided_mask, "fixed": fixed_mask, "star": star_mask}
+
+
+def _inputs(b, h, n, d, dtype, seed, mask_fn):
+    def make(device):
+        return {
+            "q": seeded_randn((b, h, n, d), dtype, device, seed),
+            "k": seeded_randn((b, h, n, d), dtype, device, seed + 1),
+            "v": seeded_randn((b, h, n, d), dtype, device, seed + 2),
+            "mask": mask_fn(n).to(device),
+        }
+    return make
+
+
+def _attnkit(kind: str, kwargs: dict):
+    def call(backend):
+        state = {}
+
+        def fn(x):
+            import attnkit
+
+            if "pattern" not in state:
+                pattern = getattr(attnkit.patterns, kind)(**kwargs)
+                n = x["q"].shape[-2]
+                theirs = pattern.mask(n).to(x["mask"].device)
+                if not torch.equal(theirs.reshape(-1, n, n)[0], x["mask"]):
+                    raise RuntimeError(f"attnkit.patterns.{kind}(**{kwargs}).mask({n}) differs from the "
+                                       "bench's construction from the issue's definition")
+                state["pattern"] = pattern
+            return attnkit.sparse_attention(x["q"], x["k"], x["v"], state["pattern"], backend=backend)
+        return fn
+    return call
+
+
+def _sdpa_masked(x):
+    return F.scaled_dot_product_attention(x["q"], x["k"], x["v"], attn_mask=x["mask"])
+
+
+def _sdpa_causal(x):
+    return F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=True)
+
+
+_FLEX: dict = {}
+
+
+def _compiled_flex():
+    """torch.compile(flex_attention), built once per process; Unavailable if it cannot be."""
+    if "fn" not in _FLEX:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            _FLEX["fn"] = (torch.compile(flex_attention, dynamic=False), create_block_mask)
+        except Exception as exc:  # noqa: BLE001 - any failure means "not available here"
+            _FLEX["fn"] = exc
+    if isinstance(_FLEX["fn"], Exception):
+        raise Unavailable(f"FlexAttention cannot be set up here: {type(_FLEX['fn']).__name__}: {_FLEX['fn']}")
+    return _FLEX["fn"]
+
+
+def _flex():
+    """FlexAttention with a BlockMask from the case's dense mask (built, and compiled, on the
+    first call, which is a warmup call)."""
+    state = {}
+
+    def fn(x):
+        flex, create_block_mask = _compiled_flex()
+        if "block_mask" in state:
+            return flex(x["q"], x["k"], x["v"], block_mask=state["block_mask"])
+        dense = x["mask"]
+        n = dense.shape[-1]
+        try:
+            block_mask = create_block_mask(lambda b, h, i, j: dense[i, j], None, None, n, n,
+                                           device=str(dense.device))
+            out = flex(x["q"], x["k"], x["v"], block_mask=block_mask)
+        except Exception as exc:  # noqa: BLE001 - torch.compile of flex may fail on a machine
+            msg = str(exc).strip().splitlines()
+            raise Unavailable(f"torch.compile(flex_attention) failed here: {type(exc).__name__}: "
+                              f"{msg[0] if msg else ''}") from exc
+        state["block_mask"] = block_mask
+        return out
+
+    return fn
+
+
+def make_case(kind: str, kwargs: dict, b: int, h: int, n: int, d: int, dtype: torch.dtype, mode: str,
+              device: torch.device, seed: int = 0) -> Case:
+    mask_fn = PATTERNS[kind]
+    mask = mask_fn(n, **kwargs)
+    kept = int(mask.sum())
+    size = torch.empty((), dtype=dtype).element_size()
+    impls = attnkit_impls(FAMILY, device, _attnkit(kind, kwargs),
+                          reference_skip_reason=reference_skip(b * h * n * n * size, device))
+    impls.append(Impl("torch SDPA (dense mask)", "peer", fn=_sdpa_masked))
+    flex = Impl("FlexAttention (BlockMask)", "peer", fn=_flex())
+    if mode == "fwd+bwd" and device.type == "cpu":
+        flex.unavailable = "FlexAttention has no backward on CPU (torch raises NotImplementedError)"
+    impls.append(flex)
+    impls.append(Impl("torch SDPA (dense causal)", "peer", fn=_sdpa_causal, same_result=False,
+                      note="dense causal, not the pattern: cost comparison only"))
+    args = ",".join(f"{k}={v}" for k, v in kwargs.items())
+    name = f"{kind}({args})-{dtype_name(dtype)}-N{n}-D{d}"
+    params = {"B": b, "H": h, "N": n, "D": d, "dtype": dtype_name(dtype), "pattern": f"{kind}({args})",
+              "density": round(kept / (n * n), 5)}
+    return Case(FAMILY, name, mode, params, 4.0 * b * h * d * kept * (3.5 if mode == "fwd+bwd" else 1.0),
+                _inputs(b, h, n, d, dtype, seed, lambda m: mask_fn(m, **kwargs)), impls,
+                grad_inputs=("q", "k", "v") if mode == "fwd+bwd" else ())
+
+
+def cases(quick: bool, device: torch.device) -> list[Case]:
+    if quick:
+        return [make_case("strided", {"stride": 32, "causal": True}, 1, 8, 1024, 64, torch.float32, "fwd", device)]
+    out = [
+        make_case("strided", {"stride": 64, "causal": True}, 1, 8, 4096, 64, torch.float32, "fwd", device),
+        make_case("fixed", {"stride": 64, "summary": 8, "causal": True}, 1, 8, 4096, 64, torch.float32, "fwd",
+                  device),
+        make_case("star", {"relay": 0, "radius": 1}, 1, 8, 4096, 64, torch.float32, "fwd", device),
+    ]
+    if device.type == "cuda":
+        out.append(make_case("strided", {"stride": 128, "causal": True}, 1, 8, 16384, 128, torch.bfloat16, "fwd",
+                             device))
+    return out

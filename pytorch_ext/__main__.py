@@ -1,0 +1,38 @@
+"""``python -m attnkit <command>``.
+
+Commands:
+  bench   benchmark attnkit's backends against torch SDPA, FlexAttention and plain PyTorch
+          (``python -m attnkit bench --help`` for its options)
+"""
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: python -m attnkit <command> [options]
+
+commands:
+  bench    benchmark attnkit against torch SDPA, FlexAttention and plain PyTorch:
+           python -m attnkit bench [--device cpu|cuda] [--family softmax,linear,sparse,hopfield]
+                                   [--quick] [--out DIR] [--repeats K]
+           prints a table and writes DIR/bench-<device>.json and .png (default DIR: bench/out/)
+
+run `python -m attnkit bench --help` for every option.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        sys.stdout.write(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "bench":
+        from .bench.harness import main as bench_main
+
+        return bench_main(rest)
+    sys.stderr.write(f"python -m attnkit: unknown command {command!r}\n\n{USAGE}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

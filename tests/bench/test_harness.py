@@ -1,0 +1,424 @@
+"""The benchmark harness (attnkit.bench.harness) and the family files' case definitions.
+
+Tiny cases only: timing arithmetic runs on a fake clock, memory accounting on allocations of
+known size, outputs (JSON, table, PNG, CLI) on cases of a few milliseconds.
+"""
+import json
+import math
+
+import pytest
+import torch
+
+from attnkit.bench import harness, hopfield, linear, softmax, sparse
+from attnkit.bench.harness import Case, Impl, Unavailable
+
+CPU = torch.device("cpu")
+MiB = 2**20
+
+
+class FakeClock:
+    """A timer whose time moves only when an implementation 'runs'."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def runner(self, durations):
+        """fn(inputs) that takes durations[0], durations[1], ... seconds (cycling)."""
+        calls = [0]
+
+        def fn(x):
+            self.now += durations[calls[0] % len(durations)]
+            calls[0] += 1
+            return x["a"] * 2
+        return fn
+
+
+def tiny_inputs(device):
+    return {"a": torch.arange(6.0, device=device).reshape(2, 3)}
+
+
+def fake_case(clock, impls, flops=1e9):
+    return Case("softmax", "fake", "fwd", {"N": 3}, flops, tiny_inputs, impls)
+
+
+# ---------------------------------------------------------------------------------------------
+# timing, FLOP/s and ratios
+
+
+def test_median_flops_and_speedups_on_a_fake_clock():
+    clock = FakeClock()
+    impls = [
+        Impl("attnkit[fast]", "attnkit", fn=clock.runner([0.002])),
+        # durations cycle per call: one warmup, then 3, 1, 2 ms... the median of the timed calls is 2 ms
+        Impl("attnkit[odd]", "attnkit", fn=clock.runner([0.100, 0.003, 0.001, 0.002])),
+        Impl("peer A", "peer", fn=clock.runner([0.008])),
+        Impl("peer B", "peer", fn=clock.runner([0.001])),
+    ]
+    rec = harness.run_case(fake_case(clock, impls), CPU, warmup=1, repeats=3, memory=False, timer=clock)
+    rows = {r["impl"]: r for r in rec["results"]}
+    assert rows["attnkit[fast]"]["times_s"] == pytest.approx([0.002] * 3)
+    assert rows["attnkit[odd]"]["times_s"] == pytest.approx([0.003, 0.001, 0.002])
+    assert rows["attnkit[odd]"]["median_s"] == pytest.approx(0.002)
+    assert rows["attnkit[odd]"]["min_s"] == pytest.approx(0.001)
+    assert rows["peer A"]["flops_per_s"] == pytest.approx(1e9 / 0.008)
+    speed = {(r["attnkit"], r["peer"]): r["speedup"] for r in rec["ratios"]}
+    assert speed == pytest.approx({
+        ("attnkit[fast]", "peer A"): 4.0,
+        ("attnkit[fast]", "peer B"): 0.5,
+        ("attnkit[odd]", "peer A"): 4.0,
+        ("attnkit[odd]", "peer B"): 0.5,
+    })
+    # displayed in declaration order even though peers run first
+    assert [r["impl"] for r in rec["results"]] == ["attnkit[fast]", "attnkit[odd]", "peer A", "peer B"]
+
+
+def test_max_time_caps_the_repeats_but_not_below_three():
+    clock = FakeClock()
+    step = lambda: clock.runner([0.5])({"a": torch.ones(1)})  # noqa: E731
+    times, _ = harness.time_calls(step, CPU, warmup=1, repeats=10, timer=clock, max_time=2.0)
+    assert len(times) == 4
+    times, _ = harness.time_calls(step, CPU, warmup=1, repeats=10, timer=clock, max_time=0.1)
+    assert len(times) == 3
+    times, _ = harness.time_calls(step, CPU, warmup=1, repeats=10, timer=clock)
+    assert len(times) == 10
+    start = clock.now  # a slow first warmup call is the only one
+    times, _ = harness.time_calls(step, CPU, warmup=3, repeats=10, timer=clock, max_time=1.2)
+    assert len(times) == 3 and clock.now - start == pytest.approx(0.5 * 4)
+    start = clock.now
+    times, _ = harness.time_calls(step, CPU, warmup=3, repeats=10, timer=clock, max_time=6.0)
+    assert len(times) == 10 and clock.now - start == pytest.approx(0.5 * 13)
+
+
+def test_skipped_unavailable_and_failing_impls_are_reported_not_raised():
+    clock = FakeClock()
+
+    def unavailable(x):
+        raise Unavailable("no such thing here")
+
+    def broken(x):
+        raise RuntimeError("kernel exploded\nsecond line")
+
+    impls = [
+        Impl("attnkit[broken]", "attnkit", fn=broken),
+        Impl("attnkit[reference]", "attnkit", fn=clock.runner([0.001]), skip="too big"),
+        Impl("attnkit[ok]", "attnkit", fn=clock.runner([0.001])),
+        Impl("peer gone", "peer", fn=unavailable),
+        Impl("peer declared", "peer", unavailable="needs a GPU"),
+        Impl("peer", "peer", fn=clock.runner([0.003])),
+    ]
+    rec = harness.run_case(fake_case(clock, impls), CPU, warmup=1, repeats=2, memory=False, timer=clock)
+    rows = {r["impl"]: r for r in rec["results"]}
+    assert rows["attnkit[broken]"]["status"] == "error"
+    assert rows["attnkit[broken]"]["reason"] == "RuntimeError: kernel exploded"
+    assert rows["attnkit[reference]"]["status"] == "skipped"
+    assert rows["peer gone"] == {**rows["peer gone"], "status": "unavailable", "reason": "no such thing here"}
+    assert rows["peer declared"]["reason"] == "needs a GPU"
+    assert [(r["attnkit"], r["peer"]) for r in rec["ratios"]] == [("attnkit[ok]", "peer")]
+    assert rec["ratios"][0]["speedup"] == pytest.approx(3.0)
+    table = harness.format_table({"device": "cpu"}, [rec])
+    assert "error: RuntimeError: kernel exploded" in table
+    assert "skipped: too big" in table
+    assert "unavailable: needs a GPU" in table
+    assert "3.00x peer" in table
+
+
+def test_outputs_are_checked_against_the_first_peer():
+    impls = [
+        Impl("attnkit[off]", "attnkit", fn=lambda x: x["a"] * 2 + 0.5),
+        Impl("peer", "peer", fn=lambda x: x["a"] * 2),
+        Impl("other function", "peer", fn=lambda x: x["a"] * 0, same_result=False),
+    ]
+    rec = harness.run_case(fake_case(None, impls), CPU, warmup=1, repeats=1, memory=False)
+    rows = {r["impl"]: r for r in rec["results"]}
+    assert rows["attnkit[off]"]["max_rel_diff"] == pytest.approx(0.5 / 10.0)
+    assert rows["attnkit[off]"]["diff_baseline"] == "peer"
+    assert "max_rel_diff" not in rows["other function"]
+
+
+def test_max_rel_diff_over_tuples():
+    a = (torch.tensor([1.0, 2.0]), torch.tensor([4.0]))
+    b = (torch.tensor([1.0, 2.5]), torch.tensor([2.0]))
+    assert harness.max_rel_diff(a, b) == pytest.approx(1.0)  # |4-2| / 2 beats |2-2.5| / 2.5
+    assert harness.max_rel_diff(a, b[:1]) is None
+
+
+def test_fwd_bwd_returns_gradients_and_does_not_accumulate():
+    case = Case("linear", "grad", "fwd+bwd", {}, 1.0, lambda d: {"x": torch.tensor([1.0, -2.0, 3.0])},
+                [], grad_inputs=("x",))
+    impl = Impl("square", "peer", fn=lambda x: x["x"] ** 2)
+    step = harness.prepare(case, impl, case.make_inputs(CPU), CPU)
+    out1, grad1 = step()
+    out2, grad2 = step()
+    g = harness.seeded_randn((3,), torch.float32, CPU, seed=1234)  # the harness's output gradient
+    torch.testing.assert_close(out1, torch.tensor([1.0, 4.0, 9.0]))
+    torch.testing.assert_close(grad1, 2 * torch.tensor([1.0, -2.0, 3.0]) * g)
+    torch.testing.assert_close(grad2, grad1)
+    assert grad1 is not grad2
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+
+
+def _alloc_known():
+    a = torch.empty(MiB, dtype=torch.uint8).fill_(1)
+    b = torch.empty(4 * MiB, dtype=torch.uint8).fill_(1)
+    del b
+    c = torch.empty(2 * MiB, dtype=torch.uint8).fill_(1)
+    del c
+    return a
+
+
+def test_allocator_peak_counts_known_allocations_exactly():
+    peak, retained = harness.allocator_peak(_alloc_known)
+    assert peak == 5 * MiB
+    assert retained == MiB
+
+
+def test_measure_memory_cpu_fields():
+    mem = harness.measure_memory(_alloc_known, CPU)
+    assert mem["peak_bytes_allocator"] == 5 * MiB
+    assert mem["peak_bytes"] >= 5 * MiB
+    assert mem["retained_bytes"] == MiB
+    assert mem["scratch_bytes"] == mem["peak_bytes"] - MiB
+
+
+@pytest.mark.skipif(not harness._rss_hwm_available(), reason="needs a resettable VmHWM (/proc/self/clear_refs)")
+def test_rss_growth_sees_memory_the_profiler_would_miss():
+    # 64 MiB touched and freed inside the call: well above glibc's mmap threshold, so fresh pages.
+    def step():
+        x = torch.ones(64 * MiB, dtype=torch.uint8)
+        del x
+
+    assert harness.rss_peak_growth(step) >= 60 * MiB
+    assert harness.rss_peak_growth(lambda: None) < 4 * MiB
+
+
+# ---------------------------------------------------------------------------------------------
+# outputs: JSON, table, PNG, command line
+
+
+def _tiny_real_cases():
+    def mm(x):
+        return x["q"] @ x["k"].transpose(-1, -2)
+
+    def make(device):
+        return {"q": torch.randn(2, 8, 16, device=device), "k": torch.randn(2, 8, 16, device=device)}
+
+    return [
+        Case("softmax", "mm-fwd", "fwd", {"N": 8}, 2.0 * 2 * 8 * 8 * 16, make,
+             [Impl("attnkit[fake]", "attnkit", fn=lambda x: torch.einsum("bnd,bmd->bnm", x["q"], x["k"])),
+              Impl("torch matmul", "peer", fn=mm)]),
+        Case("hopfield", "mm-fwd+bwd", "fwd+bwd", {"N": 8}, 3 * 2.0 * 2 * 8 * 8 * 16, make,
+             [Impl("torch matmul", "peer", fn=mm), Impl("peer missing", "peer", unavailable="not here")],
+             grad_inputs=("q", "k")),
+    ]
+
+
+def test_json_table_and_png(tmp_path):
+    device = CPU
+    records = harness.run_sweep(_tiny_real_cases(), device, warmup=1, repeats=3, progress=False)
+    meta = harness.make_meta(device, quick=True, warmup=1, repeats=3, families=["softmax", "hopfield"],
+                             memory=True, machine={"gemm_float32_gflops": 123.4})
+    path = harness.write_json(tmp_path / "bench-cpu.json", meta, records)
+    data = json.loads(path.read_text())
+    assert set(data) == {"meta", "cases"}
+    m = data["meta"]
+    for key in ("schema", "date", "device", "device_name", "torch", "attnkit", "threads", "quick", "warmup",
+                "repeats", "families", "speedup", "machine", "backends"):
+        assert key in m, key
+    assert m["device"] == "cpu" and m["schema"] == harness.SCHEMA
+    assert m["backends"]["softmax"]["reference"]["usable"] is True
+    first = data["cases"][0]
+    assert {"family", "name", "label", "mode", "params", "flops", "notes", "results", "ratios"} <= set(first)
+    ok = first["results"][0]
+    for key in ("impl", "kind", "backend", "status", "reason", "repeats", "median_s", "min_s", "times_s",
+                "flops_per_s", "peak_bytes", "peak_bytes_allocator", "retained_bytes", "scratch_bytes"):
+        assert key in ok, key
+    assert ok["status"] == "ok" and len(ok["times_s"]) == 3
+    assert ok["flops_per_s"] == pytest.approx(first["flops"] / ok["median_s"])
+    assert ok["retained_bytes"] == 2 * 8 * 8 * 4  # the [2, 8, 8] float32 output
+    assert first["results"][0]["max_rel_diff"] < 1e-5
+    assert first["ratios"][0]["speedup"] == pytest.approx(
+        first["results"][1]["median_s"] / first["results"][0]["median_s"])
+    bwd = data["cases"][1]["results"][0]
+    assert bwd["retained_bytes"] >= 2 * (2 * 8 * 16 * 4)  # the two input gradients
+    assert data["cases"][1]["results"][1]["status"] == "unavailable"
+
+    table = harness.format_table(meta, records)
+    assert "softmax/mm-fwd  [fwd]" in table and "hopfield/mm-fwd+bwd  [fwd+bwd]" in table
+    assert "attnkit[fake]" in table and "x torch matmul" in table
+    assert "unavailable: not here" in table
+
+    png = harness.write_plot(tmp_path / "bench-cpu.png", meta, records)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_writes_json_png_and_prints_the_table(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(harness, "collect_cases", lambda families, quick, device: _tiny_real_cases()[:1])
+    monkeypatch.setattr(harness, "machine_peaks", lambda device: {"gemm_float32_gflops": 1.0})
+    from attnkit.__main__ import main
+
+    assert main(["bench", "--family", "softmax", "--quick", "--out", str(tmp_path), "--repeats", "2",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "softmax/mm-fwd" in out and "bench-cpu.json" in out
+    data = json.loads((tmp_path / "bench-cpu.json").read_text())
+    assert data["meta"]["repeats"] == 2 and data["meta"]["max_time_s"] is None
+    assert len(data["cases"][0]["results"][0]["times_s"]) == 2
+    assert (tmp_path / "bench-cpu.png").stat().st_size > 0
+
+
+def test_cli_usage_and_argument_errors(capsys):
+    from attnkit.__main__ import main
+
+    assert main([]) == 0
+    assert "python -m attnkit bench" in capsys.readouterr().out
+    assert main(["frobnicate"]) == 2
+    with pytest.raises(SystemExit):
+        main(["bench", "--family", "softmax,nope"])
+    assert "unknown nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--repeats", "0"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            main(["bench", "--device", "cuda"])
+        assert "no CUDA device" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# the family files
+
+
+def _params(cases):
+    return [(c.mode, c.params) for c in cases]
+
+
+def test_full_cases_match_the_issues():
+    sm = _params(softmax.cases(quick=False, device=CPU))
+    base = {"B": 1, "H": 8, "N": 4096, "D": 64}
+    for mode in ("fwd", "fwd+bwd"):
+        for causal in (False, True):
+            assert (mode, {**base, "dtype": "float32", "causal": causal}) in sm
+    assert ("fwd", {**base, "dtype": "bfloat16", "causal": False}) in sm
+    lin = [p for m, p in _params(linear.cases(quick=False, device=CPU)) if m == "fwd+bwd"]
+    assert sorted(p["N"] for p in lin) == [4096, 16384]
+    assert all(p["causal"] and p["feature_map"] == "elu" and p["D"] == 64 for p in lin)
+    sp = _params(sparse.cases(quick=False, device=CPU))
+    assert any(p["pattern"] == "strided(stride=64,causal=True)" and p["N"] == 4096 for _, p in sp)
+    hf = [p for _, p in _params(hopfield.cases(quick=False, device=CPU))]
+    assert {"B": 1, "H": 1, "S": 1024, "N": 16384, "D": 64, "steps": 3, "dtype": "float32"} in hf
+    assert any(p["S"] == 1 and p["N"] == 262144 for p in hf)
+
+
+def test_reference_is_skipped_for_big_cases_and_says_so():
+    big = softmax.make_case(1, 8, 4096, 64, torch.float32, False, "fwd", CPU)
+    small = softmax.make_case(1, 8, 1024, 64, torch.float32, False, "fwd", CPU)
+    ref_big = [i for i in big.impls if i.name == "attnkit[reference]"]
+    ref_small = [i for i in small.impls if i.name == "attnkit[reference]"]
+    assert ref_big and "materializes a 512.0 MiB score matrix" in ref_big[0].skip
+    assert ref_small and ref_small[0].skip == ""
+
+
+def test_quick_cases_are_small():
+    for module in (softmax, linear, sparse, hopfield):
+        for case in module.cases(quick=True, device=CPU):
+            assert case.flops < 1e10, case.label
+
+
+def test_flop_counts():
+    assert softmax.visible_pairs(4, 4, causal=True) == 10
+    assert softmax.visible_pairs(5, 3, causal=True) == 1 + 2 + 3 + 3 + 3
+    assert softmax.visible_pairs(3, 5, causal=True) == 6
+    assert softmax.flops(1, 8, 4096, 4096, 64, 64, False, "fwd") == 4 * 8 * 4096**2 * 64
+    assert softmax.flops(1, 1, 4, 4, 2, 2, True, "fwd+bwd") == 3.5 * 4 * 10 * 2
+    assert linear.flops(1, 8, 4096, 64, 64, "fwd+bwd") == 3 * 4 * 8 * 4096 * 64 * 64
+    case = sparse.make_case("strided", {"stride": 4, "causal": True}, 1, 2, 33, 8, torch.float32, "fwd", CPU)
+    assert case.flops == 4 * 2 * 8 * int(sparse.strided_mask(33, 4).sum())
+
+
+def test_sparse_masks_follow_the_definitions():
+    n = 29
+    for stride in (1, 3, 7):
+        for causal in (True, False):
+            want = torch.zeros(n, n, dtype=torch.bool)
+            for i in range(n):
+                for j in range(n):
+                    near = 0 <= i - j <= stride if causal else abs(i - j) <= stride
+                    ok = near or (i - j) % stride == 0
+                    want[i, j] = ok and (j <= i or not causal)
+            assert torch.equal(sparse.strided_mask(n, stride, causal), want)
+    for stride, summary in ((4, 1), (5, 5), (8, 3)):
+        want = torch.tensor([[(i // stride == j // stride or j % stride >= stride - summary) and j <= i
+                              for j in range(n)] for i in range(n)])
+        assert torch.equal(sparse.fixed_mask(n, stride, summary, causal=True), want)
+    for relay in (0, 13, n - 1):
+        for radius in (1, 2):
+            for cyclic in (False, True):
+                sats = [p for p in range(n) if p != relay]
+                num = {p: k for k, p in enumerate(sats)}
+                want = torch.zeros(n, n, dtype=torch.bool)
+                for i in range(n):
+                    for j in range(n):
+                        if i == relay or j == relay:
+                            want[i, j] = True
+                        else:
+                            d = abs(num[i] - num[j])
+                            if cyclic:
+                                d = min(d, n - 1 - d)
+                            want[i, j] = d <= radius
+                assert torch.equal(sparse.star_mask(n, relay, radius, cyclic), want)
+                assert torch.equal(sparse.star_mask(n, relay, radius, cyclic, causal=True), want & torch.ones(
+                    n, n, dtype=torch.bool).tril())
+
+
+def test_linear_peers_agree_with_a_loop():
+    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))
+    fq, fk = linear.phi(q), linear.phi(k)
+    for causal in (True, False):
+        want = torch.empty_like(v)
+        for i in range(9):
+            js = range(i + 1) if causal else range(9)
+            w = torch.stack([(fq[..., i, :] * fk[..., j, :]).sum(-1) for j in js], -1)  # [1, 2, |S|]
+            vs = torch.stack([v[..., j, :] for j in js], -2)
+            want[..., i, :] = (w.unsqueeze(-1) * vs).sum(-2) / (w.sum(-1, keepdim=True) + linear.EPS)
+        torch.testing.assert_close(linear.quadratic(q, k, v, causal), want)
+        torch.testing.assert_close(linear.cumsum_outer(q, k, v, causal), want)
+
+
+def test_hopfield_peers_agree_with_the_definition():
+    state = torch.randn(1, 2, 3, 8, dtype=torch.float64)
+    stored = torch.randn(1, 2, 11, 8, dtype=torch.float64)
+    beta = 0.7
+    xi = state
+    for _ in range(3):
+        p = torch.exp(beta * torch.einsum("bhsd,bhnd->bhsn", xi, stored))
+        xi = torch.einsum("bhsn,bhnd->bhsd", p / p.sum(-1, keepdim=True), stored)
+    torch.testing.assert_close(hopfield.plain_update(state, stored, beta, 3), xi)
+    torch.testing.assert_close(hopfield.sdpa_update(state, stored, beta, 3), xi)
+    lse = torch.log(torch.exp(beta * torch.einsum("bhsd,bhnd->bhsn", state, stored)).sum(-1))
+    # M = max_i |x_i| over the stored patterns of each (batch, head)
+    per_head_m = torch.stack([max(stored[0, h, i].norm() for i in range(11)) for h in range(2)]).view(1, 2, 1)
+    want = -lse / beta + 0.5 * (state**2).sum(-1) + math.log(11) / beta + 0.5 * per_head_m**2
+    torch.testing.assert_close(hopfield.plain_energy(state, stored, beta), want)
+
+
+def test_flex_failure_is_reported_as_unavailable(monkeypatch):
+    def broken_compile(*args, **kwargs):
+        raise RuntimeError("inductor cannot build here")
+
+    monkeypatch.setattr(sparse, "_FLEX", {})
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    case = sparse.make_case("strided", {"stride": 4, "causal": True}, 1, 2, 16, 8, torch.float32, "fwd", CPU)
+    case.impls = [i for i in case.impls if i.kind == "peer"]
+    rec = harness.run_case(case, CPU, warmup=1, repeats=1, memory=False)
+    rows = {r["impl"]: r for r in rec["results"]}
+    flex = rows["FlexAttention (BlockMask)"]
+    assert flex["status"] == "unavailable"
+    assert "inductor cannot build here" in flex["reason"]
+    assert rows["torch SDPA (dense mask)"]["status"] == "ok"
+    assert rows["torch SDPA (dense causal)"]["status"] == "ok"
+    assert "max_rel_diff" not in rows["torch SDPA (dense causal)"]
