@@ -1,0 +1,707 @@
+// Host emulator for the device code of csrc/cuda/softmax.cu (see README.md).
+//
+// Build (extract.py writes kernels.inc, the kernels' text with the inline-PTX helpers removed):
+//   g++ -std=c++20 -O1 -fno-strict-aliasing -shared -fPIC -I<dir of kernels.inc> harness.cpp -o libemu.so
+// Optional: -DEMU_ONLY_F16_D64 (instantiate fp16 / head dim 64 only: a quick build),
+//           -DEMU_USE_UCONTEXT (portable fiber switch instead of the x86-64 one).
+//
+// Model.  Every CUDA thread of a block is a fiber (its own stack) on the calling OS thread; a
+// fiber runs until it waits at a barrier, so a block's threads interleave only at
+// __syncthreads and at warp collectives (shuffle, ldmatrix, mma), which are the only places the
+// kernels communicate.  The scheduler runs one warp at a time as far as it gets (to the next
+// __syncthreads), in an order drawn per block and per pass from a seeded generator: a missing
+// __syncthreads lets a warp overwrite or read a shared tile that another warp has not finished
+// with or not yet written, and the result goes wrong.  Warp collectives take the 32 lanes'
+// registers, and the last lane to arrive computes the warp's result from the PTX ISA's rules:
+//   ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lanes 8m .. 8m+7 give the row addresses
+//     of 8x8 matrix m (16 bytes each, 16-byte aligned, in shared memory); register m of lane l
+//     gets row l/4, elements 2(l%4), 2(l%4)+1 of matrix m (.trans: of the transposed matrix).
+//   mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: g = lane/4, t = lane%4;
+//     A (16x16, 4 regs): element a_i (i = 0..7, reg i/2, low half first) is
+//       A[g + 8*((i/2)%2)][2t + i%2 + 8*(i/4)];
+//     B (16x8, 2 regs): b_i (i = 0..3) is B[2t + i%2 + 8*(i/2)][g];
+//     C, D (16x8, 4 floats): c_i is C[g + 8*(i/2)][2t + i%2].  Products are exact in fp32
+//     (16-bit operands), summed in fp32 in k order onto C.
+//   shfl.sync.bfly (__shfl_xor_sync with a full mask): lane l reads lane l ^ laneMask.
+//   ex2.approx.ftz.f32: exp2f with subnormal results flushed to zero.
+// Shared memory is allocated at exactly the launch's size (16-byte aligned), filled with NaN
+// (0xffff is NaN in fp16, bf16 and fp32) and followed by a canary that is checked after the
+// block.  Errors (a bad ldmatrix address, divergent collectives, a deadlock, a clobbered
+// canary) stop the launch; the entry points return nonzero and emu_last_error() says why.
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <sys/mman.h>
+#include <unistd.h>
+#if defined(EMU_USE_UCONTEXT) || !defined(__x86_64__)
+#define EMU_UCONTEXT 1
+#include <ucontext.h>
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// CUDA spellings the device code uses
+// ---------------------------------------------------------------------------------------------
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+// One OS thread runs every fiber, so plain globals do: the scheduler sets threadIdx before it
+// resumes a fiber, the launch sets the others.
+dim3 threadIdx, blockIdx, gridDim, blockDim;
+
+struct alignas(16) uint4 {
+  uint32_t x, y, z, w;
+};
+inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return uint4{x, y, z, w}; }
+
+struct __half {
+  uint16_t bits;
+};
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
+struct alignas(4) __half2 {
+  __half x, y;  // x: low 16 bits
+};
+struct alignas(4) __nv_bfloat162 {
+  __nv_bfloat16 x, y;
+};
+
+inline float __uint_as_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline __half __ushort_as_half(uint16_t bits) { return __half{bits}; }
+inline float __half2float(__half h) {
+  _Float16 f;
+  std::memcpy(&f, &h.bits, 2);
+  return static_cast<float>(f);
+}
+inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float(static_cast<uint32_t>(h.bits) << 16); }
+inline __half __float2half_rn(float x) {
+  const _Float16 f = static_cast<_Float16>(x);  // round to nearest even
+  __half h;
+  std::memcpy(&h.bits, &f, 2);
+  return h;
+}
+inline __nv_bfloat16 __float2bfloat16_rn(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if (std::isnan(x)) return __nv_bfloat16{0x7fff};  // what cuda_bf16.hpp returns
+  u += 0x7fffu + ((u >> 16) & 1u);                   // round to nearest even
+  return __nv_bfloat16{static_cast<uint16_t>(u >> 16)};
+}
+inline __half2 __floats2half2_rn(float lo, float hi) { return __half2{__float2half_rn(lo), __float2half_rn(hi)}; }
+inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) {
+  return __nv_bfloat162{__float2bfloat16_rn(lo), __float2bfloat16_rn(hi)};
+}
+using std::min;
+
+// ---------------------------------------------------------------------------------------------
+// fibers and the block scheduler
+// ---------------------------------------------------------------------------------------------
+
+namespace emu {
+
+struct Fiber;
+
+#ifndef EMU_UCONTEXT
+extern "C" void emu_switch_stack(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .globl emu_switch_stack
+  .hidden emu_switch_stack
+  .type emu_switch_stack, @function
+  .p2align 4
+emu_switch_stack:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size emu_switch_stack, .-emu_switch_stack
+)");
+#endif
+
+struct Barrier {
+  int expected = 0;
+  int arrived = 0;
+  uint64_t generation = 0;
+};
+
+enum Collective : int { kNone = 0, kShfl, kLdsm, kLdsmTrans, kMmaF16, kMmaBF16 };
+
+// One warp collective's inputs and outputs.  Two of them alternate (by generation parity): a
+// lane can be at most one collective ahead of the slowest lane, which may still be reading.
+struct Exchange {
+  int kind[32];
+  float value[32];
+  int lane_mask[32];
+  const uint16_t* row[32];
+  uint32_t a[32][4];
+  uint32_t b[32][2];
+  float c[32][4];
+  uint32_t r_out[32][4];
+  float f_out[32];
+};
+
+struct Warp {
+  Barrier bar;
+  Exchange ex[2];
+};
+
+constexpr size_t kStackBytes = 256 * 1024;
+constexpr size_t kCanaryBytes = 256;
+constexpr unsigned kMaxThreads = 1024;
+
+struct Fiber {
+  void* sp = nullptr;  // saved stack pointer (x86-64 switch)
+#ifdef EMU_UCONTEXT
+  ucontext_t ctx;
+#endif
+  char* stack = nullptr;  // kStackBytes + a guard page below
+  unsigned tid = 0;
+  bool done = false;
+  const Barrier* wait_bar = nullptr;  // waiting until wait_bar->generation != wait_gen
+  uint64_t wait_gen = 0;
+  const char* wait_what = nullptr;
+};
+
+struct State {
+  std::vector<Fiber> fibers;
+  std::vector<Warp> warps;
+  Barrier block_bar;
+  uint16_t* smem = nullptr;
+  size_t smem_bytes = 0;
+  Fiber* current = nullptr;
+  void* scheduler_sp = nullptr;
+#ifdef EMU_UCONTEXT
+  ucontext_t scheduler_ctx;
+#endif
+  void (*body)(void*) = nullptr;
+  void* body_arg = nullptr;
+  bool failed = false;
+  std::string error;
+  uint64_t seed = 1;
+  int fault = 0;  // test hook: 1 = mma reads A's registers 1 and 2 swapped, 2 = ldmatrix ignores .trans
+  long long collectives = 0;
+};
+State S;
+
+uint16_t* shared_memory() { return S.smem; }
+
+void to_scheduler() {
+#ifdef EMU_UCONTEXT
+  swapcontext(&S.current->ctx, &S.scheduler_ctx);
+#else
+  emu_switch_stack(&S.current->sp, S.scheduler_sp);
+#endif
+}
+
+// Records the first error and parks the calling fiber for good (the launch is abandoned; the
+// fibers' frames hold no resources).
+[[noreturn]] void fail(const char* fmt, ...) {
+  if (!S.failed) {
+    char buf[512];
+    va_list args;
+    va_start(args, fmt);
+    std::vsnprintf(buf, sizeof buf, fmt, args);
+    va_end(args);
+    S.failed = true;
+    S.error = std::string(buf) + " (thread " + std::to_string(threadIdx.x) + " of block (" +
+              std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) + ", " + std::to_string(blockIdx.z) + "))";
+  }
+  for (;;) to_scheduler();
+}
+
+// Returns true in the last thread to arrive, before the others are released: it completes the
+// collective.  The others come back once the generation has moved on.
+bool arrive(Barrier& bar, const char* what) {
+  const uint64_t gen = bar.generation;
+  if (++bar.arrived == bar.expected) return true;
+  Fiber* f = S.current;
+  f->wait_bar = &bar;
+  f->wait_gen = gen;
+  f->wait_what = what;
+  to_scheduler();
+  return false;
+}
+
+void release(Barrier& bar) {
+  bar.arrived = 0;
+  ++bar.generation;
+}
+
+void fiber_main() {
+  S.body(S.body_arg);
+  S.current->done = true;
+  to_scheduler();
+  std::abort();  // a finished fiber is never resumed
+}
+
+#ifndef EMU_UCONTEXT
+// x86-64: the first switch to a fiber pops six zero registers and "returns" into fiber_main,
+// with the stack aligned as after a call.
+void init_fiber(Fiber& f) {
+  uintptr_t top = reinterpret_cast<uintptr_t>(f.stack + kStackBytes) & ~uintptr_t(15);
+  auto* sp = reinterpret_cast<uintptr_t*>(top);
+  *--sp = 0;                                          // fiber_main's return address (never used)
+  *--sp = reinterpret_cast<uintptr_t>(&fiber_main);  // popped by ret
+  for (int i = 0; i < 6; ++i) *--sp = 0;             // rbp rbx r12 r13 r14 r15
+  f.sp = sp;
+}
+#else
+void init_fiber(Fiber& f) {
+  getcontext(&f.ctx);
+  f.ctx.uc_stack.ss_sp = f.stack;
+  f.ctx.uc_stack.ss_size = kStackBytes;
+  f.ctx.uc_link = nullptr;
+  makecontext(&f.ctx, &fiber_main, 0);
+}
+#endif
+
+void resume(Fiber& f) {
+  S.current = &f;
+  threadIdx = dim3{f.tid, 0, 0};
+  f.wait_bar = nullptr;
+#ifdef EMU_UCONTEXT
+  swapcontext(&S.scheduler_ctx, &f.ctx);
+#else
+  emu_switch_stack(&S.scheduler_sp, f.sp);
+#endif
+}
+
+char* new_stack() {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  void* p = mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return nullptr;
+  mprotect(p, page, PROT_NONE);  // guard page: a stack overflow faults instead of corrupting
+  return static_cast<char*>(p) + page;
+}
+
+uint64_t splitmix64(uint64_t& x) {
+  uint64_t z = (x += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+bool waiting(const Fiber& f) { return f.wait_bar != nullptr && f.wait_bar->generation == f.wait_gen; }
+
+void run_block(unsigned threads) {
+  const unsigned nwarps = threads / 32;
+  uint64_t rng = S.seed ^ (0x51ed2701ull * (1 + blockIdx.x + 65536ull * (blockIdx.y + 65536ull * blockIdx.z)));
+  std::vector<unsigned> order(nwarps);
+  for (unsigned w = 0; w < nwarps; ++w) order[w] = w;
+  for (unsigned t = 0; t < threads; ++t) {
+    Fiber& f = S.fibers[t];
+    f.tid = t;
+    f.done = false;
+    f.wait_bar = nullptr;
+    init_fiber(f);
+  }
+  unsigned finished = 0;
+  while (finished < threads && !S.failed) {
+    for (unsigned i = nwarps; i > 1; --i) std::swap(order[i - 1], order[splitmix64(rng) % i]);
+    bool progressed = false;
+    for (unsigned w : order) {
+      // Run this warp as far as it gets: each sweep takes its lanes through one collective.
+      for (bool moved = true; moved && !S.failed;) {
+        moved = false;
+        for (unsigned lane = 0; lane < 32 && !S.failed; ++lane) {
+          Fiber& f = S.fibers[w * 32 + lane];
+          if (f.done || waiting(f)) continue;
+          resume(f);
+          moved = progressed = true;
+          if (f.done) ++finished;
+        }
+      }
+      if (S.failed) return;
+    }
+    if (!progressed && finished < threads) {
+      std::string where;
+      for (unsigned t = 0; t < threads; ++t) {
+        const Fiber& f = S.fibers[t];
+        if (!f.done && where.size() < 200) where += " " + std::to_string(t) + ":" + (f.wait_what ? f.wait_what : "?");
+      }
+      S.failed = true;
+      S.error = "deadlock in block (" + std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) + ", " +
+                std::to_string(blockIdx.z) + "): " + std::to_string(finished) + " of " + std::to_string(threads) +
+                " threads exited, the others wait (thread:barrier):" + where;
+    }
+  }
+}
+
+template <typename F>
+void call_body(void* f) {
+  (*static_cast<F*>(f))();
+}
+
+// Runs `kernel` on every block of `grid`, blocks one after the other.
+template <typename F>
+bool launch(dim3 grid, unsigned threads, size_t smem_bytes, F kernel) {
+  if (S.failed) return false;
+  if (threads == 0 || threads % 32 || threads > kMaxThreads) {
+    S.failed = true;
+    S.error = "launch: block size " + std::to_string(threads) + " is not a multiple of 32 in (0, 1024]";
+    return false;
+  }
+  while (S.fibers.size() < threads) {
+    S.fibers.emplace_back();
+    S.fibers.back().stack = new_stack();
+    if (!S.fibers.back().stack) {
+      S.fibers.pop_back();
+      S.failed = true;
+      S.error = "launch: cannot map a fiber stack";
+      return false;
+    }
+  }
+  S.warps.assign(threads / 32, Warp{});
+  const size_t alloc = (smem_bytes + kCanaryBytes + 15) / 16 * 16;
+  auto* raw = static_cast<unsigned char*>(std::aligned_alloc(128, alloc));
+  S.body = &call_body<F>;
+  S.body_arg = &kernel;
+  gridDim = grid;
+  blockDim = dim3{threads, 1, 1};
+  for (unsigned z = 0; z < grid.z && !S.failed; ++z) {
+    for (unsigned y = 0; y < grid.y && !S.failed; ++y) {
+      for (unsigned x = 0; x < grid.x && !S.failed; ++x) {
+        blockIdx = dim3{x, y, z};
+        std::memset(raw, 0xff, smem_bytes);  // NaN in fp16, bf16 and fp32
+        for (size_t i = smem_bytes; i < alloc; ++i) raw[i] = static_cast<unsigned char>(0xa5 ^ i);
+        S.smem = smem_bytes ? reinterpret_cast<uint16_t*>(raw) : nullptr;
+        S.smem_bytes = smem_bytes;
+        S.block_bar = Barrier{static_cast<int>(threads), 0, 0};
+        for (auto& w : S.warps) w.bar = Barrier{32, 0, 0};
+        run_block(threads);
+        for (size_t i = smem_bytes; i < alloc && !S.failed; ++i) {
+          if (raw[i] != static_cast<unsigned char>(0xa5 ^ i)) {
+            S.failed = true;
+            S.error = "shared memory written past its end (byte " + std::to_string(i) + " of a " +
+                      std::to_string(smem_bytes) + "-byte allocation) in block (" + std::to_string(x) + ", " +
+                      std::to_string(y) + ", " + std::to_string(z) + ")";
+          }
+        }
+      }
+    }
+  }
+  std::free(raw);
+  S.smem = nullptr;
+  return !S.failed;
+}
+
+// The warp collective protocol: deposit this lane's inputs in ex(gen), arrive; the last lane
+// checks that every lane called the same collective, computes, releases; all read their output.
+inline Warp& my_warp() { return S.warps[threadIdx.x / 32]; }
+inline unsigned my_lane() { return threadIdx.x % 32; }
+
+template <typename Compute>
+Exchange& collective(int kind, const char* what, Compute&& compute, void (*deposit)(Exchange&, unsigned, const void*),
+                     const void* in) {
+  Warp& W = my_warp();
+  const uint64_t gen = W.bar.generation;
+  Exchange& ex = W.ex[gen & 1];
+  const unsigned lane = my_lane();
+  ex.kind[lane] = kind;
+  deposit(ex, lane, in);
+  if (arrive(W.bar, what)) {
+    for (unsigned l = 0; l < 32; ++l) {
+      if (ex.kind[l] != kind) fail("divergent warp: lane %u is at %s, lane %u at another collective", lane, what, l);
+    }
+    ++S.collectives;
+    compute(ex);
+    release(W.bar);
+  }
+  return ex;
+}
+
+}  // namespace emu
+
+inline void __syncthreads() {
+  if (emu::arrive(emu::S.block_bar, "__syncthreads")) emu::release(emu::S.block_bar);
+}
+
+inline float __shfl_xor_sync(unsigned mask, float value, int lane_mask) {
+  if (mask != 0xffffffffu) emu::fail("__shfl_xor_sync with mask %#x: only full-warp shuffles are emulated", mask);
+  struct In {
+    float v;
+    int m;
+  } in{value, lane_mask};
+  emu::Exchange& ex = emu::collective(
+      emu::kShfl, "__shfl_xor_sync",
+      [](emu::Exchange& e) {
+        for (unsigned l = 0; l < 32; ++l) {
+          const unsigned src = l ^ static_cast<unsigned>(e.lane_mask[l]);
+          e.f_out[l] = src < 32 ? e.value[src] : e.value[l];
+        }
+      },
+      [](emu::Exchange& e, unsigned l, const void* p) {
+        e.value[l] = static_cast<const In*>(p)->v;
+        e.lane_mask[l] = static_cast<const In*>(p)->m;
+      },
+      &in);
+  return ex.f_out[emu::my_lane()];
+}
+
+// ---------------------------------------------------------------------------------------------
+// the PTX helpers that extract.py removed, with the same signatures
+// ---------------------------------------------------------------------------------------------
+
+namespace attnkit {
+namespace {
+
+inline float exp2_approx(float x) {
+  const float y = std::exp2(x);
+  return std::fpclassify(y) == FP_SUBNORMAL ? 0.f : y;  // .ftz
+}
+
+inline float emu_bits_to_float(uint16_t bits, bool bf16) {
+  return bf16 ? __bfloat162float(__nv_bfloat16{bits}) : __half2float(__half{bits});
+}
+
+inline void emu_ldmatrix_x4(uint32_t (&r)[4], const uint16_t* row, bool trans) {
+  const ptrdiff_t off = reinterpret_cast<intptr_t>(row) - reinterpret_cast<intptr_t>(emu::S.smem);  // bytes
+  if (emu::S.smem == nullptr || off < 0 || static_cast<size_t>(off) + 16 > emu::S.smem_bytes)
+    emu::fail("ldmatrix row address outside the block's %zu bytes of shared memory (byte offset %td)",
+              emu::S.smem_bytes, off);
+  if (off % 16 != 0) emu::fail("ldmatrix row address not 16-byte aligned (byte offset %td)", off);
+  const bool transpose = trans && emu::S.fault != 2;
+  emu::Exchange& ex = emu::collective(
+      trans ? emu::kLdsmTrans : emu::kLdsm, trans ? "ldmatrix.x4.trans" : "ldmatrix.x4",
+      [transpose](emu::Exchange& e) {
+        for (unsigned l = 0; l < 32; ++l) {
+          const unsigned g = l / 4, t = l % 4;
+          for (unsigned m = 0; m < 4; ++m) {
+            // element (i, j) of matrix m is e.row[8m + i][j]
+            auto at = [&](unsigned i, unsigned j) { return e.row[8 * m + i][j]; };
+            const uint16_t lo = transpose ? at(2 * t, g) : at(g, 2 * t);
+            const uint16_t hi = transpose ? at(2 * t + 1, g) : at(g, 2 * t + 1);
+            e.r_out[l][m] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+          }
+        }
+      },
+      [](emu::Exchange& e, unsigned l, const void* p) { e.row[l] = static_cast<const uint16_t*>(p); }, row);
+  const unsigned lane = emu::my_lane();
+  for (int m = 0; m < 4; ++m) r[m] = ex.r_out[lane][m];
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* row) { emu_ldmatrix_x4(r, row, false); }
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* row) { emu_ldmatrix_x4(r, row, true); }
+
+template <bool kBF16>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  struct In {
+    const float* c;
+    const uint32_t* a;
+    const uint32_t* b;
+  } in{c, a, b};
+  emu::Exchange& ex = emu::collective(
+      kBF16 ? emu::kMmaBF16 : emu::kMmaF16, kBF16 ? "mma.m16n8k16.bf16" : "mma.m16n8k16.f16",
+      [](emu::Exchange& e) {
+        float A[16][16], B[16][8];
+        auto half = [](uint32_t reg, int i) { return static_cast<uint16_t>(i % 2 ? reg >> 16 : reg & 0xffffu); };
+        for (int l = 0; l < 32; ++l) {
+          const int g = l / 4, t = l % 4;
+          uint32_t ra[4] = {e.a[l][0], e.a[l][1], e.a[l][2], e.a[l][3]};
+          if (emu::S.fault == 1) std::swap(ra[1], ra[2]);
+          for (int i = 0; i < 8; ++i)
+            A[g + 8 * ((i / 2) % 2)][2 * t + i % 2 + 8 * (i / 4)] = emu_bits_to_float(half(ra[i / 2], i), kBF16);
+          for (int i = 0; i < 4; ++i)
+            B[2 * t + i % 2 + 8 * (i / 2)][g] = emu_bits_to_float(half(e.b[l][i / 2], i), kBF16);
+        }
+        for (int l = 0; l < 32; ++l) {
+          const int g = l / 4, t = l % 4;
+          for (int i = 0; i < 4; ++i) {
+            const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+            float acc = e.c[l][i];
+            for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+            e.c[l][i] = acc;
+          }
+        }
+      },
+      [](emu::Exchange& e, unsigned l, const void* p) {
+        const In& v = *static_cast<const In*>(p);
+        for (int i = 0; i < 4; ++i) e.a[l][i] = v.a[i], e.c[l][i] = v.c[i];
+        for (int i = 0; i < 2; ++i) e.b[l][i] = v.b[i];
+      },
+      &in);
+  const unsigned lane = emu::my_lane();
+  for (int i = 0; i < 4; ++i) c[i] = ex.c[lane][i];
+}
+
+}  // namespace
+}  // namespace attnkit
+
+#include "kernels.inc"
+
+// ---------------------------------------------------------------------------------------------
+// launches (what the host side of softmax.cu does after its checks and copies)
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+using namespace attnkit;
+
+template <bool BF, int D>
+bool fwd(const FwdParams& p, int B) {
+  const dim3 grid{static_cast<unsigned>((p.N + kBlockQ - 1) / kBlockQ), static_cast<unsigned>(p.H),
+                  static_cast<unsigned>(B)};
+  return emu::launch(grid, kThreads, fwd_smem_bytes<D>(), [p] { softmax_fwd_kernel<BF, D>(p); });
+}
+
+template <bool BF, int D>
+bool bwd(const BwdParams& p, const uint16_t* out, const int64_t* os, const uint16_t* dout, const int64_t* dos,
+         float* delta, int B) {
+  const int64_t rows = int64_t(B) * p.H * p.N;
+  if (rows > 0) {
+    constexpr int kRowsPerBlock = 256 / 32;
+    const dim3 grid{static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock), 1, 1};
+    if (!emu::launch(grid, 256, 0, [=] {
+          softmax_bwd_delta_kernel<BF, D>(out, os[0], os[1], os[2], dout, dos[0], dos[1], dos[2], delta, p.H, p.N,
+                                          rows);
+        }))
+      return false;
+    const dim3 dq_grid{static_cast<unsigned>((p.N + kBlockQ - 1) / kBlockQ), static_cast<unsigned>(p.H),
+                       static_cast<unsigned>(B)};
+    if (!emu::launch(dq_grid, kThreads, dq_smem_bytes<D>(), [p] { softmax_bwd_dq_kernel<BF, D>(p); })) return false;
+  }
+  if (int64_t(B) * p.Hk * p.M > 0) {
+    const dim3 kv_grid{static_cast<unsigned>((p.M + kBlockK - 1) / kBlockK), static_cast<unsigned>(p.Hk),
+                       static_cast<unsigned>(B)};
+    if (!emu::launch(kv_grid, kThreads, dkdv_smem_bytes<D>(), [p] { softmax_bwd_dkdv_kernel<BF, D>(p); }))
+      return false;
+  }
+  return true;
+}
+
+bool unsupported([[maybe_unused]] int bf16, int D) {
+#ifdef EMU_ONLY_F16_D64
+  if (bf16 || D != 64) {
+    emu::S.failed = true;
+    emu::S.error = "this build has only the fp16, D = 64 kernels (EMU_ONLY_F16_D64)";
+    return true;
+  }
+#endif
+  if (D != 64 && D != 128) {
+    emu::S.failed = true;
+    emu::S.error = "head dim " + std::to_string(D) + " not supported (64, 128)";
+    return true;
+  }
+  return false;
+}
+
+template <template <bool, int> class Dispatch, typename... Args>
+bool dispatch(int bf16, int D, Args&&... args) {
+#ifdef EMU_ONLY_F16_D64
+  (void)bf16, (void)D;
+  return Dispatch<false, 64>::run(args...);
+#else
+  if (bf16) return D == 64 ? Dispatch<true, 64>::run(args...) : Dispatch<true, 128>::run(args...);
+  return D == 64 ? Dispatch<false, 64>::run(args...) : Dispatch<false, 128>::run(args...);
+#endif
+}
+
+template <bool BF, int D>
+struct Fwd {
+  static bool run(const FwdParams& p, int B) { return fwd<BF, D>(p, B); }
+};
+template <bool BF, int D>
+struct Bwd {
+  static bool run(const BwdParams& p, const uint16_t* out, const int64_t* os, const uint16_t* dout,
+                  const int64_t* dos, float* delta, int B) {
+    return bwd<BF, D>(p, out, os, dout, dos, delta, B);
+  }
+};
+
+Mask make_mask(const void* mask, int kind, const int64_t* ms) { return Mask{mask, kind, ms[0], ms[1], ms[2], ms[3]}; }
+
+void begin() {
+  emu::S.failed = false;
+  emu::S.error.clear();
+}
+}  // namespace
+
+// Strides are in elements ([b, h, n] for q/k/v/out/dout, [b, h, n, m] for the mask), 0 where a
+// dim has size 1; rows must be contiguous and 16-byte aligned (the host side copies otherwise).
+// out, lse, dq, dk, dv are contiguous.  Return 0 on success, else see emu_last_error().
+extern "C" int emu_softmax_fwd(int bf16, int D, const uint16_t* q, const int64_t* qs, const uint16_t* k,
+                               const int64_t* ks, const uint16_t* v, const int64_t* vs, uint16_t* out, float* lse,
+                               const void* mask, int mask_kind, const int64_t* ms, int B, int H, int Hk, int N, int M,
+                               float scale, int causal) {
+  begin();
+  if (unsupported(bf16, D)) return 1;
+  FwdParams p;
+  p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse;
+  p.q_sb = qs[0], p.q_sh = qs[1], p.q_sn = qs[2];
+  p.k_sb = ks[0], p.k_sh = ks[1], p.k_sn = ks[2];
+  p.v_sb = vs[0], p.v_sh = vs[1], p.v_sn = vs[2];
+  p.mask = make_mask(mask, mask_kind, ms);
+  p.H = H, p.group = Hk ? H / Hk : 0, p.N = N, p.M = M;
+  p.scale_log2 = scale * kLog2e;
+  p.causal = causal;
+  if (B == 0 || H == 0 || N == 0) return 0;
+  return dispatch<Fwd>(bf16, D, p, B) ? 0 : 1;
+}
+
+extern "C" int emu_softmax_bwd(int bf16, int D, const uint16_t* dout, const int64_t* dos, const uint16_t* q,
+                               const int64_t* qs, const uint16_t* k, const int64_t* ks, const uint16_t* v,
+                               const int64_t* vs, const uint16_t* out, const int64_t* os, const float* lse,
+                               uint16_t* dq, uint16_t* dk, uint16_t* dv, const void* mask, int mask_kind,
+                               const int64_t* ms, int B, int H, int Hk, int N, int M, float scale, int causal) {
+  begin();
+  if (unsupported(bf16, D)) return 1;
+  std::vector<float> delta(static_cast<size_t>(B) * H * N, NAN);
+  BwdParams p;
+  p.q = q, p.k = k, p.v = v, p.dout = dout, p.lse = lse, p.delta = delta.data();
+  p.dq = dq, p.dk = dk, p.dv = dv;
+  p.q_sb = qs[0], p.q_sh = qs[1], p.q_sn = qs[2];
+  p.k_sb = ks[0], p.k_sh = ks[1], p.k_sn = ks[2];
+  p.v_sb = vs[0], p.v_sh = vs[1], p.v_sn = vs[2];
+  p.do_sb = dos[0], p.do_sh = dos[1], p.do_sn = dos[2];
+  p.mask = make_mask(mask, mask_kind, ms);
+  p.H = H, p.Hk = Hk, p.group = Hk ? H / Hk : 0, p.N = N, p.M = M;
+  p.scale = scale, p.scale_log2 = scale * kLog2e, p.causal = causal;
+  if (B == 0 || (H == 0 && Hk == 0)) return 0;
+  return dispatch<Bwd>(bf16, D, p, out, os, dout, dos, delta.data(), B) ? 0 : 1;
+}
+
+extern "C" const char* emu_last_error() { return emu::S.error.c_str(); }
+
+// seed: the warp order of the scheduler; fault: a test hook that breaks the emulated hardware
+// (0 = none, 1 = mma's A layout, 2 = ldmatrix's .trans) to show that the tests notice.
+extern "C" void emu_configure(uint64_t seed, int fault) {
+  emu::S.seed = seed;
+  emu::S.fault = fault;
+}
+
+extern "C" long long emu_collectives() { return emu::S.collectives; }
+
+// The values of softmax.cu's MaskKind, in the order none, bool, f32, f16, bf16, f64.
+extern "C" void emu_mask_kinds(int* kinds) {
+  const int k[6] = {kNoMask, kBoolMask, kF32Mask, kF16Mask, kBF16Mask, kF64Mask};
+  std::memcpy(kinds, k, sizeof k);
+}

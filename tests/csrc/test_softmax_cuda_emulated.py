@@ -1,0 +1,453 @@
+"""The CUDA C++ softmax kernels (csrc/cuda/softmax.cu) run on the CPU by a host emulator.
+
+There is no GPU on the machines the project is built and tested on, so this test cuts the
+device code out of softmax.cu (cuda_emulator/extract.py), compiles it with g++ together with
+cuda_emulator/harness.cpp -- every CUDA thread a fiber; __syncthreads, shuffles, ldmatrix and
+mma.m16n8k16 rebuilt from the PTX ISA; shared memory exact-size and NaN-filled -- and calls the
+kernels through ctypes on CPU tensors.  out, lse, dq, dk, dv are checked against the float64
+reference with the rule of DESIGN.md: within 2x the error the reference itself makes when run
+in the inputs' dtype, + 1e-3; infinities must match, NaN never passes.
+
+What it covers: the kernels' arithmetic, fragment layouts, tiling and bounds, masking, GQA,
+and the shared-memory synchronization between warps.  What it does not: the host side of
+softmax.cu (checks, copies, launch configuration as nvcc builds it; harness.cpp re-creates the
+launches), nvcc's own compilation, and anything about a real GPU (speed, memory model, ex2.approx
+rounding).  tests/csrc/test_softmax_cuda.py (``pytest -m gpu``) covers those on a GPU.
+See cuda_emulator/README.md.
+"""
+import ctypes
+import importlib.util
+import math
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnkit.reference.softmax import softmax_attention_reference
+
+HERE = Path(__file__).resolve().parent
+EMULATOR = HERE / "cuda_emulator"
+SOURCE = HERE.parents[1] / "csrc" / "cuda" / "softmax.cu"
+CXX = "g++"
+CXXFLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-shared", "-fPIC")
+F64 = torch.float64
+PAD = 64  # guard elements around every buffer (a multiple of 8: rows stay 16-byte aligned)
+
+
+def _load_extract():
+    spec = importlib.util.spec_from_file_location("attnkit_cuda_emulator_extract", EMULATOR / "extract.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+extract = _load_extract()
+
+# Deliberate bugs, each applied to a copy of the extracted device code (and built for fp16,
+# D = 64 only): the tests must catch them.
+MUTATIONS = {
+    # acc_to_a: the accumulator -> A-operand re-packing of P (and dS), registers 1 and 2 swapped.
+    "fragment_layout": (
+        "  a[1] = pack2<kBF16>(c[2 * kc][2], c[2 * kc][3]);\n"
+        "  a[2] = pack2<kBF16>(c[2 * kc + 1][0], c[2 * kc + 1][1]);\n",
+        "  a[2] = pack2<kBF16>(c[2 * kc][2], c[2 * kc][3]);\n"
+        "  a[1] = pack2<kBF16>(c[2 * kc + 1][0], c[2 * kc + 1][1]);\n",
+    ),
+    # forward: no barrier before the next K/V tiles overwrite the ones other warps still read.
+    "missing_syncthreads": (
+        "    __syncthreads();  // every warp is done with the previous K/V tiles (q_s: written before)\n",
+        "",
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# building and calling the emulator
+# ----------------------------------------------------------------------------------------------
+
+
+class Build:
+    """One g++ run of harness.cpp on a given device code, started in the background."""
+
+    def __init__(self, directory: Path, device_code: str, defines=()):
+        directory.mkdir(parents=True)
+        (directory / "kernels.inc").write_text(device_code)
+        self.lib = directory / "libemu.so"
+        cmd = [CXX, *CXXFLAGS, *(f"-D{d}" for d in defines), f"-I{directory}", str(EMULATOR / "harness.cpp"),
+               "-o", str(self.lib)]
+        self.cmd = " ".join(cmd)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.log = None
+        self._emulator = None
+
+    def emulator(self):
+        """Waits for the build; the loaded library (fails the test if g++ failed)."""
+        if self.log is None:
+            self.log, _ = self.proc.communicate()
+        if self.proc.returncode != 0:
+            pytest.fail(f"building the CUDA emulator failed:\n$ {self.cmd}\n{self.log[-6000:]}", pytrace=False)
+        if self._emulator is None:
+            self._emulator = Emulator(self.lib)
+        return self._emulator
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class NoBuild:
+    def __init__(self, reason):
+        self.reason = reason
+
+    def emulator(self):
+        pytest.fail(self.reason, pytrace=False)
+
+    def stop(self):
+        pass
+
+
+class EmulatorError(RuntimeError):
+    pass
+
+
+_i64p = ctypes.POINTER(ctypes.c_int64)
+_ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class Emulator:
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        shape = [_int] * 5 + [_float, _int]  # B, H, Hk, N, M, scale, causal
+        mask = [_ptr, _int, _i64p]
+        lib.emu_softmax_fwd.argtypes = [_int, _int] + [_ptr, _i64p] * 3 + [_ptr, _ptr] + mask + shape
+        lib.emu_softmax_bwd.argtypes = [_int, _int] + [_ptr, _i64p] * 5 + [_ptr] * 4 + mask + shape
+        lib.emu_softmax_fwd.restype = lib.emu_softmax_bwd.restype = _int
+        lib.emu_last_error.restype = ctypes.c_char_p
+        lib.emu_configure.argtypes = [ctypes.c_uint64, _int]
+        kinds = (ctypes.c_int * 6)()
+        lib.emu_mask_kinds(kinds)
+        self.mask_kinds = dict(zip((None, torch.bool, torch.float32, torch.float16, torch.bfloat16, F64), kinds))
+        self.lib = lib
+
+    def configure(self, seed=1, fault=0):
+        self.lib.emu_configure(seed, fault)
+
+    def _check(self, rc, what):
+        if rc != 0:
+            raise EmulatorError(f"{what}: {self.lib.emu_last_error().decode()}")
+
+    @staticmethod
+    def _strides(x, dims):
+        """Element strides of the first `dims` dims, 0 where a dim has size 1 (as the host side)."""
+        return (ctypes.c_int64 * dims)(*(x.stride(i) if x.size(i) > 1 else 0 for i in range(dims)))
+
+    @staticmethod
+    def _require_aligned_rows(*tensors):
+        """What the host side guarantees before a launch (rows_aligned, else it copies): a
+        contiguous last dim, 16-byte aligned rows."""
+        for x in tensors:
+            if x.numel() == 0:
+                continue
+            assert x.size(-1) == 1 or x.stride(-1) == 1, "rows must be contiguous"
+            assert x.data_ptr() % 16 == 0, "rows must be 16-byte aligned"
+            strides = [x.stride(i) for i in range(x.dim() - 1) if x.size(i) > 1]
+            assert all(st % 8 == 0 for st in strides), "rows must be 16-byte aligned"
+
+    @staticmethod
+    def _p(x):
+        if x is None or x.numel() == 0:
+            return None
+        return x.data_ptr()
+
+    def forward(self, q, k, v, mask, scale, causal, out, lse):
+        self._require_aligned_rows(q, k, v, out)
+        b, h, n, d = q.shape
+        hk, m = k.shape[1], k.shape[2]
+        s = self._strides
+        ms = s(mask, 4) if mask is not None else (ctypes.c_int64 * 4)()
+        rc = self.lib.emu_softmax_fwd(
+            int(q.dtype == torch.bfloat16), d, self._p(q), s(q, 3), self._p(k), s(k, 3), self._p(v), s(v, 3),
+            self._p(out), self._p(lse), self._p(mask), self.mask_kinds[None if mask is None else mask.dtype], ms,
+            b, h, hk, n, m, scale, int(causal))
+        self._check(rc, "forward")
+
+    def backward(self, dout, q, k, v, out, lse, mask, scale, causal, dq, dk, dv):
+        self._require_aligned_rows(dout, q, k, v, out, dq, dk, dv)
+        b, h, n, d = q.shape
+        hk, m = k.shape[1], k.shape[2]
+        s = self._strides
+        ms = s(mask, 4) if mask is not None else (ctypes.c_int64 * 4)()
+        rc = self.lib.emu_softmax_bwd(
+            int(q.dtype == torch.bfloat16), d, self._p(dout), s(dout, 3), self._p(q), s(q, 3), self._p(k), s(k, 3),
+            self._p(v), s(v, 3), self._p(out), s(out, 3), self._p(lse), self._p(dq), self._p(dk), self._p(dv),
+            self._p(mask), self.mask_kinds[None if mask is None else mask.dtype], ms, b, h, hk, n, m, scale,
+            int(causal))
+        self._check(rc, "backward")
+
+
+@pytest.fixture(scope="session")
+def builds(tmp_path_factory):
+    """Starts every build at once (the full emulator and the mutants), in the background."""
+    if shutil.which(CXX) is None:
+        pytest.fail(
+            f"{CXX} not found: tests/csrc/test_softmax_cuda_emulated.py compiles the CUDA kernels' device code "
+            f"for the CPU with {CXX} (C++20); install g++ >= 12.",
+            pytrace=False,
+        )
+    device_code = extract.extract_device_code(SOURCE.read_text())
+    root = tmp_path_factory.mktemp("cuda_emulator")
+    started = {"full": Build(root / "full", device_code)}
+    for name, (old, new) in MUTATIONS.items():
+        if device_code.count(old) != 1:
+            started[name] = NoBuild(f"mutation {name}: its target is no longer (once) in softmax.cu; update MUTATIONS")
+        else:
+            started[name] = Build(root / name, device_code.replace(old, new), defines=("EMU_ONLY_F16_D64",))
+    yield started
+    for b in started.values():
+        b.stop()
+
+
+@pytest.fixture(scope="session")
+def emulator(builds):
+    return builds["full"].emulator()
+
+
+# ----------------------------------------------------------------------------------------------
+# one case: inputs in guarded buffers, forward + backward, checks
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: torch.dtype
+    d: int
+    b: int
+    h: int
+    hk: int
+    n: int
+    m: int
+    causal: bool
+    mask: object = None  # None, "bool" ([N, M] broadcast), "keypad" ([B, 1, 1, M]) or a float dtype
+    noncontig: bool = False  # q as a [B, N, H, D] view, dout broadcast (stride 0)
+    scale: float = None
+
+    def __str__(self):
+        s = f"{str(self.dtype)[6:]}-D{self.d}-B{self.b}H{self.h}Hk{self.hk}-N{self.n}M{self.m}"
+        s += "-causal" if self.causal else ""
+        if self.mask is not None:
+            s += "-mask_" + (self.mask if isinstance(self.mask, str) else str(self.mask)[6:])
+        return s + ("-noncontig" if self.noncontig else "")
+
+
+class Guarded:
+    """A tensor in the middle of a flat buffer, with PAD guard elements on each side."""
+
+    def __init__(self, shape, dtype, fill, permute=None):
+        numel = math.prod(shape)
+        self.buffer = torch.full((numel + 2 * PAD,), fill, dtype=dtype)
+        self.tensor = self.buffer[PAD:PAD + numel].view(shape)
+        if permute is not None:
+            self.tensor = self.tensor.permute(permute)
+
+    def bits(self):
+        return _bits(self.buffer).clone()
+
+
+def _bits(x):
+    """x's bits as integers (NaN == NaN)."""
+    if x.dtype == torch.bool:
+        return x
+    return x.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+def _make_inputs(case: Case, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    b, h, hk, n, m, d, dtype = case.b, case.h, case.hk, case.n, case.m, case.d, case.dtype
+
+    def filled(shape, permute=None):
+        x = Guarded(shape, dtype, float("nan"), permute)  # NaN guards: a stray read poisons the result
+        x.tensor.copy_(torch.randn(x.tensor.shape, generator=g).to(dtype))
+        return x
+
+    q = filled((b, n, h, d), (0, 2, 1, 3)) if case.noncontig else filled((b, h, n, d))
+    k, v = filled((b, hk, m, d)), filled((b, hk, m, d))
+    dout = filled((1, 1, 1, d)) if case.noncontig else filled((b, h, n, d))
+    mask = None
+    if case.mask is not None:
+        keep = torch.rand(n, m, generator=g) < 0.7
+        if n > 1:
+            keep[1] = False  # a row with no key to attend to
+        if case.mask == "bool":
+            mask = Guarded((n, m), torch.bool, False)
+            mask.tensor.copy_(keep)
+        elif case.mask == "keypad":  # [B, 1, 1, M]: batch 0 sees its first M/2 keys, batch 1 none
+            mask = Guarded((b, 1, 1, m), torch.bool, True)
+            mask.tensor[0, ..., m // 2:] = False
+            mask.tensor[1:] = False
+        else:
+            mask = Guarded((1, h, n, m), case.mask, float("nan"))
+            mask.tensor.copy_(torch.randn(1, h, n, m, generator=g).masked_fill(~keep, float("-inf")))
+    return q, k, v, dout, mask
+
+
+def _reference(q, k, v, dout, mask, scale, causal, dtype):
+    qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    out, lse = softmax_attention_reference(qq, kk, vv, mask, 0.0, causal, scale, qq.shape[1] != kk.shape[1],
+                                           return_lse=True)
+    out.backward(dout.to(dtype))
+    return out, lse, qq.grad, kk.grad, vv.grad
+
+
+def run_emulated(emu: Emulator, case: Case, seed=0):
+    """Runs the forward and backward kernels; returns (out, lse, dq, dk, dv) and the inputs
+    (q, k, v, dout, mask, scale), after checking that no buffer was touched outside its bounds
+    and no input was written."""
+    q, k, v, dout, mask = _make_inputs(case, seed)
+    b, h, hk, n, m, d, dtype = case.b, case.h, case.hk, case.n, case.m, case.d, case.dtype
+    scale = 1.0 / math.sqrt(d) if case.scale is None else case.scale
+    inputs = [x for x in (q, k, v, dout, mask) if x is not None]
+    before = [x.bits() for x in inputs]
+    mask_t = None
+    if mask is not None:
+        mask_t = mask.tensor
+        if case.mask != "keypad":  # (the key-padding mask goes in with its size-1 dims)
+            mask_t = mask_t.expand(b, h, n, m)  # stride-0 broadcast
+    dout_t = dout.tensor.expand(b, h, n, d)
+    # Outputs start as NaN: an element the kernels do not write fails the comparison.
+    out, lse = Guarded((b, h, n, d), dtype, float("nan")), Guarded((b, h, n), torch.float32, float("nan"))
+    emu.forward(q.tensor, k.tensor, v.tensor, mask_t, scale, case.causal, out.tensor, lse.tensor)
+    dq = Guarded((b, h, n, d), dtype, float("nan"))
+    dk, dv = Guarded((b, hk, m, d), dtype, float("nan")), Guarded((b, hk, m, d), dtype, float("nan"))
+    emu.backward(dout_t, q.tensor, k.tensor, v.tensor, out.tensor, lse.tensor, mask_t, scale, case.causal,
+                 dq.tensor, dk.tensor, dv.tensor)
+    for name, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv)):
+        guards = torch.cat([x.buffer[:PAD], x.buffer[-PAD:]])
+        assert torch.isnan(guards).all(), f"{name}: written outside its bounds"
+    for x, bits in zip(inputs, before):
+        assert torch.equal(x.bits(), bits), "an input (or its guard) was written"
+    results = tuple(x.tensor for x in (out, lse, dq, dk, dv))
+    return results, (q.tensor, k.tensor, v.tensor, dout_t, mask_t, scale)
+
+
+def _max_err(x, ref64, name):
+    """max |x - ref64| over the finite entries; no NaN, and the same infinities (lse = -inf)."""
+    x, ref64 = x.detach().to(F64), ref64.detach().to(F64)
+    assert not torch.isnan(x).any(), f"{name}: NaN in the result"
+    assert not torch.isnan(ref64).any(), f"{name}: NaN in the float64 reference"
+    inf_x, inf_ref = torch.isinf(x), torch.isinf(ref64)
+    assert torch.equal(inf_x, inf_ref), f"{name}: infinities differ from the reference"
+    assert torch.equal(x[inf_x], ref64[inf_ref]), f"{name}: signs of infinities differ"
+    finite = ~inf_ref
+    return (x[finite] - ref64[finite]).abs().max().item() if finite.any() else 0.0
+
+
+def assert_close(x, ref64, ref_low, name):
+    """DESIGN.md, float16 / bfloat16: within 2x the reference's own error in that dtype, + 1e-3."""
+    assert x.shape == ref64.shape, f"{name}: shape {tuple(x.shape)} != {tuple(ref64.shape)}"
+    err = _max_err(x, ref64, name)
+    tol = 2.0 * _max_err(ref_low, ref64, f"{name} (reference in low precision)") + 1e-3
+    assert err <= tol, f"{name}: max error {err:.3e} > tolerance {tol:.3e}"
+
+
+def check(emu: Emulator, case: Case, seed=0):
+    results, (q, k, v, dout, mask, scale) = run_emulated(emu, case, seed)
+    ref64 = _reference(q, k, v, dout, mask, scale, case.causal, F64)
+    ref_low = _reference(q, k, v, dout, mask, scale, case.causal, case.dtype)
+    for name, x, r64, rlow in zip(("out", "lse", "dq", "dk", "dv"), results, ref64, ref_low):
+        assert_close(x, r64, rlow, f"{name} [{case}]")
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# cases
+# ----------------------------------------------------------------------------------------------
+
+F16, BF16 = torch.float16, torch.bfloat16
+# Tiles are 64 queries x 64 keys (dK/dV at D = 128: 32 queries), so 7, 65, 70, 129 straddle
+# tile edges; N > M and N < M both under causal masking; GQA groups of 1 and 2.
+CASES = [
+    Case(F16, 64, 1, 2, 1, 7, 129, True),
+    Case(BF16, 64, 1, 2, 2, 129, 7, True),
+    Case(F16, 64, 2, 2, 2, 1, 1, False),
+    Case(BF16, 64, 1, 4, 2, 65, 70, False, noncontig=True, scale=0.3),
+    Case(F16, 128, 1, 2, 1, 70, 65, True),
+    Case(BF16, 128, 1, 2, 2, 33, 129, False),
+    Case(BF16, 128, 1, 4, 2, 130, 130, True),
+    Case(F16, 64, 2, 2, 1, 33, 70, False, mask="bool"),
+    Case(F16, 128, 2, 2, 2, 9, 65, False, mask="keypad"),
+    Case(BF16, 64, 1, 2, 1, 40, 70, True, mask=torch.float32),
+    Case(F16, 64, 1, 2, 2, 20, 33, False, mask=torch.float16),
+    Case(BF16, 64, 1, 2, 1, 5, 0, False),
+    Case(F16, 128, 1, 2, 2, 0, 5, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_reference(emulator, case):
+    emulator.configure(seed=1 + CASES.index(case))
+    out, lse, dq, dk, dv = check(emulator, case)
+    if case.mask == "keypad":  # batch 1 sees no key at all
+        assert torch.isneginf(lse[1]).all() and torch.isfinite(lse[0]).all()
+        for grad in (dq[1], dk[1], dv[1], dk[0, :, case.m // 2:], dv[0, :, case.m // 2:]):
+            assert torch.equal(grad, torch.zeros_like(grad))
+    elif case.mask is not None and case.n > 1:  # row 1 sees no key: zeros, lse -inf, zero gradient
+        assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
+        assert torch.isneginf(lse[:, :, 1]).all()
+        assert torch.equal(dq[:, :, 1], torch.zeros_like(dq[:, :, 1]))
+    if case.m == 0:
+        assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+        assert torch.equal(dq, torch.zeros_like(dq))
+    if case.n == 0:
+        assert torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))
+
+
+def test_independent_of_warp_schedule(emulator):
+    # No atomics and barriers in the right places: another warp order gives the same bits.
+    case = Case(F16, 64, 1, 2, 1, 70, 129, True)
+    emulator.configure(seed=11)
+    first, _ = run_emulated(emulator, case)
+    emulator.configure(seed=12)
+    second, _ = run_emulated(emulator, case)
+    for x, y in zip(first, second):
+        assert torch.equal(_bits(x), _bits(y))
+
+
+# ----------------------------------------------------------------------------------------------
+# the test can fail
+# ----------------------------------------------------------------------------------------------
+
+MUTANT_CASE = Case(F16, 64, 1, 2, 1, 70, 130, False)
+
+
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_catches_a_broken_kernel(builds, name):
+    emu = builds[name].emulator()
+    emu.configure(seed=3)
+    with pytest.raises((AssertionError, EmulatorError)):
+        check(emu, MUTANT_CASE)
+
+
+@pytest.mark.parametrize("fault", (1, 2), ids=("mma_a_layout", "ldmatrix_trans"))
+def test_catches_a_layout_mismatch_with_the_hardware(emulator, fault):
+    # The kernel unchanged, the emulated instruction's fragment layout broken.
+    emulator.configure(seed=3, fault=fault)
+    try:
+        with pytest.raises(AssertionError):
+            check(emulator, MUTANT_CASE)
+    finally:
+        emulator.configure()
+    check(emulator, MUTANT_CASE)  # and without the fault it passes
+
+
+def test_extract_refuses_a_changed_ptx_helper():
+    source = SOURCE.read_text()
+    changed = source.replace('"r"(a[1]), "r"(a[2])', '"r"(a[2]), "r"(a[1])', 1)
+    assert changed != source
+    with pytest.raises(extract.ExtractError, match="mma16816"):
+        extract.extract_device_code(changed)
