@@ -10,10 +10,10 @@ Public API (all tensors [B, H, N, D], like torch's scaled_dot_product_attention)
 """
 import torch  # noqa: F401  (loads libtorch before the native extension)
 
-from . import patterns
+from . import nn, patterns
 from ._dispatch import BackendStatus, BackendUnavailableError, backends
 from .ops.hopfield import hopfield_energy, hopfield_update
-from .ops.linear import linear_attention
+from .ops.linear import linear_attention, linear_attention_step
 from .ops.softmax import softmax_attention
 from .ops.sparse import sparse_attention
 
@@ -22,10 +22,12 @@ __version__ = "0.1.0"
 __all__ = [
     "softmax_attention",
     "linear_attention",
+    "linear_attention_step",
     "sparse_attention",
     "hopfield_update",
     "hopfield_energy",
     "patterns",
+    "nn",
     "backends",
     "BackendStatus",
     "BackendUnavailableError",

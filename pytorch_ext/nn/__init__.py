@@ -1,2 +1,10 @@
-"""attnkit.nn: drop-in attention layers built on the attnkit ops (MultiheadAttention, sparse,
-linear and Hopfield layers arrive with their kernel issues)."""
+"""attnkit.nn: drop-in attention layers built on the attnkit ops.
+
+- :class:`MultiheadAttention` -- a drop-in for :class:`torch.nn.MultiheadAttention` on
+  :func:`attnkit.softmax_attention`.
+
+(Sparse, linear and Hopfield layers arrive with their kernel issues.)
+"""
+from .multihead import MultiheadAttention
+
+__all__ = ["MultiheadAttention"]

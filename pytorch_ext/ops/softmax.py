@@ -1,17 +1,36 @@
 """Softmax attention: ``attnkit.softmax_attention``, a drop-in for torch's SDPA.
 
-Layers (DESIGN.md): the public function below validates every input, asks
-:func:`attnkit._dispatch.resolve` for the backend of family ``"softmax"`` and calls that
-backend's implementation from :data:`_IMPLEMENTATIONS`.  Only the pure-PyTorch reference exists
-so far; kernel backends add their entry (and ``register_kernel("softmax", ...)``) here.
+Layers (DESIGN.md):
+
+- **op** (this module's first half) -- the kernels as ``torch.library`` ops, each with a fake
+  (meta) implementation, so that ``torch.compile(fullgraph=True)`` traces them, and an autograd
+  formula whose backward is the kernels' own recomputing backward:
+
+  * ``attnkit::softmax_fwd`` / ``attnkit::softmax_bwd`` -- the C++ ops (schemas in
+    ``csrc/ops.cpp``; CPU implementation ``csrc/cpu/softmax.cpp``, CUDA ``csrc/cuda/softmax.cu``).
+    Their fake and autograd registrations exist only when ``attnkit._C`` loads; without it the
+    package still imports and the ``cpu`` / ``cuda`` backends report why they cannot run.
+  * ``attnkit::softmax_triton_fwd`` / ``attnkit::softmax_triton_bwd`` -- ``torch.library``
+    custom ops around the Triton launchers of ``attnkit.kernels.softmax`` (plus a dropout
+    ``seed``).  They are ``custom_op`` with an explicit fake, not ``triton_op``: under
+    ``TRITON_INTERPRET=1`` ``triton_op``'s automatic fake runs the interpreted kernel on
+    FakeTensors and fails.  The kernel module is imported inside the op bodies: importing triton
+    is slow, and ``TRITON_INTERPRET`` is read when the kernels are decorated.
+
+- **public function** :func:`softmax_attention` -- validates every input, picks the backend
+  (:func:`attnkit._dispatch.resolve`, then the routing rules of its docstring for what a
+  kernel cannot do) and calls that backend's entry of :data:`_IMPLEMENTATIONS`.
 """
 from __future__ import annotations
 
 import math
+import os
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
-from .._dispatch import resolve
+from .._dispatch import ENV_VAR, BackendUnavailableError, native, register_kernel, resolve
 from .._validation import (
     check_bool,
     check_real,
@@ -24,6 +43,251 @@ from ..reference.softmax import softmax_attention_reference
 FAMILY = "softmax"
 OP_NAME = "attnkit.softmax_attention"
 
+# What the kernel backends take (the routing rules of softmax_attention; each kernel also
+# checks for itself).  The C++ CPU kernel takes every floating dtype and any head dim.
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TRITON_MAX_HEAD_DIM = 256  # attnkit.kernels.softmax.MAX_HEAD_DIM (not imported: triton is slow to import)
+CUDA_DTYPES = (torch.float16, torch.bfloat16)
+CUDA_HEAD_DIMS = (64, 128)
+
+
+# ==============================================================================================
+# op layer: the C++ ops attnkit::softmax_fwd / softmax_bwd (cpu and cuda backends)
+# ==============================================================================================
+
+
+def _load_native_ops() -> bool:
+    """Whether attnkit._C loads and declares the softmax ops."""
+    try:
+        native()  # importing attnkit._C runs its TORCH_LIBRARY registrations
+    except BackendUnavailableError:
+        return False
+    try:
+        torch.ops.attnkit.softmax_fwd.default
+        torch.ops.attnkit.softmax_bwd.default
+    except (AttributeError, RuntimeError):  # an extension built from older sources
+        return False
+    return True
+
+
+_NATIVE_OPS = _load_native_ops()
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    # The kernels accumulate, and return the lse, in float32 (float64 for float64 inputs).
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _fwd_fake(q, k, v, mask, scale, is_causal, *_dropout):
+    b, h, n, _ = q.shape
+    out = q.new_empty((b, h, n, v.shape[-1]))
+    lse = q.new_empty((b, h, n), dtype=_lse_dtype(q.dtype))
+    return out, lse
+
+
+def _bwd_fake(grad_out, q, k, v, out, lse, mask, scale, is_causal, *_dropout):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _gradients(run_bwd, saved, grad_out, grad_lse, probe_dim=None):
+    """(dq, dk, dv) from the kernels' backward, for gradients of both outputs.
+
+    ``run_bwd(grad_out, v, out, with_dropout)`` calls the backward kernel (other arguments
+    fixed).  The kernels take the gradient of ``out`` only.  The lse's gradient adds
+    ``g_i · p_ij`` to dS (∂lse_i/∂s_ij = p_ij, the probabilities *before* dropout): a second,
+    dropout-free call where V is zero (so dP = 0) and the row term D_i = rowsum(dO ∘ O) equals
+    ``-g_i`` -- with O a column of ones and dO the column ``-g`` -- makes the kernel's
+    dS = P ∘ (dP − D) exactly g P.  For float16 / bfloat16 inputs ``-g`` (float32) is split
+    over two columns, its rounding to the inputs' dtype and the rest, so that the kernel's
+    float32 row sum recovers it to about float32 precision.  ``probe_dim``: the head dim the
+    probe's V and O must have (None: as few columns as that takes; the CUDA kernels need D),
+    extra columns are zero.  Skipped when the lse is unused (``grad_lse`` None: the
+    gradients are not materialized).
+    """
+    q, k, v, out, lse = saved[:5]
+    dq = dk = dv = None
+    if grad_out is not None:
+        dq, dk, dv = run_bwd(grad_out, v, out, True)
+    if grad_lse is not None:
+        minus_g = -grad_lse.to(lse.dtype)
+        head = minus_g.to(q.dtype)
+        if q.dtype in (torch.float16, torch.bfloat16):
+            cols = torch.stack([head, (minus_g - head.to(minus_g.dtype)).to(q.dtype)], dim=-1)
+        else:
+            cols = head.unsqueeze(-1)
+        pad = (0, 0 if probe_dim is None else probe_dim - cols.shape[-1])
+        minus_g = F.pad(cols, pad)
+        ones = F.pad(torch.ones_like(cols), pad)
+        v_zero = v.new_zeros(v.shape[:-1] + (minus_g.shape[-1],))
+        dq_l, dk_l, _ = run_bwd(minus_g, v_zero, ones, False)
+        dq = dq_l if dq is None else dq + dq_l
+        dk = dk_l if dk is None else dk + dk_l
+    if dv is None:
+        dv = torch.zeros_like(v)
+    return dq, dk, dv
+
+
+def _differentiable_gradients(ctx, saved, grad_out, grad_lse, dropout_mask=None):
+    """(dq, dk, dv) that are themselves differentiable, for a double backward
+    (``create_graph=True``): the kernels' backward has no autograd of its own, so these come
+    from the reference recomputed on the saved inputs (it materializes the N × M scores).
+    ``dropout_mask``: the kept entries the kernel's forward used."""
+    q, k, v, _, _, mask = saved[:6]
+    dropout_p = getattr(ctx, "dropout_p", 0.0) if dropout_mask is not None else 0.0
+    out, lse = softmax_attention_reference(
+        q, k, v, mask, dropout_p, ctx.is_causal, ctx.scale, q.shape[1] != k.shape[1],
+        return_lse=True, dropout_mask=dropout_mask,
+    )
+    outputs, grads = [], []
+    for tensor, grad in ((out, grad_out), (lse, grad_lse)):
+        if grad is not None:
+            finite = torch.isfinite(tensor)  # fully masked rows: lse = -inf, no gradient
+            outputs.append(torch.where(finite, tensor, 0.0) if tensor is lse else tensor)
+            grads.append(grad.to(tensor.dtype))
+    wanted = (q, k, v)
+    if not outputs:
+        return tuple(torch.zeros_like(t) for t in wanted)
+    found = torch.autograd.grad(outputs, wanted, grads, create_graph=True, allow_unused=True)
+    return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(wanted, found))
+
+
+def _native_setup_context(ctx, inputs, output):
+    q, k, v, mask, scale, is_causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, mask)
+    ctx.scale, ctx.is_causal = scale, is_causal
+    # An unused lse (return_lse=False) then gets grad None, not zeros: no second kernel call.
+    ctx.set_materialize_grads(False)
+
+
+def _native_backward(ctx, grad_out, grad_lse):
+    saved = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: a double backward will follow
+        return (*_differentiable_gradients(ctx, saved, grad_out, grad_lse), None, None, None)
+    q, k, _, _, lse, mask = saved
+    # The CUDA kernels need V's head dim equal to the query's.
+    probe = q.shape[-1] if q.is_cuda else None
+
+    def run_bwd(g, v, out, _with_dropout):  # no dropout in the C++ kernels
+        return torch.ops.attnkit.softmax_bwd(g, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal)
+
+    dq, dk, dv = _gradients(run_bwd, saved, grad_out, grad_lse, probe)
+    # No gradient for the mask (a mask that requires grad is routed to the reference), scale
+    # or is_causal.
+    return dq, dk, dv, None, None, None
+
+
+if _NATIVE_OPS:
+    torch.library.register_fake("attnkit::softmax_fwd", _fwd_fake)
+    torch.library.register_fake("attnkit::softmax_bwd", _bwd_fake)
+    torch.library.register_autograd("attnkit::softmax_fwd", _native_backward,
+                                    setup_context=_native_setup_context)
+
+# Unconditionally: when attnkit._C is missing, the dispatcher reports the cpu / cuda backends
+# unusable with the reason.
+register_kernel(FAMILY, "cpu")
+register_kernel(FAMILY, "cuda")
+
+
+# ==============================================================================================
+# op layer: the Triton kernels as custom ops attnkit::softmax_triton_fwd / _bwd
+# ==============================================================================================
+
+
+@torch.library.custom_op("attnkit::softmax_triton_fwd", mutates_args=())
+def _triton_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale: float,
+    is_causal: bool,
+    dropout_p: float,
+    seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash forward (attnkit.kernels.softmax.softmax_fwd): (out, lse float32).  ``seed`` is a
+    0-d int64 tensor (a tensor, not an int, so that drawing it does not break a compiled graph)."""
+    from ..kernels import softmax as kernels
+
+    return kernels.softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p, int(seed))
+
+
+@torch.library.custom_op("attnkit::softmax_triton_bwd", mutates_args=())
+def _triton_bwd(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale: float,
+    is_causal: bool,
+    dropout_p: float,
+    seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flash backward (attnkit.kernels.softmax.softmax_bwd): (dq, dk, dv); ``dropout_p`` and
+    ``seed`` those of the forward (the kernel regenerates the dropout mask)."""
+    from ..kernels import softmax as kernels
+
+    return kernels.softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal, dropout_p,
+                               int(seed))
+
+
+_triton_fwd.register_fake(_fwd_fake)
+_triton_bwd.register_fake(_bwd_fake)
+
+
+def _triton_setup_context(ctx, inputs, output):
+    q, k, v, mask, scale, is_causal, dropout_p, seed = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, mask, seed)
+    ctx.scale, ctx.is_causal, ctx.dropout_p = scale, is_causal, dropout_p
+    ctx.set_materialize_grads(False)
+
+
+def _triton_backward(ctx, grad_out, grad_lse):
+    saved = ctx.saved_tensors
+    q, k, _, _, lse, mask, seed = saved
+    if torch.is_grad_enabled():  # create_graph=True: a double backward will follow
+        keep = None
+        if ctx.dropout_p > 0.0:
+            from ..kernels import softmax as kernels
+
+            b, h, n, _ = q.shape
+            keep = kernels.dropout_keep_mask(b, h, n, k.shape[2], ctx.dropout_p, int(seed), q.device)
+        grads = _differentiable_gradients(ctx, saved, grad_out, grad_lse, keep)
+        return (*grads, None, None, None, None, None)
+
+    def run_bwd(g, v, out, with_dropout):
+        p = ctx.dropout_p if with_dropout else 0.0
+        return torch.ops.attnkit.softmax_triton_bwd(g, q, k, v, out, lse, mask, ctx.scale,
+                                                    ctx.is_causal, p, seed)
+
+    dq, dk, dv = _gradients(run_bwd, saved, grad_out, grad_lse)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_triton_fwd.register_autograd(_triton_backward, setup_context=_triton_setup_context)
+register_kernel(FAMILY, "triton")
+
+
+# ==============================================================================================
+# backend implementations (called by the public function after validation and routing)
+# ==============================================================================================
+
+
+def _kernel_mask(attn_mask, query, key):
+    """The mask as the kernels read it: [B, H, N, M] (a stride-0 view over broadcast
+    dimensions, never densified); a floating mask in the inputs' dtype, as the reference
+    (and the docstring) has it."""
+    if attn_mask is None:
+        return None
+    if attn_mask.is_floating_point() and attn_mask.dtype != query.dtype:
+        attn_mask = attn_mask.to(query.dtype)
+    b, h, n, _ = query.shape
+    return attn_mask.expand(b, h, n, key.shape[2])
+
 
 def _run_reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     # The reference computes in the inputs' dtype; it draws its dropout mask with torch.rand, so
@@ -33,8 +297,106 @@ def _run_reference(query, key, value, attn_mask, dropout_p, is_causal, scale, en
     )
 
 
+def _run_native(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+    # cpu and cuda: the same op, dispatched on the tensors' device.  GQA is native (H % Hk);
+    # dropout_p is 0 here (routing).
+    if not _NATIVE_OPS:
+        raise BackendUnavailableError(
+            f"{OP_NAME}: attnkit._C was built without the softmax ops; rebuild it "
+            "(pip install --no-build-isolation -e .)"
+        )
+    out, lse = torch.ops.attnkit.softmax_fwd(
+        query, key, value, _kernel_mask(attn_mask, query, key), scale, is_causal
+    )
+    return (out, lse) if return_lse else out
+
+
+def _draw_seed(dropout_p: float) -> torch.Tensor:
+    """The dropout seed: from torch's default (CPU) generator, so that a call is reproducible
+    under torch.manual_seed; no draw without dropout (the random stream is left alone)."""
+    if dropout_p > 0.0:
+        return torch.randint(2**31 - 1, (), dtype=torch.int64)
+    return torch.zeros((), dtype=torch.int64)
+
+
+def _run_triton(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+    out, lse = torch.ops.attnkit.softmax_triton_fwd(
+        query, key, value, _kernel_mask(attn_mask, query, key), scale, is_causal, dropout_p,
+        _draw_seed(dropout_p),
+    )
+    return (out, lse) if return_lse else out
+
+
 # backend name -> implementation with _run_reference's signature.
-_IMPLEMENTATIONS = {"reference": _run_reference}
+_IMPLEMENTATIONS = {
+    "reference": _run_reference,
+    "cpu": _run_native,
+    "cuda": _run_native,
+    "triton": _run_triton,
+}
+
+
+def _kernel_limitation(backend, query, key, value, attn_mask, dropout_p) -> str:
+    """'' when ``backend`` can run this call, else what it cannot do (routing rules)."""
+    if backend == "reference":
+        return ""
+    if (
+        attn_mask is not None
+        and attn_mask.is_floating_point()
+        and attn_mask.requires_grad
+        and torch.is_grad_enabled()
+    ):
+        return "a floating attn_mask that requires grad (the kernels compute no mask gradient)"
+    dtype = query.dtype
+    head_dim, value_dim = query.shape[-1], value.shape[-1]
+    dtype_name = str(dtype).replace("torch.", "")
+    if backend == "cpu":
+        if dropout_p > 0.0:
+            return f"dropout_p > 0 (got {dropout_p}; the C++ CPU kernel has no dropout)"
+    elif backend == "triton":
+        if dtype not in TRITON_DTYPES:
+            return f"{dtype_name} inputs (the Triton kernels take float16, bfloat16 and float32)"
+        if not (1 <= head_dim <= TRITON_MAX_HEAD_DIM and 1 <= value_dim <= TRITON_MAX_HEAD_DIM):
+            return (
+                f"head dims D = {head_dim}, Dv = {value_dim} (the Triton kernels take head dims "
+                f"1..{TRITON_MAX_HEAD_DIM})"
+            )
+    elif backend == "cuda":
+        if dtype not in CUDA_DTYPES:
+            return f"{dtype_name} inputs (the CUDA kernels take float16 and bfloat16)"
+        if head_dim not in CUDA_HEAD_DIMS or value_dim != head_dim:
+            return (
+                f"head dims D = {head_dim}, Dv = {value_dim} (the CUDA kernels take D = Dv in "
+                f"{CUDA_HEAD_DIMS})"
+            )
+        if dropout_p > 0.0:
+            return f"dropout_p > 0 (got {dropout_p}; the CUDA kernels have no dropout)"
+    return ""
+
+
+def _route(backend, query, key, value, attn_mask, dropout_p) -> str:
+    """The backend that runs this call: ``resolve``'s pick, unless that kernel cannot run the
+    call -- then the reference when the backend was the default, an error when it was named."""
+    chosen = resolve(FAMILY, backend, query.device, OP_NAME)
+    why_not = _kernel_limitation(chosen, query, key, value, attn_mask, dropout_p)
+    if not why_not:
+        return chosen
+    named = backend is not None or bool(os.environ.get(ENV_VAR))
+    if named:
+        source = "backend" if backend is not None else ENV_VAR
+        raise BackendUnavailableError(
+            f"{OP_NAME}: the {chosen} backend ({source}={chosen!r}) cannot run {why_not}; "
+            "use backend='reference', or leave backend=None to route such calls automatically"
+        )
+    # Default backend: the reference takes everything.  (No other kernel backend would do: on
+    # a CUDA tensor the cuda kernels lack all that triton lacks; on a CPU tensor the only
+    # other one is interpreted Triton, for debugging.)
+    return "reference"
+
+
+# ==============================================================================================
+# public function
+# ==============================================================================================
 
 
 def _check_mask(attn_mask, query: torch.Tensor, target: tuple[int, int, int, int]) -> None:
@@ -89,20 +451,23 @@ def softmax_attention(
             and one device; any strides.
         attn_mask: None, or a tensor broadcastable to ``[B, H, N, M]``: bool (True = attend,
             False = masked out) or floating point (added to the scores; any floating dtype, cast
-            to the inputs' dtype; -inf masks out).
+            to the inputs' dtype; -inf masks out).  The kernels read a broadcast mask through
+            stride-0 views: it is never expanded in memory.
         dropout_p: probability in ``[0, 1)`` of zeroing each attention probability (kept ones
             are scaled by ``1 / (1 - dropout_p)``).  Applied whenever it is > 0, like SDPA
-            (there is no training flag); the random mask comes from torch's generator, so a
-            call is reproducible under ``torch.manual_seed``.
+            (there is no training flag).  The randomness comes from torch's default generator
+            (the reference draws its mask with ``torch.rand``; the Triton kernels draw one
+            Philox seed with ``torch.randint`` and regenerate the mask from it in the backward),
+            so a call is reproducible under ``torch.manual_seed`` -- but the masks of different
+            backends differ.
         is_causal: key j is visible to query i only when ``j <= i`` (top-left aligned, like SDPA,
             also when M != N).  Cannot be combined with ``attn_mask`` (SDPA neither).
         scale: multiplies ``q·k``; default ``1 / sqrt(D)``.  Any finite number.
         enable_gqa: grouped-query attention: when ``H != Hk`` (H must be a multiple of Hk),
             query head h uses key/value head ``h // (H // Hk)``.  Without it ``H == Hk``.
+            The kernels never repeat K / V in memory.
         return_lse: also return the log-sum-exp of each row's (scaled, masked) scores.
-        backend: ``"reference" | "cpu" | "triton" | "cuda"`` or None (default: the device's
-            backend, else the reference; the environment variable ``ATTNKIT_BACKEND`` overrides
-            it).  Softmax has only the reference so far.
+        backend: ``"reference" | "cpu" | "triton" | "cuda"`` or None; see *Backends*.
 
     Returns:
         ``out`` ``[B, H, N, Dv]`` in the inputs' dtype; with ``return_lse`` the tuple
@@ -110,7 +475,30 @@ def softmax_attention(
 
     A row with no key to attend to (fully masked, or M = 0) gives output 0 and lse -inf, and
     zero gradients -- never NaN (SDPA gives NaN there).  Empty N or M give empty / zero results.
-    Differentiable in query, key, value and a floating ``attn_mask``.
+    Differentiable in query, key, value, a floating ``attn_mask`` (reference only, see below)
+    and through ``lse`` too.  The kernel backends are differentiable once (their backward is a
+    kernel); double backward needs ``backend="reference"``.
+
+    Backends:
+        ``reference`` (pure PyTorch, any device and dtype; materializes the ``N × M`` scores),
+        ``cpu`` (C++ flash kernel, CPU tensors: float16 / bfloat16 / float32 / float64, any head
+        dim, fp32 accumulation -- fp64 for float64), ``triton`` (flash kernels, CUDA tensors, or
+        CPU tensors under ``TRITON_INTERPRET=1``: float16 / bfloat16 / float32, head dims
+        1..256), ``cuda`` (CUDA C++ kernels: float16 / bfloat16, D = Dv ∈ {64, 128}, sm_80+).
+        ``backend=None`` (and no ``ATTNKIT_BACKEND`` in the environment) picks ``cpu`` for CPU
+        tensors and ``triton`` for CUDA tensors (the reference where that backend is not
+        usable here), then routes a call the picked kernel cannot run to the reference:
+
+        - ``cpu``: ``dropout_p > 0`` (the C++ kernel has no dropout);
+        - ``triton``: float64 inputs; a head dim D or Dv above 256;
+        - ``cuda``: dtypes other than float16 / bfloat16; head dims other than D = Dv ∈ {64, 128};
+          ``dropout_p > 0``;
+        - every kernel: a floating ``attn_mask`` that requires grad while grad mode is on (the
+          kernels compute no mask gradient).
+
+        A backend named explicitly (``backend=`` or ``ATTNKIT_BACKEND``) is never replaced: such
+        a call raises :class:`attnkit.BackendUnavailableError` naming the limitation, as does a
+        backend that cannot run here at all (not built, no GPU, ...).
 
     Raises:
         TypeError: a non-tensor, non-floating q/k/v, a mask that is neither bool nor floating,
@@ -119,7 +507,8 @@ def softmax_attention(
             fit (GQA), a mask that does not broadcast to ``[B, H, N, M]`` or lies on another
             device, ``attn_mask`` with ``is_causal``, ``dropout_p`` outside ``[0, 1)``, an
             unknown backend.
-        attnkit.BackendUnavailableError: the backend asked for cannot run here.
+        attnkit.BackendUnavailableError: the backend asked for cannot run here, or cannot run
+            this call (see *Backends*).
 
     Example::
 
@@ -170,7 +559,8 @@ def softmax_attention(
         raise ValueError(f"{OP_NAME}: dropout_p must be < 1; got {dropout_p!r}")
     check_real(OP_NAME, "scale", scale, allow_none=True)
 
-    chosen = resolve(FAMILY, backend, query.device, OP_NAME)
+
+    chosen = _route(backend, query, key, value, attn_mask, dropout_p)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     return _IMPLEMENTATIONS[chosen](

@@ -1,14 +1,14 @@
 """attnkit.softmax_attention: the public function (validation, dispatch, numerics, autograd,
-dropout, compile).
+dropout, compile), on the backend a CPU tensor gets by default -- the C++ ``cpu`` kernel once
+attnkit._C is built (the reference for what it cannot do: dropout, a mask that requires grad),
+else the reference.  tests/ops/test_softmax_backends.py names each backend explicitly.
 
-Ground truth is ``loop_attention`` below: float64, one query row at a time, key/value heads
-picked by index arithmetic, masks applied with ``where`` and products summed elementwise -- a
-different formulation from the library's reference (matmul, repeat_interleave, masked_fill).
-torch's own SDPA in float64 is a second oracle wherever its semantics match ours (it gives NaN
-on fully masked rows, where we give 0).
-
-``assert_close_to_reference`` is the tolerance rule of DESIGN.md; the kernel tests of this
-family reuse it.
+Ground truth is ``loop_attention`` (tests/attnkit_testing.py): float64, one query row at a time,
+key/value heads picked by index arithmetic, masks applied with ``where`` and products summed
+elementwise -- a different formulation from the library's reference (matmul, repeat_interleave,
+masked_fill).  torch's own SDPA in float64 is a second oracle wherever its semantics match ours
+(it gives NaN on fully masked rows, where we give 0).  ``assert_close_to_reference`` (same file)
+is the tolerance rule of DESIGN.md.
 """
 import math
 import re
@@ -18,135 +18,10 @@ import torch
 import torch.nn.functional as F
 
 import attnkit
-from attnkit import BackendUnavailableError
-from attnkit._dispatch import BACKENDS, implemented
 from attnkit.reference.softmax import softmax_attention_reference
+from attnkit_testing import F64, assert_close_to_reference, loop_attention, make_mask, make_qkv
 
-F64 = torch.float64
 OP = "attnkit.softmax_attention"
-LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-# ----------------------------------------------------------------------------------------------
-# tolerance rule and ground truth
-# ----------------------------------------------------------------------------------------------
-
-
-def _max_finite_err(x: torch.Tensor, ref64: torch.Tensor, name: str) -> float:
-    """max |x - ref64| over the finite entries, after checking that x has no NaN and the same
-    infinities as ref64 (lse is -inf on fully masked rows)."""
-    x = x.detach().to(F64)
-    ref64 = ref64.detach()
-    assert not torch.isnan(x).any(), f"{name}: NaN in the result"
-    assert not torch.isnan(ref64).any(), f"{name}: NaN in the float64 reference"
-    inf_x, inf_ref = torch.isinf(x), torch.isinf(ref64)
-    assert torch.equal(inf_x, inf_ref), f"{name}: infinities differ from the reference"
-    assert torch.equal(x[inf_x], ref64[inf_ref]), f"{name}: signs of infinities differ"
-    finite = ~inf_ref
-    if not finite.any():
-        return 0.0
-    return (x[finite] - ref64[finite]).abs().max().item()
-
-
-def assert_close_to_reference(out, ref64, ref_lowp=None, *, grad=False, name="output", dtype=None):
-    """The test rule of DESIGN.md, for one tensor (an output, an lse or a gradient).
-
-    ``ref64`` is the float64 ground truth computed from the *same* (already rounded) inputs.
-    ``dtype``: the dtype of the computation's inputs, which picks the rule (default
-    ``out.dtype``; pass it for an lse, which is float32 for float16 / bfloat16 inputs).
-    - float64: max error <= 1e-10 · max|ref64| (both are exact up to rounding).
-    - float32: max error <= 2e-5 · max|ref64| (1e-4 for gradients, ``grad=True``).
-    - float16 / bfloat16: max error <= 2 · (max error of ``ref_lowp``) + 1e-3, where
-      ``ref_lowp`` is the reference run in that dtype (the error a naive implementation makes).
-    Non-finite entries (lse = -inf) must match exactly; NaN never passes.
-    """
-    assert out.shape == ref64.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref64.shape)}"
-    assert ref64.dtype == F64, f"{name}: the reference must be float64; got {ref64.dtype}"
-    err = _max_finite_err(out, ref64, name)
-    finite = torch.isfinite(ref64)
-    size = ref64.detach()[finite].abs().max().item() if finite.any() else 0.0
-    dtype = out.dtype if dtype is None else dtype
-    if dtype == F64:
-        tol = 1e-10 * size
-    elif dtype == torch.float32:
-        tol = (1e-4 if grad else 2e-5) * size
-    elif dtype in LOW_PRECISION:
-        assert ref_lowp is not None, f"{name}: a {dtype} computation needs ref_lowp"
-        tol = 2.0 * _max_finite_err(ref_lowp, ref64, f"{name} (reference in {dtype})") + 1e-3
-    else:
-        raise AssertionError(f"{name}: unexpected dtype {dtype}")
-    assert err <= tol, f"{name} ({dtype} inputs): max error {err:.3e} > tolerance {tol:.3e}"
-
-
-def loop_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, *, keep=None, dropout_p=0.0):
-    """Independent float64 ground truth with SDPA semantics; returns (out, lse).
-
-    Differentiable (q, k, v and a floating mask), and gradient-safe on fully masked rows.
-    ``keep``: optional bool [B, H, N, M] dropout mask (True = kept, scaled by 1 / (1 - p)).
-    """
-    q, k, v = q.to(F64), k.to(F64), v.to(F64)
-    b, h, n, d = q.shape
-    hk, m, dv = k.shape[1], k.shape[2], v.shape[3]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    if m == 0 or n == 0:
-        out = q.new_zeros(b, h, n, dv) + 0.0 * (q.sum() + k.sum() + v.sum())
-        return out, torch.full((b, h, n), float("-inf"), dtype=F64)
-    kv_head = torch.arange(h) // (h // hk)  # query head -> its key/value head
-    kh, vh = k[:, kv_head], v[:, kv_head]  # [B, H, M, *]
-    allowed = torch.ones(b, h, n, m, dtype=torch.bool)
-    bias = torch.zeros(b, h, n, m, dtype=F64)
-    if attn_mask is not None:
-        full = torch.broadcast_to(attn_mask, (b, h, n, m))
-        if attn_mask.dtype == torch.bool:
-            allowed = full
-        else:
-            bias = full.to(F64)
-            allowed = full > float("-inf")
-    outs, lses = [], []
-    for i in range(n):
-        ok = allowed[:, :, i, :].clone()
-        if is_causal:
-            ok[..., i + 1:] = False
-        s = (q[:, :, i, None, :] * kh).sum(-1) * scale + bias[:, :, i, :]  # [B, H, M]
-        any_ok = ok.any(-1, keepdim=True)
-        top = torch.where(ok, s, float("-inf")).amax(-1, keepdim=True).detach()
-        top = torch.where(any_ok, top, torch.zeros_like(top))
-        w = torch.where(ok, torch.exp(torch.where(ok, s, top) - top), torch.zeros_like(s))
-        den = w.sum(-1, keepdim=True)
-        den = torch.where(any_ok, den, torch.ones_like(den))
-        p = w / den
-        if keep is not None:
-            p = p * keep[:, :, i, :] / (1.0 - dropout_p)
-        outs.append((p[..., None] * vh).sum(-2))
-        lses.append(torch.where(any_ok, torch.log(den) + top, torch.full_like(den, float("-inf")))[..., 0])
-    return torch.stack(outs, dim=2), torch.stack(lses, dim=2)
-
-
-def make_qkv(b, h, hk, n, m, d, dv, seed=0, dtype=F64, requires_grad=False):
-    g = torch.Generator().manual_seed(seed)
-    tensors = [torch.randn(shape, generator=g, dtype=F64) for shape in
-               ((b, h, n, d), (b, hk, m, d), (b, hk, m, dv))]
-    return [t.to(dtype).requires_grad_(requires_grad) for t in tensors]
-
-
-def make_mask(kind, b, h, n, m, seed=0, shape=None, dtype=F64):
-    """None | "bool" | "additive" mask (shape defaults to [B, H, N, M]).  A bool mask keeps about
-    70% of the entries, an additive one is N(0, 1) with about 20% -inf; either way key i % M stays
-    visible to row i, so no row is fully masked."""
-    if kind in (None, "causal"):
-        return None
-    g = torch.Generator().manual_seed(seed + 1000)
-    shape = (b, h, n, m) if shape is None else shape
-    if kind == "bool":
-        mask = torch.rand(shape, generator=g) < 0.7
-        rows = torch.arange(shape[-2])
-        mask[..., rows, rows % shape[-1]] = True  # one visible key per row (if m > 0)
-        return mask
-    bias = torch.randn(shape, generator=g, dtype=F64)
-    bias = bias.masked_fill(torch.rand(shape, generator=g) < 0.2, float("-inf"))
-    rows = torch.arange(shape[-2])
-    bias[..., rows, rows % shape[-1]] = 0.0
-    return bias.to(dtype)
 
 
 # Mask shapes cycled through the parametrized cases: full, 2-D, per-batch, key padding, 3-D.
@@ -560,6 +435,7 @@ def test_dropout_expectation_is_the_undropped_output():
 
 
 def test_compile_fullgraph():
+    torch._dynamo.reset()  # the frame cache is shared with other tests that compile this function
     compiled = torch.compile(attnkit.softmax_attention, fullgraph=True)
     # 1) causal + GQA + lse, M != N, with a backward through the compiled graph
     q, k, v = make_qkv(1, 4, 2, 7, 9, 16, 8, dtype=torch.float32, requires_grad=True)
@@ -592,7 +468,7 @@ def test_compile_fullgraph():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_cuda_against_float64(dtype):
-    # Whatever backend CUDA tensors get by default (reference until the softmax kernels land).
+    # Whatever backend CUDA tensors get by default (triton, see test_softmax_backends.py).
     q, k, v = make_qkv(2, 4, 2, 129, 64, 80, 48, dtype=dtype)
     q, k, v = (t.cuda().requires_grad_() for t in (q, k, v))
     out, lse = attnkit.softmax_attention(q, k, v, is_causal=True, enable_gqa=True, return_lse=True)
@@ -678,12 +554,6 @@ def test_unknown_backend_from_environment(monkeypatch):
     monkeypatch.setenv("ATTNKIT_BACKEND", "bogus")
     with pytest.raises(ValueError, match=f"{OP}: unknown ATTNKIT_BACKEND 'bogus'"):
         _call()
-
-
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b not in implemented("softmax")])
-def test_backend_without_kernels_raises(backend):
-    with pytest.raises(BackendUnavailableError, match=f"{OP}: the {backend} backend has no softmax kernels"):
-        _call(backend=backend)
 
 
 def test_reference_backend_explicit_and_from_environment(monkeypatch):

@@ -1,0 +1,136 @@
+"""Shared helpers of attnkit's tests: the tolerance rule of DESIGN.md and independent float64
+ground truths.  ``from attnkit_testing import ...`` works from any test module: tests/ has no
+``__init__.py`` and holds conftest.py, so pytest puts tests/ on sys.path (rootdir-relative
+"rootdir/conftest" insertion, the default ``prepend`` import mode).
+
+- :func:`assert_close_to_reference` -- the tolerance rule for one tensor.
+- :func:`loop_attention` -- softmax attention in float64, one query row at a time (a formulation
+  independent of the library's reference: index arithmetic for GQA, ``where`` for masks,
+  elementwise products summed).
+- :func:`make_qkv`, :func:`make_mask` -- seeded random inputs and masks.
+"""
+import math
+
+import torch
+
+F64 = torch.float64
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+__all__ = ["F64", "LOW_PRECISION", "assert_close_to_reference", "loop_attention", "make_qkv", "make_mask"]
+
+
+def _max_finite_err(x: torch.Tensor, ref64: torch.Tensor, name: str) -> float:
+    """max |x - ref64| over the finite entries, after checking that x has no NaN and the same
+    infinities as ref64 (lse is -inf on fully masked rows)."""
+    x = x.detach().to(F64)
+    ref64 = ref64.detach()
+    assert not torch.isnan(x).any(), f"{name}: NaN in the result"
+    assert not torch.isnan(ref64).any(), f"{name}: NaN in the float64 reference"
+    inf_x, inf_ref = torch.isinf(x), torch.isinf(ref64)
+    assert torch.equal(inf_x, inf_ref), f"{name}: infinities differ from the reference"
+    assert torch.equal(x[inf_x], ref64[inf_ref]), f"{name}: signs of infinities differ"
+    finite = ~inf_ref
+    if not finite.any():
+        return 0.0
+    return (x[finite] - ref64[finite]).abs().max().item()
+
+
+def assert_close_to_reference(out, ref64, ref_lowp=None, *, grad=False, name="output", dtype=None):
+    """The test rule of DESIGN.md, for one tensor (an output, an lse or a gradient).
+
+    ``ref64`` is the float64 ground truth computed from the *same* (already rounded) inputs.
+    ``dtype``: the dtype of the computation's inputs, which picks the rule (default
+    ``out.dtype``; pass it for an lse, which is float32 for float16 / bfloat16 inputs).
+    - float64: max error <= 1e-10 · max|ref64| (both are exact up to rounding).
+    - float32: max error <= 2e-5 · max|ref64| (1e-4 for gradients, ``grad=True``).
+    - float16 / bfloat16: max error <= 2 · (max error of ``ref_lowp``) + 1e-3, where
+      ``ref_lowp`` is the reference run in that dtype (the error a naive implementation makes).
+    Non-finite entries (lse = -inf) must match exactly; NaN never passes.
+    """
+    assert out.shape == ref64.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref64.shape)}"
+    assert ref64.dtype == F64, f"{name}: the reference must be float64; got {ref64.dtype}"
+    err = _max_finite_err(out, ref64, name)
+    finite = torch.isfinite(ref64)
+    size = ref64.detach()[finite].abs().max().item() if finite.any() else 0.0
+    dtype = out.dtype if dtype is None else dtype
+    if dtype == F64:
+        tol = 1e-10 * size
+    elif dtype == torch.float32:
+        tol = (1e-4 if grad else 2e-5) * size
+    elif dtype in LOW_PRECISION:
+        assert ref_lowp is not None, f"{name}: a {dtype} computation needs ref_lowp"
+        tol = 2.0 * _max_finite_err(ref_lowp, ref64, f"{name} (reference in {dtype})") + 1e-3
+    else:
+        raise AssertionError(f"{name}: unexpected dtype {dtype}")
+    assert err <= tol, f"{name} ({dtype} inputs): max error {err:.3e} > tolerance {tol:.3e}"
+
+
+def loop_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, *, keep=None, dropout_p=0.0):
+    """Independent float64 ground truth with SDPA semantics; returns (out, lse).
+
+    Differentiable (q, k, v and a floating mask), and gradient-safe on fully masked rows.
+    ``keep``: optional bool [B, H, N, M] dropout mask (True = kept, scaled by 1 / (1 - p)).
+    """
+    q, k, v = q.to(F64), k.to(F64), v.to(F64)
+    b, h, n, d = q.shape
+    hk, m, dv = k.shape[1], k.shape[2], v.shape[3]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if m == 0 or n == 0:
+        out = q.new_zeros(b, h, n, dv) + 0.0 * (q.sum() + k.sum() + v.sum())
+        return out, torch.full((b, h, n), float("-inf"), dtype=F64)
+    kv_head = torch.arange(h) // (h // hk)  # query head -> its key/value head
+    kh, vh = k[:, kv_head], v[:, kv_head]  # [B, H, M, *]
+    allowed = torch.ones(b, h, n, m, dtype=torch.bool)
+    bias = torch.zeros(b, h, n, m, dtype=F64)
+    if attn_mask is not None:
+        full = torch.broadcast_to(attn_mask, (b, h, n, m))
+        if attn_mask.dtype == torch.bool:
+            allowed = full
+        else:
+            bias = full.to(F64)
+            allowed = full > float("-inf")
+    outs, lses = [], []
+    for i in range(n):
+        ok = allowed[:, :, i, :].clone()
+        if is_causal:
+            ok[..., i + 1:] = False
+        s = (q[:, :, i, None, :] * kh).sum(-1) * scale + bias[:, :, i, :]  # [B, H, M]
+        any_ok = ok.any(-1, keepdim=True)
+        top = torch.where(ok, s, float("-inf")).amax(-1, keepdim=True).detach()
+        top = torch.where(any_ok, top, torch.zeros_like(top))
+        w = torch.where(ok, torch.exp(torch.where(ok, s, top) - top), torch.zeros_like(s))
+        den = w.sum(-1, keepdim=True)
+        den = torch.where(any_ok, den, torch.ones_like(den))
+        p = w / den
+        if keep is not None:
+            p = p * keep[:, :, i, :] / (1.0 - dropout_p)
+        outs.append((p[..., None] * vh).sum(-2))
+        lses.append(torch.where(any_ok, torch.log(den) + top, torch.full_like(den, float("-inf")))[..., 0])
+    return torch.stack(outs, dim=2), torch.stack(lses, dim=2)
+
+
+def make_qkv(b, h, hk, n, m, d, dv, seed=0, dtype=F64, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(shape, generator=g, dtype=F64) for shape in
+               ((b, h, n, d), (b, hk, m, d), (b, hk, m, dv))]
+    return [t.to(dtype).requires_grad_(requires_grad) for t in tensors]
+
+
+def make_mask(kind, b, h, n, m, seed=0, shape=None, dtype=F64):
+    """None | "bool" | "additive" mask (shape defaults to [B, H, N, M]).  A bool mask keeps about
+    70% of the entries, an additive one is N(0, 1) with about 20% -inf; either way key i % M stays
+    visible to row i, so no row is fully masked."""
+    if kind in (None, "causal"):
+        return None
+    g = torch.Generator().manual_seed(seed + 1000)
+    shape = (b, h, n, m) if shape is None else shape
+    if kind == "bool":
+        mask = torch.rand(shape, generator=g) < 0.7
+        rows = torch.arange(shape[-2])
+        mask[..., rows, rows % shape[-1]] = True  # one visible key per row (if m > 0)
+        return mask
+    bias = torch.randn(shape, generator=g, dtype=F64)
+    bias = bias.masked_fill(torch.rand(shape, generator=g) < 0.2, float("-inf"))
+    rows = torch.arange(shape[-2])
+    bias[..., rows, rows % shape[-1]] = 0.0
+    return bias.to(dtype)
