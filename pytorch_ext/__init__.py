@@ -10,7 +10,7 @@ Public API (all tensors [B, H, N, D], like torch's scaled_dot_product_attention)
 """
 import torch  # noqa: F401  (loads libtorch before the native extension)
 
-from . import nn, patterns
+from . import hopfield, nn, patterns
 from ._dispatch import BackendStatus, BackendUnavailableError, backends
 from .ops.hopfield import hopfield_energy, hopfield_update
 from .ops.linear import linear_attention, linear_attention_step
@@ -28,6 +28,7 @@ __all__ = [
     "hopfield_energy",
     "patterns",
     "nn",
+    "hopfield",
     "backends",
     "BackendStatus",
     "BackendUnavailableError",

@@ -1,0 +1,1010 @@
+// CPU kernels of softmax attention (FlashAttention-2 style), forward and backward.
+//
+//   softmax_fwd(q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,Dv], mask?, scale, is_causal)
+//       -> out [B,H,N,Dv] (q's dtype), lse [B,H,N] (float32; float64 for float64 inputs)
+//   softmax_bwd(dout, q, k, v, out, lse, mask?, scale, is_causal) -> (dq, dk, dv)
+//
+// Forward.  A task is (b, h, block of kBQ query rows).  It walks the key blocks (kBK keys),
+// computes the scores S = Q K^T of the tile with a register-blocked micro-kernel, folds them
+// into a running (max, sum) per row (online softmax, in base 2: scores are multiplied by
+// scale*log2(e) so that the exponentials are exp2), and accumulates O += P V.  The keys and
+// values of one (b, kv-head) are packed once per thread (K transposed to [D][kBK] per block,
+// V to rows; converted to the accumulation type), so GQA reads each kv head without copies.
+// Extra memory: per thread O(M (D + Dv)) packed K/V plus O(kBQ kBK) tiles -- never N x M.
+//
+// Backward.  D_i = rowsum(dO o O) first; then a task is (b, kv-head, chunk of key blocks): for
+// each key block it keeps dK, dV accumulators, and for every query head of the GQA group and
+// every query block recomputes P = exp2(S' - lse') from the saved lse, then
+//   dV += P^T dO,  dP = dO V^T,  dS = P o (dP - D) * scale,  dK += dS^T Q,  dQ += dS K.
+// dK/dV belong to the task; dQ rows of the group's heads belong to it too as long as a kv head
+// is not split into chunks -- when it is (fewer (b, kv-head) pairs than threads), each chunk
+// adds into its own dQ partial buffer and the partials are summed at the end.  No races.
+//
+// Accumulation: float32 (float64 for float64 inputs).  bfloat16 forward uses the CPU's
+// bfloat16 dot product (vdpbf16ps) on bf16 Q, K, P, V with float32 accumulation when the build
+// has AVX512-BF16; everything else converts inputs to the accumulation type while packing.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace attnkit {
+namespace {
+
+// Tile sizes.  kBQ query rows x kBK keys per step of the forward; kBQb x kBKb in the backward.
+constexpr int64_t kBQ = 64;
+constexpr int64_t kBK = 256;
+constexpr int64_t kBQb = 64;
+constexpr int64_t kBKb = 64;
+
+constexpr double kLog2e = 1.4426950408889634074;
+constexpr double kLn2 = 0.6931471805599453094;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+template <typename T>
+constexpr T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
+}
+
+// ---------------------------------------------------------------------------------------------
+// GEMM tiles:  C[r][c] (+)= sum_{k < K} A(r, k) * B[k * ldb + c]   (r < rows, c < cols)
+// with A(r, k) = A[r * sar + k * sak] (so A may be read transposed) and B row-major.
+// ---------------------------------------------------------------------------------------------
+
+// Portable version (float64, and float32 on builds without AVX-512): the inner loop over the
+// contiguous columns vectorizes.
+template <typename T>
+void gemm_generic(int64_t rows, int64_t cols, int64_t K, const T* A, int64_t sar, int64_t sak,
+                  const T* B, int64_t ldb, T* C, int64_t ldc, bool accumulate) {
+  for (int64_t r = 0; r < rows; ++r) {
+    T* c = C + r * ldc;
+    if (!accumulate) std::fill(c, c + cols, T(0));
+    for (int64_t k = 0; k < K; ++k) {
+      const T a = A[r * sar + k * sak];
+      const T* b = B + k * ldb;
+#pragma omp simd
+      for (int64_t j = 0; j < cols; ++j) c[j] += a * b[j];
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// R rows x NV vectors of 16 columns held in registers (R * NV <= 24 accumulators + NV loads of
+// B + one broadcast fit in the 32 zmm registers).  Per k: NV loads, R broadcasts, R*NV FMAs.
+// The last vector of columns is loaded / stored under `last` (columns past `cols`).
+template <int R, int NV>
+inline void micro_f32(int64_t K, const float* __restrict A, int64_t sar, int64_t sak,
+                      const float* __restrict B, int64_t ldb, float* __restrict C, int64_t ldc,
+                      __mmask16 last, bool accumulate) {
+  __m512 acc[R][NV];
+  if (accumulate) {
+    #pragma GCC unroll 32
+    for (int r = 0; r < R; ++r)
+      #pragma GCC unroll 32
+      for (int v = 0; v < NV; ++v)
+        acc[r][v] = v == NV - 1 ? _mm512_maskz_loadu_ps(last, C + r * ldc + 16 * v)
+                                : _mm512_loadu_ps(C + r * ldc + 16 * v);
+  } else {
+    #pragma GCC unroll 32
+    for (int r = 0; r < R; ++r)
+      #pragma GCC unroll 32
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const float* b = B + k * ldb;
+    __m512 bv[NV];
+    #pragma GCC unroll 32
+    for (int v = 0; v < NV; ++v)
+      bv[v] = v == NV - 1 ? _mm512_maskz_loadu_ps(last, b + 16 * v) : _mm512_loadu_ps(b + 16 * v);
+    const float* a = A + k * sak;
+    #pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(a[r * sar]);
+      #pragma GCC unroll 32
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
+    }
+  }
+  #pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 32
+    for (int v = 0; v < NV; ++v) {
+      if (v == NV - 1)
+        _mm512_mask_storeu_ps(C + r * ldc + 16 * v, last, acc[r][v]);
+      else
+        _mm512_storeu_ps(C + r * ldc + 16 * v, acc[r][v]);
+    }
+}
+
+// Rows per register block for NV column vectors (about 24 accumulators).
+template <int NV>
+constexpr int rows_for() {
+  return NV == 4 ? 6 : NV == 3 ? 8 : NV == 2 ? 12 : 8;
+}
+
+template <int NV, int R>
+inline void micro_rows_f32(int64_t rows, int64_t K, const float* A, int64_t sar, int64_t sak,
+                           const float* B, int64_t ldb, float* C, int64_t ldc, __mmask16 last,
+                           bool accumulate) {
+  // rows < R here: dispatch to the exact tail height.
+  if constexpr (R > 1) {
+    if (rows == R - 1) {
+      micro_f32<R - 1, NV>(K, A, sar, sak, B, ldb, C, ldc, last, accumulate);
+      return;
+    }
+    micro_rows_f32<NV, R - 1>(rows, K, A, sar, sak, B, ldb, C, ldc, last, accumulate);
+  }
+}
+
+template <int NV>
+inline void panel_f32(int64_t rows, int64_t K, const float* A, int64_t sar, int64_t sak,
+                      const float* B, int64_t ldb, float* C, int64_t ldc, __mmask16 last,
+                      bool accumulate) {
+  constexpr int R = rows_for<NV>();
+  int64_t r = 0;
+  for (; r + R <= rows; r += R)
+    micro_f32<R, NV>(K, A + r * sar, sar, sak, B, ldb, C + r * ldc, ldc, last, accumulate);
+  if (r < rows)
+    micro_rows_f32<NV, R>(rows - r, K, A + r * sar, sar, sak, B, ldb, C + r * ldc, ldc, last,
+                          accumulate);
+}
+
+void gemm_f32(int64_t rows, int64_t cols, int64_t K, const float* A, int64_t sar, int64_t sak,
+              const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  if (rows <= 0 || cols <= 0) return;
+  const int64_t nv = ceil_div(cols, 16);
+  // Split the column vectors into panels of at most 4, as even as possible (5 -> 3 + 2 rather
+  // than 4 + 1: a one-vector panel has too few independent accumulators to hide FMA latency).
+  const int64_t panels = ceil_div(nv, 4);
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t v0 = p * nv / panels, v1 = (p + 1) * nv / panels;
+    const int64_t c0 = v0 * 16;
+    const int64_t tail = std::min(cols, v1 * 16) - (v1 - 1) * 16;  // 1..16 columns
+    const __mmask16 last = static_cast<__mmask16>((1u << tail) - 1u);
+    const float* b = B + c0;
+    float* c = C + c0;
+    switch (v1 - v0) {
+      case 1: panel_f32<1>(rows, K, A, sar, sak, b, ldb, c, ldc, last, accumulate); break;
+      case 2: panel_f32<2>(rows, K, A, sar, sak, b, ldb, c, ldc, last, accumulate); break;
+      case 3: panel_f32<3>(rows, K, A, sar, sak, b, ldb, c, ldc, last, accumulate); break;
+      default: panel_f32<4>(rows, K, A, sar, sak, b, ldb, c, ldc, last, accumulate); break;
+    }
+  }
+}
+#endif  // __AVX512F__
+
+template <typename T>
+inline void gemm(int64_t rows, int64_t cols, int64_t K, const T* A, int64_t sar, int64_t sak,
+                 const T* B, int64_t ldb, T* C, int64_t ldc, bool accumulate) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    gemm_f32(rows, cols, K, A, sar, sak, B, ldb, C, ldc, accumulate);
+    return;
+  }
+#endif
+  gemm_generic<T>(rows, cols, K, A, sar, sak, B, ldb, C, ldc, accumulate);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Exponentials.  exp2 of x <= 0 (scores minus the running max, in base 2), -inf -> 0.
+// ---------------------------------------------------------------------------------------------
+#if defined(__AVX512F__)
+// x = n + f with n = round(x), |f| <= 1/2; 2^f by its degree-7 Taylor polynomial in f*ln2
+// (truncation < 5e-9 relative), times 2^n with vscalefps.  x is clamped at -200 first:
+// 2^-200 underflows to exactly 0, so masked scores (-inf) give p = 0 without a NaN.
+inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-200.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// s[j] <- exp2(s[j] - mx) for j < n; returns the sum.  mx is finite.
+template <typename T>
+inline T exp2_sub_sum(T* s, int64_t n, T mx) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512 m = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __m512 p = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+      _mm512_storeu_ps(s + j, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    if (j < n) {
+      const __mmask16 k = static_cast<__mmask16>((1u << (n - j)) - 1u);
+      const __m512 p = exp2_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), m));
+      _mm512_mask_storeu_ps(s + j, k, p);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, p));
+    }
+    return _mm512_reduce_add_ps(sum);
+  }
+#endif
+  T sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const T p = std::exp2(s[j] - mx);
+    s[j] = p;
+    sum += p;
+  }
+  return sum;
+}
+
+template <typename T>
+inline T row_max(const T* s, int64_t n) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    __m512 m = _mm512_set1_ps(neg_inf<float>());
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+    if (j < n) {
+      const __mmask16 k = static_cast<__mmask16>((1u << (n - j)) - 1u);
+      m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, s + j));
+    }
+    return _mm512_reduce_max_ps(m);
+  }
+#endif
+  T m = neg_inf<T>();
+  for (int64_t j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Masks.  Read in place through their strides (a broadcast mask is a stride-0 view).
+// ---------------------------------------------------------------------------------------------
+enum class MaskKind { kNone, kBool, kFloat, kDouble, kBFloat16, kHalf };
+
+struct MaskView {
+  MaskKind kind = MaskKind::kNone;
+  const char* data = nullptr;
+  int64_t esize = 0;
+  int64_t sb = 0, sh = 0, sn = 0, sm = 0;  // element strides
+  const char* row(int64_t b, int64_t h, int64_t i) const {
+    return data + (b * sb + h * sh + i * sn) * esize;
+  }
+};
+
+template <typename T, typename M>
+inline void add_mask(T* s, int64_t n, const M* m, int64_t sm) {
+  const T c = static_cast<T>(kLog2e);
+  if (sm == 1) {
+    for (int64_t j = 0; j < n; ++j) s[j] += c * static_cast<T>(m[j]);
+  } else {
+    for (int64_t j = 0; j < n; ++j) s[j] += c * static_cast<T>(m[j * sm]);
+  }
+}
+
+// Applies the mask for keys [j0, j0 + n) of query row (b, h, i) to base-2 scores s.
+template <typename T>
+inline void apply_mask(T* s, int64_t n, const MaskView& mv, int64_t b, int64_t h, int64_t i,
+                       int64_t j0) {
+  if (mv.kind == MaskKind::kNone) return;
+  const char* row = mv.row(b, h, i) + j0 * mv.sm * mv.esize;
+  switch (mv.kind) {
+    case MaskKind::kBool: {
+      const bool* m = reinterpret_cast<const bool*>(row);
+      const T ninf = neg_inf<T>();
+      if (mv.sm == 1) {
+        for (int64_t j = 0; j < n; ++j) s[j] = m[j] ? s[j] : ninf;
+      } else {
+        for (int64_t j = 0; j < n; ++j) s[j] = m[j * mv.sm] ? s[j] : ninf;
+      }
+      break;
+    }
+    case MaskKind::kFloat: add_mask(s, n, reinterpret_cast<const float*>(row), mv.sm); break;
+    case MaskKind::kDouble: add_mask(s, n, reinterpret_cast<const double*>(row), mv.sm); break;
+    case MaskKind::kBFloat16:
+      add_mask(s, n, reinterpret_cast<const at::BFloat16*>(row), mv.sm);
+      break;
+    case MaskKind::kHalf: add_mask(s, n, reinterpret_cast<const at::Half*>(row), mv.sm); break;
+    default: break;
+  }
+}
+
+// Base-2 scores of one row: s[j] <- s[j] * c for j < visible (keys past `visible` are hidden by
+// causality), -inf beyond; then the mask.
+template <typename T>
+inline void prepare_row(T* s, int64_t n, int64_t visible, T c, const MaskView& mv, int64_t b,
+                        int64_t h, int64_t i, int64_t j0) {
+  const int64_t v = std::min(n, std::max<int64_t>(visible, 0));
+#pragma omp simd
+  for (int64_t j = 0; j < v; ++j) s[j] *= c;
+  for (int64_t j = v; j < n; ++j) s[j] = neg_inf<T>();
+  if (v > 0) apply_mask(s, v, mv, b, h, i, j0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Problem description shared by forward and backward.
+// ---------------------------------------------------------------------------------------------
+struct Strides4 {
+  int64_t b, h, n, d;
+  explicit Strides4(const at::Tensor& t) : b(t.stride(0)), h(t.stride(1)), n(t.stride(2)), d(t.stride(3)) {}
+  int64_t at(int64_t bi, int64_t hi, int64_t ni) const { return bi * b + hi * h + ni * n; }
+};
+
+struct Problem {
+  int64_t B, H, Hk, N, M, D, Dv;
+  double scale;
+  bool causal;
+  MaskView mask;
+};
+
+MaskView make_mask_view(const c10::optional<at::Tensor>& mask) {
+  MaskView mv;
+  if (!mask.has_value() || !mask->defined()) return mv;
+  const at::Tensor& m = *mask;
+  switch (m.scalar_type()) {
+    case at::kBool: mv.kind = MaskKind::kBool; break;
+    case at::kFloat: mv.kind = MaskKind::kFloat; break;
+    case at::kDouble: mv.kind = MaskKind::kDouble; break;
+    case at::kBFloat16: mv.kind = MaskKind::kBFloat16; break;
+    case at::kHalf: mv.kind = MaskKind::kHalf; break;
+    default: TORCH_CHECK(false, "softmax attention: mask must be bool or floating; got ", m.scalar_type());
+  }
+  mv.data = static_cast<const char*>(m.const_data_ptr());
+  mv.esize = m.element_size();
+  mv.sb = m.stride(0);
+  mv.sh = m.stride(1);
+  mv.sn = m.stride(2);
+  mv.sm = m.stride(3);
+  return mv;
+}
+
+// Runs `work(task)` for task in [0, ntasks) on torch's intra-op pool, handing tasks out
+// dynamically (causal tasks differ in size; tasks are ordered largest first by the callers).
+// `make_state()` builds each worker's scratch once.
+template <typename MakeState, typename Work>
+void run_tasks(int64_t ntasks, MakeState make_state, Work work) {
+  if (ntasks <= 0) return;
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), ntasks);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      auto state = make_state();
+      for (int64_t t = next.fetch_add(1); t < ntasks; t = next.fetch_add(1)) work(state, t);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward, accumulation type acc_t (float or double); inputs of any floating dtype are
+// converted while packing.
+// ---------------------------------------------------------------------------------------------
+template <typename acc_t>
+struct FwdScratch {
+  int64_t packed_head = -1;   // b * Hk + hk of the packed K / V below
+  std::vector<acc_t> kt;      // [nkb][D][kBK]  K transposed per key block, zero padded
+  std::vector<acc_t> v;       // [M][Dv]
+  std::vector<acc_t> q;       // [kBQ][D]
+  std::vector<uint16_t> kb16;  // bf16 dot path: K [nkb][D2/2][kBK][2] (pairs of d)
+  std::vector<uint16_t> vb16;  //   V [M2/2][Dvp][2] (pairs of keys)
+  std::vector<uint16_t> qb16;  //   Q [kBQ][D2]
+  std::vector<uint16_t> pb16;  //   P [kBQ][kBK]
+  std::vector<acc_t> s;       // [kBQ][kBK]
+  std::vector<acc_t> o;       // [kBQ][Dv]
+  std::vector<acc_t> m, l;    // [kBQ]
+};
+
+#if defined(__AVX512BF16__)
+constexpr bool kHaveBf16Dot = true;
+
+// bfloat16 tiles: C[r][c] (+)= sum_k A[r][k] B[k][c] with A row-major bf16 [rows][lda] read as
+// pairs (k even, k + 1), B in pair-interleaved layout B[kp][c][2] (ldb bf16 per pair row,
+// columns padded to a multiple of 16 so loads need no mask), C float32.  vdpbf16ps multiplies
+// 16 column pairs and adds both products into float32 lanes.
+template <int R, int NV>
+inline void micro_bf16(int64_t KP, const uint16_t* __restrict A, int64_t lda,
+                       const uint16_t* __restrict B, int64_t ldb, float* __restrict C,
+                       int64_t ldc, __mmask16 last, bool accumulate) {
+  __m512 acc[R][NV];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 32
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = !accumulate ? _mm512_setzero_ps()
+                  : v == NV - 1 ? _mm512_maskz_loadu_ps(last, C + r * ldc + 16 * v)
+                                : _mm512_loadu_ps(C + r * ldc + 16 * v);
+  for (int64_t kp = 0; kp < KP; ++kp) {
+    const uint16_t* b = B + kp * ldb;
+    __m512bh bv[NV];
+#pragma GCC unroll 32
+    for (int v = 0; v < NV; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + 32 * v);
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, A + r * lda + 2 * kp, sizeof(pair));
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 32
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
+    }
+  }
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 32
+    for (int v = 0; v < NV; ++v) {
+      if (v == NV - 1)
+        _mm512_mask_storeu_ps(C + r * ldc + 16 * v, last, acc[r][v]);
+      else
+        _mm512_storeu_ps(C + r * ldc + 16 * v, acc[r][v]);
+    }
+}
+
+template <int NV, int R>
+inline void micro_rows_bf16(int64_t rows, int64_t KP, const uint16_t* A, int64_t lda,
+                            const uint16_t* B, int64_t ldb, float* C, int64_t ldc, __mmask16 last,
+                            bool accumulate) {
+  if constexpr (R > 1) {
+    if (rows == R - 1) {
+      micro_bf16<R - 1, NV>(KP, A, lda, B, ldb, C, ldc, last, accumulate);
+      return;
+    }
+    micro_rows_bf16<NV, R - 1>(rows, KP, A, lda, B, ldb, C, ldc, last, accumulate);
+  }
+}
+
+template <int NV>
+inline void panel_bf16(int64_t rows, int64_t KP, const uint16_t* A, int64_t lda,
+                       const uint16_t* B, int64_t ldb, float* C, int64_t ldc, __mmask16 last,
+                       bool accumulate) {
+  constexpr int R = rows_for<NV>();
+  int64_t r = 0;
+  for (; r + R <= rows; r += R)
+    micro_bf16<R, NV>(KP, A + r * lda, lda, B, ldb, C + r * ldc, ldc, last, accumulate);
+  if (r < rows)
+    micro_rows_bf16<NV, R>(rows - r, KP, A + r * lda, lda, B, ldb, C + r * ldc, ldc, last,
+                           accumulate);
+}
+
+// C [rows][cols] (+)= A [rows][K] B [K][cols]; K counted in elements (odd K: A and B carry a
+// zero in the pair's second slot).
+void gemm_bf16(int64_t rows, int64_t cols, int64_t K, const uint16_t* A, int64_t lda,
+               const uint16_t* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  if (rows <= 0 || cols <= 0) return;
+  const int64_t KP = ceil_div(K, 2);
+  const int64_t nv = ceil_div(cols, 16);
+  const int64_t panels = ceil_div(nv, 4);
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t v0 = p * nv / panels, v1 = (p + 1) * nv / panels;
+    const int64_t tail = std::min(cols, v1 * 16) - (v1 - 1) * 16;
+    const __mmask16 last = static_cast<__mmask16>((1u << tail) - 1u);
+    const uint16_t* b = B + v0 * 32;
+    float* c = C + v0 * 16;
+    switch (v1 - v0) {
+      case 1: panel_bf16<1>(rows, KP, A, lda, b, ldb, c, ldc, last, accumulate); break;
+      case 2: panel_bf16<2>(rows, KP, A, lda, b, ldb, c, ldc, last, accumulate); break;
+      case 3: panel_bf16<3>(rows, KP, A, lda, b, ldb, c, ldc, last, accumulate); break;
+      default: panel_bf16<4>(rows, KP, A, lda, b, ldb, c, ldc, last, accumulate); break;
+    }
+  }
+}
+
+// n floats -> bf16 (round to nearest even), zero-filling up to n_pad.
+inline void to_bf16(const float* src, int64_t n, uint16_t* dst, int64_t n_pad) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + j)));
+  if (j < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - j)) - 1u);
+    _mm256_mask_storeu_epi16(dst + j, k, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, src + j)));
+  }
+  for (j = n; j < n_pad; ++j) dst[j] = 0;
+}
+#else
+constexpr bool kHaveBf16Dot = false;
+#endif
+
+inline uint16_t bf16_bits(at::BFloat16 x) { return x.x; }
+
+// dst[d * ldd + jj] = src[jj * sn + d * sd] for jj < kn, d < D: one key block transposed (and
+// converted).  float32: 16 keys at a time with a gather (measured: packing a 4096 x 128 head
+// went from ~5.6 ns to ~0.X ns per element against the scalar loop).
+template <typename scalar_t, typename acc_t>
+void pack_transposed(const scalar_t* src, int64_t sn, int64_t sd, int64_t kn, int64_t D,
+                     acc_t* dst, int64_t ldd) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
+    if (16 * sn < (int64_t(1) << 31)) {
+      const __m512i idx = _mm512_mullo_epi32(
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+          _mm512_set1_epi32(static_cast<int32_t>(sn)));
+      for (int64_t j0 = 0; j0 < kn; j0 += 16) {
+        const __mmask16 m = kn - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (kn - j0)) - 1u);
+        const float* base = src + j0 * sn;
+        for (int64_t d = 0; d < D; ++d)
+          _mm512_mask_storeu_ps(dst + d * ldd + j0, m,
+                                _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, base + d * sd, 4));
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t jj = 0; jj < kn; ++jj)
+    for (int64_t d = 0; d < D; ++d) dst[d * ldd + jj] = static_cast<acc_t>(src[jj * sn + d * sd]);
+}
+
+// bfloat16 pairs along d: dst[(dp * ldd + jj) * 2 + e] = src[jj * sn + (2 dp + e) * sd].
+template <typename scalar_t>
+void pack_transposed_pairs(const scalar_t* src, int64_t sn, int64_t sd, int64_t kn, int64_t D,
+                           uint16_t* dst, int64_t ldd) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    if (sd == 1 && D % 2 == 0 && 16 * sn < (int64_t(1) << 30)) {
+      // A pair is one 32-bit word: the same gather as float32, two bf16 at a time.
+      const __m512i idx = _mm512_mullo_epi32(
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+          _mm512_set1_epi32(static_cast<int32_t>(sn)));
+      for (int64_t j0 = 0; j0 < kn; j0 += 16) {
+        const __mmask16 m = kn - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (kn - j0)) - 1u);
+        const scalar_t* base = src + j0 * sn;
+        for (int64_t dp = 0; dp < D / 2; ++dp)
+          _mm512_mask_storeu_epi32(
+              dst + (dp * ldd + j0) * 2, m,
+              _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, base + 2 * dp, 2));
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t jj = 0; jj < kn; ++jj)
+    for (int64_t d = 0; d < D; ++d)
+      dst[((d >> 1) * ldd + jj) * 2 + (d & 1)] = bf16_bits(src[jj * sn + d * sd]);
+}
+
+template <typename scalar_t, typename acc_t>
+void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const scalar_t* k,
+                        Strides4 ks, const scalar_t* v, Strides4 vs, scalar_t* out, acc_t* lse) {
+  // bfloat16 inputs multiply in bfloat16 (vdpbf16ps, float32 sums) where the CPU has it.
+  constexpr bool kDot = kHaveBf16Dot && std::is_same_v<scalar_t, at::BFloat16>;
+  const int64_t B = p.B, H = p.H, Hk = p.Hk, N = p.N, M = p.M, D = p.D, Dv = p.Dv;
+  const int64_t G = H / Hk;
+  const int64_t nqb = ceil_div(N, kBQ);
+  const int64_t nkb = ceil_div(M, kBK);
+  const int64_t D2 = round_up(D, 2), Dvp = round_up(Dv, 16), M2 = round_up(M, 2);
+  const acc_t c = static_cast<acc_t>(p.scale * kLog2e);
+  // Task order: (b, kv head) major so that a worker mostly reuses its packed K / V, then query
+  // blocks last-first (the causal ones are the largest), then the heads of the GQA group.
+  const int64_t ntasks = B * Hk * nqb * G;
+  run_tasks(
+      ntasks,
+      [&] {
+        FwdScratch<acc_t> st;
+        if constexpr (kDot) {
+          st.kb16.resize(static_cast<size_t>(nkb * D2 * kBK));
+          st.vb16.resize(static_cast<size_t>(M2 * Dvp));
+          st.qb16.resize(static_cast<size_t>(kBQ * D2));
+          st.pb16.resize(static_cast<size_t>(kBQ * kBK));
+        } else {
+          st.kt.resize(static_cast<size_t>(nkb * D * kBK));
+          if (!(std::is_same_v<scalar_t, acc_t> && vs.d == 1)) st.v.resize(static_cast<size_t>(M * Dv));
+          st.q.resize(static_cast<size_t>(kBQ * D));
+        }
+        st.s.resize(static_cast<size_t>(kBQ * kBK));
+        st.o.resize(static_cast<size_t>(kBQ * Dv));
+        st.m.resize(kBQ);
+        st.l.resize(kBQ);
+        return st;
+      },
+      [&](FwdScratch<acc_t>& st, int64_t t) {
+        const int64_t g = t % G;
+        const int64_t qb = nqb - 1 - (t / G) % nqb;
+        const int64_t bk = t / (G * nqb);  // b * Hk + hk
+        const int64_t b = bk / Hk, hk = bk % Hk, h = hk * G + g;
+        // float32 values with unit stride along Dv are multiplied in place (no copy).
+        const bool v_in_place = std::is_same_v<scalar_t, acc_t> && vs.d == 1;
+        if (st.packed_head != bk) {
+          // Padding (keys past M, an odd D's last pair) stays zero from the buffers' creation:
+          // every head writes the same positions.
+          for (int64_t k0 = 0; k0 < M; k0 += kBK) {
+            const int64_t kn = std::min(kBK, M - k0);
+            if constexpr (kDot) {
+              // kb16[((kb * D2/2 + dp) * kBK + jj) * 2 + e] = k[b, hk, kb * kBK + jj, 2 dp + e]
+              pack_transposed_pairs(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D,
+                                    st.kb16.data() + (k0 / kBK) * D2 * kBK, kBK);
+            } else {
+              // kt[(kb * D + d) * kBK + jj] = k[b, hk, kb * kBK + jj, d]
+              pack_transposed(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D,
+                              st.kt.data() + (k0 / kBK) * D * kBK, kBK);
+            }
+          }
+          if constexpr (kDot) {
+            // vb16[((j / 2) * Dvp + d) * 2 + j % 2] = v[b, hk, j, d]
+            for (int64_t j = 0; j < M; ++j) {
+              const scalar_t* src = v + vs.at(b, hk, j);
+              uint16_t* dst = st.vb16.data() + (j >> 1) * Dvp * 2 + (j & 1);
+              for (int64_t d = 0; d < Dv; ++d) dst[d * 2] = bf16_bits(src[d * vs.d]);
+            }
+          } else if (!v_in_place) {
+            for (int64_t j = 0; j < M; ++j) {
+              const scalar_t* src = v + vs.at(b, hk, j);
+              acc_t* dst = st.v.data() + j * Dv;
+              for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<acc_t>(src[d * vs.d]);
+            }
+          }
+          st.packed_head = bk;
+        }
+        const acc_t* vrows = nullptr;  // V rows of the fp32 path: [M][ldv]
+        int64_t ldv = Dv;
+        if constexpr (!kDot) {
+          if (v_in_place) {
+            vrows = reinterpret_cast<const acc_t*>(v + vs.at(b, hk, 0));
+            ldv = vs.n;
+          } else {
+            vrows = st.v.data();
+          }
+        }
+        const int64_t q0 = qb * kBQ;
+        const int64_t qn = std::min(kBQ, N - q0);
+        for (int64_t r = 0; r < qn; ++r) {
+          const scalar_t* src = q + qs.at(b, h, q0 + r);
+          if constexpr (kDot) {
+            uint16_t* dst = st.qb16.data() + r * D2;
+            for (int64_t d = 0; d < D; ++d) dst[d] = bf16_bits(src[d * qs.d]);
+            if (D2 > D) dst[D] = 0;
+          } else {
+            for (int64_t d = 0; d < D; ++d) st.q[r * D + d] = static_cast<acc_t>(src[d * qs.d]);
+          }
+        }
+        std::fill(st.o.begin(), st.o.begin() + qn * Dv, acc_t(0));
+        std::fill(st.m.begin(), st.m.begin() + qn, neg_inf<acc_t>());
+        std::fill(st.l.begin(), st.l.begin() + qn, acc_t(0));
+        // Causal: row i sees keys j <= i, so this block needs keys < q0 + qn only.
+        const int64_t kv_end = p.causal ? std::min(M, q0 + qn) : M;
+        for (int64_t k0 = 0; k0 < kv_end; k0 += kBK) {
+          const int64_t kn = std::min(kBK, kv_end - k0);
+          acc_t* S = st.s.data();
+          if constexpr (kDot) {
+#if defined(__AVX512BF16__)
+            gemm_bf16(qn, kn, D, st.qb16.data(), D2, st.kb16.data() + (k0 / kBK) * D2 * kBK,
+                      kBK * 2, S, kBK, false);
+#endif
+          } else {
+            gemm<acc_t>(qn, kn, D, st.q.data(), D, 1, st.kt.data() + (k0 / kBK) * D * kBK, kBK,
+                        S, kBK, false);
+          }
+          // Only tiles that cross the diagonal need the causal cut.
+          const bool cut = p.causal && k0 + kn - 1 > q0;
+          for (int64_t r = 0; r < qn; ++r) {
+            acc_t* s = S + r * kBK;
+            const int64_t i = q0 + r;
+            prepare_row<acc_t>(s, kn, cut ? i - k0 + 1 : kn, c, p.mask, b, h, i, k0);
+            const acc_t mx = std::max(st.m[r], row_max(s, kn));
+            if (mx == neg_inf<acc_t>()) {
+              // Nothing visible yet in this row: contributes nothing.
+              std::fill(s, s + kn, acc_t(0));
+            } else {
+              const acc_t alpha = std::exp2(st.m[r] - mx);  // 0 on the row's first visible block
+              const acc_t sum = exp2_sub_sum(s, kn, mx);
+              if (alpha != acc_t(1)) {
+                acc_t* o = st.o.data() + r * Dv;
+                for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha;
+              }
+              st.l[r] = st.l[r] * alpha + sum;
+              st.m[r] = mx;
+            }
+            if constexpr (kDot) {
+#if defined(__AVX512BF16__)
+              to_bf16(s, kn, st.pb16.data() + r * kBK, round_up(kn, 2));
+#endif
+            }
+          }
+          if constexpr (kDot) {
+#if defined(__AVX512BF16__)
+            gemm_bf16(qn, Dv, kn, st.pb16.data(), kBK, st.vb16.data() + k0 * Dvp, Dvp * 2,
+                      st.o.data(), Dv, true);
+#endif
+          } else {
+            gemm<acc_t>(qn, Dv, kn, S, kBK, 1, vrows + k0 * ldv, ldv, st.o.data(), Dv, true);
+          }
+        }
+        for (int64_t r = 0; r < qn; ++r) {
+          const int64_t row = (b * H + h) * N + q0 + r;
+          scalar_t* dst = out + row * Dv;
+          const acc_t* o = st.o.data() + r * Dv;
+          if (st.l[r] > acc_t(0)) {
+            const acc_t inv = acc_t(1) / st.l[r];
+            for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(o[d] * inv);
+            lse[row] = st.m[r] * static_cast<acc_t>(kLn2) + std::log(st.l[r]);
+          } else {
+            for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(0);
+            lse[row] = neg_inf<acc_t>();
+          }
+        }
+      });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward (accumulation type acc_t; inputs converted while packing).
+// ---------------------------------------------------------------------------------------------
+template <typename acc_t>
+struct BwdScratch {
+  std::vector<acc_t> kt, vt;   // [D][kBKb], [Dv][kBKb]: K^T, V^T of the key block
+  std::vector<acc_t> kr;       // [kBKb][D]: K rows
+  std::vector<acc_t> dk, dv;   // [kBKb][D], [kBKb][Dv]
+  std::vector<acc_t> q, dout;  // [kBQb][D], [kBQb][Dv]
+  std::vector<acc_t> s, dp;    // [kBQb][kBKb]
+};
+
+template <typename scalar_t, typename acc_t>
+void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, const scalar_t* q,
+                        Strides4 qs, const scalar_t* k, Strides4 ks, const scalar_t* v,
+                        Strides4 vs, const scalar_t* out, Strides4 os, const acc_t* lse,
+                        Strides4 ls /* b, h, n used */, scalar_t* dq, scalar_t* dk, scalar_t* dv) {
+  const int64_t B = p.B, H = p.H, Hk = p.Hk, N = p.N, M = p.M, D = p.D, Dv = p.Dv;
+  const int64_t G = H / Hk;
+  const acc_t c = static_cast<acc_t>(p.scale * kLog2e);
+  const acc_t scale = static_cast<acc_t>(p.scale);
+
+  // Di = rowsum(dO o O), and lse in base 2 (-inf kept), both [B*H*N].
+  std::vector<acc_t> Di(static_cast<size_t>(B * H * N)), L2(static_cast<size_t>(B * H * N));
+  at::parallel_for(0, B * H * N, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / (H * N), h = (row / N) % H, i = row % N;
+      const scalar_t* o = out + os.at(b, h, i);
+      const scalar_t* g = dout + dos.at(b, h, i);
+      acc_t sum = 0;
+      for (int64_t d = 0; d < Dv; ++d)
+        sum += static_cast<acc_t>(o[d * os.d]) * static_cast<acc_t>(g[d * dos.d]);
+      Di[row] = sum;
+      L2[row] = lse[ls.at(b, h, i)] * static_cast<acc_t>(kLog2e);
+    }
+  });
+
+  const int64_t nkb = ceil_div(M, kBKb);
+  const int64_t threads = at::get_num_threads();
+  // Chunks of key blocks per kv head: 1 unless there are too few (b, kv-head) pairs to keep
+  // every thread busy; each extra chunk costs a dQ partial buffer.
+  int64_t chunks = 1;
+  if (B * Hk < 4 * threads && (B * Hk) % threads != 0) chunks = std::min(nkb, threads);
+  const bool direct = chunks == 1 && std::is_same_v<scalar_t, acc_t>;
+  std::vector<acc_t> dq_partial;
+  acc_t* dq_acc;
+  if (direct) {
+    dq_acc = reinterpret_cast<acc_t*>(dq);
+    std::fill(dq_acc, dq_acc + B * H * N * D, acc_t(0));
+  } else {
+    dq_partial.assign(static_cast<size_t>(chunks * B * H * N * D), acc_t(0));
+    dq_acc = dq_partial.data();
+  }
+
+  run_tasks(
+      B * Hk * chunks,
+      [&] {
+        BwdScratch<acc_t> st;
+        st.kt.resize(static_cast<size_t>(D * kBKb));
+        st.vt.resize(static_cast<size_t>(Dv * kBKb));
+        st.kr.resize(static_cast<size_t>(kBKb * D));
+        st.dk.resize(static_cast<size_t>(kBKb * D));
+        st.dv.resize(static_cast<size_t>(kBKb * Dv));
+        st.q.resize(static_cast<size_t>(kBQb * D));
+        st.dout.resize(static_cast<size_t>(kBQb * Dv));
+        st.s.resize(static_cast<size_t>(kBQb * kBKb));
+        st.dp.resize(static_cast<size_t>(kBQb * kBKb));
+        return st;
+      },
+      [&](BwdScratch<acc_t>& st, int64_t t) {
+        const int64_t chunk = t % chunks;
+        const int64_t bk = t / chunks;
+        const int64_t b = bk / Hk, hk = bk % Hk;
+        acc_t* dq_c = dq_acc + chunk * B * H * N * D;
+        for (int64_t kb = chunk; kb < nkb; kb += chunks) {
+          const int64_t k0 = kb * kBKb;
+          const int64_t kn = std::min(kBKb, M - k0);
+          // Pack this key block: K^T, V^T (zero padded columns), K rows.
+          std::fill(st.kt.begin(), st.kt.end(), acc_t(0));
+          std::fill(st.vt.begin(), st.vt.end(), acc_t(0));
+          for (int64_t jj = 0; jj < kn; ++jj) {
+            const scalar_t* ksrc = k + ks.at(b, hk, k0 + jj);
+            for (int64_t d = 0; d < D; ++d) {
+              const acc_t x = static_cast<acc_t>(ksrc[d * ks.d]);
+              st.kt[d * kBKb + jj] = x;
+              st.kr[jj * D + d] = x;
+            }
+            const scalar_t* vsrc = v + vs.at(b, hk, k0 + jj);
+            for (int64_t d = 0; d < Dv; ++d) st.vt[d * kBKb + jj] = static_cast<acc_t>(vsrc[d * vs.d]);
+          }
+          std::fill(st.dk.begin(), st.dk.end(), acc_t(0));
+          std::fill(st.dv.begin(), st.dv.end(), acc_t(0));
+          // Causal: rows i < k0 see none of these keys.
+          const int64_t qb_start = p.causal ? k0 / kBQb : 0;
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = hk * G + g;
+            for (int64_t q0 = qb_start * kBQb; q0 < N; q0 += kBQb) {
+              const int64_t qn = std::min(kBQb, N - q0);
+              const int64_t row0 = (b * H + h) * N + q0;
+              for (int64_t r = 0; r < qn; ++r) {
+                const scalar_t* qsrc = q + qs.at(b, h, q0 + r);
+                for (int64_t d = 0; d < D; ++d) st.q[r * D + d] = static_cast<acc_t>(qsrc[d * qs.d]);
+                const scalar_t* gsrc = dout + dos.at(b, h, q0 + r);
+                for (int64_t d = 0; d < Dv; ++d)
+                  st.dout[r * Dv + d] = static_cast<acc_t>(gsrc[d * dos.d]);
+              }
+              acc_t* S = st.s.data();
+              acc_t* dP = st.dp.data();
+              gemm<acc_t>(qn, kn, D, st.q.data(), D, 1, st.kt.data(), kBKb, S, kBKb, false);
+              const bool cut = p.causal && k0 + kn - 1 > q0;
+              for (int64_t r = 0; r < qn; ++r) {
+                acc_t* s = S + r * kBKb;
+                const int64_t i = q0 + r;
+                const acc_t l2 = L2[row0 + r];
+                if (l2 == neg_inf<acc_t>()) {  // fully masked row: no gradient
+                  std::fill(s, s + kn, acc_t(0));
+                  continue;
+                }
+                prepare_row<acc_t>(s, kn, cut ? i - k0 + 1 : kn, c, p.mask, b, h, i, k0);
+                exp2_sub_sum(s, kn, l2);
+              }
+              // dV += P^T dO
+              gemm<acc_t>(kn, Dv, qn, S, 1, kBKb, st.dout.data(), Dv, st.dv.data(), Dv, true);
+              // dP = dO V^T
+              gemm<acc_t>(qn, kn, Dv, st.dout.data(), Dv, 1, st.vt.data(), kBKb, dP, kBKb, false);
+              for (int64_t r = 0; r < qn; ++r) {
+                const acc_t* pr = S + r * kBKb;
+                acc_t* dpr = dP + r * kBKb;
+                const acc_t di = Di[row0 + r];
+#pragma omp simd
+                for (int64_t j = 0; j < kn; ++j) dpr[j] = pr[j] * (dpr[j] - di) * scale;
+              }
+              // dK += dS^T Q;  dQ += dS K
+              gemm<acc_t>(kn, D, qn, dP, 1, kBKb, st.q.data(), D, st.dk.data(), D, true);
+              gemm<acc_t>(qn, D, kn, dP, kBKb, 1, st.kr.data(), D, dq_c + row0 * D, D, true);
+            }
+          }
+          for (int64_t jj = 0; jj < kn; ++jj) {
+            const int64_t row = (b * Hk + hk) * M + k0 + jj;
+            for (int64_t d = 0; d < D; ++d) dk[row * D + d] = static_cast<scalar_t>(st.dk[jj * D + d]);
+            for (int64_t d = 0; d < Dv; ++d)
+              dv[row * Dv + d] = static_cast<scalar_t>(st.dv[jj * Dv + d]);
+          }
+        }
+      });
+
+  if (!direct) {
+    const int64_t total = B * H * N * D;
+    at::parallel_for(0, total, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t x = begin; x < end; ++x) {
+        acc_t sum = 0;
+        for (int64_t ch = 0; ch < chunks; ++ch) sum += dq_partial[ch * total + x];
+        dq[x] = static_cast<scalar_t>(sum);
+      }
+    });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry points.
+// ---------------------------------------------------------------------------------------------
+Problem check_problem(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const c10::optional<at::Tensor>& mask, double scale, bool is_causal) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
+              ": expected q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,Dv]; got ", q.dim(), "-D, ",
+              k.dim(), "-D and ", v.dim(), "-D");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), fn,
+              ": q, k and v must share a dtype; got ", q.scalar_type(), ", ", k.scalar_type(),
+              " and ", v.scalar_type());
+  TORCH_CHECK(at::isFloatingType(q.scalar_type()), fn, ": expected floating inputs; got ",
+              q.scalar_type());
+  Problem p;
+  p.B = q.size(0);
+  p.H = q.size(1);
+  p.N = q.size(2);
+  p.D = q.size(3);
+  p.Hk = k.size(1);
+  p.M = k.size(2);
+  p.Dv = v.size(3);
+  TORCH_CHECK(k.size(0) == p.B && v.size(0) == p.B, fn, ": batch sizes differ: q ", q.sizes(),
+              ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(k.size(3) == p.D, fn, ": q and k must share the head dim; got ", q.sizes(), " and ",
+              k.sizes());
+  TORCH_CHECK(v.size(1) == p.Hk && v.size(2) == p.M, fn, ": k and v must agree on Hk and M; got ",
+              k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(p.Hk > 0 ? p.H % p.Hk == 0 : p.H == 0, fn,
+              ": the query heads must be a multiple of the key/value heads; got H=", p.H,
+              ", Hk=", p.Hk);
+  p.scale = scale;
+  p.causal = is_causal;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->dim() == 4 && mask->size(0) == p.B && mask->size(1) == p.H &&
+                    mask->size(2) == p.N && mask->size(3) == p.M,
+                fn, ": mask must have shape [B,H,N,M] = [", p.B, ",", p.H, ",", p.N, ",", p.M,
+                "] (a broadcast view is fine); got ", mask->sizes());
+    TORCH_CHECK(mask->device() == q.device(), fn, ": mask must be on ", q.device());
+  }
+  p.mask = make_mask_view(mask);
+  return p;
+}
+
+at::ScalarType acc_type_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& v,
+                                                   const c10::optional<at::Tensor>& mask,
+                                                   double scale, bool is_causal) {
+  const Problem p = check_problem("softmax_fwd", q, k, v, mask, scale, is_causal);
+  auto out = at::empty({p.B, p.H, p.N, p.Dv}, q.options());
+  auto lse = at::empty({p.B, p.H, p.N}, q.options().dtype(acc_type_of(q.scalar_type())));
+  if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
+  if (p.M == 0) {  // no keys: every row is fully masked
+    out.zero_();
+    lse.fill_(-std::numeric_limits<double>::infinity());
+    return {out, lse};
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_fwd", [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    softmax_fwd_kernel<scalar_t, acc_t>(p, q.const_data_ptr<scalar_t>(), Strides4(q),
+                                        k.const_data_ptr<scalar_t>(), Strides4(k),
+                                        v.const_data_ptr<scalar_t>(), Strides4(v),
+                                        out.mutable_data_ptr<scalar_t>(),
+                                        lse.mutable_data_ptr<acc_t>());
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cpu(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& mask,
+    double scale, bool is_causal) {
+  const Problem p = check_problem("softmax_bwd", q, k, v, mask, scale, is_causal);
+  TORCH_CHECK(grad_out.sizes() == out.sizes() && out.dim() == 4 && out.size(0) == p.B &&
+                  out.size(1) == p.H && out.size(2) == p.N && out.size(3) == p.Dv,
+              "softmax_bwd: grad_out and out must have shape [B,H,N,Dv]; got ", grad_out.sizes(),
+              " and ", out.sizes());
+  TORCH_CHECK(grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "softmax_bwd: grad_out and out must have q's dtype ", q.scalar_type());
+  const auto acc_dtype = acc_type_of(q.scalar_type());
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == p.B && lse.size(1) == p.H && lse.size(2) == p.N,
+              "softmax_bwd: lse must have shape [B,H,N]; got ", lse.sizes());
+  TORCH_CHECK(lse.scalar_type() == acc_dtype, "softmax_bwd: lse must be ", acc_dtype, "; got ",
+              lse.scalar_type());
+  auto dq = at::empty({p.B, p.H, p.N, p.D}, q.options());
+  auto dk = at::empty({p.B, p.Hk, p.M, p.D}, q.options());
+  auto dv = at::empty({p.B, p.Hk, p.M, p.Dv}, q.options());
+  if (p.N == 0 || p.M == 0 || p.B == 0 || p.H == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+  // lse is read through strides as a 4-D view [B,H,N,1].
+  const at::Tensor lse4 = lse.unsqueeze(-1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_bwd", [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    softmax_bwd_kernel<scalar_t, acc_t>(
+        p, grad_out.const_data_ptr<scalar_t>(), Strides4(grad_out), q.const_data_ptr<scalar_t>(),
+        Strides4(q), k.const_data_ptr<scalar_t>(), Strides4(k), v.const_data_ptr<scalar_t>(),
+        Strides4(v), out.const_data_ptr<scalar_t>(), Strides4(out),
+        lse4.const_data_ptr<acc_t>(), Strides4(lse4), dq.mutable_data_ptr<scalar_t>(),
+        dk.mutable_data_ptr<scalar_t>(), dv.mutable_data_ptr<scalar_t>());
+  });
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
+  m.impl("softmax_fwd", &softmax_fwd_cpu);
+  m.impl("softmax_bwd", &softmax_bwd_cpu);
+}
+
+}  // namespace attnkit
