@@ -183,6 +183,28 @@ def _dropout_keep(seed, dropout_p, row_base, rows, cols, M):
 
 
 @triton.jit
+def _mask_tail_and_diagonal(s, offs_m, offs_n, M, IS_CAUSAL: tl.constexpr):
+    """-inf for the key columns past M and, when causal, above the diagonal ([queries, keys])."""
+    valid = offs_n[None, :] < M
+    if IS_CAUSAL:
+        valid = valid & (offs_n[None, :] <= offs_m[:, None])
+    return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
+def _key_bounds(i0, M, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(full_hi, hi) for the query tile starting at i0: key tiles below full_hi need no masking,
+    those in [full_hi, hi) do; no row of the tile sees a key at or past hi."""
+    if IS_CAUSAL:
+        hi = tl.minimum(M, i0 + BLOCK_M)  # no row of this tile sees a key past its last row
+        full_hi = (tl.minimum(M, i0 + 1) // BLOCK_N) * BLOCK_N
+    else:
+        hi = M
+        full_hi = (M // BLOCK_N) * BLOCK_N
+    return full_hi, hi
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, lo, hi,
                qk_scale, dropout_p, seed, drop_row,
                stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
@@ -200,10 +222,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs
         s = _apply_user_mask(s, mask_base, offs_m[:, None], offs_n[None, :], stride_mn,
                              stride_mm, N, M, MASK_KIND)
         if MASKED:
-            valid = offs_n[None, :] < M
-            if IS_CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(valid, s, float("-inf"))
+            s = _mask_tail_and_diagonal(s, offs_m, offs_n, M, IS_CAUSAL)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # While a row has seen only -inf scores its max is -inf; shifting by 0 instead keeps
         # exp2 at 0 rather than exp2(-inf - -inf) = NaN.
@@ -265,12 +284,7 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    if IS_CAUSAL:
-        hi = tl.minimum(M, i0 + BLOCK_M)  # no row of this tile sees a key past its last row
-        full_hi = (tl.minimum(M, i0 + 1) // BLOCK_N) * BLOCK_N
-    else:
-        hi = M
-        full_hi = (M // BLOCK_N) * BLOCK_N
+    full_hi, hi = _key_bounds(i0, M, IS_CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, 0, full_hi,
         qk_scale, dropout_p, seed, drop_row,
@@ -470,10 +484,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
         s = _apply_user_mask(s, mask_base, offs_m[:, None], offs_n[None, :], stride_mn,
                              stride_mm, N, M, MASK_KIND)
         if MASKED:
-            valid = offs_n[None, :] < M
-            if IS_CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(valid, s, float("-inf"))
+            s = _mask_tail_and_diagonal(s, offs_m, offs_n, M, IS_CAUSAL)
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         if HAS_DROPOUT:
@@ -528,12 +539,7 @@ def _attn_bwd_dq_kernel(
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     mask_base = Mask + b * stride_mb + h * stride_mh
-    if IS_CAUSAL:
-        hi = tl.minimum(M, i0 + BLOCK_M)
-        full_hi = (tl.minimum(M, i0 + 1) // BLOCK_N) * BLOCK_N
-    else:
-        hi = M
-        full_hi = (M // BLOCK_N) * BLOCK_N
+    full_hi, hi = _key_bounds(i0, M, IS_CAUSAL, BLOCK_M, BLOCK_N)
     dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
                    offs_m, offs_d, offs_dv, 0, full_hi, qk_scale, dropout_p, seed,
                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,

@@ -7,6 +7,8 @@ ground truths.  ``from attnkit_testing import ...`` works from any test module: 
 - :func:`loop_attention` -- softmax attention in float64, one query row at a time (a formulation
   independent of the library's reference: index arithmetic for GQA, ``where`` for masks,
   elementwise products summed).
+- :func:`loop_sparse_attention` (with :func:`sparse_allowed_keys`) -- sparse attention in
+  float64 from the pattern definitions: explicit loops over the allowed keys, no mask tensor.
 - :func:`make_qkv`, :func:`make_mask` -- seeded random inputs and masks.
 """
 import math
@@ -16,7 +18,8 @@ import torch
 F64 = torch.float64
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-__all__ = ["F64", "LOW_PRECISION", "assert_close_to_reference", "loop_attention", "make_qkv", "make_mask"]
+__all__ = ["F64", "LOW_PRECISION", "assert_close_to_reference", "loop_attention", "loop_sparse_attention",
+           "sparse_allowed_keys", "make_qkv", "make_mask"]
 
 
 def _max_finite_err(x: torch.Tensor, ref64: torch.Tensor, name: str) -> float:
@@ -107,6 +110,53 @@ def loop_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, *, keep
         outs.append((p[..., None] * vh).sum(-2))
         lses.append(torch.where(any_ok, torch.log(den) + top, torch.full_like(den, float("-inf")))[..., 0])
     return torch.stack(outs, dim=2), torch.stack(lses, dim=2)
+
+
+def sparse_allowed_keys(p, h, i, n):
+    """Keys query i of head h may attend under pattern ``p`` (an ``attnkit.patterns`` pattern),
+    straight from the definitions of the foundation issue."""
+    from attnkit import patterns
+
+    keys = []
+    for j in range(n):
+        if isinstance(p, patterns.Strided):
+            d = i - j
+            keep = ((0 <= d <= p.stride) if p.causal else abs(d) <= p.stride) or d % p.stride == 0
+        elif isinstance(p, patterns.Fixed):
+            keep = j // p.stride == i // p.stride or j % p.stride >= p.stride - p.summary
+        elif isinstance(p, patterns.Star):
+            if p.relay in (i, j):
+                keep = True
+            else:
+                si, sj = i - (i > p.relay), j - (j > p.relay)
+                d = abs(si - sj)
+                keep = (min(d, n - 1 - d) if p.cyclic else d) <= p.radius
+        else:
+            layout = p.layout
+            keep = bool(layout[h % layout.shape[0], i // p.block, j // p.block])
+        if keep and (j <= i or not p.causal):
+            keys.append(j)
+    return keys
+
+
+def loop_sparse_attention(q, k, v, p, scale=None):
+    """Independent float64 ground truth of sparse attention (not differentiable): per query row,
+    an elementwise dot product and a max-shifted softmax over just its allowed keys; rows with
+    no allowed key give zeros."""
+    q, k, v = q.detach().to(F64), k.detach().to(F64), v.detach().to(F64)
+    b_, h_, n, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.zeros(b_, h_, n, v.shape[-1], dtype=F64)
+    for h in range(h_):
+        for i in range(n):
+            keys = sparse_allowed_keys(p, h, i, n)
+            if not keys:
+                continue  # nothing to attend: zeros
+            for b in range(b_):
+                s = (q[b, h, i][None, :] * k[b, h, keys]).sum(-1) * scale
+                w = torch.exp(s - s.max())
+                out[b, h, i] = (w[:, None] * v[b, h, keys]).sum(0) / w.sum()
+    return out
 
 
 def make_qkv(b, h, hk, n, m, d, dv, seed=0, dtype=F64, requires_grad=False):

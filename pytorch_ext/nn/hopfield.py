@@ -450,7 +450,34 @@ if Hopfield.__doc__ and __doc__:  # (absent under python -OO)
     Hopfield.__doc__ += "\n    " + __doc__[__doc__.index("Differences from hopfield-layers"):].replace("\n", "\n    ")
 
 
-class HopfieldPooling(nn.Module):
+class _HopfieldWrapper(nn.Module):
+    """What :class:`HopfieldPooling` and :class:`HopfieldLayer` share: an inner :class:`Hopfield`
+    (``self.hopfield``), its ``batch_first`` and the 3-D input check."""
+
+    def _init_hopfield(self, fn, quantity, input_size, hidden_size, output_size, pattern_size, num_heads,
+                       scaling, update_steps_max, update_steps_eps, **kwargs):
+        _positive_int(fn, "quantity", quantity)
+        self.hopfield = Hopfield(input_size=input_size, hidden_size=hidden_size, output_size=output_size,
+                                 pattern_size=pattern_size, num_heads=num_heads, scaling=scaling,
+                                 update_steps_max=update_steps_max, update_steps_eps=update_steps_eps, **kwargs)
+        self.quantity = quantity
+
+    @property
+    def batch_first(self) -> bool:
+        return self.hopfield.batch_first
+
+    def _batched(self, w: torch.Tensor, input: torch.Tensor, fn: str, what: str) -> torch.Tensor:
+        """``w`` [quantity, size] expanded to the batch of the 3-D ``input`` (after checking it)."""
+        if not isinstance(input, torch.Tensor) or input.dim() != 3:
+            raise ValueError(f"{fn}: input must be a 3-D tensor of {what}; got "
+                             + (f"shape {tuple(input.shape)}" if isinstance(input, torch.Tensor) else type(input).__name__))
+        bdim = 0 if self.batch_first else 1
+        b = input.shape[bdim]
+        w = w.to(input.dtype).unsqueeze(bdim)
+        return w.expand(b, -1, -1) if self.batch_first else w.expand(-1, b, -1)
+
+
+class HopfieldPooling(_HopfieldWrapper):
     r"""Hopfield pooling: ``quantity`` learned state patterns query the input (the stored
     patterns, also the pattern projections), as in hopfield-layers' ``HopfieldPooling``.
 
@@ -480,11 +507,8 @@ class HopfieldPooling(nn.Module):
                  update_steps_max: int = 0, update_steps_eps: float = 1e-4, quantity: int = 1,
                  trainable: bool = True, **kwargs):
         super().__init__()
-        _positive_int("attnkit.nn.HopfieldPooling", "quantity", quantity)
-        self.hopfield = Hopfield(input_size=input_size, hidden_size=hidden_size, output_size=output_size,
-                                 pattern_size=pattern_size, num_heads=num_heads, scaling=scaling,
-                                 update_steps_max=update_steps_max, update_steps_eps=update_steps_eps, **kwargs)
-        self.quantity = quantity
+        self._init_hopfield("attnkit.nn.HopfieldPooling", quantity, input_size, hidden_size, output_size,
+                            pattern_size, num_heads, scaling, update_steps_max, update_steps_eps, **kwargs)
         size = self.hopfield.state_pattern_dim
         self.pooling_weights = nn.Parameter(torch.empty(quantity, size), requires_grad=trainable)
         self.reset_parameters()
@@ -492,19 +516,10 @@ class HopfieldPooling(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.pooling_weights)
 
-    @property
-    def batch_first(self) -> bool:
-        return self.hopfield.batch_first
-
     def forward(self, input: torch.Tensor, stored_pattern_padding_mask: torch.Tensor | None = None,
                 association_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if not isinstance(input, torch.Tensor) or input.dim() != 3:
-            raise ValueError("attnkit.nn.HopfieldPooling: input must be a 3-D tensor of stored patterns; got "
-                             + (f"shape {tuple(input.shape)}" if isinstance(input, torch.Tensor) else type(input).__name__))
-        bdim = 0 if self.batch_first else 1
-        b = input.shape[bdim]
-        state = self.pooling_weights.to(input.dtype).unsqueeze(bdim)
-        state = state.expand(b, -1, -1) if self.batch_first else state.expand(-1, b, -1)
+        state = self._batched(self.pooling_weights, input, "attnkit.nn.HopfieldPooling", "stored patterns")
+        b = state.shape[0 if self.batch_first else 1]
         out = self.hopfield((input, state, input), stored_pattern_padding_mask=stored_pattern_padding_mask,
                             association_mask=association_mask)
         if not self.batch_first:
@@ -512,7 +527,7 @@ class HopfieldPooling(nn.Module):
         return out.reshape(b, -1)
 
 
-class HopfieldLayer(nn.Module):
+class HopfieldLayer(_HopfieldWrapper):
     r"""Hopfield lookup: the input (state patterns) retrieves from ``quantity`` learned stored
     patterns, as in hopfield-layers' ``HopfieldLayer``.
 
@@ -548,11 +563,8 @@ class HopfieldLayer(nn.Module):
                  quantity: int = 1, trainable: bool = True, **kwargs):
         super().__init__()
         fn = "attnkit.nn.HopfieldLayer"
-        _positive_int(fn, "quantity", quantity)
-        self.hopfield = Hopfield(input_size=input_size, hidden_size=hidden_size, output_size=output_size,
-                                 pattern_size=pattern_size, num_heads=num_heads, scaling=scaling,
-                                 update_steps_max=update_steps_max, update_steps_eps=update_steps_eps, **kwargs)
-        self.quantity = quantity
+        self._init_hopfield(fn, quantity, input_size, hidden_size, output_size, pattern_size, num_heads,
+                            scaling, update_steps_max, update_steps_eps, **kwargs)
         hf = self.hopfield
         if not lookup_weights_as_separated and hf.stored_pattern_dim != hf.pattern_projection_dim:
             raise ValueError(
@@ -572,23 +584,10 @@ class HopfieldLayer(nn.Module):
         if self.target_weights is not None:
             nn.init.normal_(self.target_weights)
 
-    @property
-    def batch_first(self) -> bool:
-        return self.hopfield.batch_first
-
     def forward(self, input: torch.Tensor, stored_pattern_padding_mask: torch.Tensor | None = None,
                 association_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if not isinstance(input, torch.Tensor) or input.dim() != 3:
-            raise ValueError("attnkit.nn.HopfieldLayer: input must be a 3-D tensor of state patterns; got "
-                             + (f"shape {tuple(input.shape)}" if isinstance(input, torch.Tensor) else type(input).__name__))
-        bdim = 0 if self.batch_first else 1
-        b = input.shape[bdim]
-
-        def batched(w):
-            w = w.to(input.dtype).unsqueeze(bdim)
-            return w.expand(b, -1, -1) if self.batch_first else w.expand(-1, b, -1)
-
-        stored = batched(self.lookup_weights)
-        targets = stored if self.target_weights is None else batched(self.target_weights)
+        fn, what = "attnkit.nn.HopfieldLayer", "state patterns"
+        stored = self._batched(self.lookup_weights, input, fn, what)
+        targets = stored if self.target_weights is None else self._batched(self.target_weights, input, fn, what)
         return self.hopfield((stored, input, targets), stored_pattern_padding_mask=stored_pattern_padding_mask,
                              association_mask=association_mask)

@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from attnkit.reference.softmax import softmax_attention_reference
+from attnkit_testing import F64, LOW_PRECISION as LOW, assert_close_to_reference
 
 pytestmark = pytest.mark.gpu
 
-F64 = torch.float64
-LOW = (torch.float16, torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -32,26 +31,8 @@ def ops():
 
 
 # ----------------------------------------------------------------------------------------------
-# tolerance rule and reference
+# reference (the tolerance rule is attnkit_testing.assert_close_to_reference)
 # ----------------------------------------------------------------------------------------------
-
-
-def _max_err(x, ref, name):
-    x, ref = x.detach().to(F64), ref.detach().to(F64)
-    assert not torch.isnan(x).any(), f"{name}: NaN in the result"
-    assert not torch.isnan(ref).any(), f"{name}: NaN in the reference"
-    inf_x, inf_ref = torch.isinf(x), torch.isinf(ref)
-    assert torch.equal(inf_x, inf_ref), f"{name}: infinities differ from the reference"
-    assert torch.equal(x[inf_x], ref[inf_ref]), f"{name}: signs of infinities differ"
-    finite = ~inf_ref
-    return (x[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
-
-
-def assert_close(x, ref64, ref_low, name):
-    assert x.shape == ref64.shape, f"{name}: shape {tuple(x.shape)} != {tuple(ref64.shape)}"
-    err = _max_err(x, ref64, name)
-    tol = 2.0 * _max_err(ref_low, ref64, f"{name} (reference in low precision)") + 1e-3
-    assert err <= tol, f"{name}: max error {err:.3e} > tolerance {tol:.3e}"
 
 
 def reference(q, k, v, dout, mask, scale, causal, dtype):
@@ -79,7 +60,7 @@ def run_and_check(ops, q, k, v, mask=None, causal=False, scale=None, dout=None):
     ref64 = reference(q, k, v, dout, mask, scale, causal, F64)
     ref_low = reference(q, k, v, dout, mask, scale, causal, q.dtype)
     for name, x, r64, rlow in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref64, ref_low):
-        assert_close(x, r64, rlow, name)
+        assert_close_to_reference(x, r64, rlow, name=name, dtype=q.dtype)
     return out, lse, dq, dk, dv
 
 

@@ -27,13 +27,13 @@ import pytest
 import torch
 
 from attnkit.reference.softmax import softmax_attention_reference
+from attnkit_testing import F64, assert_close_to_reference
 
 HERE = Path(__file__).resolve().parent
 EMULATOR = HERE / "cuda_emulator"
 SOURCE = HERE.parents[1] / "csrc" / "cuda" / "softmax.cu"
 CXX = "g++"
 CXXFLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-shared", "-fPIC")
-F64 = torch.float64
 PAD = 64  # guard elements around every buffer (a multiple of 8: rows stay 16-byte aligned)
 
 
@@ -335,32 +335,12 @@ def run_emulated(emu: Emulator, case: Case, seed=0):
     return results, (q.tensor, k.tensor, v.tensor, dout_t, mask_t, scale)
 
 
-def _max_err(x, ref64, name):
-    """max |x - ref64| over the finite entries; no NaN, and the same infinities (lse = -inf)."""
-    x, ref64 = x.detach().to(F64), ref64.detach().to(F64)
-    assert not torch.isnan(x).any(), f"{name}: NaN in the result"
-    assert not torch.isnan(ref64).any(), f"{name}: NaN in the float64 reference"
-    inf_x, inf_ref = torch.isinf(x), torch.isinf(ref64)
-    assert torch.equal(inf_x, inf_ref), f"{name}: infinities differ from the reference"
-    assert torch.equal(x[inf_x], ref64[inf_ref]), f"{name}: signs of infinities differ"
-    finite = ~inf_ref
-    return (x[finite] - ref64[finite]).abs().max().item() if finite.any() else 0.0
-
-
-def assert_close(x, ref64, ref_low, name):
-    """DESIGN.md, float16 / bfloat16: within 2x the reference's own error in that dtype, + 1e-3."""
-    assert x.shape == ref64.shape, f"{name}: shape {tuple(x.shape)} != {tuple(ref64.shape)}"
-    err = _max_err(x, ref64, name)
-    tol = 2.0 * _max_err(ref_low, ref64, f"{name} (reference in low precision)") + 1e-3
-    assert err <= tol, f"{name}: max error {err:.3e} > tolerance {tol:.3e}"
-
-
 def check(emu: Emulator, case: Case, seed=0):
     results, (q, k, v, dout, mask, scale) = run_emulated(emu, case, seed)
     ref64 = _reference(q, k, v, dout, mask, scale, case.causal, F64)
     ref_low = _reference(q, k, v, dout, mask, scale, case.causal, case.dtype)
     for name, x, r64, rlow in zip(("out", "lse", "dq", "dk", "dv"), results, ref64, ref_low):
-        assert_close(x, r64, rlow, f"{name} [{case}]")
+        assert_close_to_reference(x, r64, rlow, name=f"{name} [{case}]", dtype=case.dtype)
     return results
 
 

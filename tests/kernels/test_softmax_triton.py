@@ -19,6 +19,7 @@ triton = pytest.importorskip("triton")
 
 from attnkit.kernels import softmax as triton_softmax  # noqa: E402
 from attnkit.reference.softmax import softmax_attention_reference  # noqa: E402
+from attnkit_testing import assert_close_to_reference  # noqa: E402
 
 F16, F32, F64 = torch.float16, torch.float32, torch.float64
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,33 +33,8 @@ def cfg(bm, bn):
 
 
 # ----------------------------------------------------------------------------------------------
-# tolerance rule and reference
+# inputs and reference (the tolerance rule is attnkit_testing.assert_close_to_reference)
 # ----------------------------------------------------------------------------------------------
-
-
-def max_err(x, ref64, name):
-    """max |x - ref64| over finite entries; x must have no NaN and the same infinities."""
-    x = x.detach().to(F64).cpu()
-    ref64 = ref64.detach().cpu()
-    assert not torch.isnan(x).any(), f"{name}: NaN in the result"
-    assert not torch.isnan(ref64).any(), f"{name}: NaN in the float64 reference"
-    assert torch.equal(torch.isinf(x), torch.isinf(ref64)), f"{name}: infinities differ"
-    assert torch.equal(x[torch.isinf(x)], ref64[torch.isinf(ref64)]), f"{name}: inf signs differ"
-    finite = torch.isfinite(ref64)
-    return (x[finite] - ref64[finite]).abs().max().item() if finite.any() else 0.0
-
-
-def assert_close(x, ref64, ref_lowp=None, *, dtype, grad=False, name="out"):
-    assert tuple(x.shape) == tuple(ref64.shape), f"{name}: shape {tuple(x.shape)} != " \
-                                                 f"{tuple(ref64.shape)}"
-    err = max_err(x, ref64, name)
-    finite = torch.isfinite(ref64)
-    size = ref64.detach()[finite].abs().max().item() if finite.any() else 0.0
-    if dtype == F32:
-        tol = (1e-4 if grad else 2e-5) * size
-    else:
-        tol = 2.0 * max_err(ref_lowp, ref64, f"{name} (reference in {dtype})") + 1e-3
-    assert err <= tol, f"{name} ({dtype}): max error {err:.3e} > tolerance {tol:.3e}"
 
 
 def make_inputs(b, h, hk, n, m, d, dv, dtype, seed=0):
@@ -131,8 +107,8 @@ def check_against_reference(got, q, k, v, go, mask, causal, scale=None, dropout_
                                                keep, dtype=dtype)
     for i, name in enumerate(NAMES):
         assert got[i].dtype == (F32 if name == "lse" else dtype), name
-        assert_close(got[i], ref[i], None if lowp is None else lowp[i], dtype=dtype,
-                     grad=i >= 2, name=name)
+        assert_close_to_reference(got[i], ref[i], None if lowp is None else lowp[i], dtype=dtype,
+                                  grad=i >= 2, name=name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,7 +161,7 @@ def test_single_key(n, causal):
                                        bwd_config=cfg(16, 16))
     ref = reference(q, k, v, go, None, causal)
     for got, expected, name in ((out, ref[0], "out"), (lse, ref[1], "lse"), (dv, ref[4], "dv")):
-        assert_close(got, expected, dtype=F32, grad=name == "dv", name=name)
+        assert_close_to_reference(got, expected, dtype=F32, grad=name == "dv", name=name)
     assert torch.all(ref[2] == 0) and torch.all(ref[3] == 0)
     terms = (go.abs().amax() * v.abs().amax() * 16) * max(q.abs().amax(), k.abs().amax()) * 16
     for got, name in ((dq, "dq"), (dk, "dk")):
@@ -224,8 +200,8 @@ def test_every_forward_config(i):
     mask = make_mask("bool" if i % 3 else "add", 1, 2, 130, 130)
     out, lse = triton_softmax.softmax_fwd(q, k, v, mask, None, causal, config=FWD[i])
     ref = reference(q, k, v, go, mask, causal)
-    assert_close(out, ref[0], dtype=F32, name="out")
-    assert_close(lse, ref[1], dtype=F32, name="lse")
+    assert_close_to_reference(out, ref[0], dtype=F32, name="out")
+    assert_close_to_reference(lse, ref[1], dtype=F32, name="lse")
 
 
 @pytest.mark.parametrize("i", range(max(len(DKDV), len(DQ))), ids=lambda i: f"bwd{i}")

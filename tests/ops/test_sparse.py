@@ -1,11 +1,10 @@
 """attnkit.sparse_attention: the public function (validation, dispatch, numerics, autograd,
 compile).
 
-Ground truth is ``loop_sparse_attention`` below: float64, one query row at a time, the allowed
+Ground truth is ``attnkit_testing.loop_sparse_attention``: float64, one query row at a time, the allowed
 keys listed from the issue's pattern definitions with explicit loops, an elementwise dot product
 and a max-shifted softmax over just those keys -- no mask tensor, no matmul.
 """
-import math
 import re
 
 import pytest
@@ -16,70 +15,14 @@ from attnkit import BackendUnavailableError, patterns
 from attnkit._dispatch import BACKENDS, implemented
 from attnkit.patterns import block_layout, fixed, star, strided
 from attnkit.reference.sparse import sparse_attention_reference
+from attnkit_testing import F64, assert_close_to_reference, loop_sparse_attention
 
-F64 = torch.float64
 OP = "attnkit.sparse_attention"
 
 
 # ----------------------------------------------------------------------------------------------
-# ground truth and the tolerance rule
+# cases (ground truth and tolerance rule: attnkit_testing)
 # ----------------------------------------------------------------------------------------------
-
-
-def allowed(p, h, i, n):
-    """Keys query i of head h may attend, straight from the definitions of the foundation issue."""
-    keys = []
-    for j in range(n):
-        if isinstance(p, patterns.Strided):
-            d = i - j
-            keep = ((0 <= d <= p.stride) if p.causal else abs(d) <= p.stride) or d % p.stride == 0
-        elif isinstance(p, patterns.Fixed):
-            keep = j // p.stride == i // p.stride or j % p.stride >= p.stride - p.summary
-        elif isinstance(p, patterns.Star):
-            if p.relay in (i, j):
-                keep = True
-            else:
-                si, sj = i - (i > p.relay), j - (j > p.relay)
-                d = abs(si - sj)
-                keep = (min(d, n - 1 - d) if p.cyclic else d) <= p.radius
-        else:
-            layout = p.layout
-            keep = bool(layout[h % layout.shape[0], i // p.block, j // p.block])
-        if keep and (j <= i or not p.causal):
-            keys.append(j)
-    return keys
-
-
-def loop_sparse_attention(q, k, v, p, scale=None):
-    q, k, v = q.detach().to(F64), k.detach().to(F64), v.detach().to(F64)
-    b_, h_, n, d = q.shape
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out = torch.zeros(b_, h_, n, v.shape[-1], dtype=F64)
-    for h in range(h_):
-        for i in range(n):
-            keys = allowed(p, h, i, n)
-            if not keys:
-                continue  # nothing to attend: zeros
-            for b in range(b_):
-                s = (q[b, h, i][None, :] * k[b, h, keys]).sum(-1) * scale
-                w = torch.exp(s - s.max())
-                out[b, h, i] = (w[:, None] * v[b, h, keys]).sum(0) / w.sum()
-    return out
-
-
-def assert_close_to_reference(out, ref64, ref_lowp=None, *, grad=False):
-    """DESIGN.md: float64 ~exact; float32 within 2e-5 (grads 1e-4) of max|ref|; float16 /
-    bfloat16 within 2x the error of the reference run in that dtype, plus 1e-3."""
-    assert not torch.isnan(out).any()
-    err = (out.detach().to(F64) - ref64).abs().max().item() if out.numel() else 0.0
-    size = ref64.abs().max().item() if ref64.numel() else 0.0
-    if out.dtype == F64:
-        assert err <= 1e-10 * max(size, 1.0), err
-    elif out.dtype == torch.float32:
-        assert err <= (1e-4 if grad else 2e-5) * size, (err, size)
-    else:
-        ref_err = (ref_lowp.to(F64) - ref64).abs().max().item()
-        assert err <= 2 * ref_err + 1e-3, (err, ref_err)
 
 
 def _layout(heads, nb, seed):

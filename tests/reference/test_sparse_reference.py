@@ -1,60 +1,15 @@
 """attnkit.reference.sparse: the reference sparse attention against an independent computation.
 
-Ground truth (``loop_sparse_attention``): float64, one query row at a time, the allowed keys
-listed from the issue's pattern definitions with explicit loops (``allowed``), an elementwise
+Ground truth (``attnkit_testing.loop_sparse_attention``): float64, one query row at a time, the
+allowed keys listed from the issue's pattern definitions with explicit loops, an elementwise
 dot product and a max-shifted softmax over just those keys -- no mask tensor, no matmul.
 """
-import math
-
 import pytest
 import torch
 
-from attnkit import patterns
 from attnkit.patterns import block_layout, fixed, star, strided
 from attnkit.reference.sparse import sparse_attention_reference
-
-F64 = torch.float64
-
-
-def allowed(p, h, i, n):
-    """Keys query i of head h may attend, straight from the definitions of the foundation issue."""
-    keys = []
-    for j in range(n):
-        if isinstance(p, patterns.Strided):
-            d = i - j
-            keep = ((0 <= d <= p.stride) if p.causal else abs(d) <= p.stride) or d % p.stride == 0
-        elif isinstance(p, patterns.Fixed):
-            keep = j // p.stride == i // p.stride or j % p.stride >= p.stride - p.summary
-        elif isinstance(p, patterns.Star):
-            if p.relay in (i, j):
-                keep = True
-            else:
-                si, sj = i - (i > p.relay), j - (j > p.relay)
-                d = abs(si - sj)
-                keep = (min(d, n - 1 - d) if p.cyclic else d) <= p.radius
-        else:
-            layout = p.layout
-            keep = bool(layout[h % layout.shape[0], i // p.block, j // p.block])
-        if keep and (j <= i or not p.causal):
-            keys.append(j)
-    return keys
-
-
-def loop_sparse_attention(q, k, v, p, scale=None):
-    q, k, v = q.to(F64), k.to(F64), v.to(F64)
-    b_, h_, n, d = q.shape
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out = torch.zeros(b_, h_, n, v.shape[-1], dtype=F64)
-    for h in range(h_):
-        for i in range(n):
-            keys = allowed(p, h, i, n)
-            if not keys:
-                continue  # nothing to attend: zeros
-            for b in range(b_):
-                s = (q[b, h, i][None, :] * k[b, h, keys]).sum(-1) * scale
-                w = torch.exp(s - s.max())
-                out[b, h, i] = (w[:, None] * v[b, h, keys]).sum(0) / w.sum()
-    return out
+from attnkit_testing import F64, loop_sparse_attention
 
 
 def _layout_with_empty_rows(heads, nb):
