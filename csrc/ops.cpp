@@ -9,6 +9,16 @@ TORCH_LIBRARY(attnkit, m) {
   // energy = -lse/beta + 0.5 xi.xi + log(N)/beta + 0.5 M^2, M = max_i |x_i| (per batch, head).
   // Both outputs are float32 (float64 for float64 inputs).
   m.def("hopfield_energy_fwd(Tensor state, Tensor stored, float beta) -> (Tensor, Tensor)");
+  // Hopfield update, all steps fused (csrc/cpu/hopfield.cpp).  state [B,H,S,D], stored [B,H,N,D],
+  // values None or [B,H,N,Dv]; R = steps retrievals, the first U = steps (steps-1 with values)
+  // xi <- softmax(beta xi X^T) X, then (values) softmax(beta xi X^T) V.  tol: per-row early stop
+  // (attnkit.hopfield_update's rule).  Returns, all in the accumulation dtype (float32; float64
+  // for float64) except applied: out [B,H,S,Dv or D]; states [steps+1,B,H,S,D], the state before
+  // each retrieval and after the last update (with values: entry `steps` is the stored-space
+  // update softmax(beta xi X^T) X of the last state when final_state, else zeros); lse [R,B,H,S]
+  // of each retrieval (+inf where a row's update was skipped); applied [U,B,H,S] bool, whether
+  // update k changed the row (false once tol froze it).
+  m.def("hopfield_update_fwd(Tensor state, Tensor stored, Tensor? values, float beta, int steps, float? tol, bool final_state) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // Softmax attention, flash style (csrc/cpu/softmax.cpp, csrc/cuda/softmax.cu).
   // q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,Dv] with H % Hk == 0 (GQA: query head h reads
@@ -20,6 +30,18 @@ TORCH_LIBRARY(attnkit, m) {
   // Gradients recomputed from lse (no N x M tensor stored): returns (dq, dk, dv) shaped like
   // q, k, v (dk, dv summed over the query heads of each GQA group).
   m.def("softmax_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, float scale, bool is_causal) -> (Tensor, Tensor, Tensor)");
+
+  // Linear attention, chunked (csrc/cpu/linear.cpp).  q [B,H,N,D], k [B,H,M,D], v [B,H,M,Dv]
+  // (causal: M == N); feature_map "elu" (elu+1) | "relu" | "identity"; optional initial state
+  // S0 [B,H,D,Dv], z0 [B,H,D] (both or neither) in the accumulation dtype (float32; float64
+  // for float64 inputs).  With S_i = S0 + sum_{j in S_i} phi(k_j) v_j^T, z_i likewise:
+  // num_i = phi(q_i) S_i, den_i = phi(q_i) . z_i, out_i = num_i / (den_i + eps) if normalize
+  // else scale * num_i.  Returns out [B,H,N,Dv] (q's dtype), den [B,H,N] (raw, without eps),
+  // and the final state S [B,H,D,Dv], z [B,H,D] (all keys), all three in the accumulation dtype.
+  m.def("linear_fwd(Tensor q, Tensor k, Tensor v, Tensor? S0, Tensor? z0, bool causal, str feature_map, bool normalize, float eps, float scale) -> (Tensor, Tensor, Tensor, Tensor)");
+  // Gradients of linear_fwd's four outputs (a missing gradient counts as zero) with respect to
+  // q, k, v, S0, z0, chunked (no N x D x Dv tensor).  out/den/S/z: linear_fwd's outputs.
+  m.def("linear_bwd(Tensor? grad_out, Tensor? grad_den, Tensor? grad_S, Tensor? grad_z, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, Tensor S, Tensor z, Tensor? S0, Tensor? z0, bool causal, str feature_map, bool normalize, float eps, float scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 namespace {

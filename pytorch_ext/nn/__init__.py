@@ -5,9 +5,12 @@
 - :class:`Hopfield`, :class:`HopfieldPooling`, :class:`HopfieldLayer` -- the layers of the
   hopfield-layers package, on :func:`attnkit.hopfield_update`.
 
-(Sparse and linear attention layers arrive with their kernel issues.)
+- :class:`LinearAttention` -- projections + heads on :func:`attnkit.linear_attention`.
+
+(The sparse attention layer arrives with the sparse kernels.)
 """
 from .hopfield import Hopfield, HopfieldLayer, HopfieldPooling
+from .linear import LinearAttention
 from .multihead import MultiheadAttention
 
-__all__ = ["MultiheadAttention", "Hopfield", "HopfieldPooling", "HopfieldLayer"]
+__all__ = ["MultiheadAttention", "LinearAttention", "Hopfield", "HopfieldPooling", "HopfieldLayer"]

@@ -1,14 +1,38 @@
-"""Linear (kernelized) attention: the public function.
+"""Linear (kernelized) attention: ``attnkit.linear_attention`` and ``attnkit.linear_attention_step``.
 
-For now every backend call goes to the pure-PyTorch reference (``reference/linear.py``);
-kernel backends register themselves in ``_IMPLEMENTATIONS`` and with
-``_dispatch.register_kernel("linear", ...)`` when they land.
+Layers (DESIGN.md):
+
+- **op** -- ``attnkit::linear_fwd`` / ``attnkit::linear_bwd``, the C++ ops (schemas in
+  ``csrc/ops.cpp``, CPU kernels in ``csrc/cpu/linear.cpp``: chunked causal, two-pass
+  non-causal, fused feature maps, fp32 states).  This module gives them fake (meta)
+  implementations, so that ``torch.compile(fullgraph=True)`` traces them, and the autograd
+  formula, whose backward is the ``linear_bwd`` kernel (gradients for q, k, v and the initial
+  state).  They are registered only when ``attnkit._C`` loads; without it the package still
+  imports and the ``cpu`` backend reports why it cannot run.
+- **op** -- ``attnkit::linear_triton_fwd`` / ``attnkit::linear_triton_bwd``: ``torch.library``
+  custom ops around the launchers of ``attnkit.kernels.linear`` (the ``triton`` backend), with
+  the same outputs, fake implementations and autograd formula.
+- **public functions** -- validate every input, pick the backend
+  (:func:`attnkit._dispatch.resolve`, then :func:`_route` for what a kernel cannot run) and
+  call its entry of :data:`_IMPLEMENTATIONS`.
+
+The op computes, per (batch, head), with S0 / z0 an optional initial state::
+
+    S_i = S0 + Σ_{j∈S_i} φ(k_j) v_jᵀ,  z_i = z0 + Σ_{j∈S_i} φ(k_j)
+    num_i = φ(q_i)ᵀ S_i,  den_i = φ(q_i)·z_i
+    out_i = num_i / (den_i + eps)  (normalize)   or   scale · num_i
+
+and returns ``(out, den, S, z)``: den without eps (the backward needs it) and the state after
+every key, all but ``out`` in the accumulation dtype (float32; float64 for float64 inputs).
 """
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 import torch
 
-from .._dispatch import resolve
+from .._dispatch import ENV_VAR, BackendUnavailableError, native, register_kernel, resolve
 from .._validation import (
     check_bool,
     check_choice,
@@ -17,15 +41,349 @@ from .._validation import (
     check_size_match,
     check_tensor,
 )
-from ..reference.linear import FEATURE_MAPS, linear_attention_reference
+from ..reference.linear import (
+    FEATURE_MAPS,
+    _causal_sums,
+    _noncausal_sums,
+    feature_map_reference,
+    linear_attention_reference,
+    linear_attention_step_reference,
+    state_dtype,
+)
 
 FAMILY = "linear"
 OP_NAME = "attnkit.linear_attention"
+STEP_OP_NAME = "attnkit.linear_attention_step"
 
-_IMPLEMENTATIONS = {"reference": linear_attention_reference}
+
+# ==============================================================================================
+# op layer: attnkit::linear_fwd / attnkit::linear_bwd (C++; the cpu backend)
+# ==============================================================================================
 
 
-def _validate(query, key, value, causal, feature_map, normalize, eps, scale) -> None:
+def _load_native_ops() -> bool:
+    """Whether attnkit._C loads and declares the linear ops."""
+    try:
+        native()  # importing attnkit._C runs its TORCH_LIBRARY registrations
+    except BackendUnavailableError:
+        return False
+    try:
+        torch.ops.attnkit.linear_fwd.default
+        torch.ops.attnkit.linear_bwd.default
+    except (AttributeError, RuntimeError):  # an extension built from older sources
+        return False
+    return True
+
+
+_NATIVE_OPS = _load_native_ops()
+
+
+def _fwd_fake(q, k, v, S0, z0, causal, feature_map, normalize, eps, scale):
+    b, h, n, d = q.shape
+    acc = state_dtype(q.dtype)
+    return (
+        q.new_empty((b, h, n, v.shape[-1])),
+        q.new_empty((b, h, n), dtype=acc),
+        q.new_empty((b, h, d, v.shape[-1]), dtype=acc),
+        q.new_empty((b, h, d), dtype=acc),
+    )
+
+
+def _bwd_fake(grad_out, grad_den, grad_S, grad_z, q, k, v, out, den, S, z, S0, z0, causal,
+              feature_map, normalize, eps, scale):
+    # The kernel returns contiguous gradients whatever the inputs' strides.
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+        S.new_empty(S.shape),
+        z.new_empty(z.shape),
+    )
+
+
+def _reference_outputs(q, k, v, S0, z0, causal, feature_map, normalize, eps, scale):
+    """linear_fwd's four outputs from the reference, differentiable (for a double backward),
+    computed in the accumulation dtype."""
+    acc = state_dtype(q.dtype)
+    phi_q = feature_map_reference(q.to(acc), feature_map)
+    phi_k = feature_map_reference(k.to(acc), feature_map)
+    v_acc = v.to(acc)
+    num, den = (_causal_sums if causal else _noncausal_sums)(phi_q, phi_k, v_acc, True)
+    den = den.squeeze(-1)
+    S = torch.matmul(phi_k.transpose(-2, -1), v_acc)
+    z = phi_k.sum(dim=-2)
+    if S0 is not None:
+        num = num + torch.matmul(phi_q, S0)
+        den = den + (phi_q * z0.unsqueeze(-2)).sum(-1)
+        S, z = S + S0, z + z0
+    if not normalize:
+        out = num * scale
+    elif k.shape[-2] == 0 and S0 is None:
+        out = num  # empty sums: 0, as the kernel has it
+    else:
+        out = num / (den.unsqueeze(-1) + eps)
+    return out.to(q.dtype), den, S, z
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, S0, z0, causal, feature_map, normalize, eps, scale = inputs
+    out, den, S, z = output
+    ctx.save_for_backward(q, k, v, out, den, S, z, S0, z0)
+    ctx.args = (causal, feature_map, normalize, eps, scale)
+    # Unused outputs (den always; the state unless return_state) get grad None, not zeros.
+    ctx.set_materialize_grads(False)
+
+
+def _native_bwd(grad_out, grad_den, grad_S, grad_z, q, k, v, out, den, S, z, S0, z0, causal,
+                feature_map, normalize, eps, scale):
+    return torch.ops.attnkit.linear_bwd(grad_out, grad_den, grad_S, grad_z, q, k, v, out, den, S,
+                                        z, S0, z0, causal, feature_map, normalize, eps, scale)
+
+
+def _triton_bwd_call(grad_out, grad_den, grad_S, grad_z, q, k, v, out, den, S, z, S0, z0, causal,
+                     feature_map, normalize, eps, scale):
+    # (S, z are not needed: the Triton backward recomputes the chunk states.)
+    return torch.ops.attnkit.linear_triton_bwd(grad_out, grad_den, grad_S, grad_z, q, k, v, out,
+                                               den, S0, z0, causal, feature_map, normalize, eps,
+                                               scale)
+
+
+def _backward(ctx, grad_out, grad_den, grad_S, grad_z, run_bwd=_native_bwd):
+    """Gradients of (out, den, S, z) with respect to q, k, v and the initial state (S0, z0).
+
+    Normally the backward kernel (``run_bwd``: chunked, no N x D x Dv tensor).  Under
+    ``create_graph=True`` (a double backward will follow) the gradients come from the reference
+    recomputed on the saved inputs instead, since the kernels have no autograd of their own.
+    """
+    q, k, v, out, den, S, z, S0, z0 = ctx.saved_tensors
+    causal, feature_map, normalize, eps, scale = ctx.args
+    want = ctx.needs_input_grad
+    if torch.is_grad_enabled():
+        inputs = [t for t in (q, k, v, S0, z0) if t is not None]
+        outputs = _reference_outputs(q, k, v, S0, z0, causal, feature_map, normalize, eps, scale)
+        pairs = [(o, g) for o, g in zip(outputs, (grad_out, grad_den, grad_S, grad_z)) if g is not None]
+        if pairs:
+            found = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
+                                        create_graph=True, allow_unused=True)
+        else:
+            found = [None] * len(inputs)
+        grads = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, found)]
+        dq, dk, dv = grads[:3]
+        dS0, dz0 = (grads[3], grads[4]) if S0 is not None else (None, None)
+    else:
+        dq, dk, dv, dS0, dz0 = run_bwd(grad_out, grad_den, grad_S, grad_z, q, k, v, out, den, S,
+                                       z, S0, z0, causal, feature_map, normalize, eps, scale)
+    return (
+        dq if want[0] else None,
+        dk if want[1] else None,
+        dv if want[2] else None,
+        dS0 if want[3] else None,
+        dz0 if want[4] else None,
+        None, None, None, None, None,
+    )
+
+
+if _NATIVE_OPS:
+    torch.library.register_fake("attnkit::linear_fwd", _fwd_fake)
+    torch.library.register_fake("attnkit::linear_bwd", _bwd_fake)
+    torch.library.register_autograd("attnkit::linear_fwd", _backward, setup_context=_setup_context)
+
+# Unconditionally: when attnkit._C is missing, the dispatcher reports the cpu backend unusable
+# with the reason.
+register_kernel(FAMILY, "cpu")
+
+
+# ==============================================================================================
+# op layer: the Triton kernels (attnkit.kernels.linear) as custom ops attnkit::linear_triton_*
+# ==============================================================================================
+# custom_op with an explicit fake, not triton_op: under TRITON_INTERPRET=1 triton_op's automatic
+# fake would run the interpreted kernels on FakeTensors.  The kernel module is imported inside
+# the op bodies: importing triton is slow, and TRITON_INTERPRET is read when the kernels are
+# decorated.  Same outputs and conventions as the C++ ops (states in float32: the Triton
+# kernels take float16 / bfloat16 / float32 inputs).
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@torch.library.custom_op("attnkit::linear_triton_fwd", mutates_args=())
+def _triton_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    S0: Optional[torch.Tensor],
+    z0: Optional[torch.Tensor],
+    causal: bool,
+    feature_map: str,
+    normalize: bool,
+    eps: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, den, S, z) as attnkit::linear_fwd, from attnkit.kernels.linear.linear_fwd."""
+    from ..kernels import linear as kernels
+
+    out, S, z, den = kernels.linear_fwd(
+        q, k, v, causal=causal, feature_map=feature_map, normalize=normalize, eps=eps,
+        scale=scale, initial_state=None if S0 is None else (S0, z0),
+    )
+    return out, den, S, z
+
+
+@torch.library.custom_op("attnkit::linear_triton_bwd", mutates_args=())
+def _triton_bwd(
+    grad_out: Optional[torch.Tensor],
+    grad_den: Optional[torch.Tensor],
+    grad_S: Optional[torch.Tensor],
+    grad_z: Optional[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    den: torch.Tensor,
+    S0: Optional[torch.Tensor],
+    z0: Optional[torch.Tensor],
+    causal: bool,
+    feature_map: str,
+    normalize: bool,
+    eps: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dS0, dz0) from attnkit.kernels.linear.linear_bwd (dS0, dz0: zeros when
+    there is no initial state -- an op returns tensors, never None)."""
+    from ..kernels import linear as kernels
+
+    grads = kernels.linear_bwd(
+        grad_out, q, k, v, causal=causal, feature_map=feature_map, normalize=normalize, eps=eps,
+        scale=scale, initial_state=None if S0 is None else (S0, z0), grad_S=grad_S,
+        grad_z=grad_z, grad_den=grad_den, out=out, den=den,
+    )
+    if S0 is None:
+        b, h, _, d = q.shape
+        zeros_s = q.new_zeros((b, h, d, v.shape[-1]), dtype=torch.float32)
+        grads = (*grads, zeros_s, q.new_zeros((b, h, d), dtype=torch.float32))
+    return tuple(grads)
+
+
+def _triton_bwd_fake(grad_out, grad_den, grad_S, grad_z, q, k, v, out, den, S0, z0, causal,
+                     feature_map, normalize, eps, scale):
+    b, h, _, d = q.shape
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty((b, h, d, v.shape[-1]), dtype=torch.float32),
+            q.new_empty((b, h, d), dtype=torch.float32))
+
+
+def _triton_backward(ctx, grad_out, grad_den, grad_S, grad_z):
+    return _backward(ctx, grad_out, grad_den, grad_S, grad_z, run_bwd=_triton_bwd_call)
+
+
+_triton_fwd.register_fake(_fwd_fake)
+_triton_bwd.register_fake(_triton_bwd_fake)
+_triton_fwd.register_autograd(_triton_backward, setup_context=_setup_context)
+register_kernel(FAMILY, "triton")
+
+
+# ==============================================================================================
+# backend implementations (called by the public functions after validation)
+# ==============================================================================================
+
+
+def _run_reference(query, key, value, causal, feature_map, normalize, eps, scale, initial_state,
+                   return_state):
+    return linear_attention_reference(
+        query, key, value, causal=causal, feature_map=feature_map, normalize=normalize, eps=eps,
+        scale=scale, initial_state=initial_state, return_state=return_state,
+    )
+
+
+def _run_native(query, key, value, causal, feature_map, normalize, eps, scale, initial_state,
+                return_state):
+    if not _NATIVE_OPS:
+        raise BackendUnavailableError(
+            f"{OP_NAME}: attnkit._C was built without the linear ops; rebuild it "
+            "(pip install --no-build-isolation -e .)"
+        )
+    S0, z0 = initial_state if initial_state is not None else (None, None)
+    out, _den, S, z = torch.ops.attnkit.linear_fwd(
+        query, key, value, S0, z0, causal, feature_map, normalize, eps, scale
+    )
+    return (out, (S, z)) if return_state else out
+
+
+def _run_triton(query, key, value, causal, feature_map, normalize, eps, scale, initial_state,
+                return_state):
+    S0, z0 = initial_state if initial_state is not None else (None, None)
+    out, _den, S, z = torch.ops.attnkit.linear_triton_fwd(
+        query, key, value, S0, z0, causal, feature_map, normalize, eps, scale
+    )
+    return (out, (S, z)) if return_state else out
+
+
+# backend name -> implementation with _run_reference's signature.
+_IMPLEMENTATIONS = {"reference": _run_reference, "cpu": _run_native, "triton": _run_triton}
+
+
+def _kernel_limitation(backend: str, dtype: torch.dtype, head_dim: int, value_dim: int) -> str:
+    """'' when ``backend`` can run a call with these inputs, else what it cannot do."""
+    if backend == "triton":
+        if dtype not in TRITON_DTYPES:
+            name = str(dtype).replace("torch.", "")
+            return f"{name} inputs (the Triton kernels take float16, bfloat16 and float32)"
+        if head_dim < 1 or value_dim < 1:
+            return f"head dims D = {head_dim}, Dv = {value_dim} (the Triton kernels need >= 1)"
+    return ""
+
+
+def _route(fn: str, backend, device, dtype, head_dim: int, value_dim: int) -> str:
+    """The backend that runs this call: ``resolve``'s pick, unless that kernel cannot run the
+    call -- then the reference when the backend was the default, an error when it was named."""
+    chosen = resolve(FAMILY, backend, device, fn)
+    why_not = _kernel_limitation(chosen, dtype, head_dim, value_dim)
+    if not why_not:
+        return chosen
+    if backend is not None or os.environ.get(ENV_VAR):
+        source = "backend" if backend is not None else ENV_VAR
+        raise BackendUnavailableError(
+            f"{fn}: the {chosen} backend ({source}={chosen!r}) cannot run {why_not}; use "
+            "backend='reference', or leave backend=None to route such calls automatically"
+        )
+    return "reference"
+
+
+# ==============================================================================================
+# public functions
+# ==============================================================================================
+
+
+def _check_state(fn: str, name: str, state, b: int, h: int, d: int, dv: int, dtype, device) -> None:
+    """``state`` is a pair (S [B, H, D, Dv], z [B, H, D]) in the state dtype of ``dtype``."""
+    if not isinstance(state, (tuple, list)) or len(state) != 2:
+        got = f"a {type(state).__name__} of length {len(state)}" if isinstance(state, (tuple, list)) \
+            else type(state).__name__
+        raise TypeError(f"{fn}: {name} must be a pair (S, z) of tensors; got {got}")
+    s, z = state
+    check_tensor(fn, f"{name}[0] (S)", s, "[B, H, D, Dv]")
+    check_tensor(fn, f"{name}[1] (z)", z, "[B, H, D]")
+    want = state_dtype(dtype)
+    for part, t, shape in ((f"{name}[0] (S)", s, (b, h, d, dv)), (f"{name}[1] (z)", z, (b, h, d))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{fn}: {part} must have shape {list(shape)}; got {list(t.shape)}")
+        if t.dtype != want:
+            raise ValueError(
+                f"{fn}: {part} must be {str(want).replace('torch.', '')} (the state dtype of "
+                f"{str(dtype).replace('torch.', '')} inputs); got {str(t.dtype).replace('torch.', '')}"
+            )
+        if t.device != device:
+            raise ValueError(f"{fn}: {part} must be on the device of query ({device}); got {t.device}")
+
+
+def _check_options(fn, feature_map, normalize, eps, scale) -> None:
+    check_bool(fn, "normalize", normalize)
+    check_choice(fn, "feature_map", feature_map, FEATURE_MAPS)
+    check_real(fn, "eps", eps, low=0.0)
+    check_real(fn, "scale", scale)
+
+
+def _validate(query, key, value, causal, feature_map, normalize, eps, scale, initial_state,
+              return_state) -> None:
     fn = OP_NAME
     check_tensor(fn, "query", query, "[B, H, N, D]")
     check_tensor(fn, "key", key, "[B, H, M, D]")
@@ -38,15 +396,22 @@ def _validate(query, key, value, causal, feature_map, normalize, eps, scale) -> 
     check_size_match(fn, "head dim D", {"query": query.shape[3], "key": key.shape[3]})
     check_size_match(fn, "sequence length M", {"key": key.shape[2], "value": value.shape[2]})
     check_bool(fn, "causal", causal)
-    check_bool(fn, "normalize", normalize)
+    check_bool(fn, "return_state", return_state)
     if causal and key.shape[2] != query.shape[2]:
         raise ValueError(
             f"{fn}: causal=True needs the key length M to equal the query length N "
             f"(self-attention); got N={query.shape[2]}, M={key.shape[2]}"
         )
-    check_choice(fn, "feature_map", feature_map, FEATURE_MAPS)
-    check_real(fn, "eps", eps, low=0.0)
-    check_real(fn, "scale", scale)
+    _check_options(fn, feature_map, normalize, eps, scale)
+    if (initial_state is not None or return_state) and not causal:
+        what = "initial_state" if initial_state is not None else "return_state=True"
+        raise ValueError(
+            f"{fn}: {what} needs causal=True (a recurrent state continues a causal sequence)"
+        )
+    if initial_state is not None:
+        b, h, _, d = query.shape
+        _check_state(fn, "initial_state", initial_state, b, h, d, value.shape[3], query.dtype,
+                     query.device)
 
 
 def linear_attention(
@@ -59,8 +424,10 @@ def linear_attention(
     normalize: bool = True,
     eps: float = 1e-6,
     scale: float = 1.0,
-    backend: str | None = None,
-) -> torch.Tensor:
+    initial_state: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    return_state: bool = False,
+    backend: Optional[str] = None,
+):
     """Linear (kernelized) attention: softmax's exp(q·k) replaced by a feature-map dot product.
 
     With φ the feature map applied to each query and key row and S_i the keys query i sees
@@ -82,22 +449,126 @@ def linear_attention(
         eps: >= 0, added to the normalizer.  eps = 0 is allowed; a query whose weights sum to
             exactly 0 then gives NaN (as the formula says).
         scale: finite; multiplies the output when ``normalize`` is False (ignored otherwise).
-        backend: ``"reference" | "cpu" | "triton" | "cuda"`` or None (the device's default,
-            or the environment variable ``ATTNKIT_BACKEND``).
+        initial_state: causal only.  ``(S0, z0)`` with S0 ``[B, H, D, Dv]`` = Σ φ(k) vᵀ and
+            z0 ``[B, H, D]`` = Σ φ(k) over keys that came *before* this sequence (a returned
+            state): every query also sees them, i.e. num_i += φ(q_i)ᵀ S0 and
+            den_i += φ(q_i)·z0.  float32 tensors (float64 for float64 inputs).  Differentiable.
+        return_state: causal only.  Also return the state after the last key,
+            ``(S0 + Σ_j φ(k_j) v_jᵀ, z0 + Σ_j φ(k_j))``, to continue the sequence with
+            :func:`linear_attention_step` or another call.  Differentiable.
+        backend: ``"reference" | "cpu" | "triton" | "cuda"`` or None; see *Backends*.
 
     Returns:
-        ``[B, H, N, Dv]`` in the inputs' dtype, on their device.  Float16, bfloat16, float32
-        and float64 are accepted (all three tensors alike).  Empty N gives an empty result;
-        M = 0 (no keys) gives zeros.  Differentiable with respect to all three tensors;
+        ``out`` ``[B, H, N, Dv]`` in the inputs' dtype, on their device; with ``return_state``
+        the pair ``(out, (S, z))``.  Float16, bfloat16, float32 and float64 inputs are accepted
+        (all three alike); the kernels accumulate, and keep states, in float32 (float64 for
+        float64).  Empty N gives an empty result; M = 0 (no keys, no state) gives zeros.
+        Differentiable with respect to query, key, value and the initial state (the ``cpu``
+        backend's backward is a kernel; a double backward recomputes through the reference);
         non-contiguous inputs work.
+
+    Backends:
+        ``reference`` (pure PyTorch, any device and dtype; the causal form materializes the
+        ``N × N`` weights), ``cpu`` (C++ chunked kernels, CPU tensors, every floating dtype),
+        ``triton`` (chunked Triton kernels: CUDA tensors, or CPU tensors under
+        ``TRITON_INTERPRET=1``; float16 / bfloat16 / float32, head dims >= 1).  ``cuda`` has no
+        linear kernels yet.  ``backend=None`` (and no ``ATTNKIT_BACKEND`` in the environment)
+        picks ``cpu`` for CPU tensors and ``triton`` for CUDA tensors (the reference where that
+        backend is not usable here) and routes a call the picked kernel cannot run (Triton:
+        float64, a zero head dim) to the reference.  A backend named explicitly is never
+        replaced: it raises :class:`attnkit.BackendUnavailableError` instead.
+
+    Raises:
+        TypeError: a non-tensor, non-floating q/k/v or state, a non-bool flag, a non-finite or
+            non-numeric eps / scale, a state that is not a pair.
+        ValueError: wrong rank, mismatched sizes / dtypes / devices, causal with M != N, an
+            unknown feature map or backend, eps < 0, a state without causal or of the wrong
+            shape / dtype / device.
+        attnkit.BackendUnavailableError: the backend asked for cannot run here, or cannot run
+            this call (see *Backends*).
 
     Example::
 
         >>> q, k, v = (torch.randn(2, 4, 128, 32) for _ in range(3))
         >>> out = attnkit.linear_attention(q, k, v, causal=True)    # [2, 4, 128, 32]
+        >>> # a prompt in parallel, then continued token by token with the same results:
+        >>> out, state = attnkit.linear_attention(q, k, v, causal=True, return_state=True)
+        >>> q1, k1, v1 = (torch.randn(2, 4, 32) for _ in range(3))
+        >>> out1, state = attnkit.linear_attention_step(q1, k1, v1, state)   # out1 [2, 4, 32]
     """
-    _validate(query, key, value, causal, feature_map, normalize, eps, scale)
-    backend = resolve(FAMILY, backend, query.device, OP_NAME)
-    impl = _IMPLEMENTATIONS[backend]
-    return impl(query, key, value, causal=causal, feature_map=feature_map,
-                normalize=normalize, eps=float(eps), scale=float(scale))
+    _validate(query, key, value, causal, feature_map, normalize, eps, scale, initial_state,
+              return_state)
+    backend = _route(OP_NAME, backend, query.device, query.dtype, query.shape[3], value.shape[3])
+    if initial_state is not None:
+        initial_state = tuple(initial_state)
+    return _IMPLEMENTATIONS[backend](query, key, value, causal, feature_map, normalize,
+                                     float(eps), float(scale), initial_state, return_state)
+
+
+def linear_attention_step(
+    q_t: torch.Tensor,
+    k_t: torch.Tensor,
+    v_t: torch.Tensor,
+    state: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    *,
+    feature_map: str = "elu",
+    normalize: bool = True,
+    eps: float = 1e-6,
+    scale: float = 1.0,
+    backend: Optional[str] = None,
+):
+    """One token of causal linear attention, for generation: the recurrent form.
+
+    With the state (S, z) = (Σ φ(k_j) v_jᵀ, Σ φ(k_j)) of the keys so far::
+
+        S' = S + φ(k_t) v_tᵀ,   z' = z + φ(k_t)
+        out_t = φ(q_t)ᵀ S' / (φ(q_t)·z' + eps)   if normalize,   else  scale · φ(q_t)ᵀ S'
+
+    the same as the last row of ``linear_attention(..., causal=True)`` over the whole
+    sequence: a prompt processed in parallel with ``return_state=True`` and continued token by
+    token gives the results of one long call (to rounding).
+
+    Args:
+        q_t, k_t: ``[B, H, D]`` -- one token, no sequence axis.
+        v_t: ``[B, H, Dv]``.
+        state: ``(S [B, H, D, Dv], z [B, H, D])`` from a previous step or from
+            ``linear_attention(..., return_state=True)``, float32 (float64 for float64
+            inputs); None for an empty history.
+        feature_map, normalize, eps, scale, backend: as in :func:`linear_attention`.
+
+    Returns:
+        ``(out_t, (S', z'))``: ``out_t`` ``[B, H, Dv]`` in the inputs' dtype and the new state.
+        Differentiable with respect to the inputs and the state.
+
+    Example::
+
+        >>> state = None
+        >>> for q_t, k_t, v_t in tokens:                       # each [B, H, D] / [B, H, Dv]
+        ...     out_t, state = attnkit.linear_attention_step(q_t, k_t, v_t, state)
+    """
+    fn = STEP_OP_NAME
+    check_tensor(fn, "q_t", q_t, "[B, H, D]")
+    check_tensor(fn, "k_t", k_t, "[B, H, D]")
+    check_tensor(fn, "v_t", v_t, "[B, H, Dv]")
+    check_same_dtype_device(fn, {"q_t": q_t, "k_t": k_t, "v_t": v_t})
+    check_size_match(fn, "batch size B", {"q_t": q_t.shape[0], "k_t": k_t.shape[0],
+                                          "v_t": v_t.shape[0]})
+    check_size_match(fn, "number of heads H", {"q_t": q_t.shape[1], "k_t": k_t.shape[1],
+                                                "v_t": v_t.shape[1]})
+    check_size_match(fn, "head dim D", {"q_t": q_t.shape[2], "k_t": k_t.shape[2]})
+    _check_options(fn, feature_map, normalize, eps, scale)
+    if state is not None:
+        b, h, d = q_t.shape
+        _check_state(fn, "state", state, b, h, d, v_t.shape[2], q_t.dtype, q_t.device)
+        state = tuple(state)
+    backend = _route(fn, backend, q_t.device, q_t.dtype, q_t.shape[2], v_t.shape[2])
+    if backend == "reference":
+        return linear_attention_step_reference(q_t, k_t, v_t, state, feature_map=feature_map,
+                                               normalize=normalize, eps=float(eps),
+                                               scale=float(scale))
+    # The kernels' causal form over a sequence of one token, continuing from the state.
+    out, new_state = _IMPLEMENTATIONS[backend](
+        q_t.unsqueeze(2), k_t.unsqueeze(2), v_t.unsqueeze(2), True, feature_map, normalize,
+        float(eps), float(scale), state, True,
+    )
+    return out.squeeze(2), new_state

@@ -4,7 +4,12 @@ import torch
 
 import attnkit
 from attnkit import BackendUnavailableError
+from attnkit._dispatch import resolve
 from attnkit.reference.linear import linear_attention_reference
+
+# Every usable backend of this machine that takes CPU tensors (the reference always; cpu when
+# attnkit._C is built).  Tests parametrized on it run each one against the same ground truth.
+BACKENDS = [b for b in ("reference", "cpu") if attnkit.backends()["linear"][b].usable]
 
 F64 = torch.float64
 FEATURE_MAPS = ("elu", "relu", "identity")
@@ -61,13 +66,14 @@ def combos():
 
 # ---------------------------------------------------------------------------- semantics
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("feature_map,causal,normalize", list(combos()))
-def test_matches_loop_float64(feature_map, causal, normalize):
+def test_matches_loop_float64(feature_map, causal, normalize, backend):
     n = 63
     m = n if causal else 129
     q, k, v = make(2, 3, n, m, 16, 7, seed=1)
     kw = dict(causal=causal, feature_map=feature_map, normalize=normalize, eps=1e-5, scale=0.25)
-    out = attnkit.linear_attention(q, k, v, **kw)
+    out = attnkit.linear_attention(q, k, v, backend=backend, **kw)
     assert out.shape == (2, 3, n, 7) and out.dtype == F64
     torch.testing.assert_close(out, linear_loop(q, k, v, **kw), rtol=1e-9, atol=1e-12)
 
@@ -154,6 +160,7 @@ def test_no_keys_gives_zeros_and_zero_grads(normalize, eps):
 
 @pytest.mark.parametrize("feature_map,causal,normalize", list(combos()))
 def test_gradcheck(feature_map, causal, normalize):
+    backend = BACKENDS[-1]  # the kernel where there is one (the reference's own: its test file)
     q, k, v = make(1, 2, 5, 5 if causal else 6, 3, 4, seed=7,
                    positive_qk=(feature_map == "identity" and normalize))
     for t in (q, k, v):
@@ -161,7 +168,7 @@ def test_gradcheck(feature_map, causal, normalize):
 
     def fn(q, k, v):
         return attnkit.linear_attention(q, k, v, causal=causal, feature_map=feature_map,
-                                        normalize=normalize, eps=1e-3, scale=0.7)
+                                        normalize=normalize, eps=1e-3, scale=0.7, backend=backend)
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
@@ -324,9 +331,21 @@ def test_unknown_backend(monkeypatch):
         attnkit.linear_attention(*_qkv())
 
 
-def test_backend_without_linear_kernels():
-    with pytest.raises(BackendUnavailableError, match="the cpu backend has no linear kernels yet"):
-        attnkit.linear_attention(*_qkv(), backend="cpu")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_backend_that_cannot_run_here_raises(backend):
+    status = attnkit.backends()["linear"][backend]
+    if status.usable:
+        pytest.skip(f"{backend} is usable here")
+    with pytest.raises(BackendUnavailableError, match=rf"linear_attention: .*{backend}"):
+        attnkit.linear_attention(*_qkv(), backend=backend)
+    with pytest.raises(BackendUnavailableError, match=rf"linear_attention_step: .*{backend}"):
+        attnkit.linear_attention_step(*(t[:, :, 0] for t in _qkv()), backend=backend)
+
+
+def test_cpu_is_the_default_for_cpu_tensors():
+    if not attnkit.backends()["linear"]["cpu"].usable:
+        pytest.skip("attnkit._C is not built")
+    assert resolve("linear", None, torch.device("cpu"), "t") == "cpu"
 
 
 def test_validation_precedes_computation():
@@ -335,3 +354,329 @@ def test_validation_precedes_computation():
     k = torch.empty(2, 3, 4, 7, device="meta")
     with pytest.raises(ValueError, match="same head dim D"):
         attnkit.linear_attention(q, k, torch.empty(2, 3, 4, 6, device="meta"))
+
+
+# ---------------------------------------------------------------------------- recurrent state
+
+def state_loop(q, k, v, s0, z0, *, feature_map="elu", normalize=True, eps=1e-6, scale=1.0):
+    """Causal outputs with a carried-in state, and the final state, by explicit loops (float64)."""
+    q, k, v, s0, z0 = (t.to(F64) for t in (q, k, v, s0, z0))
+    pq, pk = phi_loop(q, feature_map), phi_loop(k, feature_map)
+    s, z = s0.clone(), z0.clone()
+    outs = []
+    for i in range(q.shape[2]):
+        s = s + pk[:, :, i, :, None] * v[:, :, i, None, :]
+        z = z + pk[:, :, i]
+        num = (pq[:, :, i, :, None] * s).sum(-2)
+        den = (pq[:, :, i] * z).sum(-1, keepdim=True)
+        outs.append(num / (den + eps) if normalize else num * scale)
+    return torch.stack(outs, dim=2), s, z
+
+
+def make_state(b, h, d, dv, dtype=F64, seed=30):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h, d, dv, generator=g, dtype=F64).to(dtype),
+            (torch.rand(b, h, d, generator=g, dtype=F64) + 0.5).to(dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("feature_map,normalize", [("elu", True), ("relu", True), ("identity", False)])
+def test_initial_and_returned_state(feature_map, normalize, backend):
+    q, k, v = make(2, 2, 75, 75, 8, 5, seed=31)
+    s0, z0 = make_state(2, 2, 8, 5)
+    kw = dict(feature_map=feature_map, normalize=normalize, eps=1e-6, scale=0.1)
+    out, (s, z) = attnkit.linear_attention(q, k, v, causal=True, initial_state=(s0, z0),
+                                           return_state=True, backend=backend, **kw)
+    want, ws, wz = state_loop(q, k, v, s0, z0, **kw)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(s, ws, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(z, wz, rtol=1e-12, atol=1e-12)
+    # a list works as the pair too
+    out2 = attnkit.linear_attention(q, k, v, causal=True, initial_state=[s0, z0], backend=backend, **kw)
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_step_matches_loop_and_returns_documented_shapes(backend):
+    b, h, d, dv, n = 2, 3, 6, 4, 10
+    q, k, v = make(b, h, n, n, d, dv, seed=32)
+    want, ws, wz = state_loop(q, k, v, torch.zeros(b, h, d, dv, dtype=F64), torch.zeros(b, h, d, dtype=F64))
+    state = None
+    for t in range(n):
+        out_t, state = attnkit.linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state,
+                                                     backend=backend)
+        assert out_t.shape == (b, h, dv) and out_t.dtype == F64
+        torch.testing.assert_close(out_t, want[:, :, t], rtol=1e-11, atol=1e-12)
+    assert state[0].shape == (b, h, d, dv) and state[1].shape == (b, h, d)
+    torch.testing.assert_close(state[0], ws, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(state[1], wz, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prompt_then_steps_equals_one_call_float32(backend):
+    n, n0 = 90, 67
+    q, k, v = make(1, 2, n, n, 16, 8, dtype=torch.float32, seed=33)
+    full = attnkit.linear_attention(q, k, v, causal=True, backend=backend)
+    head, state = attnkit.linear_attention(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], causal=True,
+                                           return_state=True, backend=backend)
+    assert state[0].dtype == torch.float32
+    outs = [head]
+    for t in range(n0, n):
+        out_t, state = attnkit.linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state,
+                                                     backend=backend)
+        outs.append(out_t[:, :, None])
+    assert rel_err(torch.cat(outs, dim=2), linear_loop(q, k, v, causal=True)) <= 2e-5
+    torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_step_gradients(backend):
+    q, k, v = (t[:, :, 0] for t in make(1, 2, 1, 1, 3, 2, seed=34))
+    s0, z0 = make_state(1, 2, 3, 2)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, s0, z0)]
+
+    def fn(q, k, v, s0, z0):
+        out, (s, z) = attnkit.linear_attention_step(q, k, v, (s0, z0), eps=1e-3, backend=backend)
+        return out, s, z
+
+    assert torch.autograd.gradcheck(fn, leaves)
+
+
+def test_step_torch_compile_fullgraph():
+    q, k, v = (t[:, :, 0] for t in make(1, 2, 1, 1, 8, 4, dtype=torch.float32, seed=35))
+    s0, z0 = make_state(1, 2, 8, 4, dtype=torch.float32)
+    compiled = torch.compile(attnkit.linear_attention_step, fullgraph=True)
+    got, (s, z) = compiled(q, k, v, (s0, z0), feature_map="relu")
+    want, (ws, wz) = attnkit.linear_attention_step(q, k, v, (s0, z0), feature_map="relu")
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s, ws, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(z, wz, rtol=1e-6, atol=1e-6)
+
+
+def test_state_api_torch_compile_fullgraph():
+    q, k, v = make(1, 2, 9, 9, 8, 5, dtype=torch.float32, seed=36)
+    s0, z0 = make_state(1, 2, 8, 5, dtype=torch.float32)
+    compiled = torch.compile(attnkit.linear_attention, fullgraph=True)
+    kw = dict(causal=True, initial_state=(s0, z0), return_state=True)
+    got, (s, z) = compiled(q, k, v, **kw)
+    want, (ws, wz) = attnkit.linear_attention(q, k, v, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s, ws, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(z, wz, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- state validation
+
+def test_state_needs_causal():
+    q, k, v = _qkv()
+    state = make_state(2, 3, 8, 6, dtype=torch.float32)
+    with pytest.raises(ValueError, match="linear_attention: initial_state needs causal=True"):
+        attnkit.linear_attention(q, k, v, initial_state=state)
+    with pytest.raises(ValueError, match="linear_attention: return_state=True needs causal=True"):
+        attnkit.linear_attention(q, k, v, return_state=True)
+
+
+def test_return_state_must_be_bool():
+    with pytest.raises(TypeError, match="return_state must be a bool; got 1"):
+        attnkit.linear_attention(*_qkv(), causal=True, return_state=1)
+
+
+@pytest.mark.parametrize("state,match", [
+    (torch.zeros(2, 3, 8, 6), r"initial_state must be a pair \(S, z\) of tensors; got Tensor"),
+    ((torch.zeros(2, 3, 8, 6),), r"initial_state must be a pair \(S, z\) of tensors; got a tuple of length 1"),
+])
+def test_state_must_be_a_pair(state, match):
+    with pytest.raises(TypeError, match=match):
+        attnkit.linear_attention(*_qkv(), causal=True, initial_state=state)
+
+
+def test_state_parts_must_be_floating_tensors():
+    s0, z0 = make_state(2, 3, 8, 6, dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"initial_state\[1\] \(z\) must be a torch.Tensor"):
+        attnkit.linear_attention(*_qkv(), causal=True, initial_state=(s0, z0.tolist()))
+    with pytest.raises(ValueError, match=r"initial_state\[0\] \(S\) must be a 4-D tensor"):
+        attnkit.linear_attention(*_qkv(), causal=True, initial_state=(s0[0], z0))
+
+
+@pytest.mark.parametrize("which,shape,want", [
+    (0, (2, 3, 8, 5), r"initial_state\[0\] \(S\) must have shape \[2, 3, 8, 6\]; got \[2, 3, 8, 5\]"),
+    (1, (2, 1, 8), r"initial_state\[1\] \(z\) must have shape \[2, 3, 8\]; got \[2, 1, 8\]"),
+])
+def test_state_shapes(which, shape, want):
+    state = list(make_state(2, 3, 8, 6, dtype=torch.float32))
+    state[which] = torch.zeros(shape)
+    with pytest.raises(ValueError, match=want):
+        attnkit.linear_attention(*_qkv(), causal=True, initial_state=tuple(state))
+
+
+def test_state_dtype_is_the_accumulation_dtype():
+    s0, z0 = make_state(2, 3, 8, 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"initial_state\[0\] \(S\) must be float32 \(the state dtype of "
+                                         r"bfloat16 inputs\); got float64"):
+        attnkit.linear_attention(*(t.bfloat16() for t in _qkv()), causal=True, initial_state=(s0, z0))
+    with pytest.raises(ValueError, match=r"\(z\) must be float64 \(the state dtype of float64 inputs\); got float32"):
+        attnkit.linear_attention(*(t.double() for t in _qkv()), causal=True,
+                                 initial_state=(s0, z0.float()))
+
+
+def test_state_device():
+    s0, z0 = make_state(2, 3, 8, 6, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"initial_state\[0\] \(S\) must be on the device of query"):
+        attnkit.linear_attention(*_qkv(), causal=True, initial_state=(s0.to("meta"), z0))
+
+
+def _step_args(d=8, dv=6):
+    q, k, v = _qkv(d=d, dv=dv)
+    return q[:, :, 0], k[:, :, 0], v[:, :, 0]
+
+
+def test_step_validation():
+    q, k, v = _step_args()
+    fn = "linear_attention_step"
+    with pytest.raises(ValueError, match=rf"{fn}: q_t must be a 3-D tensor \[B, H, D\]"):
+        attnkit.linear_attention_step(q[:, :, None], k, v)
+    with pytest.raises(ValueError, match=rf"{fn}: v_t must be a 3-D tensor \[B, H, Dv\]"):
+        attnkit.linear_attention_step(q, k, v[:, :, None])
+    with pytest.raises(ValueError, match="same head dim D; got q_t 8, k_t 7"):
+        attnkit.linear_attention_step(q, k[..., :7], v)
+    with pytest.raises(ValueError, match="same batch size B; got q_t 2, k_t 2, v_t 1"):
+        attnkit.linear_attention_step(q, k, v[:1])
+    with pytest.raises(ValueError, match="same number of heads H; got q_t 3, k_t 2, v_t 3"):
+        attnkit.linear_attention_step(q, k[:, :2], v)
+    with pytest.raises(ValueError, match=r"v_t must have the dtype of q_t \(float32\); got float64"):
+        attnkit.linear_attention_step(q, k, v.double())
+    with pytest.raises(TypeError, match=rf"{fn}: k_t must be floating point"):
+        attnkit.linear_attention_step(q, k.long(), v)
+    with pytest.raises(ValueError, match=rf"{fn}: unknown feature_map 'exp'"):
+        attnkit.linear_attention_step(q, k, v, feature_map="exp")
+    with pytest.raises(ValueError, match=rf"{fn}: eps must be >= 0.0"):
+        attnkit.linear_attention_step(q, k, v, eps=-1.0)
+    with pytest.raises(TypeError, match=rf"{fn}: scale must be a finite real number"):
+        attnkit.linear_attention_step(q, k, v, normalize=False, scale=float("nan"))
+    with pytest.raises(TypeError, match=rf"{fn}: normalize must be a bool"):
+        attnkit.linear_attention_step(q, k, v, normalize=None)
+    with pytest.raises(ValueError, match=rf"{fn}: unknown backend 'gpu'"):
+        attnkit.linear_attention_step(q, k, v, backend="gpu")
+
+
+def test_step_state_validation():
+    q, k, v = _step_args()
+    s0, z0 = make_state(2, 3, 8, 6, dtype=torch.float32)
+    fn = "linear_attention_step"
+    with pytest.raises(TypeError, match=rf"{fn}: state must be a pair \(S, z\)"):
+        attnkit.linear_attention_step(q, k, v, s0)
+    with pytest.raises(ValueError, match=rf"{fn}: state\[0\] \(S\) must have shape \[2, 3, 8, 6\]"):
+        attnkit.linear_attention_step(q, k, v, (s0[..., :5], z0))
+    with pytest.raises(ValueError, match=rf"{fn}: state\[1\] \(z\) must be float32"):
+        attnkit.linear_attention_step(q, k, v, (s0, z0.double()))
+
+
+def test_step_validation_precedes_computation():
+    q = torch.empty(2, 3, 8, device="meta")
+    with pytest.raises(ValueError, match="same head dim D"):
+        attnkit.linear_attention_step(q, torch.empty(2, 3, 7, device="meta"),
+                                      torch.empty(2, 3, 6, device="meta"))
+
+
+# ---------------------------------------------------------------------------- triton backend
+# (on CPU tensors under TRITON_INTERPRET=1, which tests/conftest.py sets where there is no GPU;
+# small shapes: the interpreter is slow)
+
+needs_triton = pytest.mark.skipif(not attnkit.backends()["linear"]["triton"].usable,
+                                  reason="the triton backend cannot run here")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton kernels run
+
+
+def on_dev(*tensors):
+    return [t.to(DEV) for t in tensors]
+
+
+@needs_triton
+@pytest.mark.parametrize("feature_map,causal,normalize", [("elu", True, True), ("relu", False, True),
+                                                          ("identity", True, False)])
+def test_triton_forward_and_grads_vs_float64(feature_map, causal, normalize):
+    n = 37
+    q, k, v = make(1, 2, n, n if causal else 21, 8, 6, dtype=torch.float32, seed=40,
+                   positive_qk=feature_map == "identity")
+    kw = dict(causal=causal, feature_map=feature_map, normalize=normalize, scale=1.0 / n)
+    leaves = [t.requires_grad_(True) for t in on_dev(q, k, v)]
+    out = attnkit.linear_attention(*leaves, backend="triton", **kw)
+    assert out.dtype == torch.float32
+    leaves64 = [t.double().requires_grad_(True) for t in (q, k, v)]
+    want = linear_loop(*leaves64, **kw)
+    assert rel_err(out.cpu(), want) <= 2e-5
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(41))
+    got = torch.autograd.grad(out, leaves, g.to(DEV))
+    for a, b in zip(got, torch.autograd.grad(want, leaves64, g.double())):
+        assert rel_err(a.cpu(), b) <= 1e-4
+
+
+@needs_triton
+def test_triton_state_and_step_match_cpu_semantics():
+    n, n0 = 30, 20
+    q, k, v = make(1, 2, n, n, 8, 4, dtype=torch.float32, seed=42)
+    s0, z0 = make_state(1, 2, 8, 4, dtype=torch.float32)
+    want, ws, wz = state_loop(q, k, v, s0, z0)
+    q, k, v, s0, z0 = on_dev(q, k, v, s0, z0)
+    full, (s, z) = attnkit.linear_attention(q, k, v, causal=True, initial_state=(s0, z0),
+                                            return_state=True, backend="triton")
+    assert rel_err(full.cpu(), want) <= 2e-5
+    assert rel_err(s.cpu(), ws) <= 2e-5 and rel_err(z.cpu(), wz) <= 2e-5
+    head, state = attnkit.linear_attention(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], causal=True,
+                                           initial_state=(s0, z0), return_state=True, backend="triton")
+    for t in range(n0, n0 + 3):
+        out_t, state = attnkit.linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state,
+                                                     backend="triton")
+        assert rel_err(out_t.cpu(), want[:, :, t]) <= 2e-5
+
+
+@needs_triton
+def test_triton_state_gradients():
+    q, k, v = make(1, 1, 12, 12, 4, 3, dtype=torch.float32, seed=43)
+    s0, z0 = make_state(1, 1, 4, 3, dtype=torch.float32)
+    leaves = [t.requires_grad_(True) for t in on_dev(q, k, v, s0, z0)]
+    out, (s, z) = attnkit.linear_attention(*leaves[:3], causal=True, initial_state=tuple(leaves[3:]),
+                                           return_state=True, backend="triton")
+    loss = out.square().sum() + s.sum() + (z * 2).sum()
+    got = [g.cpu() for g in torch.autograd.grad(loss, leaves)]
+    leaves64 = [t.detach().double().requires_grad_(True) for t in (q, k, v, s0, z0)]
+    o64, s64, z64 = state_loop(*leaves64)
+    want = torch.autograd.grad(o64.square().sum() + s64.sum() + (z64 * 2).sum(), leaves64)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 1e-4
+
+
+@needs_triton
+def test_triton_opcheck():
+    q, k, v = make(1, 1, 20, 20, 4, 3, dtype=torch.float32, seed=44)
+    s0, z0 = make_state(1, 1, 4, 3, dtype=torch.float32)
+    q, k, v, s0, z0 = (t.requires_grad_(True) for t in on_dev(q, k, v, s0, z0))
+    torch.library.opcheck(torch.ops.attnkit.linear_triton_fwd.default,
+                          (q, k, v, s0, z0, True, "elu", True, 1e-6, 1.0),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@needs_triton
+def test_triton_named_for_float64_raises():
+    q, k, v = on_dev(*make(1, 1, 5, 5, 4, 3))
+    with pytest.raises(BackendUnavailableError,
+                       match=r"the triton backend \(backend='triton'\) cannot run float64 inputs"):
+        attnkit.linear_attention(q, k, v, backend="triton")
+    with pytest.raises(BackendUnavailableError, match=r"linear_attention_step: the triton backend"):
+        attnkit.linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], backend="triton")
+
+
+@needs_triton
+def test_default_routes_what_triton_cannot_run_to_the_reference(monkeypatch):
+    # The default backend of a CUDA tensor is triton; float64 (and a zero head dim) are routed
+    # to the reference.  Decided from the device alone: no GPU needed to check the rule.
+    from attnkit.ops.linear import _route
+
+    monkeypatch.delenv("ATTNKIT_BACKEND", raising=False)
+    cuda = torch.device("cuda")
+    assert _route("f", None, cuda, torch.float32, 8, 8) == "triton"
+    assert _route("f", None, cuda, torch.float64, 8, 8) == "reference"
+    assert _route("f", None, cuda, torch.float32, 8, 0) == "reference"
+    monkeypatch.setenv("ATTNKIT_BACKEND", "triton")
+    with pytest.raises(BackendUnavailableError, match=r"\(ATTNKIT_BACKEND='triton'\) cannot run float64"):
+        _route("f", None, cuda, torch.float64, 8, 8)

@@ -156,3 +156,139 @@ def test_no_keys_gives_zeros(normalize, eps):
                                      eps=eps, scale=2.0)
     assert out.shape == (2, 3, 7, 5)
     assert torch.equal(out, torch.zeros_like(out))  # also: no NaN from 0 / (0 + 0)
+
+
+# ---------------------------------------------------------------------------- recurrent state
+
+from attnkit.reference.linear import linear_attention_step_reference, state_dtype  # noqa: E402
+
+
+def state_loop(q, k, v, s0, z0, *, causal, feature_map, normalize, eps, scale):
+    """out_i with every query also seeing the earlier keys summed in (S0, z0), one query at a
+    time; and the final state Σ_j φ(k_j) v_jᵀ + S0, Σ_j φ(k_j) + z0 by explicit loops."""
+    q, k, v, s0, z0 = (t.to(F64) for t in (q, k, v, s0, z0))
+    pq, pk = phi_loop(q, feature_map), phi_loop(k, feature_map)
+    b, h, n, d = q.shape
+    m, dv = k.shape[2], v.shape[3]
+    out = torch.zeros(b, h, n, dv, dtype=F64)
+    for i in range(n):
+        stop = i + 1 if causal else m
+        w = (pq[:, :, i, None, :] * pk[:, :, :stop, :]).sum(-1)
+        num = (w[..., None] * v[:, :, :stop, :]).sum(-2) + (pq[:, :, i, :, None] * s0).sum(-2)
+        den = w.sum(-1, keepdim=True) + (pq[:, :, i] * z0).sum(-1, keepdim=True)
+        out[:, :, i] = num / (den + eps) if normalize else num * scale
+    s, z = s0.clone(), z0.clone()
+    for j in range(m):
+        s += pk[:, :, j, :, None] * v[:, :, j, None, :]
+        z += pk[:, :, j]
+    return out, s, z
+
+
+def make_state(b, h, d, dv, seed=20):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h, d, dv, generator=g, dtype=F64),
+            torch.rand(b, h, d, generator=g, dtype=F64) + 0.5)
+
+
+@pytest.mark.parametrize("n", [1, 7, 33])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("feature_map", FEATURE_MAPS)
+def test_initial_state_and_returned_state_match_loops(feature_map, normalize, n):
+    q, k, v = make(2, 3, n, n, 8, 5, seed=21 + n)
+    if feature_map == "identity" and normalize:
+        q, k = q.abs(), k.abs()
+    s0, z0 = make_state(2, 3, 8, 5)
+    kw = dict(causal=True, feature_map=feature_map, normalize=normalize, eps=1e-6, scale=0.3)
+    out, (s, z) = linear_attention_reference(q, k, v, initial_state=(s0, z0), return_state=True, **kw)
+    want, ws, wz = state_loop(q, k, v, s0, z0, **kw)
+    torch.testing.assert_close(out, want, rtol=1e-11, atol=1e-12)
+    torch.testing.assert_close(s, ws, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(z, wz, rtol=1e-12, atol=1e-12)
+
+
+def test_returned_state_without_initial_state():
+    q, k, v = make(1, 2, 9, 9, 4, 3, seed=22)
+    zeros = (torch.zeros(1, 2, 4, 3, dtype=F64), torch.zeros(1, 2, 4, dtype=F64))
+    kw = dict(causal=True, feature_map="elu", normalize=True, eps=1e-6, scale=1.0)
+    out, (s, z) = linear_attention_reference(q, k, v, return_state=True, **kw)
+    want, ws, wz = state_loop(q, k, v, *zeros, **kw)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(s, ws, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(z, wz, rtol=1e-12, atol=1e-12)
+    # without return_state the same call returns the tensor alone
+    assert torch.equal(linear_attention_reference(q, k, v, **kw), out)
+
+
+@pytest.mark.parametrize("dtype,expected", [(F64, F64), (torch.float32, torch.float32),
+                                            (torch.bfloat16, torch.float32),
+                                            (torch.float16, torch.float32)])
+def test_state_dtype(dtype, expected):
+    assert state_dtype(dtype) == expected
+    q, k, v = make(1, 1, 5, 5, 4, 3, dtype=dtype)
+    out, (s, z) = linear_attention_reference(q, k, v, causal=True, feature_map="elu",
+                                             normalize=True, eps=1e-6, scale=1.0, return_state=True)
+    assert out.dtype == dtype and s.dtype == z.dtype == expected
+
+
+def test_no_keys_with_a_state_divides_by_the_state_normalizer():
+    # M = 0 but a carried-in state: the sums are not empty, out_i = φ(q_i)S0 / (φ(q_i)·z0 + eps)
+    q, k, v = make(1, 2, 4, 0, 6, 3)
+    s0, z0 = make_state(1, 2, 6, 3)
+    out = linear_attention_reference(q, k, v, causal=False, feature_map="elu", normalize=True,
+                                     eps=1e-6, scale=1.0, initial_state=(s0, z0))
+    pq = phi_loop(q, "elu")
+    want = (pq @ s0) / ((pq * z0.unsqueeze(2)).sum(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("feature_map", FEATURE_MAPS)
+def test_step_reference_is_the_recurrence(feature_map, normalize):
+    b, h, d, dv = 2, 3, 6, 4
+    g = torch.Generator().manual_seed(23)
+    state = None
+    s_loop, z_loop = torch.zeros(b, h, d, dv, dtype=F64), torch.zeros(b, h, d, dtype=F64)
+    for _ in range(5):
+        q_t, k_t = torch.randn(b, h, d, generator=g, dtype=F64), torch.randn(b, h, d, generator=g, dtype=F64)
+        if feature_map == "identity" and normalize:
+            q_t, k_t = q_t.abs(), k_t.abs()
+        v_t = torch.randn(b, h, dv, generator=g, dtype=F64)
+        out, state = linear_attention_step_reference(q_t, k_t, v_t, state, feature_map=feature_map,
+                                                     normalize=normalize, eps=1e-6, scale=0.5)
+        pq, pk = phi_loop(q_t, feature_map), phi_loop(k_t, feature_map)
+        for bi in range(b):
+            for hi in range(h):
+                s_loop[bi, hi] += torch.outer(pk[bi, hi], v_t[bi, hi])
+                z_loop[bi, hi] += pk[bi, hi]
+                num = pq[bi, hi] @ s_loop[bi, hi]
+                want = num / (pq[bi, hi] @ z_loop[bi, hi] + 1e-6) if normalize else 0.5 * num
+                torch.testing.assert_close(out[bi, hi], want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(state[0], s_loop, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(state[1], z_loop, rtol=1e-12, atol=1e-12)
+
+
+def test_parallel_prompt_then_steps_equals_one_call():
+    n, n0 = 12, 5
+    q, k, v = make(1, 2, n, n, 4, 3, seed=24)
+    kw = dict(feature_map="elu", normalize=True, eps=1e-6, scale=1.0)
+    full = linear_attention_reference(q, k, v, causal=True, **kw)
+    head, state = linear_attention_reference(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], causal=True,
+                                             return_state=True, **kw)
+    torch.testing.assert_close(head, full[:, :, :n0], rtol=1e-12, atol=1e-12)
+    for t in range(n0, n):
+        out_t, state = linear_attention_step_reference(q[:, :, t], k[:, :, t], v[:, :, t], state, **kw)
+        torch.testing.assert_close(out_t, full[:, :, t], rtol=1e-12, atol=1e-12)
+
+
+def test_state_is_differentiable():
+    q, k, v = make(1, 1, 4, 4, 3, 2, seed=25)
+    s0, z0 = make_state(1, 1, 3, 2)
+    leaves = [t.requires_grad_(True) for t in (q, k, v, s0, z0)]
+
+    def fn(q, k, v, s0, z0):
+        out, (s, z) = linear_attention_reference(q, k, v, causal=True, feature_map="elu",
+                                                 normalize=True, eps=1e-3, scale=1.0,
+                                                 initial_state=(s0, z0), return_state=True)
+        return out, s, z
+
+    assert torch.autograd.gradcheck(fn, leaves)

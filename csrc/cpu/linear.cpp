@@ -1,0 +1,1020 @@
+// CPU kernels of linear (kernelized) attention, forward and backward.
+//
+//   linear_fwd(q [B,H,N,D], k [B,H,M,D], v [B,H,M,Dv], S0?, z0?, causal, feature_map,
+//              normalize, eps, scale) -> (out [B,H,N,Dv], den [B,H,N], S [B,H,D,Dv], z [B,H,D])
+//   linear_bwd(grad_out?, grad_den?, grad_S?, grad_z?, q, k, v, out, den, S, z, S0?, z0?,
+//              causal, feature_map, normalize, eps, scale) -> (dq, dk, dv, dS0, dz0)
+//
+// With P = phi(Q), K' = phi(K) (phi fused into the packing of each chunk) and the state
+// S = S0 + sum_j phi(k_j) v_j^T, z = z0 + sum_j phi(k_j) (the sums over the keys each query
+// sees: all of them, or j <= i when causal):
+//   num_i = phi(q_i)^T S_i,  den_i = phi(q_i) . z_i,
+//   out_i = num_i / (den_i + eps) (normalize) or scale * num_i.
+// den is returned raw (without eps), in the accumulation type: the backward needs it.  S and
+// z are the final state (causal) or the full sums (non-causal), S0 + ..., z0 + ....
+//
+// Causal forward, per (b, h), chunks of kChunk rows in order (L rows in this chunk):
+//   A   = P_c K'_c^T o tril                  (L x L)
+//   num = A V_c + P_c S_prev,   den = rowsum(A) + P_c z_prev
+//   S_prev += K'_c^T V_c,       z_prev += colsum(K'_c)
+// Non-causal: one reduction pass for S and z (split over key chunks when B*H is smaller than
+// the thread count), then one apply pass num = P S, den = P z over (b, h, query chunk).
+//
+// Backward.  From the upstream gradients: dnum_i = g_i / r_i and
+// dden_i = -(g_i . out_i) / r_i (+ grad_den_i) with r_i = den_i + eps (normalize), or
+// dnum_i = scale g_i.  Then, with the suffix sums R_j = grad_S + sum_{i >= j} phi(q_i) dnum_i^T,
+// w_j = grad_z + sum_{i >= j} dden_i phi(q_i):
+//   dphi(q_i) = dnum_i S_i^T + dden_i z_i        (S_i, z_i: the prefix state query i sees)
+//   dphi(k_j) = R_j v_j + w_j,   dv_j = R_j^T phi(k_j),   dS0 = R_0,   dz0 = w_0.
+// Causal: two sweeps per (b, h), run as independent tasks -- a forward sweep (dq: prefix state
+// S^T rebuilt chunk by chunk) and a reverse sweep (dk, dv: suffix state R built from the end),
+// each with the intra-chunk terms dA = (dnum V_c^T + dden 1^T) o tril and A as small GEMMs.
+// Never an N x D x Dv tensor; extra memory is O(kChunk (D + Dv + kChunk) + D Dv) per thread.
+//
+// Accumulation (GEMMs, states, den): float32, float64 for float64 inputs.  GEMMs: a
+// register-blocked micro-kernel (AVX-512 / AVX2+FMA intrinsics, scalar fallback) on packed,
+// zero-padded tiles; the triangular products skip the blocks the mask zeroes.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+namespace attnkit {
+namespace {
+
+// Rows per chunk.  64 keeps a chunk's tiles (P, K', V, A, ...) in L1/L2 for D, Dv <= 128 and
+// the intra-chunk L x L products as large as the state products (L = D = 64).
+constexpr int64_t kChunk = 64;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// ---------------------------------------------------------------------------------------------
+// SIMD wrapper: one vector of W values of T.  W is also the padding unit of every packed tile's
+// row length, so the micro-kernel works on whole vectors only.
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+struct Simd;
+
+#if defined(__AVX512F__)
+template <>
+struct Simd<float> {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V set1(float a) { return _mm512_set1_ps(a); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+};
+template <>
+struct Simd<double> {
+  using V = __m512d;
+  static constexpr int W = 8;
+  static V zero() { return _mm512_setzero_pd(); }
+  static V load(const double* p) { return _mm512_loadu_pd(p); }
+  static void store(double* p, V v) { _mm512_storeu_pd(p, v); }
+  static V set1(double a) { return _mm512_set1_pd(a); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+template <>
+struct Simd<float> {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(float a) { return _mm256_set1_ps(a); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+};
+template <>
+struct Simd<double> {
+  using V = __m256d;
+  static constexpr int W = 4;
+  static V zero() { return _mm256_setzero_pd(); }
+  static V load(const double* p) { return _mm256_loadu_pd(p); }
+  static void store(double* p, V v) { _mm256_storeu_pd(p, v); }
+  static V set1(double a) { return _mm256_set1_pd(a); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
+};
+#else
+template <typename T>
+struct ScalarSimd {
+  using V = T;
+  static constexpr int W = 1;
+  static V zero() { return T(0); }
+  static V load(const T* p) { return *p; }
+  static void store(T* p, V v) { *p = v; }
+  static V set1(T a) { return a; }
+  static V fma(V a, V b, V c) { return a * b + c; }
+};
+template <>
+struct Simd<float> : ScalarSimd<float> {};
+template <>
+struct Simd<double> : ScalarSimd<double> {};
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// GEMM on packed tiles:  C[r][c] (+)= sum_k A(r, k) B[k][c],  A(r, k) = A[r * sar + k * sak]
+// (so A may be read transposed), B and C row-major with n (the column count) a multiple of W.
+// Structure tells which blocks can be skipped because a triangular mask zeroes them:
+//   kOutLower  C is lower triangular (c <= r): column blocks right of the diagonal are skipped
+//   kOutUpper  C is upper triangular (c >= r): column blocks left of the diagonal are skipped
+//   kLeftLower A(r, k) = 0 for k > r;  kLeftUpper A(r, k) = 0 for k < r
+//   kRightLower B[k][c] = 0 for c > k
+// Skipped blocks of C are not written: the caller masks C (kOut*) or never reads them.
+// ---------------------------------------------------------------------------------------------
+enum class Tri { kFull, kOutLower, kOutUpper, kLeftLower, kLeftUpper, kRightLower };
+
+constexpr int kRows = 4;  // rows of C per micro-tile
+constexpr int kVecs = 4;  // vectors of C per micro-tile row (4 x 4 accumulators)
+
+template <typename T, int R, int NV>
+void micro_tile(int64_t k0, int64_t k1, const T* A, int64_t sar, int64_t sak, const T* B,
+                int64_t ldb, T* C, int64_t ldc, bool accumulate) {
+  using S = Simd<T>;
+  using V = typename S::V;
+  constexpr int W = S::W;
+  V c[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) c[r][v] = accumulate ? S::load(C + r * ldc + v * W) : S::zero();
+  for (int64_t k = k0; k < k1; ++k) {
+    V b[NV];
+    const T* brow = B + k * ldb;
+    for (int v = 0; v < NV; ++v) b[v] = S::load(brow + v * W);
+    for (int r = 0; r < R; ++r) {
+      const V a = S::set1(A[r * sar + k * sak]);
+      for (int v = 0; v < NV; ++v) c[r][v] = S::fma(a, b[v], c[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) S::store(C + r * ldc + v * W, c[r][v]);
+}
+
+template <typename T>
+using TileFn = void (*)(int64_t, int64_t, const T*, int64_t, int64_t, const T*, int64_t, T*,
+                        int64_t, bool);
+
+template <typename T, int R>
+constexpr TileFn<T> tile_for(int nv) {
+  return nv == 1 ? &micro_tile<T, R, 1>
+       : nv == 2 ? &micro_tile<T, R, 2>
+       : nv == 3 ? &micro_tile<T, R, 3>
+                 : &micro_tile<T, R, 4>;
+}
+
+template <typename T>
+TileFn<T> pick_tile(int rows, int nv) {
+  switch (rows) {
+    case 1: return tile_for<T, 1>(nv);
+    case 2: return tile_for<T, 2>(nv);
+    case 3: return tile_for<T, 3>(nv);
+    default: return tile_for<T, 4>(nv);
+  }
+}
+
+template <typename T>
+void gemm(Tri tri, int64_t m, int64_t n, int64_t K, const T* A, int64_t sar, int64_t sak,
+          const T* B, int64_t ldb, T* C, int64_t ldc, bool accumulate) {
+  constexpr int W = Simd<T>::W;
+  for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r0));
+    int64_t c_begin = 0, c_end = n;
+    if (tri == Tri::kOutLower) c_end = std::min(n, round_up(r0 + rows, W));
+    if (tri == Tri::kOutUpper) c_begin = (r0 / W) * W;
+    int64_t k0 = 0, k1 = K;
+    if (tri == Tri::kLeftLower) k1 = std::min(K, r0 + rows);
+    if (tri == Tri::kLeftUpper) k0 = std::min(K, r0);
+    for (int64_t c0 = c_begin; c0 < c_end; c0 += kVecs * W) {
+      const int nv = static_cast<int>(std::min<int64_t>(kVecs, (c_end - c0) / W));
+      const int64_t kb = tri == Tri::kRightLower ? std::min(K, c0) : k0;
+      pick_tile<T>(rows, nv)(kb, k1, A + r0 * sar, sar, sak, B + c0, ldb, C + r0 * ldc + c0,
+                             ldc, accumulate);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Feature maps, fused into packing.
+// ---------------------------------------------------------------------------------------------
+enum class FeatureMap { kElu, kRelu, kIdentity };
+
+FeatureMap parse_feature_map(std::string_view name) {
+  if (name == "elu") return FeatureMap::kElu;
+  if (name == "relu") return FeatureMap::kRelu;
+  if (name == "identity") return FeatureMap::kIdentity;
+  TORCH_CHECK(false, "attnkit::linear: unknown feature_map '", std::string(name),
+              "'; expected 'elu', 'relu' or 'identity'");
+  return FeatureMap::kIdentity;  // unreachable
+}
+
+// exp(x) for x <= 0 in float, written so that loops over it vectorize: x = k ln2 + r with
+// |r| <= ln2/2 (+ rounding), exp(r) by its degree-7 Taylor polynomial (relative error < 2e-8), 2^k built in
+// the exponent bits.  Below -87 the argument is clamped (exp(-87) ~ 1.6e-38: an elu feature of
+// that size is zero next to any other).  NaN stays NaN.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  // k = round(x log2 e) by the 1.5 * 2^23 trick (std::floor would not vectorize).
+  const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (x - k * 0.693145751953125f) - k * 1.42860682030941723212e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return p * std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
+}
+
+inline double exp_nonpositive(double x) { return std::exp(x); }
+
+// x <- phi(x) on n values.
+template <typename T>
+void apply_phi(T* x, int64_t n, FeatureMap fm) {
+  switch (fm) {
+    case FeatureMap::kElu:
+#pragma omp simd
+      for (int64_t d = 0; d < n; ++d) {
+        const T e = exp_nonpositive(x[d] > T(0) ? T(0) : x[d]);  // NaN stays NaN
+        x[d] = x[d] > T(0) ? x[d] + T(1) : e;
+      }
+      break;
+    case FeatureMap::kRelu:
+#pragma omp simd
+      for (int64_t d = 0; d < n; ++d) x[d] = x[d] < T(0) ? T(0) : x[d];  // NaN stays NaN
+      break;
+    case FeatureMap::kIdentity:
+      break;
+  }
+}
+
+// x <- phi'(x) on n values (the derivative torch's autograd uses: at 0, relu' = 0, elu' = 1).
+template <typename T>
+void apply_dphi(T* x, int64_t n, FeatureMap fm) {
+  switch (fm) {
+    case FeatureMap::kElu:
+#pragma omp simd
+      for (int64_t d = 0; d < n; ++d) {
+        const T e = exp_nonpositive(x[d] > T(0) ? T(0) : x[d]);  // NaN stays NaN
+        x[d] = x[d] > T(0) ? T(1) : e;
+      }
+      break;
+    case FeatureMap::kRelu:
+#pragma omp simd
+      for (int64_t d = 0; d < n; ++d) x[d] = x[d] > T(0) ? T(1) : T(0);
+      break;
+    case FeatureMap::kIdentity:
+      std::fill(x, x + n, T(1));
+      break;
+  }
+}
+
+// Vectorized reductions (the pragma allows the reassociation that a plain loop forbids).
+template <typename T>
+inline T sum_of(const T* x, int64_t n) {
+  T s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += x[i];
+  return s;
+}
+template <typename T>
+inline T dot(const T* x, const T* y, int64_t n) {
+  T s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += x[i] * y[i];
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Strided [B, H, L, X] inputs (any strides: nothing is copied to make them contiguous).
+// ---------------------------------------------------------------------------------------------
+template <typename scalar_t>
+struct View4 {
+  const scalar_t* p = nullptr;
+  int64_t sb = 0, sh = 0, sn = 0, sd = 0, H = 1;
+  View4() = default;
+  explicit View4(const at::Tensor& t)
+      : p(t.const_data_ptr<scalar_t>()), sb(t.stride(0)), sh(t.stride(1)), sn(t.stride(2)),
+        sd(t.stride(3)), H(t.size(1)) {}
+  // Start of the [L, X] matrix of one (b, h); row i is at base(bh) + i * sn.
+  const scalar_t* base(int64_t bh) const { return p + (bh / H) * sb + (bh % H) * sh; }
+};
+
+// dst[0..n) = src row (converted), dst[n..ld) = 0.
+template <typename scalar_t, typename T>
+void load_row(const scalar_t* src, int64_t stride, int64_t n, T* dst, int64_t ld) {
+  if (stride == 1) {
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<T>(src[d]);
+  } else {
+    for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<T>(src[d * stride]);
+  }
+  std::fill(dst + n, dst + ld, T(0));
+}
+
+// Rows [i0, i0 + L) of a [B,H,*,X] view into dst [L][ld] (zero-padded), phi applied if asked.
+template <typename scalar_t, typename T>
+void pack_rows(const View4<scalar_t>& x, int64_t bh, int64_t i0, int64_t L, int64_t X, T* dst,
+               int64_t ld, const FeatureMap* fm) {
+  const scalar_t* src = x.base(bh) + i0 * x.sn;
+  for (int64_t i = 0; i < L; ++i) {
+    T* row = dst + i * ld;
+    load_row(src + i * x.sn, x.sd, X, row, ld);
+    if (fm) apply_phi(row, X, *fm);
+  }
+}
+
+// dst[x][i] = src[i][x] for i < L, x < X; columns [L, ldd_pad) of each dst row set to 0.
+template <typename T>
+void transpose(const T* src, int64_t lds, int64_t L, int64_t X, T* dst, int64_t ldd,
+               int64_t pad_to) {
+  for (int64_t x = 0; x < X; ++x) {
+    T* d = dst + x * ldd;
+    for (int64_t i = 0; i < L; ++i) d[i] = src[i * lds + x];
+    std::fill(d + L, d + pad_to, T(0));
+  }
+}
+
+// Keep a[i][j] for j <= i (lower) or j >= i (upper) in an [L][ld] tile, zero the rest of [0, n).
+template <typename T>
+void mask_lower(T* a, int64_t ld, int64_t L, int64_t n) {
+  for (int64_t i = 0; i < L; ++i) std::fill(a + i * ld + std::min(i + 1, n), a + i * ld + n, T(0));
+}
+template <typename T>
+void mask_upper(T* a, int64_t ld, int64_t L, int64_t n) {
+  for (int64_t i = 0; i < L; ++i) std::fill(a + i * ld, a + i * ld + std::min(i, n), T(0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Problem description shared by the kernels.
+// ---------------------------------------------------------------------------------------------
+template <typename scalar_t, typename T>
+struct Problem {
+  int64_t BH, N, M, D, Dv;
+  int64_t Dp, Dvp;  // D, Dv rounded up to whole vectors
+  FeatureMap fm;
+  bool causal, normalize;
+  T eps, scale;
+  View4<scalar_t> q, k, v;
+  const T* S0 = nullptr;  // [BH][D][Dv] contiguous, or null (zero initial state)
+  const T* z0 = nullptr;  // [BH][D]
+};
+
+// Per-thread tiles of one chunk.
+template <typename T>
+struct Tiles {
+  std::vector<T> pq, pqT, pk, pkT, v, vT, dnum, dden, a, da, num, grad, gradT, S, z;
+  Tiles(int64_t Dp, int64_t Dvp)
+      : pq(kChunk * Dp), pqT(Dp * kChunk), pk(kChunk * Dp), pkT(Dp * kChunk), v(kChunk * Dvp),
+        vT(Dvp * kChunk), dnum(kChunk * Dvp), dden(kChunk), a(kChunk * kChunk),
+        da(kChunk * kChunk), num(kChunk * std::max(Dvp, Dp)), grad(kChunk * std::max(Dvp, Dp)),
+        gradT(Dp * kChunk), S(std::max(Dp * Dvp, Dvp * Dp)), z(Dp) {}
+};
+
+// A [D][Dv] state (optional, contiguous) into a zeroed, padded [rows][ld] tile, transposed if asked.
+template <typename T>
+void load_state(const T* src, int64_t D, int64_t Dv, T* dst, int64_t Dp, int64_t Dvp,
+                bool transposed) {
+  std::fill(dst, dst + Dp * Dvp, T(0));
+  if (!src) return;
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t e = 0; e < Dv; ++e) {
+      if (transposed)
+        dst[e * Dp + d] = src[d * Dv + e];
+      else
+        dst[d * Dvp + e] = src[d * Dv + e];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward.
+// ---------------------------------------------------------------------------------------------
+struct FwdOut {
+  void* out;  // scalar_t [BH][N][Dv]
+  void* den;  // T [BH][N]
+  void* S;    // T [BH][D][Dv]
+  void* z;    // T [BH][D]
+};
+
+// Rows [i0, i0 + L) of the output from num (ld Dvp) and den.
+template <typename scalar_t, typename T>
+void write_out(const Problem<scalar_t, T>& P, int64_t bh, int64_t i0, int64_t L, const T* num,
+               const T* den, scalar_t* out, T* den_out) {
+  for (int64_t i = 0; i < L; ++i) {
+    scalar_t* o = out + (bh * P.N + i0 + i) * P.Dv;
+    const T* nr = num + i * P.Dvp;
+    if (P.normalize) {
+      const T r = den[i] + P.eps;
+      for (int64_t e = 0; e < P.Dv; ++e) o[e] = static_cast<scalar_t>(nr[e] / r);
+    } else {
+      for (int64_t e = 0; e < P.Dv; ++e) o[e] = static_cast<scalar_t>(nr[e] * P.scale);
+    }
+    den_out[bh * P.N + i0 + i] = den[i];
+  }
+}
+
+template <typename scalar_t, typename T>
+void store_state(const Problem<scalar_t, T>& P, int64_t bh, const T* S, const T* z, T* S_out,
+                 T* z_out) {
+  for (int64_t d = 0; d < P.D; ++d) {
+    std::copy(S + d * P.Dvp, S + d * P.Dvp + P.Dv, S_out + (bh * P.D + d) * P.Dv);
+    z_out[bh * P.D + d] = z[d];
+  }
+}
+
+template <typename scalar_t, typename T>
+void causal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
+  constexpr int64_t W = Simd<T>::W;
+  const int64_t D = P.D, Dv = P.Dv, Dp = P.Dp, Dvp = P.Dvp;
+  at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
+    Tiles<T> t(Dp, Dvp);
+    T* S = t.S.data();
+    T* z = t.z.data();
+    T den[kChunk];
+    for (int64_t bh = begin; bh < end; ++bh) {
+      load_state(P.S0 ? P.S0 + bh * D * Dv : nullptr, D, Dv, S, Dp, Dvp, false);
+      std::fill(z, z + Dp, T(0));
+      if (P.z0) std::copy(P.z0 + bh * D, P.z0 + (bh + 1) * D, z);
+      for (int64_t i0 = 0; i0 < P.N; i0 += kChunk) {
+        const int64_t L = std::min(kChunk, P.N - i0), Lp = round_up(L, W);
+        pack_rows(P.q, bh, i0, L, D, t.pq.data(), Dp, &P.fm);
+        pack_rows(P.k, bh, i0, L, D, t.pk.data(), Dp, &P.fm);
+        transpose(t.pk.data(), Dp, L, D, t.pkT.data(), kChunk, Lp);
+        pack_rows(P.v, bh, i0, L, Dv, t.v.data(), Dvp, nullptr);
+        // A = P K'^T o tril
+        gemm<T>(Tri::kOutLower, L, Lp, D, t.pq.data(), Dp, 1, t.pkT.data(), kChunk, t.a.data(),
+                kChunk, false);
+        mask_lower(t.a.data(), kChunk, L, Lp);
+        // num = A V + P S_prev
+        gemm<T>(Tri::kLeftLower, L, Dvp, L, t.a.data(), kChunk, 1, t.v.data(), Dvp, t.num.data(),
+                Dvp, false);
+        gemm<T>(Tri::kFull, L, Dvp, D, t.pq.data(), Dp, 1, S, Dvp, t.num.data(), Dvp, true);
+        for (int64_t i = 0; i < L; ++i) {
+          const T* arow = t.a.data() + i * kChunk;
+          const T* prow = t.pq.data() + i * Dp;
+          den[i] = sum_of(arow, i + 1) + dot(prow, z, D);
+        }
+        write_out(P, bh, i0, L, t.num.data(), den, static_cast<scalar_t*>(o.out),
+                  static_cast<T*>(o.den));
+        // S_prev += K'^T V, z_prev += colsum(K')
+        gemm<T>(Tri::kFull, D, Dvp, L, t.pkT.data(), kChunk, 1, t.v.data(), Dvp, S, Dvp, true);
+        for (int64_t d = 0; d < D; ++d) z[d] += sum_of(t.pkT.data() + d * kChunk, L);
+      }
+      store_state(P, bh, S, z, static_cast<T*>(o.S), static_cast<T*>(o.z));
+    }
+  });
+}
+
+// How many groups the chunks of one (b, h) are split into for a reduction: enough for every
+// thread to have work when B*H is small, never more than the chunks.
+inline int64_t reduce_groups(int64_t BH, int64_t chunks) {
+  const int64_t threads = at::get_num_threads();
+  if (BH >= threads || chunks <= 1) return 1;
+  return std::min(chunks, ceil_div(threads, BH));
+}
+
+template <typename scalar_t, typename T>
+void noncausal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
+  const int64_t D = P.D, Dv = P.Dv, Dp = P.Dp, Dvp = P.Dvp;
+  constexpr int64_t W = Simd<T>::W;
+  const int64_t kchunks = ceil_div(P.M, kChunk);
+  const int64_t G = reduce_groups(P.BH, kchunks);
+  const int64_t per_group = ceil_div(kchunks, G);
+  const int64_t state_size = Dp * Dvp + Dp;  // S then z
+  std::vector<T> partial(static_cast<size_t>(P.BH * G * state_size), T(0));
+  // 1. partial sums of K'^T V and colsum(K') over the key chunks of each group
+  at::parallel_for(0, P.BH * G, 1, [&](int64_t begin, int64_t end) {
+    Tiles<T> t(Dp, Dvp);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / G, g = task % G;
+      T* S = partial.data() + task * state_size;
+      T* z = S + Dp * Dvp;
+      for (int64_t c = g * per_group; c < std::min(kchunks, (g + 1) * per_group); ++c) {
+        const int64_t j0 = c * kChunk, L = std::min(kChunk, P.M - j0), Lp = round_up(L, W);
+        pack_rows(P.k, bh, j0, L, D, t.pk.data(), Dp, &P.fm);
+        transpose(t.pk.data(), Dp, L, D, t.pkT.data(), kChunk, Lp);
+        pack_rows(P.v, bh, j0, L, Dv, t.v.data(), Dvp, nullptr);
+        gemm<T>(Tri::kFull, D, Dvp, L, t.pkT.data(), kChunk, 1, t.v.data(), Dvp, S, Dvp, true);
+        for (int64_t d = 0; d < D; ++d) z[d] += sum_of(t.pkT.data() + d * kChunk, L);
+      }
+    }
+  });
+  // 2. S = S0 + sum of the groups (into group 0's slot), z likewise
+  at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      T* S = partial.data() + bh * G * state_size;
+      T* z = S + Dp * Dvp;
+      for (int64_t g = 1; g < G; ++g) {
+        const T* Sg = S + g * state_size;
+        for (int64_t x = 0; x < state_size; ++x) S[x] += Sg[x];
+      }
+      if (P.S0)
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t e = 0; e < Dv; ++e) S[d * Dvp + e] += P.S0[(bh * D + d) * Dv + e];
+      if (P.z0)
+        for (int64_t d = 0; d < D; ++d) z[d] += P.z0[bh * D + d];
+      store_state(P, bh, S, z, static_cast<T*>(o.S), static_cast<T*>(o.z));
+    }
+  });
+  // 3. num = P S, den = P z per query chunk
+  const int64_t qchunks = ceil_div(P.N, kChunk);
+  const bool no_keys = P.M == 0 && P.S0 == nullptr;
+  at::parallel_for(0, P.BH * qchunks, 1, [&](int64_t begin, int64_t end) {
+    Tiles<T> t(Dp, Dvp);
+    T den[kChunk];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / qchunks, i0 = (task % qchunks) * kChunk;
+      const int64_t L = std::min(kChunk, P.N - i0);
+      const T* S = partial.data() + bh * G * state_size;
+      const T* z = S + Dp * Dvp;
+      if (no_keys) {
+        // Empty sums: the output is 0 (not 0 / (0 + eps), which is NaN for eps = 0).
+        scalar_t* out = static_cast<scalar_t*>(o.out) + (bh * P.N + i0) * Dv;
+        std::fill(out, out + L * Dv, scalar_t(0));
+        T* den_out = static_cast<T*>(o.den) + bh * P.N + i0;
+        std::fill(den_out, den_out + L, T(0));
+        continue;
+      }
+      pack_rows(P.q, bh, i0, L, D, t.pq.data(), Dp, &P.fm);
+      gemm<T>(Tri::kFull, L, Dvp, D, t.pq.data(), Dp, 1, S, Dvp, t.num.data(), Dvp, false);
+      for (int64_t i = 0; i < L; ++i) {
+        const T* prow = t.pq.data() + i * Dp;
+        den[i] = dot(prow, z, D);
+      }
+      write_out(P, bh, i0, L, t.num.data(), den, static_cast<scalar_t*>(o.out),
+                static_cast<T*>(o.den));
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward.
+// ---------------------------------------------------------------------------------------------
+template <typename scalar_t, typename T>
+struct Grads {
+  View4<scalar_t> g;    // grad_out (p == nullptr: zero)
+  View4<scalar_t> out;  // the forward's output
+  const T* den = nullptr;       // [BH][N] (forward's den, without eps)
+  const T* grad_den = nullptr;  // [BH][N] or null
+  const T* grad_S = nullptr;    // [BH][D][Dv] or null
+  const T* grad_z = nullptr;    // [BH][D] or null
+  const T* S = nullptr;         // forward's S, z (non-causal backward)
+  const T* z = nullptr;
+  scalar_t* dq = nullptr;
+  scalar_t* dk = nullptr;
+  scalar_t* dv = nullptr;
+  T* dS0 = nullptr;
+  T* dz0 = nullptr;
+};
+
+// dnum [L][Dvp] (zero-padded) and dden [L] of query rows [i0, i0 + L).
+template <typename scalar_t, typename T>
+void pack_dnum(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G, int64_t bh, int64_t i0,
+               int64_t L, T* dnum, T* dden, T* scratch) {
+  const int64_t Dv = P.Dv, Dvp = P.Dvp;
+  const scalar_t* g = G.g.p ? G.g.base(bh) + i0 * G.g.sn : nullptr;
+  const scalar_t* out = G.out.base(bh) + i0 * G.out.sn;
+  for (int64_t i = 0; i < L; ++i) {
+    T* row = dnum + i * Dvp;
+    const int64_t n = bh * P.N + i0 + i;
+    T dd = G.grad_den ? G.grad_den[n] : T(0);
+    if (!G.g.p) {
+      std::fill(row, row + Dvp, T(0));
+    } else if (P.normalize) {
+      const T r = G.den[n] + P.eps;
+      load_row(g + i * G.g.sn, G.g.sd, Dv, row, Dvp);
+      load_row(out + i * G.out.sn, G.out.sd, Dv, scratch, Dv);
+      const T inv = T(1) / r;
+      const T go = dot(row, scratch, Dv);
+#pragma omp simd
+      for (int64_t e = 0; e < Dv; ++e) row[e] *= inv;
+      dd -= go * inv;
+    } else {
+      load_row(g + i * G.g.sn, G.g.sd, Dv, row, Dvp);
+      for (int64_t e = 0; e < Dv; ++e) row[e] *= P.scale;
+    }
+    dden[i] = dd;
+  }
+}
+
+// dA = (dnum V^T + dden 1^T) o tril, [L][kChunk] (from vT [Dv][kChunk]).
+template <typename T>
+void intra_dA(int64_t L, int64_t Lp, int64_t Dv, const T* dnum, int64_t Dvp, const T* vT,
+              const T* dden, T* da) {
+  gemm<T>(Tri::kOutLower, L, Lp, Dv, dnum, Dvp, 1, vT, kChunk, da, kChunk, false);
+  for (int64_t i = 0; i < L; ++i) {
+    T* r = da + i * kChunk;
+    for (int64_t j = 0; j <= i; ++j) r[j] += dden[i];
+  }
+  mask_lower(da, kChunk, L, Lp);
+}
+
+// grad of phi(x) [rows][X] (ld) -> grad of x, written as scalar_t rows of the [BH][rows][X] output.
+template <typename scalar_t, typename T>
+void write_input_grad(const View4<scalar_t>& x, int64_t bh, int64_t i0, int64_t L, int64_t X,
+                      int64_t total_rows, const T* gphi, int64_t ld, FeatureMap fm, T* scratch,
+                      scalar_t* dst) {
+  const scalar_t* src = x.base(bh) + i0 * x.sn;
+  for (int64_t i = 0; i < L; ++i) {
+    load_row(src + i * x.sn, x.sd, X, scratch, X);
+    apply_dphi(scratch, X, fm);
+    scalar_t* o = dst + (bh * total_rows + i0 + i) * X;
+    const T* gr = gphi + i * ld;
+    for (int64_t d = 0; d < X; ++d) o[d] = static_cast<scalar_t>(gr[d] * scratch[d]);
+  }
+}
+
+// Causal, forward sweep of one (b, h): dq.
+template <typename scalar_t, typename T>
+void causal_dq_sweep(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G, int64_t bh,
+                     Tiles<T>& t, T* scratch) {
+  constexpr int64_t W = Simd<T>::W;
+  const int64_t D = P.D, Dv = P.Dv, Dp = P.Dp, Dvp = P.Dvp;
+  T* ST = t.S.data();  // prefix state, transposed: [Dvp][Dp]
+  T* z = t.z.data();
+  load_state(P.S0 ? P.S0 + bh * D * Dv : nullptr, D, Dv, ST, Dp, Dvp, true);
+  std::fill(z, z + Dp, T(0));
+  if (P.z0) std::copy(P.z0 + bh * D, P.z0 + (bh + 1) * D, z);
+  for (int64_t i0 = 0; i0 < P.N; i0 += kChunk) {
+    const int64_t L = std::min(kChunk, P.N - i0), Lp = round_up(L, W);
+    pack_rows(P.k, bh, i0, L, D, t.pk.data(), Dp, &P.fm);
+    pack_rows(P.v, bh, i0, L, Dv, t.v.data(), Dvp, nullptr);
+    transpose(t.v.data(), Dvp, L, Dv, t.vT.data(), kChunk, Lp);
+    pack_dnum(P, G, bh, i0, L, t.dnum.data(), t.dden.data(), scratch);
+    intra_dA(L, Lp, Dv, t.dnum.data(), Dvp, t.vT.data(), t.dden.data(), t.da.data());
+    // dphi(q) = dA K' + dnum S_prev^T + dden z_prev^T
+    T* gq = t.grad.data();
+    gemm<T>(Tri::kLeftLower, L, Dp, L, t.da.data(), kChunk, 1, t.pk.data(), Dp, gq, Dp, false);
+    gemm<T>(Tri::kFull, L, Dp, Dv, t.dnum.data(), Dvp, 1, ST, Dp, gq, Dp, true);
+    for (int64_t i = 0; i < L; ++i)
+      for (int64_t d = 0; d < D; ++d) gq[i * Dp + d] += t.dden[i] * z[d];
+    write_input_grad(P.q, bh, i0, L, D, P.N, gq, Dp, P.fm, scratch, G.dq);
+    // S_prev^T += V^T K',  z_prev += colsum(K')
+    gemm<T>(Tri::kFull, Dv, Dp, L, t.vT.data(), kChunk, 1, t.pk.data(), Dp, ST, Dp, true);
+    for (int64_t i = 0; i < L; ++i)
+      for (int64_t d = 0; d < D; ++d) z[d] += t.pk[i * Dp + d];
+  }
+}
+
+// dk [L][D] rows from dphi(k)^T [D][kChunk].
+template <typename scalar_t, typename T>
+void write_dk_transposed(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G, int64_t bh,
+                         int64_t j0, int64_t L, const T* gkT, T* rows, T* scratch) {
+  for (int64_t j = 0; j < L; ++j)
+    for (int64_t d = 0; d < P.D; ++d) rows[j * P.Dp + d] = gkT[d * kChunk + j];
+  write_input_grad(P.k, bh, j0, L, P.D, P.M, rows, P.Dp, P.fm, scratch, G.dk);
+}
+
+template <typename scalar_t, typename T>
+void write_dv(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G, int64_t bh, int64_t j0,
+              int64_t L, const T* dvt) {
+  for (int64_t j = 0; j < L; ++j) {
+    scalar_t* o = G.dv + (bh * P.M + j0 + j) * P.Dv;
+    for (int64_t e = 0; e < P.Dv; ++e) o[e] = static_cast<scalar_t>(dvt[j * P.Dvp + e]);
+  }
+}
+
+template <typename scalar_t, typename T>
+void store_state_grad(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G, int64_t bh,
+                      const T* R, const T* w) {
+  for (int64_t d = 0; d < P.D; ++d) {
+    std::copy(R + d * P.Dvp, R + d * P.Dvp + P.Dv, G.dS0 + (bh * P.D + d) * P.Dv);
+    G.dz0[bh * P.D + d] = w[d];
+  }
+}
+
+// Causal, reverse sweep of one (b, h): dk, dv, dS0, dz0.
+template <typename scalar_t, typename T>
+void causal_dkv_sweep(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G, int64_t bh,
+                      Tiles<T>& t, T* scratch) {
+  constexpr int64_t W = Simd<T>::W;
+  const int64_t D = P.D, Dv = P.Dv, Dp = P.Dp, Dvp = P.Dvp;
+  T* R = t.S.data();  // suffix state [Dp][Dvp]
+  T* w = t.z.data();
+  load_state(G.grad_S ? G.grad_S + bh * D * Dv : nullptr, D, Dv, R, Dp, Dvp, false);
+  std::fill(w, w + Dp, T(0));
+  if (G.grad_z) std::copy(G.grad_z + bh * D, G.grad_z + (bh + 1) * D, w);
+  const int64_t chunks = ceil_div(P.N, kChunk);
+  for (int64_t c = chunks - 1; c >= 0; --c) {
+    const int64_t i0 = c * kChunk, L = std::min(kChunk, P.N - i0), Lp = round_up(L, W);
+    pack_rows(P.q, bh, i0, L, D, t.pq.data(), Dp, &P.fm);
+    transpose(t.pq.data(), Dp, L, D, t.pqT.data(), kChunk, Lp);
+    pack_rows(P.k, bh, i0, L, D, t.pk.data(), Dp, &P.fm);
+    pack_rows(P.v, bh, i0, L, Dv, t.v.data(), Dvp, nullptr);
+    transpose(t.v.data(), Dvp, L, Dv, t.vT.data(), kChunk, Lp);
+    pack_dnum(P, G, bh, i0, L, t.dnum.data(), t.dden.data(), scratch);
+    // A^T = K' P^T o triu  (A^T[j][i] = phi(k_j) . phi(q_i), kept for i >= j)
+    gemm<T>(Tri::kOutUpper, L, Lp, D, t.pk.data(), Dp, 1, t.pqT.data(), kChunk, t.a.data(),
+            kChunk, false);
+    mask_upper(t.a.data(), kChunk, L, Lp);
+    intra_dA(L, Lp, Dv, t.dnum.data(), Dvp, t.vT.data(), t.dden.data(), t.da.data());
+    // dv = A^T dnum + K' R_next
+    T* gv = t.num.data();
+    gemm<T>(Tri::kLeftUpper, L, Dvp, L, t.a.data(), kChunk, 1, t.dnum.data(), Dvp, gv, Dvp, false);
+    gemm<T>(Tri::kFull, L, Dvp, D, t.pk.data(), Dp, 1, R, Dvp, gv, Dvp, true);
+    write_dv(P, G, bh, i0, L, gv);
+    // dphi(k)^T = P^T dA + R_next V^T + w_next 1^T
+    T* gkT = t.gradT.data();
+    gemm<T>(Tri::kRightLower, D, Lp, L, t.pqT.data(), kChunk, 1, t.da.data(), kChunk, gkT, kChunk,
+            false);
+    gemm<T>(Tri::kFull, D, Lp, Dv, R, Dvp, 1, t.vT.data(), kChunk, gkT, kChunk, true);
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t j = 0; j < L; ++j) gkT[d * kChunk + j] += w[d];
+    write_dk_transposed(P, G, bh, i0, L, gkT, t.grad.data(), scratch);
+    // R_next += P^T dnum,  w_next += P^T dden
+    gemm<T>(Tri::kFull, D, Dvp, L, t.pqT.data(), kChunk, 1, t.dnum.data(), Dvp, R, Dvp, true);
+    for (int64_t d = 0; d < D; ++d) w[d] += dot(t.pqT.data() + d * kChunk, t.dden.data(), L);
+  }
+  store_state_grad(P, G, bh, R, w);
+}
+
+template <typename scalar_t, typename T>
+void causal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G) {
+  // Task 2*bh: the dq sweep of (b, h); task 2*bh + 1: its dk/dv sweep (interleaved so that the
+  // threads' contiguous task ranges mix the cheaper and the dearer sweep).
+  at::parallel_for(0, 2 * P.BH, 1, [&](int64_t begin, int64_t end) {
+    Tiles<T> t(P.Dp, P.Dvp);
+    std::vector<T> scratch(std::max(P.Dp, P.Dvp));
+    for (int64_t task = begin; task < end; ++task) {
+      if (task % 2 == 0)
+        causal_dq_sweep(P, G, task / 2, t, scratch.data());
+      else
+        causal_dkv_sweep(P, G, task / 2, t, scratch.data());
+    }
+  });
+}
+
+template <typename scalar_t, typename T>
+void noncausal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G) {
+  constexpr int64_t W = Simd<T>::W;
+  const int64_t D = P.D, Dv = P.Dv, Dp = P.Dp, Dvp = P.Dvp;
+  const int64_t qchunks = ceil_div(P.N, kChunk), kchunks = ceil_div(P.M, kChunk);
+  const int64_t NG = reduce_groups(P.BH, qchunks);
+  const int64_t per_group = ceil_div(qchunks, NG);
+  const int64_t state_size = Dp * Dvp + Dp;
+  std::vector<T> partial(static_cast<size_t>(P.BH * NG * state_size), T(0));
+  // 1. R = grad_S + P^T dnum, w = grad_z + P^T dden (partial sums over query-chunk groups)
+  at::parallel_for(0, P.BH * NG, 1, [&](int64_t begin, int64_t end) {
+    Tiles<T> t(Dp, Dvp);
+    std::vector<T> scratch(std::max(Dp, Dvp));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / NG, g = task % NG;
+      T* R = partial.data() + task * state_size;
+      T* w = R + Dp * Dvp;
+      for (int64_t c = g * per_group; c < std::min(qchunks, (g + 1) * per_group); ++c) {
+        const int64_t i0 = c * kChunk, L = std::min(kChunk, P.N - i0), Lp = round_up(L, W);
+        pack_rows(P.q, bh, i0, L, D, t.pq.data(), Dp, &P.fm);
+        transpose(t.pq.data(), Dp, L, D, t.pqT.data(), kChunk, Lp);
+        pack_dnum(P, G, bh, i0, L, t.dnum.data(), t.dden.data(), scratch.data());
+        gemm<T>(Tri::kFull, D, Dvp, L, t.pqT.data(), kChunk, 1, t.dnum.data(), Dvp, R, Dvp, true);
+        for (int64_t d = 0; d < D; ++d) w[d] += dot(t.pqT.data() + d * kChunk, t.dden.data(), L);
+      }
+    }
+  });
+  // 2. totals (group 0's slot), S^T for the dq pass, the state gradients
+  std::vector<T> ST(static_cast<size_t>(P.BH * Dvp * Dp));
+  at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      T* R = partial.data() + bh * NG * state_size;
+      T* w = R + Dp * Dvp;
+      for (int64_t g = 1; g < NG; ++g) {
+        const T* Rg = R + g * state_size;
+        for (int64_t x = 0; x < state_size; ++x) R[x] += Rg[x];
+      }
+      if (G.grad_S)
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t e = 0; e < Dv; ++e) R[d * Dvp + e] += G.grad_S[(bh * D + d) * Dv + e];
+      if (G.grad_z)
+        for (int64_t d = 0; d < D; ++d) w[d] += G.grad_z[bh * D + d];
+      store_state_grad(P, G, bh, R, w);
+      load_state(G.S + bh * D * Dv, D, Dv, ST.data() + bh * Dvp * Dp, Dp, Dvp, true);
+    }
+  });
+  // 3. dq per query chunk, dk and dv per key chunk
+  at::parallel_for(0, P.BH * (qchunks + kchunks), 1, [&](int64_t begin, int64_t end) {
+    Tiles<T> t(Dp, Dvp);
+    std::vector<T> scratch(std::max(Dp, Dvp));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / (qchunks + kchunks), c = task % (qchunks + kchunks);
+      if (c < qchunks) {
+        const int64_t i0 = c * kChunk, L = std::min(kChunk, P.N - i0);
+        pack_dnum(P, G, bh, i0, L, t.dnum.data(), t.dden.data(), scratch.data());
+        // dphi(q) = dnum S^T + dden z^T
+        T* gq = t.grad.data();
+        gemm<T>(Tri::kFull, L, Dp, Dv, t.dnum.data(), Dvp, 1, ST.data() + bh * Dvp * Dp, Dp, gq,
+                Dp, false);
+        const T* z = G.z + bh * D;
+        for (int64_t i = 0; i < L; ++i)
+          for (int64_t d = 0; d < D; ++d) gq[i * Dp + d] += t.dden[i] * z[d];
+        write_input_grad(P.q, bh, i0, L, D, P.N, gq, Dp, P.fm, scratch.data(), G.dq);
+      } else {
+        const int64_t j0 = (c - qchunks) * kChunk, L = std::min(kChunk, P.M - j0),
+                      Lp = round_up(L, W);
+        const T* R = partial.data() + bh * NG * state_size;
+        const T* w = R + Dp * Dvp;
+        pack_rows(P.k, bh, j0, L, D, t.pk.data(), Dp, &P.fm);
+        pack_rows(P.v, bh, j0, L, Dv, t.v.data(), Dvp, nullptr);
+        transpose(t.v.data(), Dvp, L, Dv, t.vT.data(), kChunk, Lp);
+        // dv = K' R
+        T* gv = t.num.data();
+        gemm<T>(Tri::kFull, L, Dvp, D, t.pk.data(), Dp, 1, R, Dvp, gv, Dvp, false);
+        write_dv(P, G, bh, j0, L, gv);
+        // dphi(k)^T = R V^T + w 1^T
+        T* gkT = t.gradT.data();
+        gemm<T>(Tri::kFull, D, Lp, Dv, R, Dvp, 1, t.vT.data(), kChunk, gkT, kChunk, false);
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t j = 0; j < L; ++j) gkT[d * kChunk + j] += w[d];
+        write_dk_transposed(P, G, bh, j0, L, gkT, t.grad.data(), scratch.data());
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Op entry points.
+// ---------------------------------------------------------------------------------------------
+
+// at::empty for the large outputs (out, dq, dk, dv), with a transparent-huge-page hint on the
+// fresh, still untouched memory.  Blocks of >= 32 MiB come straight from mmap and go back to
+// the OS when freed, so every call faults its outputs in again -- with 4 KiB pages that is one
+// fault per 4 KiB, about a fifth of the run time at N = 16384 (B=1, H=8, D=64); with 2 MiB
+// pages 512 times fewer.  A hint only: where THP is off (or not Linux) nothing changes.
+at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor t = at::empty(sizes, options);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const size_t bytes = t.nbytes();
+  if (bytes >= 4 * kHuge) {
+    const uintptr_t begin = (reinterpret_cast<uintptr_t>(t.data_ptr()) + kHuge - 1) & ~(kHuge - 1);
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(t.data_ptr()) + bytes) & ~(kHuge - 1);
+    if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+  }
+#endif
+  return t;
+}
+
+at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+void check_qkv(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               bool causal) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
+              ": expected q [B,H,N,D], k [B,H,M,D], v [B,H,M,Dv]; got ", q.sizes(), ", ",
+              k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), fn,
+              ": q, k and v must share a dtype");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(0) == v.size(0) && q.size(1) == k.size(1) &&
+                  q.size(1) == v.size(1) && q.size(3) == k.size(3) && k.size(2) == v.size(2),
+              fn, ": q, k, v sizes do not fit: ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(!causal || q.size(2) == k.size(2), fn, ": causal needs N == M; got ", q.size(2),
+              " and ", k.size(2));
+}
+
+// An optional contiguous tensor of the accumulation type with the given shape.
+at::Tensor check_acc(const char* fn, const char* name, const std::optional<at::Tensor>& t,
+                     at::ScalarType acc, at::IntArrayRef shape) {
+  if (!t.has_value() || !t->defined()) return at::Tensor();
+  TORCH_CHECK(t->scalar_type() == acc, fn, ": ", name, " must be ", acc, "; got ",
+              t->scalar_type());
+  TORCH_CHECK(t->sizes() == shape, fn, ": ", name, " must have shape ", shape, "; got ",
+              t->sizes());
+  return t->contiguous();
+}
+
+template <typename T>
+const T* ptr_or_null(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr<T>() : nullptr;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& S0_in, const std::optional<at::Tensor>& z0_in, bool causal,
+    c10::string_view feature_map, bool normalize, double eps, double scale) {
+  constexpr const char* fn = "attnkit::linear_fwd";
+  check_qkv(fn, q, k, v, causal);
+  const FeatureMap fm = parse_feature_map(feature_map);
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
+  const int64_t M = k.size(2), Dv = v.size(3);
+  const auto acc = acc_type(q.scalar_type());
+  const at::Tensor S0 = check_acc(fn, "S0", S0_in, acc, {B, H, D, Dv});
+  const at::Tensor z0 = check_acc(fn, "z0", z0_in, acc, {B, H, D});
+  TORCH_CHECK(S0.defined() == z0.defined(), fn, ": S0 and z0 go together");
+  auto out = empty_output({B, H, N, Dv}, q.options());
+  auto den = at::empty({B, H, N}, q.options().dtype(acc));
+  auto S = at::zeros({B, H, D, Dv}, q.options().dtype(acc));
+  auto z = at::zeros({B, H, D}, q.options().dtype(acc));
+  if (B * H == 0) return {out, den, S, z};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "linear_fwd", [&] {
+    using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    constexpr int64_t W = Simd<T>::W;
+    Problem<scalar_t, T> P{B * H, N, M, D, Dv, round_up(D, W), round_up(Dv, W), fm, causal,
+                           normalize, static_cast<T>(eps), static_cast<T>(scale),
+                           View4<scalar_t>(q), View4<scalar_t>(k), View4<scalar_t>(v),
+                           ptr_or_null<T>(S0), ptr_or_null<T>(z0)};
+    FwdOut o{out.mutable_data_ptr<scalar_t>(), den.mutable_data_ptr<T>(), S.mutable_data_ptr<T>(),
+             z.mutable_data_ptr<T>()};
+    if (causal)
+      causal_forward(P, o);
+    else
+      noncausal_forward(P, o);
+  });
+  return {out, den, S, z};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_bwd_cpu(
+    const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_den_in,
+    const std::optional<at::Tensor>& grad_S_in, const std::optional<at::Tensor>& grad_z_in,
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& den_in, const at::Tensor& S_in, const at::Tensor& z_in,
+    const std::optional<at::Tensor>& S0_in, const std::optional<at::Tensor>& z0_in, bool causal,
+    c10::string_view feature_map, bool normalize, double eps, double scale) {
+  constexpr const char* fn = "attnkit::linear_bwd";
+  check_qkv(fn, q, k, v, causal);
+  const FeatureMap fm = parse_feature_map(feature_map);
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
+  const int64_t M = k.size(2), Dv = v.size(3);
+  const auto acc = acc_type(q.scalar_type());
+  TORCH_CHECK(out.sizes() == at::IntArrayRef({B, H, N, Dv}) && out.scalar_type() == q.scalar_type(),
+              fn, ": out must be the forward's output");
+  const at::Tensor den = check_acc(fn, "den", den_in, acc, {B, H, N});
+  const at::Tensor S = check_acc(fn, "S", S_in, acc, {B, H, D, Dv});
+  const at::Tensor z = check_acc(fn, "z", z_in, acc, {B, H, D});
+  const at::Tensor S0 = check_acc(fn, "S0", S0_in, acc, {B, H, D, Dv});
+  const at::Tensor z0 = check_acc(fn, "z0", z0_in, acc, {B, H, D});
+  const at::Tensor gden = check_acc(fn, "grad_den", grad_den_in, acc, {B, H, N});
+  const at::Tensor gS = check_acc(fn, "grad_S", grad_S_in, acc, {B, H, D, Dv});
+  const at::Tensor gz = check_acc(fn, "grad_z", grad_z_in, acc, {B, H, D});
+  at::Tensor g;
+  if (grad_out.has_value() && grad_out->defined()) {
+    g = *grad_out;
+    TORCH_CHECK(g.sizes() == out.sizes() && g.scalar_type() == q.scalar_type(), fn,
+                ": grad_out must be shaped and typed like out");
+  }
+  auto dq = empty_output(q.sizes(), q.options());
+  auto dk = empty_output(k.sizes(), k.options());
+  auto dv = empty_output(v.sizes(), v.options());
+  auto dS0 = at::empty({B, H, D, Dv}, q.options().dtype(acc));
+  auto dz0 = at::empty({B, H, D}, q.options().dtype(acc));
+  if (B * H == 0) return {dq, dk, dv, dS0, dz0};
+  if (!causal && M == 0 && !S0.defined()) {
+    // out is identically 0 here (no keys, no state): every gradient but the state's is 0.
+    dq.zero_();
+    dS0.copy_(gS.defined() ? gS : at::zeros_like(dS0));
+    dz0.copy_(gz.defined() ? gz : at::zeros_like(dz0));
+    return {dq, dk, dv, dS0, dz0};
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "linear_bwd", [&] {
+    using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    constexpr int64_t W = Simd<T>::W;
+    Problem<scalar_t, T> P{B * H, N, M, D, Dv, round_up(D, W), round_up(Dv, W), fm, causal,
+                           normalize, static_cast<T>(eps), static_cast<T>(scale),
+                           View4<scalar_t>(q), View4<scalar_t>(k), View4<scalar_t>(v),
+                           ptr_or_null<T>(S0), ptr_or_null<T>(z0)};
+    Grads<scalar_t, T> G;
+    if (g.defined()) G.g = View4<scalar_t>(g);
+    G.out = View4<scalar_t>(out);
+    G.den = den.const_data_ptr<T>();
+    G.grad_den = ptr_or_null<T>(gden);
+    G.grad_S = ptr_or_null<T>(gS);
+    G.grad_z = ptr_or_null<T>(gz);
+    G.S = S.const_data_ptr<T>();
+    G.z = z.const_data_ptr<T>();
+    G.dq = dq.mutable_data_ptr<scalar_t>();
+    G.dk = dk.mutable_data_ptr<scalar_t>();
+    G.dv = dv.mutable_data_ptr<scalar_t>();
+    G.dS0 = dS0.mutable_data_ptr<T>();
+    G.dz0 = dz0.mutable_data_ptr<T>();
+    if (causal)
+      causal_backward(P, G);
+    else
+      noncausal_backward(P, G);
+  });
+  return {dq, dk, dv, dS0, dz0};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
+  m.impl("linear_fwd", &linear_fwd_cpu);
+  m.impl("linear_bwd", &linear_bwd_cpu);
+}
+
+}  // namespace attnkit

@@ -1,0 +1,939 @@
+"""Triton kernels for linear (kernelized) attention: chunked causal and non-causal, forward and
+backward, with the feature map fused in.
+
+Layer 1 of the linear family (see DESIGN.md): ``@triton.jit`` kernels and the launchers that
+size their grids.  No autograd here -- ``pytorch_ext/ops/linear.py`` registers the launchers as
+a ``torch.library`` op and wires :func:`linear_bwd` in as its backward.
+
+What is computed (per batch b and head h; φ the feature map, applied row-wise)
+------------------------------------------------------------------------------
+With an initial state (S0 [D, Dv], z0 [D]; zeros when none is given) and S_i the keys that
+query i sees (j <= i when causal, all j otherwise)::
+
+    S_i = S0 + Σ_{j∈S_i} φ(k_j) v_jᵀ        z_i = z0 + Σ_{j∈S_i} φ(k_j)
+    den_i = φ(q_i)·z_i   (raw, without eps)
+    out_i = φ(q_i) S_i / (den_i + eps)   (normalize)      out_i = scale · φ(q_i) S_i   (otherwise)
+    S_final = S0 + Σ_j φ(k_j) v_jᵀ                     z_final = z0 + Σ_j φ(k_j)
+
+(without an initial state this is ``linear_attention_reference``).
+
+Launchers
+---------
+``linear_fwd(q, k, v, *, causal, feature_map, normalize, eps, scale, initial_state=None,
+chunk=None, config=None)`` -> ``(out, S_final, z_final, den)``
+    out [B, H, N, Dv] in q's dtype; S_final [B, H, D, Dv], z_final [B, H, D] and den [B, H, N]
+    float32.  ``den`` is the extra tensor saved for the backward: φ(q_i)·z_i of every query
+    row, raw (without eps; computed whatever ``normalize`` says) -- the same tensor as the
+    second output of the C++ op ``attnkit::linear_fwd`` (csrc/ops.cpp).
+``linear_bwd(grad_out, q, k, v, *, causal, feature_map, normalize, eps, scale,
+initial_state=None, grad_S=None, grad_z=None, grad_den=None, out=None, den=None, chunk=None,
+config=None)`` -> ``(dq, dk, dv)``, plus ``(dS0, dz0)`` (float32) when ``initial_state`` is
+    given.  ``grad_out`` / ``grad_S`` / ``grad_z`` / ``grad_den`` are the gradients of out /
+    S_final / z_final / den (None = zero).  With ``normalize`` the backward needs the forward's
+    ``out`` and ``den``; when they are not passed it reruns the forward to get them.
+
+Shapes: q [B, H, N, D], k [B, H, M, D], v [B, H, M, Dv] (Dv may differ from D; causal needs
+M == N).  ``initial_state`` is a pair ``(S0 [B, H, D, Dv], z0 [B, H, D])``, read as float32.
+Inputs float16 / bfloat16 / float32, any strides; float32 accumulation and states.
+Empty inputs give empty (or, for M = 0 without an initial state, zero) results, never NaN.
+
+How (chunk size C, default 64)
+------------------------------
+Forward, two phases:
+  1. ``_state_fwd_kernel``, one program per (D-block, Dv-block, h, b), walks the key chunks in
+     order, carrying the running state (S, z) in registers; when causal it stores the state
+     *before* each chunk (Hs [B, H, NT, D, Dv], Zs [B, H, NT, D]: N/C states, not N); it always
+     stores S_final, z_final.
+  2. ``_output_kernel``, one program per (query chunk, Dv-block, h, b): the inter-chunk part
+     φQ_c · Hs[c] plus, when causal, the intra-chunk part (φQ_c φK_cᵀ ∘ tril) V_c on tl.dot.
+     Non-causal reads S_final for every chunk (the reduction pass / apply pass of the spec).
+Backward, the same chunking in reverse.  g = grad_out; per query row two factors: the one of
+g, r_i = 1/(den_i + eps) (normalize) or ``scale``, and the one of the normalizer path,
+c_i = -r_i δ_i (normalize; δ_i = g_i·out_i, from the stored out as in FlashAttention) or 0,
+plus grad_den_i.  Then
+    dφq_i = r_i S_i g_i + c_i z_i
+    dφk_j = Σ_{i sees j} (r_i g_i·v_j + c_i) φq_i + grad_S v_j + grad_z
+    dv_j  = Σ_{i sees j} r_i (φq_i·φk_j) g_i + grad_Sᵀ φk_j
+    dS0   = grad_S + Σ_i r_i φq_i g_iᵀ          dz0 = grad_z + Σ_i c_i φq_i
+  ``_delta_kernel`` (δ), ``_state_fwd_kernel`` again (the forward chunk states are recomputed,
+  not saved), ``_state_bwd_kernel`` (the reverse states dHs[c] = grad_S + Σ_{i after chunk c}
+  r_i φq_i g_iᵀ and dZs, walking the chunks backwards), then ``_dq_kernel``, ``_dk_kernel``,
+  ``_dv_kernel``, one program per (chunk, block, h, b), each an inter-chunk state product plus
+  a masked intra-chunk product.  No [N, D, Dv] tensor is formed anywhere.
+
+Numerics: φ is evaluated in float32 on loaded tiles (padded rows and columns are forced to 0:
+elu(0)+1 = 1 would otherwise count them).  Two kinds of products:
+  - plain ones (φQφKᵀ, P·V, φKᵀV, gVᵀ) take their operands in the input dtype;
+  - state ones (a tile times a state, or an operand scaled row-wise by r_i, such as the
+    masked (r_i g_i·v_j + c_i) of the backward) would, in float16,
+    overflow (a state grows like N) or underflow (r_i shrinks like 1/N): in float16 they run on
+    float32 operands with TF32 (float16's precision, float32's range), in bfloat16 on bfloat16
+    operands (float32's range already).
+float32 inputs use 3xTF32 products everywhere (``input_precision="tf32x3"``: float32-level
+accuracy, ~1e-6 relative, on tensor cores; ``"ieee"`` compiles to FMA loops that spill tens of
+KB of registers per program at these tile sizes -- measured with ptxas for sm_90a).
+
+Tuning: ``STATE_CONFIGS`` (the two state-walking kernels) and ``CHUNK_CONFIGS`` (the per-chunk
+kernels) are ``triton.autotune`` search spaces over (BLOCK_K = D-block, BLOCK_V = Dv-block,
+num_warps, num_stages), keyed on the head dims and the chunk; :func:`configs_for` clamps the
+blocks to the padded head dims.  ``config=`` (a ``triton.Config`` with BLOCK_K / BLOCK_V) skips
+autotuning for every kernel of the call; under the Triton interpreter (no GPU) the first
+eligible config is used.  ``chunk`` (a power of two in 16..128) is not tuned: it sets the
+chunk-state buffers' shape.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+__all__ = [
+    "linear_fwd",
+    "linear_bwd",
+    "configs_for",
+    "STATE_CONFIGS",
+    "CHUNK_CONFIGS",
+    "FEATURE_MAPS",
+    "SUPPORTED_DTYPES",
+    "DEFAULT_CHUNK",
+]
+
+FEATURE_MAPS = ("elu", "relu", "identity")
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DEFAULT_CHUNK = 64
+_FEATURE_CODE = {"elu": 0, "relu": 1, "identity": 2}
+# LOWP code of an input dtype: 0 = float32, 1 = float16, 2 = bfloat16 (see _dot_plain/_dot_state)
+_LOWP = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+# ----------------------------------------------------------------------------------------------
+# autotune search spaces
+# ----------------------------------------------------------------------------------------------
+
+
+def _cfg(block_k, block_v, num_warps, num_stages):
+    return triton.Config({"BLOCK_K": block_k, "BLOCK_V": block_v}, num_warps=num_warps,
+                         num_stages=num_stages)
+
+
+# The lists hold the configs that ptxas (sm_90a, chunk 64, D = Dv in {64, 128}) compiles without
+# register spills for at least one dtype: 64x64 with 8 warps for float16 / bfloat16, 32x32 with
+# 4 warps for float32 (3xTF32 doubles the operand registers); 128x128 tiles spill everywhere.
+# State walkers: one program per (D-block, Dv-block) runs through every chunk, so small blocks
+# buy parallelism (B·H alone rarely fills a GPU); the [BLOCK_K, BLOCK_V] state lives in registers.
+STATE_CONFIGS = [
+    _cfg(64, 64, 8, 2),
+    _cfg(32, 32, 4, 2),
+    _cfg(32, 64, 4, 2),
+    _cfg(64, 32, 4, 2),
+    _cfg(64, 64, 4, 2),
+    _cfg(64, 64, 8, 3),
+]
+# Per-chunk kernels: one program per (chunk, block); wide blocks avoid recomputing the [C, C]
+# intra-chunk product once per block.
+CHUNK_CONFIGS = [
+    _cfg(64, 64, 8, 2),
+    _cfg(32, 32, 4, 2),
+    _cfg(64, 64, 4, 2),
+    _cfg(128, 64, 8, 2),
+    _cfg(64, 128, 8, 2),
+    _cfg(32, 64, 4, 2),
+    _cfg(64, 64, 8, 3),
+]
+_CONFIG_LISTS = {"state": STATE_CONFIGS, "chunk": CHUNK_CONFIGS}
+_TUNE_KEY = ["HEAD_D", "HEAD_DV", "CHUNK"]  # + the argument dtypes (automatic)
+
+
+def _pow2(x: int) -> int:
+    # tl.dot needs every dimension >= 16 on GPUs, hence the floor.
+    return max(16, triton.next_power_of_2(int(x)))
+
+
+def _clamp(config, head_dim, value_dim):
+    kw = dict(config.kwargs)
+    kw["BLOCK_K"] = min(kw["BLOCK_K"], _pow2(head_dim))
+    kw["BLOCK_V"] = min(kw["BLOCK_V"], _pow2(value_dim))
+    return triton.Config(kw, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def configs_for(kind: str, head_dim: int, value_dim: int) -> list:
+    """The autotune candidates of ``kind`` ("state" or "chunk") for these head dims: blocks
+    clamped to the padded dims (a 128-wide block on a 32-wide head only wastes registers),
+    duplicates dropped, order kept."""
+    seen, out = set(), []
+    for c in _CONFIG_LISTS[kind]:
+        c = _clamp(c, head_dim, value_dim)
+        key = (c.kwargs["BLOCK_K"], c.kwargs["BLOCK_V"], c.num_warps, c.num_stages)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# device helpers
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _phi(x, FEATURE: tl.constexpr):
+    """φ(x) in float32: 0 = elu(x) + 1, 1 = relu, 2 = identity."""
+    if FEATURE == 0:
+        # exp only where it is used: exp of a large positive x would be inf (harmless in the
+        # unselected branch, but min() keeps the interpreter free of overflow warnings).
+        return tl.where(x > 0, x + 1.0, tl.exp(tl.minimum(x, 0.0)))
+    elif FEATURE == 1:
+        return tl.maximum(x, 0.0)
+    else:
+        return x
+
+
+@triton.jit
+def _times_dphi(grad, x, FEATURE: tl.constexpr):
+    """grad · φ'(x) (relu'(0) = 0 as torch has it; elu'(0) = 1 either way)."""
+    if FEATURE == 0:
+        return grad * tl.where(x > 0, 1.0, tl.exp(tl.minimum(x, 0.0)))
+    elif FEATURE == 1:
+        return tl.where(x > 0, grad, 0.0)
+    else:
+        return grad
+
+
+@triton.jit
+def _load_tile(base, rows, cols, stride_r, stride_c, n_rows, n_cols):
+    """[len(rows), len(cols)] tile as float32, zero outside [n_rows, n_cols)."""
+    ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_r + cols[None, :] * stride_c
+    return tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_phi(base, rows, cols, stride_r, stride_c, n_rows, n_cols, FEATURE: tl.constexpr):
+    """(φ(tile), tile), both float32, φ forced to 0 outside [n_rows, n_cols)."""
+    ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_r + cols[None, :] * stride_c
+    x = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    return tl.where(ok, _phi(x, FEATURE), 0.0), x
+
+
+@triton.jit
+def _load_raw(base, rows, cols, stride_r, stride_c, n_rows, n_cols):
+    """Tile in its stored dtype, zero outside [n_rows, n_cols)."""
+    ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_r + cols[None, :] * stride_c
+    return tl.load(ptrs, mask=ok, other=0.0)
+
+
+@triton.jit
+def _load_state(base, offs_k, offs_v, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr):
+    """[BLOCK_K, BLOCK_V] block of a float32 state stored row-major [D, Dv]."""
+    ok = (offs_k < HEAD_D)[:, None] & (offs_v < HEAD_DV)[None, :]
+    return tl.load(base + offs_k[:, None] * HEAD_DV + offs_v[None, :], mask=ok, other=0.0)
+
+
+@triton.jit
+def _store_state(base, x, offs_k, offs_v, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr):
+    ok = (offs_k < HEAD_D)[:, None] & (offs_v < HEAD_DV)[None, :]
+    tl.store(base + offs_k[:, None] * HEAD_DV + offs_v[None, :], x, mask=ok)
+
+
+@triton.jit
+def _dot_plain(a, b, acc, LOWP: tl.constexpr):
+    """acc + a @ b with the operands in the input dtype (3xTF32 for float32 inputs)."""
+    if LOWP == 1:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16), acc)
+    elif LOWP == 2:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32x3")
+
+
+@triton.jit
+def _dot_state(a, b, acc, LOWP: tl.constexpr):
+    """acc + a @ b where an operand is a state or row-scaled by r_i: float16 inputs use float32
+    operands with TF32 (a float16 state can overflow, r_i·x can underflow), bfloat16 inputs
+    bfloat16 operands (float32's range), float32 3xTF32."""
+    if LOWP == 1:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32")
+    elif LOWP == 2:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32x3")
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _state_fwd_kernel(
+    K, V, S0, Z0, Hs, Zs, S_out, Z_out,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_hb, stride_hh, stride_ht,
+    stride_zb, stride_zh, stride_zt,
+    H, M, NT,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, FEATURE: tl.constexpr,
+    HAS_INIT: tl.constexpr, STORE_CHUNKS: tl.constexpr, LOWP: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """S = S0 + Σ φ(k) vᵀ and z = z0 + Σ φ(k) over the M keys, chunk by chunk; with
+    STORE_CHUNKS the state before chunk t goes to Hs[b, h, t] / Zs[b, h, t]."""
+    num_v: tl.constexpr = (HEAD_DV + BLOCK_V - 1) // BLOCK_V
+    pid = tl.program_id(0)
+    ik = pid // num_v
+    iv = pid % num_v
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    bh = b * H + h
+    offs_k = ik * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_v = iv * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = offs_k < HEAD_D
+    # z depends on the D-block only: every Dv-block computes it, the first one stores it.
+    z_store = offs_k < tl.where(iv == 0, HEAD_D, 0)
+
+    if HAS_INIT:
+        state = _load_state(S0 + bh * (HEAD_D * HEAD_DV), offs_k, offs_v, HEAD_D, HEAD_DV)
+        z = tl.load(Z0 + bh * HEAD_D + offs_k, mask=k_ok, other=0.0)
+    else:
+        state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+        z = tl.zeros([BLOCK_K], dtype=tl.float32)
+
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    h_base = Hs + b * stride_hb + h * stride_hh
+    zc_base = Zs + b * stride_zb + h * stride_zh
+    for t in range(NT):
+        if STORE_CHUNKS:
+            t64 = b * 0 + t  # int64 (t is a plain int in the interpreter: no .to())
+            _store_state(h_base + t64 * stride_ht, state, offs_k, offs_v, HEAD_D, HEAD_DV)
+            tl.store(zc_base + t64 * stride_zt + offs_k, z, mask=z_store)
+        rows = t * CHUNK + tl.arange(0, CHUNK)
+        phik, _ = _load_phi(k_base, rows, offs_k, stride_kn, stride_kd, M, HEAD_D, FEATURE)
+        vv = _load_raw(v_base, rows, offs_v, stride_vn, stride_vd, M, HEAD_DV)
+        state = _dot_plain(tl.trans(phik), vv, state, LOWP)
+        z += tl.sum(phik, 0)
+
+    _store_state(S_out + bh * (HEAD_D * HEAD_DV), state, offs_k, offs_v, HEAD_D, HEAD_DV)
+    tl.store(Z_out + bh * HEAD_D + offs_k, z, mask=z_store)
+
+
+@triton.jit
+def _output_kernel(
+    Q, K, V, Hs, Zs, Out, Den,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_hb, stride_hh, stride_ht,
+    stride_zb, stride_zh, stride_zt,
+    H, N, eps, scale,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, FEATURE: tl.constexpr,
+    CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr, LOWP: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """out rows of query chunk t, Dv-block iv: φQ_c Hs[t] (+ (φQ_c φK_cᵀ ∘ tril) V_c)."""
+    num_v: tl.constexpr = (HEAD_DV + BLOCK_V - 1) // BLOCK_V
+    pid = tl.program_id(0)
+    t = pid // num_v
+    iv = pid % num_v
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    rows = t * CHUNK + tl.arange(0, CHUNK)
+    offs_v = iv * BLOCK_V + tl.arange(0, BLOCK_V)
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + h * stride_kh
+    h_base = Hs + b * stride_hb + h * stride_hh + t.to(tl.int64) * stride_ht
+    zc_base = Zs + b * stride_zb + h * stride_zh + t.to(tl.int64) * stride_zt
+
+    acc = tl.zeros([CHUNK, BLOCK_V], dtype=tl.float32)
+    den = tl.zeros([CHUNK], dtype=tl.float32)
+    p = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    for k0 in range(0, HEAD_D, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        phiq, _ = _load_phi(q_base, rows, offs_k, stride_qn, stride_qd, N, HEAD_D, FEATURE)
+        state = _load_state(h_base, offs_k, offs_v, HEAD_D, HEAD_DV)
+        z = tl.load(zc_base + offs_k, mask=offs_k < HEAD_D, other=0.0)
+        acc = _dot_state(phiq, state, acc, LOWP)
+        den += tl.sum(phiq * z[None, :], 1)
+        if CAUSAL:
+            phik, _ = _load_phi(k_base, rows, offs_k, stride_kn, stride_kd, N, HEAD_D, FEATURE)
+            p = _dot_plain(phiq, tl.trans(phik), p, LOWP)
+    if CAUSAL:
+        ci = tl.arange(0, CHUNK)
+        p = tl.where(ci[None, :] <= ci[:, None], p, 0.0)  # key j visible to query i iff j <= i
+        vv = _load_raw(V + b * stride_vb + h * stride_vh, rows, offs_v, stride_vn, stride_vd,
+                       N, HEAD_DV)
+        acc = _dot_plain(p, vv, acc, LOWP)
+        den += tl.sum(p, 1)
+    if NORMALIZE:
+        # Rows past N hold 0 / eps, NaN at eps = 0: never stored, but kept out anyway.
+        out = acc / tl.where(rows < N, den + eps, 1.0)[:, None]
+    else:
+        out = acc * scale
+
+    row_ok = rows < N
+    o_ptrs = Out + b * stride_ob + h * stride_oh + rows.to(tl.int64)[:, None] * stride_on \
+        + offs_v[None, :] * stride_od
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_v[None, :] < HEAD_DV))
+    tl.store(Den + (b * H + h) * N + rows, den, mask=rows < tl.where(iv == 0, N, 0))
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _delta_kernel(
+    G, Out, Delta,
+    stride_gb, stride_gh, stride_gn, stride_gd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    H, N,
+    HEAD_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """δ[b, h, i] = Σ_e g[b, h, i, e] · out[b, h, i, e] in float32."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for v0 in range(0, HEAD_DV, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        g = _load_tile(G + b * stride_gb + h * stride_gh, rows, offs_v, stride_gn, stride_gd,
+                       N, HEAD_DV)
+        o = _load_tile(Out + b * stride_ob + h * stride_oh, rows, offs_v, stride_on, stride_od,
+                       N, HEAD_DV)
+        acc += tl.sum(g * o, 1)
+    tl.store(Delta + (b * H + h) * N + rows, acc, mask=rows < N)
+
+
+@triton.jit
+def _row_factors(Den, Delta, GDen, row_base, rows, N, eps, scale, NORMALIZE: tl.constexpr,
+                 HAS_GDEN: tl.constexpr):
+    """(r, c) of the given rows: the gradient reaching φ(q_i) is r_i S_i g_i + c_i z_i, with
+    r = 1/(den + eps), c = -r·δ (normalize) or r = scale, c = 0; plus grad_den in c."""
+    ok = rows < N
+    if NORMALIZE:
+        den = tl.load(Den + row_base + rows, mask=ok, other=1.0)
+        dl = tl.load(Delta + row_base + rows, mask=ok, other=0.0)
+        r = 1.0 / (den + eps)
+        c = -r * dl
+    else:
+        r = rows.to(tl.float32) * 0.0 + scale
+        c = rows.to(tl.float32) * 0.0
+    if HAS_GDEN:
+        c += tl.load(GDen + row_base + rows, mask=ok, other=0.0)
+    return r, c
+
+
+@triton.jit
+def _state_bwd_kernel(
+    Q, G, Den, Delta, GDen, GS, GZ, dHs, dZs, dS_out, dZ_out,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_gb, stride_gh, stride_gn, stride_gd,
+    stride_hb, stride_hh, stride_ht,
+    stride_zb, stride_zh, stride_zt,
+    H, N, NT, eps, scale,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, FEATURE: tl.constexpr,
+    NORMALIZE: tl.constexpr, HAS_GDEN: tl.constexpr, HAS_GS: tl.constexpr, HAS_GZ: tl.constexpr,
+    STORE_CHUNKS: tl.constexpr, LOWP: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """dS = grad_S + Σ r_i φq_i g_iᵀ, dz = grad_z + Σ c_i φq_i over the N queries, walking
+    the chunks backwards; with STORE_CHUNKS the value *after* chunk t (the sum over the later
+    chunks) goes to dHs[b, h, t] / dZs[b, h, t]."""
+    num_v: tl.constexpr = (HEAD_DV + BLOCK_V - 1) // BLOCK_V
+    pid = tl.program_id(0)
+    ik = pid // num_v
+    iv = pid % num_v
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    bh = b * H + h
+    offs_k = ik * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_v = iv * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = offs_k < HEAD_D
+    z_store = offs_k < tl.where(iv == 0, HEAD_D, 0)
+
+    if HAS_GS:
+        dstate = _load_state(GS + bh * (HEAD_D * HEAD_DV), offs_k, offs_v, HEAD_D, HEAD_DV)
+    else:
+        dstate = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    if HAS_GZ:
+        dz = tl.load(GZ + bh * HEAD_D + offs_k, mask=k_ok, other=0.0)
+    else:
+        dz = tl.zeros([BLOCK_K], dtype=tl.float32)
+
+    q_base = Q + b * stride_qb + h * stride_qh
+    g_base = G + b * stride_gb + h * stride_gh
+    h_base = dHs + b * stride_hb + h * stride_hh
+    zc_base = dZs + b * stride_zb + h * stride_zh
+    row_base = bh * N
+    for tt in range(NT):
+        t = NT - 1 - tt
+        if STORE_CHUNKS:
+            t64 = b * 0 + t  # int64 (t is a plain int in the interpreter: no .to())
+            _store_state(h_base + t64 * stride_ht, dstate, offs_k, offs_v, HEAD_D, HEAD_DV)
+            tl.store(zc_base + t64 * stride_zt + offs_k, dz, mask=z_store)
+        rows = t * CHUNK + tl.arange(0, CHUNK)
+        phiq, _ = _load_phi(q_base, rows, offs_k, stride_qn, stride_qd, N, HEAD_D, FEATURE)
+        g = _load_raw(g_base, rows, offs_v, stride_gn, stride_gd, N, HEAD_DV)
+        r, c = _row_factors(Den, Delta, GDen, row_base, rows, N, eps, scale, NORMALIZE,
+                            HAS_GDEN)
+        dstate = _dot_state(tl.trans(phiq * r[:, None]), g, dstate, LOWP)
+        if NORMALIZE or HAS_GDEN:
+            dz += tl.sum(phiq * c[:, None], 0)
+
+    _store_state(dS_out + bh * (HEAD_D * HEAD_DV), dstate, offs_k, offs_v, HEAD_D, HEAD_DV)
+    tl.store(dZ_out + bh * HEAD_D + offs_k, dz, mask=z_store)
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, G, Den, Delta, GDen, Hs, Zs, dQ,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_gb, stride_gh, stride_gn, stride_gd,
+    stride_hb, stride_hh, stride_ht,
+    stride_zb, stride_zh, stride_zt,
+    H, N, eps, scale,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, FEATURE: tl.constexpr,
+    CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr, HAS_GDEN: tl.constexpr,
+    LOWP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """dq of query chunk t, D-block ik: [r_i g_i Hs[t]ᵀ + c_i Zs[t] + Σ_{j<=i in chunk}
+    (r_i g_i·v_j + c_i) φk_j] · φ'(q_i).  Output contiguous [B, H, N, D]."""
+    num_k: tl.constexpr = (HEAD_D + BLOCK_K - 1) // BLOCK_K
+    pid = tl.program_id(0)
+    t = pid // num_k
+    ik = pid % num_k
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    rows = t * CHUNK + tl.arange(0, CHUNK)
+    offs_k = ik * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < HEAD_D
+    g_base = G + b * stride_gb + h * stride_gh
+    v_base = V + b * stride_vb + h * stride_vh
+    h_base = Hs + b * stride_hb + h * stride_hh + t.to(tl.int64) * stride_ht
+
+    acc = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
+    w = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    for v0 in range(0, HEAD_DV, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        g = _load_raw(g_base, rows, offs_v, stride_gn, stride_gd, N, HEAD_DV)
+        state = _load_state(h_base, offs_k, offs_v, HEAD_D, HEAD_DV)
+        acc = _dot_state(g, tl.trans(state), acc, LOWP)
+        if CAUSAL:
+            vv = _load_raw(v_base, rows, offs_v, stride_vn, stride_vd, N, HEAD_DV)
+            w = _dot_plain(g, tl.trans(vv), w, LOWP)
+    r, c = _row_factors(Den, Delta, GDen, (b * H + h) * N, rows, N, eps, scale, NORMALIZE,
+                        HAS_GDEN)
+    acc = acc * r[:, None]
+    if NORMALIZE or HAS_GDEN:
+        z = tl.load(Zs + b * stride_zb + h * stride_zh + t.to(tl.int64) * stride_zt + offs_k,
+                    mask=k_ok, other=0.0)
+        acc += c[:, None] * z[None, :]
+    if CAUSAL:
+        ci = tl.arange(0, CHUNK)
+        w = tl.where(ci[None, :] <= ci[:, None], w * r[:, None] + c[:, None], 0.0)
+        phik, _ = _load_phi(K + b * stride_kb + h * stride_kh, rows, offs_k, stride_kn,
+                            stride_kd, N, HEAD_D, FEATURE)
+        acc = _dot_state(w, phik, acc, LOWP)
+    xq = _load_tile(Q + b * stride_qb + h * stride_qh, rows, offs_k, stride_qn, stride_qd,
+                    N, HEAD_D)
+    dq = _times_dphi(acc, xq, FEATURE)
+    ptrs = dQ + ((b * H + h) * N + rows.to(tl.int64))[:, None] * HEAD_D + offs_k[None, :]
+    tl.store(ptrs, dq.to(dQ.dtype.element_ty), mask=(rows < N)[:, None] & k_ok[None, :])
+
+
+@triton.jit
+def _dk_kernel(
+    Q, K, V, G, Den, Delta, GDen, dHs, dZs, dK,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_gb, stride_gh, stride_gn, stride_gd,
+    stride_hb, stride_hh, stride_ht,
+    stride_zb, stride_zh, stride_zt,
+    H, N, M, eps, scale,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, FEATURE: tl.constexpr,
+    CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr, HAS_GDEN: tl.constexpr,
+    LOWP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """dk of key chunk t, D-block ik: [dHs[t] v_j + dZs[t] + Σ_{i>=j in chunk} (r_i g_i·v_j +
+    c_i) φq_i] · φ'(k_j).  Output contiguous [B, H, M, D]."""
+    num_k: tl.constexpr = (HEAD_D + BLOCK_K - 1) // BLOCK_K
+    pid = tl.program_id(0)
+    t = pid // num_k
+    ik = pid % num_k
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    rows = t * CHUNK + tl.arange(0, CHUNK)
+    offs_k = ik * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < HEAD_D
+    g_base = G + b * stride_gb + h * stride_gh
+    v_base = V + b * stride_vb + h * stride_vh
+    h_base = dHs + b * stride_hb + h * stride_hh + t.to(tl.int64) * stride_ht
+
+    acc = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
+    wt = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # wt[j, i] = v_j · g_i
+    for v0 in range(0, HEAD_DV, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        vv = _load_raw(v_base, rows, offs_v, stride_vn, stride_vd, M, HEAD_DV)
+        dstate = _load_state(h_base, offs_k, offs_v, HEAD_D, HEAD_DV)
+        acc = _dot_state(vv, tl.trans(dstate), acc, LOWP)
+        if CAUSAL:
+            g = _load_raw(g_base, rows, offs_v, stride_gn, stride_gd, N, HEAD_DV)
+            wt = _dot_plain(vv, tl.trans(g), wt, LOWP)
+    dz = tl.load(dZs + b * stride_zb + h * stride_zh + t.to(tl.int64) * stride_zt + offs_k,
+                 mask=k_ok, other=0.0)
+    acc += dz[None, :]
+    if CAUSAL:
+        r, c = _row_factors(Den, Delta, GDen, (b * H + h) * N, rows, N, eps, scale,
+                            NORMALIZE, HAS_GDEN)
+        ci = tl.arange(0, CHUNK)
+        wt = tl.where(ci[None, :] >= ci[:, None], wt * r[None, :] + c[None, :], 0.0)
+        phiq, _ = _load_phi(Q + b * stride_qb + h * stride_qh, rows, offs_k, stride_qn,
+                            stride_qd, N, HEAD_D, FEATURE)
+        acc = _dot_state(wt, phiq, acc, LOWP)
+    xk = _load_tile(K + b * stride_kb + h * stride_kh, rows, offs_k, stride_kn, stride_kd,
+                    M, HEAD_D)
+    dk = _times_dphi(acc, xk, FEATURE)
+    ptrs = dK + ((b * H + h) * M + rows.to(tl.int64))[:, None] * HEAD_D + offs_k[None, :]
+    tl.store(ptrs, dk.to(dK.dtype.element_ty), mask=(rows < M)[:, None] & k_ok[None, :])
+
+
+@triton.jit
+def _dv_kernel(
+    Q, K, G, Den, Delta, GDen, dHs, dV,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_gb, stride_gh, stride_gn, stride_gd,
+    stride_hb, stride_hh, stride_ht,
+    H, N, M, eps, scale,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, FEATURE: tl.constexpr,
+    CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr, HAS_GDEN: tl.constexpr,
+    LOWP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """dv of key chunk t, Dv-block iv: dHs[t]ᵀ φk_j + Σ_{i>=j in chunk} r_i (φq_i·φk_j) g_i.
+    Output contiguous [B, H, M, Dv]."""
+    num_v: tl.constexpr = (HEAD_DV + BLOCK_V - 1) // BLOCK_V
+    pid = tl.program_id(0)
+    t = pid // num_v
+    iv = pid % num_v
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    rows = t * CHUNK + tl.arange(0, CHUNK)
+    offs_v = iv * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = offs_v < HEAD_DV
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + h * stride_kh
+    h_base = dHs + b * stride_hb + h * stride_hh + t.to(tl.int64) * stride_ht
+
+    acc = tl.zeros([CHUNK, BLOCK_V], dtype=tl.float32)
+    pt = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # pt[j, i] = φk_j · φq_i
+    for k0 in range(0, HEAD_D, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        phik, _ = _load_phi(k_base, rows, offs_k, stride_kn, stride_kd, M, HEAD_D, FEATURE)
+        dstate = _load_state(h_base, offs_k, offs_v, HEAD_D, HEAD_DV)
+        acc = _dot_state(phik, dstate, acc, LOWP)
+        if CAUSAL:
+            phiq, _ = _load_phi(q_base, rows, offs_k, stride_qn, stride_qd, N, HEAD_D, FEATURE)
+            pt = _dot_plain(phik, tl.trans(phiq), pt, LOWP)
+    if CAUSAL:
+        r, _ = _row_factors(Den, Delta, GDen, (b * H + h) * N, rows, N, eps, scale, NORMALIZE,
+                            False)
+        ci = tl.arange(0, CHUNK)
+        pt = tl.where(ci[None, :] >= ci[:, None], pt * r[None, :], 0.0)
+        g = _load_raw(G + b * stride_gb + h * stride_gh, rows, offs_v, stride_gn, stride_gd,
+                      N, HEAD_DV)
+        acc = _dot_state(pt, g, acc, LOWP)
+    ptrs = dV + ((b * H + h) * M + rows.to(tl.int64))[:, None] * HEAD_DV + offs_v[None, :]
+    tl.store(ptrs, acc.to(dV.dtype.element_ty), mask=(rows < M)[:, None] & v_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+# Under TRITON_INTERPRET=1, @triton.jit gives an interpreted function instead of a JITFunction;
+# the autotuner cannot benchmark there (no GPU timers), so the launchers pick a config.
+_INTERPRETED = not isinstance(_output_kernel, triton.runtime.JITFunction)
+
+_KERNELS = {
+    "state_fwd": (_state_fwd_kernel, "state"),
+    "state_bwd": (_state_bwd_kernel, "state"),
+    "output": (_output_kernel, "chunk"),
+    "dq": (_dq_kernel, "chunk"),
+    "dk": (_dk_kernel, "chunk"),
+    "dv": (_dv_kernel, "chunk"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _autotuned(name: str, head_dim: int, value_dim: int):
+    fn, kind = _KERNELS[name]
+    return triton.autotune(configs=configs_for(kind, head_dim, value_dim), key=_TUNE_KEY)(fn)
+
+
+def _launch(name, grid, args, consts, config, head_dim, value_dim):
+    """Run kernel ``name``: with ``config`` (clamped to the head dims), else autotuned (the
+    first candidate when interpreted).  ``grid(BLOCK_K, BLOCK_V)`` gives the launch grid."""
+    fn, kind = _KERNELS[name]
+    if config is None and _INTERPRETED:
+        config = configs_for(kind, head_dim, value_dim)[0]
+    if config is None:
+        tuned = _autotuned(name, head_dim, value_dim)
+        wrap_triton(tuned)[lambda meta: grid(meta["BLOCK_K"], meta["BLOCK_V"])](*args, **consts)
+    else:
+        config = _clamp(config, head_dim, value_dim)
+        bk, bv = config.kwargs["BLOCK_K"], config.kwargs["BLOCK_V"]
+        wrap_triton(fn)[grid(bk, bv)](*args, **consts, BLOCK_K=bk, BLOCK_V=bv,
+                                      num_warps=config.num_warps,
+                                      num_stages=config.num_stages)
+
+
+def _check_device(fn: str, t: torch.Tensor) -> None:
+    if not (t.is_cuda or _INTERPRETED):
+        raise RuntimeError(
+            f"{fn}: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before "
+            f"attnkit.kernels.linear is imported, for CPU tensors); got a {t.device.type} tensor")
+
+
+def _check_inputs(fn, q, k, v, causal, feature_map, chunk):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a tensor; got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{fn}: {name} must be 4-D [B, H, L, D]; got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{fn}: {name} must be float16, bfloat16 or float32; got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{fn}: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{fn}: q, k, v must be on one device; got {q.device}, {k.device}, "
+                         f"{v.device}")
+    B, H, N, D = q.shape
+    if k.shape[:2] != (B, H) or v.shape[:2] != (B, H):
+        raise ValueError(f"{fn}: q, k, v must share [B, H]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"{fn}: k and v must have the same length; got {k.shape[2]} and "
+                         f"{v.shape[2]}")
+    if k.shape[3] != D:
+        raise ValueError(f"{fn}: k head dim must equal q's ({D}); got {k.shape[3]}")
+    if D < 1 or v.shape[3] < 1:
+        raise ValueError(f"{fn}: head dims must be >= 1; got D={D}, Dv={v.shape[3]}")
+    if causal and k.shape[2] != N:
+        raise ValueError(f"{fn}: causal needs M == N; got N={N}, M={k.shape[2]}")
+    if feature_map not in _FEATURE_CODE:
+        raise ValueError(f"{fn}: feature_map must be one of {', '.join(map(repr, FEATURE_MAPS))};"
+                         f" got {feature_map!r}")
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool)
+                              or chunk not in (16, 32, 64, 128)):
+        raise ValueError(f"{fn}: chunk must be 16, 32, 64 or 128; got {chunk!r}")
+    _check_device(fn, q)
+
+
+def _check_state(fn, name, t, shape, device):
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a tensor; got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{fn}: {name} must have shape {list(shape)}; got {list(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{fn}: {name} must be floating point; got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{fn}: {name} must be on {device}; got {t.device}")
+    return t.to(torch.float32).contiguous()
+
+
+def _initial_state(fn, initial_state, B, H, D, Dv, device):
+    if initial_state is None:
+        return None, None
+    if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
+        raise TypeError(f"{fn}: initial_state must be a pair (S [B, H, D, Dv], z [B, H, D]); "
+                        f"got {type(initial_state).__name__}")
+    s0 = _check_state(fn, "initial_state[0] (S)", initial_state[0], (B, H, D, Dv), device)
+    z0 = _check_state(fn, "initial_state[1] (z)", initial_state[1], (B, H, D), device)
+    if s0 is None or z0 is None:
+        raise TypeError(f"{fn}: initial_state must hold two tensors (S, z)")
+    return s0, z0
+
+
+def _state_buffers(causal, B, H, nt, D, Dv, S, Z, device):
+    """(Hs, Zs, Hs strides (b, h, t), Zs strides (b, h, t)): per-chunk buffers when causal;
+    else the totals S, Z themselves, read by every chunk (chunk stride 0)."""
+    if causal:
+        hs = torch.empty((B, H, nt, D, Dv), dtype=torch.float32, device=device)
+        zs = torch.empty((B, H, nt, D), dtype=torch.float32, device=device)
+        return hs, zs, hs.stride()[:3], zs.stride()[:3]
+    return S, Z, (S.stride(0), S.stride(1), 0), (Z.stride(0), Z.stride(1), 0)
+
+
+def _run_state_fwd(k, v, s0, z0, S, Z, causal, feature, lowp, C, config):
+    """Forward states: S_final / Z_final into S, Z; returns the chunk-state buffers."""
+    B, H, M, D = k.shape
+    Dv = v.shape[3]
+    nt = triton.cdiv(M, C)
+    hs, zs, hst, zst = _state_buffers(causal, B, H, nt, D, Dv, S, Z, k.device)
+    has_init = s0 is not None
+    args = (k, v, s0 if has_init else S, z0 if has_init else Z, hs, zs, S, Z,
+            *k.stride(), *v.stride(), *hst, *zst, H, M, nt)
+    consts = dict(HEAD_D=D, HEAD_DV=Dv, FEATURE=feature, HAS_INIT=has_init,
+                  STORE_CHUNKS=bool(causal), LOWP=lowp, CHUNK=C)
+    _launch("state_fwd", lambda bk, bv: (triton.cdiv(D, bk) * triton.cdiv(Dv, bv), H, B),
+            args, consts, config, D, Dv)
+    return hs, zs, hst, zst
+
+
+def linear_fwd(q, k, v, *, causal, feature_map, normalize, eps, scale, initial_state=None,
+               chunk=None, config=None):
+    """Chunked linear attention forward; see the module docstring.
+
+    Returns ``(out [B, H, N, Dv] in q.dtype, S_final [B, H, D, Dv] f32, z_final [B, H, D] f32,
+    den [B, H, N] f32)``; ``den`` = φ(q_i)·z_i, raw (without eps, as the C++ op returns it),
+    is what :func:`linear_bwd` needs besides ``out``.
+    """
+    fn = "linear_fwd"
+    _check_inputs(fn, q, k, v, causal, feature_map, chunk)
+    B, H, N, D = q.shape
+    M, Dv = k.shape[2], v.shape[3]
+    C = DEFAULT_CHUNK if chunk is None else chunk
+    s0, z0 = _initial_state(fn, initial_state, B, H, D, Dv, q.device)
+    feature, lowp = _FEATURE_CODE[feature_map], _LOWP[q.dtype]
+    eps, scale = float(eps), float(scale)
+
+    out = torch.empty((B, H, N, Dv), dtype=q.dtype, device=q.device)
+    S = torch.empty((B, H, D, Dv), dtype=torch.float32, device=q.device)
+    Z = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
+    den = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    if B * H == 0:
+        return out, S, Z, den
+
+    hs, zs, hst, zst = _run_state_fwd(k, v, s0, z0, S, Z, causal, feature, lowp, C, config)
+    if N == 0:
+        return out, S, Z, den
+    if M == 0 and s0 is None:
+        # Nothing to attend to: zeros whatever eps is (0 / eps would be NaN at eps = 0), as
+        # the reference has it.
+        out.zero_()
+        den.zero_()
+        return out, S, Z, den
+    args = (q, k, v, hs, zs, out, den, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            *hst, *zst, H, N, eps, scale)
+    consts = dict(HEAD_D=D, HEAD_DV=Dv, FEATURE=feature, CAUSAL=bool(causal),
+                  NORMALIZE=bool(normalize), LOWP=lowp, CHUNK=C)
+    _launch("output", lambda bk, bv: (triton.cdiv(N, C) * triton.cdiv(Dv, bv), H, B),
+            args, consts, config, D, Dv)
+    return out, S, Z, den
+
+
+def linear_bwd(grad_out, q, k, v, *, causal, feature_map, normalize, eps, scale,
+               initial_state=None, grad_S=None, grad_z=None, grad_den=None, out=None, den=None,
+               chunk=None, config=None):
+    """Chunked linear attention backward; see the module docstring.
+
+    Returns ``(dq, dk, dv)`` (contiguous, the inputs' dtype), followed by ``(dS0, dz0)``
+    (float32) when ``initial_state`` is given.  Upstream gradients, each None = zero:
+    ``grad_out`` [B, H, N, Dv], ``grad_S`` [B, H, D, Dv] / ``grad_z`` [B, H, D] (of S_final /
+    z_final) and ``grad_den`` [B, H, N] (of the raw ``den``).  ``out`` / ``den``: the forward's
+    outputs, needed when ``normalize`` (recomputed when either is None).
+    """
+    fn = "linear_bwd"
+    _check_inputs(fn, q, k, v, causal, feature_map, chunk)
+    B, H, N, D = q.shape
+    M, Dv = k.shape[2], v.shape[3]
+    C = DEFAULT_CHUNK if chunk is None else chunk
+    s0, z0 = _initial_state(fn, initial_state, B, H, D, Dv, q.device)
+    gs = _check_state(fn, "grad_S", grad_S, (B, H, D, Dv), q.device)
+    gz = _check_state(fn, "grad_z", grad_z, (B, H, D), q.device)
+    gden = _check_state(fn, "grad_den", grad_den, (B, H, N), q.device)
+    if grad_out is None:
+        grad_out = torch.zeros((B, H, N, Dv), dtype=q.dtype, device=q.device)
+    elif not isinstance(grad_out, torch.Tensor) or tuple(grad_out.shape) != (B, H, N, Dv):
+        raise ValueError(f"{fn}: grad_out must have shape {[B, H, N, Dv]}; got "
+                         f"{list(getattr(grad_out, 'shape', ()))}")
+    elif grad_out.dtype != q.dtype:
+        grad_out = grad_out.to(q.dtype)
+    feature, lowp = _FEATURE_CODE[feature_map], _LOWP[q.dtype]
+    eps, scale = float(eps), float(scale)
+    normalize = bool(normalize)
+    if normalize and (out is None or den is None):
+        out, _, _, den = linear_fwd(q, k, v, causal=causal, feature_map=feature_map,
+                                    normalize=True, eps=eps, scale=scale,
+                                    initial_state=initial_state, chunk=chunk, config=config)
+    if normalize:
+        if tuple(out.shape) != (B, H, N, Dv) or tuple(den.shape) != (B, H, N):
+            raise ValueError(f"{fn}: out / den must have shapes {[B, H, N, Dv]} / {[B, H, N]};"
+                             f" got {list(out.shape)} / {list(den.shape)}")
+        den = den.to(torch.float32).contiguous()
+
+    dq = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, H, M, D), dtype=q.dtype, device=q.device)
+    dv = torch.empty((B, H, M, Dv), dtype=q.dtype, device=q.device)
+    dS0 = torch.empty((B, H, D, Dv), dtype=torch.float32, device=q.device)
+    dz0 = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
+    result = (dq, dk, dv, dS0, dz0) if s0 is not None else (dq, dk, dv)
+    if B * H == 0:
+        return result
+    if M == 0 and s0 is None:
+        # The forward's output and den are identically zero (see linear_fwd) and there are no
+        # keys: nothing flows back (and 1/(den + eps) would be 1/0 at eps = 0).
+        dq.zero_()
+        return result
+
+    # Forward chunk states (causal) or totals (non-causal), recomputed.
+    S = torch.empty((B, H, D, Dv), dtype=torch.float32, device=q.device)
+    Z = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
+    hs, zs, hst, zst = _run_state_fwd(k, v, s0, z0, S, Z, causal, feature, lowp, C, config)
+
+    # δ_i = g_i · out_i (normalize only; never read otherwise: stand-in pointers).
+    if normalize:
+        delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+        if N > 0:
+            block_r = 32
+            wrap_triton(_delta_kernel)[(triton.cdiv(N, block_r), H, B)](
+                grad_out, out, delta, *grad_out.stride(), *out.stride(), H, N,
+                HEAD_DV=Dv, BLOCK_R=block_r, BLOCK_V=min(_pow2(Dv), 128))
+    else:
+        den = delta = dS0
+    if gden is None:
+        gden = dS0  # stand-in, HAS_GDEN=False
+
+    # Reverse states over the queries: per chunk (causal) or the total, which is dS0 / dz0.
+    nt_q = triton.cdiv(N, C)
+    dhs, dzs, dhst, dzst = _state_buffers(causal, B, H, nt_q, D, Dv, dS0, dz0, q.device)
+    has_gden = grad_den is not None
+    args = (q, grad_out, den, delta, gden, gs if gs is not None else dS0,
+            gz if gz is not None else dz0, dhs, dzs, dS0, dz0,
+            *q.stride(), *grad_out.stride(), *dhst, *dzst, H, N, nt_q, eps, scale)
+    consts = dict(HEAD_D=D, HEAD_DV=Dv, FEATURE=feature, NORMALIZE=normalize,
+                  HAS_GDEN=has_gden, HAS_GS=gs is not None, HAS_GZ=gz is not None,
+                  STORE_CHUNKS=bool(causal), LOWP=lowp, CHUNK=C)
+    _launch("state_bwd", lambda bk, bv: (triton.cdiv(D, bk) * triton.cdiv(Dv, bv), H, B),
+            args, consts, config, D, Dv)
+
+    common = dict(HEAD_D=D, HEAD_DV=Dv, FEATURE=feature, CAUSAL=bool(causal),
+                  NORMALIZE=normalize, HAS_GDEN=has_gden, LOWP=lowp, CHUNK=C)
+    if N > 0:
+        args = (q, k, v, grad_out, den, delta, gden, hs, zs, dq, *q.stride(), *k.stride(),
+                *v.stride(), *grad_out.stride(), *hst, *zst, H, N, eps, scale)
+        _launch("dq", lambda bk, bv: (triton.cdiv(N, C) * triton.cdiv(D, bk), H, B),
+                args, common, config, D, Dv)
+    if M > 0:
+        args = (q, k, v, grad_out, den, delta, gden, dhs, dzs, dk, *q.stride(), *k.stride(),
+                *v.stride(), *grad_out.stride(), *dhst, *dzst, H, N, M, eps, scale)
+        _launch("dk", lambda bk, bv: (triton.cdiv(M, C) * triton.cdiv(D, bk), H, B),
+                args, common, config, D, Dv)
+        args = (q, k, grad_out, den, delta, gden, dhs, dv, *q.stride(), *k.stride(),
+                *grad_out.stride(), *dhst, H, N, M, eps, scale)
+        _launch("dv", lambda bk, bv: (triton.cdiv(M, C) * triton.cdiv(Dv, bv), H, B),
+                args, common, config, D, Dv)
+    return result
