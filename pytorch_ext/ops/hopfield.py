@@ -1,8 +1,11 @@
-"""Modern Hopfield update and energy: the public functions and the ``attnkit::hopfield_energy_fwd`` op.
+"""Modern Hopfield update and energy: the public functions and the ``attnkit::hopfield_*`` ops.
 
 Two dispatch families:
 
-- ``"hopfield"`` (:func:`hopfield_update`): the reference implementation only, for now.
+- ``"hopfield"`` (:func:`hopfield_update`): a C++ CPU kernel, the op
+  ``torch.ops.attnkit.hopfield_update_fwd(state, stored, values, beta, steps, tol, final_state)
+  -> (out, states, lse, applied)`` (all steps fused; see ``csrc/ops.cpp``), with its fake and
+  its autograd formula (a chunked backward through every step) registered here.
 - ``"hopfield_energy"`` (:func:`hopfield_energy`): a C++ CPU kernel, the op
   ``torch.ops.attnkit.hopfield_energy_fwd(state, stored, beta) -> (energy, lse)`` declared in
   ``csrc/ops.cpp`` and implemented in ``csrc/cpu/hopfield.cpp``.  This module gives that op its
@@ -11,6 +14,8 @@ Two dispatch families:
   extension the package still imports and the energy runs on the reference.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -28,19 +33,22 @@ _ENERGY_OP_NAME = "attnkit::hopfield_energy_fwd"
 _BWD_PROBS_BUDGET = 1 << 22
 
 
-def _load_energy_op():
-    """(whether attnkit._C loads, the C++ energy op or None)."""
+def _load_ops():
+    """(whether attnkit._C loads, the C++ energy op or None, the C++ update op or None)."""
     try:
         native()  # importing attnkit._C runs its TORCH_LIBRARY registrations
     except BackendUnavailableError:
-        return False, None
-    try:
-        return True, torch.ops.attnkit.hopfield_energy_fwd.default
-    except AttributeError:  # an extension built from older sources, without this op
-        return True, None
+        return False, None, None
+    ops = []
+    for name in ("hopfield_energy_fwd", "hopfield_update_fwd"):
+        try:
+            ops.append(getattr(torch.ops.attnkit, name).default)
+        except AttributeError:  # an extension built from older sources, without this op
+            ops.append(None)
+    return True, ops[0], ops[1]
 
 
-_native_loaded, _energy_op = _load_energy_op()
+_native_loaded, _energy_op, _update_op = _load_ops()
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -126,6 +134,122 @@ if _energy_op is not None or not _native_loaded:
     register_kernel("hopfield_energy", "cpu")
 
 
+# ----------------------------------------------------------------------------- update op
+
+_UPDATE_OP_NAME = "attnkit::hopfield_update_fwd"
+
+
+def _update_fake(state, stored, values, beta, steps, tol, final_state):
+    b, h, s, d = state.shape
+    acc = _acc_dtype(state.dtype)
+    dout = d if values is None else values.shape[-1]
+    updates = steps if values is None else steps - 1
+    return (
+        state.new_empty((b, h, s, dout), dtype=acc),
+        state.new_empty((steps + 1, b, h, s, d), dtype=acc),
+        state.new_empty((steps, b, h, s), dtype=acc),
+        state.new_empty((updates, b, h, s), dtype=torch.bool),
+    )
+
+
+def _update_setup_context(ctx, inputs, output):
+    state, stored, values, beta, steps, tol, final_state = inputs
+    out, states, lse, applied = output
+    ctx.save_for_backward(stored, values, out, states, lse, applied)
+    ctx.beta = beta
+    ctx.state_dtype = state.dtype
+    ctx.mark_non_differentiable(states, lse, applied)
+
+
+def _retrieval_backward(xi, x, v, lse, o, g, beta, want_x, want_v):
+    """Backward of one retrieval o = softmax(β ξ Xᵀ) V (V = X when ``v`` is None), chunked over N.
+
+    With p_i = exp(β x_iᵀ ξ − lse), dp_i = g·v_i, Δ = g·o = Σ_i p_i dp_i, ds_i = p_i (dp_i − Δ):
+      ∂/∂ξ = β Σ_i ds_i x_i,   ∂/∂x_i = β ds_i ξ (+ p_i g when V = X),   ∂/∂v_i = p_i g.
+    Returns (grad ξ, grad X or None, grad V or None); never more than one slice of the S×N
+    probabilities exists (see _bwd_chunk).
+    """
+    b, h, s, _ = xi.shape
+    n = x.shape[-2]
+    delta = (g * o).sum(dim=-1, keepdim=True)
+    vals = x if v is None else v
+    grad_xi = torch.zeros_like(xi)
+    parts_x, parts_v = [], []
+    chunk = _bwd_chunk(b * h, s, n)
+    for start in range(0, n, chunk):
+        x_chunk = x[:, :, start:start + chunk]
+        probs = _chunk_probs(xi, x_chunk, lse, beta)
+        dp = torch.matmul(g, vals[:, :, start:start + chunk].transpose(-2, -1))
+        ds = probs * (dp - delta)
+        grad_xi = grad_xi + beta * torch.matmul(ds, x_chunk)
+        if want_x or (want_v and v is not None):
+            pg = torch.matmul(probs.transpose(-2, -1), g)  # Σ_rows p_i g
+        if want_x:
+            gx = beta * torch.matmul(ds.transpose(-2, -1), xi)
+            parts_x.append(gx + pg if v is None else gx)
+        if want_v and v is not None:
+            parts_v.append(pg)
+    grad_x = torch.cat(parts_x, dim=-2) if want_x else None
+    grad_v = torch.cat(parts_v, dim=-2) if (want_v and v is not None) else None
+    return grad_xi, grad_x, grad_v
+
+
+def _update_backward(ctx, grad_out, grad_states, grad_lse, grad_applied):
+    """Gradients through every retrieval, last to first, from the saved per-step states and lse.
+
+    Retrieval k ran on states[k] and (for the updates in the stored space) produced
+    states[k + 1]; a row whose update k did not apply (frozen by ``tol``) passes its gradient
+    straight through that step and adds nothing to the stored patterns' gradient.
+    """
+    stored, values, out, states, lse, applied = ctx.saved_tensors
+    beta = ctx.beta
+    acc = lse.dtype
+    x = stored.to(acc)
+    v = values.to(acc) if values is not None else None
+    want_state, want_x = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    want_v = values is not None and ctx.needs_input_grad[2]
+    steps = lse.shape[0]
+    g = grad_out.to(acc) if grad_out is not None else torch.zeros_like(out)
+    grad_x = torch.zeros_like(x) if want_x else None
+    grad_v = None
+    updates = steps
+    if v is not None:
+        updates = steps - 1
+        g, gx, grad_v = _retrieval_backward(states[steps - 1], x, v, lse[steps - 1], out, g, beta, want_x, want_v)
+        if want_x:
+            grad_x = grad_x + gx
+    for k in range(updates - 1, -1, -1):
+        mask = applied[k].unsqueeze(-1)
+        g_in = torch.where(mask, g, torch.zeros_like(g))
+        g_k, gx, _ = _retrieval_backward(states[k], x, None, lse[k], states[k + 1], g_in, beta, want_x, False)
+        g = torch.where(mask, g_k, g)
+        if want_x:
+            grad_x = grad_x + gx
+    grad_state = g.to(ctx.state_dtype) if want_state else None
+    grad_stored = grad_x.to(stored.dtype) if want_x else None
+    grad_values = grad_v.to(values.dtype) if grad_v is not None else None
+    return grad_state, grad_stored, grad_values, None, None, None, None
+
+
+if _update_op is not None:
+    torch.library.register_fake(_UPDATE_OP_NAME, _update_fake)
+    torch.library.register_autograd(_UPDATE_OP_NAME, _update_backward, setup_context=_update_setup_context)
+# Unconditionally: without attnkit._C the dispatcher reports the extension's import error.
+register_kernel("hopfield", "cpu")
+
+
+def _states_energy(states, stored, beta, steps, dtype):
+    """Energies of the saved states [steps+1, B, H, S, D] through the C++ energy op: [steps+1, B, H, S].
+
+    All steps go through one call (the states concatenated along S), so the stored patterns
+    stream once for all of them; the energy kernel redoes cancellation-prone rows in double.
+    """
+    k, b, h, s, d = states.shape
+    flat = states.permute(1, 2, 0, 3, 4).reshape(b, h, k * s, d)
+    energy, _ = torch.ops.attnkit.hopfield_energy_fwd(flat, stored.to(states.dtype), beta)
+    return energy.reshape(b, h, k, s).permute(2, 0, 1, 3).to(dtype)
+
+
 def _check_common(fn: str, state, stored) -> None:
     """Checks shared by both functions: state [B,H,S,D] and stored [B,H,N,D] with N, D >= 1."""
     check_tensor(fn, "state", state, "[B, H, S, D]")
@@ -150,8 +274,9 @@ def hopfield_update(
     steps: int = 1,
     values: torch.Tensor | None = None,
     tol: float | None = None,
+    return_energy: bool = False,
     backend: str | None = None,
-) -> torch.Tensor:
+):
     """The modern Hopfield update (Ramsauer et al. 2020): retrieve stored patterns from states.
 
     Args:
@@ -162,24 +287,36 @@ def hopfield_update(
         steps: number of updates, an int ≥ 1.
         values: optional V, ``[B, H, N, Dv]`` — one value row per stored pattern.
         tol: optional early stop per query, a real ≥ 0 (see below).
+        return_energy: also return the energy (:func:`hopfield_energy`) of the state before the
+            first update and after each update, ``[steps + 1, B, H, S]`` (see below).
         backend: ``None`` | ``"reference"`` | ``"cpu"`` | ``"triton"`` | ``"cuda"`` (env
-            ``ATTNKIT_BACKEND``).  The update has only the reference implementation for now;
-            naming a kernel backend raises :class:`attnkit.BackendUnavailableError`.
+            ``ATTNKIT_BACKEND``).  CPU tensors default to the C++ kernel (``"cpu"``): all steps
+            in one call, the stored patterns streamed once per step (each row read once and
+            used as key and value), no S×N matrix, and for a few queries (S ≤ 16) against a
+            long memory the patterns split across threads; its backward recomputes each step
+            from the saved per-step states.  Other devices use the reference for now.
 
     Returns:
         Without ``values``: ξ after ``steps`` updates ξ ← softmax(β ξ Xᵀ) X, ``[B, H, S, D]``.
         With ``values``: ``steps − 1`` such updates in the stored space, then
         softmax(β ξ Xᵀ) V, ``[B, H, S, Dv]``.  Same dtype and device as ``state``
-        (float16, bfloat16, float32 or float64; all inputs must share dtype and device).
+        (float16, bfloat16, float32 or float64; all inputs must share dtype and device; the
+        cpu kernel accumulates in float32, float64 for float64).  Differentiable in
+        ``state``, ``stored`` and ``values``.  With ``return_energy=True``: a pair
+        ``(result, energy)``; ``energy[0]`` is the energy of ``state``, ``energy[k]`` that of
+        the state after update k.  With ``values`` the energies are those of the stored-space
+        states: ``energy[steps]`` is the energy of softmax(β ξ Xᵀ) X for the last state ξ (the
+        stored-space counterpart of the read-out, under the same ``tol`` rule).  The energy is
+        a diagnostic, returned without gradient (detached), in the dtype of ``state``.
 
     ``tol``: after each update in the stored space (every one of the ``steps`` updates without
     ``values``, the first ``steps − 1`` with it), each query row's change max_d |ξ_new − ξ_old|
     is compared with ``tol``; the row keeps that update and, when the change is ≤ ``tol``, is
-    frozen: later updates leave it unchanged, while the other rows go on.  The final
-    retrieval through ``values`` always runs for every row.  ``tol=None`` never freezes;
-    ``tol=0`` freezes only rows at an exact fixed point, so it returns the same as ``None``.
-    Every row is still computed at each step (masked, not skipped), so ``tol`` changes the
-    result, not the cost.
+    frozen: later updates leave it unchanged (and gradients pass straight through them), while
+    the other rows go on.  The final retrieval through ``values`` always runs for every row.
+    ``tol=None`` never freezes; ``tol=0`` freezes only rows at an exact fixed point, so it
+    returns the same as ``None``.  The reference computes every row at each step (masked); the
+    cpu kernel skips a block of queries once all its rows are frozen.
 
     Example::
 
@@ -188,6 +325,9 @@ def hopfield_update(
         >>> out = attnkit.hopfield_update(noisy, patterns, beta=1.0)
         >>> bool((out.sign() == patterns[:, :, :5]).all())
         True
+        >>> out, energy = attnkit.hopfield_update(noisy, patterns, beta=1.0, steps=3, return_energy=True)
+        >>> energy.shape, bool((energy[1:] <= energy[:-1] + 1e-4).all())
+        (torch.Size([4, 1, 1, 5]), True)
     """
     fn = "attnkit.hopfield_update"
     _check_common(fn, state, stored)
@@ -201,8 +341,25 @@ def hopfield_update(
         check_real(fn, "beta", beta, low=0, low_inclusive=False)
     check_int(fn, "steps", steps, low=1)
     check_real(fn, "tol", tol, low=0, allow_none=True)
-    resolve("hopfield", backend, state.device, fn)  # reference only for now
-    return hopfield_update_reference(state, stored, beta=beta, steps=steps, values=values, tol=tol)
+    if not isinstance(return_energy, bool):
+        raise TypeError(f"{fn}: return_energy must be a bool; got {return_energy!r}")
+    chosen = resolve("hopfield", backend, state.device, fn)
+    if chosen != "cpu":
+        result = hopfield_update_reference(state, stored, beta=beta, steps=steps, values=values, tol=tol,
+                                           return_energy=return_energy)
+        if return_energy:
+            return result[0], result[1].detach()
+        return result
+    beta = 1.0 / math.sqrt(state.shape[-1]) if beta is None else float(beta)
+    tol = None if tol is None else float(tol)
+    out, states, _, _ = torch.ops.attnkit.hopfield_update_fwd(state, stored, values, beta, steps, tol,
+                                                              return_energy)
+    out = out.to(state.dtype)
+    if not return_energy:
+        return out
+    with torch.no_grad():
+        energy = _states_energy(states.detach(), stored.detach(), beta, steps, state.dtype)
+    return out, energy
 
 
 def hopfield_energy(

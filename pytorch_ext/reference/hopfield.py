@@ -37,7 +37,8 @@ def hopfield_update_reference(
     steps: int = 1,
     values: torch.Tensor | None = None,
     tol: float | None = None,
-) -> torch.Tensor:
+    return_energy: bool = False,
+):
     """``steps`` modern Hopfield updates of ``state`` against ``stored`` (see attnkit.hopfield_update).
 
     Without ``values``: ``steps`` updates ξ ← softmax(β ξ Xᵀ) X, returns ξ [B, H, S, D].
@@ -46,30 +47,45 @@ def hopfield_update_reference(
     ``tol``: after each update in the stored space, a query row whose change
     max_d |ξ_new − ξ_old| is ≤ tol keeps that update and is frozen for the remaining updates.
     ``beta`` defaults to 1/√D.
+    ``return_energy``: also returns the energies [steps + 1, B, H, S] of ξ_0 (the input) and of
+    the state after each update in the stored space; with ``values`` the last entry is the
+    energy of the stored-space update of the last state (softmax(β ξ Xᵀ) X, with the same
+    ``tol`` rule), the state the read-out through ``values`` corresponds to.
     """
     if beta is None:
         beta = 1.0 / math.sqrt(state.shape[-1])
-    stored_updates = steps if values is None else steps - 1
+    # With return_energy and values, one more stored-space update gives the last energy's state.
+    stored_updates = steps if (values is None or return_energy) else steps - 1
     xi = state
+    trajectory = [xi]
+    last = None  # the state the read-out through values starts from
     # Rows still updating; None until tol first freezes something (and always None without tol).
     active = None
-    for _ in range(stored_updates):
+    for k in range(stored_updates):
+        if values is not None and k == steps - 1:
+            last = xi
         new = hopfield_retrieve(xi, stored, beta)
         if tol is None:
             xi = new
-            continue
-        # Masking instead of skipping rows keeps the loop free of data-dependent control flow
-        # (torch.compile traces it whole); a frozen row just keeps its previous value.
-        change = (new - xi).abs().amax(dim=-1)
-        if active is None:
-            xi = new
-            active = change > tol
         else:
-            xi = torch.where(active.unsqueeze(-1), new, xi)
-            active = active & (change > tol)
+            # Masking instead of skipping rows keeps the loop free of data-dependent control flow
+            # (torch.compile traces it whole); a frozen row just keeps its previous value.
+            change = (new - xi).abs().amax(dim=-1)
+            if active is None:
+                xi = new
+                active = change > tol
+            else:
+                xi = torch.where(active.unsqueeze(-1), new, xi)
+                active = active & (change > tol)
+        trajectory.append(xi)
     if values is not None:
-        return hopfield_retrieve(xi, stored, beta, values)
-    return xi
+        out = hopfield_retrieve(xi if last is None else last, stored, beta, values)
+    else:
+        out = xi
+    if not return_energy:
+        return out
+    energy = torch.stack([hopfield_energy_reference(t, stored, beta) for t in trajectory])
+    return out, energy
 
 
 def hopfield_energy_reference(state: torch.Tensor, stored: torch.Tensor, beta: float) -> torch.Tensor:

@@ -217,3 +217,274 @@ def test_fake_tensor_shapes_and_dtypes():
             energy, lse = _op(torch.empty(2, 3, 7, 16, dtype=dtype), torch.empty(2, 3, 9, 16, dtype=dtype), 0.5)
             assert energy.shape == lse.shape == (2, 3, 7)
             assert energy.dtype == lse.dtype == acc
+
+
+# ============================================================================ update op
+# attnkit::hopfield_update_fwd (all steps fused) and its registrations: fake, chunked backward.
+
+from attnkit.reference.hopfield import hopfield_update_reference  # noqa: E402
+
+
+def _upd(state, stored, values=None, beta=0.3, steps=1, tol=None, final_state=False):
+    return torch.ops.attnkit.hopfield_update_fwd(state, stored, values, beta, steps, tol, final_state)
+
+
+def _ref64(state, stored, values, beta, steps, tol, **kw):
+    return hopfield_update_reference(state.double(), stored.double(), beta=beta, steps=steps,
+                                     values=None if values is None else values.double(), tol=tol, **kw)
+
+
+# (steps, with values, S, N, D, tol): a sample of steps 1..5 x values x S {1, 7, 64} x
+# N {1, 300, 10000} x D {16, 64, 128} x tol; S = 1 with N = 10000 and B = H = 1 takes the split-N
+# path (S <= 16, N >= 2 * 4096 stored rows per chunk).
+UPDATE_CASES = [
+    (1, False, 1, 1, 16, None),
+    (2, True, 7, 1, 64, 1e-3),
+    (3, False, 64, 300, 16, None),
+    (5, True, 7, 300, 128, None),
+    (4, False, 1, 300, 64, 1e-2),
+    (1, True, 64, 10000, 64, None),
+    (3, False, 7, 10000, 16, 1e-3),
+    (5, False, 64, 300, 64, 1e-2),
+    (2, False, 1, 10000, 128, None),
+    (3, True, 1, 10000, 64, 1e-2),
+]
+
+
+def _update_inputs(b, h, s, n, d, dv=5, dtype=torch.float32, spread=1.0):
+    # spread 1 with beta = 1/sqrt(d) keeps the iteration well conditioned.  (At spread 2 some
+    # states sit near saddles between patterns for a few steps and amplify rounding: there the
+    # float32 *reference* is off by ~1e-3 after 5 steps, as is any float32 kernel.)
+    return (torch.randn(b, h, s, d, dtype=dtype) * spread, torch.randn(b, h, n, d, dtype=dtype) * spread,
+            torch.randn(b, h, n, dv, dtype=dtype))
+
+
+def _tol_margin(state, stored, beta, steps, tol):
+    """min over rows and steps of |change − tol| along the float64 trajectory without tol."""
+    xi, x = state.double(), stored.double()
+    margin = math.inf
+    for _ in range(steps):
+        new = torch.softmax(beta * xi @ x.transpose(-1, -2), -1) @ x
+        margin = min(margin, ((new - xi).abs().amax(-1) - tol).abs().min().item())
+        xi = new
+    return margin
+
+
+@pytest.mark.parametrize("steps,with_values,s,n,d,tol", UPDATE_CASES)
+def test_update_float32_forward_and_grads_match_float64_reference(steps, with_values, s, n, d, tol):
+    b, h = (1, 1) if s == 1 and n == 10000 else (2, 2)
+    beta = 1.0 / math.sqrt(d)
+    # tol makes the result discontinuous: a row whose change lands within rounding of tol may
+    # freeze a step earlier in float32 than in float64.  Draw inputs whose float64 changes all
+    # stay 1e-4 away from tol (float32 states are good to ~1e-6 here).
+    for seed in range(50):
+        torch.manual_seed(seed)
+        state, stored, values = _update_inputs(b, h, s, n, d)
+        if tol is None or _tol_margin(state, stored, beta, steps, tol) > 1e-4:
+            break
+    values = values if with_values else None
+    leaves = [t.clone().requires_grad_() for t in (state, stored) + ((values,) if with_values else ())]
+    out = attnkit.hopfield_update(leaves[0], leaves[1], beta=beta, steps=steps,
+                                  values=leaves[2] if with_values else None, tol=tol, backend="cpu")
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    want = hopfield_update_reference(leaves64[0], leaves64[1], beta=beta, steps=steps,
+                                     values=leaves64[2] if with_values else None, tol=tol)
+    assert out.dtype == torch.float32 and out.shape == want.shape
+    _scale_close(out, want.detach(), 2e-5)
+    weights = torch.randn(out.shape, dtype=F64)
+    (out * weights.float()).sum().backward()
+    (want * weights).sum().backward()
+    # Relative to the largest gradient of any input: with N = 1 the state's gradient is exactly
+    # zero (softmax over one pattern), which float32 can only meet to rounding of that scale.
+    scale = max(ref.grad.abs().max().item() for ref in leaves64)
+    for got, ref in zip(leaves, leaves64):
+        torch.testing.assert_close(got.grad.double(), ref.grad, rtol=1e-4, atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize("with_values", [False, True])
+def test_update_float64_matches_reference_to_rounding_and_saves_the_trajectory(with_values):
+    state, stored, values = _update_inputs(2, 3, 9, 300, 33, dtype=F64)
+    values = values if with_values else None
+    steps = 3
+    out, states, lse, applied = _upd(state, stored, values, beta=0.2, steps=steps, tol=1e-3, final_state=True)
+    want, energy = _ref64(state, stored, values, 0.2, steps, 1e-3, return_energy=True)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    assert states.shape == (steps + 1, 2, 3, 9, 33) and lse.shape == (steps, 2, 3, 9)
+    assert applied.dtype == torch.bool and applied.shape == (steps - (1 if with_values else 0), 2, 3, 9)
+    # states[k] is the state before retrieval k; lse[k] its log-sum-exp of beta * scores.
+    for k in range(steps):
+        scores = 0.2 * states[k] @ stored.transpose(-1, -2)
+        torch.testing.assert_close(lse[k], torch.logsumexp(scores, -1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(states[0], state)
+    # The energies of the saved trajectory are the reference's (entry `steps`: the stored-space
+    # update of the last state, with values too).
+    for k in range(steps + 1):
+        torch.testing.assert_close(hopfield_energy_reference(states[k], stored, 0.2), energy[k], rtol=1e-10, atol=1e-10)
+
+
+def test_update_tol_applied_mask_follows_the_reference_rule():
+    state, stored, _ = _update_inputs(1, 1, 3, 20, 16, dtype=F64)
+    state[0, 0, 0] = stored[0, 0, 3]  # next to a fixed point: tiny first change, frozen after it
+    _, states, _, applied = _upd(state, stored, beta=1.0, steps=4, tol=1e-3)
+    assert applied[0].all()  # the first update always applies
+    assert not applied[1:, 0, 0, 0].any()
+    assert torch.equal(states[1, 0, 0, 0], states[4, 0, 0, 0])
+    # A row is frozen after the first update whose change is <= tol, exactly.
+    for k in range(1, 4):
+        change = (states[k] - states[k - 1]).abs().amax(-1)
+        assert torch.equal(applied[k], applied[k - 1] & (change > 1e-3))
+
+
+def test_update_all_frozen_block_skips_with_infinite_lse_and_zero_gradient_there():
+    # Patterns far apart (scores ~ 200 against ~ 25): each is a fixed point to ~exp(-100), so a
+    # state on one changes by less than tol in its first update and both rows freeze together.
+    stored = torch.randn(1, 1, 30, 8, dtype=F64) * 5
+    state = stored[:, :, :2].clone().requires_grad_()
+    out, states, lse, applied = _upd(state, stored, beta=1.0, steps=4, tol=1e-6)
+    assert applied[0].all() and not applied[1:].any()
+    assert torch.isfinite(lse[0]).all() and torch.isinf(lse[1:]).all() and (lse[1:] > 0).all()
+    (g,) = torch.autograd.grad(out.sum(), state)
+    assert torch.isfinite(g).all()
+
+
+def test_update_split_path_equals_the_fused_path():
+    # S = 1 against N = 20000 splits the stored patterns into 5 chunks merged by log-sum-exp;
+    # S = 17 (> 16) runs the fused path: the first row must agree to rounding.
+    torch.manual_seed(0)
+    stored = torch.randn(1, 1, 20000, 64, dtype=F64) * 2
+    values = torch.randn(1, 1, 20000, 3, dtype=F64)
+    state = torch.randn(1, 1, 17, 64, dtype=F64) * 2
+    for v in (None, values):
+        one = _upd(state[:, :, :1], stored, v, beta=0.125, steps=3, tol=1e-6, final_state=True)
+        many = _upd(state, stored, v, beta=0.125, steps=3, tol=1e-6, final_state=True)
+        torch.testing.assert_close(one[0], many[0][:, :, :1], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(one[1], many[1][:, :, :, :1], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(one[2], many[2][..., :1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("beta", [0.01, 0.1, 1.0, 10.0])
+def test_update_energy_never_rises_along_the_kernel_updates(beta):
+    stored = torch.randn(2, 2, 300, 16) * 1.5
+    state = torch.randn(2, 2, 7, 16) * 2
+    _, energy = attnkit.hopfield_update(state, stored, beta=beta, steps=6, return_energy=True, backend="cpu")
+    assert energy.shape == (7, 2, 2, 7) and energy.dtype == torch.float32
+    e = energy.double()
+    # CCCP: E(ξ_{k+1}) <= E(ξ_k); the slack covers float32 rounding of the states (scale ~1e-5).
+    assert (e[1:] <= e[:-1] + 1e-5 * (1 + e[:-1].abs())).all()
+    assert (e[1] < e[0]).all() and (e >= -1e-4).all()
+
+
+@pytest.mark.parametrize("with_values", [False, True])
+def test_update_bfloat16_within_twice_reference_error(with_values):
+    state, stored, values = _update_inputs(2, 2, 7, 300, 64)
+    values = values if with_values else None
+    lo = [None if t is None else t.bfloat16() for t in (state, stored, values)]
+    want = _ref64(lo[0], lo[1], lo[2], 0.125, 3, None)
+    ref_err = (hopfield_update_reference(lo[0], lo[1], beta=0.125, steps=3, values=lo[2]).double() - want).abs().max()
+    got = attnkit.hopfield_update(lo[0], lo[1], beta=0.125, steps=3, values=lo[2], backend="cpu")
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - want).abs().max() <= 2 * ref_err + 1e-3
+
+
+def test_update_bfloat16_gradients():
+    state, stored, values = (t.bfloat16().requires_grad_() for t in _update_inputs(1, 2, 7, 40, 16))
+    out = attnkit.hopfield_update(state, stored, beta=0.25, steps=2, values=values, backend="cpu")
+    weights = torch.randn(out.shape)
+    (out.float() * weights).sum().backward()
+    leaves64 = [t.detach().double().requires_grad_() for t in (state, stored, values)]
+    ref = hopfield_update_reference(*leaves64[:2], beta=0.25, steps=2, values=leaves64[2])
+    (ref * weights.double()).sum().backward()
+    lo = [t.detach().clone().requires_grad_() for t in (state, stored, values)]
+    ref_lo = hopfield_update_reference(*lo[:2], beta=0.25, steps=2, values=lo[2])
+    (ref_lo * weights.bfloat16()).sum().backward()
+    for got, r64, rlo in zip((state, stored, values), leaves64, lo):
+        assert got.grad.dtype == torch.bfloat16
+        ref_err = (rlo.grad.double() - r64.grad).abs().max()
+        assert (got.grad.double() - r64.grad).abs().max() <= 2 * ref_err + 1e-3
+
+
+def test_update_gradcheck_float64_through_tol_and_values():
+    state, stored, values = (t.requires_grad_() for t in _update_inputs(1, 2, 3, 6, 4, dv=3, dtype=F64, spread=1.0))
+    assert torch.autograd.gradcheck(lambda a, x, v: _upd(a, x, v, beta=0.8, steps=3)[0], (state, stored, values))
+    assert torch.autograd.gradcheck(lambda a, x: _upd(a, x, None, beta=0.8, steps=4, tol=1e-2)[0], (state, stored))
+
+
+def test_update_frozen_rows_pass_gradients_straight_through():
+    stored = torch.randn(1, 1, 20, 8, dtype=F64) * 5
+    state = torch.randn(1, 1, 2, 8, dtype=F64) * 0.1  # row 1: near the origin, keeps moving
+    state[0, 0, 0] = stored[0, 0, 5]  # a fixed point to ~exp(-100): frozen after one update
+    state.requires_grad_()
+    out, _, _, applied = _upd(state, stored, beta=1.0, steps=5, tol=1e-6)
+    assert applied[0, 0, 0, 0] and not applied[1:, 0, 0, 0].any()
+    (g,) = torch.autograd.grad(out[0, 0, 0].sum(), state)
+    one = state.detach().clone().requires_grad_()
+    (g1,) = torch.autograd.grad(_upd(one, stored, beta=1.0, steps=1)[0][0, 0, 0].sum(), one)
+    torch.testing.assert_close(g, g1, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("with_values", [False, True])
+def test_update_opcheck(dtype, with_values):
+    state, stored, values = (t.requires_grad_() for t in _update_inputs(2, 2, 5, 17, 8, dv=3, dtype=dtype))
+    values = values if with_values else None
+    torch.library.opcheck(torch.ops.attnkit.hopfield_update_fwd.default, (state, stored, values, 0.5, 3, 1e-3, True))
+    torch.library.opcheck(torch.ops.attnkit.hopfield_update_fwd.default, (state, stored, values, 0.5, 2, None, False))
+
+
+def test_update_torch_compile_fullgraph_with_grads_and_energy():
+    state, stored, values = _update_inputs(1, 2, 7, 9, 8, dv=3)
+    compiled = torch.compile(attnkit.hopfield_update, fullgraph=True)
+    kwargs = {"steps": 3, "tol": 1e-3, "values": values, "beta": 0.5, "backend": "cpu", "return_energy": True}
+    sc = state.clone().requires_grad_()
+    out_c, energy_c = compiled(sc, stored, **kwargs)
+    se = state.clone().requires_grad_()
+    out_e, energy_e = attnkit.hopfield_update(se, stored, **kwargs)
+    torch.testing.assert_close(out_c, out_e, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(energy_c, energy_e, rtol=1e-6, atol=1e-6)
+    out_c.sum().backward()
+    out_e.sum().backward()
+    torch.testing.assert_close(sc.grad, se.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_update_fake_shapes_and_dtypes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        for dtype, acc in ((torch.bfloat16, torch.float32), (F64, F64)):
+            st, x, v = torch.empty(2, 3, 7, 16, dtype=dtype), torch.empty(2, 3, 9, 16, dtype=dtype), torch.empty(2, 3, 9, 4, dtype=dtype)
+            out, states, lse, applied = _upd(st, x, v, steps=3, tol=0.1)
+            assert out.shape == (2, 3, 7, 4) and states.shape == (4, 2, 3, 7, 16)
+            assert lse.shape == (3, 2, 3, 7) and applied.shape == (2, 2, 3, 7) and applied.dtype == torch.bool
+            assert out.dtype == states.dtype == lse.dtype == acc
+
+
+def test_update_non_contiguous_empty_and_nan():
+    state = torch.randn(2, 9, 3, 16).transpose(1, 2)
+    stored = torch.randn(2, 3, 40, 32)[..., 1::2]
+    values = torch.randn(2, 3, 40, 10)[..., ::2]
+    got = _upd(state, stored, values, steps=2, tol=1e-3)
+    want = _upd(state.contiguous(), stored.contiguous(), values.contiguous(), steps=2, tol=1e-3)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    out, states, lse, applied = _upd(torch.randn(2, 3, 0, 16), torch.randn(2, 3, 5, 16), steps=2)
+    assert out.shape == (2, 3, 0, 16) and states.shape == (3, 2, 3, 0, 16) and lse.shape == (2, 2, 3, 0)
+    stored = torch.randn(1, 1, 40, 16)
+    stored[0, 0, 21, 5] = float("nan")
+    assert torch.isnan(_upd(torch.randn(1, 1, 3, 16), stored, steps=2)[0]).all()
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((torch.randn(3, 7, 16), torch.randn(1, 3, 9, 16), None, 0.5, 1, None, False), "expected state"),
+        ((torch.randn(1, 3, 7, 16), torch.randn(1, 3, 9, 16, dtype=F64), None, 0.5, 1, None, False), "must share a dtype"),
+        ((torch.randn(1, 3, 7, 16), torch.randn(1, 3, 0, 16), None, 0.5, 1, None, False), "at least one stored pattern"),
+        ((torch.randn(1, 3, 7, 16), torch.randn(1, 3, 9, 16), None, -1.0, 1, None, False), "beta must be finite and > 0"),
+        ((torch.randn(1, 3, 7, 16), torch.randn(1, 3, 9, 16), None, 0.5, 0, None, False), "steps must be >= 1"),
+        ((torch.randn(1, 3, 7, 16), torch.randn(1, 3, 9, 16), None, 0.5, 1, -1.0, False), "tol must be finite and >= 0"),
+        ((torch.randn(1, 3, 7, 16), torch.randn(1, 3, 9, 16), torch.randn(1, 3, 8, 2), 0.5, 1, None, False), "values must be"),
+    ],
+)
+def test_update_kernel_checks_its_inputs(args, match):
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.attnkit.hopfield_update_fwd(*args)

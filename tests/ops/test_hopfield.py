@@ -126,6 +126,52 @@ def test_update_torch_compile_fullgraph():
                                attnkit.hopfield_update(state, stored, **kwargs), rtol=1e-6, atol=1e-6)
 
 
+UPDATE_BACKENDS = ["reference", pytest.param("cpu", marks=needs_native)]
+
+
+@pytest.mark.parametrize("backend", UPDATE_BACKENDS)
+@pytest.mark.parametrize("with_values", [False, True])
+def test_update_return_energy_gives_the_energies_of_the_trajectory(backend, with_values):
+    state, stored, values = _inputs(s=7, n=40, d=16, dtype=F64)
+    values = values if with_values else None
+    out, energy = attnkit.hopfield_update(state, stored, beta=0.5, steps=3, values=values, tol=1e-3,
+                                          return_energy=True, backend=backend)
+    assert energy.shape == (4, 2, 3, 7) and energy.dtype == F64 and not energy.requires_grad
+    assert torch.equal(out, attnkit.hopfield_update(state, stored, beta=0.5, steps=3, values=values, tol=1e-3,
+                                                    backend=backend))
+    # Independently: the energies of ξ_0 … ξ_3, the stored-space trajectory under the same tol
+    # (with values, ξ_3 is the stored-space update of the state the read-out starts from).
+    xi = [state]
+    for _ in range(3):
+        xi.append(attnkit.hopfield_update(xi[0], stored, beta=0.5, steps=len(xi), tol=1e-3, backend="reference"))
+    for k in range(4):
+        torch.testing.assert_close(energy[k], hopfield_energy_reference(xi[k], stored, 0.5), rtol=1e-10, atol=1e-10)
+
+
+@needs_native
+def test_update_defaults_to_the_cpu_kernel_on_cpu(monkeypatch):
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the reference ran")
+
+    monkeypatch.setattr(hop_ops, "hopfield_update_reference", no_reference)
+    monkeypatch.delenv("ATTNKIT_BACKEND", raising=False)
+    state, stored, _ = _inputs()
+    assert attnkit.hopfield_update(state, stored, steps=2).shape == (2, 3, 7, 16)
+    with pytest.raises(AssertionError, match="the reference ran"):
+        attnkit.hopfield_update(state, stored, backend="reference")
+
+
+@needs_native
+def test_update_cpu_and_reference_backends_agree_with_grads():
+    state, stored, values = (t.double().requires_grad_() for t in _inputs(s=9, n=50, d=16))
+    grads = []
+    for backend in ("cpu", "reference"):
+        out = attnkit.hopfield_update(state, stored, beta=0.4, steps=3, values=values, tol=1e-4, backend=backend)
+        grads.append((out, *torch.autograd.grad(out.sum(), (state, stored, values))))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
 # ----------------------------------------------------------------------------- energy
 
 
@@ -327,7 +373,7 @@ def test_beta_errors(fn, beta, error, match):
         ({"tol": -1e-3}, ValueError, "tol must be >= 0; got -0.001"),
         ({"tol": float("nan")}, TypeError, "tol must be a finite real number; got nan"),
         ({"backend": "fast"}, ValueError, "unknown backend 'fast'; expected one of reference"),
-        ({"backend": "cpu"}, BackendUnavailableError, "the cpu backend has no hopfield kernels yet"),
+        ({"return_energy": 1}, TypeError, "return_energy must be a bool; got 1"),
         ({"backend": "triton"}, BackendUnavailableError, "the triton backend has no hopfield kernels yet"),
     ],
 )
@@ -401,6 +447,9 @@ def test_without_the_native_extension_the_energy_falls_back_and_says_why():
         "    assert 'attnkit._C' in str(exc), exc\n"
         "else:\n"
         "    raise AssertionError('backend=cpu ran without attnkit._C')\n"
+        "assert torch.equal(attnkit.hopfield_update(s, x, beta=0.5, steps=2),\n"
+        "                   attnkit.reference.hopfield.hopfield_update_reference(s, x, beta=0.5, steps=2))\n"
+        "assert not attnkit.backends()['hopfield']['cpu'].usable\n"
         "print('ok')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "ATTNKIT_BACKEND"}

@@ -189,3 +189,21 @@ def test_low_precision_runs_in_the_given_dtype():
         e = hopfield_energy_reference(state.to(dtype), stored.to(dtype), 0.5)
         assert out.dtype == dtype and e.dtype == dtype
         assert torch.isfinite(out).all() and torch.isfinite(e).all()
+
+
+@pytest.mark.parametrize("with_values", [False, True])
+@pytest.mark.parametrize("tol", [None, 1e-3])
+def test_return_energy_is_the_energy_of_each_stored_space_state(with_values, tol):
+    state = torch.randn(1, 2, 4, 6, dtype=F64)
+    stored = torch.randn(1, 2, 9, 6, dtype=F64) * 2
+    values = torch.randn(1, 2, 9, 3, dtype=F64) if with_values else None
+    out, energy = hopfield_update_reference(state, stored, beta=0.7, steps=3, values=values, tol=tol,
+                                            return_energy=True)
+    assert energy.shape == (4, 1, 2, 4)
+    torch.testing.assert_close(out, _loop_update(state, stored, 0.7, 3, values, tol))
+    # State k of the stored-space trajectory, row by row (with values too: the last entry is the
+    # stored-space update of the state the read-out starts from).
+    for k in range(4):
+        xi_k = state if k == 0 else _loop_update(state, stored, 0.7, k, None, tol)
+        torch.testing.assert_close(energy[k], _loop_energy(xi_k, stored, 0.7))
+    assert (energy[1:] <= energy[:-1] + 1e-12).all()
