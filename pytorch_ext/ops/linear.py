@@ -3,8 +3,9 @@
 Layers (DESIGN.md):
 
 - **op** -- ``attnkit::linear_fwd`` / ``attnkit::linear_bwd``, the C++ ops (schemas in
-  ``csrc/ops.cpp``, CPU kernels in ``csrc/cpu/linear.cpp``: chunked causal, two-pass
-  non-causal, fused feature maps, fp32 states).  This module gives them fake (meta)
+  ``csrc/ops.cpp``; CPU kernels in ``csrc/cpu/linear.cpp``: chunked causal, two-pass
+  non-causal, fused feature maps, fp32 states; CUDA kernels in ``csrc/cuda/linear.cu``, the
+  ``cuda`` backend).  This module gives them fake (meta)
   implementations, so that ``torch.compile(fullgraph=True)`` traces them, and the autograd
   formula, whose backward is the ``linear_bwd`` kernel (gradients for q, k, v and the initial
   state).  They are registered only when ``attnkit._C`` loads; without it the package still
@@ -188,9 +189,12 @@ if _NATIVE_OPS:
     torch.library.register_fake("attnkit::linear_bwd", _bwd_fake)
     torch.library.register_autograd("attnkit::linear_fwd", _backward, setup_context=_setup_context)
 
-# Unconditionally: when attnkit._C is missing, the dispatcher reports the cpu backend unusable
-# with the reason.
+# Unconditionally: when attnkit._C is missing (or built without CUDA), the dispatcher reports
+# the cpu / cuda backends unusable with the reason.  The CUDA kernels (csrc/cuda/linear.cu)
+# implement the same two ops for CUDA tensors, so the fake and autograd registrations above
+# serve both.
 register_kernel(FAMILY, "cpu")
+register_kernel(FAMILY, "cuda")
 
 
 # ==============================================================================================
@@ -318,11 +322,19 @@ def _run_triton(query, key, value, causal, feature_map, normalize, eps, scale, i
 
 
 # backend name -> implementation with _run_reference's signature.
-_IMPLEMENTATIONS = {"reference": _run_reference, "cpu": _run_native, "triton": _run_triton}
+_IMPLEMENTATIONS = {
+    "reference": _run_reference,
+    "cpu": _run_native,  # the same op for both: the dispatcher picks the kernel by device
+    "cuda": _run_native,
+    "triton": _run_triton,
+}
 
 
-def _kernel_limitation(backend: str, dtype: torch.dtype, head_dim: int, value_dim: int) -> str:
+def _kernel_limitation(backend: str, dtype: torch.dtype, head_dim: int, value_dim: int,
+                       batch: int = 1, heads: int = 1) -> str:
     """'' when ``backend`` can run a call with these inputs, else what it cannot do."""
+    if backend == "cuda" and (batch > 65535 or heads > 65535):
+        return f"B = {batch}, H = {heads} (the CUDA kernels' grid takes B, H <= 65535)"
     if backend == "triton":
         if dtype not in TRITON_DTYPES:
             name = str(dtype).replace("torch.", "")
@@ -332,11 +344,12 @@ def _kernel_limitation(backend: str, dtype: torch.dtype, head_dim: int, value_di
     return ""
 
 
-def _route(fn: str, backend, device, dtype, head_dim: int, value_dim: int) -> str:
+def _route(fn: str, backend, device, dtype, head_dim: int, value_dim: int, batch: int = 1,
+           heads: int = 1) -> str:
     """The backend that runs this call: ``resolve``'s pick, unless that kernel cannot run the
     call -- then the reference when the backend was the default, an error when it was named."""
     chosen = resolve(FAMILY, backend, device, fn)
-    why_not = _kernel_limitation(chosen, dtype, head_dim, value_dim)
+    why_not = _kernel_limitation(chosen, dtype, head_dim, value_dim, batch, heads)
     if not why_not:
         return chosen
     if backend is not None or os.environ.get(ENV_VAR):
@@ -471,11 +484,12 @@ def linear_attention(
         ``reference`` (pure PyTorch, any device and dtype; the causal form materializes the
         ``N × N`` weights), ``cpu`` (C++ chunked kernels, CPU tensors, every floating dtype),
         ``triton`` (chunked Triton kernels: CUDA tensors, or CPU tensors under
-        ``TRITON_INTERPRET=1``; float16 / bfloat16 / float32, head dims >= 1).  ``cuda`` has no
-        linear kernels yet.  ``backend=None`` (and no ``ATTNKIT_BACKEND`` in the environment)
+        ``TRITON_INTERPRET=1``; float16 / bfloat16 / float32, head dims >= 1), ``cuda`` (CUDA
+        C++ chunked kernels, CUDA tensors, every floating dtype, B and H <= 65535).
+        ``backend=None`` (and no ``ATTNKIT_BACKEND`` in the environment)
         picks ``cpu`` for CPU tensors and ``triton`` for CUDA tensors (the reference where that
         backend is not usable here) and routes a call the picked kernel cannot run (Triton:
-        float64, a zero head dim) to the reference.  A backend named explicitly is never
+        float64, a zero head dim; CUDA: B or H above 65535) to the reference.  A backend named explicitly is never
         replaced: it raises :class:`attnkit.BackendUnavailableError` instead.
 
     Raises:
@@ -498,7 +512,8 @@ def linear_attention(
     """
     _validate(query, key, value, causal, feature_map, normalize, eps, scale, initial_state,
               return_state)
-    backend = _route(OP_NAME, backend, query.device, query.dtype, query.shape[3], value.shape[3])
+    backend = _route(OP_NAME, backend, query.device, query.dtype, query.shape[3], value.shape[3],
+                     query.shape[0], query.shape[1])
     if initial_state is not None:
         initial_state = tuple(initial_state)
     return _IMPLEMENTATIONS[backend](query, key, value, causal, feature_map, normalize,
@@ -561,7 +576,8 @@ def linear_attention_step(
         b, h, d = q_t.shape
         _check_state(fn, "state", state, b, h, d, v_t.shape[2], q_t.dtype, q_t.device)
         state = tuple(state)
-    backend = _route(fn, backend, q_t.device, q_t.dtype, q_t.shape[2], v_t.shape[2])
+    backend = _route(fn, backend, q_t.device, q_t.dtype, q_t.shape[2], v_t.shape[2],
+                     q_t.shape[0], q_t.shape[1])
     if backend == "reference":
         return linear_attention_step_reference(q_t, k_t, v_t, state, feature_map=feature_map,
                                                normalize=normalize, eps=float(eps),

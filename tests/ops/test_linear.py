@@ -680,3 +680,25 @@ def test_default_routes_what_triton_cannot_run_to_the_reference(monkeypatch):
     monkeypatch.setenv("ATTNKIT_BACKEND", "triton")
     with pytest.raises(BackendUnavailableError, match=r"\(ATTNKIT_BACKEND='triton'\) cannot run float64"):
         _route("f", None, cuda, torch.float64, 8, 8)
+
+
+# ---------------------------------------------------------------------------- cuda backend
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not attnkit.backends()["linear"]["cuda"].usable, reason="no cuda backend here")
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_backend_forward_grads_and_state(causal):
+    q, k, v = make(2, 2, 130, 130 if causal else 77, 16, 8, dtype=torch.float32, seed=50)
+    leaves = [t.cuda().requires_grad_(True) for t in (q, k, v)]
+    res = attnkit.linear_attention(*leaves, causal=causal, return_state=causal, backend="cuda")
+    out = res[0] if causal else res
+    leaves64 = [t.double().requires_grad_(True) for t in (q, k, v)]
+    want = linear_loop(*leaves64, causal=causal)
+    assert rel_err(out.cpu(), want) <= 2e-5
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(51))
+    got = torch.autograd.grad(out, leaves, g.cuda())
+    for a, b in zip(got, torch.autograd.grad(want, leaves64, g.double())):
+        assert rel_err(a.cpu(), b) <= 1e-4
+    if causal:
+        _, ws, wz = state_loop(q, k, v, torch.zeros(2, 2, 16, 8), torch.zeros(2, 2, 16))
+        assert rel_err(res[1][0].cpu(), ws) <= 2e-5 and rel_err(res[1][1].cpu(), wz) <= 2e-5
