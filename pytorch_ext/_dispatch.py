@@ -82,6 +82,24 @@ def native():
     return _C
 
 
+def native_ops_declared(*names: str) -> bool:
+    """Whether attnkit._C loads and declares every ``torch.ops.attnkit.<name>``.
+
+    False when the extension is missing, or was built from older sources without these ops;
+    the op modules then register no fake/autograd for them and route to the reference.
+    """
+    if _native_import_error():
+        return False
+    from . import _C  # noqa: F401  (importing it runs its TORCH_LIBRARY registrations)
+
+    try:
+        for name in names:
+            getattr(torch.ops.attnkit, name).default
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
 def _triton_import_error() -> str:
     if "triton" not in _PROBES:
         missing = importlib.util.find_spec("triton") is None

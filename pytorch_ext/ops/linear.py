@@ -33,7 +33,13 @@ from typing import Optional
 
 import torch
 
-from .._dispatch import ENV_VAR, BackendUnavailableError, native, register_kernel, resolve
+from .._dispatch import (
+    ENV_VAR,
+    BackendUnavailableError,
+    native_ops_declared,
+    register_kernel,
+    resolve,
+)
 from .._validation import (
     check_bool,
     check_choice,
@@ -62,21 +68,7 @@ STEP_OP_NAME = "attnkit.linear_attention_step"
 # ==============================================================================================
 
 
-def _load_native_ops() -> bool:
-    """Whether attnkit._C loads and declares the linear ops."""
-    try:
-        native()  # importing attnkit._C runs its TORCH_LIBRARY registrations
-    except BackendUnavailableError:
-        return False
-    try:
-        torch.ops.attnkit.linear_fwd.default
-        torch.ops.attnkit.linear_bwd.default
-    except (AttributeError, RuntimeError):  # an extension built from older sources
-        return False
-    return True
-
-
-_NATIVE_OPS = _load_native_ops()
+_NATIVE_OPS = native_ops_declared("linear_fwd", "linear_bwd")
 
 
 def _fwd_fake(q, k, v, S0, z0, causal, feature_map, normalize, eps, scale):

@@ -30,7 +30,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .._dispatch import ENV_VAR, BackendUnavailableError, native, register_kernel, resolve
+from .._dispatch import (
+    ENV_VAR,
+    BackendUnavailableError,
+    native_ops_declared,
+    register_kernel,
+    resolve,
+)
 from .._validation import (
     check_bool,
     check_real,
@@ -56,21 +62,7 @@ CUDA_HEAD_DIMS = (64, 128)
 # ==============================================================================================
 
 
-def _load_native_ops() -> bool:
-    """Whether attnkit._C loads and declares the softmax ops."""
-    try:
-        native()  # importing attnkit._C runs its TORCH_LIBRARY registrations
-    except BackendUnavailableError:
-        return False
-    try:
-        torch.ops.attnkit.softmax_fwd.default
-        torch.ops.attnkit.softmax_bwd.default
-    except (AttributeError, RuntimeError):  # an extension built from older sources
-        return False
-    return True
-
-
-_NATIVE_OPS = _load_native_ops()
+_NATIVE_OPS = native_ops_declared("softmax_fwd", "softmax_bwd")
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
