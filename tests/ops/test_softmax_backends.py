@@ -359,7 +359,7 @@ def test_opcheck_triton_ops():
     torch.library.opcheck(bwd, (torch.randn_like(out), qd, kd, vd, out, lse, mask, 0.3, False, 0.25, seed))
 
 
-def _compiled_matches(backend, device):
+def _check_compiled_matches(backend, device):
     # Dynamo's cache of softmax_attention's frame is shared by every test that compiles it, and
     # stops recompiling past torch._dynamo.config.recompile_limit entries: start afresh.
     torch._dynamo.reset()
@@ -390,12 +390,12 @@ def _compiled_matches(backend, device):
 
 @needs_cpu
 def test_compile_fullgraph_cpu():
-    _compiled_matches("cpu", "cpu")
+    _check_compiled_matches("cpu", "cpu")
 
 
 @needs_triton
 def test_compile_fullgraph_triton():
-    _compiled_matches("triton", TRITON_DEVICE)
+    _check_compiled_matches("triton", TRITON_DEVICE)
 
 
 # ----------------------------------------------------------------------------------------------
