@@ -42,6 +42,31 @@ TORCH_LIBRARY(attnkit, m) {
   // Gradients of linear_fwd's four outputs (a missing gradient counts as zero) with respect to
   // q, k, v, S0, z0, chunked (no N x D x Dv tensor).  out/den/S/z: linear_fwd's outputs.
   m.def("linear_bwd(Tensor? grad_out, Tensor? grad_den, Tensor? grad_S, Tensor? grad_z, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, Tensor S, Tensor z, Tensor? S0, Tensor? z0, bool causal, str feature_map, bool normalize, float eps, float scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Sparse attention parts (csrc/cpu/sparse.cpp, csrc/cuda/sparse.cu; Triton twin in
+  // kernels/sparse.py).  A "range" part is dense softmax attention on affine views of the rows:
+  // q [B,H,Nq,D], k [B,H,Nk,D], v [B,H,Nk,Dv]; view = [G, q_pg, q_pt, k_pg, k_pt]: group g in
+  // [0, G) has query rows t in [0, Tq_g), Tq_g = ceil(max(Nq - g*q_pg, 0) / q_pt), at position
+  // g*q_pg + t*q_pt, and key rows t' in [0, Tk_g) at g*k_pg + t'*k_pt (Tk_g likewise with Nk).
+  // Query t of group g attends the keys t' of its group with lo(t) <= t' <= hi(t), where
+  // f(t) = floor((t + a) / d) * m + b for lo = [a, d, m, b], hi likewise (d >= 1, m >= 0: both
+  // nondecreasing in t), clipped to [0, Tk_g - 1].  Rows with no key (or in no group): out 0,
+  // lse -inf.  Returns out [B,H,Nq,Dv] (q's dtype), lse [B,H,Nq] (natural log of the sum of
+  // exp(scale q.k); float32, float64 for float64 inputs).
+  m.def("sparse_range_fwd(Tensor q, Tensor k, Tensor v, int[] view, int[] lo, int[] hi, float scale) -> (Tensor, Tensor)");
+  // Gradients of one range part given the merged lse and delta_i = rowsum(dO_i * O_i) - dlse_i:
+  // P_ij = exp(scale q_i.k_j - lse_i), dS_ij = P_ij (dO_i.v_j - delta_i);
+  // dq_i = scale sum_j dS_ij k_j, dk_j = scale sum_i dS_ij q_i, dv_j = sum_i P_ij dO_i.
+  // Returns (dq, dk, dv) like q, k, v (zeros where the part touches nothing).  Deterministic.
+  m.def("sparse_range_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor lse, Tensor delta, int[] view, int[] lo, int[] hi, float scale) -> (Tensor, Tensor, Tensor)");
+  // Block-sparse attention over a layout given as per-row index lists.  q, k [B,H,N,D],
+  // v [B,H,N,Dv], N = nb * block; row_ptr int32 [Hl, nb+1] (Hl = 1 or H; offsets into col_idx,
+  // absolute), col_idx int32 [nnz]: the key blocks of query block r of layout head h are
+  // col_idx[row_ptr[h, r] : row_ptr[h, r+1]] in increasing order.  causal: also j <= i.
+  // Returns out [B,H,N,Dv] (q's dtype), lse [B,H,N] (as sparse_range_fwd).
+  m.def("block_sparse_fwd(Tensor q, Tensor k, Tensor v, Tensor row_ptr, Tensor col_idx, int block, bool causal, float scale) -> (Tensor, Tensor)");
+  // Gradients (delta as in sparse_range_bwd); col_ptr / row_idx: the transposed lists (the query
+  // blocks that attend each key block), so dk/dv are accumulated without atomics.
+  m.def("block_sparse_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor lse, Tensor delta, Tensor row_ptr, Tensor col_idx, Tensor col_ptr, Tensor row_idx, int block, bool causal, float scale) -> (Tensor, Tensor, Tensor)");
 }
 
 namespace {

@@ -334,6 +334,30 @@ class BlockLayout(Pattern):
             kept = int(lay.sum()) * b * b
         return kept / (self.heads * n * n)
 
+    def index_lists(self, device=None):
+        """The layout as per-row and per-column block index lists (what the kernels read).
+
+        Returns ``(row_ptr, col_idx, col_ptr, row_idx)``, int32: ``col_idx[row_ptr[h, r] :
+        row_ptr[h, r + 1]]`` are the key blocks of query block ``r`` in head ``h`` (increasing),
+        ``row_idx[col_ptr[h, c] : col_ptr[h, c + 1]]`` the query blocks that attend key block
+        ``c``; ``row_ptr`` / ``col_ptr`` are ``[H | 1, nb + 1]`` absolute offsets.  With
+        ``causal``, blocks above the diagonal (never visible) are left out.
+        """
+        lay = self._layout.cpu()
+        if self._causal:
+            lay = lay & torch.ones(self.num_blocks, self.num_blocks, dtype=torch.bool).tril()
+        out = []
+        for m in (lay, lay.transpose(1, 2)):
+            counts = m.sum(-1).reshape(-1)  # [H * nb]
+            ptr = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+            ptr[1:] = torch.cumsum(counts, 0)
+            # Absolute offsets per head: row h of ptr is [start of row 0 .. end of row nb-1].
+            h, nb = m.shape[0], m.shape[1]
+            ptr2 = torch.stack([ptr[i * nb:(i + 1) * nb + 1] for i in range(h)])
+            idx = m.nonzero()[:, 2]  # row-major: (head, row, col) sorted -> increasing cols
+            out += [ptr2.to(torch.int32), idx.to(torch.int32)]
+        return tuple(t.to(device) if device is not None else t for t in out)
+
     def __eq__(self, other):
         if not isinstance(other, BlockLayout):
             return NotImplemented
