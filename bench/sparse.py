@@ -179,3 +179,51 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
         out.append(make_case("strided", {"stride": 128, "causal": True}, 1, 8, 16384, 128, torch.bfloat16, "fwd",
                              device))
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The README's table of pattern densities and connectivity: python -m attnkit.bench.sparse --table
+# ----------------------------------------------------------------------------------------------
+
+def _local_global_layout(nb: int) -> torch.Tensor:
+    """Block layout: the diagonal and its two neighbours, plus a global first row and column."""
+    eye = torch.eye(nb, dtype=torch.bool)
+    lay = eye | eye.roll(1, 1) | eye.roll(-1, 1)
+    lay[:, 0] = True
+    lay[0, :] = True
+    return lay[None]
+
+
+def pattern_table(ns=(256, 1024, 4096)) -> str:
+    """Markdown: density and connectivity().layers_to_full of a few patterns at each n."""
+    from attnkit import patterns
+
+    rows = [
+        ("strided(8)", lambda n: patterns.strided(8)),
+        ("strided(64)", lambda n: patterns.strided(64)),
+        ("strided(√n)", lambda n: patterns.strided(int(n ** 0.5))),
+        ("strided(64, causal=False)", lambda n: patterns.strided(64, causal=False)),
+        ("fixed(64, summary=8)", lambda n: patterns.fixed(64, 8)),
+        ("fixed(64, summary=1, causal=False)", lambda n: patterns.fixed(64, 1, causal=False)),
+        ("star(0, radius=1)", lambda n: patterns.star(0, 1)),
+        ("star(n//2, radius=2, cyclic=True)", lambda n: patterns.star(n // 2, 2, cyclic=True)),
+        ("star(0, radius=1, causal=True)", lambda n: patterns.star(0, 1, causal=True)),
+        ("block_layout(local+global, 64)", lambda n: patterns.block_layout(_local_global_layout(n // 64), 64)),
+    ]
+    lines = ["| pattern | " + " | ".join(f"density n={n}" for n in ns) + " | "
+             + " | ".join(f"layers_to_full n={n}" for n in ns) + " |",
+             "|---|" + "---|" * (2 * len(ns))]
+    for name, make in rows:
+        dens = [f"{make(n).density(n):.4f}" for n in ns]
+        full = [str(patterns.connectivity(make(n), n).layers_to_full) for n in ns]
+        lines.append(f"| `{name}` | " + " | ".join(dens) + " | " + " | ".join(full) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--table" in sys.argv:
+        print(pattern_table())
+    else:
+        print("usage: python -m attnkit.bench.sparse --table   (benchmarks: python -m attnkit bench --family sparse)")

@@ -6,11 +6,12 @@
   hopfield-layers package, on :func:`attnkit.hopfield_update`.
 
 - :class:`LinearAttention` -- projections + heads on :func:`attnkit.linear_attention`.
-
-(The sparse attention layer arrives with the sparse kernels.)
+- :class:`SparseSelfAttention` -- projections + heads (each with its own pattern, if wanted) on
+  :func:`attnkit.sparse_attention`.
 """
 from .hopfield import Hopfield, HopfieldLayer, HopfieldPooling
 from .linear import LinearAttention
 from .multihead import MultiheadAttention
+from .sparse import SparseSelfAttention
 
-__all__ = ["MultiheadAttention", "LinearAttention", "Hopfield", "HopfieldPooling", "HopfieldLayer"]
+__all__ = ["MultiheadAttention", "LinearAttention", "SparseSelfAttention", "Hopfield", "HopfieldPooling", "HopfieldLayer"]
