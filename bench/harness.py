@@ -281,6 +281,21 @@ def time_calls(step: Callable[[], Any], device: torch.device, *, warmup: int, re
 _CLEAR_REFS_OK: bool | None = None
 
 
+def interleaved_medians(contenders: dict, rounds: int, run: Callable[..., Any]) -> dict:
+    """Median seconds per contender, timed in interleaved rounds (each round runs every
+    contender once, after one warm-up call each), so that the load of a shared machine hits all
+    of them alike.  ``contenders``: name -> (fn, args); ``run(fn, *args)`` does one call."""
+    times = {name: [] for name in contenders}
+    for fn, args in contenders.values():
+        run(fn, *args)
+    for _ in range(rounds):
+        for name, (fn, args) in contenders.items():
+            start = time.perf_counter()
+            run(fn, *args)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def _rss_hwm_available() -> bool:
     global _CLEAR_REFS_OK
     if _CLEAR_REFS_OK is None:

@@ -5,14 +5,13 @@ attnkit.softmax_attention.  Run: ``python -m attnkit.bench.linear_targets [threa
 Interleaved repetitions (the machine is shared and noisy): each round runs every contender
 once; the median per contender over rounds is reported, and ratios.
 """
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 import attnkit
+from attnkit.bench.harness import interleaved_medians as race
 
 
 def phi(x):
@@ -57,18 +56,6 @@ def inputs(b, h, n, d, grad=True):
     torch.manual_seed(0)
     qkv = [torch.randn(b, h, n, d, requires_grad=grad) for _ in range(3)]
     return qkv + [torch.randn(b, h, n, d)]
-
-
-def race(contenders, rounds, mode):
-    times = {name: [] for name in contenders}
-    for name, (fn, args) in contenders.items():  # warm-up
-        mode(fn, *args)
-    for _ in range(rounds):
-        for name, (fn, args) in contenders.items():
-            t = time.perf_counter()
-            mode(fn, *args)
-            times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main():

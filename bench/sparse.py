@@ -100,6 +100,12 @@ def _sdpa_causal(x):
     return F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=True)
 
 
+def _attnkit_causal(x):
+    import attnkit
+
+    return attnkit.softmax_attention(x["q"], x["k"], x["v"], is_causal=True)
+
+
 _FLEX: dict = {}
 
 
@@ -157,6 +163,8 @@ def make_case(kind: str, kwargs: dict, b: int, h: int, n: int, d: int, dtype: to
     impls.append(flex)
     impls.append(Impl("torch SDPA (dense causal)", "peer", fn=_sdpa_causal, same_result=False,
                       note="dense causal, not the pattern: cost comparison only"))
+    impls.append(Impl("attnkit dense causal", "peer", fn=_attnkit_causal, same_result=False,
+                      note="our dense causal softmax kernel: the issue's >= 4x target"))
     args = ",".join(f"{k}={v}" for k, v in kwargs.items())
     name = f"{kind}({args})-{dtype_name(dtype)}-N{n}-D{d}"
     params = {"B": b, "H": h, "N": n, "D": d, "dtype": dtype_name(dtype), "pattern": f"{kind}({args})",
@@ -174,6 +182,7 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
         make_case("fixed", {"stride": 64, "summary": 8, "causal": True}, 1, 8, 4096, 64, torch.float32, "fwd",
                   device),
         make_case("star", {"relay": 0, "radius": 1}, 1, 8, 4096, 64, torch.float32, "fwd", device),
+        make_case("strided", {"stride": 64, "causal": True}, 1, 8, 4096, 64, torch.float32, "fwd+bwd", device),
     ]
     if device.type == "cuda":
         out.append(make_case("strided", {"stride": 128, "causal": True}, 1, 8, 16384, 128, torch.bfloat16, "fwd",
