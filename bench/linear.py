@@ -9,7 +9,10 @@ read-out φ(q)ᵀS per token, 2 FLOPs per multiply-add); forward+backward 3× th
 
 Full sizes (issue 5): B=1, H=8, N=4096 and N=16384, D=64, float32, causal, elu+1,
 forward+backward (their ratio is the linear-cost check t(16384)/t(4096) ≤ 4.6).
-``--quick``: N=256 and N=1024.
+Crossover (issue 5): causal forward at N = 128 .. 2048 (CUDA: bfloat16, 512 .. 8192) with
+attnkit.softmax_attention as a further peer computing a different function; its ratio crosses 1
+where linear attention becomes the cheaper one.
+``--quick``: N=256 and N=1024, and the crossover at N=256 only.
 """
 from __future__ import annotations
 
@@ -76,8 +79,18 @@ def _attnkit(causal):
     return call
 
 
+def _softmax_peer(causal):
+    def fn(x):
+        import attnkit
+
+        return attnkit.softmax_attention(x["q"], x["k"], x["v"], is_causal=causal)
+    return fn
+
+
 def make_case(b: int, h: int, n: int, d: int, dv: int, dtype: torch.dtype, causal: bool, mode: str,
-              device: torch.device, seed: int = 0) -> Case:
+              device: torch.device, seed: int = 0, crossover: bool = False) -> Case:
+    """``crossover``: also time attnkit's own softmax attention on the same inputs (a different
+    function: the ratio says from which N on linear attention is the cheaper one)."""
     size = torch.empty((), dtype=dtype).element_size()
     # Big intermediates live at the peak (measured: cumsum outer fwd+bwd peaks at ~4x its
     # [N, D, Dv] tensor): ~2 for the forward, ~4 with the backward.
@@ -90,6 +103,9 @@ def make_case(b: int, h: int, n: int, d: int, dv: int, dtype: torch.dtype, causa
                       skip=too_big(live * nn_bytes, device, "the [N, N] kernel matrix")))
     impls.append(Impl("cumsum outer", "peer", fn=lambda x: cumsum_outer(x["q"], x["k"], x["v"], causal),
                       skip=too_big(live * outer_bytes, device, "the [N, D, Dv] prefix-sum tensor")))
+    if crossover:
+        impls.append(Impl("attnkit softmax attention", "peer", fn=_softmax_peer(causal), same_result=False,
+                          note="softmax, not linear attention: the crossover point"))
     name = f"{'causal' if causal else 'full'}-elu-{dtype_name(dtype)}-N{n}-D{d}"
     params = {"B": b, "H": h, "N": n, "D": d, "Dv": dv, "dtype": dtype_name(dtype), "causal": causal,
               "feature_map": "elu"}
@@ -99,4 +115,11 @@ def make_case(b: int, h: int, n: int, d: int, dv: int, dtype: torch.dtype, causa
 
 def cases(quick: bool, device: torch.device) -> list[Case]:
     sizes = (256, 1024) if quick else (4096, 16384)
-    return [make_case(1, 8, n, 64, 64, torch.float32, True, "fwd+bwd", device) for n in sizes]
+    out = [make_case(1, 8, n, 64, 64, torch.float32, True, "fwd+bwd", device) for n in sizes]
+    # The crossover with softmax attention (issue 5): causal forward over a sweep of N.
+    sweep = (256,) if quick else (128, 256, 512, 1024, 2048)
+    if device.type == "cuda" and not quick:
+        sweep = (512, 1024, 2048, 4096, 8192)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out += [make_case(1, 8, n, 64, 64, dtype, True, "fwd", device, crossover=True) for n in sweep]
+    return out
