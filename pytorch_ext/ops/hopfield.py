@@ -2,24 +2,36 @@
 
 Two dispatch families:
 
-- ``"hopfield"`` (:func:`hopfield_update`): a C++ CPU kernel, the op
+- ``"hopfield"`` (:func:`hopfield_update`): the op
   ``torch.ops.attnkit.hopfield_update_fwd(state, stored, values, beta, steps, tol, final_state)
-  -> (out, states, lse, applied)`` (all steps fused; see ``csrc/ops.cpp``), with its fake and
-  its autograd formula (a chunked backward through every step) registered here.
-- ``"hopfield_energy"`` (:func:`hopfield_energy`): a C++ CPU kernel, the op
-  ``torch.ops.attnkit.hopfield_energy_fwd(state, stored, beta) -> (energy, lse)`` declared in
-  ``csrc/ops.cpp`` and implemented in ``csrc/cpu/hopfield.cpp``.  This module gives that op its
-  fake (meta) implementation, so ``torch.compile(fullgraph=True)`` traces it, and its autograd
-  formula.  Everything here is registered only when ``attnkit._C`` loads: without the
-  extension the package still imports and the energy runs on the reference.
+  -> (out, states, lse, applied)`` (all steps fused; see ``csrc/ops.cpp``) with a C++ CPU kernel
+  (``csrc/cpu/hopfield.cpp``) and a CUDA C++ kernel (``csrc/cuda/hopfield.cu``) registered per
+  dispatch key, and its twin ``attnkit::hopfield_triton_update_fwd`` around the Triton launcher
+  of ``attnkit.kernels.hopfield`` (same arguments, same outputs).  Both get their fake and the
+  same autograd formula here (a chunked backward through every step, plain PyTorch from the
+  saved per-step states, so it runs on any device).
+- ``"hopfield_energy"`` (:func:`hopfield_energy`): the op
+  ``torch.ops.attnkit.hopfield_energy_fwd(state, stored, beta) -> (energy, lse)`` (C++ CPU and
+  CUDA kernels) and its Triton twin ``attnkit::hopfield_triton_energy_fwd``, each with a fake
+  (meta) implementation, so ``torch.compile(fullgraph=True)`` traces it, and the same autograd
+  formula.
+
+The Triton ops are ``custom_op`` with an explicit fake rather than ``triton_op`` (whose automatic
+fake runs the interpreted kernel on FakeTensors under ``TRITON_INTERPRET=1`` and fails); the
+kernel module is imported inside their bodies (importing triton is slow, and
+``TRITON_INTERPRET`` is read when the kernels are decorated).  The C++ registrations exist only
+when ``attnkit._C`` loads: without the extension the package still imports and the cpu / cuda
+backends report why they cannot run.
 """
 from __future__ import annotations
 
 import math
+import os
+from typing import Optional
 
 import torch
 
-from .._dispatch import BackendUnavailableError, native, register_kernel, resolve
+from .._dispatch import ENV_VAR, BackendUnavailableError, native, register_kernel, resolve
 from .._validation import check_int, check_real, check_same_dtype_device, check_size_match, check_tensor
 from ..reference.hopfield import hopfield_energy_reference, hopfield_update_reference
 
@@ -132,6 +144,20 @@ if _energy_op is not None or not _native_loaded:
     # reference by default).  Only an extension that loads without this op (built from older
     # sources) leaves the family without one.
     register_kernel("hopfield_energy", "cpu")
+    register_kernel("hopfield_energy", "cuda")
+
+
+@torch.library.custom_op("attnkit::hopfield_triton_energy_fwd", mutates_args=())
+def _triton_energy(state: torch.Tensor, stored: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(energy, lse) float32 [B, H, S] from attnkit.kernels.hopfield.hopfield_energy_fwd."""
+    from ..kernels import hopfield as kernels
+
+    return kernels.hopfield_energy_fwd(state, stored, beta)
+
+
+_triton_energy.register_fake(_energy_fake)
+_triton_energy.register_autograd(_energy_backward, setup_context=_energy_setup_context)
+register_kernel("hopfield_energy", "triton")
 
 
 # ----------------------------------------------------------------------------- update op
@@ -236,17 +262,83 @@ if _update_op is not None:
     torch.library.register_autograd(_UPDATE_OP_NAME, _update_backward, setup_context=_update_setup_context)
 # Unconditionally: without attnkit._C the dispatcher reports the extension's import error.
 register_kernel("hopfield", "cpu")
+register_kernel("hopfield", "cuda")
 
 
-def _states_energy(states, stored, beta, steps, dtype):
-    """Energies of the saved states [steps+1, B, H, S, D] through the C++ energy op: [steps+1, B, H, S].
+@torch.library.custom_op("attnkit::hopfield_triton_update_fwd", mutates_args=())
+def _triton_update(
+    state: torch.Tensor,
+    stored: torch.Tensor,
+    values: Optional[torch.Tensor],
+    beta: float,
+    steps: int,
+    tol: Optional[float],
+    final_state: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attnkit.kernels.hopfield.hopfield_update_fwd: the outputs of attnkit::hopfield_update_fwd
+    (out, states, lse float32; applied bool).  Split-N or fused as the launcher decides."""
+    from ..kernels import hopfield as kernels
+
+    return kernels.hopfield_update_fwd(state, stored, values, beta, steps, tol, final_state)
+
+
+_triton_update.register_fake(_update_fake)
+_triton_update.register_autograd(_update_backward, setup_context=_update_setup_context)
+register_kernel("hopfield", "triton")
+
+
+# ----------------------------------------------------------------------------- routing
+
+# What the kernel backends take (each kernel also checks for itself).  The C++ CPU kernel takes
+# every floating dtype and any head dim.
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TRITON_MAX_HEAD_DIM = 256  # attnkit.kernels.hopfield.MAX_HEAD_DIM (not imported: triton is slow)
+CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CUDA_MAX_HEAD_DIM = 256  # csrc/cuda/hopfield.cu kMaxD
+
+
+def _kernel_limitation(backend: str, state: torch.Tensor, values: torch.Tensor | None) -> str:
+    """'' when ``backend`` can run this call, else what it cannot do."""
+    if backend in ("reference", "cpu"):
+        return ""
+    dtypes, max_dim = (TRITON_DTYPES, TRITON_MAX_HEAD_DIM) if backend == "triton" else (CUDA_DTYPES, CUDA_MAX_HEAD_DIM)
+    if state.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        return f"{str(state.dtype).replace('torch.', '')} inputs (the {backend} kernels take {names})"
+    d = state.shape[-1]
+    dv = d if values is None else values.shape[-1]
+    if d > max_dim or dv > max_dim:
+        return f"head dims D = {d}, Dv = {dv} (the {backend} kernels take head dims up to {max_dim})"
+    return ""
+
+
+def _route(family: str, backend: str | None, state: torch.Tensor, values, fn: str) -> str:
+    """``resolve``'s pick, unless that kernel cannot run the call: then the reference when the
+    backend was the default, an error when it was named (backend= or ATTNKIT_BACKEND)."""
+    chosen = resolve(family, backend, state.device, fn)
+    why_not = _kernel_limitation(chosen, state, values)
+    if not why_not:
+        return chosen
+    if backend is not None or os.environ.get(ENV_VAR):
+        source = "backend" if backend is not None else ENV_VAR
+        raise BackendUnavailableError(
+            f"{fn}: the {chosen} backend ({source}={chosen!r}) cannot run {why_not}; "
+            "use backend='reference', or leave backend=None to route such calls automatically"
+        )
+    return "reference"
+
+
+def _states_energy(states, stored, beta, steps, dtype, backend="cpu"):
+    """Energies of the saved states [steps+1, B, H, S, D] through the energy op of ``backend``
+    (the C++ op for cpu / cuda, the Triton op for triton): [steps+1, B, H, S].
 
     All steps go through one call (the states concatenated along S), so the stored patterns
-    stream once for all of them; the energy kernel redoes cancellation-prone rows in double.
+    stream once for all of them; the C++ CPU energy kernel redoes cancellation-prone rows in double.
     """
     k, b, h, s, d = states.shape
     flat = states.permute(1, 2, 0, 3, 4).reshape(b, h, k * s, d)
-    energy, _ = torch.ops.attnkit.hopfield_energy_fwd(flat, stored.to(states.dtype), beta)
+    op = torch.ops.attnkit.hopfield_triton_energy_fwd if backend == "triton" else torch.ops.attnkit.hopfield_energy_fwd
+    energy, _ = op(flat, stored.to(states.dtype), beta)
     return energy.reshape(b, h, k, s).permute(2, 0, 1, 3).to(dtype)
 
 
@@ -294,7 +386,14 @@ def hopfield_update(
             in one call, the stored patterns streamed once per step (each row read once and
             used as key and value), no S×N matrix, and for a few queries (S ≤ 16) against a
             long memory the patterns split across threads; its backward recomputes each step
-            from the saved per-step states.  Other devices use the reference for now.
+            from the saved per-step states.  CUDA tensors default to the Triton kernel
+            (``"triton"``, also CPU tensors under ``TRITON_INTERPRET=1``): the same fused
+            steps with the block's states kept on chip, and for S ≤ 16 against a long memory a
+            split over the stored patterns merged through log-sum-exps (flash-decoding);
+            ``"cuda"`` is the CUDA C++ kernel.  Both take float16, bfloat16 and float32 and head
+            dims up to 256; other calls go to the reference by default (and raise
+            BackendUnavailableError when that backend was named).  Every kernel backend shares
+            the backward above.
 
     Returns:
         Without ``values``: ξ after ``steps`` updates ξ ← softmax(β ξ Xᵀ) X, ``[B, H, S, D]``.
@@ -343,8 +442,8 @@ def hopfield_update(
     check_real(fn, "tol", tol, low=0, allow_none=True)
     if not isinstance(return_energy, bool):
         raise TypeError(f"{fn}: return_energy must be a bool; got {return_energy!r}")
-    chosen = resolve("hopfield", backend, state.device, fn)
-    if chosen != "cpu":
+    chosen = _route("hopfield", backend, state, values, fn)
+    if chosen == "reference":
         result = hopfield_update_reference(state, stored, beta=beta, steps=steps, values=values, tol=tol,
                                            return_energy=return_energy)
         if return_energy:
@@ -352,13 +451,13 @@ def hopfield_update(
         return result
     beta = 1.0 / math.sqrt(state.shape[-1]) if beta is None else float(beta)
     tol = None if tol is None else float(tol)
-    out, states, _, _ = torch.ops.attnkit.hopfield_update_fwd(state, stored, values, beta, steps, tol,
-                                                              return_energy)
+    op = torch.ops.attnkit.hopfield_triton_update_fwd if chosen == "triton" else torch.ops.attnkit.hopfield_update_fwd
+    out, states, _, _ = op(state, stored, values, beta, steps, tol, return_energy)
     out = out.to(state.dtype)
     if not return_energy:
         return out
     with torch.no_grad():
-        energy = _states_energy(states.detach(), stored.detach(), beta, steps, state.dtype)
+        energy = _states_energy(states.detach(), stored.detach(), beta, steps, state.dtype, chosen)
     return out, energy
 
 
@@ -381,8 +480,10 @@ def hopfield_energy(
         backend: ``None`` | ``"reference"`` | ``"cpu"`` | ``"triton"`` | ``"cuda"`` (env
             ``ATTNKIT_BACKEND``).  CPU tensors default to the C++ kernel (``"cpu"``), which makes
             one pass over the stored patterns per state with an online log-sum-exp, and whose
-            backward never holds more than a bounded slice of the S×N probabilities; other
-            devices use the reference for now.
+            backward never holds more than a bounded slice of the S×N probabilities.  CUDA
+            tensors default to the Triton kernel (``"triton"``; ``"cuda"``: the CUDA C++ kernel),
+            same pass, float16 / bfloat16 / float32 and head dims up to 256 (other calls: the
+            reference by default, BackendUnavailableError when named).
 
     Returns:
         ``[B, H, S]`` in the dtype of ``state`` (float16, bfloat16, float32 or float64; the
@@ -401,8 +502,9 @@ def hopfield_energy(
     fn = "attnkit.hopfield_energy"
     _check_common(fn, state, stored)
     check_real(fn, "beta", beta, low=0, low_inclusive=False)
-    chosen = resolve("hopfield_energy", backend, state.device, fn)
-    if chosen == "cpu":
-        energy, _ = torch.ops.attnkit.hopfield_energy_fwd(state, stored, float(beta))
-        return energy.to(state.dtype)
-    return hopfield_energy_reference(state, stored, beta)
+    chosen = _route("hopfield_energy", backend, state, None, fn)
+    if chosen == "reference":
+        return hopfield_energy_reference(state, stored, beta)
+    op = torch.ops.attnkit.hopfield_triton_energy_fwd if chosen == "triton" else torch.ops.attnkit.hopfield_energy_fwd
+    energy, _ = op(state, stored, float(beta))
+    return energy.to(state.dtype)
