@@ -54,6 +54,7 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TRITON_MAX_HEAD_DIM = 256
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 CUDA_HEAD_DIMS = (64, 128)
+CUDA_MIN_BLOCK = 16  # csrc/cuda/sparse.cu: one mma tile row of 16 per block at least
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -435,6 +436,9 @@ def _kernel_limitation(backend: str, query, value, pattern) -> str:
             return f"{dtype_name} inputs (the CUDA kernels take float16 and bfloat16)"
         if d not in CUDA_HEAD_DIMS or dv != d:
             return f"head dims D = {d}, Dv = {dv} (the CUDA kernels take D = Dv in {CUDA_HEAD_DIMS})"
+        if isinstance(pattern, BlockLayout) and pattern.block < CUDA_MIN_BLOCK:
+            return (f"block layouts with block = {pattern.block} (the CUDA block-sparse kernel takes "
+                    f"blocks of {CUDA_MIN_BLOCK} or more)")
     return ""
 
 
@@ -509,7 +513,8 @@ def sparse_attention(query, key, value, pattern, *, scale=None, backend=None):
 
     Backends: ``cpu`` (C++, CPU tensors, every floating dtype, any head dim), ``triton`` (CUDA
     tensors, or CPU under ``TRITON_INTERPRET=1``: float16 / bfloat16 / float32, head dims
-    1..256), ``cuda`` (float16 / bfloat16, D = Dv in {64, 128}), ``reference`` (dense masked
+    1..256), ``cuda`` (float16 / bfloat16, D = Dv in {64, 128}, block layouts with block >= 16, sm_80+),
+    ``reference`` (dense masked
     PyTorch).  With ``backend=None`` a call the picked kernel cannot run goes to the reference;
     a backend named explicitly raises :class:`attnkit.BackendUnavailableError` instead.
 

@@ -557,6 +557,9 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 }  // namespace
 }  // namespace attnkit
 
+// EMU_CORE_ONLY: the emulator alone (fibers, collectives, PTX helpers), for a harness of another
+// kernel file that includes this one (sparse_harness.cpp); the softmax part below is left out.
+#ifndef EMU_CORE_ONLY
 #include "kernels.inc"
 
 // ---------------------------------------------------------------------------------------------
@@ -689,6 +692,8 @@ extern "C" int emu_softmax_bwd(int bf16, int D, const uint16_t* dout, const int6
   return dispatch<Bwd>(bf16, D, p, out, os, dout, dos, delta.data(), B) ? 0 : 1;
 }
 
+#endif  // EMU_CORE_ONLY
+
 extern "C" const char* emu_last_error() { return emu::S.error.c_str(); }
 
 // seed: the warp order of the scheduler; fault: a test hook that breaks the emulated hardware
@@ -700,8 +705,10 @@ extern "C" void emu_configure(uint64_t seed, int fault) {
 
 extern "C" long long emu_collectives() { return emu::S.collectives; }
 
+#ifndef EMU_CORE_ONLY
 // The values of softmax.cu's MaskKind, in the order none, bool, f32, f16, bf16, f64.
 extern "C" void emu_mask_kinds(int* kinds) {
   const int k[6] = {kNoMask, kBoolMask, kF32Mask, kF16Mask, kBF16Mask, kF64Mask};
   std::memcpy(kinds, k, sizeof k);
 }
+#endif  // EMU_CORE_ONLY

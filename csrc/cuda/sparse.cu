@@ -1,0 +1,1284 @@
+// CUDA C++ kernels of sparse attention (issue 4), registered for the CUDA dispatch key of
+// attnkit::sparse_range_fwd / sparse_range_bwd / block_sparse_fwd / block_sparse_bwd (schemas
+// and exact semantics: csrc/ops.cpp; plain-PyTorch twins: pytorch_ext/reference/sparse.py).
+//
+// STATUS.  Checked: compiles with nvcc -c for sm_80 and sm_90a (.ci/compile_cuda.sh).  The
+// device code (this file up to "host side") runs on the CPU through the project's emulator of
+// the warp primitives (tests/csrc/test_sparse_cuda_emulated.py: fibers per CUDA thread,
+// ldmatrix / mma.m16n8k16 from the PTX ISA's fragment tables, NaN-poisoned shared memory)
+// against the float64 reference.  NOT yet checked: it has not run on a GPU (nor has the host
+// side).  tests/csrc/test_sparse_cuda.py (`pytest -m gpu`) is the real check.
+//
+// WHAT IT SUPPORTS.  float16 / bfloat16 (fp32 accumulation, lse and delta float32), head dims
+// D = 64 or 128 with Dv == D, compute capability >= 8.0.  Block-sparse: block >= 16 (any size,
+// not only powers of two).  Range parts: the query rows of different groups must not overlap
+// (nor, for the backward, the key rows): true of every view of the form [G, 1, s, 1, s] with
+// G <= s, and of a single group.  Anything else fails with a TORCH_CHECK naming it, so the
+// Python side can route it elsewhere (float32 / float64: the CPU or Triton backends).
+//
+// HOW.  The tiles and the arithmetic are those of csrc/cuda/softmax.cu (FlashAttention-2 style:
+// 4 warps x 16 rows, tensor-core mma.sync.m16n8k16 through inline PTX, ldmatrix fragments,
+// online softmax in base 2, deterministic backward with a dQ pass and a dK/dV pass, no
+// atomics).  The element helpers below are copies of softmax.cu's (the emulator's extractor
+// checks each PTX helper's text, in both files).  What differs is which rows a tile holds and
+// which tiles it meets, given by a "walk" object per thread block:
+//  - range part, query-major (forward, dQ): a block owns 64 consecutive query rows t of one
+//    group g (rows g*q_pg + t*q_pt: read IN PLACE as a tile with row stride q_pt*D), and visits
+//    the key tiles of 64 consecutive t' in [lo(t0), hi(t1)] (lo, hi nondecreasing); the element
+//    test is lo(t) <= t' <= hi(t) with lo / hi per row computed once.
+//  - range part, key-major (dK/dV): a block owns 64 key rows t' of a group; the queries that
+//    attend them are t in [first t with hi(t) >= t'0, last t with lo(t) <= t'1], found by two
+//    binary searches (monotone bounds); lo / hi of each query tile go to shared memory.
+//  - block-sparse: a block owns 64 rows (query rows forward / dQ, key rows dK/dV, with the
+//    transposed lists); those rows touch at most 5 blocks (block >= 16), whose sorted index lists
+//    are merged on the fly: the next tile starts at the first listed block at or after the
+//    current position, and a bit set per own block says which of the (at most 5) blocks under
+//    the tile are listed.  Causal: j <= i per element, and tiles past the diagonal are skipped.
+//  - a row that sees no key: out 0, lse -inf (the running max of an all -inf row is replaced by 0
+//    when exponentiating); the backward treats lse = -inf as +inf (P = 0).  Range rows in no
+//    group are filled by the host (out 0, lse -inf, zero gradients); when the groups cover every
+//    row the kernels write everything and nothing is filled.
+// Inputs are made contiguous with 16-byte aligned rows first (a copy only when they are not).
+
+// The CPU torch wheel (used by CI's compile check) does not ship this generated header; it only
+// matters for Windows DLL exports, which c10/cuda/CUDAMacros.h lets us skip.
+#if defined(__has_include)
+#if !__has_include(<c10/cuda/impl/cuda_cmake_macros.h>)
+#define C10_CUDA_NO_CMAKE_CONFIGURE_FILE
+#endif
+#endif
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+
+namespace attnkit {
+namespace {
+
+constexpr int kThreads = 128;  // 4 warps per block
+constexpr int kBlockQ = 64;    // query rows per block (forward, dQ): warp w owns rows 16w..16w+15
+constexpr int kBlockK = 64;    // key rows per tile; dK/dV: warp w owns keys 16w..16w+15
+constexpr int kPad = 8;        // shared-memory row padding (elements): conflict-free fragment loads
+constexpr int kMinBlock = 16;  // block-sparse: smallest block size (64 rows then touch <= 5 blocks)
+constexpr int kMaxSpan = 5;    // blocks of >= kMinBlock rows that 64 consecutive rows can touch
+constexpr int kNoBlock = 0x7fffffff;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ---------------------------------------------------------------------------------------------
+// element helpers (16-bit values are handled as raw bits; only conversions know the dtype)
+// ---------------------------------------------------------------------------------------------
+
+// Two floats rounded to the input dtype, packed as one 32-bit register: `lo` in the low half
+// (the element with the smaller column index, as the mma fragments want it).
+template <bool kBF16>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (kBF16) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+template <bool kBF16>
+__device__ __forceinline__ float to_float(uint16_t bits) {
+  if constexpr (kBF16) {
+    return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+  } else {
+    return __half2float(__ushort_as_half(bits));
+  }
+}
+
+// 2^x (ex2.approx: ~2 ulp; 2^-inf = +0, which the masking relies on).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// c += a · b for one m16n8k16 tile (a: 16x16 row-major fragment, b: 16x8 column fragment).
+template <bool kBF16>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kBF16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#else
+  // Never launched: the host checks compute capability >= 8.0 first.
+  __trap();
+#endif
+}
+
+// ldmatrix.x4: lanes 8m .. 8m+7 give the row addresses (16 bytes each) of 8x8 matrix m; register
+// m of lane l receives row l / 4, elements 2 (l % 4) and 2 (l % 4) + 1 of matrix m (.trans: the
+// elements [2 (l % 4)][l / 4] and [2 (l % 4) + 1][l / 4], i.e. of the transposed matrix).
+// asm volatile: must stay between the __syncthreads that guard the shared tiles.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// ---------------------------------------------------------------------------------------------
+// fragments (PTX ISA, mma.m16n8k16 with .f16/.bf16; g = lane / 4, t = lane % 4):
+//   A 16x16: reg0 = A[g][2t..2t+1], reg1 = A[g+8][2t..], reg2 = A[g][2t+8..], reg3 = A[g+8][2t+8..]
+//   B 16x8 : reg0 = B[2t..2t+1][g],  reg1 = B[2t+8..2t+9][g]
+//   C 16x8 : c0, c1 = C[g][2t], C[g][2t+1];  c2, c3 = C[g+8][2t], C[g+8][2t+1]
+// Shared-memory tiles are row-major with leading dimension kLd (elements).
+// ---------------------------------------------------------------------------------------------
+
+// All three loaders read 8x8 matrices with one ldmatrix.x4; the rows of a tile are 16-byte
+// aligned (kLd · 2 bytes is a multiple of 16, column offsets are multiples of 8 elements), and
+// the kPad elements of padding put the 8 rows of one matrix on 8 different 4-bank groups.
+
+// A = tile[r0 .. r0+15][c0 .. c0+15].  Matrices: 0 = rows r0.., cols c0..; 1 = rows r0+8..;
+// 2 = cols c0+8..; 3 = both (registers a[0..3] of the A layout, in that order).
+template <int kLd>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint16_t* tile, int r0, int c0, int lane) {
+  const int row = r0 + lane % 8 + ((lane / 8) % 2) * 8;
+  const int col = c0 + (lane / 16) * 8;
+  ldsm_x4(a, tile + row * kLd + col);
+}
+
+// Two B fragments for n-tiles n0 and n0 + 8, where B[k][n] = tile[n + n][k0 + k]: the tile
+// holds B's columns as rows (K for Q·Kᵀ).  Matrices: 0 = rows n0.., cols k0.. (b0[0]);
+// 1 = rows n0.., cols k0+8.. (b0[1]); 2 = rows n0+8.., cols k0.. (b1[0]); 3 = both (b1[1]).
+template <int kLd>
+__device__ __forceinline__ void load_b_nk2(uint32_t (&b0)[2], uint32_t (&b1)[2], const uint16_t* tile, int n0,
+                                           int k0, int lane) {
+  const int row = n0 + lane % 8 + (lane / 16) * 8;
+  const int col = k0 + ((lane / 8) % 2) * 8;
+  uint32_t r[4];
+  ldsm_x4(r, tile + row * kLd + col);
+  b0[0] = r[0], b0[1] = r[1], b1[0] = r[2], b1[1] = r[3];
+}
+
+// Two B fragments for n-tiles n0 and n0 + 8, where B[k][n] = tile[k0 + k][n]: the tile holds
+// B's rows as rows (V for P·V), read transposed.  Matrices: 0 = rows k0.., cols n0.. (b0[0]);
+// 1 = rows k0+8.., cols n0.. (b0[1]); 2 = rows k0.., cols n0+8.. (b1[0]); 3 = both (b1[1]).
+template <int kLd>
+__device__ __forceinline__ void load_b_kn2(uint32_t (&b0)[2], uint32_t (&b1)[2], const uint16_t* tile, int k0,
+                                           int n0, int lane) {
+  const int row = k0 + lane % 8 + ((lane / 8) % 2) * 8;
+  const int col = n0 + (lane / 16) * 8;
+  uint32_t r[4];
+  ldsm_x4_trans(r, tile + row * kLd + col);
+  b0[0] = r[0], b0[1] = r[1], b1[0] = r[2], b1[1] = r[3];
+}
+
+// The A fragment of columns 16 kc .. 16 kc + 15 of a 16-row accumulator held as C fragments
+// c[nt] (8 columns each): columns 16 kc + 0..7 are tile 2 kc, 16 kc + 8..15 tile 2 kc + 1.
+template <bool kBF16, int kNt>
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c)[kNt][4], int kc) {
+  a[0] = pack2<kBF16>(c[2 * kc][0], c[2 * kc][1]);
+  a[1] = pack2<kBF16>(c[2 * kc][2], c[2 * kc][3]);
+  a[2] = pack2<kBF16>(c[2 * kc + 1][0], c[2 * kc + 1][1]);
+  a[3] = pack2<kBF16>(c[2 * kc + 1][2], c[2 * kc + 1][3]);
+}
+
+// Copies rows [0, kR) of a tile of 16-bit elements with kD columns (global row stride `stride`
+// elements, rows 16-byte aligned) to shared memory (leading dimension kD + kPad), 16 bytes per
+// thread and step; rows >= `valid` are zero-filled (never read from global memory).
+template <int kR, int kD>
+__device__ __forceinline__ void load_tile(uint16_t* dst, const uint16_t* src, int64_t stride, int valid) {
+  constexpr int kChunks = kD / 8;
+  static_assert((kR * kChunks) % kThreads == 0, "tile must split evenly over the threads");
+#pragma unroll
+  for (int it = 0; it < kR * kChunks / kThreads; ++it) {
+    const int idx = it * kThreads + static_cast<int>(threadIdx.x);
+    const int r = idx / kChunks, c = idx % kChunks;
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    if (r < valid) val = *reinterpret_cast<const uint4*>(src + r * stride + c * 8);
+    *reinterpret_cast<uint4*>(dst + r * (kD + kPad) + c * 8) = val;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// parameters
+// ---------------------------------------------------------------------------------------------
+
+// Range part: view = [G, q_pg, q_pt, k_pg, k_pt]; f(t) = floor((t + a) / d) * m + b for
+// lo = [a, d, m, b] and hi likewise (the host checks d >= 1, 0 <= m <= 2^20, |a| <= 2^40,
+// |b| <= 2^62, so that f fits in int64 for t < 2^30).
+struct RangeGeo {
+  int G, q_pg, q_pt, k_pg, k_pt;
+  int64_t lo[4], hi[4];
+};
+
+// Block-sparse index lists: row_ptr / col_ptr [Hl, nb + 1] (absolute offsets), col_idx / row_idx.
+struct BlockGeo {
+  const int* row_ptr;
+  const int* col_idx;
+  const int* col_ptr;
+  const int* row_idx;
+  int Hl, nb, block;
+  bool causal;
+};
+
+struct Params {
+  const uint16_t* q;     // contiguous [B, H, Nq, D]
+  const uint16_t* k;     // contiguous [B, H, Nk, D]
+  const uint16_t* v;     // contiguous [B, H, Nk, D]
+  const uint16_t* dout;  // contiguous [B, H, Nq, D]
+  uint16_t* out;         // contiguous [B, H, Nq, D]
+  float* lse_out;        // contiguous [B, H, Nq] (forward)
+  const float* lse;      // contiguous [B, H, Nq] (backward: the merged lse, natural log)
+  const float* delta;    // contiguous [B, H, Nq] (backward: rowsum(dO * O) - dlse)
+  uint16_t* dq;
+  uint16_t* dk;
+  uint16_t* dv;
+  int H, Nq, Nk;
+  float scale, scale_log2;  // scale_log2 = scale * log2(e): scores live in the base-2 domain
+  RangeGeo rg;
+  BlockGeo bg;
+};
+
+// ---------------------------------------------------------------------------------------------
+// range parts
+// ---------------------------------------------------------------------------------------------
+
+// floor(x / d) for d >= 1 (C++ `/` truncates toward zero).
+__device__ __forceinline__ int64_t floor_div(int64_t x, int64_t d) { return x >= 0 ? x / d : -((-x + d - 1) / d); }
+
+// f(t) clipped to [-1, tk]: outside [0, tk) every clipped value says the same thing (no key
+// below / above), and the result fits in int.
+__device__ __forceinline__ int range_bound(const int64_t (&f)[4], int t, int tk) {
+  const int64_t v = floor_div(static_cast<int64_t>(t) + f[0], f[1]) * f[2] + f[3];
+  return v < -1 ? -1 : (v > tk ? tk : static_cast<int>(v));
+}
+
+// Rows of group g: ceil(max(n - g * pg, 0) / pt).
+__host__ __device__ __forceinline__ int group_rows(int n, int g, int pg, int pt) {
+  const int64_t rest = static_cast<int64_t>(n) - static_cast<int64_t>(g) * pg;
+  return rest <= 0 ? 0 : static_cast<int>((rest + pt - 1) / pt);
+}
+
+// Tiles of `rows` per group: as many as group 0 (the largest) needs; a tile past the end of a
+// smaller group is empty.
+__host__ __device__ __forceinline__ int tiles_per_group(int n, const RangeGeo& r, bool keys, int rows) {
+  const int t0 = keys ? group_rows(n, 0, r.k_pg, r.k_pt) : group_rows(n, 0, r.q_pg, r.q_pt);
+  return (t0 + rows - 1) / rows;
+}
+
+// Query-major walk (forward, dQ): block `tile` owns query rows t0 .. t0 + 63 of one group and
+// visits the key tiles t' = k_t0 .. k_t0 + 63 that any of them attends.
+struct RangeQueryWalk {
+  int64_t q_row0, k_row0;  // first row of the query tile / of the current key tile
+  int q_step, k_step;      // row strides (in rows) of the tiles
+  int q_valid, k_valid;    // rows of the tiles that exist
+  int tk, k_t0, k_next, k_last;
+  int lo_r[2], hi_r[2];  // this thread's two query rows: the keys t' they attend
+
+  __device__ RangeQueryWalk(const Params& p, int tile, int /*h*/, int row_local0) {
+    const RangeGeo& r = p.rg;
+    const int per_group = tiles_per_group(p.Nq, r, false, kBlockQ);
+    const int g = tile / per_group, t0 = (tile % per_group) * kBlockQ;
+    const int tq = group_rows(p.Nq, g, r.q_pg, r.q_pt);
+    tk = group_rows(p.Nk, g, r.k_pg, r.k_pt);
+    q_row0 = static_cast<int64_t>(g) * r.q_pg + static_cast<int64_t>(t0) * r.q_pt;
+    q_step = r.q_pt;
+    q_valid = max(0, min(kBlockQ, tq - t0));
+    k_step = r.k_pt;
+    k_row0 = static_cast<int64_t>(g) * r.k_pg;  // + t' * k_pt
+    k_valid = 0;
+    k_t0 = 0;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int t = t0 + row_local0 + 8 * e;
+      const bool row = t < tq;
+      lo_r[e] = row ? range_bound(r.lo, t, tk) : tk;
+      hi_r[e] = row ? range_bound(r.hi, t, tk) : -1;
+    }
+    if (q_valid > 0) {
+      k_next = max(range_bound(r.lo, t0, tk), 0);
+      k_last = min(range_bound(r.hi, t0 + q_valid - 1, tk), tk - 1);
+    } else {
+      k_next = 0, k_last = -1;
+    }
+  }
+
+  __device__ bool active() const { return q_valid > 0; }
+
+  __device__ bool next(const Params& p) {
+    if (k_next > k_last) return false;
+    k_row0 += static_cast<int64_t>(k_next - k_t0) * k_step;
+    k_t0 = k_next;
+    k_valid = min(kBlockK, tk - k_t0);
+    k_next += kBlockK;
+    return true;
+  }
+
+  // Query row slot e (0: row_local0, 1: row_local0 + 8) and key c of the current key tile.
+  __device__ bool visible(int e, int c) const {
+    const int tp = k_t0 + c;
+    return c < k_valid && tp >= lo_r[e] && tp <= hi_r[e];
+  }
+};
+
+// Key-major walk (dK/dV): block `tile` owns key rows t' = k_t0 .. k_t0 + 63 of one group and
+// visits the query tiles (kBr rows) between the first query that reaches them and the last.
+template <int kBr>
+struct RangeKeyWalk {
+  int64_t k_row0, q_row0;
+  int k_step, q_step, k_valid, q_valid;
+  int tk, tq, q_t0, q_next, q_end;
+  int key_t[2];  // this thread's two key rows (t')
+
+  __device__ RangeKeyWalk(const Params& p, int tile, int /*h*/, int row_local0) {
+    const RangeGeo& r = p.rg;
+    const int per_group = tiles_per_group(p.Nk, r, true, kBlockK);
+    const int g = tile / per_group, k_t0 = (tile % per_group) * kBlockK;
+    tk = group_rows(p.Nk, g, r.k_pg, r.k_pt);
+    tq = group_rows(p.Nq, g, r.q_pg, r.q_pt);
+    k_row0 = static_cast<int64_t>(g) * r.k_pg + static_cast<int64_t>(k_t0) * r.k_pt;
+    k_step = r.k_pt;
+    k_valid = max(0, min(kBlockK, tk - k_t0));
+    q_row0 = static_cast<int64_t>(g) * r.q_pg;  // + t * q_pt
+    q_step = r.q_pt;
+    q_valid = 0;
+    q_t0 = 0;
+    key_t[0] = k_t0 + row_local0;
+    key_t[1] = k_t0 + row_local0 + 8;
+    q_next = 0, q_end = 0;
+    if (k_valid > 0) {
+      // First t with hi(t) >= k_t0, first t with lo(t) > the tile's last key: hi and lo are
+      // nondecreasing, so the queries in between are the only ones that can see the tile.
+      const int k_t1 = k_t0 + k_valid - 1;
+      int a = 0, b = tq;
+      while (a < b) {
+        const int mid = a + (b - a) / 2;
+        if (range_bound(r.hi, mid, tk) >= k_t0) b = mid; else a = mid + 1;
+      }
+      q_next = a;
+      b = tq;
+      while (a < b) {
+        const int mid = a + (b - a) / 2;
+        if (range_bound(r.lo, mid, tk) > k_t1) b = mid; else a = mid + 1;
+      }
+      q_end = a;
+    }
+  }
+
+  __device__ bool active() const { return k_valid > 0; }
+
+  __device__ bool next(const Params& p) {
+    if (q_next >= q_end) return false;
+    q_row0 += static_cast<int64_t>(q_next - q_t0) * q_step;
+    q_t0 = q_next;
+    q_valid = min(kBr, tq - q_t0);
+    q_next += kBr;
+    return true;
+  }
+
+  // The key range [lo_s, hi_s] of query `idx` of the current query tile (empty past its end).
+  __device__ void row_bounds(const Params& p, int idx, int* lo_s, int* hi_s) const {
+    const int t = q_t0 + idx;
+    const bool row = idx < q_valid;
+    lo_s[idx] = row ? range_bound(p.rg.lo, t, tk) : tk;
+    hi_s[idx] = row ? range_bound(p.rg.hi, t, tk) : -1;
+  }
+
+  // Key row slot e and query c of the current query tile.
+  __device__ bool visible(int e, int c, const int* lo_s, const int* hi_s) const {
+    const int tp = key_t[e];
+    return tp < tk && tp >= lo_s[c] && tp <= hi_s[c];
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// block-sparse lists
+// ---------------------------------------------------------------------------------------------
+
+// Merges the sorted index lists of the (at most kMaxSpan) blocks that rows own0 .. own0 +
+// own_valid - 1 touch, and yields tiles of kOther rows on the other side: each starts at the
+// first listed block at or after the current position, so a tile holds at least one listed
+// block; bits[i] says which blocks under the tile (bit b: block ob0 + b) own block first + i
+// lists.  Every thread runs the same walk (uniform control flow).
+template <int kOther>
+struct ListWalk {
+  const int* idx;
+  int block, n_other, first, pos, pos_end, o0, ob0;
+  int cur[kMaxSpan], end[kMaxSpan];
+  uint32_t bits[kMaxSpan];
+
+  __device__ void init(const int* ptr, const int* idx_, int block_, int own0, int own_valid, int n_other_,
+                       int pos_begin, int pos_end_) {
+    idx = idx_, block = block_, n_other = n_other_;
+    first = own0 / block;
+    const int n_own = (own0 + own_valid - 1) / block - first + 1;
+#pragma unroll
+    for (int i = 0; i < kMaxSpan; ++i) {
+      cur[i] = i < n_own ? ptr[first + i] : 0;
+      end[i] = i < n_own ? ptr[first + i + 1] : 0;
+      bits[i] = 0;
+    }
+    pos = pos_begin, pos_end = pos_end_, o0 = 0, ob0 = 0;
+  }
+
+  __device__ bool next() {
+    if (pos >= pos_end) return false;
+    const int pb = pos / block;
+    int best = kNoBlock;
+#pragma unroll
+    for (int i = 0; i < kMaxSpan; ++i) {
+      while (cur[i] < end[i] && idx[cur[i]] < pb) ++cur[i];
+      if (cur[i] < end[i]) best = min(best, idx[cur[i]]);
+    }
+    if (best == kNoBlock) return false;
+    o0 = max(pos, best * block);
+    if (o0 >= pos_end) return false;
+    ob0 = o0 / block;  // == best: every list's entries from cur on are >= best
+    const int ob1 = (min(o0 + kOther, n_other) - 1) / block;
+#pragma unroll
+    for (int i = 0; i < kMaxSpan; ++i) {
+      uint32_t m = 0;
+      for (int c = cur[i]; c < end[i] && idx[c] <= ob1; ++c) m |= 1u << (idx[c] - ob0);
+      bits[i] = m;
+    }
+    pos = o0 + kOther;
+    return true;
+  }
+
+  // bits of own block first + rel (0 when rel is out of range: a row past the end).
+  __device__ uint32_t bits_of(int rel) const {
+    uint32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < kMaxSpan; ++i) m = i == rel ? bits[i] : m;
+    return m;
+  }
+};
+
+__device__ __forceinline__ int layout_row(const BlockGeo& g, int H, int h) { return g.Hl == H ? h : 0; }
+
+// Query-major walk over the block lists (forward, dQ): 64 query rows, key tiles of 64.
+struct BlockQueryWalk {
+  ListWalk<kBlockK> w;
+  int64_t q_row0, k_row0;
+  int q_step, k_step, q_valid, k_valid, block;
+  bool causal;
+  int row_i[2];
+  uint32_t row_bits[2];
+  int row_rel[2];
+
+  __device__ BlockQueryWalk(const Params& p, int tile, int h, int row_local0) {
+    const BlockGeo& g = p.bg;
+    const int n = p.Nq;
+    const int q0 = tile * kBlockQ;
+    q_row0 = q0, q_step = 1, k_row0 = 0, k_step = 1, k_valid = 0;
+    q_valid = min(kBlockQ, n - q0);
+    block = g.block, causal = g.causal;
+    // Causal: no key past the tile's last query.
+    w.init(g.row_ptr + static_cast<int64_t>(layout_row(g, p.H, h)) * (g.nb + 1), g.col_idx, block, q0, q_valid, n,
+           0, causal ? q0 + q_valid : n);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      row_i[e] = q0 + row_local0 + 8 * e;
+      row_rel[e] = row_i[e] < n ? row_i[e] / block - w.first : -1;
+      row_bits[e] = 0;
+    }
+  }
+
+  __device__ bool active() const { return q_valid > 0; }
+
+  __device__ bool next(const Params& p) {
+    if (!w.next()) return false;
+    k_row0 = w.o0;
+    k_valid = min(kBlockK, p.Nk - w.o0);
+    row_bits[0] = w.bits_of(row_rel[0]);
+    row_bits[1] = w.bits_of(row_rel[1]);
+    return true;
+  }
+
+  __device__ bool visible(int e, int c) const {
+    const int j = w.o0 + c;
+    return c < k_valid && ((row_bits[e] >> (j / block - w.ob0)) & 1u) && !(causal && j > row_i[e]);
+  }
+};
+
+// Key-major walk over the transposed lists (dK/dV): 64 key rows, query tiles of kBr.
+template <int kBr>
+struct BlockKeyWalk {
+  ListWalk<kBr> w;
+  int64_t k_row0, q_row0;
+  int k_step, q_step, k_valid, q_valid, block;
+  bool causal;
+  int key_j[2];
+  uint32_t key_bits[2];
+  int key_rel[2];
+
+  __device__ BlockKeyWalk(const Params& p, int tile, int h, int row_local0) {
+    const BlockGeo& g = p.bg;
+    const int n = p.Nk;
+    const int k0 = tile * kBlockK;
+    k_row0 = k0, k_step = 1, q_row0 = 0, q_step = 1, q_valid = 0;
+    k_valid = min(kBlockK, n - k0);
+    block = g.block, causal = g.causal;
+    // Causal: queries before the tile's first key see none of it.
+    w.init(g.col_ptr + static_cast<int64_t>(layout_row(g, p.H, h)) * (g.nb + 1), g.row_idx, block, k0, k_valid,
+           p.Nq, causal ? k0 : 0, p.Nq);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      key_j[e] = k0 + row_local0 + 8 * e;
+      key_rel[e] = key_j[e] < n ? key_j[e] / block - w.first : -1;
+      key_bits[e] = 0;
+    }
+  }
+
+  __device__ bool active() const { return k_valid > 0; }
+
+  __device__ bool next(const Params& p) {
+    if (!w.next()) return false;
+    q_row0 = w.o0;
+    q_valid = min(kBr, p.Nq - w.o0);
+    key_bits[0] = w.bits_of(key_rel[0]);
+    key_bits[1] = w.bits_of(key_rel[1]);
+    return true;
+  }
+
+  __device__ void row_bounds(const Params&, int, int*, int*) const {}
+
+  __device__ bool visible(int e, int c, const int*, const int*) const {
+    const int i = w.o0 + c;
+    return c < q_valid && ((key_bits[e] >> (i / block - w.ob0)) & 1u) && !(causal && key_j[e] > i);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// forward
+// ---------------------------------------------------------------------------------------------
+
+template <int kD>
+constexpr size_t fwd_smem_bytes() {
+  return static_cast<size_t>(kBlockQ + 2 * kBlockK) * (kD + kPad) * sizeof(uint16_t);
+}
+
+// One block per (64 query rows of the walk, h, b).
+template <bool kBF16, int kD, class Walk>
+__global__ void __launch_bounds__(kThreads) sparse_fwd_kernel(const Params p) {
+  constexpr int kLd = kD + kPad;
+  constexpr int kNt = kBlockK / 8;
+  extern __shared__ __align__(16) uint16_t smem[];
+  uint16_t* q_s = smem;
+  uint16_t* k_s = q_s + kBlockQ * kLd;
+  uint16_t* v_s = k_s + kBlockK * kLd;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = lane % 4;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int64_t bh = static_cast<int64_t>(b) * p.H + h;
+  const int row_local0 = warp * 16 + lane / 4;
+  Walk w(p, blockIdx.x, h, row_local0);
+  if (!w.active()) return;  // uniform: a tile past the end of its group
+  const uint16_t* k_g = p.k + bh * p.Nk * kD;
+  const uint16_t* v_g = p.v + bh * p.Nk * kD;
+  load_tile<kBlockQ, kD>(q_s, p.q + (bh * p.Nq + w.q_row0) * kD, static_cast<int64_t>(w.q_step) * kD, w.q_valid);
+
+  float o[kD / 8][4] = {};
+  float m_run[2] = {-INFINITY, -INFINITY};  // running max of the base-2 scores
+  float l_run[2] = {0.f, 0.f};              // this thread's part of the running sum
+
+  while (w.next(p)) {
+    __syncthreads();  // every warp is done with the previous K/V tiles (q_s: written before)
+    const int64_t k_stride = static_cast<int64_t>(w.k_step) * kD;
+    load_tile<kBlockK, kD>(k_s, k_g + w.k_row0 * kD, k_stride, w.k_valid);
+    load_tile<kBlockK, kD>(v_s, v_g + w.k_row0 * kD, k_stride, w.k_valid);
+    __syncthreads();
+
+    float s[kNt][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t a[4];
+      load_a<kLd>(a, q_s, warp * 16, kk * 16, lane);
+#pragma unroll
+      for (int nt = 0; nt < kNt; nt += 2) {
+        uint32_t b0[2], b1[2];
+        load_b_nk2<kLd>(b0, b1, k_s, nt * 8, kk * 16, lane);
+        mma16816<kBF16>(s[nt], a, b0);
+        mma16816<kBF16>(s[nt + 1], a, b1);
+      }
+    }
+
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = nt * 8 + 2 * t + (e % 2);
+        s[nt][e] = w.visible(e / 2, c) ? s[nt][e] * p.scale_log2 : -INFINITY;
+      }
+    }
+
+    // Online softmax; the 4 lanes of a quad share a row.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[r], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with only -inf so far: no NaN
+      const float alpha = exp2_approx(m_run[r] - m_use);
+      m_run[r] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+        s[nt][2 * r] = exp2_approx(s[nt][2 * r] - m_use);
+        s[nt][2 * r + 1] = exp2_approx(s[nt][2 * r + 1] - m_use);
+        sum += s[nt][2 * r] + s[nt][2 * r + 1];
+      }
+      l_run[r] = l_run[r] * alpha + sum;
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        o[dt][2 * r] *= alpha;
+        o[dt][2 * r + 1] *= alpha;
+      }
+    }
+
+    // O += P V (P rounded to the input dtype, as the A operand).
+#pragma unroll
+    for (int kc = 0; kc < kBlockK / 16; ++kc) {
+      uint32_t a[4];
+      acc_to_a<kBF16, kNt>(a, s, kc);
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; dt += 2) {
+        uint32_t b0[2], b1[2];
+        load_b_kn2<kLd>(b0, b1, v_s, kc * 16, dt * 8, lane);
+        mma16816<kBF16>(o[dt], a, b0);
+        mma16816<kBF16>(o[dt + 1], a, b1);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int local = row_local0 + 8 * r;
+    const float inv = l > 0.f ? 1.f / l : 0.f;  // l >= 1 when the row saw a finite score
+    if (local < w.q_valid) {
+      const int64_t i = w.q_row0 + static_cast<int64_t>(local) * w.q_step;
+      uint16_t* o_g = p.out + (bh * p.Nq + i) * kD;
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        *reinterpret_cast<uint32_t*>(o_g + dt * 8 + 2 * t) = pack2<kBF16>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+      }
+      if (t == 0) p.lse_out[bh * p.Nq + i] = l > 0.f ? (m_run[r] + log2f(l)) * kLn2 : -INFINITY;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// backward
+// ---------------------------------------------------------------------------------------------
+
+// The base-2 lse of a row as the backward uses it: P = 2^(x - lse2); lse = -inf (no key) -> +inf
+// so that every P of the row is 0.
+__device__ __forceinline__ float lse_log2(float value) { return value == -INFINITY ? INFINITY : value * kLog2e; }
+
+template <int kD>
+constexpr size_t dq_smem_bytes() {
+  return static_cast<size_t>(2 * kBlockQ + 2 * kBlockK) * (kD + kPad) * sizeof(uint16_t);
+}
+
+// dQ for the 64 query rows of the walk: P = exp(S - lse), dP = dO Vᵀ, dS = P (dP - delta),
+// dQ += dS K (no atomics).
+template <bool kBF16, int kD, class Walk>
+__global__ void __launch_bounds__(kThreads) sparse_bwd_dq_kernel(const Params p) {
+  constexpr int kLd = kD + kPad;
+  constexpr int kNt = kBlockK / 8;
+  extern __shared__ __align__(16) uint16_t smem[];
+  uint16_t* q_s = smem;
+  uint16_t* do_s = q_s + kBlockQ * kLd;
+  uint16_t* k_s = do_s + kBlockQ * kLd;
+  uint16_t* v_s = k_s + kBlockK * kLd;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = lane % 4;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int64_t bh = static_cast<int64_t>(b) * p.H + h;
+  const int row_local0 = warp * 16 + lane / 4;
+  Walk w(p, blockIdx.x, h, row_local0);
+  if (!w.active()) return;
+  const uint16_t* k_g = p.k + bh * p.Nk * kD;
+  const uint16_t* v_g = p.v + bh * p.Nk * kD;
+  const int64_t q_stride = static_cast<int64_t>(w.q_step) * kD;
+  load_tile<kBlockQ, kD>(q_s, p.q + (bh * p.Nq + w.q_row0) * kD, q_stride, w.q_valid);
+  load_tile<kBlockQ, kD>(do_s, p.dout + (bh * p.Nq + w.q_row0) * kD, q_stride, w.q_valid);
+
+  float lse2[2], dlt[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int local = row_local0 + 8 * r;
+    const int64_t i = bh * p.Nq + w.q_row0 + static_cast<int64_t>(local) * w.q_step;
+    lse2[r] = local < w.q_valid ? lse_log2(p.lse[i]) : INFINITY;
+    dlt[r] = local < w.q_valid ? p.delta[i] : 0.f;
+  }
+  float dq[kD / 8][4] = {};
+
+  while (w.next(p)) {
+    __syncthreads();  // every warp is done with the previous K/V tiles
+    const int64_t k_stride = static_cast<int64_t>(w.k_step) * kD;
+    load_tile<kBlockK, kD>(k_s, k_g + w.k_row0 * kD, k_stride, w.k_valid);
+    load_tile<kBlockK, kD>(v_s, v_g + w.k_row0 * kD, k_stride, w.k_valid);
+    __syncthreads();
+
+    float s[kNt][4] = {};   // S = Q Kᵀ, then dS
+    float dp[kNt][4] = {};  // dP = dO Vᵀ
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t a[4], a_do[4];
+      load_a<kLd>(a, q_s, warp * 16, kk * 16, lane);
+      load_a<kLd>(a_do, do_s, warp * 16, kk * 16, lane);
+#pragma unroll
+      for (int nt = 0; nt < kNt; nt += 2) {
+        uint32_t bk0[2], bk1[2], bv0[2], bv1[2];
+        load_b_nk2<kLd>(bk0, bk1, k_s, nt * 8, kk * 16, lane);
+        load_b_nk2<kLd>(bv0, bv1, v_s, nt * 8, kk * 16, lane);
+        mma16816<kBF16>(s[nt], a, bk0);
+        mma16816<kBF16>(s[nt + 1], a, bk1);
+        mma16816<kBF16>(dp[nt], a_do, bv0);
+        mma16816<kBF16>(dp[nt + 1], a_do, bv1);
+      }
+    }
+
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = nt * 8 + 2 * t + (e % 2);
+        const float prob = w.visible(e / 2, c) ? exp2_approx(s[nt][e] * p.scale_log2 - lse2[e / 2]) : 0.f;
+        s[nt][e] = prob * (dp[nt][e] - dlt[e / 2]);
+      }
+    }
+
+    // dQ += dS K  (the scale is applied once, at the end).
+#pragma unroll
+    for (int kc = 0; kc < kBlockK / 16; ++kc) {
+      uint32_t a[4];
+      acc_to_a<kBF16, kNt>(a, s, kc);
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; dt += 2) {
+        uint32_t b0[2], b1[2];
+        load_b_kn2<kLd>(b0, b1, k_s, kc * 16, dt * 8, lane);
+        mma16816<kBF16>(dq[dt], a, b0);
+        mma16816<kBF16>(dq[dt + 1], a, b1);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int local = row_local0 + 8 * r;
+    if (local < w.q_valid) {
+      uint16_t* g = p.dq + (bh * p.Nq + w.q_row0 + static_cast<int64_t>(local) * w.q_step) * kD;
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        *reinterpret_cast<uint32_t*>(g + dt * 8 + 2 * t) =
+            pack2<kBF16>(dq[dt][2 * r] * p.scale, dq[dt][2 * r + 1] * p.scale);
+      }
+    }
+  }
+}
+
+// Query rows per step of the dK/dV kernel: fewer for D = 128 (dK and dV alone take 128
+// accumulator registers per thread).  A variable template: a constexpr function would need
+// --expt-relaxed-constexpr in device code.
+template <int kD>
+constexpr int kDkdvBlockQ = kD <= 64 ? 64 : 32;
+
+template <int kD>
+constexpr size_t dkdv_smem_bytes() {
+  constexpr int kBr = kDkdvBlockQ<kD>;
+  return static_cast<size_t>(2 * kBlockK + 2 * kBr) * (kD + kPad) * sizeof(uint16_t) +
+         2 * kBr * sizeof(float) + 2 * kBr * sizeof(int);
+}
+
+// dK, dV for the 64 key rows of the walk: warp w owns keys 16w..16w+15 and works on the
+// transposed products (Sᵀ = K Qᵀ), so its rows of dK and dV stay in registers.
+template <bool kBF16, int kD, template <int> class Walk>
+__global__ void __launch_bounds__(kThreads) sparse_bwd_dkdv_kernel(const Params p) {
+  constexpr int kLd = kD + kPad;
+  constexpr int kBr = kDkdvBlockQ<kD>;
+  constexpr int kNt = kBr / 8;
+  extern __shared__ __align__(16) uint16_t smem[];
+  uint16_t* k_s = smem;
+  uint16_t* v_s = k_s + kBlockK * kLd;
+  uint16_t* q_s = v_s + kBlockK * kLd;
+  uint16_t* do_s = q_s + kBr * kLd;
+  // Byte offset (2 kBlockK + 2 kBr) · kLd · 2 is a multiple of 4 (kLd is even).
+  float* lse_s = reinterpret_cast<float*>(do_s + kBr * kLd);
+  float* dlt_s = lse_s + kBr;
+  int* lo_s = reinterpret_cast<int*>(dlt_s + kBr);  // range parts: keys [lo, hi] of each query
+  int* hi_s = lo_s + kBr;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = lane % 4;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int64_t bh = static_cast<int64_t>(b) * p.H + h;
+  const int row_local0 = warp * 16 + lane / 4;
+  Walk<kBr> w(p, blockIdx.x, h, row_local0);
+  if (!w.active()) return;
+  const int64_t k_stride = static_cast<int64_t>(w.k_step) * kD;
+  load_tile<kBlockK, kD>(k_s, p.k + (bh * p.Nk + w.k_row0) * kD, k_stride, w.k_valid);
+  load_tile<kBlockK, kD>(v_s, p.v + (bh * p.Nk + w.k_row0) * kD, k_stride, w.k_valid);
+
+  float dk[kD / 8][4] = {};
+  float dv[kD / 8][4] = {};
+  const uint16_t* q_g = p.q + bh * p.Nq * kD;
+  const uint16_t* do_g = p.dout + bh * p.Nq * kD;
+
+  while (w.next(p)) {
+    __syncthreads();  // every warp is done with the previous Q/dO tiles (k_s, v_s: written before)
+    const int64_t q_stride = static_cast<int64_t>(w.q_step) * kD;
+    load_tile<kBr, kD>(q_s, q_g + w.q_row0 * kD, q_stride, w.q_valid);
+    load_tile<kBr, kD>(do_s, do_g + w.q_row0 * kD, q_stride, w.q_valid);
+    for (int idx = threadIdx.x; idx < kBr; idx += kThreads) {
+      const int64_t i = bh * p.Nq + w.q_row0 + static_cast<int64_t>(idx) * w.q_step;
+      lse_s[idx] = idx < w.q_valid ? lse_log2(p.lse[i]) : INFINITY;
+      dlt_s[idx] = idx < w.q_valid ? p.delta[i] : 0.f;
+      w.row_bounds(p, idx, lo_s, hi_s);
+    }
+    __syncthreads();
+
+    // Sᵀ = K Qᵀ (the warp's 16 keys x kBr queries) and dPᵀ = V dOᵀ.
+    float st[kNt][4] = {};
+    float dpt[kNt][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t ak[4], av[4];
+      load_a<kLd>(ak, k_s, warp * 16, kk * 16, lane);
+      load_a<kLd>(av, v_s, warp * 16, kk * 16, lane);
+#pragma unroll
+      for (int nt = 0; nt < kNt; nt += 2) {
+        uint32_t bq0[2], bq1[2], bdo0[2], bdo1[2];
+        load_b_nk2<kLd>(bq0, bq1, q_s, nt * 8, kk * 16, lane);
+        load_b_nk2<kLd>(bdo0, bdo1, do_s, nt * 8, kk * 16, lane);
+        mma16816<kBF16>(st[nt], ak, bq0);
+        mma16816<kBF16>(st[nt + 1], ak, bq1);
+        mma16816<kBF16>(dpt[nt], av, bdo0);
+        mma16816<kBF16>(dpt[nt + 1], av, bdo1);
+      }
+    }
+
+    // Pᵀ (in st) and dSᵀ = Pᵀ ∘ (dPᵀ - delta) (in dpt).
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = nt * 8 + 2 * t + (e % 2);  // query of the tile
+        const float prob =
+            w.visible(e / 2, c, lo_s, hi_s) ? exp2_approx(st[nt][e] * p.scale_log2 - lse_s[c]) : 0.f;
+        st[nt][e] = prob;
+        dpt[nt][e] = prob * (dpt[nt][e] - dlt_s[c]);
+      }
+    }
+
+    // dV += Pᵀ dO,  dK += dSᵀ Q  (the scale is applied once, at the end).
+#pragma unroll
+    for (int kc = 0; kc < kBr / 16; ++kc) {
+      uint32_t ap[4], ads[4];
+      acc_to_a<kBF16, kNt>(ap, st, kc);
+      acc_to_a<kBF16, kNt>(ads, dpt, kc);
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; dt += 2) {
+        uint32_t bdo0[2], bdo1[2], bq0[2], bq1[2];
+        load_b_kn2<kLd>(bdo0, bdo1, do_s, kc * 16, dt * 8, lane);
+        load_b_kn2<kLd>(bq0, bq1, q_s, kc * 16, dt * 8, lane);
+        mma16816<kBF16>(dv[dt], ap, bdo0);
+        mma16816<kBF16>(dv[dt + 1], ap, bdo1);
+        mma16816<kBF16>(dk[dt], ads, bq0);
+        mma16816<kBF16>(dk[dt + 1], ads, bq1);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int local = row_local0 + 8 * r;
+    if (local < w.k_valid) {
+      const int64_t j = bh * p.Nk + w.k_row0 + static_cast<int64_t>(local) * w.k_step;
+      uint16_t* gk = p.dk + j * kD;
+      uint16_t* gv = p.dv + j * kD;
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        *reinterpret_cast<uint32_t*>(gk + dt * 8 + 2 * t) =
+            pack2<kBF16>(dk[dt][2 * r] * p.scale, dk[dt][2 * r + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(gv + dt * 8 + 2 * t) = pack2<kBF16>(dv[dt][2 * r], dv[dt][2 * r + 1]);
+      }
+    }
+  }
+}
+
+// Host-side helpers the launches need (plain functions: the emulator's launches use them too).
+
+// The groups of a view on one side (n rows, G groups at g * pg + t * pt): how many have rows,
+// how many rows they hold together, and whether no row is in two groups (sufficient tests:
+// interleaved groups, 0 < (used - 1) * pg < pt, or consecutive stretches, pg > (T_0 - 1) * pt).
+struct GroupCover {
+  int used;
+  int64_t rows;
+  bool disjoint;
+};
+
+inline GroupCover group_cover(int n, int G, int pg, int pt) {
+  GroupCover c{0, 0, true};
+  const int first = G > 0 ? group_rows(n, 0, pg, pt) : 0;
+  if (first == 0) return c;
+  if (pg == 0) {  // every group holds the same rows
+    c.used = G;
+    c.rows = static_cast<int64_t>(G) * first;
+    c.disjoint = G == 1;
+    return c;
+  }
+  for (int g = 0; g < G; ++g) {
+    const int rows = group_rows(n, g, pg, pt);  // nonincreasing in g
+    if (rows == 0) break;
+    ++c.used;
+    c.rows += rows;
+  }
+  c.disjoint = c.used <= 1 || static_cast<int64_t>(c.used - 1) * pg < pt ||
+               static_cast<int64_t>(pg) > static_cast<int64_t>(first - 1) * pt;
+  return c;
+}
+
+// Grid x of the range kernels: tiles of every group that has rows.
+inline unsigned range_query_blocks(const Params& p, int used_q) {
+  return static_cast<unsigned>(used_q) * static_cast<unsigned>(tiles_per_group(p.Nq, p.rg, false, kBlockQ));
+}
+inline unsigned range_key_blocks(const Params& p, int used_k) {
+  return static_cast<unsigned>(used_k) * static_cast<unsigned>(tiles_per_group(p.Nk, p.rg, true, kBlockK));
+}
+inline unsigned block_tiles(int n, int rows) { return static_cast<unsigned>((n + rows - 1) / rows); }
+
+// ---------------------------------------------------------------------------------------------
+// host side
+// ---------------------------------------------------------------------------------------------
+
+// x contiguous with a 16-byte aligned start (the kernels read rows with 16-byte loads); a copy
+// only when it is not already.
+at::Tensor dense_rows(const at::Tensor& x) {
+  at::Tensor c = x.contiguous();
+  if (c.numel() > 0 && reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone(at::MemoryFormat::Contiguous);
+  return c;
+}
+
+struct Shape {
+  int64_t B, H, Nq, Nk, D;
+};
+
+Shape check_qkv(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
+              ": q, k, v must be 4-D [B, H, Nq, D], [B, H, Nk, D], [B, H, Nk, Dv]; got ", q.dim(), "-D, ", k.dim(),
+              "-D, ", v.dim(), "-D");
+  TORCH_CHECK(q.is_cuda(), fn, ": the cuda backend takes CUDA tensors; got q on ", q.device());
+  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), fn, ": q, k, v must be on one device; got ",
+              q.device(), ", ", k.device(), ", ", v.device());
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, fn,
+              ": the cuda kernels take float16 or bfloat16; got ", q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), fn,
+              ": q, k, v must share one dtype; got ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
+  const Shape s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
+  TORCH_CHECK(k.size(0) == s.B && k.size(1) == s.H && v.size(0) == s.B && v.size(1) == s.H && v.size(2) == s.Nk &&
+                  k.size(3) == s.D,
+              fn, ": shapes do not match: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK((s.D == 64 || s.D == 128) && v.size(3) == s.D, fn,
+              ": the cuda kernels support head dims 64 and 128, with value's head dim equal to query's; got D = ",
+              s.D, ", Dv = ", v.size(3));
+  TORCH_CHECK(s.Nq < (int64_t{1} << 30) && s.Nk < (int64_t{1} << 30), fn,
+              ": sequence lengths must be < 2^30; got Nq = ", s.Nq, ", Nk = ", s.Nk);
+  TORCH_CHECK(s.H <= 65535 && s.B <= 65535, fn, ": B and H must be <= 65535 (CUDA grid); got B = ", s.B, ", H = ",
+              s.H);
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
+  TORCH_CHECK(major >= 8, fn,
+              ": the cuda kernels need compute capability 8.0 or newer (tensor-core mma.m16n8k16); got ", major, ".x");
+  return s;
+}
+
+void check_grads_inputs(const char* fn, const Shape& s, const at::Tensor& q, const at::Tensor& dout,
+                        const at::Tensor& lse, const at::Tensor& delta) {
+  TORCH_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == q.scalar_type() && dout.device() == q.device(), fn,
+              ": grad_out must be like q (", q.sizes(), ", ", q.scalar_type(), "); got ", dout.sizes(), ", ",
+              dout.scalar_type(), " on ", dout.device());
+  for (const at::Tensor* x : {&lse, &delta}) {
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == s.B && x->size(1) == s.H && x->size(2) == s.Nq, fn,
+                ": lse and delta must have shape [B, H, Nq] = [", s.B, ", ", s.H, ", ", s.Nq, "]; got ", x->sizes());
+    TORCH_CHECK(x->scalar_type() == at::kFloat && x->device() == q.device(), fn,
+                ": lse and delta must be float32 on q's device; got ", x->scalar_type(), " on ", x->device());
+  }
+}
+
+// Checks the range part's view and bounds (see RangeGeo) and fills p.rg.
+void set_range(const char* fn, Params& p, c10::IntArrayRef view, c10::IntArrayRef lo, c10::IntArrayRef hi) {
+  TORCH_CHECK(view.size() == 5 && lo.size() == 4 && hi.size() == 4, fn,
+              ": view must have 5 entries [G, q_pg, q_pt, k_pg, k_pt] and lo, hi 4 [a, d, m, b]; got ", view.size(),
+              ", ", lo.size(), ", ", hi.size());
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  TORCH_CHECK(view[0] >= 0 && view[1] >= 0 && view[3] >= 0 && view[2] >= 1 && view[4] >= 1, fn,
+              ": view needs G, q_pg, k_pg >= 0 and q_pt, k_pt >= 1; got ", view);
+  for (int i = 0; i < 5; ++i) TORCH_CHECK(view[i] <= kIntMax, fn, ": view entries must be < 2^31; got ", view);
+  for (const c10::IntArrayRef f : {lo, hi}) {
+    TORCH_CHECK(f[1] >= 1 && f[1] <= kIntMax && f[2] >= 0 && f[2] <= (int64_t{1} << 20) &&
+                    std::abs(f[0]) <= (int64_t{1} << 40) && std::abs(f[3]) <= (int64_t{1} << 62),
+                fn, ": the cuda kernels take bounds [a, d, m, b] with 1 <= d < 2^31, 0 <= m <= 2^20, |a| <= 2^40, ",
+                "|b| <= 2^62; got lo = ", lo, ", hi = ", hi);
+  }
+  RangeGeo& r = p.rg;
+  r.G = static_cast<int>(view[0]), r.q_pg = static_cast<int>(view[1]), r.q_pt = static_cast<int>(view[2]);
+  r.k_pg = static_cast<int>(view[3]), r.k_pt = static_cast<int>(view[4]);
+  for (int i = 0; i < 4; ++i) r.lo[i] = lo[i], r.hi[i] = hi[i];
+}
+
+// Checks one pair of block index lists (ptr [Hl, nb + 1], idx [nnz], int32 on q's device) and
+// returns them contiguous (kept alive by the caller).
+std::pair<at::Tensor, at::Tensor> block_lists(const char* fn, const Shape& s, const at::Tensor& q,
+                                              const at::Tensor& ptr, const at::Tensor& idx, int64_t block,
+                                              const char* names) {
+  TORCH_CHECK(block >= kMinBlock, fn, ": the cuda kernels need block >= ", kMinBlock, "; got block = ", block);
+  TORCH_CHECK(s.Nq == s.Nk && s.Nq % block == 0, fn,
+              ": block-sparse attention needs Nq == Nk == nb * block; got Nq = ", s.Nq, ", Nk = ", s.Nk,
+              ", block = ", block);
+  const int64_t nb = s.Nq / block;
+  TORCH_CHECK(ptr.dim() == 2 && (ptr.size(0) == 1 || ptr.size(0) == s.H) && ptr.size(1) == nb + 1 && idx.dim() == 1,
+              fn, ": ", names, " must have shapes [1 or H, nb + 1] = [1 or ", s.H, ", ", nb + 1, "] and [nnz]; got ",
+              ptr.sizes(), ", ", idx.sizes());
+  TORCH_CHECK(ptr.scalar_type() == at::kInt && idx.scalar_type() == at::kInt && ptr.device() == q.device() &&
+                  idx.device() == q.device(),
+              fn, ": ", names, " must be int32 on q's device (", q.device(), "); got ", ptr.scalar_type(), " on ",
+              ptr.device(), ", ", idx.scalar_type(), " on ", idx.device());
+  return {ptr.contiguous(), idx.contiguous()};
+}
+
+void set_block_geo(Params& p, int64_t hl, int64_t nb, int64_t block, bool causal) {
+  p.bg.Hl = static_cast<int>(hl);
+  p.bg.nb = static_cast<int>(nb);
+  p.bg.block = static_cast<int>(block);
+  p.bg.causal = causal;
+}
+
+const int* ints(const at::Tensor& x) { return x.numel() > 0 ? x.data_ptr<int>() : nullptr; }
+const uint16_t* bits(const at::Tensor& x) { return static_cast<const uint16_t*>(x.data_ptr()); }
+uint16_t* mutable_bits(at::Tensor& x) { return static_cast<uint16_t*>(x.data_ptr()); }
+
+Params base_params(const Shape& s, double scale) {
+  Params p{};
+  p.H = static_cast<int>(s.H);
+  p.Nq = static_cast<int>(s.Nq);
+  p.Nk = static_cast<int>(s.Nk);
+  p.scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale) * kLog2e;
+  return p;
+}
+
+template <typename Kernel>
+void allow_smem(Kernel kernel, size_t bytes) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+template <bool kBF16, int kD, class QWalk>
+void launch_fwd(const Params& p, unsigned q_blocks, int64_t B, cudaStream_t stream) {
+  if (q_blocks == 0 || B == 0 || p.H == 0) return;
+  constexpr size_t smem = fwd_smem_bytes<kD>();
+  allow_smem(sparse_fwd_kernel<kBF16, kD, QWalk>, smem);
+  const dim3 grid(q_blocks, static_cast<unsigned>(p.H), static_cast<unsigned>(B));
+  sparse_fwd_kernel<kBF16, kD, QWalk><<<grid, kThreads, smem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <bool kBF16, int kD, class QWalk, template <int> class KWalk>
+void launch_bwd(const Params& p, unsigned q_blocks, unsigned k_blocks, int64_t B, cudaStream_t stream) {
+  if (B == 0 || p.H == 0) return;
+  if (q_blocks > 0) {
+    constexpr size_t smem = dq_smem_bytes<kD>();
+    allow_smem(sparse_bwd_dq_kernel<kBF16, kD, QWalk>, smem);
+    const dim3 grid(q_blocks, static_cast<unsigned>(p.H), static_cast<unsigned>(B));
+    sparse_bwd_dq_kernel<kBF16, kD, QWalk><<<grid, kThreads, smem, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (k_blocks > 0) {
+    constexpr size_t smem = dkdv_smem_bytes<kD>();
+    allow_smem(sparse_bwd_dkdv_kernel<kBF16, kD, KWalk>, smem);
+    const dim3 grid(k_blocks, static_cast<unsigned>(p.H), static_cast<unsigned>(B));
+    sparse_bwd_dkdv_kernel<kBF16, kD, KWalk><<<grid, kThreads, smem, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// Calls F<kBF16, kD>::run(args...) for the inputs' dtype and head dim (checked before).
+template <template <bool, int> class F, typename... Args>
+void dispatch(const at::Tensor& q, int64_t D, Args&&... args) {
+  if (q.scalar_type() == at::kBFloat16) {
+    D == 64 ? F<true, 64>::run(args...) : F<true, 128>::run(args...);
+  } else {
+    D == 64 ? F<false, 64>::run(args...) : F<false, 128>::run(args...);
+  }
+}
+
+template <bool kBF16, int kD>
+struct RangeFwd {
+  static void run(const Params& p, unsigned qb, int64_t B, cudaStream_t st) { launch_fwd<kBF16, kD, RangeQueryWalk>(p, qb, B, st); }
+};
+template <bool kBF16, int kD>
+struct RangeBwd {
+  static void run(const Params& p, unsigned qb, unsigned kb, int64_t B, cudaStream_t st) {
+    launch_bwd<kBF16, kD, RangeQueryWalk, RangeKeyWalk>(p, qb, kb, B, st);
+  }
+};
+template <bool kBF16, int kD>
+struct BlockFwd {
+  static void run(const Params& p, unsigned qb, int64_t B, cudaStream_t st) { launch_fwd<kBF16, kD, BlockQueryWalk>(p, qb, B, st); }
+};
+template <bool kBF16, int kD>
+struct BlockBwd {
+  static void run(const Params& p, unsigned qb, unsigned kb, int64_t B, cudaStream_t st) {
+    launch_bwd<kBF16, kD, BlockQueryWalk, BlockKeyWalk>(p, qb, kb, B, st);
+  }
+};
+
+// ---- range parts ----
+
+std::tuple<at::Tensor, at::Tensor> sparse_range_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                         const at::Tensor& v_in, c10::IntArrayRef view,
+                                                         c10::IntArrayRef lo, c10::IntArrayRef hi, double scale) {
+  constexpr const char* fn = "attnkit::sparse_range_fwd (cuda)";
+  const Shape s = check_qkv(fn, q_in, k_in, v_in);
+  Params p = base_params(s, scale);
+  set_range(fn, p, view, lo, hi);
+  const GroupCover cq = group_cover(p.Nq, p.rg.G, p.rg.q_pg, p.rg.q_pt);
+  TORCH_CHECK(cq.disjoint, fn, ": the cuda kernels need the groups' query rows to be disjoint; view = ", view,
+              " with Nq = ", s.Nq, " puts some query row in two groups");
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = dense_rows(q_in), k = dense_rows(k_in), v = dense_rows(v_in);
+  // Rows in no group: out 0, lse -inf (written here; the kernels write every row of a group).
+  const bool all_rows = cq.rows == s.Nq;
+  at::Tensor out = all_rows ? at::empty({s.B, s.H, s.Nq, s.D}, q.options()) : at::zeros({s.B, s.H, s.Nq, s.D}, q.options());
+  at::Tensor lse = all_rows ? at::empty({s.B, s.H, s.Nq}, q.options().dtype(at::kFloat))
+                            : at::full({s.B, s.H, s.Nq}, -INFINITY, q.options().dtype(at::kFloat));
+  p.q = bits(q), p.k = bits(k), p.v = bits(v);
+  p.out = mutable_bits(out);
+  p.lse_out = lse.data_ptr<float>();
+  dispatch<RangeFwd>(q, s.D, p, range_query_blocks(p, cq.used), s.B, c10::cuda::getCurrentCUDAStream());
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_range_bwd_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& lse_in, const at::Tensor& delta_in, c10::IntArrayRef view, c10::IntArrayRef lo,
+    c10::IntArrayRef hi, double scale) {
+  constexpr const char* fn = "attnkit::sparse_range_bwd (cuda)";
+  const Shape s = check_qkv(fn, q_in, k_in, v_in);
+  check_grads_inputs(fn, s, q_in, dout_in, lse_in, delta_in);
+  Params p = base_params(s, scale);
+  set_range(fn, p, view, lo, hi);
+  const GroupCover cq = group_cover(p.Nq, p.rg.G, p.rg.q_pg, p.rg.q_pt);
+  const GroupCover ck = group_cover(p.Nk, p.rg.G, p.rg.k_pg, p.rg.k_pt);
+  TORCH_CHECK(cq.disjoint && ck.disjoint, fn,
+              ": the cuda kernels need the groups' query rows and key rows to be disjoint; view = ", view,
+              " with Nq = ", s.Nq, ", Nk = ", s.Nk, " puts some row in two groups");
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = dense_rows(q_in), k = dense_rows(k_in), v = dense_rows(v_in), dout = dense_rows(dout_in);
+  const at::Tensor lse = lse_in.contiguous(), delta = delta_in.contiguous();
+  const auto like = [](bool all, const at::Tensor& x) { return all ? at::empty_like(x) : at::zeros_like(x); };
+  at::Tensor dq = like(cq.rows == s.Nq, q), dk = like(ck.rows == s.Nk, k), dv = like(ck.rows == s.Nk, v);
+  p.q = bits(q), p.k = bits(k), p.v = bits(v), p.dout = bits(dout);
+  p.lse = lse.data_ptr<float>(), p.delta = delta.data_ptr<float>();
+  p.dq = mutable_bits(dq), p.dk = mutable_bits(dk), p.dv = mutable_bits(dv);
+  dispatch<RangeBwd>(q, s.D, p, range_query_blocks(p, cq.used), range_key_blocks(p, ck.used), s.B,
+                     c10::cuda::getCurrentCUDAStream());
+  return {dq, dk, dv};
+}
+
+// ---- block-sparse ----
+
+std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                         const at::Tensor& v_in, const at::Tensor& row_ptr_in,
+                                                         const at::Tensor& col_idx_in, int64_t block, bool causal,
+                                                         double scale) {
+  constexpr const char* fn = "attnkit::block_sparse_fwd (cuda)";
+  const Shape s = check_qkv(fn, q_in, k_in, v_in);
+  const auto [row_ptr, col_idx] = block_lists(fn, s, q_in, row_ptr_in, col_idx_in, block, "row_ptr, col_idx");
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = dense_rows(q_in), k = dense_rows(k_in), v = dense_rows(v_in);
+  at::Tensor out = at::empty({s.B, s.H, s.Nq, s.D}, q.options());  // every row is written
+  at::Tensor lse = at::empty({s.B, s.H, s.Nq}, q.options().dtype(at::kFloat));
+  Params p = base_params(s, scale);
+  set_block_geo(p, row_ptr.size(0), s.Nq / block, block, causal);
+  p.bg.row_ptr = ints(row_ptr), p.bg.col_idx = ints(col_idx);
+  p.q = bits(q), p.k = bits(k), p.v = bits(v);
+  p.out = mutable_bits(out);
+  p.lse_out = lse.data_ptr<float>();
+  dispatch<BlockFwd>(q, s.D, p, block_tiles(p.Nq, kBlockQ), s.B, c10::cuda::getCurrentCUDAStream());
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& lse_in, const at::Tensor& delta_in, const at::Tensor& row_ptr_in, const at::Tensor& col_idx_in,
+    const at::Tensor& col_ptr_in, const at::Tensor& row_idx_in, int64_t block, bool causal, double scale) {
+  constexpr const char* fn = "attnkit::block_sparse_bwd (cuda)";
+  const Shape s = check_qkv(fn, q_in, k_in, v_in);
+  check_grads_inputs(fn, s, q_in, dout_in, lse_in, delta_in);
+  const auto [row_ptr, col_idx] = block_lists(fn, s, q_in, row_ptr_in, col_idx_in, block, "row_ptr, col_idx");
+  const auto [col_ptr, row_idx] = block_lists(fn, s, q_in, col_ptr_in, row_idx_in, block, "col_ptr, row_idx");
+  TORCH_CHECK(col_ptr.size(0) == row_ptr.size(0), fn, ": row_ptr and col_ptr must have the same number of rows; got ",
+              row_ptr.size(0), " and ", col_ptr.size(0));
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = dense_rows(q_in), k = dense_rows(k_in), v = dense_rows(v_in), dout = dense_rows(dout_in);
+  const at::Tensor lse = lse_in.contiguous(), delta = delta_in.contiguous();
+  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);  // every row is written
+  Params p = base_params(s, scale);
+  set_block_geo(p, row_ptr.size(0), s.Nq / block, block, causal);
+  p.bg.row_ptr = ints(row_ptr), p.bg.col_idx = ints(col_idx);
+  p.bg.col_ptr = ints(col_ptr), p.bg.row_idx = ints(row_idx);
+  p.q = bits(q), p.k = bits(k), p.v = bits(v), p.dout = bits(dout);
+  p.lse = lse.data_ptr<float>(), p.delta = delta.data_ptr<float>();
+  p.dq = mutable_bits(dq), p.dk = mutable_bits(dk), p.dv = mutable_bits(dv);
+  dispatch<BlockBwd>(q, s.D, p, block_tiles(p.Nq, kBlockQ), block_tiles(p.Nk, kBlockK), s.B,
+                     c10::cuda::getCurrentCUDAStream());
+  return {dq, dk, dv};
+}
+
+}  // namespace
+}  // namespace attnkit
+
+TORCH_LIBRARY_IMPL(attnkit, CUDA, m) {
+  m.impl("sparse_range_fwd", &attnkit::sparse_range_fwd_cuda);
+  m.impl("sparse_range_bwd", &attnkit::sparse_range_bwd_cuda);
+  m.impl("block_sparse_fwd", &attnkit::block_sparse_fwd_cuda);
+  m.impl("block_sparse_bwd", &attnkit::block_sparse_bwd_cuda);
+}

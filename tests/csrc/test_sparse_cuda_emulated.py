@@ -1,0 +1,487 @@
+"""The CUDA C++ sparse-attention kernels (csrc/cuda/sparse.cu) run on the CPU by the host emulator.
+
+Like tests/csrc/test_softmax_cuda_emulated.py: cuda_emulator/extract.py cuts the device code out
+of sparse.cu, g++ compiles it with cuda_emulator/sparse_harness.cpp (the emulator of harness.cpp:
+every CUDA thread a fiber; __syncthreads, shuffles, ldmatrix and mma.m16n8k16 rebuilt from the PTX
+ISA; shared memory exact-size and NaN-filled) and the four ops' kernels are called through ctypes
+on CPU tensors held in NaN-guarded buffers.  out, lse (forward) and dq, dk, dv (backward, given a
+merged lse and a delta) are compared with the float64 references of
+pytorch_ext/reference/sparse.py under the rule of DESIGN.md: within 2x the error the reference
+itself makes in the inputs' dtype, + 1e-3; infinities must match, NaN never passes.
+
+Covered: range parts (the strided band and columns with N not a multiple of the stride, fixed-like
+floor ranges with Nq != Nk, floor division of negative numbers, empty ranges, rows in no group,
+different query and key views, several query / key tiles per group) and block-sparse lists (Hl = 1
+and H, causal, rows with no block, block 16 / 24 / 32 / 80), fp16 and bf16, D 64 and 128.
+Not covered: the host side of sparse.cu (checks, copies, launch configuration as nvcc builds it;
+sparse_harness.cpp re-creates the launches) and anything about a real GPU:
+tests/csrc/test_sparse_cuda.py (``pytest -m gpu``) covers those.
+"""
+import ctypes
+import importlib.util
+import math
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnkit.reference.sparse import (
+    block_sparse_bwd_reference,
+    block_sparse_reference,
+    sparse_range_bwd_reference,
+    sparse_range_reference,
+)
+from attnkit_testing import F64, assert_close_to_reference
+
+HERE = Path(__file__).resolve().parent
+EMULATOR = HERE / "cuda_emulator"
+SOURCE = HERE.parents[1] / "csrc" / "cuda" / "sparse.cu"
+CXX = "g++"
+CXXFLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-shared", "-fPIC")
+PAD = 64  # guard elements around every buffer (a multiple of 8: rows stay 16-byte aligned)
+NONE_HI = 2**40  # "no upper bound" as the lead writes it
+
+
+def _load_extract():
+    spec = importlib.util.spec_from_file_location("attnkit_cuda_emulator_extract_sparse", EMULATOR / "extract.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+extract = _load_extract()
+
+# Deliberate bugs, each applied to a copy of the extracted device code (built for fp16, D = 64
+# only): the tests must catch them.
+MUTATIONS = {
+    # floor division done as C++'s truncating `/` (wrong for a negative t + a).
+    "truncating_division": (
+        "return x >= 0 ? x / d : -((-x + d - 1) / d);",
+        "return x / d;",
+    ),
+    # dK/dV: no barrier before the next Q/dO tiles overwrite the ones other warps still read.
+    "missing_syncthreads": (
+        "    __syncthreads();  // every warp is done with the previous Q/dO tiles (k_s, v_s: written before)\n",
+        "",
+    ),
+    # block lists: the causal test inside listed blocks dropped in the forward / dQ walk.
+    "no_causal_in_blocks": (
+        "return c < k_valid && ((row_bits[e] >> (j / block - w.ob0)) & 1u) && !(causal && j > row_i[e]);",
+        "return c < k_valid && ((row_bits[e] >> (j / block - w.ob0)) & 1u);",
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# building and calling the emulator
+# ----------------------------------------------------------------------------------------------
+
+
+class Build:
+    """One g++ run of sparse_harness.cpp on a given device code, started in the background."""
+
+    def __init__(self, directory: Path, device_code: str, defines=()):
+        directory.mkdir(parents=True)
+        (directory / "sparse_kernels.inc").write_text(device_code)
+        self.lib = directory / "libemu.so"
+        cmd = [CXX, *CXXFLAGS, *(f"-D{d}" for d in defines), f"-I{directory}",
+               str(EMULATOR / "sparse_harness.cpp"), "-o", str(self.lib)]
+        self.cmd = " ".join(cmd)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.log = None
+        self._emulator = None
+
+    def emulator(self):
+        if self.log is None:
+            self.log, _ = self.proc.communicate()
+        if self.proc.returncode != 0:
+            pytest.fail(f"building the CUDA emulator failed:\n$ {self.cmd}\n{self.log[-6000:]}", pytrace=False)
+        if self._emulator is None:
+            self._emulator = Emulator(self.lib)
+        return self._emulator
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class NoBuild:
+    def __init__(self, reason):
+        self.reason = reason
+
+    def emulator(self):
+        pytest.fail(self.reason, pytrace=False)
+
+    def stop(self):
+        pass
+
+
+class EmulatorError(RuntimeError):
+    pass
+
+
+_ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_i64x = ctypes.POINTER(ctypes.c_int64)
+
+
+def _i64(values):
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def _p(x):
+    return None if x is None or x.numel() == 0 else x.data_ptr()
+
+
+class Emulator:
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        rng = [_int] * 4 + [_i64x] * 3 + [_float]  # B, H, Nq, Nk, view, lo, hi, scale
+        lib.emu_sparse_range_fwd.argtypes = [_int, _int] + [_ptr] * 5 + rng
+        lib.emu_sparse_range_bwd.argtypes = [_int, _int] + [_ptr] * 9 + rng
+        lib.emu_block_sparse_fwd.argtypes = [_int, _int] + [_ptr] * 5 + [_int] * 3 + [_ptr] * 2 + [_int] * 3 + [_float]
+        lib.emu_block_sparse_bwd.argtypes = ([_int, _int] + [_ptr] * 9 + [_int] * 3 + [_ptr] * 4 + [_int] * 3
+                                             + [_float])
+        for f in ("emu_sparse_range_fwd", "emu_sparse_range_bwd", "emu_block_sparse_fwd", "emu_block_sparse_bwd"):
+            getattr(lib, f).restype = _int
+        lib.emu_last_error.restype = ctypes.c_char_p
+        lib.emu_configure.argtypes = [ctypes.c_uint64, _int]
+        self.lib = lib
+
+    def configure(self, seed=1, fault=0):
+        self.lib.emu_configure(seed, fault)
+
+    def check(self, rc, what):
+        if rc != 0:
+            raise EmulatorError(f"{what}: {self.lib.emu_last_error().decode()}")
+
+
+@pytest.fixture(scope="session")
+def builds(tmp_path_factory):
+    """Starts every build at once (the full emulator and the mutants), in the background."""
+    if shutil.which(CXX) is None:
+        pytest.fail(f"{CXX} not found: this test compiles the CUDA kernels' device code for the CPU with {CXX} "
+                    "(C++20); install g++ >= 12.", pytrace=False)
+    try:
+        device_code = extract.extract_device_code(SOURCE.read_text())
+    except extract.ExtractError as e:  # its message names softmax.cu; say which file it was
+        pytest.fail(f"extracting the device code of csrc/cuda/sparse.cu: {e}", pytrace=False)
+    root = tmp_path_factory.mktemp("cuda_emulator_sparse")
+    started = {"full": Build(root / "full", device_code)}
+    for name, (old, new) in MUTATIONS.items():
+        if device_code.count(old) != 1:
+            started[name] = NoBuild(f"mutation {name}: its target is no longer (once) in sparse.cu; update MUTATIONS")
+        else:
+            started[name] = Build(root / name, device_code.replace(old, new), defines=("EMU_ONLY_F16_D64",))
+    yield started
+    for b in started.values():
+        b.stop()
+
+
+@pytest.fixture(scope="session")
+def emulator(builds):
+    return builds["full"].emulator()
+
+
+# ----------------------------------------------------------------------------------------------
+# guarded buffers
+# ----------------------------------------------------------------------------------------------
+
+
+class Guarded:
+    """A contiguous tensor in the middle of a flat buffer, with PAD guard elements on each side."""
+
+    def __init__(self, shape, dtype, fill):
+        numel = math.prod(shape)
+        self.buffer = torch.full((numel + 2 * PAD,), fill, dtype=dtype)
+        self.tensor = self.buffer[PAD:PAD + numel].view(shape)
+
+    def bits(self):
+        return _bits(self.buffer).clone()
+
+    def guards_intact(self):
+        guards = torch.cat([self.buffer[:PAD], self.buffer[-PAD:]])
+        return bool(torch.isnan(guards).all()) if guards.is_floating_point() else True
+
+
+def _bits(x):
+    return x.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+def _guarded_copy(x, fill=float("nan")):
+    g = Guarded(tuple(x.shape), x.dtype, fill)
+    g.tensor.copy_(x)
+    return g
+
+
+# ----------------------------------------------------------------------------------------------
+# cases
+# ----------------------------------------------------------------------------------------------
+
+F16, BF16 = torch.float16, torch.bfloat16
+
+
+@dataclass(frozen=True)
+class RangeCase:
+    name: str
+    dtype: torch.dtype
+    d: int
+    b: int
+    h: int
+    nq: int
+    nk: int
+    view: tuple
+    lo: tuple
+    hi: tuple
+
+    def __str__(self):
+        return f"{self.name}-{str(self.dtype)[6:]}-D{self.d}-B{self.b}H{self.h}-Nq{self.nq}Nk{self.nk}"
+
+
+@dataclass(frozen=True)
+class BlockCase:
+    name: str
+    dtype: torch.dtype
+    d: int
+    b: int
+    h: int
+    hl: int
+    block: int
+    nb: int
+    causal: bool
+    density: float = 0.5
+
+    def __str__(self):
+        c = "-causal" if self.causal else ""
+        return f"{self.name}-{str(self.dtype)[6:]}-D{self.d}-B{self.b}H{self.h}Hl{self.hl}-blk{self.block}x{self.nb}{c}"
+
+
+V1 = (1, 0, 1, 0, 1)  # the plain view: one group, every row
+
+
+def _strided_view(s):
+    return (s, 1, s, 1, s)
+
+
+# The lead's decompositions (see the sparse spec), at emulator sizes.  Tiles are 64 rows, so
+# groups of 75 / 150 rows need several query and key tiles; N is no multiple of the stride.
+RANGE_CASES = [
+    # strided causal, s = 8: band (one group, several tiles) + columns on the strided view
+    RangeCase("band_causal", F16, 64, 1, 2, 150, 150, V1, (-8, 1, 1, 0), (0, 1, 1, 0)),
+    RangeCase("columns_causal", BF16, 64, 2, 1, 150, 150, _strided_view(8), (0, 1, 0, 0), (-2, 1, 1, 0)),
+    # s = 2: 75 rows per group (two tiles each way), D = 128
+    RangeCase("columns_causal_s2", F16, 128, 1, 1, 150, 150, _strided_view(2), (0, 1, 0, 0), (-2, 1, 1, 0)),
+    # strided non-causal: band |t - t'| <= s, columns below t - 2 and above t + 2 (no upper bound)
+    RangeCase("band_noncausal", BF16, 128, 1, 2, 100, 100, V1, (-8, 1, 1, 0), (8, 1, 1, 0)),
+    RangeCase("columns_low", F16, 64, 1, 1, 131, 131, _strided_view(4), (0, 1, 0, 0), (-2, 1, 1, 0)),
+    RangeCase("columns_high", BF16, 64, 1, 1, 131, 131, _strided_view(4), (2, 1, 1, 0), (0, 1, 0, NONE_HI)),
+    # fixed causal, stride l = 24 (floor ranges, tiles not aligned to blocks), summary c = 3:
+    # own block, then the gathered summary columns (Nk = 3 per block of 24, Nq != Nk)
+    RangeCase("fixed_own_block", F16, 64, 1, 1, 130, 130, V1, (0, 24, 24, 0), (0, 1, 1, 0)),
+    RangeCase("fixed_summary", BF16, 64, 1, 2, 130, 18, V1, (0, 1, 0, 0), (0, 24, 3, -1)),
+    # floor division of negative numbers (d > 1, t + a < 0) on both bounds
+    RangeCase("negative_floor", F16, 128, 1, 1, 90, 80, V1, (-7, 3, 2, 5), (-9, 2, 3, 12)),
+    # groups that cover only some rows (3 of 8 residues): the others give 0 / -inf / zero grads
+    RangeCase("partial_groups", BF16, 64, 1, 1, 100, 100, (3, 1, 8, 1, 8), (-2, 1, 1, 0), (1, 1, 1, 0)),
+    # queries and keys on different strided views (q: residues mod 4, k: even residues mod 8), Nk != Nq
+    RangeCase("strided_keys", F16, 64, 1, 1, 130, 120, (4, 1, 4, 2, 8), (-5, 1, 1, 0), (3, 1, 1, 0)),
+    # every range empty (lo > hi): all rows 0 / -inf, all grads 0
+    RangeCase("empty", BF16, 64, 1, 1, 70, 70, V1, (5, 1, 1, 0), (3, 1, 1, 0)),
+]
+
+BLOCK_CASES = [
+    BlockCase("b16", F16, 64, 1, 2, 1, 16, 9, False),
+    BlockCase("b16_causal_heads", BF16, 64, 1, 2, 2, 16, 8, True, 0.6),
+    BlockCase("b24_causal", F16, 128, 1, 1, 1, 24, 6, True, 0.7),
+    BlockCase("b32_heads", BF16, 128, 1, 2, 2, 32, 5, False, 0.4),
+    BlockCase("b80_causal", F16, 64, 1, 1, 1, 80, 3, True, 0.8),
+]
+
+
+def _randn(shape, dtype, g):
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _bwd_inputs(out64, lse64, g):
+    """dout, and a merged lse / delta as the lead passes them: lse >= the part's (other parts
+    add mass; finite even where this part has no key), delta = rowsum(dO O) - dlse."""
+    dout = torch.randn(out64.shape, generator=g)
+    lse = torch.where(torch.isinf(lse64), torch.full_like(lse64, 0.7), lse64 + 0.5 * torch.rand(lse64.shape, generator=g))
+    delta = (dout.double() * out64).sum(-1) - 0.3 * torch.randn(lse64.shape, generator=g)
+    return dout, lse.float(), delta.float()
+
+
+def _run_case(emu, kind, bf16, d, inputs, outs, args):
+    """Calls the emulator with guarded buffers; checks guards and unchanged inputs."""
+    before = [x.bits() for x in inputs]
+    fn = getattr(emu.lib, f"emu_{kind}")
+    emu.check(fn(bf16, d, *args), kind)
+    for x in outs:
+        assert x.guards_intact(), f"{kind}: an output was written outside its bounds"
+    for x, bits in zip(inputs, before):
+        assert torch.equal(x.bits(), bits), f"{kind}: an input (or its guard) was written"
+
+
+def run_range(emu, case: RangeCase, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, h, nq, nk, d, dtype = case.b, case.h, case.nq, case.nk, case.d, case.dtype
+    scale = 1.0 / math.sqrt(d)
+    q, k, v = _randn((b, h, nq, d), dtype, g), _randn((b, h, nk, d), dtype, g), _randn((b, h, nk, d), dtype, g)
+    ref_out, ref_lse = sparse_range_reference(q.double(), k.double(), v.double(), case.view, case.lo, case.hi, scale)
+    dout, lse, delta = _bwd_inputs(ref_out, ref_lse, g)
+    dout = dout.to(dtype)
+    gq, gk, gv, gdo = (_guarded_copy(x) for x in (q, k, v, dout))
+    glse, gdelta = _guarded_copy(lse), _guarded_copy(delta)
+    out, olse = Guarded((b, h, nq, d), dtype, float("nan")), Guarded((b, h, nq), torch.float32, float("nan"))
+    dq, dk, dv = (Guarded(shape, dtype, float("nan")) for shape in ((b, h, nq, d), (b, h, nk, d), (b, h, nk, d)))
+    bf16 = int(dtype == BF16)
+    geo = [b, h, nq, nk, _i64(case.view), _i64(case.lo), _i64(case.hi), scale]
+    _run_case(emu, "sparse_range_fwd", bf16, d, [gq, gk, gv], [out, olse],
+              [_p(gq.tensor), _p(gk.tensor), _p(gv.tensor), _p(out.tensor), _p(olse.tensor)] + geo)
+    _run_case(emu, "sparse_range_bwd", bf16, d, [gq, gk, gv, gdo, glse, gdelta], [dq, dk, dv],
+              [_p(gdo.tensor), _p(gq.tensor), _p(gk.tensor), _p(gv.tensor), _p(glse.tensor), _p(gdelta.tensor),
+               _p(dq.tensor), _p(dk.tensor), _p(dv.tensor)] + geo)
+    results = (out.tensor, olse.tensor, dq.tensor, dk.tensor, dv.tensor)
+
+    def reference(dt):
+        o, l = sparse_range_reference(q.to(dt), k.to(dt), v.to(dt), case.view, case.lo, case.hi, scale)
+        grads = sparse_range_bwd_reference(dout.to(dt), q.to(dt), k.to(dt), v.to(dt), lse.to(dt), delta.to(dt),
+                                           case.view, case.lo, case.hi, scale)
+        return (o, l) + tuple(grads)
+
+    return results, reference
+
+
+def _lists(lay):
+    """(ptr [Hl, nb + 1] absolute offsets, idx [nnz]) int32 of a bool layout [Hl, nb, nb] (rows)."""
+    hl, nb, _ = lay.shape
+    counts = lay.sum(-1).reshape(-1)
+    ptr = torch.zeros(hl * nb + 1, dtype=torch.int64)
+    ptr[1:] = torch.cumsum(counts, 0)
+    ptr = torch.stack([ptr[i * nb:(i + 1) * nb + 1] for i in range(hl)])
+    idx = lay.nonzero()[:, 2]
+    return ptr.to(torch.int32).contiguous(), idx.to(torch.int32).contiguous()
+
+
+def _layout(case: BlockCase, g):
+    lay = torch.rand(case.hl, case.nb, case.nb, generator=g) < case.density
+    lay[:, :, 0] |= torch.rand(case.hl, case.nb, generator=g) < 0.5
+    lay[0, 1] = False  # a query block with no key block: rows 0 / -inf
+    if case.causal:  # keep some blocks above the diagonal: the causal test inside blocks must drop them
+        lay[0, 0, 0] = True
+    return lay
+
+
+def run_block(emu, case: BlockCase, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, h, d, dtype, block = case.b, case.h, case.d, case.dtype, case.block
+    n = block * case.nb
+    scale = 1.0 / math.sqrt(d)
+    lay = _layout(case, g)
+    row_ptr, col_idx = _lists(lay)
+    col_ptr, row_idx = _lists(lay.transpose(1, 2))
+    q, k, v = (_randn((b, h, n, d), dtype, g) for _ in range(3))
+    ref_out, ref_lse = block_sparse_reference(q.double(), k.double(), v.double(), row_ptr, col_idx, block,
+                                              case.causal, scale)
+    dout, lse, delta = _bwd_inputs(ref_out, ref_lse, g)
+    dout = dout.to(dtype)
+    gq, gk, gv, gdo = (_guarded_copy(x) for x in (q, k, v, dout))
+    glse, gdelta = _guarded_copy(lse), _guarded_copy(delta)
+    lists = [_guarded_copy(x, 0) for x in (row_ptr, col_idx, col_ptr, row_idx)]
+    out, olse = Guarded((b, h, n, d), dtype, float("nan")), Guarded((b, h, n), torch.float32, float("nan"))
+    dq, dk, dv = (Guarded((b, h, n, d), dtype, float("nan")) for _ in range(3))
+    bf16 = int(dtype == BF16)
+    tail = [case.hl, block, int(case.causal), scale]
+    _run_case(emu, "block_sparse_fwd", bf16, d, [gq, gk, gv] + lists, [out, olse],
+              [_p(gq.tensor), _p(gk.tensor), _p(gv.tensor), _p(out.tensor), _p(olse.tensor), b, h, n,
+               _p(lists[0].tensor), _p(lists[1].tensor)] + tail)
+    _run_case(emu, "block_sparse_bwd", bf16, d, [gq, gk, gv, gdo, glse, gdelta] + lists, [dq, dk, dv],
+              [_p(gdo.tensor), _p(gq.tensor), _p(gk.tensor), _p(gv.tensor), _p(glse.tensor), _p(gdelta.tensor),
+               _p(dq.tensor), _p(dk.tensor), _p(dv.tensor), b, h, n] + [_p(x.tensor) for x in lists] + tail)
+    results = (out.tensor, olse.tensor, dq.tensor, dk.tensor, dv.tensor)
+
+    def reference(dt):
+        o, l = block_sparse_reference(q.to(dt), k.to(dt), v.to(dt), row_ptr, col_idx, block, case.causal, scale)
+        grads = block_sparse_bwd_reference(dout.to(dt), q.to(dt), k.to(dt), v.to(dt), lse.to(dt), delta.to(dt),
+                                           row_ptr, col_idx, block, case.causal, scale)
+        return (o, l) + tuple(grads)
+
+    return results, reference
+
+
+def check(emu, case, seed=0):
+    run = run_range if isinstance(case, RangeCase) else run_block
+    results, reference = run(emu, case, seed)
+    ref64, ref_low = reference(F64), reference(case.dtype)
+    for name, x, r64, rlow in zip(("out", "lse", "dq", "dk", "dv"), results, ref64, ref_low):
+        assert_close_to_reference(x, r64, rlow, name=f"{name} [{case}]", dtype=case.dtype)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# tests
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", RANGE_CASES, ids=str)
+def test_range_part_matches_reference(emulator, case):
+    emulator.configure(seed=1 + RANGE_CASES.index(case))
+    out, lse, dq, dk, dv = check(emulator, case)
+    if case.name == "empty":
+        assert torch.isneginf(lse).all()
+        for x in (out, dq, dk, dv):
+            assert torch.equal(x, torch.zeros_like(x))
+    if case.name == "partial_groups":  # rows 3..7 mod 8 are in no group
+        rows = [i for i in range(case.nq) if i % 8 >= 3]
+        assert torch.isneginf(lse[..., rows]).all()
+        for x in (out, dq, dk, dv):
+            assert torch.equal(x[..., rows, :], torch.zeros_like(x[..., rows, :]))
+    if case.name == "columns_causal":  # t = 0, 1 of every group: an empty range (hi = t - 2 < 0)
+        assert torch.isneginf(lse[..., :16]).all()
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=str)
+def test_block_sparse_matches_reference(emulator, case):
+    emulator.configure(seed=101 + BLOCK_CASES.index(case))
+    out, lse, dq, dk, dv = check(emulator, case)
+    rows = slice(case.block, 2 * case.block)  # query block 1 of layout head 0 lists no key block
+    assert torch.isneginf(lse[:, 0, rows]).all()
+    assert torch.equal(out[:, 0, rows], torch.zeros_like(out[:, 0, rows]))
+    assert torch.equal(dq[:, 0, rows], torch.zeros_like(dq[:, 0, rows]))
+
+
+def test_independent_of_warp_schedule(emulator):
+    # No atomics, barriers in the right places: another warp order gives the same bits.
+    for case in (RANGE_CASES[2], BLOCK_CASES[2]):
+        run = run_range if isinstance(case, RangeCase) else run_block
+        emulator.configure(seed=11)
+        first, _ = run(emulator, case)
+        emulator.configure(seed=12)
+        second, _ = run(emulator, case)
+        for x, y in zip(first, second):
+            assert torch.equal(_bits(x), _bits(y))
+
+
+MUTANT_CASES = {
+    "truncating_division": RangeCase("negative_floor", F16, 64, 1, 1, 90, 80, V1, (-7, 3, 2, 5), (-9, 2, 3, 12)),
+    "missing_syncthreads": RangeCase("band_causal", F16, 64, 1, 1, 150, 150, V1, (-40, 1, 1, 0), (0, 1, 1, 0)),
+    "no_causal_in_blocks": BlockCase("b16_causal", F16, 64, 1, 1, 1, 16, 8, True, 0.6),
+}
+
+
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_catches_a_broken_kernel(builds, name):
+    emu = builds[name].emulator()
+    emu.configure(seed=3)
+    with pytest.raises((AssertionError, EmulatorError)):
+        check(emu, MUTANT_CASES[name])
+
+
+def test_mutant_cases_pass_unmutated(emulator):
+    # The cases that catch the mutants pass on the real kernels (so what fails there is the bug).
+    emulator.configure(seed=3)
+    for case in MUTANT_CASES.values():
+        check(emulator, case)
