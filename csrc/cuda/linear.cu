@@ -3,10 +3,13 @@
 // exact semantics in csrc/ops.cpp; the CPU kernels are csrc/cpu/linear.cpp).
 //
 // STATUS.  Checked: compiles with nvcc -c for sm_80 and sm_90a against torch's headers
-// (.ci/compile_cuda.sh).  NOT yet checked: it has not run on a GPU.  tests/csrc/
-// test_linear_cuda.py (`pytest -m gpu`) checks it against the float64 reference; until that has
-// passed on a GPU, treat this backend as unverified.  The algorithm is the one of the Triton
-// kernels (kernels/linear.py), which are tested against the reference under the interpreter.
+// (.ci/compile_cuda.sh).  The device code (this file up to "host side") runs on the CPU under
+// the host emulator of tests/csrc/cuda_emulator (linear_harness.cpp: every thread a fiber,
+// ldmatrix / mma.m16n8k16 rebuilt from the PTX ISA, NaN-filled shared memory) in
+// tests/csrc/test_linear_cuda_emulated.py, against the float64 reference (float16, bfloat16).
+// NOT yet checked: it has not run on a GPU (nor has the host side).  tests/csrc/
+// test_linear_cuda.py (`pytest -m gpu`) checks it there; until that has passed on a GPU, treat
+// this backend as unverified.
 //
 // WHAT IT COMPUTES.  q [B,H,N,D], k [B,H,M,D], v [B,H,M,Dv] (float16, bfloat16, float32 or
 // float64; any strides; any D, Dv >= 1; causal needs M == N), feature map phi fused
@@ -26,10 +29,22 @@
 //   dS0 = grad_S + sum_i r_i phi(q_i) g_i^T,   dz0 = grad_z + sum_i c_i phi(q_i)
 //
 // HOW.  Chunks of kC = 64 rows; every kernel works on 64x64 tiles (D and Dv in blocks of 64,
-// padded with zeros) held in shared memory in the accumulation type A, with blocks of 256 threads
-// in which thread (ty, tx) = (tid / 16, tid % 16) owns the 4x4 entries (ty + 16 i, tx + 16 j) of
-// each 64x64 product (SIMT FMA in A: float16/bfloat16 are computed in float32, so a state that
-// grows like N or a factor 1/den that shrinks like 1/N never leaves float16's range).
+// padded with zeros) in blocks of 256 threads (8 warps).  Two kinds of product:
+//  - chunk products (both operands rows of q, k, v, grad_out or a masked chunk-by-chunk matrix
+//    built from them: phi(Q_c) phi(K_c)^T, P V_c, phi(K_c)^T V_c, g V_c^T, ...).  float16 /
+//    bfloat16 inputs: on tensor cores, mma.sync.m16n8k16 with 16-bit operands (the feature maps
+//    and masked matrices rounded to the input dtype, as a float16 computation would) and fp32
+//    accumulation; operand tiles in the input dtype, read with ldmatrix (rows padded to 72
+//    elements: 16-byte aligned, conflict-free).  Warp w owns rows 16 (w % 4) .. +15 and columns
+//    32 (w / 4) .. +31 of a product as four m16n8 accumulator fragments (MmaLayout).
+//    float32 / float64 inputs: FMA in A on CUDA cores, thread (ty, tx) = (tid / 16, tid % 16)
+//    owning entries (ty + 16 i, tx + 16 j) (SimtLayout); tiles in A, leading dimension 65.
+//  - state products (one operand a chunk state S / R, D x Dv, or z / w): always FMA in A, with
+//    the states in A, so a state that grows like N never leaves float16's range.
+//  Per-row factors that vary a lot (r_i ~ 1 / N) are applied to the fp32 accumulators after a
+//  product when they belong to its output rows; inside the product's k dimension (dk, dv,
+//  dS0) they are divided by a power of two >= max |factor| of the chunk first, so the 16-bit
+//  operand stays in [-1, 1] (no float16 underflow), and that power of two multiplies the result.
 //  - state_fwd: one block per (D-block, Dv-block, h, b) walks the key chunks in order with the
 //    state tile in registers; causal: stores the state before each chunk (Hs [B,H,NT,D,Dv],
 //    Zs [B,H,NT,D]: N/64 states, never N); always stores S_final, z_final.
@@ -39,10 +54,8 @@
 //    (non-causal: the forward's S, z are the totals); state_bwd walks the query chunks backwards
 //    (reverse states R_c = grad_S + sum over later chunks of r_i phi(q_i) g_i^T, w_c likewise);
 //    dq (per query chunk, D-block), dk (per key chunk, D-block), dv (per key chunk, Dv-block),
-//    each an inter-chunk state product plus a masked intra-chunk product.  No atomics:
+//    each an inter-chunk state product plus masked intra-chunk products.  No atomics:
 //    deterministic.
-// Shared memory tiles have a leading dimension of 65 (odd), so both row and column walks are
-// bank-conflict free.
 
 // The CPU torch wheel (used by CI's compile check) does not ship this generated header; it only
 // matters for Windows DLL exports, which c10/cuda/CUDAMacros.h lets us skip.  A CUDA wheel ships
@@ -55,6 +68,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -73,17 +87,19 @@
 #include <string_view>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 namespace attnkit {
 namespace {
 
-constexpr int kThreads = 256;  // 16 x 16 threads, each owning a 4 x 4 micro-tile of a 64 x 64 product
+constexpr int kThreads = 256;  // 8 warps
 constexpr int kC = 64;         // rows per chunk
 constexpr int kT = 64;         // D / Dv block width
-constexpr int kLd = kT + 1;    // shared-memory leading dimension (odd: conflict-free column walks)
+constexpr int kLd = kT + 1;    // leading dimension of A tiles (odd: conflict-free column walks)
+constexpr int kLd16 = kT + 8;  // of 16-bit tiles: 144-byte rows, 16-byte aligned for ldmatrix
 constexpr int kTile = kC * kLd;
-constexpr int kTiles = 3;  // 64 x 64 tiles per block (the most any kernel uses)
-constexpr int kVecs = 4;   // 64-vectors per block (den, r, c, z, ...)
+constexpr int kTiles = 3;  // tile slots per block (the most any kernel uses), kTile A's each
+constexpr int kVecs = 4;   // 64-vectors of A per block (den, r, c, z, ...)
 
 enum FeatureMap : int { kElu = 0, kRelu = 1, kIdentity = 2 };
 
@@ -95,8 +111,15 @@ __device__ __forceinline__ int chunk_rows(int L, int64_t row0) {
   return left < kC ? static_cast<int>(left) : kC;
 }
 
+template <typename T>
+constexpr bool kIs16 = std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>;
+
+// Leading dimension of a tile of E's: 16-bit operand tiles or A tiles.
+template <typename E>
+constexpr int kLdOf = sizeof(E) == 2 ? kLd16 : kLd;
+
 // ---------------------------------------------------------------------------------------------
-// device helpers
+// element helpers
 // ---------------------------------------------------------------------------------------------
 
 template <typename A>
@@ -124,7 +147,7 @@ __device__ __forceinline__ A dphi(A x, int fm) {
   return A(1);
 }
 
-// Conversions between the element type T and the accumulation type A.  16-bit values go through
+// Conversions between an element type T and the accumulation type A.  16-bit values go through
 // their bits and the CUDA intrinsics (c10's float -> bfloat16 rounding calls a host-only
 // constexpr function from device code).
 template <typename A, typename T>
@@ -153,93 +176,276 @@ __device__ __forceinline__ T from_acc(A x) {
   }
 }
 
-// dst[r][c] (leading dim kLd) = src[r * sr + c * sc] for r < rows, c < cols, else 0; phi applied
-// when fm >= 0 (padding stays 0: phi(0) = 1 for elu would count it); each row times
-// row_scale[r] when given.  src == nullptr: a zero tile.
-template <typename A, typename T>
-__device__ __forceinline__ void load_tile(A* dst, const T* src, int64_t sr, int64_t sc, int rows, int cols,
-                                          int fm = -1, const A* row_scale = nullptr) {
+// The smallest power of two >= m (1 for m = 0 or not finite): dividing by it is exact.
+template <typename A>
+__device__ __forceinline__ A pow2_above(A m) {
+  if (!(m > A(0) && m < A(INFINITY))) return A(1);
+  int e = 0;
+  if constexpr (std::is_same_v<A, double>) {
+    frexp(m, &e);
+    return ldexp(1.0, e);
+  } else {
+    frexpf(m, &e);
+    return ldexpf(1.f, e);
+  }
+}
+
+// pow2_above(max_i |v[i]|) over a 64-vector in shared memory (every thread reads all of it).
+template <typename A>
+__device__ __forceinline__ A absmax_pow2(const A* v) {
+  A m = A(0);
+  for (int i = 0; i < kC; ++i) m = fmax(m, fabs(v[i]));
+  return pow2_above(m);
+}
+
+// ---------------------------------------------------------------------------------------------
+// tensor-core primitives (PTX ISA, mma.m16n8k16 with .f16/.bf16; g = lane / 4, t = lane % 4):
+//   A 16x16: reg0 = A[g][2t..2t+1], reg1 = A[g+8][2t..], reg2 = A[g][2t+8..], reg3 = A[g+8][2t+8..]
+//   B 16x8 : reg0 = B[2t..2t+1][g],  reg1 = B[2t+8..2t+9][g]
+//   C 16x8 : c0, c1 = C[g][2t], C[g][2t+1];  c2, c3 = C[g+8][2t], C[g+8][2t+1]
+// ---------------------------------------------------------------------------------------------
+
+// c += a · b for one m16n8k16 tile (a: 16x16 row-major fragment, b: 16x8 column fragment).
+template <bool kBF16>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kBF16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#else
+  // Never launched: the host checks compute capability >= 8.0 before taking this path.
+  __trap();
+#endif
+}
+
+// ldmatrix.x4: lanes 8m .. 8m+7 give the row addresses (16 bytes each) of 8x8 matrix m; register
+// m of lane l receives row l / 4, elements 2 (l % 4) and 2 (l % 4) + 1 of matrix m (.trans: the
+// elements [2 (l % 4)][l / 4] and [2 (l % 4) + 1][l / 4], i.e. of the transposed matrix).
+// asm volatile: must stay between the __syncthreads that guard the shared tiles.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// One ldmatrix.x4 of four 8x8 matrices at (row0 + 8 (m % 2 or m / 2), col0 + 8 (...)) of a
+// 16-bit tile (leading dimension kLd16): lane l gives row l % 8 of matrix l / 8.  kRowsFirst:
+// matrix m sits at rows + 8 (m % 2), columns + 8 (m / 2); else rows + 8 (m / 2), columns + 8 (m % 2).
+template <bool kTrans, bool kRowsFirst>
+__device__ __forceinline__ void ldsm_tile(uint32_t (&r)[4], const uint16_t* tile, int row0, int col0, int lane) {
+  const int m = lane / 8;
+  const int row = row0 + lane % 8 + 8 * (kRowsFirst ? m % 2 : m / 2);
+  const int col = col0 + 8 * (kRowsFirst ? m / 2 : m % 2);
+  if constexpr (kTrans) {
+    ldsm_x4_trans(r, tile + row * kLd16 + col);
+  } else {
+    ldsm_x4(r, tile + row * kLd16 + col);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// who owns which entries of a 64 x 64 product
+// ---------------------------------------------------------------------------------------------
+
+// float32 / float64: thread (ty, tx) = (tid / 16, tid % 16) owns (ty + 16 i, tx + 16 j).
+struct SimtLayout {
+  static constexpr int kR = 4, kK = 4;
+  __device__ static int row(int i) { return static_cast<int>(threadIdx.x) / 16 + 16 * i; }
+  __device__ static int col(int j) { return static_cast<int>(threadIdx.x) % 16 + 16 * j; }
+};
+
+// float16 / bfloat16: warp w owns rows 16 (w % 4) .. +15, columns 32 (w / 4) .. +31 as four
+// m16n8 C fragments; fragment n of lane (g, t) is entries [0][2n], [0][2n+1], [1][2n], [1][2n+1].
+struct MmaLayout {
+  static constexpr int kR = 2, kK = 8;
+  __device__ static int row(int i) {
+    const int tid = static_cast<int>(threadIdx.x);
+    return 16 * ((tid / 32) % 4) + (tid % 32) / 4 + 8 * i;
+  }
+  __device__ static int col(int j) {
+    const int tid = static_cast<int>(threadIdx.x);
+    return 32 * (tid / 128) + 8 * (j / 2) + 2 * (tid % 4) + j % 2;
+  }
+};
+
+// This thread's entries of a 64 x 64 product.
+template <class L, typename A>
+struct Acc {
+  A v[L::kR][L::kK];
+};
+
+// f(i, j, row, col) for each entry this thread owns.
+template <class L, typename F>
+__device__ __forceinline__ void each(F&& f) {
+#pragma unroll
+  for (int i = 0; i < L::kR; ++i)
+#pragma unroll
+    for (int j = 0; j < L::kK; ++j) f(i, j, L::row(i), L::col(j));
+}
+
+template <class L, typename A>
+__device__ __forceinline__ Acc<L, A> zeros() {
+  Acc<L, A> a;
+  each<L>([&](int i, int j, int, int) { a.v[i][j] = A(0); });
+  return a;
+}
+
+// acc += f * x entrywise.
+template <class L, typename A>
+__device__ __forceinline__ void add_scaled(Acc<L, A>& acc, A f, const Acc<L, A>& x) {
+  each<L>([&](int i, int j, int, int) { acc.v[i][j] += f * x.v[i][j]; });
+}
+
+// acc = src[r * ld + c] (0 outside rows x cols, or for src == nullptr)
+template <class L, typename A>
+__device__ __forceinline__ void load_acc(Acc<L, A>& acc, const A* src, int64_t ld, int rows, int cols) {
+  each<L>([&](int i, int j, int r, int c) {
+    acc.v[i][j] = (src != nullptr && r < rows && c < cols) ? src[r * ld + c] : A(0);
+  });
+}
+
+// dst[r * ld + c] = acc (r < rows, c < cols)
+template <class L, typename A>
+__device__ __forceinline__ void store_acc(A* dst, int64_t ld, int rows, int cols, const Acc<L, A>& acc) {
+  each<L>([&](int i, int j, int r, int c) {
+    if (r < rows && c < cols) dst[r * ld + c] = acc.v[i][j];
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// tiles and products
+// ---------------------------------------------------------------------------------------------
+
+// dst[r][c] (tile of E's) = src[r * sr + c * sc] for r < rows, c < cols, else 0; computed in A:
+// phi applied when fm >= 0 (padding stays 0: phi(0) = 1 for elu would count it), each row times
+// row_scale[r] * mul when row_scale is given.  src == nullptr: a zero tile.
+template <typename A, typename E, typename T>
+__device__ __forceinline__ void load_tile(E* dst, const T* src, int64_t sr, int64_t sc, int rows, int cols,
+                                          int fm = -1, const A* row_scale = nullptr, A mul = A(1)) {
   for (int idx = threadIdx.x; idx < kC * kT; idx += kThreads) {
     const int r = idx / kT, c = idx % kT;
     A x = A(0);
     if (src != nullptr && r < rows && c < cols) {
       x = to_acc<A>(src[r * sr + c * sc]);
       if (fm >= 0) x = phi(x, fm);
-      if (row_scale != nullptr) x *= row_scale[r];
+      if (row_scale != nullptr) x *= row_scale[r] * mul;
     }
-    dst[r * kLd + c] = x;
+    dst[r * kLdOf<E> + c] = from_acc<E>(x);
   }
 }
 
-// acc (this thread's 4 x 4 entries of a 64 x 64 product) += A B over k < 64, where
-// A(row, k) = a[row][k] (or a[k][row] with kTransA) and B(k, col) = b[k][col] (or b[col][k]).
-template <bool kTransA, bool kTransB, typename A>
-__device__ __forceinline__ void mm(A (&acc)[4][4], const A* a, const A* b) {
-  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+// A masked 64 x 64 matrix staged as a tile: dst[r][c] = keep ? x * col_scale[c] * mul : 0,
+// x = this thread's product entry (or 1 for acc == nullptr), keep = c <= r (kLower: query rows x
+// key columns) or c >= r (key rows x query columns).  Rows / columns past the data need no
+// care: the operand they meet is zero there.
+template <bool kLower, class L, typename A, typename E>
+__device__ __forceinline__ void stage_masked(E* dst, const Acc<L, A>* acc, const A* col_scale = nullptr,
+                                             A mul = A(1)) {
+  each<L>([&](int i, int j, int r, int c) {
+    A x = acc != nullptr ? acc->v[i][j] : A(1);
+    if (col_scale != nullptr) x *= col_scale[c] * mul;
+    const bool keep = kLower ? c <= r : c >= r;
+    dst[r * kLdOf<E> + c] = from_acc<E>(keep ? x : A(0));
+  });
+}
+
+// acc += A B over k < 64, where A(row, k) = a[row][k] (or a[k][row] with kTransA) and
+// B(k, col) = b[k][col] (or b[col][k] with kTransB).  Two 16-bit tiles: mma.m16n8k16 (MmaLayout);
+// otherwise FMA in A, any layout (a state tile of A's against an operand tile of either type).
+template <bool kTransA, bool kTransB, class L, typename A, typename EA, typename EB>
+__device__ __forceinline__ void mm(Acc<L, A>& acc, const EA* a, const EB* b) {
+  if constexpr (sizeof(EA) == 2 && sizeof(EB) == 2) {
+    static_assert(std::is_same_v<L, MmaLayout> && std::is_same_v<A, float> && std::is_same_v<EA, EB>);
+    constexpr bool kBF16 = std::is_same_v<EA, c10::BFloat16>;
+    const auto* at = reinterpret_cast<const uint16_t*>(a);
+    const auto* bt = reinterpret_cast<const uint16_t*>(b);
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const int r0 = MmaLayout::row(0) - lane / 4, n0 = MmaLayout::col(0) - 2 * (lane % 4);
+#pragma unroll
+    for (int k0 = 0; k0 < kT; k0 += 16) {
+      uint32_t af[4], bf[4];
+      // A stored [m][k]: matrices (m, k), (m+8, k), (m, k+8), (m+8, k+8); stored [k][m]: the
+      // same four read transposed from (k, m), (k, m+8), (k+8, m), (k+8, m+8).
+      if constexpr (kTransA) {
+        ldsm_tile<true, false>(af, at, k0, r0, lane);
+      } else {
+        ldsm_tile<false, true>(af, at, r0, k0, lane);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; nt += 2) {
+        // B fragments of n-tiles nt, nt + 1: bf[0..1] and bf[2..3].  Stored [n][k]: matrices
+        // (n, k), (n, k+8), (n+8, k), (n+8, k+8); stored [k][n]: (k, n), (k+8, n), (k, n+8), (k+8, n+8)
+        // read transposed.
+        if constexpr (kTransB) {
+          ldsm_tile<false, false>(bf, bt, n0 + 8 * nt, k0, lane);
+        } else {
+          ldsm_tile<true, true>(bf, bt, k0, n0 + 8 * nt, lane);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int n = nt + h;
+          float c[4] = {acc.v[0][2 * n], acc.v[0][2 * n + 1], acc.v[1][2 * n], acc.v[1][2 * n + 1]};
+          const uint32_t b2[2] = {bf[2 * h], bf[2 * h + 1]};
+          mma16816<kBF16>(c, af, b2);
+          acc.v[0][2 * n] = c[0], acc.v[0][2 * n + 1] = c[1], acc.v[1][2 * n] = c[2], acc.v[1][2 * n + 1] = c[3];
+        }
+      }
+    }
+  } else {
+    constexpr int la = kLdOf<EA>, lb = kLdOf<EB>;
 #pragma unroll 4
-  for (int kk = 0; kk < kT; ++kk) {
-    A av[4], bv[4];
+    for (int kk = 0; kk < kT; ++kk) {
+      A av[L::kR], bv[L::kK];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) av[i] = kTransA ? a[kk * kLd + ty + 16 * i] : a[(ty + 16 * i) * kLd + kk];
+      for (int i = 0; i < L::kR; ++i) {
+        const int r = L::row(i);
+        av[i] = to_acc<A>(kTransA ? a[kk * la + r] : a[r * la + kk]);
+      }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) bv[j] = kTransB ? b[(tx + 16 * j) * kLd + kk] : b[kk * kLd + tx + 16 * j];
+      for (int j = 0; j < L::kK; ++j) {
+        const int c = L::col(j);
+        bv[j] = to_acc<A>(kTransB ? b[c * lb + kk] : b[kk * lb + c]);
+      }
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+      for (int i = 0; i < L::kR; ++i)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) acc[i][j] += av[i] * bv[j];
+        for (int j = 0; j < L::kK; ++j) acc.v[i][j] += av[i] * bv[j];
+    }
   }
 }
 
+// The dynamic shared memory of a block: kTiles slots of kTile A's (a 16-bit tile, 64 x kLd16,
+// fits in one), then kVecs vectors of 64 A's.
 template <typename A>
-__device__ __forceinline__ void zero(A (&acc)[4][4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] = A(0);
-}
-
-// this thread's entries of a 64 x 64 product to dst[r * ld + c] (r < rows, c < cols)
-template <typename A>
-__device__ __forceinline__ void store_acc(A* dst, int64_t ld, int rows, int cols, const A (&acc)[4][4]) {
-  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = ty + 16 * i, c = tx + 16 * j;
-      if (r < rows && c < cols) dst[r * ld + c] = acc[i][j];
-    }
-}
+struct Smem {
+  unsigned char* base;
+  template <typename E>
+  __device__ E* tile(int slot) const {
+    static_assert(kC * kLdOf<E> * sizeof(E) <= kTile * sizeof(A), "tile slot too small");
+    return reinterpret_cast<E*>(base + static_cast<size_t>(slot) * kTile * sizeof(A));
+  }
+  __device__ A* vec(int i) const { return reinterpret_cast<A*>(base + kTiles * kTile * sizeof(A)) + i * kT; }
+};
 
 template <typename A>
-__device__ __forceinline__ void load_acc(A (&acc)[4][4], const A* src, int64_t ld, int rows, int cols) {
-  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = ty + 16 * i, c = tx + 16 * j;
-      acc[i][j] = (src != nullptr && r < rows && c < cols) ? src[r * ld + c] : A(0);
-    }
-}
-
-// A masked 64 x 64 product staged to shared memory: dst[r][c] = keep ? acc * rs[r or c] + add : 0,
-// with keep = c <= r (kLower, query rows x key columns) or c >= r (key rows x query columns).
-template <bool kLower, bool kColFactors, typename A>
-__device__ __forceinline__ void stage_masked(A* dst, const A (&acc)[4][4], const A* mul, const A* add) {
-  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = ty + 16 * i, c = tx + 16 * j;
-      const bool keep = kLower ? c <= r : c >= r;
-      const int f = kColFactors ? c : r;
-      A x = acc[i][j];
-      if (mul != nullptr) x *= mul[f];
-      if (add != nullptr) x += add[f];
-      dst[r * kLd + c] = keep ? x : A(0);
-    }
+constexpr size_t smem_bytes() {
+  return static_cast<size_t>(kTiles * kTile + kVecs * kT) * sizeof(A);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -268,6 +474,8 @@ struct States {
 
 template <typename T, typename A>
 struct Problem {
+  using L = std::conditional_t<kIs16<T>, MmaLayout, SimtLayout>;  // who owns a product's entries
+  using E = std::conditional_t<kIs16<T>, T, A>;                   // operand tiles
   View<T> q, k, v;
   int H, N, M, D, Dv;
   int fm;
@@ -282,6 +490,17 @@ struct BwdExtra {
   const A* delta = nullptr;
   const A* gden = nullptr;  // [B, H, N] or nullptr
 };
+
+// Launch grids (host side and the emulator's harness): one block per (block of 64 columns of a
+// [rows, width] state, h, b), or per (chunk, block of 64 of width, h, b).
+__host__ __forceinline__ dim3 state_grid(int64_t rows, int64_t width, int64_t H, int64_t B) {
+  return dim3{static_cast<unsigned>(ceil_div(rows, kT) * ceil_div(width, kT)), static_cast<unsigned>(H),
+              static_cast<unsigned>(B)};
+}
+__host__ __forceinline__ dim3 chunk_grid(int64_t L, int64_t width, int64_t H, int64_t B) {
+  return dim3{static_cast<unsigned>(ceil_div(L, kC) * ceil_div(width, kT)), static_cast<unsigned>(H),
+              static_cast<unsigned>(B)};
+}
 
 // r_i, c_i of query rows row0 .. row0 + 63 into r[], c[] (threads 0..63).
 template <typename T, typename A>
@@ -306,114 +525,172 @@ __device__ __forceinline__ void row_factors(const Problem<T, A>& p, const BwdExt
   }
 }
 
+// out[r * ld + c] = f(entry, r, c) converted to T, for r < rows, c < cols.
+template <class L, typename T, typename A, typename F>
+__device__ __forceinline__ void store_rows(T* out, int64_t ld, int rows, int cols, const Acc<L, A>& acc, F&& f) {
+  each<L>([&](int i, int j, int r, int c) {
+    if (r < rows && c < cols) out[r * ld + c] = from_acc<T>(f(acc.v[i][j], r, c));
+  });
+}
+
+// Where a state kernel's block works: rows d0 .. d0 + dn - 1, columns e0 .. e0 + en - 1 of a
+// [D, Dv] state of head h of batch b (grid state_grid(D, Dv)).
+struct StateBlock {
+  int d0, dn, e0, en, h, b;
+  int64_t bh;
+  bool z_owner;  // this thread holds z[d0 + tid] (threads < dn of the e0 == 0 blocks)
+};
+template <typename T, typename A>
+__device__ __forceinline__ StateBlock state_block(const Problem<T, A>& p) {
+  const int nv = static_cast<int>(ceil_div(p.Dv, kT));
+  StateBlock k;
+  k.d0 = static_cast<int>(blockIdx.x) / nv * kT, k.e0 = static_cast<int>(blockIdx.x) % nv * kT;
+  k.dn = min(kT, p.D - k.d0), k.en = min(kT, p.Dv - k.e0);
+  k.h = blockIdx.y, k.b = blockIdx.z;
+  k.bh = static_cast<int64_t>(k.b) * p.H + k.h;
+  k.z_owner = k.e0 == 0 && static_cast<int>(threadIdx.x) < k.dn;
+  return k;
+}
+
+// This block's part of a state [B,H,D,Dv] and its vector [B,H,D] (zeros for S == nullptr) into
+// s and z, or (store_state) from them.
+template <class L, typename A>
+__device__ __forceinline__ void load_state(Acc<L, A>& s, A& z, const A* S, const A* Z, const StateBlock& at, int D,
+                                           int Dv) {
+  load_acc(s, S == nullptr ? nullptr : S + (at.bh * D + at.d0) * Dv + at.e0, Dv, at.dn, at.en);
+  z = (Z != nullptr && at.z_owner) ? Z[at.bh * D + at.d0 + threadIdx.x] : A(0);
+}
+template <class L, typename A>
+__device__ __forceinline__ void store_state(A* S, A* Z, const Acc<L, A>& s, A z, const StateBlock& at, int D,
+                                            int Dv) {
+  store_acc(S + (at.bh * D + at.d0) * Dv + at.e0, Dv, at.dn, at.en, s);
+  if (at.z_owner) Z[at.bh * D + at.d0 + threadIdx.x] = z;
+}
+
+// Where a chunk kernel's block works: chunk t (rows row0 .. row0 + rows - 1 of L), columns
+// c0 .. c0 + cn - 1 of `width`, head h of batch b (grid chunk_grid(L, width)).
+struct ChunkBlock {
+  int t, c0, cn, rows, h, b;
+  int64_t row0, bh;
+};
+__device__ __forceinline__ ChunkBlock chunk_block(int L, int width, int H) {
+  const int nc = static_cast<int>(ceil_div(width, kT));
+  ChunkBlock k;
+  k.t = static_cast<int>(blockIdx.x) / nc, k.c0 = static_cast<int>(blockIdx.x) % nc * kT;
+  k.cn = min(kT, width - k.c0);
+  k.row0 = static_cast<int64_t>(k.t) * kC, k.rows = chunk_rows(L, k.row0);
+  k.h = blockIdx.y, k.b = blockIdx.z;
+  k.bh = static_cast<int64_t>(k.b) * H + k.h;
+  return k;
+}
+
+// The shared memory of a chunk kernel: operand tiles x, y (E) around a state tile st (A) and
+// three 64-vectors r, c, z.
+template <typename T, typename A>
+struct ChunkSmem {
+  using E = typename Problem<T, A>::E;
+  E* x;
+  A* st;
+  E* y;
+  A *r, *c, *z;
+  __device__ explicit ChunkSmem(unsigned char* raw) {
+    const Smem<A> sm{raw};
+    x = sm.template tile<E>(0), st = sm.template tile<A>(1), y = sm.template tile<E>(2);
+    r = sm.vec(0), c = sm.vec(1), z = sm.vec(2);
+  }
+};
+
 // ---------------------------------------------------------------------------------------------
 // forward
 // ---------------------------------------------------------------------------------------------
 
 // S = S0 + sum_j phi(k_j) v_j^T, z = z0 + sum_j phi(k_j) over the M keys, chunk by chunk; with
-// `chunks` the state before chunk t goes to chunks/zchunks[t].  Grid (NK * NV, H, B).
+// `chunks` the state before chunk t goes to chunks/zchunks[t].  Grid state_grid(D, Dv).
 template <typename T, typename A>
 __global__ void __launch_bounds__(kThreads)
     state_fwd_kernel(const Problem<T, A> p, const A* S0, const A* z0, States<A> chunks, States<A> zchunks,
                      A* S_out, A* z_out) {
+  using L = typename Problem<T, A>::L;
+  using E = typename Problem<T, A>::E;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  A* kt = reinterpret_cast<A*>(smem_raw);
-  A* vt = kt + kTile;
-  const int nv = static_cast<int>(ceil_div(p.Dv, kT));
-  const int ik = blockIdx.x / nv, iv = blockIdx.x % nv;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int64_t bh = static_cast<int64_t>(b) * p.H + h;
-  const int d0 = ik * kT, e0 = iv * kT;
-  const int dn = min(kT, p.D - d0), en = min(kT, p.Dv - e0);
-  const bool z_owner = iv == 0 && static_cast<int>(threadIdx.x) < dn;
-
-  A s[4][4];
-  load_acc(s, S0 == nullptr ? nullptr : S0 + (bh * p.D + d0) * p.Dv + e0, p.Dv, dn, en);
-  A z = (z0 != nullptr && z_owner) ? z0[bh * p.D + d0 + threadIdx.x] : A(0);
+  const Smem<A> sm{smem_raw};
+  E *kt = sm.template tile<E>(0), *vt = sm.template tile<E>(1);
+  const StateBlock at = state_block(p);
+  const int d0 = at.d0, e0 = at.e0, dn = at.dn, en = at.en;
+  const int tid = threadIdx.x;
+  Acc<L, A> s;
+  A z;
+  load_state(s, z, S0, z0, at, p.D, p.Dv);
 
   const int nt = static_cast<int>(ceil_div(p.M, kC));
   for (int t = 0; t < nt; ++t) {
     if (chunks.p != nullptr) {
-      store_acc(chunks.at(bh, t, d0, e0), chunks.ld, dn, en, s);
-      if (z_owner) *zchunks.at(bh, t, 0, d0 + threadIdx.x) = z;
+      store_acc(chunks.at(at.bh, t, d0, e0), chunks.ld, dn, en, s);
+      if (at.z_owner) *zchunks.at(at.bh, t, 0, d0 + tid) = z;
     }
-    const int rows = chunk_rows(p.M, static_cast<int64_t>(t) * kC);
-    load_tile(kt, p.k.at(b, h, static_cast<int64_t>(t) * kC, d0), p.k.sl, p.k.sx, rows, dn, p.fm);
-    load_tile(vt, p.v.at(b, h, static_cast<int64_t>(t) * kC, e0), p.v.sl, p.v.sx, rows, en);
+    const int64_t row0 = static_cast<int64_t>(t) * kC;
+    const int rows = chunk_rows(p.M, row0);
+    load_tile<A>(kt, p.k.at(at.b, at.h, row0, d0), p.k.sl, p.k.sx, rows, dn, p.fm);
+    load_tile<A>(vt, p.v.at(at.b, at.h, row0, e0), p.v.sl, p.v.sx, rows, en);
     __syncthreads();
     mm<true, false>(s, kt, vt);  // s[d][e] += sum_c phi(k)[c][d] v[c][e]
-    if (static_cast<int>(threadIdx.x) < kT) {
-      for (int c = 0; c < kC; ++c) z += kt[c * kLd + threadIdx.x];
+    if (tid < kT) {
+      for (int c = 0; c < kC; ++c) z += to_acc<A>(kt[c * kLdOf<E> + tid]);
     }
     __syncthreads();
   }
-  store_acc(S_out + (bh * p.D + d0) * p.Dv + e0, p.Dv, dn, en, s);
-  if (z_owner) z_out[bh * p.D + d0 + threadIdx.x] = z;
+  store_state(S_out, z_out, s, z, at, p.D, p.Dv);
 }
 
-// out rows of query chunk t, Dv-block iv.  Grid (NT * NV, H, B).
+// out rows of query chunk t, Dv-block iv.  Grid chunk_grid(N, Dv).
 template <typename T, typename A>
 __global__ void __launch_bounds__(kThreads)
     output_kernel(const Problem<T, A> p, States<A> states, States<A> zstates, T* out, A* den_out) {
+  using L = typename Problem<T, A>::L;
+  using E = typename Problem<T, A>::E;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  A* qt = reinterpret_cast<A*>(smem_raw);
-  A* kt = qt + kTile;
-  A* st = kt + kTile;
-  A* zv = st + kTile;
-  A* dsum = zv + kT;
-  const int nv = static_cast<int>(ceil_div(p.Dv, kT));
-  const int t = blockIdx.x / nv, iv = blockIdx.x % nv;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int64_t bh = static_cast<int64_t>(b) * p.H + h;
-  const int e0 = iv * kT, en = min(kT, p.Dv - e0);
-  const int64_t row0 = static_cast<int64_t>(t) * kC;
-  const int rows = chunk_rows(p.N, row0);
+  const ChunkSmem<T, A> sm(smem_raw);
+  E *qt = sm.x, *kt = sm.y;
+  A *st = sm.st, *zv = sm.z, *dsum = sm.r;
+  const ChunkBlock at = chunk_block(p.N, p.Dv, p.H);
+  const int t = at.t, e0 = at.c0, en = at.cn, rows = at.rows;
+  const int64_t row0 = at.row0;
   const int tid = threadIdx.x;
+  constexpr int ld = kLdOf<E>;
 
-  A acc[4][4], pp[4][4];
-  zero(acc);
-  zero(pp);
+  Acc<L, A> acc = zeros<L, A>(), pp = zeros<L, A>();
   A den = A(0);  // threads 0..63: row tid
   for (int d0 = 0; d0 < p.D; d0 += kT) {
     const int dn = min(kT, p.D - d0);
-    load_tile(qt, p.q.at(b, h, row0, d0), p.q.sl, p.q.sx, rows, dn, p.fm);
-    if (p.causal) load_tile(kt, p.k.at(b, h, row0, d0), p.k.sl, p.k.sx, rows, dn, p.fm);
-    load_tile(st, static_cast<const A*>(states.at(bh, t, d0, e0)), states.ld, int64_t{1}, dn, en);
-    if (tid < kT) zv[tid] = tid < dn ? *zstates.at(bh, t, 0, d0 + tid) : A(0);
+    load_tile<A>(qt, p.q.at(at.b, at.h, row0, d0), p.q.sl, p.q.sx, rows, dn, p.fm);
+    if (p.causal) load_tile<A>(kt, p.k.at(at.b, at.h, row0, d0), p.k.sl, p.k.sx, rows, dn, p.fm);
+    load_tile<A>(st, static_cast<const A*>(states.at(at.bh, t, d0, e0)), states.ld, int64_t{1}, dn, en);
+    if (tid < kT) zv[tid] = tid < dn ? *zstates.at(at.bh, t, 0, d0 + tid) : A(0);
     __syncthreads();
-    mm<false, false>(acc, qt, st);               // phi(Q) S
+    mm<false, false>(acc, qt, st);              // phi(Q) S
     if (p.causal) mm<false, true>(pp, qt, kt);  // phi(Q) phi(K)^T
     if (tid < kC) {
-      for (int d = 0; d < kT; ++d) den += qt[tid * kLd + d] * zv[d];
+      for (int d = 0; d < kT; ++d) den += to_acc<A>(qt[tid * ld + d]) * zv[d];
     }
     __syncthreads();
   }
   if (p.causal) {
-    stage_masked<true, false>(qt, pp, static_cast<const A*>(nullptr), static_cast<const A*>(nullptr));
-    load_tile(kt, p.v.at(b, h, row0, e0), p.v.sl, p.v.sx, rows, en);
+    stage_masked<true>(qt, &pp);  // P o tril, rounded as the numerator will use it
+    load_tile<A>(kt, p.v.at(at.b, at.h, row0, e0), p.v.sl, p.v.sx, rows, en);
     __syncthreads();
     mm<false, false>(acc, qt, kt);  // (P o tril) V
     if (tid < kC) {
-      for (int j = 0; j < kC; ++j) den += qt[tid * kLd + j];
+      for (int j = 0; j < kC; ++j) den += to_acc<A>(qt[tid * ld + j]);
     }
   }
   if (tid < kC) {
     dsum[tid] = den;
-    if (iv == 0 && tid < rows) den_out[bh * p.N + row0 + tid] = den;
+    if (e0 == 0 && tid < rows) den_out[at.bh * p.N + row0 + tid] = den;
   }
   __syncthreads();
-  const int ty = tid / 16, tx = tid % 16;
-  T* o = out + (bh * p.N + row0) * p.Dv + e0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = ty + 16 * i, c = tx + 16 * j;
-      if (r < rows && c < en) {
-        const A y = p.normalize ? acc[i][j] / (dsum[r] + p.eps) : acc[i][j] * p.scale;
-        o[static_cast<int64_t>(r) * p.Dv + c] = from_acc<T>(y);
-      }
-    }
+  store_rows(out + (at.bh * p.N + row0) * p.Dv + e0, p.Dv, rows, en, acc, [&](A y, int r, int) {
+    return p.normalize ? y / (dsum[r] + p.eps) : y * p.scale;
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -437,223 +714,189 @@ __global__ void __launch_bounds__(kThreads)
 
 // R = grad_S + sum_i r_i phi(q_i) g_i^T, w = grad_z + sum_i c_i phi(q_i) over the N queries,
 // walking the chunks backwards; with `chunks` the value after chunk t (the sum over the later
-// chunks) goes to chunks/zchunks[t].  Grid (NK * NV, H, B).
+// chunks) goes to chunks/zchunks[t].  Grid state_grid(D, Dv).
 template <typename T, typename A>
 __global__ void __launch_bounds__(kThreads)
     state_bwd_kernel(const Problem<T, A> p, const BwdExtra<T, A> x, const A* gS, const A* gz, States<A> chunks,
                      States<A> zchunks, A* dS_out, A* dz_out) {
+  using L = typename Problem<T, A>::L;
+  using E = typename Problem<T, A>::E;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  A* qt = reinterpret_cast<A*>(smem_raw);
-  A* gt = qt + kTile;
-  A* rr = gt + kTile;
-  A* cc = rr + kT;
-  const int nv = static_cast<int>(ceil_div(p.Dv, kT));
-  const int ik = blockIdx.x / nv, iv = blockIdx.x % nv;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int64_t bh = static_cast<int64_t>(b) * p.H + h;
-  const int d0 = ik * kT, e0 = iv * kT;
-  const int dn = min(kT, p.D - d0), en = min(kT, p.Dv - e0);
-  const bool z_owner = iv == 0 && static_cast<int>(threadIdx.x) < dn;
-
-  A s[4][4];
-  load_acc(s, gS == nullptr ? nullptr : gS + (bh * p.D + d0) * p.Dv + e0, p.Dv, dn, en);
-  A w = (gz != nullptr && z_owner) ? gz[bh * p.D + d0 + threadIdx.x] : A(0);
+  const Smem<A> sm{smem_raw};
+  E *qt = sm.template tile<E>(0), *gt = sm.template tile<E>(1);
+  A *rr = sm.vec(0), *cc = sm.vec(1);
+  const StateBlock at = state_block(p);
+  const int d0 = at.d0, e0 = at.e0, dn = at.dn, en = at.en;
+  const int tid = threadIdx.x;
+  Acc<L, A> s;
+  A w;
+  load_state(s, w, gS, gz, at, p.D, p.Dv);
 
   const int nt = static_cast<int>(ceil_div(p.N, kC));
   for (int t = nt - 1; t >= 0; --t) {
     if (chunks.p != nullptr) {
-      store_acc(chunks.at(bh, t, d0, e0), chunks.ld, dn, en, s);
-      if (z_owner) *zchunks.at(bh, t, 0, d0 + threadIdx.x) = w;
+      store_acc(chunks.at(at.bh, t, d0, e0), chunks.ld, dn, en, s);
+      if (at.z_owner) *zchunks.at(at.bh, t, 0, d0 + tid) = w;
     }
     const int64_t row0 = static_cast<int64_t>(t) * kC;
     const int rows = chunk_rows(p.N, row0);
-    row_factors(p, x, bh, static_cast<int>(row0), rr, cc);
+    row_factors(p, x, at.bh, static_cast<int>(row0), rr, cc);
     __syncthreads();
-    load_tile(qt, p.q.at(b, h, row0, d0), p.q.sl, p.q.sx, rows, dn, p.fm);
-    load_tile(gt, x.g.at(b, h, row0, e0), x.g.sl, x.g.sx, rows, en, -1, static_cast<const A*>(rr));
+    const A rs = absmax_pow2(rr);  // r_i / rs in [-1, 1]: no float16 underflow of r_i g_i
+    load_tile<A>(qt, p.q.at(at.b, at.h, row0, d0), p.q.sl, p.q.sx, rows, dn, p.fm);
+    load_tile<A>(gt, x.g.at(at.b, at.h, row0, e0), x.g.sl, x.g.sx, rows, en, -1, static_cast<const A*>(rr),
+                 A(1) / rs);
     __syncthreads();
-    mm<true, false>(s, qt, gt);  // s[d][e] += sum_i phi(q)[i][d] r_i g[i][e]
-    if (static_cast<int>(threadIdx.x) < kT) {
-      for (int i = 0; i < kC; ++i) w += cc[i] * qt[i * kLd + threadIdx.x];
+    Acc<L, A> part = zeros<L, A>();
+    mm<true, false>(part, qt, gt);  // sum_i phi(q)[i][d] (r_i / rs) g[i][e]
+    add_scaled(s, rs, part);
+    if (tid < kT) {
+      for (int i = 0; i < kC; ++i) w += cc[i] * to_acc<A>(qt[i * kLdOf<E> + tid]);
     }
     __syncthreads();
   }
-  store_acc(dS_out + (bh * p.D + d0) * p.Dv + e0, p.Dv, dn, en, s);
-  if (z_owner) dz_out[bh * p.D + d0 + threadIdx.x] = w;
+  store_state(dS_out, dz_out, s, w, at, p.D, p.Dv);
 }
 
-// dq of query chunk t, D-block ik.  Grid (NT * NK, H, B).
+// dq of query chunk t, D-block ik.  Grid chunk_grid(N, D).
 template <typename T, typename A>
 __global__ void __launch_bounds__(kThreads)
     dq_kernel(const Problem<T, A> p, const BwdExtra<T, A> x, States<A> states, States<A> zstates, T* dq) {
+  using L = typename Problem<T, A>::L;
+  using E = typename Problem<T, A>::E;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  A* gt = reinterpret_cast<A*>(smem_raw);
-  A* st = gt + kTile;
-  A* vt = st + kTile;
-  A* rr = vt + kTile;
-  A* cc = rr + kT;
-  A* zv = cc + kT;
-  const int nk = static_cast<int>(ceil_div(p.D, kT));
-  const int t = blockIdx.x / nk, ik = blockIdx.x % nk;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int64_t bh = static_cast<int64_t>(b) * p.H + h;
-  const int d0 = ik * kT, dn = min(kT, p.D - d0);
-  const int64_t row0 = static_cast<int64_t>(t) * kC;
-  const int rows = chunk_rows(p.N, row0);
+  const ChunkSmem<T, A> sm(smem_raw);
+  E *gt = sm.x, *vt = sm.y;
+  A *st = sm.st, *rr = sm.r, *cc = sm.c, *zv = sm.z;
+  const ChunkBlock at = chunk_block(p.N, p.D, p.H);
+  const int t = at.t, d0 = at.c0, dn = at.cn, rows = at.rows;
+  const int64_t row0 = at.row0;
   const int tid = threadIdx.x;
 
-  A acc[4][4], w[4][4];
-  zero(acc);
-  zero(w);
+  Acc<L, A> acc = zeros<L, A>(), w = zeros<L, A>();
   if (x.g.p != nullptr) {
     for (int e0 = 0; e0 < p.Dv; e0 += kT) {
       const int en = min(kT, p.Dv - e0);
-      load_tile(gt, x.g.at(b, h, row0, e0), x.g.sl, x.g.sx, rows, en);
-      load_tile(st, static_cast<const A*>(states.at(bh, t, d0, e0)), states.ld, int64_t{1}, dn, en);
-      if (p.causal) load_tile(vt, p.v.at(b, h, row0, e0), p.v.sl, p.v.sx, rows, en);
+      load_tile<A>(gt, x.g.at(at.b, at.h, row0, e0), x.g.sl, x.g.sx, rows, en);
+      load_tile<A>(st, static_cast<const A*>(states.at(at.bh, t, d0, e0)), states.ld, int64_t{1}, dn, en);
+      if (p.causal) load_tile<A>(vt, p.v.at(at.b, at.h, row0, e0), p.v.sl, p.v.sx, rows, en);
       __syncthreads();
       mm<false, true>(acc, gt, st);              // g S^T
       if (p.causal) mm<false, true>(w, gt, vt);  // g V^T
       __syncthreads();
     }
   }
-  row_factors(p, x, bh, static_cast<int>(row0), rr, cc);
-  if (tid < kT) zv[tid] = tid < dn ? *zstates.at(bh, t, 0, d0 + tid) : A(0);
+  row_factors(p, x, at.bh, static_cast<int>(row0), rr, cc);
+  if (tid < kT) zv[tid] = tid < dn ? *zstates.at(at.bh, t, 0, d0 + tid) : A(0);
   __syncthreads();
-  const int ty = tid / 16, tx = tid % 16;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] = acc[i][j] * rr[ty + 16 * i] + cc[ty + 16 * i] * zv[tx + 16 * j];
+  each<L>([&](int i, int j, int r, int c) { acc.v[i][j] = acc.v[i][j] * rr[r] + cc[r] * zv[c]; });
   if (p.causal) {
-    stage_masked<true, false>(gt, w, static_cast<const A*>(rr), static_cast<const A*>(cc));
-    load_tile(vt, p.k.at(b, h, row0, d0), p.k.sl, p.k.sx, rows, dn, p.fm);
+    // sum_{j <= i} (r_i g_i.v_j + c_i) phi(k_j): r_i and c_i scale output rows, so they are
+    // applied to the fp32 results of (g V^T o tril) phi(K) and tril(1) phi(K).
+    E* ones = reinterpret_cast<E*>(st);  // (a 16-bit tile fits in a state tile's slot)
+    stage_masked<true>(gt, &w);
+    stage_masked<true>(ones, static_cast<const Acc<L, A>*>(nullptr));
+    load_tile<A>(vt, p.k.at(at.b, at.h, row0, d0), p.k.sl, p.k.sx, rows, dn, p.fm);
     __syncthreads();
-    mm<false, false>(acc, gt, vt);  // (r g.v + c) o tril, times phi(K)
+    Acc<L, A> pr = zeros<L, A>(), pc = zeros<L, A>();
+    mm<false, false>(pr, gt, vt);
+    mm<false, false>(pc, ones, vt);
+    each<L>([&](int i, int j, int r, int) { acc.v[i][j] += rr[r] * pr.v[i][j] + cc[r] * pc.v[i][j]; });
   }
-  T* o = dq + (bh * p.N + row0) * p.D + d0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = ty + 16 * i, c = tx + 16 * j;
-      if (r < rows && c < dn) {
-        const A xq = to_acc<A>(*p.q.at(b, h, row0 + r, d0 + c));
-        o[static_cast<int64_t>(r) * p.D + c] = from_acc<T>(acc[i][j] * dphi(xq, p.fm));
-      }
-    }
+  store_rows(dq + (at.bh * p.N + row0) * p.D + d0, p.D, rows, dn, acc, [&](A y, int r, int c) {
+    return y * dphi(to_acc<A>(*p.q.at(at.b, at.h, row0 + r, d0 + c)), p.fm);
+  });
 }
 
-// dk of key chunk t, D-block ik.  Grid (NT * NK, H, B).
+// dk of key chunk t, D-block ik.  Grid chunk_grid(M, D).
 template <typename T, typename A>
 __global__ void __launch_bounds__(kThreads)
     dk_kernel(const Problem<T, A> p, const BwdExtra<T, A> x, States<A> rstates, States<A> wstates, T* dk) {
+  using L = typename Problem<T, A>::L;
+  using E = typename Problem<T, A>::E;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  A* vt = reinterpret_cast<A*>(smem_raw);
-  A* st = vt + kTile;
-  A* gt = st + kTile;
-  A* rr = gt + kTile;
-  A* cc = rr + kT;
-  A* zv = cc + kT;
-  const int nk = static_cast<int>(ceil_div(p.D, kT));
-  const int t = blockIdx.x / nk, ik = blockIdx.x % nk;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int64_t bh = static_cast<int64_t>(b) * p.H + h;
-  const int d0 = ik * kT, dn = min(kT, p.D - d0);
-  const int64_t row0 = static_cast<int64_t>(t) * kC;
-  const int rows = chunk_rows(p.M, row0);  // keys
+  const ChunkSmem<T, A> sm(smem_raw);
+  E *vt = sm.x, *gt = sm.y;
+  A *st = sm.st, *rr = sm.r, *cc = sm.c, *zv = sm.z;
+  const ChunkBlock at = chunk_block(p.M, p.D, p.H);  // key chunks
+  const int t = at.t, d0 = at.c0, dn = at.cn, rows = at.rows;
+  const int64_t row0 = at.row0;
   const int qrows = p.causal ? rows : 0;  // the intra-chunk queries (causal: the same rows)
   const int tid = threadIdx.x;
 
-  A acc[4][4], wt[4][4];
-  zero(acc);
-  zero(wt);
+  Acc<L, A> acc = zeros<L, A>(), wt = zeros<L, A>();
   for (int e0 = 0; e0 < p.Dv; e0 += kT) {
     const int en = min(kT, p.Dv - e0);
-    load_tile(vt, p.v.at(b, h, row0, e0), p.v.sl, p.v.sx, rows, en);
-    load_tile(st, static_cast<const A*>(rstates.at(bh, t, d0, e0)), rstates.ld, int64_t{1}, dn, en);
-    if (p.causal) load_tile(gt, x.g.at(b, h, row0, e0), x.g.sl, x.g.sx, qrows, en);
+    load_tile<A>(vt, p.v.at(at.b, at.h, row0, e0), p.v.sl, p.v.sx, rows, en);
+    load_tile<A>(st, static_cast<const A*>(rstates.at(at.bh, t, d0, e0)), rstates.ld, int64_t{1}, dn, en);
+    if (p.causal) load_tile<A>(gt, x.g.at(at.b, at.h, row0, e0), x.g.sl, x.g.sx, qrows, en);
     __syncthreads();
     mm<false, true>(acc, vt, st);               // V R^T
     if (p.causal) mm<false, true>(wt, vt, gt);  // wt[j][i] = v_j . g_i
     __syncthreads();
   }
-  if (p.causal) row_factors(p, x, bh, static_cast<int>(row0), rr, cc);
-  if (tid < kT) zv[tid] = tid < dn ? *wstates.at(bh, t, 0, d0 + tid) : A(0);
+  if (p.causal) row_factors(p, x, at.bh, static_cast<int>(row0), rr, cc);
+  if (tid < kT) zv[tid] = tid < dn ? *wstates.at(at.bh, t, 0, d0 + tid) : A(0);
   __syncthreads();
-  const int ty = tid / 16, tx = tid % 16;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] += zv[tx + 16 * j];
+  each<L>([&](int i, int j, int, int c) { acc.v[i][j] += zv[c]; });
   if (p.causal) {
-    stage_masked<false, true>(vt, wt, static_cast<const A*>(rr), static_cast<const A*>(cc));
-    load_tile(gt, p.q.at(b, h, row0, d0), p.q.sl, p.q.sx, qrows, dn, p.fm);
+    // sum_{i >= j} (r_i v_j.g_i + c_i) phi(q_i): r_i, c_i run along the product's k dimension,
+    // so they enter the operands divided by powers of two >= their maxima.
+    const A rs = absmax_pow2(rr), cs = absmax_pow2(cc);
+    E* ct = reinterpret_cast<E*>(st);
+    stage_masked<false>(vt, &wt, static_cast<const A*>(rr), A(1) / rs);
+    stage_masked<false>(ct, static_cast<const Acc<L, A>*>(nullptr), static_cast<const A*>(cc), A(1) / cs);
+    load_tile<A>(gt, p.q.at(at.b, at.h, row0, d0), p.q.sl, p.q.sx, qrows, dn, p.fm);
     __syncthreads();
-    mm<false, false>(acc, vt, gt);  // (r_i v_j.g_i + c_i) for i >= j, times phi(Q)
+    Acc<L, A> pr = zeros<L, A>(), pc = zeros<L, A>();
+    mm<false, false>(pr, vt, gt);
+    mm<false, false>(pc, ct, gt);
+    add_scaled(acc, rs, pr);
+    add_scaled(acc, cs, pc);
   }
-  T* o = dk + (bh * p.M + row0) * p.D + d0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = ty + 16 * i, c = tx + 16 * j;
-      if (r < rows && c < dn) {
-        const A xk = to_acc<A>(*p.k.at(b, h, row0 + r, d0 + c));
-        o[static_cast<int64_t>(r) * p.D + c] = from_acc<T>(acc[i][j] * dphi(xk, p.fm));
-      }
-    }
+  store_rows(dk + (at.bh * p.M + row0) * p.D + d0, p.D, rows, dn, acc, [&](A y, int r, int c) {
+    return y * dphi(to_acc<A>(*p.k.at(at.b, at.h, row0 + r, d0 + c)), p.fm);
+  });
 }
 
-// dv of key chunk t, Dv-block iv.  Grid (NT * NV, H, B).
+// dv of key chunk t, Dv-block iv.  Grid chunk_grid(M, Dv).
 template <typename T, typename A>
 __global__ void __launch_bounds__(kThreads)
     dv_kernel(const Problem<T, A> p, const BwdExtra<T, A> x, States<A> rstates, T* dv) {
+  using L = typename Problem<T, A>::L;
+  using E = typename Problem<T, A>::E;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  A* kt = reinterpret_cast<A*>(smem_raw);
-  A* st = kt + kTile;
-  A* qt = st + kTile;
-  A* rr = qt + kTile;
-  A* cc = rr + kT;
-  const int nv = static_cast<int>(ceil_div(p.Dv, kT));
-  const int t = blockIdx.x / nv, iv = blockIdx.x % nv;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int64_t bh = static_cast<int64_t>(b) * p.H + h;
-  const int e0 = iv * kT, en = min(kT, p.Dv - e0);
-  const int64_t row0 = static_cast<int64_t>(t) * kC;
-  const int rows = chunk_rows(p.M, row0);
+  const ChunkSmem<T, A> sm(smem_raw);
+  E *kt = sm.x, *qt = sm.y;
+  A *st = sm.st, *rr = sm.r, *cc = sm.c;
+  const ChunkBlock at = chunk_block(p.M, p.Dv, p.H);  // key chunks
+  const int t = at.t, e0 = at.c0, en = at.cn, rows = at.rows;
+  const int64_t row0 = at.row0;
   const int qrows = p.causal ? rows : 0;
 
-  A acc[4][4], pt[4][4];
-  zero(acc);
-  zero(pt);
+  Acc<L, A> acc = zeros<L, A>(), pt = zeros<L, A>();
   for (int d0 = 0; d0 < p.D; d0 += kT) {
     const int dn = min(kT, p.D - d0);
-    load_tile(kt, p.k.at(b, h, row0, d0), p.k.sl, p.k.sx, rows, dn, p.fm);
-    load_tile(st, static_cast<const A*>(rstates.at(bh, t, d0, e0)), rstates.ld, int64_t{1}, dn, en);
-    if (p.causal) load_tile(qt, p.q.at(b, h, row0, d0), p.q.sl, p.q.sx, qrows, dn, p.fm);
+    load_tile<A>(kt, p.k.at(at.b, at.h, row0, d0), p.k.sl, p.k.sx, rows, dn, p.fm);
+    load_tile<A>(st, static_cast<const A*>(rstates.at(at.bh, t, d0, e0)), rstates.ld, int64_t{1}, dn, en);
+    if (p.causal) load_tile<A>(qt, p.q.at(at.b, at.h, row0, d0), p.q.sl, p.q.sx, qrows, dn, p.fm);
     __syncthreads();
     mm<false, false>(acc, kt, st);              // phi(K) R
     if (p.causal) mm<false, true>(pt, kt, qt);  // pt[j][i] = phi(k_j) . phi(q_i)
     __syncthreads();
   }
   if (p.causal) {
-    row_factors(p, x, bh, static_cast<int>(row0), rr, cc);
+    row_factors(p, x, at.bh, static_cast<int>(row0), rr, cc);
     __syncthreads();
-    stage_masked<false, true>(kt, pt, static_cast<const A*>(rr), static_cast<const A*>(nullptr));
-    load_tile(qt, x.g.at(b, h, row0, e0), x.g.sl, x.g.sx, qrows, en);
+    const A rs = absmax_pow2(rr);
+    stage_masked<false>(kt, &pt, static_cast<const A*>(rr), A(1) / rs);
+    load_tile<A>(qt, x.g.at(at.b, at.h, row0, e0), x.g.sl, x.g.sx, qrows, en);
     __syncthreads();
-    mm<false, false>(acc, kt, qt);  // (r_i phi(k_j).phi(q_i)) for i >= j, times g
+    Acc<L, A> pr = zeros<L, A>();
+    mm<false, false>(pr, kt, qt);  // (r_i phi(k_j).phi(q_i)) for i >= j, times g
+    add_scaled(acc, rs, pr);
   }
-  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-  T* o = dv + (bh * p.M + row0) * p.Dv + e0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = ty + 16 * i, c = tx + 16 * j;
-      if (r < rows && c < en) o[static_cast<int64_t>(r) * p.Dv + c] = from_acc<T>(acc[i][j]);
-    }
+  store_rows(dv + (at.bh * p.M + row0) * p.Dv + e0, p.Dv, rows, en, acc, [](A y, int, int) { return y; });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -686,6 +929,12 @@ void check_qkv(const char* fn, const at::Tensor& q, const at::Tensor& k, const a
                   q.size(3) == k.size(3) && k.size(2) == v.size(2),
               fn, ": q, k, v sizes do not fit: ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   TORCH_CHECK(!causal || q.size(2) == k.size(2), fn, ": causal needs N == M; got ", q.size(2), " and ", k.size(2));
+  if (st == at::kHalf || st == at::kBFloat16) {
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
+    TORCH_CHECK(major >= 8, fn, ": float16 / bfloat16 inputs need compute capability 8.0 or newer (tensor-core ",
+                "mma.m16n8k16); got ", major, ".x");
+  }
   TORCH_CHECK(q.size(0) <= 65535 && q.size(1) <= 65535, fn, ": B and H must be <= 65535 (CUDA grid); got ",
               q.size(0), ", ", q.size(1));
   TORCH_CHECK(q.size(2) < (int64_t{1} << 30) && k.size(2) < (int64_t{1} << 30) && q.size(3) < (1 << 24) &&
@@ -731,14 +980,14 @@ States<A> states_of(const at::Tensor& x, int64_t nt, int64_t rows, int64_t cols)
   return s;
 }
 
-template <typename A>
-constexpr size_t smem_bytes() {
-  return static_cast<size_t>(kTiles * kTile + kVecs * kT) * sizeof(A);
-}
-
-template <typename Kernel>
-void allow_smem(Kernel kernel, size_t bytes) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+// kernel<<<grid, kThreads, smem_bytes<A>()>>>(args...) on the current stream, with the
+// shared-memory opt-in (the double kernels use more than the default 48 KiB).
+template <typename A, typename... P, typename... Args>
+void launch(void (*kernel)(P...), dim3 grid, Args&&... args) {
+  constexpr size_t smem = smem_bytes<A>();
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<grid, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(std::forward<Args>(args)...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T, typename A>
@@ -761,24 +1010,28 @@ Problem<T, A> make_problem(const at::Tensor& q, const at::Tensor& k, const at::T
   return p;
 }
 
+// The states every chunk reads: per chunk (causal: Hs [B,H,nt,D,Dv], Zs [B,H,nt,D]) or the
+// totals (S [B,H,D,Dv], z [B,H,D]).
+template <typename A>
+std::pair<States<A>, States<A>> chunk_states(bool causal, const at::Tensor& Hs, const at::Tensor& Zs,
+                                             const at::Tensor& S, const at::Tensor& z, int64_t nt, int64_t D,
+                                             int64_t Dv) {
+  if (causal) return {states_of<A>(Hs, nt, D, Dv), states_of<A>(Zs, nt, 1, D)};
+  return {states_of<A>(S, 0, D, Dv), states_of<A>(z, 0, 1, D)};
+}
+
 // The forward states: S_final / z_final into S, z; per chunk into Hs / Zs when given.
 template <typename T, typename A>
 void run_state_fwd(const Problem<T, A>& p, int64_t B, const at::Tensor& S0, const at::Tensor& z0, at::Tensor* Hs,
-                   at::Tensor* Zs, at::Tensor& S, at::Tensor& z, cudaStream_t stream) {
-  constexpr size_t smem = smem_bytes<A>();
-  allow_smem(state_fwd_kernel<T, A>, smem);
+                   at::Tensor* Zs, at::Tensor& S, at::Tensor& z) {
   States<A> hs, zs;
   if (Hs != nullptr) {
     const int64_t nt = Hs->size(2);
     hs = states_of<A>(*Hs, nt, p.D, p.Dv);
     zs = states_of<A>(*Zs, nt, 1, p.D);
   }
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.D, kT) * ceil_div(p.Dv, kT)), static_cast<unsigned>(p.H),
-                  static_cast<unsigned>(B));
-  state_fwd_kernel<T, A><<<grid, kThreads, smem, stream>>>(p, ptr_or_null<A>(S0), ptr_or_null<A>(z0), hs, zs,
-                                                            static_cast<A*>(S.data_ptr()),
-                                                            static_cast<A*>(z.data_ptr()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch<A>(state_fwd_kernel<T, A>, state_grid(p.D, p.Dv, p.H, B), p, ptr_or_null<A>(S0), ptr_or_null<A>(z0), hs, zs,
+            static_cast<A*>(S.data_ptr()), static_cast<A*>(z.data_ptr()));
 }
 
 template <typename T, typename A>
@@ -787,29 +1040,22 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   at::Tensor& den, at::Tensor& S, at::Tensor& z) {
   const Problem<T, A> p = make_problem<T, A>(q, k, v, fm, causal, normalize, eps, scale);
   const int64_t B = q.size(0);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t nt = ceil_div(p.N, kC);
   at::Tensor Hs, Zs;
   if (causal) {
     Hs = at::empty({B, p.H, nt, p.D, p.Dv}, q.options().dtype(acc_type(q.scalar_type())));
     Zs = at::empty({B, p.H, nt, p.D}, Hs.options());
   }
-  run_state_fwd<T, A>(p, B, S0, z0, causal ? &Hs : nullptr, causal ? &Zs : nullptr, S, z, stream);
+  run_state_fwd<T, A>(p, B, S0, z0, causal ? &Hs : nullptr, causal ? &Zs : nullptr, S, z);
   if (p.N == 0) return;
   if (p.M == 0 && !S0.defined()) {  // no keys, no state: zeros whatever eps (0 / 0 at eps = 0)
     out.zero_();
     den.zero_();
     return;
   }
-  constexpr size_t smem = smem_bytes<A>();
-  allow_smem(output_kernel<T, A>, smem);
-  States<A> hs = causal ? states_of<A>(Hs, nt, p.D, p.Dv) : states_of<A>(S, 0, p.D, p.Dv);
-  States<A> zs = causal ? states_of<A>(Zs, nt, 1, p.D) : states_of<A>(z, 0, 1, p.D);
-  const dim3 grid(static_cast<unsigned>(nt * ceil_div(p.Dv, kT)), static_cast<unsigned>(p.H),
-                  static_cast<unsigned>(B));
-  output_kernel<T, A><<<grid, kThreads, smem, stream>>>(p, hs, zs, static_cast<T*>(out.data_ptr()),
-                                                         static_cast<A*>(den.data_ptr()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const auto [hs, zs] = chunk_states<A>(causal, Hs, Zs, S, z, nt, p.D, p.Dv);
+  launch<A>(output_kernel<T, A>, chunk_grid(p.N, p.Dv, p.H, B), p, hs, zs, static_cast<T*>(out.data_ptr()),
+            static_cast<A*>(den.data_ptr()));
 }
 
 // Calls f(T{}, A{}) with the element and accumulation types of `st`.
@@ -864,10 +1110,8 @@ void backward_impl(const at::Tensor& g, const at::Tensor& gden, const at::Tensor
                    at::Tensor& dk, at::Tensor& dv, at::Tensor& dS0, at::Tensor& dz0) {
   const Problem<T, A> p = make_problem<T, A>(q, k, v, fm, causal, normalize, eps, scale);
   const int64_t B = q.size(0);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto opts = q.options().dtype(acc_type(q.scalar_type()));
-  constexpr size_t smem = smem_bytes<A>();
-  const int64_t nt_q = ceil_div(p.N, kC), nt_k = ceil_div(p.M, kC);
+  const int64_t nt_q = ceil_div(p.N, kC);
 
   BwdExtra<T, A> x;
   x.g = view_of<T>(g);
@@ -878,62 +1122,34 @@ void backward_impl(const at::Tensor& g, const at::Tensor& gden, const at::Tensor
     delta = at::empty({B, p.H, p.N}, opts);
     const int64_t rows = B * p.H * p.N;
     constexpr int64_t kRowsPerBlock = kThreads / 32;
-    delta_kernel<T, A><<<static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)), kThreads, 0, stream>>>(
-        view_of<T>(g), view_of<T>(out), p.H, p.N, p.Dv, rows, static_cast<A*>(delta.data_ptr()));
+    delta_kernel<T, A><<<static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)), kThreads, 0,
+                         c10::cuda::getCurrentCUDAStream()>>>(view_of<T>(g), view_of<T>(out), p.H, p.N, p.Dv, rows,
+                                                              static_cast<A*>(delta.data_ptr()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     x.delta = static_cast<const A*>(delta.data_ptr());
   }
 
-  // Forward states: per chunk (causal, recomputed) or the forward's totals S, z.
-  at::Tensor Hs, Zs, S_scratch, z_scratch;
+  // Forward states: per chunk (causal, recomputed) or the forward's totals S, z.  Reverse
+  // states over the queries: per chunk (causal) or the total, which is dS0 / dz0.
+  at::Tensor Hs, Zs, S_scratch, z_scratch, Rs, Ws;
   if (causal) {
     Hs = at::empty({B, p.H, nt_q, p.D, p.Dv}, opts);
     Zs = at::empty({B, p.H, nt_q, p.D}, opts);
     S_scratch = at::empty({B, p.H, p.D, p.Dv}, opts);
     z_scratch = at::empty({B, p.H, p.D}, opts);
-    run_state_fwd<T, A>(p, B, S0, z0, &Hs, &Zs, S_scratch, z_scratch, stream);
+    run_state_fwd<T, A>(p, B, S0, z0, &Hs, &Zs, S_scratch, z_scratch);
+    Rs = at::empty_like(Hs);
+    Ws = at::empty_like(Zs);
   }
-  States<A> hs = causal ? states_of<A>(Hs, nt_q, p.D, p.Dv) : states_of<A>(S, 0, p.D, p.Dv);
-  States<A> zs = causal ? states_of<A>(Zs, nt_q, 1, p.D) : states_of<A>(z, 0, 1, p.D);
-
-  // Reverse states over the queries: per chunk (causal) or the total, which is dS0 / dz0.
-  at::Tensor Rs, Ws;
-  if (causal) {
-    Rs = at::empty({B, p.H, nt_q, p.D, p.Dv}, opts);
-    Ws = at::empty({B, p.H, nt_q, p.D}, opts);
-  }
-  {
-    allow_smem(state_bwd_kernel<T, A>, smem);
-    States<A> rs, ws;
-    if (causal) rs = states_of<A>(Rs, nt_q, p.D, p.Dv), ws = states_of<A>(Ws, nt_q, 1, p.D);
-    const dim3 grid(static_cast<unsigned>(ceil_div(p.D, kT) * ceil_div(p.Dv, kT)), static_cast<unsigned>(p.H),
-                    static_cast<unsigned>(B));
-    state_bwd_kernel<T, A><<<grid, kThreads, smem, stream>>>(p, x, ptr_or_null<A>(gS), ptr_or_null<A>(gz), rs, ws,
-                                                              static_cast<A*>(dS0.data_ptr()),
-                                                              static_cast<A*>(dz0.data_ptr()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  States<A> rs = causal ? states_of<A>(Rs, nt_q, p.D, p.Dv) : states_of<A>(dS0, 0, p.D, p.Dv);
-  States<A> ws = causal ? states_of<A>(Ws, nt_q, 1, p.D) : states_of<A>(dz0, 0, 1, p.D);
-
-  if (p.N > 0) {
-    allow_smem(dq_kernel<T, A>, smem);
-    const dim3 grid(static_cast<unsigned>(nt_q * ceil_div(p.D, kT)), static_cast<unsigned>(p.H),
-                    static_cast<unsigned>(B));
-    dq_kernel<T, A><<<grid, kThreads, smem, stream>>>(p, x, hs, zs, static_cast<T*>(dq.data_ptr()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  const auto [hs, zs] = chunk_states<A>(causal, Hs, Zs, S, z, nt_q, p.D, p.Dv);
+  const auto [rs, ws] = chunk_states<A>(causal, Rs, Ws, dS0, dz0, nt_q, p.D, p.Dv);
+  launch<A>(state_bwd_kernel<T, A>, state_grid(p.D, p.Dv, p.H, B), p, x, ptr_or_null<A>(gS), ptr_or_null<A>(gz),
+            causal ? rs : States<A>{}, causal ? ws : States<A>{}, static_cast<A*>(dS0.data_ptr()),
+            static_cast<A*>(dz0.data_ptr()));
+  if (p.N > 0) launch<A>(dq_kernel<T, A>, chunk_grid(p.N, p.D, p.H, B), p, x, hs, zs, static_cast<T*>(dq.data_ptr()));
   if (p.M > 0) {
-    allow_smem(dk_kernel<T, A>, smem);
-    allow_smem(dv_kernel<T, A>, smem);
-    const dim3 gk(static_cast<unsigned>(nt_k * ceil_div(p.D, kT)), static_cast<unsigned>(p.H),
-                  static_cast<unsigned>(B));
-    dk_kernel<T, A><<<gk, kThreads, smem, stream>>>(p, x, rs, ws, static_cast<T*>(dk.data_ptr()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const dim3 gv(static_cast<unsigned>(nt_k * ceil_div(p.Dv, kT)), static_cast<unsigned>(p.H),
-                  static_cast<unsigned>(B));
-    dv_kernel<T, A><<<gv, kThreads, smem, stream>>>(p, x, rs, static_cast<T*>(dv.data_ptr()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch<A>(dk_kernel<T, A>, chunk_grid(p.M, p.D, p.H, B), p, x, rs, ws, static_cast<T*>(dk.data_ptr()));
+    launch<A>(dv_kernel<T, A>, chunk_grid(p.M, p.Dv, p.H, B), p, x, rs, static_cast<T*>(dv.data_ptr()));
   }
 }
 
