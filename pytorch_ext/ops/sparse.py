@@ -535,9 +535,8 @@ def sparse_attention(query, key, value, pattern, *, scale=None, backend=None):
     chosen = _route(backend, query, value, pattern)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] > 0 else 1.0
-    if chosen == "reference":
-        return sparse_attention_reference(query, key, value, pattern, scale=scale)
     b, h, n, _ = query.shape
-    if n == 0 or b * h == 0:
-        return query.new_zeros((b, h, n, value.shape[-1]))
+    # Empty inputs: the reference gives the empty (or zero-sized) result, attached to the graph.
+    if chosen == "reference" or n == 0 or b * h == 0:
+        return sparse_attention_reference(query, key, value, pattern, scale=scale)
     return _run_kernels(chosen, query, key, value, pattern, float(scale))

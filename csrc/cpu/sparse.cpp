@@ -1,0 +1,1136 @@
+// CPU kernels of sparse attention (issue 4): the "range part" and block-sparse primitives that
+// attnkit.ops.sparse composes into strided / fixed / star patterns and block layouts.
+//
+//   sparse_range_fwd(q [B,H,Nq,D], k [B,H,Nk,D], v [B,H,Nk,Dv], view, lo, hi, scale)
+//       -> out [B,H,Nq,Dv] (q's dtype), lse [B,H,Nq] (natural log; float32, float64 for float64)
+//   sparse_range_bwd(dout, q, k, v, lse, delta, view, lo, hi, scale) -> (dq, dk, dv)
+//   block_sparse_fwd(q, k, v, row_ptr, col_idx, block, causal, scale) -> (out, lse)
+//   block_sparse_bwd(dout, q, k, v, lse, delta, row_ptr, col_idx, col_ptr, row_idx, block,
+//                    causal, scale) -> (dq, dk, dv)
+// Exact semantics: the comments in csrc/ops.cpp and pytorch_ext/reference/sparse.py.
+//
+// Same scheme as csrc/cpu/softmax.cpp (and its micro-kernels, csrc/cpu/flash_tiles.h): scores
+// in base 2 (scale * log2 e), online softmax over key chunks, packed K^T tiles, float32
+// accumulation (float64 for float64).  What differs is that the visible keys of a query row are
+// one interval [lo, hi] of its key set, so a tile carries per-row intervals instead of a causal
+// cut, and only the interval is exponentiated (the rest of the tile row is set to 0).
+//
+// Range part.  view = [G, q_pg, q_pt, k_pg, k_pt]: group g's query t is row g q_pg + t q_pt, its
+// key t' row g k_pg + t' k_pt; the rows are read in place (float32/float64: the GEMM tiles take
+// a row stride, so Q, K and V rows of a strided group are never copied; other dtypes are
+// converted once per group).  Forward task: (b, h, g, tile of kRangeQ query rows); the ranges
+// are nondecreasing in t, so the tile needs keys [lo(t0), hi(t1)] only, and within each key
+// chunk only the rows whose interval meets it.  The band of a strided pattern (65 wide) is
+// why the query tile is 32 rows, not 64: a 32-row tile spans 96 keys (68% kept), a 64-row tile
+// 128 (51%).  Backward: one pass per (b, h, g): for each key tile, the query rows that attend it
+// form one interval (found by binary search on the monotone bounds); the pass accumulates dK,
+// dV of the tile and dQ of the group's rows (both owned by the task: no atomics, deterministic).
+// When there are too few tasks for the threads, the key tiles of a group are split into
+// chunks, each with its own dQ buffer, summed in a fixed order at the end.
+//
+// Block-sparse.  Forward task: (b, h, query block, sub-tile of <= 64 rows); the listed key
+// blocks are gathered into chunks of up to 256 keys (small blocks: several per chunk, so the
+// GEMM tiles stay large); causal keeps j <= i, a prefix of each chunk since blocks are sorted.
+// Backward: dQ pass over the row lists, dK/dV pass over the transposed (column) lists.
+//
+// Extra memory: per thread O(Nk (D + Dv)) packed keys plus O(tile) scratch; never N x N.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "flash_tiles.h"
+
+namespace attnkit {
+namespace {
+
+// Tile sizes (see the header comment; figures in the report of issue 4).
+constexpr int64_t kRangeQ = 32;       // range forward: query rows per task, narrow ranges
+constexpr int64_t kRangeQWide = 64;   //   ... ranges wider than kWide keys
+constexpr int64_t kWide = 256;
+constexpr int64_t kChunkK = 256;      // keys per online-softmax step (forward, block dQ pass)
+constexpr int64_t kRangeKb = 32;      // range backward: keys per tile
+constexpr int64_t kRangeQb = 64;      //   query rows per step
+constexpr int64_t kBlockQ = 64;       // block-sparse: query rows per task
+constexpr int64_t kBlockKb = 64;      //   backward dK/dV pass: keys per task
+constexpr int64_t kBlockQb = 128;     //   backward dK/dV pass: query rows per step
+// Leading dimensions of packed tiles get 16 extra columns so that the rows of a [D][ld] tile
+// do not all map to the same L1 sets (ld = 256 floats = 1 KiB would).
+constexpr int64_t kPad = 16;
+
+template <typename scalar_t>
+using acc_of = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+at::ScalarType acc_type_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// ---------------------------------------------------------------------------------------------
+// Tiles.  vlo[r] <= j < vhi[r] are the visible columns of row r (relative to the tile; empty
+// when vlo >= vhi).
+// ---------------------------------------------------------------------------------------------
+
+// One online-softmax step: S = Q K^T (qn x kn), scores in base 2, running max m, sum l,
+// O (qn x Dv, row stride ldo) += P V.  Q rows: stride ldq; K^T: [D][ldkt]; V rows: stride ldv.
+template <typename acc_t>
+void fwd_tile(int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int64_t ldq,
+              const acc_t* KT, int64_t ldkt, const acc_t* V, int64_t ldv, const int64_t* vlo,
+              const int64_t* vhi, acc_t c, acc_t* S, int64_t lds, acc_t* m, acc_t* l, acc_t* O,
+              int64_t ldo) {
+  gemm<acc_t>(qn, kn, D, Q, ldq, 1, KT, ldkt, S, lds, false);
+  for (int64_t r = 0; r < qn; ++r) {
+    acc_t* s = S + r * lds;
+    const int64_t a = std::clamp<int64_t>(vlo[r], 0, kn), e = std::clamp<int64_t>(vhi[r], 0, kn);
+    if (a >= e) {  // nothing visible in this chunk: the row's state is unchanged
+      std::fill(s, s + kn, acc_t(0));
+      continue;
+    }
+#pragma omp simd
+    for (int64_t j = a; j < e; ++j) s[j] *= c;
+    const acc_t mx = std::max(m[r], row_max(s + a, e - a));
+    const acc_t alpha = std::exp2(m[r] - mx);  // 0 on the row's first visible chunk
+    const acc_t sum = exp2_sub_sum(s + a, e - a, mx);
+    std::fill(s, s + a, acc_t(0));
+    std::fill(s + e, s + kn, acc_t(0));
+    if (alpha != acc_t(1)) {
+      acc_t* o = O + r * ldo;
+      for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha;
+    }
+    l[r] = l[r] * alpha + sum;
+    m[r] = mx;
+  }
+  gemm<acc_t>(qn, Dv, kn, S, lds, 1, V, ldv, O, ldo, true);
+}
+
+// Writes the finished rows: out = O / l, lse = ln 2 * m + ln l; rows with nothing: 0, -inf.
+template <typename scalar_t, typename acc_t>
+inline void finish_row(const acc_t* o, acc_t m, acc_t l, int64_t Dv, scalar_t* dst, acc_t* lse) {
+  if (l > acc_t(0)) {
+    const acc_t inv = acc_t(1) / l;
+    for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(o[d] * inv);
+    *lse = m * static_cast<acc_t>(kLn2) + std::log(l);
+  } else {
+    for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(0);
+    *lse = neg_inf<acc_t>();
+  }
+}
+
+// Gradients of one tile given the (merged) lse in base 2 (l2) and delta (di) per row:
+// P = exp2(c S - l2) on the visible entries, dV += P^T dO, dP = dO V^T, dS = P (dP - di) scale,
+// dK += dS^T Q, dQ += dS K (each skipped when its pointer is null).  K rows: stride ldk;
+// K^T, V^T: [D][ldkt], [Dv][ldvt].
+template <typename acc_t>
+void bwd_tile(int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int64_t ldq,
+              const acc_t* dO, int64_t lddo, const acc_t* l2, const acc_t* di, const acc_t* KT,
+              int64_t ldkt, const acc_t* K, int64_t ldk, const acc_t* VT, int64_t ldvt,
+              const int64_t* vlo, const int64_t* vhi, acc_t c, acc_t scale, acc_t* S, acc_t* dP,
+              int64_t lds, acc_t* dQ, int64_t lddq, acc_t* dK, int64_t lddk, acc_t* dV,
+              int64_t lddv) {
+  gemm<acc_t>(qn, kn, D, Q, ldq, 1, KT, ldkt, S, lds, false);
+  for (int64_t r = 0; r < qn; ++r) {
+    acc_t* s = S + r * lds;
+    const int64_t a = std::clamp<int64_t>(vlo[r], 0, kn), e = std::clamp<int64_t>(vhi[r], 0, kn);
+    if (a >= e || l2[r] == neg_inf<acc_t>()) {  // no visible entry, or a row with no key at all
+      std::fill(s, s + kn, acc_t(0));
+      continue;
+    }
+#pragma omp simd
+    for (int64_t j = a; j < e; ++j) s[j] *= c;
+    exp2_sub_sum(s + a, e - a, l2[r]);
+    std::fill(s, s + a, acc_t(0));
+    std::fill(s + e, s + kn, acc_t(0));
+  }
+  if (dV) gemm<acc_t>(kn, Dv, qn, S, 1, lds, dO, lddo, dV, lddv, true);
+  gemm<acc_t>(qn, kn, Dv, dO, lddo, 1, VT, ldvt, dP, lds, false);
+  for (int64_t r = 0; r < qn; ++r) {
+    const acc_t* p = S + r * lds;
+    acc_t* dp = dP + r * lds;
+    const acc_t d = di[r];
+#pragma omp simd
+    for (int64_t j = 0; j < kn; ++j) dp[j] = p[j] * (dp[j] - d) * scale;
+  }
+  if (dK) gemm<acc_t>(kn, D, qn, dP, 1, lds, Q, ldq, dK, lddk, true);
+  if (dQ) gemm<acc_t>(qn, D, kn, dP, lds, 1, K, ldk, dQ, lddq, true);
+}
+
+// rows x n of src (row stride lds) -> dst (row stride ldd), converted to acc_t.
+template <typename scalar_t, typename acc_t>
+inline void copy_rows(const scalar_t* src, int64_t lds, int64_t rows, int64_t n, acc_t* dst,
+                      int64_t ldd) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* s = src + r * lds;
+    acc_t* d = dst + r * ldd;
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      std::memcpy(d, s, static_cast<size_t>(n) * sizeof(acc_t));
+    } else {
+      for (int64_t x = 0; x < n; ++x) d[x] = static_cast<acc_t>(s[x]);
+    }
+  }
+}
+
+// K^T tiles: dst[d * ldd + jj] = src[jj * sn + d] for jj < kn, d < D (rows contiguous along d).
+// float32 transposes 16 x 16 blocks in registers: flash_tiles.h's pack_transposed gathers 16
+// keys per instruction, and that gather was 28% of the strided band's forward time on this CPU
+// (the band packs ~1.5 keys per key it attends; a dense head packs each key once).
+#if defined(__AVX512F__)
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // r[4i + j], 128-bit lane L: rows 4i..4i+3 at column 4L + j.
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512 p = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44);
+    const __m512 q = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE);
+    const __m512 p2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44);
+    const __m512 q2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
+    t[j] = _mm512_shuffle_f32x4(p, p2, 0x88);
+    t[4 + j] = _mm512_shuffle_f32x4(p, p2, 0xDD);
+    t[8 + j] = _mm512_shuffle_f32x4(q, q2, 0x88);
+    t[12 + j] = _mm512_shuffle_f32x4(q, q2, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+#endif
+
+template <typename scalar_t, typename acc_t>
+void pack_kt(const scalar_t* src, int64_t sn, int64_t kn, int64_t D, acc_t* dst, int64_t ldd) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
+    for (int64_t j0 = 0; j0 < kn; j0 += 16) {
+      const int64_t jn = std::min<int64_t>(16, kn - j0);
+      const __mmask16 jm = static_cast<__mmask16>((1u << jn) - 1u);
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        const int64_t dn = std::min<int64_t>(16, D - d0);
+        const __mmask16 dm = static_cast<__mmask16>((1u << dn) - 1u);
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i)
+          r[i] = i < jn ? _mm512_maskz_loadu_ps(dm, src + (j0 + i) * sn + d0) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int64_t i = 0; i < dn; ++i) _mm512_mask_storeu_ps(dst + (d0 + i) * ldd + j0, jm, r[i]);
+      }
+    }
+    return;
+  }
+#endif
+  pack_transposed(src, sn, 1, kn, D, dst, ldd);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Range parts: geometry.
+// ---------------------------------------------------------------------------------------------
+constexpr int64_t kHuge = int64_t(1) << 62;
+
+// f(t) = floor((t + a) / d) * m + b, clamped to +-2^62 (the "no bound" b = 2^40 of the callers
+// must not overflow).
+struct Affine {
+  int64_t a = 0, d = 1, m = 0, b = 0;
+  int64_t operator()(int64_t t) const {
+    const int64_t x = t + a;
+    int64_t q = x / d;
+    if (x % d != 0 && x < 0) --q;  // C++ division truncates; floor for negative x
+    const __int128 v = static_cast<__int128>(q) * m + b;
+    return v > kHuge ? kHuge : v < -kHuge ? -kHuge : static_cast<int64_t>(v);
+  }
+};
+
+struct RangeGeom {
+  int64_t G = 0, q_pg = 0, q_pt = 1, k_pg = 0, k_pt = 1, Nq = 0, Nk = 0;
+  Affine lo, hi;
+  int64_t Tq(int64_t g) const { return rows_of(Nq, g * q_pg, q_pt); }
+  int64_t Tk(int64_t g) const { return rows_of(Nk, g * k_pg, k_pt); }
+  static int64_t rows_of(int64_t n, int64_t start, int64_t step) {
+    return n > start ? ceil_div(n - start, step) : 0;
+  }
+  // Visible keys of query t (group with tk keys), inclusive [l, h]; empty when l > h.
+  void range(int64_t t, int64_t tk, int64_t& l, int64_t& h) const {
+    l = std::max<int64_t>(lo(t), 0);
+    h = std::min<int64_t>(hi(t), tk - 1);
+  }
+};
+
+// First t in [0, T) with f(t) >= x (f nondecreasing), T if none.
+int64_t first_at_least(const Affine& f, int64_t T, int64_t x) {
+  int64_t a = 0, b = T;
+  while (a < b) {
+    const int64_t mid = a + (b - a) / 2;
+    if (f(mid) >= x) b = mid; else a = mid + 1;
+  }
+  return a;
+}
+
+Affine parse_affine(const char* fn, const char* name, at::IntArrayRef f) {
+  TORCH_CHECK(f.size() == 4, fn, ": ", name, " must be [a, d, m, b]; got ", f.size(), " values");
+  TORCH_CHECK(f[1] >= 1 && f[2] >= 0, fn, ": ", name, " = [a, d, m, b] needs d >= 1 and m >= 0 "
+              "(nondecreasing bounds); got d=", f[1], ", m=", f[2]);
+  TORCH_CHECK(std::abs(f[0]) < kHuge / 4, fn, ": ", name, "'s offset a is out of range: ", f[0]);
+  return Affine{f[0], f[1], f[2], f[3]};
+}
+
+// Checks the view; returns whether the groups' query rows cover every row of q (else the caller
+// zero-fills first) and, through keys_shared, whether some key row belongs to several groups
+// (then the backward keeps the groups of a head in one task, so dK/dV never race).
+RangeGeom make_geom(const char* fn, at::IntArrayRef view, at::IntArrayRef lo, at::IntArrayRef hi,
+                    int64_t Nq, int64_t Nk, bool& all_rows_covered, bool& keys_shared) {
+  TORCH_CHECK(view.size() == 5, fn, ": view must be [G, q_pg, q_pt, k_pg, k_pt]; got ",
+              view.size(), " values");
+  RangeGeom g;
+  g.G = view[0];
+  g.q_pg = view[1];
+  g.q_pt = view[2];
+  g.k_pg = view[3];
+  g.k_pt = view[4];
+  TORCH_CHECK(g.G >= 0 && g.q_pg >= 0 && g.k_pg >= 0 && g.q_pt >= 1 && g.k_pt >= 1, fn,
+              ": view [G, q_pg, q_pt, k_pg, k_pt] needs G, q_pg, k_pg >= 0 and q_pt, k_pt >= 1; got ",
+              view);
+  g.Nq = Nq;
+  g.Nk = Nk;
+  g.lo = parse_affine(fn, "lo", lo);
+  g.hi = parse_affine(fn, "hi", hi);
+  // Groups are visited only while they have rows: G may be large with most groups empty.
+  std::vector<char> qseen(static_cast<size_t>(Nq), 0), kseen(static_cast<size_t>(Nk), 0);
+  int64_t covered = 0;
+  keys_shared = false;
+  for (int64_t gi = 0; gi < g.G; ++gi) {
+    const int64_t tq = g.Tq(gi), tk = g.Tk(gi);
+    if (tq == 0) break;  // starts only grow with g: no later group has queries either
+    for (int64_t t = 0; t < tq; ++t) {
+      char& s = qseen[gi * g.q_pg + t * g.q_pt];
+      TORCH_CHECK(!s, fn, ": view ", view, " puts query row ", gi * g.q_pg + t * g.q_pt,
+                  " in two groups; the kernels need the groups' query rows to be disjoint");
+      s = 1;
+      ++covered;
+    }
+    for (int64_t t = 0; t < tk; ++t) {
+      char& s = kseen[gi * g.k_pg + t * g.k_pt];
+      keys_shared = keys_shared || s;
+      s = 1;
+    }
+  }
+  all_rows_covered = covered == Nq;
+  return g;
+}
+
+// The (g, first query t) of each query tile, groups in order.
+std::vector<std::pair<int64_t, int64_t>> range_tiles(const RangeGeom& geo, int64_t TQ) {
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  for (int64_t gi = 0; gi < geo.G; ++gi) {
+    const int64_t tq = geo.Tq(gi);
+    if (tq == 0) break;
+    for (int64_t t0 = 0; t0 < tq; t0 += TQ) tiles.emplace_back(gi, t0);
+  }
+  return tiles;
+}
+
+void check_qkv(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
+              ": expected q [B,H,Nq,D], k [B,H,Nk,D], v [B,H,Nk,Dv]; got ", q.dim(), "-D, ",
+              k.dim(), "-D and ", v.dim(), "-D");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), fn,
+              ": q, k and v must share a dtype; got ", q.scalar_type(), ", ", k.scalar_type(),
+              " and ", v.scalar_type());
+  TORCH_CHECK(at::isFloatingType(q.scalar_type()), fn, ": expected floating inputs; got ",
+              q.scalar_type());
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == q.size(1) &&
+                  v.size(1) == q.size(1),
+              fn, ": q, k, v must share B and H; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(k.size(3) == q.size(3), fn, ": q and k must share D; got ", q.sizes(), " and ",
+              k.sizes());
+  TORCH_CHECK(v.size(2) == k.size(2), fn, ": k and v must have the same rows; got ", k.sizes(),
+              " and ", v.sizes());
+}
+
+void check_grad_inputs(const char* fn, const at::Tensor& q, const at::Tensor& v,
+                       const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& delta) {
+  const auto acc = acc_type_of(q.scalar_type());
+  TORCH_CHECK(dout.dim() == 4 && dout.size(0) == q.size(0) && dout.size(1) == q.size(1) &&
+                  dout.size(2) == q.size(2) && dout.size(3) == v.size(3),
+              fn, ": grad_out must be [B,H,Nq,Dv]; got ", dout.sizes());
+  TORCH_CHECK(dout.scalar_type() == q.scalar_type(), fn, ": grad_out must have q's dtype ",
+              q.scalar_type(), "; got ", dout.scalar_type());
+  for (const at::Tensor* t : {&lse, &delta}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == q.size(0) && t->size(1) == q.size(1) &&
+                    t->size(2) == q.size(2),
+                fn, ": lse and delta must be [B,H,Nq]; got ", t->sizes());
+    TORCH_CHECK(t->scalar_type() == acc, fn, ": lse and delta must be ", acc, "; got ",
+                t->scalar_type());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Range part: forward.
+// ---------------------------------------------------------------------------------------------
+template <typename acc_t>
+struct RangeFwdScratch {
+  std::vector<acc_t> kt;       // [D][lds] K^T of the key chunk
+  std::vector<acc_t> vr;       // [kChunkK][Dv] V rows converted (dtypes other than acc_t)
+  std::vector<acc_t> q;        // [TQ][D] Q rows converted
+  std::vector<acc_t> s, o, m, l;
+  std::vector<int64_t> lo, hi, vlo, vhi;
+};
+
+template <typename scalar_t, typename acc_t>
+void range_fwd_kernel(const RangeGeom& geo, int64_t BH, int64_t D, int64_t Dv, double scale,
+                      const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* out,
+                      acc_t* lse) {
+  constexpr bool kInPlace = std::is_same_v<scalar_t, acc_t>;
+  const int64_t Nq = geo.Nq, Nk = geo.Nk;
+  // Narrow ranges (a band) take 32-row tiles; measure the width in the middle of group 0.
+  int64_t TQ = kRangeQ;
+  {
+    const int64_t tq = geo.Tq(0), tk = geo.Tk(0);
+    if (tq > 0 && tk > 0) {
+      int64_t l, h;
+      geo.range(tq / 2, tk, l, h);
+      if (h - l + 1 > kWide) TQ = kRangeQWide;
+    }
+  }
+  const auto tiles = range_tiles(geo, TQ);
+  const int64_t ntiles = static_cast<int64_t>(tiles.size());
+  const int64_t lds = kChunkK + kPad;
+  const acc_t c = static_cast<acc_t>(scale * kLog2e);
+
+  run_tasks(
+      BH * ntiles,
+      [&] {
+        RangeFwdScratch<acc_t> st;
+        st.kt.resize(static_cast<size_t>(D * lds));
+        if (!kInPlace) {
+          st.vr.resize(static_cast<size_t>(kChunkK * Dv));
+          st.q.resize(static_cast<size_t>(TQ * D));
+        }
+        st.s.resize(static_cast<size_t>(TQ * lds));
+        st.o.resize(static_cast<size_t>(TQ * Dv));
+        for (auto* x : {&st.m, &st.l}) x->resize(TQ);
+        for (auto* x : {&st.lo, &st.hi, &st.vlo, &st.vhi}) x->resize(TQ);
+        return st;
+      },
+      [&](RangeFwdScratch<acc_t>& st, int64_t task) {
+        const int64_t bh = task / ntiles;
+        const auto [gi, t0] = tiles[task % ntiles];
+        const int64_t tq = geo.Tq(gi), tk = geo.Tk(gi);
+        const int64_t qn = std::min(TQ, tq - t0);
+        const int64_t qrow0 = bh * Nq + gi * geo.q_pg + t0 * geo.q_pt;  // row of t0 in [B*H*Nq]
+        const int64_t qstep = geo.q_pt;
+        // Visible keys per row; the tile needs keys [klo, khi].
+        int64_t klo = kHuge, khi = -1;
+        for (int64_t r = 0; r < qn; ++r) {
+          geo.range(t0 + r, tk, st.lo[r], st.hi[r]);
+          if (st.lo[r] <= st.hi[r]) {
+            klo = std::min(klo, st.lo[r]);
+            khi = std::max(khi, st.hi[r]);
+          }
+        }
+        std::fill(st.o.begin(), st.o.begin() + qn * Dv, acc_t(0));
+        std::fill(st.m.begin(), st.m.begin() + qn, neg_inf<acc_t>());
+        std::fill(st.l.begin(), st.l.begin() + qn, acc_t(0));
+        if (khi >= 0) {
+          const int64_t kbase = bh * Nk + gi * geo.k_pg;  // row of key 0 of the group
+          const int64_t kstep = geo.k_pt;
+          const acc_t* Q;
+          int64_t ldq;
+          if constexpr (kInPlace) {
+            Q = q + qrow0 * D;
+            ldq = qstep * D;
+          } else {
+            copy_rows(q + qrow0 * D, qstep * D, qn, D, st.q.data(), D);
+            Q = st.q.data();
+            ldq = D;
+          }
+          for (int64_t k0 = klo; k0 <= khi; k0 += kChunkK) {
+            const int64_t kn = std::min(kChunkK, khi + 1 - k0);
+            // Rows meeting [k0, k0 + kn): a contiguous run up to empty rows inside it.
+            int64_t ra = qn, rb = 0;
+            for (int64_t r = 0; r < qn; ++r) {
+              st.vlo[r] = st.lo[r] - k0;
+              st.vhi[r] = st.hi[r] + 1 - k0;
+              if (st.lo[r] <= st.hi[r] && st.lo[r] < k0 + kn && st.hi[r] >= k0) {
+                ra = std::min(ra, r);
+                rb = r + 1;
+              }
+            }
+            if (ra >= rb) continue;
+            // K^T of the chunk, packed per chunk into an L1/L2-sized tile: packing a whole
+            // group at once (a [D][Nk] buffer, 1 MiB at N=4096) cost 13% of the band's time in
+            // cache misses of the transposing writes.  V rows are read in place (float32).
+            const int64_t krow = kbase + k0 * kstep;
+            pack_kt(k + krow * D, kstep * D, kn, D, st.kt.data(), lds);
+            const acc_t* V;
+            int64_t ldv;
+            if constexpr (kInPlace) {
+              V = v + krow * Dv;
+              ldv = kstep * Dv;
+            } else {
+              copy_rows(v + krow * Dv, kstep * Dv, kn, Dv, st.vr.data(), Dv);
+              V = st.vr.data();
+              ldv = Dv;
+            }
+            fwd_tile<acc_t>(rb - ra, kn, D, Dv, Q + ra * ldq, ldq, st.kt.data(), lds,
+                            V, ldv, st.vlo.data() + ra, st.vhi.data() + ra, c,
+                            st.s.data(), lds, st.m.data() + ra, st.l.data() + ra,
+                            st.o.data() + ra * Dv, Dv);
+          }
+        }
+        for (int64_t r = 0; r < qn; ++r) {
+          const int64_t row = qrow0 + r * qstep;
+          finish_row<scalar_t, acc_t>(st.o.data() + r * Dv, st.m[r], st.l[r], Dv, out + row * Dv,
+                                      lse + row);
+        }
+      });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Range part: backward.
+// ---------------------------------------------------------------------------------------------
+template <typename acc_t>
+struct RangeBwdScratch {
+  std::vector<acc_t> kt, vt;     // [D][lds], [Dv][lds] K^T, V^T of the key tile
+  std::vector<acc_t> kr;         // [kRangeKb][D] K rows converted (dtypes other than acc_t)
+  std::vector<acc_t> qr, dor;    // [Tq][D], [Tq][Dv] Q, dO rows converted
+  std::vector<acc_t> l2, di;     // [Tq] lse in base 2, delta of the group's rows
+  std::vector<acc_t> s, dp;      // [kRangeQb][lds]
+  std::vector<acc_t> dk, dv;     // [kRangeKb][D], [kRangeKb][Dv]
+  std::vector<int64_t> vlo, vhi;
+};
+
+template <typename scalar_t, typename acc_t>
+void range_bwd_kernel(const RangeGeom& geo, bool keys_shared, int64_t BH, int64_t D, int64_t Dv,
+                      double scale, const scalar_t* dout, const scalar_t* q, const scalar_t* k,
+                      const scalar_t* v, const acc_t* lse, const acc_t* delta, acc_t* dq_acc,
+                      int64_t chunks, acc_t* dk_acc, acc_t* dv_acc) {
+  constexpr bool kInPlace = std::is_same_v<scalar_t, acc_t>;
+  const int64_t Nq = geo.Nq, Nk = geo.Nk;
+  // Groups that have query rows (the others touch nothing).
+  std::vector<int64_t> groups;
+  int64_t tq_max = 0;
+  for (int64_t gi = 0; gi < geo.G; ++gi) {
+    const int64_t tq = geo.Tq(gi), tk = geo.Tk(gi);
+    if (tq == 0) break;
+    if (tk == 0) continue;  // its rows keep zero gradients
+    groups.push_back(gi);
+    tq_max = std::max(tq_max, tq);
+  }
+  const int64_t ng = static_cast<int64_t>(groups.size());
+  if (ng == 0) return;
+  // A unit is (b, h, group), or (b, h) with all groups when groups share key rows.
+  const int64_t per_bh = keys_shared ? 1 : ng;
+  const int64_t lds = kRangeKb + kPad;
+  const acc_t c = static_cast<acc_t>(scale * kLog2e);
+  const acc_t sc = static_cast<acc_t>(scale);
+  const int64_t qstep = geo.q_pt, kstep = geo.k_pt;
+
+  run_tasks(
+      BH * per_bh * chunks,
+      [&] {
+        RangeBwdScratch<acc_t> st;
+        st.kt.resize(static_cast<size_t>(D * lds));
+        st.vt.resize(static_cast<size_t>(Dv * lds));
+        if (!kInPlace) {
+          st.kr.resize(static_cast<size_t>(kRangeKb * D));
+          st.qr.resize(static_cast<size_t>(tq_max * D));
+          st.dor.resize(static_cast<size_t>(tq_max * Dv));
+        }
+        st.l2.resize(tq_max);
+        st.di.resize(tq_max);
+        st.s.resize(static_cast<size_t>(kRangeQb * lds));
+        st.dp.resize(static_cast<size_t>(kRangeQb * lds));
+        st.dk.resize(static_cast<size_t>(kRangeKb * D));
+        st.dv.resize(static_cast<size_t>(kRangeKb * Dv));
+        st.vlo.resize(kRangeQb);
+        st.vhi.resize(kRangeQb);
+        return st;
+      },
+      [&](RangeBwdScratch<acc_t>& st, int64_t task) {
+        const int64_t chunk = task % chunks;
+        const int64_t unit = task / chunks;
+        const int64_t bh = unit / per_bh;
+        const int64_t g_begin = keys_shared ? 0 : unit % per_bh;
+        const int64_t g_end = keys_shared ? ng : g_begin + 1;
+        acc_t* dq_c = dq_acc + chunk * BH * Nq * D;
+        for (int64_t gx = g_begin; gx < g_end; ++gx) {
+          const int64_t gi = groups[gx];
+          const int64_t tq = geo.Tq(gi), tk = geo.Tk(gi);
+          const int64_t qbase = bh * Nq + gi * geo.q_pg;  // row of query t = 0
+          const int64_t kbase = bh * Nk + gi * geo.k_pg;  // row of key t' = 0
+          const int64_t nkt = ceil_div(tk, kRangeKb);
+          if (chunk >= nkt) continue;
+          const acc_t *Q, *dO;
+          int64_t ldq, lddo;
+          if constexpr (kInPlace) {
+            Q = q + qbase * D;
+            ldq = qstep * D;
+            dO = dout + qbase * Dv;
+            lddo = qstep * Dv;
+          } else {
+            copy_rows(q + qbase * D, qstep * D, tq, D, st.qr.data(), D);
+            copy_rows(dout + qbase * Dv, qstep * Dv, tq, Dv, st.dor.data(), Dv);
+            Q = st.qr.data();
+            ldq = D;
+            dO = st.dor.data();
+            lddo = Dv;
+          }
+          for (int64_t t = 0; t < tq; ++t) {
+            const int64_t row = qbase + t * qstep;
+            st.l2[t] = lse[row] * static_cast<acc_t>(kLog2e);
+            st.di[t] = delta[row];
+          }
+          acc_t* dQ = dq_c + qbase * D;
+          const int64_t lddq = qstep * D;
+          for (int64_t kt_i = chunk; kt_i < nkt; kt_i += chunks) {
+            const int64_t k0 = kt_i * kRangeKb, kn = std::min(kRangeKb, tk - k0);
+            // Queries attending a key of [k0, k0 + kn): hi(t) >= k0 and lo(t) < k0 + kn.
+            const int64_t ta = first_at_least(geo.hi, tq, k0);
+            const int64_t tb = first_at_least(geo.lo, tq, k0 + kn);
+            if (ta >= tb) continue;
+            // K^T, V^T (and converted K rows) of this key tile only: small, cache-resident.
+            const int64_t krow = kbase + k0 * kstep;
+            pack_kt(k + krow * D, kstep * D, kn, D, st.kt.data(), lds);
+            pack_kt(v + krow * Dv, kstep * Dv, kn, Dv, st.vt.data(), lds);
+            const acc_t* K;
+            int64_t ldkr;
+            if constexpr (kInPlace) {
+              K = k + krow * D;
+              ldkr = kstep * D;
+            } else {
+              copy_rows(k + krow * D, kstep * D, kn, D, st.kr.data(), D);
+              K = st.kr.data();
+              ldkr = D;
+            }
+            std::fill(st.dk.begin(), st.dk.begin() + kn * D, acc_t(0));
+            std::fill(st.dv.begin(), st.dv.begin() + kn * Dv, acc_t(0));
+            for (int64_t t0 = ta; t0 < tb; t0 += kRangeQb) {
+              const int64_t qn = std::min(kRangeQb, tb - t0);
+              for (int64_t r = 0; r < qn; ++r) {
+                int64_t l, h;
+                geo.range(t0 + r, tk, l, h);
+                st.vlo[r] = l - k0;
+                st.vhi[r] = l <= h ? h + 1 - k0 : l - k0;
+              }
+              bwd_tile<acc_t>(qn, kn, D, Dv, Q + t0 * ldq, ldq, dO + t0 * lddo, lddo,
+                              st.l2.data() + t0, st.di.data() + t0, st.kt.data(), lds,
+                              K, ldkr, st.vt.data(), lds, st.vlo.data(),
+                              st.vhi.data(), c, sc, st.s.data(), st.dp.data(), lds,
+                              dQ + t0 * lddq, lddq, st.dk.data(), D, st.dv.data(), Dv);
+            }
+            // Added, not stored: with shared keys another group of this task wrote them too.
+            for (int64_t j = 0; j < kn; ++j) {
+              const int64_t row = kbase + (k0 + j) * kstep;
+              acc_t* dkr = dk_acc + row * D;
+              acc_t* dvr = dv_acc + row * Dv;
+              const acc_t* a = st.dk.data() + j * D;
+              const acc_t* b = st.dv.data() + j * Dv;
+              for (int64_t d = 0; d < D; ++d) dkr[d] += a[d];
+              for (int64_t d = 0; d < Dv; ++d) dvr[d] += b[d];
+            }
+          }
+        }
+      });
+}
+
+// Chunks of key tiles per unit: 1 unless there are too few units to keep the threads busy.
+int64_t pick_chunks(int64_t units, int64_t max_tiles) {
+  const int64_t threads = at::get_num_threads();
+  if (units >= 4 * threads || units % threads == 0) return 1;
+  return std::max<int64_t>(1, std::min(max_tiles, threads));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block-sparse lists.
+// ---------------------------------------------------------------------------------------------
+struct BlockLists {
+  const int32_t* ptr = nullptr;  // [Hl][nb + 1]
+  const int32_t* idx = nullptr;
+  int64_t Hl = 1, nb = 0;
+  // The entries of row r of layout head hl: idx[begin(h, r) : end(h, r)].
+  int64_t begin(int64_t h, int64_t r) const { return ptr[(Hl == 1 ? 0 : h) * (nb + 1) + r]; }
+  int64_t end(int64_t h, int64_t r) const { return ptr[(Hl == 1 ? 0 : h) * (nb + 1) + r + 1]; }
+};
+
+BlockLists check_lists(const char* fn, const char* pname, const char* iname, const at::Tensor& ptr,
+                       const at::Tensor& idx, int64_t H, int64_t nb) {
+  TORCH_CHECK(ptr.scalar_type() == at::kInt && idx.scalar_type() == at::kInt, fn, ": ", pname,
+              " and ", iname, " must be int32; got ", ptr.scalar_type(), " and ", idx.scalar_type());
+  TORCH_CHECK(ptr.device().is_cpu() && idx.device().is_cpu(), fn, ": ", pname, " and ", iname,
+              " must be CPU tensors");
+  TORCH_CHECK(ptr.dim() == 2 && (ptr.size(0) == 1 || ptr.size(0) == H) && ptr.size(1) == nb + 1,
+              fn, ": ", pname, " must be [1 or H, nb + 1] = [1 or ", H, ", ", nb + 1, "]; got ",
+              ptr.sizes());
+  TORCH_CHECK(idx.dim() == 1, fn, ": ", iname, " must be 1-D; got ", idx.sizes());
+  BlockLists L;
+  L.ptr = ptr.const_data_ptr<int32_t>();
+  L.idx = idx.const_data_ptr<int32_t>();
+  L.Hl = ptr.size(0);
+  L.nb = nb;
+  const int64_t nnz = idx.numel();
+  for (int64_t h = 0; h < L.Hl; ++h)
+    for (int64_t r = 0; r < nb; ++r) {
+      const int64_t a = L.begin(h, r), e = L.end(h, r);
+      TORCH_CHECK(0 <= a && a <= e && e <= nnz, fn, ": ", pname, " must hold nondecreasing offsets "
+                  "into ", iname, " (", nnz, " entries); head ", h, " row ", r, ": [", a, ", ", e, ")");
+      for (int64_t x = a; x < e; ++x)
+        TORCH_CHECK(0 <= L.idx[x] && L.idx[x] < nb && (x == a || L.idx[x - 1] < L.idx[x]), fn,
+                    ": ", iname, " entries must be increasing block indices in [0, ", nb,
+                    ") per row; head ", h, " row ", r, " has ", L.idx[x]);
+    }
+  return L;
+}
+
+// A run of rows [start, start + len) of one block, gathered into a chunk.
+struct Seg {
+  int64_t start, len;
+};
+
+// Splits the blocks idx[a:e) (rows [c * block, (c + 1) * block), each cut to rows < limit) into
+// chunks of at most cap rows; calls fn(segments, total rows) per chunk.
+template <typename Fn>
+void for_each_chunk(const int32_t* idx, int64_t a, int64_t e, int64_t block, int64_t limit,
+                    int64_t cap, std::vector<Seg>& segs, Fn fn) {
+  segs.clear();
+  int64_t n = 0;
+  for (int64_t x = a; x < e; ++x) {
+    int64_t s = static_cast<int64_t>(idx[x]) * block;
+    const int64_t stop = std::min(s + block, limit);
+    while (s < stop) {
+      const int64_t len = std::min(stop - s, cap - n);
+      segs.push_back({s, len});
+      n += len;
+      s += len;
+      if (n == cap) {
+        fn(segs, n);
+        segs.clear();
+        n = 0;
+      }
+    }
+  }
+  if (n > 0) fn(segs, n);
+}
+
+// Causal visibility in a chunk of sorted key segments: the number of chunk keys j <= i.
+inline int64_t keys_up_to(const std::vector<Seg>& segs, int64_t i) {
+  int64_t n = 0;
+  for (const Seg& s : segs) {
+    if (s.start > i) break;
+    n += std::min(s.len, i - s.start + 1);
+  }
+  return n;
+}
+
+template <typename acc_t>
+struct BlockScratch {
+  std::vector<acc_t> kt, vt;   // [D][ld], [Dv][ld] transposed chunk of K, V
+  std::vector<acc_t> kr, vr;   // [cap][D], [cap][Dv] K, V rows of a chunk
+  std::vector<acc_t> qr, dor;  // Q, dO rows
+  std::vector<acc_t> l2, di;
+  std::vector<acc_t> s, dp, o, m, l;
+  std::vector<acc_t> dk, dv;
+  std::vector<int64_t> vlo, vhi;
+  std::vector<Seg> segs;
+};
+
+// Pointer to `n` rows (width w) of a chunk: in place when the chunk is one run and needs no
+// conversion, else gathered (converted) into buf.
+template <typename scalar_t, typename acc_t>
+const acc_t* chunk_rows(const scalar_t* base, int64_t w, const std::vector<Seg>& segs,
+                        std::vector<acc_t>& buf, int64_t& ld) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    if (segs.size() == 1) {
+      ld = w;
+      return base + segs[0].start * w;
+    }
+  }
+  int64_t off = 0;
+  for (const Seg& s : segs) {
+    copy_rows(base + s.start * w, w, s.len, w, buf.data() + off * w, w);
+    off += s.len;
+  }
+  ld = w;
+  return buf.data();
+}
+
+template <typename scalar_t, typename acc_t>
+void pack_chunk_transposed(const scalar_t* base, int64_t w, const std::vector<Seg>& segs,
+                           acc_t* dst, int64_t ld) {
+  int64_t off = 0;
+  for (const Seg& s : segs) {
+    pack_kt(base + s.start * w, w, s.len, w, dst + off, ld);
+    off += s.len;
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+void block_fwd_kernel(const BlockLists& L, int64_t BH, int64_t H, int64_t N, int64_t D,
+                      int64_t Dv, int64_t block, bool causal, double scale, const scalar_t* q,
+                      const scalar_t* k, const scalar_t* v, scalar_t* out, acc_t* lse) {
+  constexpr bool kInPlace = std::is_same_v<scalar_t, acc_t>;
+  const int64_t nb = L.nb;
+  const int64_t TQ = std::min(block, kBlockQ);
+  const int64_t subs = ceil_div(block, TQ);
+  const int64_t cap = std::max(block >= kChunkK ? kChunkK : kChunkK / block * block, int64_t(1));
+  const int64_t ld = cap + kPad;
+  const acc_t c = static_cast<acc_t>(scale * kLog2e);
+  run_tasks(
+      BH * nb * subs,
+      [&] {
+        BlockScratch<acc_t> st;
+        st.kt.resize(static_cast<size_t>(D * ld));
+        st.vr.resize(static_cast<size_t>(cap * Dv));
+        if (!kInPlace) st.qr.resize(static_cast<size_t>(TQ * D));
+        st.s.resize(static_cast<size_t>(TQ * ld));
+        st.o.resize(static_cast<size_t>(TQ * Dv));
+        for (auto* x : {&st.m, &st.l}) x->resize(TQ);
+        st.vlo.assign(TQ, 0);
+        st.vhi.resize(TQ);
+        return st;
+      },
+      [&](BlockScratch<acc_t>& st, int64_t task) {
+        const int64_t sub = task % subs, r = (task / subs) % nb, bh = task / (subs * nb);
+        const int64_t h = bh % H;
+        const int64_t i0 = r * block + sub * TQ, qn = std::min(TQ, (r + 1) * block - i0);
+        const int64_t qrow0 = bh * N + i0;
+        std::fill(st.o.begin(), st.o.begin() + qn * Dv, acc_t(0));
+        std::fill(st.m.begin(), st.m.begin() + qn, neg_inf<acc_t>());
+        std::fill(st.l.begin(), st.l.begin() + qn, acc_t(0));
+        const acc_t* Q;
+        if constexpr (kInPlace) {
+          Q = q + qrow0 * D;
+        } else {
+          copy_rows(q + qrow0 * D, D, qn, D, st.qr.data(), D);
+          Q = st.qr.data();
+        }
+        const scalar_t* kb = k + bh * N * D;
+        const scalar_t* vb = v + bh * N * Dv;
+        // Causal: no row of this tile sees keys >= i0 + qn.
+        const int64_t limit = causal ? i0 + qn : N;
+        for_each_chunk(L.idx, L.begin(h, r), L.end(h, r), block, limit, cap, st.segs,
+                       [&](const std::vector<Seg>& segs, int64_t kn) {
+                         pack_chunk_transposed(kb, D, segs, st.kt.data(), ld);
+                         int64_t ldv;
+                         const acc_t* V = chunk_rows(vb, Dv, segs, st.vr, ldv);
+                         for (int64_t x = 0; x < qn; ++x)
+                           st.vhi[x] = causal ? keys_up_to(segs, i0 + x) : kn;
+                         fwd_tile<acc_t>(qn, kn, D, Dv, Q, D, st.kt.data(), ld, V, ldv,
+                                         st.vlo.data(), st.vhi.data(), c, st.s.data(), ld,
+                                         st.m.data(), st.l.data(), st.o.data(), Dv);
+                       });
+        for (int64_t x = 0; x < qn; ++x)
+          finish_row<scalar_t, acc_t>(st.o.data() + x * Dv, st.m[x], st.l[x], Dv,
+                                      out + (qrow0 + x) * Dv, lse + qrow0 + x);
+      });
+}
+
+template <typename scalar_t, typename acc_t>
+void block_bwd_kernel(const BlockLists& R, const BlockLists& C, int64_t BH, int64_t H, int64_t N,
+                      int64_t D, int64_t Dv, int64_t block, bool causal, double scale,
+                      const scalar_t* dout, const scalar_t* q, const scalar_t* k,
+                      const scalar_t* v, const acc_t* lse, const acc_t* delta, acc_t* dq_acc,
+                      acc_t* dk_acc, acc_t* dv_acc) {
+  const int64_t nb = R.nb;
+  const acc_t c = static_cast<acc_t>(scale * kLog2e);
+  const acc_t sc = static_cast<acc_t>(scale);
+
+  // dQ pass: per (b, h, query block, sub-tile), over the row lists.
+  {
+    const int64_t TQ = std::min(block, kBlockQ);
+    const int64_t subs = ceil_div(block, TQ);
+    // Keys per chunk: the scratch holds [TQ][cap] scores twice; 128 keys keep it in L1/L2.
+    const int64_t cap = std::max(block >= 128 ? int64_t(128) : 128 / block * block, int64_t(1));
+    const int64_t ld = cap + kPad;
+    run_tasks(
+        BH * nb * subs,
+        [&] {
+          BlockScratch<acc_t> st;
+          st.kt.resize(static_cast<size_t>(D * ld));
+          st.vt.resize(static_cast<size_t>(Dv * ld));
+          st.kr.resize(static_cast<size_t>(cap * D));
+          st.qr.resize(static_cast<size_t>(TQ * D));
+          st.dor.resize(static_cast<size_t>(TQ * Dv));
+          st.l2.resize(TQ);
+          st.di.resize(TQ);
+          st.s.resize(static_cast<size_t>(TQ * ld));
+          st.dp.resize(static_cast<size_t>(TQ * ld));
+          st.vlo.assign(TQ, 0);
+          st.vhi.resize(TQ);
+          return st;
+        },
+        [&](BlockScratch<acc_t>& st, int64_t task) {
+          const int64_t sub = task % subs, r = (task / subs) % nb, bh = task / (subs * nb);
+          const int64_t h = bh % H;
+          const int64_t i0 = r * block + sub * TQ, qn = std::min(TQ, (r + 1) * block - i0);
+          const int64_t qrow0 = bh * N + i0;
+          int64_t ldq, lddo;
+          const std::vector<Seg> qseg{{i0, qn}};
+          const acc_t* Q = chunk_rows(q + bh * N * D, D, qseg, st.qr, ldq);
+          const acc_t* dO = chunk_rows(dout + bh * N * Dv, Dv, qseg, st.dor, lddo);
+          for (int64_t x = 0; x < qn; ++x) {
+            st.l2[x] = lse[qrow0 + x] * static_cast<acc_t>(kLog2e);
+            st.di[x] = delta[qrow0 + x];
+          }
+          const scalar_t* kb = k + bh * N * D;
+          const scalar_t* vb = v + bh * N * Dv;
+          const int64_t limit = causal ? i0 + qn : N;
+          for_each_chunk(R.idx, R.begin(h, r), R.end(h, r), block, limit, cap, st.segs,
+                         [&](const std::vector<Seg>& segs, int64_t kn) {
+                           pack_chunk_transposed(kb, D, segs, st.kt.data(), ld);
+                           pack_chunk_transposed(vb, Dv, segs, st.vt.data(), ld);
+                           int64_t ldk;
+                           const acc_t* K = chunk_rows(kb, D, segs, st.kr, ldk);
+                           for (int64_t x = 0; x < qn; ++x)
+                             st.vhi[x] = causal ? keys_up_to(segs, i0 + x) : kn;
+                           bwd_tile<acc_t>(qn, kn, D, Dv, Q, ldq, dO, lddo, st.l2.data(),
+                                           st.di.data(), st.kt.data(), ld, K, ldk,
+                                           st.vt.data(), ld, st.vlo.data(), st.vhi.data(), c, sc,
+                                           st.s.data(), st.dp.data(), ld, dq_acc + qrow0 * D, D,
+                                           nullptr, 0, nullptr, 0);
+                         });
+        });
+  }
+
+  // dK/dV pass: per (b, h, key block, sub-tile), over the column lists.
+  {
+    const int64_t TK = std::min(block, kBlockKb);
+    const int64_t subs = ceil_div(block, TK);
+    const int64_t cap = std::max(block >= kBlockQb ? kBlockQb : kBlockQb / block * block,
+                                 int64_t(1));
+    const int64_t ld = TK + kPad;
+    run_tasks(
+        BH * nb * subs,
+        [&] {
+          BlockScratch<acc_t> st;
+          st.kt.resize(static_cast<size_t>(D * ld));
+          st.vt.resize(static_cast<size_t>(Dv * ld));
+          st.qr.resize(static_cast<size_t>(cap * D));
+          st.dor.resize(static_cast<size_t>(cap * Dv));
+          st.l2.resize(cap);
+          st.di.resize(cap);
+          st.s.resize(static_cast<size_t>(cap * ld));
+          st.dp.resize(static_cast<size_t>(cap * ld));
+          st.dk.resize(static_cast<size_t>(TK * D));
+          st.dv.resize(static_cast<size_t>(TK * Dv));
+          st.vlo.assign(cap, 0);
+          st.vhi.resize(cap);
+          return st;
+        },
+        [&](BlockScratch<acc_t>& st, int64_t task) {
+          const int64_t sub = task % subs, cb = (task / subs) % nb, bh = task / (subs * nb);
+          const int64_t h = bh % H;
+          const int64_t j0 = cb * block + sub * TK, kn = std::min(TK, (cb + 1) * block - j0);
+          const int64_t krow0 = bh * N + j0;
+          pack_kt(k + krow0 * D, D, kn, D, st.kt.data(), ld);
+          pack_kt(v + krow0 * Dv, Dv, kn, Dv, st.vt.data(), ld);
+          std::fill(st.dk.begin(), st.dk.end(), acc_t(0));
+          std::fill(st.dv.begin(), st.dv.end(), acc_t(0));
+          const scalar_t* qb = q + bh * N * D;
+          const scalar_t* gb = dout + bh * N * Dv;
+          // Query blocks listed for this key block; causal: rows < j0 see none of its keys.
+          int64_t a = C.begin(h, cb);
+          const int64_t e = C.end(h, cb);
+          if (causal)
+            while (a < e && (static_cast<int64_t>(C.idx[a]) + 1) * block <= j0) ++a;
+          for_each_chunk(C.idx, a, e, block, N, cap, st.segs,
+                         [&](const std::vector<Seg>& segs, int64_t qn) {
+                           int64_t ldq, lddo;
+                           const acc_t* Q = chunk_rows(qb, D, segs, st.qr, ldq);
+                           const acc_t* dO = chunk_rows(gb, Dv, segs, st.dor, lddo);
+                           int64_t x = 0;
+                           for (const Seg& s : segs)
+                             for (int64_t i = s.start; i < s.start + s.len; ++i, ++x) {
+                               st.l2[x] = lse[bh * N + i] * static_cast<acc_t>(kLog2e);
+                               st.di[x] = delta[bh * N + i];
+                               st.vhi[x] = causal ? std::clamp<int64_t>(i - j0 + 1, 0, kn) : kn;
+                             }
+                           bwd_tile<acc_t>(qn, kn, D, Dv, Q, ldq, dO, lddo, st.l2.data(),
+                                           st.di.data(), st.kt.data(), ld, nullptr, 0,
+                                           st.vt.data(), ld, st.vlo.data(), st.vhi.data(), c, sc,
+                                           st.s.data(), st.dp.data(), ld, nullptr, 0,
+                                           st.dk.data(), D, st.dv.data(), Dv);
+                         });
+          for (int64_t j = 0; j < kn; ++j) {
+            std::memcpy(dk_acc + (krow0 + j) * D, st.dk.data() + j * D, D * sizeof(acc_t));
+            std::memcpy(dv_acc + (krow0 + j) * Dv, st.dv.data() + j * Dv, Dv * sizeof(acc_t));
+          }
+        });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry points.
+// ---------------------------------------------------------------------------------------------
+std::tuple<at::Tensor, at::Tensor> sparse_range_fwd_cpu(const at::Tensor& q_, const at::Tensor& k_,
+                                                        const at::Tensor& v_, at::IntArrayRef view,
+                                                        at::IntArrayRef lo, at::IntArrayRef hi,
+                                                        double scale) {
+  const char* fn = "sparse_range_fwd";
+  check_qkv(fn, q_, k_, v_);
+  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
+  const int64_t Nk = k.size(2), Dv = v.size(3);
+  bool covered = false, keys_shared = false;
+  const RangeGeom geo = make_geom(fn, view, lo, hi, Nq, Nk, covered, keys_shared);
+  const auto acc = acc_type_of(q.scalar_type());
+  at::Tensor out, lse;
+  if (covered) {
+    out = at::empty({B, H, Nq, Dv}, q.options());
+    lse = at::empty({B, H, Nq}, q.options().dtype(acc));
+  } else {  // rows in no group: 0 / -inf
+    out = at::zeros({B, H, Nq, Dv}, q.options());
+    lse = at::full({B, H, Nq}, -std::numeric_limits<double>::infinity(), q.options().dtype(acc));
+  }
+  if (B * H * Nq == 0) return {out, lse};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "sparse_range_fwd", [&] {
+    using acc_t = acc_of<scalar_t>;
+    range_fwd_kernel<scalar_t, acc_t>(geo, B * H, D, Dv, scale, q.const_data_ptr<scalar_t>(),
+                                      k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
+                                      out.mutable_data_ptr<scalar_t>(), lse.mutable_data_ptr<acc_t>());
+  });
+  return {out, lse};
+}
+
+// Per-chunk float buffers -> the result in the input dtype (chunks summed in order: deterministic).
+at::Tensor reduce_chunks(const at::Tensor& buf, at::ScalarType dtype) {
+  at::Tensor sum = buf[0].clone();
+  for (int64_t c = 1; c < buf.size(0); ++c) sum.add_(buf[c]);
+  return sum.to(dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_range_bwd_cpu(
+    const at::Tensor& dout_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+    const at::Tensor& lse_, const at::Tensor& delta_, at::IntArrayRef view, at::IntArrayRef lo,
+    at::IntArrayRef hi, double scale) {
+  const char* fn = "sparse_range_bwd";
+  check_qkv(fn, q_, k_, v_);
+  check_grad_inputs(fn, q_, v_, dout_, lse_, delta_);
+  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
+  const at::Tensor dout = dout_.contiguous(), lse = lse_.contiguous(), delta = delta_.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
+  const int64_t Nk = k.size(2), Dv = v.size(3);
+  bool covered = false, keys_shared = false;
+  const RangeGeom geo = make_geom(fn, view, lo, hi, Nq, Nk, covered, keys_shared);
+  const auto dtype = q.scalar_type();
+  const auto acc = acc_type_of(dtype);
+  const bool direct = acc == dtype;
+  // Units of work and chunks of key tiles per unit (see range_bwd_kernel).
+  int64_t ng = 0, nkt_max = 0;
+  for (int64_t gi = 0; gi < geo.G; ++gi) {
+    const int64_t tq = geo.Tq(gi), tk = geo.Tk(gi);
+    if (tq == 0) break;
+    if (tk == 0) continue;
+    ++ng;
+    nkt_max = std::max(nkt_max, ceil_div(tk, kRangeKb));
+  }
+  const int64_t chunks = keys_shared ? 1 : pick_chunks(B * H * ng, nkt_max);
+  // One dQ buffer per chunk (the result itself when there is one and no conversion).
+  at::Tensor dq_buf = chunks == 1 ? at::zeros({B, H, Nq, D}, q.options().dtype(acc))
+                                  : at::zeros({chunks, B, H, Nq, D}, q.options().dtype(acc));
+  at::Tensor dk = at::zeros({B, H, Nk, D}, q.options().dtype(acc));
+  at::Tensor dv = at::zeros({B, H, Nk, Dv}, q.options().dtype(acc));
+  if (B * H > 0 && ng > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "sparse_range_bwd", [&] {
+      using acc_t = acc_of<scalar_t>;
+      range_bwd_kernel<scalar_t, acc_t>(
+          geo, keys_shared, B * H, D, Dv, scale, dout.const_data_ptr<scalar_t>(),
+          q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
+          lse.const_data_ptr<acc_t>(), delta.const_data_ptr<acc_t>(),
+          dq_buf.mutable_data_ptr<acc_t>(), chunks, dk.mutable_data_ptr<acc_t>(),
+          dv.mutable_data_ptr<acc_t>());
+    });
+  }
+  at::Tensor dq = chunks == 1 ? dq_buf.to(dtype) : reduce_chunks(dq_buf, dtype);
+  if (!direct) {
+    dk = dk.to(dtype);
+    dv = dv.to(dtype);
+  }
+  return {dq, dk, dv};
+}
+
+void check_block(const char* fn, const at::Tensor& q, const at::Tensor& k, int64_t block) {
+  TORCH_CHECK(block >= 1, fn, ": block must be >= 1; got ", block);
+  TORCH_CHECK(k.size(2) == q.size(2), fn, ": q and k must have the same length N; got ",
+              q.sizes(), " and ", k.sizes());
+  TORCH_CHECK(q.size(2) % block == 0, fn, ": N = ", q.size(2), " must be a multiple of block = ",
+              block);
+}
+
+std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cpu(const at::Tensor& q_, const at::Tensor& k_,
+                                                        const at::Tensor& v_,
+                                                        const at::Tensor& row_ptr_,
+                                                        const at::Tensor& col_idx_, int64_t block,
+                                                        bool causal, double scale) {
+  const char* fn = "block_sparse_fwd";
+  check_qkv(fn, q_, k_, v_);
+  check_block(fn, q_, k_, block);
+  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
+  const at::Tensor row_ptr = row_ptr_.contiguous(), col_idx = col_idx_.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Dv = v.size(3);
+  const BlockLists L = check_lists(fn, "row_ptr", "col_idx", row_ptr, col_idx, H, N / block);
+  auto out = at::empty({B, H, N, Dv}, q.options());
+  auto lse = at::empty({B, H, N}, q.options().dtype(acc_type_of(q.scalar_type())));
+  if (B * H * N == 0) return {out, lse};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "block_sparse_fwd", [&] {
+    using acc_t = acc_of<scalar_t>;
+    block_fwd_kernel<scalar_t, acc_t>(L, B * H, H, N, D, Dv, block, causal, scale,
+                                      q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(),
+                                      v.const_data_ptr<scalar_t>(),
+                                      out.mutable_data_ptr<scalar_t>(), lse.mutable_data_ptr<acc_t>());
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu(
+    const at::Tensor& dout_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+    const at::Tensor& lse_, const at::Tensor& delta_, const at::Tensor& row_ptr_,
+    const at::Tensor& col_idx_, const at::Tensor& col_ptr_, const at::Tensor& row_idx_,
+    int64_t block, bool causal, double scale) {
+  const char* fn = "block_sparse_bwd";
+  check_qkv(fn, q_, k_, v_);
+  check_block(fn, q_, k_, block);
+  check_grad_inputs(fn, q_, v_, dout_, lse_, delta_);
+  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
+  const at::Tensor dout = dout_.contiguous(), lse = lse_.contiguous(), delta = delta_.contiguous();
+  const at::Tensor row_ptr = row_ptr_.contiguous(), col_idx = col_idx_.contiguous();
+  const at::Tensor col_ptr = col_ptr_.contiguous(), row_idx = row_idx_.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Dv = v.size(3);
+  const BlockLists R = check_lists(fn, "row_ptr", "col_idx", row_ptr, col_idx, H, N / block);
+  const BlockLists C = check_lists(fn, "col_ptr", "row_idx", col_ptr, row_idx, H, N / block);
+  TORCH_CHECK(col_idx.numel() == row_idx.numel() && R.Hl == C.Hl, fn,
+              ": the column lists must transpose the row lists; got ", col_idx.numel(), " vs ",
+              row_idx.numel(), " entries, Hl ", R.Hl, " vs ", C.Hl);
+  const auto dtype = q.scalar_type();
+  const auto acc = acc_type_of(dtype);
+  at::Tensor dq = at::zeros({B, H, N, D}, q.options().dtype(acc));
+  at::Tensor dk = at::empty({B, H, N, D}, q.options().dtype(acc));
+  at::Tensor dv = at::empty({B, H, N, Dv}, q.options().dtype(acc));
+  if (B * H * N > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "block_sparse_bwd", [&] {
+      using acc_t = acc_of<scalar_t>;
+      block_bwd_kernel<scalar_t, acc_t>(
+          R, C, B * H, H, N, D, Dv, block, causal, scale, dout.const_data_ptr<scalar_t>(),
+          q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
+          lse.const_data_ptr<acc_t>(), delta.const_data_ptr<acc_t>(), dq.mutable_data_ptr<acc_t>(),
+          dk.mutable_data_ptr<acc_t>(), dv.mutable_data_ptr<acc_t>());
+    });
+  }
+  if (acc != dtype) return {dq.to(dtype), dk.to(dtype), dv.to(dtype)};
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
+  m.impl("sparse_range_fwd", &sparse_range_fwd_cpu);
+  m.impl("sparse_range_bwd", &sparse_range_bwd_cpu);
+  m.impl("block_sparse_fwd", &block_sparse_fwd_cpu);
+  m.impl("block_sparse_bwd", &block_sparse_bwd_cpu);
+}
+
+}  // namespace attnkit

@@ -1,0 +1,294 @@
+"""The C++ CPU sparse-attention primitives (csrc/cpu/sparse.cpp), called directly through torch.ops:
+attnkit::sparse_range_fwd / _bwd (one "range part" on affine row views) and
+attnkit::block_sparse_fwd / _bwd (block layouts as per-row index lists).
+
+Ground truth: pytorch_ext/reference/sparse.py in float64 on the same (already rounded) inputs;
+tolerances from DESIGN.md via assert_close_to_reference.  The backward is given a random delta
+and a *merged* lse (the lse of all keys, as when this part is merged with others), so
+P = exp(s - lse) is not the part's own softmax.
+
+The kernel tiles a range part in 32-query tiles (64 when the range is wider than 256 keys),
+256-key chunks, and 32 keys x 64 queries in the backward; block-sparse in 64-row tiles with key
+chunks of up to 256 gathered keys.  Sizes below straddle those edges (1, 7, 63, 129, 300).
+"""
+import pytest
+import torch
+
+import attnkit  # noqa: F401  (loads attnkit._C, which registers the ops)
+from attnkit.reference.sparse import (
+    block_sparse_bwd_reference,
+    block_sparse_reference,
+    sparse_range_bwd_reference,
+    sparse_range_reference,
+)
+from attnkit_testing import F64, assert_close_to_reference
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+NONE_LO = [0, 1, 0, 0]          # lo(t) = 0
+NONE_HI = [0, 1, 0, 2 ** 40]    # hi(t) = "no bound"
+V1 = [1, 0, 1, 0, 1]
+
+
+def _has_cpu_kernel(name):
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"attnkit::{name}", "CPU")
+    except RuntimeError:  # schema not registered: attnkit._C is not built
+        return False
+
+
+def test_cpu_kernels_are_registered():
+    for name in ("sparse_range_fwd", "sparse_range_bwd", "block_sparse_fwd", "block_sparse_bwd"):
+        assert _has_cpu_kernel(name), name
+
+
+def _acc(dtype):
+    return F64 if dtype == F64 else F32
+
+
+def _inputs(b, h, nq, nk, d, dv, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(s, generator=g, dtype=F64).to(dtype)
+               for s in ((b, h, nq, d), (b, h, nk, d), (b, h, nk, dv)))
+    dout = torch.randn(b, h, nq, dv, generator=g, dtype=F64).to(dtype)
+    delta = torch.randn(b, h, nq, generator=g, dtype=F64).to(_acc(dtype))
+    return q, k, v, dout, delta
+
+
+def _merged_lse(q, k, scale, dtype):
+    """lse over all keys (>= the part's own lse, as a merged lse is); row 0 of head 0 set to
+    -inf (a row the merge found empty: no gradient)."""
+    s = (q.to(F64) @ k.to(F64).transpose(-1, -2)) * scale
+    lse = torch.logsumexp(s, -1) if k.shape[-2] > 0 else torch.full(s.shape[:-1], -float("inf"), dtype=F64)
+    lse[0, 0, 0] = -float("inf")
+    return lse.to(_acc(dtype))
+
+
+def _check(got, ref64, ref_lowp, dtype, names, grad=False):
+    for x, r, rl, name in zip(got, ref64, ref_lowp if ref_lowp is not None else [None] * len(got), names):
+        assert x.dtype == (dtype if name not in ("lse",) else _acc(dtype)), name
+        assert_close_to_reference(x, r, rl, grad=grad, name=name, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# range parts
+# ----------------------------------------------------------------------------------------------
+
+
+def strided_causal(s):
+    return [(V1, [-s, 1, 1, 0], [0, 1, 1, 0]), ([s, 1, s, 1, s], [0, 1, 0, 0], [-2, 1, 1, 0])]
+
+
+def strided_noncausal(s):
+    return [(V1, [-s, 1, 1, 0], [s, 1, 1, 0]), ([s, 1, s, 1, s], NONE_LO, [-2, 1, 1, 0]),
+            ([s, 1, s, 1, s], [2, 1, 1, 0], NONE_HI)]
+
+
+# (name, nq, nk, d, dv, view, lo, hi)
+RANGE_CASES = []
+for _n in (1, 7, 129):
+    for _s in (1, 3, 64):
+        for _i, (_view, _lo, _hi) in enumerate(strided_causal(_s)):
+            RANGE_CASES.append((f"strided_causal_s{_s}_n{_n}_part{_i}", _n, _n, 16, 16, _view, _lo, _hi))
+for _i, (_view, _lo, _hi) in enumerate(strided_noncausal(3)):
+    RANGE_CASES.append((f"strided_noncausal_s3_part{_i}", 100, 100, 8, 8, _view, _lo, _hi))
+for _i, (_view, _lo, _hi) in enumerate(strided_noncausal(64)):
+    RANGE_CASES.append((f"strided_noncausal_s64_part{_i}", 200, 200, 16, 16, _view, _lo, _hi))
+RANGE_CASES += [
+    # fixed (stride l = 8, summary c = 2): own block, then summary keys gathered (N c / l rows)
+    ("fixed_own_block", 63, 63, 16, 16, V1, [0, 8, 8, 0], [0, 1, 1, 0]),
+    ("fixed_summary", 63, 16, 16, 16, V1, NONE_LO, [0, 8, 2, -1]),
+    ("star_band", 50, 50, 16, 16, V1, [-5, 1, 1, 0], [5, 1, 1, 0]),
+    ("wide_full", 300, 300, 16, 24, V1, NONE_LO, NONE_HI),          # 64-row tiles, 2 key chunks
+    ("wide_causal", 300, 300, 16, 16, V1, NONE_LO, [0, 1, 1, 0]),
+    ("empty_ranges", 20, 20, 8, 8, V1, [0, 1, 1, 5], [0, 1, 1, 0]),  # lo > hi everywhere
+    ("floor_negative", 40, 30, 8, 8, V1, [-5, 3, 2, -1], [4, 2, 3, 1]),
+    ("uncovered_rows", 21, 21, 8, 8, [1, 0, 2, 0, 1], [-4, 1, 1, 0], [0, 1, 1, 0]),
+    ("groups_without_keys", 20, 2, 8, 8, [4, 1, 4, 1, 4], NONE_LO, NONE_HI),
+    ("empty_groups", 7, 7, 8, 8, [64, 1, 64, 1, 64], NONE_LO, NONE_HI),
+    ("shared_keys", 20, 20, 8, 8, [2, 1, 2, 0, 1], [-3, 1, 2, 0], [0, 1, 2, 0]),
+    ("odd_dims", 33, 33, 5, 3, V1, [-7, 1, 1, 0], [0, 1, 1, 0]),
+    ("dims_80_96", 70, 70, 80, 96, V1, [-20, 1, 1, 0], [3, 1, 1, 0]),
+    ("no_keys", 5, 0, 8, 8, V1, NONE_LO, NONE_HI),
+]
+
+
+def _range_case(case, dtype, b=1, h=2, seed=0):
+    name, nq, nk, d, dv, view, lo, hi = case
+    scale = d ** -0.5
+    q, k, v, dout, delta = _inputs(b, h, nq, nk, d, dv, dtype, seed)
+    out, lse = torch.ops.attnkit.sparse_range_fwd(q, k, v, view, lo, hi, scale)
+    r64 = [t.to(F64) for t in (q, k, v)]
+    ref = sparse_range_reference(*r64, view, lo, hi, scale)
+    ref_lp = sparse_range_reference(q, k, v, view, lo, hi, scale) if dtype in (BF16, F16) else None
+    assert_close_to_reference(out, ref[0], None if ref_lp is None else ref_lp[0], name="out")
+    assert_close_to_reference(lse, ref[1], None if ref_lp is None else ref_lp[1].float(), name="lse",
+                              dtype=dtype)
+    assert out.dtype == dtype and lse.dtype == _acc(dtype)
+
+    mlse = _merged_lse(q, k, scale, dtype)
+    grads = torch.ops.attnkit.sparse_range_bwd(dout, q, k, v, mlse, delta, view, lo, hi, scale)
+    gref = sparse_range_bwd_reference(dout.to(F64), *r64, mlse.to(F64), delta.to(F64), view, lo, hi, scale)
+    gref_lp = (sparse_range_bwd_reference(dout, q, k, v, mlse.to(dtype), delta.to(dtype), view, lo, hi, scale)
+               if dtype in (BF16, F16) else [None] * 3)
+    for x, r, rl, gname in zip(grads, gref, gref_lp, ("dq", "dk", "dv")):
+        assert x.dtype == dtype and x.shape == r.shape, gname
+        assert_close_to_reference(x, r, rl, grad=True, name=gname)
+
+
+@pytest.mark.parametrize("case", RANGE_CASES, ids=[c[0] for c in RANGE_CASES])
+def test_range_float32(case):
+    _range_case(case, F32)
+
+
+@pytest.mark.parametrize("case", [c for c in RANGE_CASES if c[0] in (
+    "strided_causal_s3_n129_part0", "strided_causal_s3_n129_part1", "fixed_summary", "floor_negative",
+    "shared_keys", "wide_full", "uncovered_rows")], ids=str)
+@pytest.mark.parametrize("dtype", [F64, BF16, F16], ids=str)
+def test_range_dtypes(case, dtype):
+    _range_case(case, dtype, seed=1)
+
+
+def test_range_batch_and_chunks():
+    # B*H = 3 units on 2+ threads: the backward splits key tiles into chunks (own dQ buffers).
+    _range_case(("b3", 150, 150, 16, 16, V1, [-40, 1, 1, 0], [0, 1, 1, 0]), F32, b=3, h=1, seed=2)
+
+
+def test_range_parts_partition_strided_causal():
+    # The two parts of the strided causal pattern cover its mask exactly once (what the lead's
+    # merge relies on), and merging the kernel's parts by lse gives the pattern's attention.
+    n, s, d = 100, 8, 16
+    q, k, v, _, _ = _inputs(1, 1, n, n, d, d, F32, 3)
+    outs, lses = zip(*(torch.ops.attnkit.sparse_range_fwd(q, k, v, *p, d ** -0.5) for p in strided_causal(s)))
+    lse = torch.logaddexp(*lses)
+    out = sum(o * torch.exp(l - lse).unsqueeze(-1) for o, l in zip(outs, lses))
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    mask = (j <= i) & ((i - j <= s) | ((i - j) % s == 0))
+    ref = torch.softmax((q.double() @ k.double().mT * d ** -0.5).masked_fill(~mask, -float("inf")), -1) @ v.double()
+    assert_close_to_reference(out, ref)
+
+
+def test_range_rejects_overlapping_query_groups():
+    q = torch.randn(1, 1, 10, 4)
+    with pytest.raises(RuntimeError, match="two groups"):
+        torch.ops.attnkit.sparse_range_fwd(q, q, q, [2, 0, 1, 0, 1], NONE_LO, NONE_HI, 1.0)
+    with pytest.raises(RuntimeError, match="d >= 1"):
+        torch.ops.attnkit.sparse_range_fwd(q, q, q, V1, [0, 0, 1, 0], NONE_HI, 1.0)
+
+
+def test_range_backward_is_deterministic():
+    case = ("det", 129, 129, 16, 16, V1, [-64, 1, 1, 0], [0, 1, 1, 0])
+    q, k, v, dout, delta = _inputs(1, 1, 129, 129, 16, 16, F32, 4)
+    lse = _merged_lse(q, k, 0.25, F32)
+    a = torch.ops.attnkit.sparse_range_bwd(dout, q, k, v, lse, delta, *case[5:], 0.25)
+    b = torch.ops.attnkit.sparse_range_bwd(dout, q, k, v, lse, delta, *case[5:], 0.25)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------------------------------------
+# block-sparse
+# ----------------------------------------------------------------------------------------------
+
+
+def _lists(layout):
+    """(row_ptr, col_idx, col_ptr, row_idx) int32 of a bool layout [Hl, nb, nb] (as
+    BlockLayout.index_lists, but without dropping blocks above the diagonal)."""
+    out = []
+    for m in (layout, layout.transpose(1, 2)):
+        hl, nb = m.shape[0], m.shape[1]
+        flat = torch.zeros(hl * nb + 1, dtype=torch.int64)
+        flat[1:] = m.sum(-1).reshape(-1).cumsum(0)  # absolute offsets, heads one after another
+        ptr = torch.stack([flat[i * nb:(i + 1) * nb + 1] for i in range(hl)])
+        out += [ptr.to(torch.int32), m.nonzero()[:, 2].to(torch.int32)]
+    return out
+
+
+def _random_layout(hl, nb, seed, causal):
+    g = torch.Generator().manual_seed(seed)
+    lay = torch.rand(hl, nb, nb, generator=g) < 0.5
+    lay[:, :, 0] |= torch.rand(hl, nb, generator=g) < 0.5
+    if nb > 2:
+        lay[:, nb // 2, :] = False                # an empty query-block row
+    if causal and nb > 2:
+        lay[:, 0, nb - 1] = True                  # above the diagonal: no entry survives
+    return lay
+
+
+BLOCK_CASES = [  # (block, nb, hl, causal, d, dv)
+    (16, 5, 1, False, 16, 16),
+    (16, 5, 2, True, 16, 16),
+    (24, 4, 2, False, 8, 12),
+    (24, 4, 1, True, 8, 8),
+    (64, 3, 2, True, 16, 16),
+    (64, 3, 1, False, 16, 16),
+    (1, 9, 2, True, 4, 4),
+    (300, 1, 1, True, 8, 8),     # a block larger than the 256-key chunks and 64-row tiles
+]
+
+
+def _block_case(case, dtype, seed=0, b=1, h=2):
+    block, nb, hl, causal, d, dv = case
+    n = block * nb
+    scale = d ** -0.5
+    lay = _random_layout(hl, nb, seed, causal)
+    row_ptr, col_idx, col_ptr, row_idx = _lists(lay)
+    q, k, v, dout, delta = _inputs(b, h, n, n, d, dv, dtype, seed)
+    out, lse = torch.ops.attnkit.block_sparse_fwd(q, k, v, row_ptr, col_idx, block, causal, scale)
+    r64 = [t.to(F64) for t in (q, k, v)]
+    ref = block_sparse_reference(*r64, row_ptr, col_idx, block, causal, scale)
+    lp = dtype in (BF16, F16)
+    ref_lp = block_sparse_reference(q, k, v, row_ptr, col_idx, block, causal, scale) if lp else None
+    assert_close_to_reference(out, ref[0], ref_lp[0] if lp else None, name="out")
+    assert_close_to_reference(lse, ref[1], ref_lp[1].float() if lp else None, name="lse", dtype=dtype)
+    if nb > 2:
+        assert torch.isinf(lse[:, :, (nb // 2) * block:(nb // 2 + 1) * block]).all()  # the empty row
+
+    mlse = _merged_lse(q, k, scale, dtype)
+    grads = torch.ops.attnkit.block_sparse_bwd(dout, q, k, v, mlse, delta, row_ptr, col_idx, col_ptr,
+                                               row_idx, block, causal, scale)
+    gref = block_sparse_bwd_reference(dout.to(F64), *r64, mlse.to(F64), delta.to(F64), row_ptr, col_idx,
+                                      block, causal, scale)
+    gref_lp = (block_sparse_bwd_reference(dout, q, k, v, mlse.to(dtype), delta.to(dtype), row_ptr,
+                                          col_idx, block, causal, scale) if lp else [None] * 3)
+    for x, r, rl, gname in zip(grads, gref, gref_lp, ("dq", "dk", "dv")):
+        assert x.dtype == dtype and x.shape == r.shape, gname
+        assert_close_to_reference(x, r, rl, grad=True, name=gname)
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=str)
+def test_block_sparse_float32(case):
+    _block_case(case, F32)
+
+
+@pytest.mark.parametrize("case", [BLOCK_CASES[1], BLOCK_CASES[2], BLOCK_CASES[4]], ids=str)
+@pytest.mark.parametrize("dtype", [F64, BF16, F16], ids=str)
+def test_block_sparse_dtypes(case, dtype):
+    _block_case(case, dtype, seed=1)
+
+
+def test_block_sparse_matches_block_layout_lists():
+    # The lists BlockLayout.index_lists() builds are what the kernel reads.
+    from attnkit.patterns import BlockLayout
+
+    lay = _random_layout(2, 4, 5, False)
+    for causal in (False, True):
+        try:
+            bl = BlockLayout(lay, block=16, causal=causal)
+        except TypeError:
+            pytest.skip("BlockLayout has another constructor")
+        row_ptr, col_idx, col_ptr, row_idx = bl.index_lists()
+        q, k, v, _, _ = _inputs(1, 2, 64, 64, 8, 8, F32, 6)
+        out, lse = torch.ops.attnkit.block_sparse_fwd(q, k, v, row_ptr, col_idx, 16, causal, 0.3)
+        ref = block_sparse_reference(q.double(), k.double(), v.double(), row_ptr, col_idx, 16, causal, 0.3)
+        assert_close_to_reference(out, ref[0])
+        assert_close_to_reference(lse, ref[1])
+
+
+def test_block_sparse_rejects_bad_lists():
+    q = torch.randn(1, 1, 32, 4)
+    row_ptr = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="increasing block indices"):
+        torch.ops.attnkit.block_sparse_fwd(q, q, q, row_ptr, torch.tensor([0, 2], dtype=torch.int32), 16,
+                                           False, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of block"):
+        torch.ops.attnkit.block_sparse_fwd(q, q, q, row_ptr, torch.tensor([0, 1], dtype=torch.int32), 15,
+                                           False, 1.0)
