@@ -10,6 +10,8 @@ ground truths.  ``from attnkit_testing import ...`` works from any test module: 
 - :func:`loop_sparse_attention` (with :func:`sparse_allowed_keys`) -- sparse attention in
   float64 from the pattern definitions: explicit loops over the allowed keys, no mask tensor.
 - :func:`make_qkv`, :func:`make_mask` -- seeded random inputs and masks.
+- :func:`state_reference` -- linear attention with a recurrent state (S0, z0 in; S, z and the raw
+  normalizer out) in the recurrent form: cumulative sums of outer products.
 """
 import math
 
@@ -19,7 +21,7 @@ F64 = torch.float64
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 __all__ = ["F64", "LOW_PRECISION", "assert_close_to_reference", "loop_attention", "loop_sparse_attention",
-           "sparse_allowed_keys", "make_qkv", "make_mask"]
+           "sparse_allowed_keys", "make_qkv", "make_mask", "state_reference"]
 
 
 def _max_finite_err(x: torch.Tensor, ref64: torch.Tensor, name: str) -> float:
@@ -184,3 +186,25 @@ def make_mask(kind, b, h, n, m, seed=0, shape=None, dtype=F64):
     rows = torch.arange(shape[-2])
     bias[..., rows, rows % shape[-1]] = 0.0
     return bias.to(dtype)
+
+
+def state_reference(q, k, v, s0, z0, *, causal, feature_map, normalize, eps, scale):
+    """(out [B,H,N,Dv], den raw [B,H,N], S_final [B,H,D,Dv], z_final [B,H,D]) of linear attention
+    with an initial state s0 [B,H,D,Dv], z0 [B,H,D], from the recurrent form: query i sees
+    S0 + the sum of φ(k_j) v_jᵀ over j <= i (causal) or over all j; den = φ(q_i)·z_i.
+    Differentiable (autograd gives the ground-truth gradients, those of s0, z0 included); run it
+    in float64 for a ground truth."""
+    from attnkit.reference.linear import feature_map_reference  # (this module needs only torch to import)
+
+    pq = feature_map_reference(q, feature_map)
+    pk = feature_map_reference(k, feature_map)
+    outer = pk[..., :, None] * v[..., None, :]
+    s_final, z_final = s0 + outer.sum(2), z0 + pk.sum(2)
+    if causal:
+        num = torch.einsum("bhnd,bhnde->bhne", pq, s0[:, :, None] + outer.cumsum(2))
+        den = (pq * (z0[:, :, None] + pk.cumsum(2))).sum(-1)
+    else:
+        num = pq @ s_final
+        den = (pq * z_final[:, :, None]).sum(-1)
+    out = num / (den[..., None] + eps) if normalize else num * scale
+    return out, den, s_final, z_final

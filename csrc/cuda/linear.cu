@@ -89,6 +89,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "mma_sm80.cuh"
+
 namespace attnkit {
 namespace {
 
@@ -199,50 +201,9 @@ __device__ __forceinline__ A absmax_pow2(const A* v) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// tensor-core primitives (PTX ISA, mma.m16n8k16 with .f16/.bf16; g = lane / 4, t = lane % 4):
-//   A 16x16: reg0 = A[g][2t..2t+1], reg1 = A[g+8][2t..], reg2 = A[g][2t+8..], reg3 = A[g+8][2t+8..]
-//   B 16x8 : reg0 = B[2t..2t+1][g],  reg1 = B[2t+8..2t+9][g]
-//   C 16x8 : c0, c1 = C[g][2t], C[g][2t+1];  c2, c3 = C[g+8][2t], C[g+8][2t+1]
+// tensor-core primitives: mma16816, ldsm_x4, ldsm_x4_trans and their fragment layouts are in
+// mma_sm80.cuh
 // ---------------------------------------------------------------------------------------------
-
-// c += a · b for one m16n8k16 tile (a: 16x16 row-major fragment, b: 16x8 column fragment).
-template <bool kBF16>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (kBF16) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
-#else
-  // Never launched: the host checks compute capability >= 8.0 before taking this path.
-  __trap();
-#endif
-}
-
-// ldmatrix.x4: lanes 8m .. 8m+7 give the row addresses (16 bytes each) of 8x8 matrix m; register
-// m of lane l receives row l / 4, elements 2 (l % 4) and 2 (l % 4) + 1 of matrix m (.trans: the
-// elements [2 (l % 4)][l / 4] and [2 (l % 4) + 1][l / 4], i.e. of the transposed matrix).
-// asm volatile: must stay between the __syncthreads that guard the shared tiles.
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* row) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* row) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
 
 // One ldmatrix.x4 of four 8x8 matrices at (row0 + 8 (m % 2 or m / 2), col0 + 8 (...)) of a
 // 16-bit tile (leading dimension kLd16): lane l gives row l % 8 of matrix l / 8.  kRowsFirst:

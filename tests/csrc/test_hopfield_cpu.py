@@ -488,3 +488,171 @@ def test_update_non_contiguous_empty_and_nan():
 def test_update_kernel_checks_its_inputs(args, match):
     with pytest.raises(RuntimeError, match=match):
         torch.ops.attnkit.hopfield_update_fwd(*args)
+
+
+# ============================================================== streaming few-query kernel
+# S <= 16 float32 runs the streaming kernel (csrc/cpu/hopfield.cpp, stream_range_f32): each
+# block of 16 stored rows read once, as key and value, for all queries; N >= 8192 with few
+# (batch, head) pairs also splits the rows into chunks of 4096 merged by log-sum-exp.  Its
+# outputs are checked against an independent float64 trajectory, written here from the rule.
+
+
+def _trajectory64(state, stored, values, beta, steps, tol, final_state):
+    """(out, states, lse, applied) of hopfield_update_fwd in float64, one plain step at a time.
+
+    A (batch, head) whose rows are all frozen skips a stored-space step: lse +inf there (the
+    kernel's blocks of queries hold all S <= 16 rows of a (batch, head))."""
+    xi, x = state.double(), stored.double()
+    v = None if values is None else values.double()
+    updates = steps - (v is not None)
+    active = torch.ones(xi.shape[:-1], dtype=torch.bool)
+    states, lses, applied = [xi], [], []
+    out = None
+    for k in range(steps):
+        scores = beta * xi @ x.transpose(-1, -2)
+        lse = torch.logsumexp(scores, -1)
+        p = torch.softmax(scores, -1)
+        if k < updates:
+            skipped = ~active.any(-1, keepdim=True) & torch.ones_like(active) if tol is not None else torch.zeros_like(active)
+            lses.append(torch.where(skipped, torch.full_like(lse, math.inf), lse))
+            new = p @ x
+            change = (new - xi).abs().amax(-1)
+            applied.append(active.clone())
+            xi = torch.where(active[..., None], new, xi)
+            if tol is not None:
+                active = active & (change > tol)
+            states.append(xi)
+        else:
+            lses.append(lse)
+            out = p @ v
+            states.append(torch.where(active[..., None], p @ x, xi) if final_state else torch.zeros_like(xi))
+    if out is None:
+        out = xi
+    shape = (0,) + tuple(active.shape)
+    applied = torch.stack(applied) if applied else torch.zeros(shape, dtype=torch.bool)
+    return out, torch.stack(states), torch.stack(lses), applied
+
+
+def _check_against_trajectory(got, want, tol):
+    out, states, lse, applied = got
+    w_out, w_states, w_lse, w_applied = want
+    assert out.dtype == states.dtype == lse.dtype == torch.float32
+    _scale_close(out, w_out, 2e-5)
+    _scale_close(states, w_states, 2e-5)
+    finite = torch.isfinite(w_lse)
+    assert torch.equal(torch.isinf(lse), ~finite) and (lse[~finite] > 0).all()
+    _scale_close(lse[finite], w_lse[finite], 2e-5)
+    if tol is not None:
+        assert torch.equal(applied, w_applied)
+
+
+# (B, H, S, N, D, steps, with values, tol, beta, spread).  N = 9000 / 9001 with B = H = 1 takes
+# the split path (and leaves partial blocks of 16 rows at the ends of chunks); D = 33, 100, 5:
+# a masked last chunk of the row; beta = 1 with spread 3: scores in the hundreds, so the running
+# maximum grows block after block and the sums and accumulators are rescaled many times.
+STREAM_CASES = [
+    (1, 1, 1, 1, 64, 1, False, None, 0.125, 1.0),
+    (1, 1, 1, 9000, 64, 3, False, None, 0.125, 1.0),
+    (1, 1, 7, 9000, 33, 3, True, None, 0.17, 1.0),
+    (1, 1, 16, 9001, 128, 3, False, 1e-3, 0.088, 1.0),
+    (2, 3, 16, 300, 16, 2, True, None, 0.25, 1.0),
+    (2, 3, 7, 17, 5, 3, False, None, 0.45, 1.0),
+    (1, 2, 1, 300, 100, 5, True, 1e-2, 0.1, 1.0),
+    (1, 1, 7, 9000, 64, 1, False, None, 1.0, 3.0),
+    (2, 1, 16, 1000, 48, 1, True, None, 1.0, 3.0),
+]
+
+
+@pytest.mark.parametrize("b,h,s,n,d,steps,with_values,tol,beta,spread", STREAM_CASES)
+def test_update_streaming_float32_matches_float64_trajectory(b, h, s, n, d, steps, with_values, tol, beta, spread):
+    for seed in range(50):
+        torch.manual_seed(seed)
+        state, stored, values = _update_inputs(b, h, s, n, d, dv=19, spread=spread)
+        if tol is None or _tol_margin(state, stored, beta, steps, tol) > 1e-4:
+            break
+    values = values if with_values else None
+    for final_state in (False, True):
+        got = _upd(state, stored, values, beta=beta, steps=steps, tol=tol, final_state=final_state)
+        want = _trajectory64(state, stored, values, beta, steps, tol, final_state)
+        _check_against_trajectory(got, want, tol)
+
+
+def test_update_streaming_all_rows_frozen_skip_with_infinite_lse():
+    # Seven states on stored patterns far apart: all freeze after the first update, so the
+    # block of the (batch, head) skips steps 2 and 3 (split path: N = 9000, B = H = 1).
+    torch.manual_seed(1)
+    stored = torch.randn(1, 1, 9000, 64) * 5
+    state = stored[:, :, 100:107].clone()
+    got = _upd(state, stored, beta=1.0, steps=3, tol=1e-4, final_state=True)
+    want = _trajectory64(state, stored, None, 1.0, 3, 1e-4, True)
+    assert want[3][0].all() and not want[3][1:].any() and torch.isinf(want[2][1:]).all()
+    _check_against_trajectory(got, want, 1e-4)
+
+
+def test_update_streaming_split_agrees_with_the_blas_path_in_float32():
+    # S = 1 (streaming, split over N) against S = 17 (> 16: the GEMM path): the first row agrees.
+    torch.manual_seed(0)
+    stored = torch.randn(1, 1, 20000, 64) * 2
+    values = torch.randn(1, 1, 20000, 3)
+    state = torch.randn(1, 1, 17, 64) * 2
+    for v in (None, values):
+        one = _upd(state[:, :, :1], stored, v, beta=0.125, steps=3, final_state=True)
+        many = _upd(state, stored, v, beta=0.125, steps=3, final_state=True)
+        _scale_close(one[0], many[0][:, :, :1].double(), 2e-5)
+        _scale_close(one[1], many[1][:, :, :, :1].double(), 2e-5)
+        _scale_close(one[2], many[2][..., :1].double(), 2e-5)
+
+
+def test_update_streaming_result_does_not_depend_on_the_thread_count():
+    # The chunks are handed out dynamically to the caller and its helper threads, but every
+    # chunk's partial is computed alone and the merge runs in chunk order: bitwise the same.
+    # (B = H = 1: the split path for any thread count.)
+    torch.manual_seed(2)
+    stored = torch.randn(1, 1, 20000, 48)
+    values = torch.randn(1, 1, 20000, 7)
+    state = torch.randn(1, 1, 3, 48)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(_upd(state, stored, values, beta=0.2, steps=3, tol=1e-5, final_state=True))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+def test_update_streaming_values_that_are_the_stored_tensor():
+    # values=stored reaches the kernel as the same pointer: the read-out must still fill the
+    # final stored-space state (final_state) and equal the read-out through a copy.
+    torch.manual_seed(3)
+    for n in (300, 9000):
+        stored = torch.randn(1, 1, n, 32)
+        state = torch.randn(1, 1, 5, 32)
+        same = _upd(state, stored, stored, beta=0.3, steps=2, final_state=True)
+        copy = _upd(state, stored, stored.clone(), beta=0.3, steps=2, final_state=True)
+        for a, b in zip(same, copy):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        want = _trajectory64(state, stored, stored, 0.3, 2, None, True)
+        _check_against_trajectory(same, want, None)
+
+
+def test_update_streaming_nan_propagates_through_the_split_merge():
+    stored = torch.randn(1, 1, 9000, 64)
+    stored[0, 0, 8999, 3] = float("nan")  # in the last, partial chunk
+    out, states, lse, _ = _upd(torch.randn(1, 1, 2, 64), stored, beta=0.125, steps=2)
+    assert torch.isnan(out).all() and torch.isnan(lse).all()
+
+
+def test_update_split_with_values_and_several_queries_float64():
+    # The split path's partial read-outs are rows of Dv inside slots of S x max(D, Dv): with
+    # S > 1 and Dv != D the merge once read them with the wrong stride (float64: the BLAS path).
+    torch.manual_seed(4)
+    state, stored, values = _update_inputs(1, 1, 5, 9000, 33, dv=19, dtype=F64)
+    for final_state in (False, True):
+        got = _upd(state, stored, values, beta=0.17, steps=3, final_state=final_state)
+        want = _trajectory64(state, stored, values, 0.17, 3, None, final_state)
+        for a, b in zip(got[:3], want[:3]):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -5,8 +5,8 @@ Every test needs a GPU (``pytest -m gpu``; skipped elsewhere by tests/conftest.p
 truth is ``linear_attention_reference`` run in float64 on the same (already rounded) inputs, its
 gradients by autograd; with a recurrent state (S0, z0 in; S, z out) and the raw normalizer den
 (outputs the reference does not have), an independent float64 formulation from cumulative sums
-of outer products (``state_reference``).  Tolerance (DESIGN.md): float32 within 2e-5 of the
-largest reference magnitude (gradients 1e-4); float16 / bfloat16 within 2x the error the
+of outer products (``attnkit_testing.state_reference``).  Tolerance (DESIGN.md): float32 within
+2e-5 of the largest reference magnitude (gradients 1e-4); float16 / bfloat16 within 2x the error the
 reference itself makes when run in that dtype, + 1e-3; float64 within 1e-10.
 
 Op contract (csrc/ops.cpp): linear_fwd(q, k, v, S0?, z0?, causal, feature_map, normalize, eps,
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from attnkit.reference.linear import feature_map_reference, linear_attention_reference
+from attnkit_testing import state_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -90,22 +91,6 @@ def reference(q, k, v, go, kw, dtype=F64):
     out = linear_attention_reference(*leaves, **kw)
     out.backward(go.to(dtype))
     return (out.detach(), *(t.grad for t in leaves))
-
-
-def state_reference(q, k, v, s0, z0, *, causal, feature_map, normalize, eps, scale):
-    """(out, den raw, S_final, z_final) from the recurrent form (float64, differentiable)."""
-    pq = feature_map_reference(q, feature_map)
-    pk = feature_map_reference(k, feature_map)
-    outer = pk[..., :, None] * v[..., None, :]
-    s_final, z_final = s0 + outer.sum(2), z0 + pk.sum(2)
-    if causal:
-        num = torch.einsum("bhnd,bhnde->bhne", pq, s0[:, :, None] + outer.cumsum(2))
-        den = (pq * (z0[:, :, None] + pk.cumsum(2))).sum(-1)
-    else:
-        num = pq @ s_final
-        den = (pq * z_final[:, :, None]).sum(-1)
-    out = num / (den[..., None] + eps) if normalize else num * scale
-    return out, den, s_final, z_final
 
 
 def kwargs(causal, feature_map, normalize, eps=1e-6, scale=1.0):

@@ -16,10 +16,7 @@ rounding).  tests/csrc/test_softmax_cuda.py (``pytest -m gpu``) covers those on 
 See cuda_emulator/README.md.
 """
 import ctypes
-import importlib.util
 import math
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,23 +25,13 @@ import torch
 
 from attnkit.reference.softmax import softmax_attention_reference
 from attnkit_testing import F64, assert_close_to_reference
+from cuda_emulator import emu_build, extract
+from cuda_emulator.emu_build import EmulatorError
 
 HERE = Path(__file__).resolve().parent
 EMULATOR = HERE / "cuda_emulator"
 SOURCE = HERE.parents[1] / "csrc" / "cuda" / "softmax.cu"
-CXX = "g++"
-CXXFLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-shared", "-fPIC")
 PAD = 64  # guard elements around every buffer (a multiple of 8: rows stay 16-byte aligned)
-
-
-def _load_extract():
-    spec = importlib.util.spec_from_file_location("attnkit_cuda_emulator_extract", EMULATOR / "extract.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-extract = _load_extract()
 
 # Deliberate bugs, each applied to a copy of the extracted device code (and built for fp16,
 # D = 64 only): the tests must catch them.
@@ -69,76 +56,22 @@ MUTATIONS = {
 # ----------------------------------------------------------------------------------------------
 
 
-class Build:
-    """One g++ run of harness.cpp on a given device code, started in the background."""
-
-    def __init__(self, directory: Path, device_code: str, defines=()):
-        directory.mkdir(parents=True)
-        (directory / "kernels.inc").write_text(device_code)
-        self.lib = directory / "libemu.so"
-        cmd = [CXX, *CXXFLAGS, *(f"-D{d}" for d in defines), f"-I{directory}", str(EMULATOR / "harness.cpp"),
-               "-o", str(self.lib)]
-        self.cmd = " ".join(cmd)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.log = None
-        self._emulator = None
-
-    def emulator(self):
-        """Waits for the build; the loaded library (fails the test if g++ failed)."""
-        if self.log is None:
-            self.log, _ = self.proc.communicate()
-        if self.proc.returncode != 0:
-            pytest.fail(f"building the CUDA emulator failed:\n$ {self.cmd}\n{self.log[-6000:]}", pytrace=False)
-        if self._emulator is None:
-            self._emulator = Emulator(self.lib)
-        return self._emulator
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-class NoBuild:
-    def __init__(self, reason):
-        self.reason = reason
-
-    def emulator(self):
-        pytest.fail(self.reason, pytrace=False)
-
-    def stop(self):
-        pass
-
-
-class EmulatorError(RuntimeError):
-    pass
-
-
 _i64p = ctypes.POINTER(ctypes.c_int64)
 _ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
-class Emulator:
+class Emulator(emu_build.Library):
     def __init__(self, path: Path):
-        lib = ctypes.CDLL(str(path))
+        super().__init__(path)
+        lib = self.lib
         shape = [_int] * 5 + [_float, _int]  # B, H, Hk, N, M, scale, causal
         mask = [_ptr, _int, _i64p]
         lib.emu_softmax_fwd.argtypes = [_int, _int] + [_ptr, _i64p] * 3 + [_ptr, _ptr] + mask + shape
         lib.emu_softmax_bwd.argtypes = [_int, _int] + [_ptr, _i64p] * 5 + [_ptr] * 4 + mask + shape
         lib.emu_softmax_fwd.restype = lib.emu_softmax_bwd.restype = _int
-        lib.emu_last_error.restype = ctypes.c_char_p
-        lib.emu_configure.argtypes = [ctypes.c_uint64, _int]
         kinds = (ctypes.c_int * 6)()
         lib.emu_mask_kinds(kinds)
         self.mask_kinds = dict(zip((None, torch.bool, torch.float32, torch.float16, torch.bfloat16, F64), kinds))
-        self.lib = lib
-
-    def configure(self, seed=1, fault=0):
-        self.lib.emu_configure(seed, fault)
-
-    def _check(self, rc, what):
-        if rc != 0:
-            raise EmulatorError(f"{what}: {self.lib.emu_last_error().decode()}")
 
     @staticmethod
     def _strides(x, dims):
@@ -173,7 +106,7 @@ class Emulator:
             int(q.dtype == torch.bfloat16), d, self._p(q), s(q, 3), self._p(k), s(k, 3), self._p(v), s(v, 3),
             self._p(out), self._p(lse), self._p(mask), self.mask_kinds[None if mask is None else mask.dtype], ms,
             b, h, hk, n, m, scale, int(causal))
-        self._check(rc, "forward")
+        self.check(rc, "forward")
 
     def backward(self, dout, q, k, v, out, lse, mask, scale, causal, dq, dk, dv):
         self._require_aligned_rows(dout, q, k, v, out, dq, dk, dv)
@@ -186,29 +119,15 @@ class Emulator:
             self._p(v), s(v, 3), self._p(out), s(out, 3), self._p(lse), self._p(dq), self._p(dk), self._p(dv),
             self._p(mask), self.mask_kinds[None if mask is None else mask.dtype], ms, b, h, hk, n, m, scale,
             int(causal))
-        self._check(rc, "backward")
+        self.check(rc, "backward")
 
 
 @pytest.fixture(scope="session")
 def builds(tmp_path_factory):
     """Starts every build at once (the full emulator and the mutants), in the background."""
-    if shutil.which(CXX) is None:
-        pytest.fail(
-            f"{CXX} not found: tests/csrc/test_softmax_cuda_emulated.py compiles the CUDA kernels' device code "
-            f"for the CPU with {CXX} (C++20); install g++ >= 12.",
-            pytrace=False,
-        )
-    device_code = extract.extract_device_code(SOURCE.read_text())
-    root = tmp_path_factory.mktemp("cuda_emulator")
-    started = {"full": Build(root / "full", device_code)}
-    for name, (old, new) in MUTATIONS.items():
-        if device_code.count(old) != 1:
-            started[name] = NoBuild(f"mutation {name}: its target is no longer (once) in softmax.cu; update MUTATIONS")
-        else:
-            started[name] = Build(root / name, device_code.replace(old, new), defines=("EMU_ONLY_F16_D64",))
-    yield started
-    for b in started.values():
-        b.stop()
+    yield from emu_build.session_builds(tmp_path_factory.mktemp("cuda_emulator"), SOURCE,
+                                        EMULATOR / "harness.cpp", "kernels.inc", MUTATIONS,
+                                        ("EMU_ONLY_F16_D64",), Emulator)
 
 
 @pytest.fixture(scope="session")
@@ -299,7 +218,7 @@ def _reference(q, k, v, dout, mask, scale, causal, dtype):
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(dtype)
     out, lse = softmax_attention_reference(qq, kk, vv, mask, 0.0, causal, scale, qq.shape[1] != kk.shape[1],
-                                           return_lse=True)
+                                              return_lse=True)
     out.backward(dout.to(dtype))
     return out, lse, qq.grad, kk.grad, vv.grad
 
@@ -426,8 +345,14 @@ def test_catches_a_layout_mismatch_with_the_hardware(emulator, fault):
 
 
 def test_extract_refuses_a_changed_ptx_helper():
+    # The PTX helpers live in mma_sm80.cuh, which the extractor inlines: a changed operand order
+    # there must stop the extraction instead of being emulated with the old one.
+    headers = extract.included_headers(SOURCE)
+    assert "mma_sm80.cuh" in headers
     source = SOURCE.read_text()
-    changed = source.replace('"r"(a[1]), "r"(a[2])', '"r"(a[2]), "r"(a[1])', 1)
-    assert changed != source
+    extract.extract_device_code(source, headers)  # as is: accepted
+    header = headers["mma_sm80.cuh"]
+    changed = header.replace('"r"(a[1]), "r"(a[2])', '"r"(a[2]), "r"(a[1])', 1)
+    assert changed != header
     with pytest.raises(extract.ExtractError, match="mma16816"):
-        extract.extract_device_code(changed)
+        extract.extract_device_code(source, {**headers, "mma_sm80.cuh": changed})

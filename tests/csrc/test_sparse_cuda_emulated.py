@@ -18,16 +18,14 @@ sparse_harness.cpp re-creates the launches) and anything about a real GPU:
 tests/csrc/test_sparse_cuda.py (``pytest -m gpu``) covers those.
 """
 import ctypes
-import importlib.util
 import math
-import shutil
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 
+from attnkit.patterns import block_layout
 from attnkit.reference.sparse import (
     block_sparse_bwd_reference,
     block_sparse_reference,
@@ -35,24 +33,14 @@ from attnkit.reference.sparse import (
     sparse_range_reference,
 )
 from attnkit_testing import F64, assert_close_to_reference
+from cuda_emulator import emu_build, extract
+from cuda_emulator.emu_build import EmulatorError
 
 HERE = Path(__file__).resolve().parent
 EMULATOR = HERE / "cuda_emulator"
 SOURCE = HERE.parents[1] / "csrc" / "cuda" / "sparse.cu"
-CXX = "g++"
-CXXFLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-shared", "-fPIC")
 PAD = 64  # guard elements around every buffer (a multiple of 8: rows stay 16-byte aligned)
 NONE_HI = 2**40  # "no upper bound" as the lead writes it
-
-
-def _load_extract():
-    spec = importlib.util.spec_from_file_location("attnkit_cuda_emulator_extract_sparse", EMULATOR / "extract.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-extract = _load_extract()
 
 # Deliberate bugs, each applied to a copy of the extracted device code (built for fp16, D = 64
 # only): the tests must catch them.
@@ -80,50 +68,6 @@ MUTATIONS = {
 # ----------------------------------------------------------------------------------------------
 
 
-class Build:
-    """One g++ run of sparse_harness.cpp on a given device code, started in the background."""
-
-    def __init__(self, directory: Path, device_code: str, defines=()):
-        directory.mkdir(parents=True)
-        (directory / "sparse_kernels.inc").write_text(device_code)
-        self.lib = directory / "libemu.so"
-        cmd = [CXX, *CXXFLAGS, *(f"-D{d}" for d in defines), f"-I{directory}",
-               str(EMULATOR / "sparse_harness.cpp"), "-o", str(self.lib)]
-        self.cmd = " ".join(cmd)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.log = None
-        self._emulator = None
-
-    def emulator(self):
-        if self.log is None:
-            self.log, _ = self.proc.communicate()
-        if self.proc.returncode != 0:
-            pytest.fail(f"building the CUDA emulator failed:\n$ {self.cmd}\n{self.log[-6000:]}", pytrace=False)
-        if self._emulator is None:
-            self._emulator = Emulator(self.lib)
-        return self._emulator
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-class NoBuild:
-    def __init__(self, reason):
-        self.reason = reason
-
-    def emulator(self):
-        pytest.fail(self.reason, pytrace=False)
-
-    def stop(self):
-        pass
-
-
-class EmulatorError(RuntimeError):
-    pass
-
-
 _ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _i64x = ctypes.POINTER(ctypes.c_int64)
 
@@ -136,49 +80,26 @@ def _p(x):
     return None if x is None or x.numel() == 0 else x.data_ptr()
 
 
-class Emulator:
+class Emulator(emu_build.Library):
     def __init__(self, path: Path):
-        lib = ctypes.CDLL(str(path))
+        super().__init__(path)
+        lib = self.lib
         rng = [_int] * 4 + [_i64x] * 3 + [_float]  # B, H, Nq, Nk, view, lo, hi, scale
         lib.emu_sparse_range_fwd.argtypes = [_int, _int] + [_ptr] * 5 + rng
         lib.emu_sparse_range_bwd.argtypes = [_int, _int] + [_ptr] * 9 + rng
         lib.emu_block_sparse_fwd.argtypes = [_int, _int] + [_ptr] * 5 + [_int] * 3 + [_ptr] * 2 + [_int] * 3 + [_float]
         lib.emu_block_sparse_bwd.argtypes = ([_int, _int] + [_ptr] * 9 + [_int] * 3 + [_ptr] * 4 + [_int] * 3
-                                             + [_float])
+                                                + [_float])
         for f in ("emu_sparse_range_fwd", "emu_sparse_range_bwd", "emu_block_sparse_fwd", "emu_block_sparse_bwd"):
             getattr(lib, f).restype = _int
-        lib.emu_last_error.restype = ctypes.c_char_p
-        lib.emu_configure.argtypes = [ctypes.c_uint64, _int]
-        self.lib = lib
-
-    def configure(self, seed=1, fault=0):
-        self.lib.emu_configure(seed, fault)
-
-    def check(self, rc, what):
-        if rc != 0:
-            raise EmulatorError(f"{what}: {self.lib.emu_last_error().decode()}")
 
 
 @pytest.fixture(scope="session")
 def builds(tmp_path_factory):
     """Starts every build at once (the full emulator and the mutants), in the background."""
-    if shutil.which(CXX) is None:
-        pytest.fail(f"{CXX} not found: this test compiles the CUDA kernels' device code for the CPU with {CXX} "
-                    "(C++20); install g++ >= 12.", pytrace=False)
-    try:
-        device_code = extract.extract_device_code(SOURCE.read_text())
-    except extract.ExtractError as e:  # its message names softmax.cu; say which file it was
-        pytest.fail(f"extracting the device code of csrc/cuda/sparse.cu: {e}", pytrace=False)
-    root = tmp_path_factory.mktemp("cuda_emulator_sparse")
-    started = {"full": Build(root / "full", device_code)}
-    for name, (old, new) in MUTATIONS.items():
-        if device_code.count(old) != 1:
-            started[name] = NoBuild(f"mutation {name}: its target is no longer (once) in sparse.cu; update MUTATIONS")
-        else:
-            started[name] = Build(root / name, device_code.replace(old, new), defines=("EMU_ONLY_F16_D64",))
-    yield started
-    for b in started.values():
-        b.stop()
+    yield from emu_build.session_builds(tmp_path_factory.mktemp("cuda_emulator_sparse"), SOURCE,
+                                        EMULATOR / "sparse_harness.cpp", "sparse_kernels.inc", MUTATIONS,
+                                        ("EMU_ONLY_F16_D64",), Emulator)
 
 
 @pytest.fixture(scope="session")
@@ -349,21 +270,10 @@ def run_range(emu, case: RangeCase, seed=0):
     def reference(dt):
         o, l = sparse_range_reference(q.to(dt), k.to(dt), v.to(dt), case.view, case.lo, case.hi, scale)
         grads = sparse_range_bwd_reference(dout.to(dt), q.to(dt), k.to(dt), v.to(dt), lse.to(dt), delta.to(dt),
-                                           case.view, case.lo, case.hi, scale)
+                                              case.view, case.lo, case.hi, scale)
         return (o, l) + tuple(grads)
 
     return results, reference
-
-
-def _lists(lay):
-    """(ptr [Hl, nb + 1] absolute offsets, idx [nnz]) int32 of a bool layout [Hl, nb, nb] (rows)."""
-    hl, nb, _ = lay.shape
-    counts = lay.sum(-1).reshape(-1)
-    ptr = torch.zeros(hl * nb + 1, dtype=torch.int64)
-    ptr[1:] = torch.cumsum(counts, 0)
-    ptr = torch.stack([ptr[i * nb:(i + 1) * nb + 1] for i in range(hl)])
-    idx = lay.nonzero()[:, 2]
-    return ptr.to(torch.int32).contiguous(), idx.to(torch.int32).contiguous()
 
 
 def _layout(case: BlockCase, g):
@@ -381,11 +291,12 @@ def run_block(emu, case: BlockCase, seed=0):
     n = block * case.nb
     scale = 1.0 / math.sqrt(d)
     lay = _layout(case, g)
-    row_ptr, col_idx = _lists(lay)
-    col_ptr, row_idx = _lists(lay.transpose(1, 2))
+    # The layout's lists as the op layer builds them, all blocks kept (causal=False there): with
+    # case.causal the kernels get blocks above the diagonal too, and must drop them themselves.
+    row_ptr, col_idx, col_ptr, row_idx = block_layout(lay, block).index_lists()
     q, k, v = (_randn((b, h, n, d), dtype, g) for _ in range(3))
     ref_out, ref_lse = block_sparse_reference(q.double(), k.double(), v.double(), row_ptr, col_idx, block,
-                                              case.causal, scale)
+                                                 case.causal, scale)
     dout, lse, delta = _bwd_inputs(ref_out, ref_lse, g)
     dout = dout.to(dtype)
     gq, gk, gv, gdo = (_guarded_copy(x) for x in (q, k, v, dout))
@@ -406,7 +317,7 @@ def run_block(emu, case: BlockCase, seed=0):
     def reference(dt):
         o, l = block_sparse_reference(q.to(dt), k.to(dt), v.to(dt), row_ptr, col_idx, block, case.causal, scale)
         grads = block_sparse_bwd_reference(dout.to(dt), q.to(dt), k.to(dt), v.to(dt), lse.to(dt), delta.to(dt),
-                                           row_ptr, col_idx, block, case.causal, scale)
+                                              row_ptr, col_idx, block, case.causal, scale)
         return (o, l) + tuple(grads)
 
     return results, reference
@@ -485,3 +396,26 @@ def test_mutant_cases_pass_unmutated(emulator):
     emulator.configure(seed=3)
     for case in MUTANT_CASES.values():
         check(emulator, case)
+
+
+def test_extract_refuses_a_second_copy_of_a_ptx_helper():
+    # sparse.cu takes its PTX helpers from mma_sm80.cuh; a copy of one pasted back into the .cu
+    # (two definitions: the emulator would stand in for only one of them) stops the extraction.
+    source, headers = SOURCE.read_text(), extract.included_headers(SOURCE)
+    header = headers["mma_sm80.cuh"]
+    start = header.index("__device__ __forceinline__ float exp2_approx(float x) {")
+    copy = header[start:header.index("\n}\n", start) + 3]
+    changed = source.replace("namespace {\n", "namespace {\n\n" + copy, 1)
+    assert changed != source
+    extract.extract_device_code(source, headers, name="sparse.cu")
+    with pytest.raises(extract.ExtractError, match=r"exp2_approx\(\) in sparse.cu \+ mma_sm80.cuh, found 2"):
+        extract.extract_device_code(changed, headers, name="sparse.cu")
+
+
+def test_extract_refuses_a_changed_exp2():
+    # ex2.approx without .ftz would keep subnormal results, which the emulation flushes to zero.
+    headers = extract.included_headers(SOURCE)
+    changed = headers["mma_sm80.cuh"].replace("ex2.approx.ftz.f32", "ex2.approx.f32", 1)
+    assert changed != headers["mma_sm80.cuh"]
+    with pytest.raises(extract.ExtractError, match="exp2_approx"):
+        extract.extract_device_code(SOURCE.read_text(), {**headers, "mma_sm80.cuh": changed}, name="sparse.cu")

@@ -1,26 +1,40 @@
-"""Cut the device code out of csrc/cuda/softmax.cu for the host emulator (harness.cpp).
+"""Cut the device code out of a CUDA kernel file (csrc/cuda/softmax.cu, sparse.cu, linear.cu) for
+the host emulator (harness.cpp and the harnesses built on it).
 
-Kept verbatim: everything from ``namespace attnkit {`` up to the "host side" banner -- the
-constants, the mask, the element helpers (pack2, to_float), the fragment loaders, the four
-kernels.  Changed:
+Kept verbatim: everything from the file's ``namespace attnkit {`` up to the "host side" banner --
+the constants, the masks, the element helpers, the fragment loaders, the kernels -- preceded by the
+device part of each project header the file includes (``#include "mma_sm80.cuh"``: the shared
+element helpers, PTX helpers and fragment loaders), inlined at the top of the file's namespace,
+where the real compile sees it.  Changed:
 
 - The four helpers whose bodies are inline PTX (``exp2_approx``, ``mma16816``, ``ldsm_x4``,
   ``ldsm_x4_trans``) are removed; harness.cpp defines emulated ones with the same signatures.
   Before removing one, the extractor checks that its body still issues the PTX instruction the
   emulation models, with the operand order it models, so the two cannot drift apart silently.
-- ``extern __shared__ __align__(16) uint16_t smem[];`` becomes a pointer to the emulated
-  shared memory of the current block.
+  Each must be defined exactly once in the file and its headers together.
+- The kernels' ``extern __shared__`` declarations (the two forms of SHARED_MEMORY) become pointers
+  to the emulated shared memory of the current block.
 - The two namespaces left open by the cut are closed.
 
-Any surprise (a missing marker, a changed PTX helper, leftover ``asm``) raises ExtractError
-naming what to update.  Usage: ``python extract.py csrc/cuda/softmax.cu kernels.inc``.
+Any surprise (a missing marker, a changed PTX helper, a header that was not given, leftover
+``asm``) raises ExtractError naming what to update.
+Usage: ``python extract.py csrc/cuda/softmax.cu kernels.inc``.
 """
 import re
 import sys
+from pathlib import Path
 
 HOST_BANNER = "// host side"
-SMEM_DECL = "extern __shared__ __align__(16) uint16_t smem[];"
-SMEM_EMULATED = "uint16_t* smem = emu::shared_memory();"
+# A kernel's shared-memory declaration -> its emulated replacement (softmax.cu and sparse.cu use
+# the first form, linear.cu the second).
+SHARED_MEMORY = {
+    "extern __shared__ __align__(16) uint16_t smem[];": "uint16_t* smem = emu::shared_memory();",
+    "extern __shared__ __align__(16) unsigned char smem_raw[];":
+        "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(emu::shared_memory());",
+}
+# `#include "name"` (quotes, not angle brackets): a project header, whose device part is inlined.
+PROJECT_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.M)
+NAMESPACES_OPEN = re.compile(r"namespace attnkit \{\s*namespace \{")
 
 _MMA_OPERANDS = (
     ': "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) '
@@ -69,9 +83,9 @@ class ExtractError(RuntimeError):
     pass
 
 
-def _fail(msg):
+def _fail(msg, name="the kernel file"):
     raise ExtractError(
-        f"cuda emulator: {msg}.  csrc/cuda/softmax.cu no longer has the shape "
+        f"cuda emulator: {msg}.  {name} no longer has the shape "
         "tests/csrc/cuda_emulator/extract.py expects; update extract.py (and harness.cpp) with it."
     )
 
@@ -128,10 +142,10 @@ def _matching_brace(text, open_index):
     _fail("unbalanced braces")
 
 
-def _remove_function(text, name, signature, snippets):
+def _remove_function(text, name, signature, snippets, where):
     matches = list(re.finditer(r"__device__ __forceinline__ \w+ " + re.escape(name) + r"\(", text))
     if len(matches) != 1:
-        _fail(f"expected one definition of the PTX helper {name}(), found {len(matches)}")
+        _fail(f"expected one definition of the PTX helper {name}() in {where}, found {len(matches)}", where)
     m = matches[0]
     start = text.rfind("\n", 0, m.start()) + 1
     prev = text.rfind("\n", 0, start - 1) + 1
@@ -141,50 +155,111 @@ def _remove_function(text, name, signature, snippets):
     close_brace = _matching_brace(text, open_brace)
     head = _normalize(text[start:open_brace])
     if head != _normalize(signature):
-        _fail(f"{name}(): signature is now `{head}`, the emulation implements `{signature}`")
+        _fail(f"{name}(): signature is now `{head}`, the emulation implements `{signature}`", where)
     body = _normalize(text[open_brace + 1:close_brace])
     for snippet in snippets:
         if _normalize(snippet) not in body:
-            _fail(f"{name}(): its body no longer contains `{_normalize(snippet)}` (the PTX the emulation models)")
+            _fail(f"{name}(): its body no longer contains `{_normalize(snippet)}` (the PTX the emulation models)",
+                  where)
     return text[:start] + text[close_brace + 1:]
 
 
-def extract_device_code(source: str) -> str:
-    """The device part of softmax.cu, ready to be #included by harness.cpp."""
+def _header_device_part(header, text):
+    """What a project header defines inside ``namespace attnkit { namespace { ... } }``; outside
+    that block it may hold only comments and preprocessor lines (#pragma once, #include <...>),
+    so nothing it declares is lost by the cut."""
+    m = NAMESPACES_OPEN.search(text)
+    if m is None:
+        _fail("no `namespace attnkit { namespace {` block", header)
+    inner_close = _matching_brace(text, m.end() - 1)
+    outer_close = _matching_brace(text, text.index("{", m.start()))
+    outside = _code_only(text[:m.start()] + "\n" + text[outer_close + 1:])
+    for line in outside.splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            _fail(f"code outside its `namespace attnkit {{ namespace {{` block: `{line.strip()}`", header)
+    if _code_only(text[inner_close + 1:outer_close]).strip():
+        _fail("code between the closing braces of its two namespaces", header)
+    if PROJECT_INCLUDE.search(_without_comments(text)):
+        _fail("it includes another project header (inlining is one level deep)", header)
+    return text[m.end():inner_close]
+
+
+def included_headers(path):
+    """{name: text} of the project headers (``#include "..."``) that the kernel file at `path`
+    includes, read from its directory."""
+    path = Path(path)
+    return {name: (path.parent / name).read_text(encoding="utf-8")
+            for name in PROJECT_INCLUDE.findall(_without_comments(path.read_text(encoding="utf-8")))}
+
+
+def extract_device_code(source: str, headers=None, name="csrc/cuda/softmax.cu") -> str:
+    """The device part of a kernel file (its text `source`), ready to be #included by a harness.
+
+    headers: {include name: text} of the project headers the file includes (see
+    included_headers); their device parts are inlined, in include order, where the file's
+    device code begins.  name: the file, for messages."""
+    headers = headers or {}
     start = source.find("namespace attnkit {")
     if start < 0:
-        _fail("no `namespace attnkit {`")
-    if not re.match(r"namespace attnkit \{\s*namespace \{", source[start:]):
-        _fail("`namespace attnkit {` is not directly followed by `namespace {`")
+        _fail("no `namespace attnkit {`", name)
+    opened = NAMESPACES_OPEN.match(source, start)
+    if opened is None:
+        _fail("`namespace attnkit {` is not directly followed by `namespace {`", name)
     banner = source.find(HOST_BANNER, start)
     if banner < 0:
-        _fail(f"no `{HOST_BANNER}` banner")
+        _fail(f"no `{HOST_BANNER}` banner", name)
     end = source.rfind("// ----", start, banner)
     if end < 0:
-        _fail(f"no `// ----` rule above `{HOST_BANNER}`")
-    body = source[start:end]
-    for name, (signature, snippets) in PTX_HELPERS.items():
-        body = _remove_function(body, name, signature, snippets)
-    n = body.count(SMEM_DECL)
-    if n == 0 or body.count("__shared__") != n:
-        _fail(f"every kernel must declare its shared memory as `{SMEM_DECL}`")
-    body = body.replace(SMEM_DECL, SMEM_EMULATED)
+        _fail(f"no `// ----` rule above `{HOST_BANNER}`", name)
+    inlined, includes = [], PROJECT_INCLUDE.findall(_without_comments(source[:start]))
+    for include in includes:
+        if include not in headers:
+            _fail(f"it includes \"{include}\", which was not given to the extractor", name)
+        inlined.append(f"\n// ---- inlined from {include} ----\n{_header_device_part(include, headers[include])}"
+                       f"// ---- end of {include} ----\n")
+    body = source[start:opened.end()] + "".join(inlined) + source[opened.end():end]
+    where = " + ".join([name, *includes])
+    for helper, (signature, snippets) in PTX_HELPERS.items():
+        body = _remove_function(body, helper, signature, snippets, where)
+    declared = sum(body.count(decl) for decl in SHARED_MEMORY)
+    if declared == 0 or body.count("__shared__") != declared:
+        _fail("every kernel must declare its shared memory in one of the forms " + " / ".join(
+            f"`{decl}`" for decl in SHARED_MEMORY), name)
+    for decl, emulated in SHARED_MEMORY.items():
+        body = body.replace(decl, emulated)
     code = _code_only(body)
     for word in ("asm", "__trap", "#include", "__CUDA_ARCH__"):
         if re.search(r"(?<!\w)" + re.escape(word) + r"(?!\w)", code):
-            _fail(f"`{word}` left in the device code after removing the PTX helpers")
-    header = "// Generated by tests/csrc/cuda_emulator/extract.py from csrc/cuda/softmax.cu; do not edit.\n"
+            _fail(f"`{word}` left in the device code after removing the PTX helpers", name)
+    header = f"// Generated by tests/csrc/cuda_emulator/extract.py from {name}; do not edit.\n"
     return header + body + "\n}  // namespace\n}  // namespace attnkit\n"
+
+
+def _without_comments(text):
+    """text with its comments blanked (string literals kept: an #include's name is one)."""
+    out, i = [], 0
+    while i < len(text):
+        if text.startswith("//", i) or text.startswith("/*", i):
+            j = _skip_literal_or_comment(text, i)
+            out.append(" ")
+            i = j
+        elif text[i] in "\"'":
+            j = _skip_literal_or_comment(text, i)
+            out.append(text[i:j])
+            i = j
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
 
 
 def main(argv):
     if len(argv) != 3:
         print(__doc__.strip().splitlines()[-1], file=sys.stderr)
         return 2
-    with open(argv[1], encoding="utf-8") as f:
-        text = extract_device_code(f.read())
-    with open(argv[2], "w", encoding="utf-8") as f:
-        f.write(text)
+    path = Path(argv[1])
+    text = extract_device_code(path.read_text(encoding="utf-8"), included_headers(path), name=str(path))
+    Path(argv[2]).write_text(text, encoding="utf-8")
     return 0
 
 

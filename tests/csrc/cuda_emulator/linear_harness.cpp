@@ -1,11 +1,11 @@
 // Host emulator for the device code of csrc/cuda/linear.cu: the emulator of harness.cpp (fibers,
 // warp collectives, ldmatrix / mma from the PTX ISA, NaN-filled shared memory; see README.md),
-// the linear-attention kernels as tests/csrc/test_linear_cuda_emulated.py cuts them out of
-// linear.cu (with extract.py's checks of the PTX helpers), and their launches re-created from
+// the linear-attention kernels as extract.py cuts them out of linear.cu (mma_sm80.cuh inlined,
+// the PTX helpers checked and removed), and their launches re-created from
 // what linear.cu's host side does after its checks (same grids: state_grid / chunk_grid, same
 // shared-memory size: smem_bytes, both from the device part).
 //
-// Build (the test writes linear_kernels.inc):
+// Build (`python extract.py csrc/cuda/linear.cu <dir>/linear_kernels.inc` writes the include):
 //   g++ -std=c++20 -O1 -fno-strict-aliasing -shared -fPIC -I<dir of linear_kernels.inc> linear_harness.cpp -o libemu.so
 // Optional: -DEMU_ONLY_F16 (float16 kernels only: a quicker build, for the test's mutants).
 #define EMU_CORE_ONLY
