@@ -233,14 +233,21 @@ class Star(Pattern):
     def mask(self, n, device=None) -> torch.Tensor:
         """``BoolTensor[n, n]``: True where query i may attend key j."""
         self.check(n, f"{_PKG}.star.mask")
-        pos = _positions(n, device)
-        is_relay = pos == self.relay
-        sat = pos - (pos > self.relay).to(pos.dtype)  # satellite number (meaningless for the relay)
-        dist = (sat[:, None] - sat[None, :]).abs()
+        return self.mask_rows(_positions(n, device), n)
+
+    def mask_rows(self, rows: torch.Tensor, n) -> torch.Tensor:
+        """``BoolTensor[len(rows), n]``: the rows ``rows`` (int positions) of ``mask(n)``."""
+        pos = _positions(n, rows.device)
+        rows = rows.to(pos.dtype)
+
+        def satellite(p):  # satellite number (meaningless for the relay)
+            return p - (p > self.relay).to(p.dtype)
+
+        dist = (satellite(rows)[:, None] - satellite(pos)[None, :]).abs()
         if self.cyclic:
             dist = torch.minimum(dist, (n - 1) - dist)
-        m = (dist <= self.radius) | is_relay[:, None] | is_relay[None, :]
-        return _causal_filter(m, pos) if self.causal else m
+        m = (dist <= self.radius) | (rows == self.relay)[:, None] | (pos == self.relay)[None, :]
+        return m & (pos[None, :] <= rows[:, None]) if self.causal else m
 
     def _row_counts(self, n: int) -> torch.Tensor:
         r, rad, m = self.relay, self.radius, n - 1  # m satellites

@@ -13,8 +13,11 @@ kernel, and merged exactly through their log-sum-exps:
 - ``fixed(l, c)``: the own block (a floor-aligned range per row) plus the summary columns,
   gathered into a small dense key set (``~N c / l`` rows) that query ``i`` sees up to the start
   of its own block (non-causal: before and after its block);
-- ``star``: the satellites (gathered, the relay left out) attend a band of ``radius`` (and the
-  wrap-around when ``cyclic``) and the relay's key; the relay's own row attends everything.
+- ``star``: every row attends the band of ``radius`` positions and the relay's key; the few
+  rows where that is not their star neighbourhood (the relay, which attends everything, its
+  neighbours, whose satellite band skips the relay's position, and with ``cyclic`` the ring's
+  ends) are recomputed exactly on their own (at most 4 radius + 6 rows, O(rows N) work) --
+  nothing of size N is gathered or copied.
 - ``block_layout``: a block-sparse kernel walking per-row index lists of the non-empty blocks.
 
 The parts of a pattern partition its mask (no entry counted twice), so softmax over the union
@@ -306,16 +309,21 @@ def fixed_parts(n: int, l: int, c: int, causal: bool):
     return own, summary
 
 
-def star_satellite_parts(m: int, radius: int, cyclic: bool, causal: bool):
-    """The range parts among the m satellites (numbered 0..m-1, the relay left out)."""
-    if cyclic and m <= 2 * radius + 1:  # the ring distance is always <= radius: all pairs
-        return [(PLAIN, NO_LOWER, _offset(0) if causal else _no_upper(m))]
-    parts = [(PLAIN, _offset(-radius), _offset(0 if causal else radius))]
-    if cyclic:  # the wrap-around: ring distance m - |s - s'| <= radius
-        parts.append((PLAIN, NO_LOWER, _offset(-(m - radius))))
-        if not causal:
-            parts.append((PLAIN, _offset(m - radius), _no_upper(m)))
-    return parts
+def star_band_part(radius: int, causal: bool):
+    """The band part of a star, on the rows as they are: keys within ``radius`` positions."""
+    return (PLAIN, _offset(-radius), _offset(0 if causal else radius))
+
+
+def star_patched_rows(n: int, relay: int, radius: int, cyclic: bool) -> torch.Tensor:
+    """The rows whose star neighbourhood is not 'the position band + the relay's key': the
+    relay itself, the satellites next to it (their band skips the relay's position) and, when
+    cyclic, those at the ends (their band wraps around).  They are recomputed exactly
+    (:func:`_rows_attention`); there are at most 4 radius + 6 of them."""
+    pos = torch.arange(n, dtype=torch.int64)
+    near = (pos - relay).abs() <= radius + 1
+    if cyclic:
+        near |= (pos <= radius) | (pos >= n - 1 - radius)
+    return pos[near]
 
 
 def _merge_pair(a, b):
@@ -340,22 +348,26 @@ def _merge(parts):
     return out.to(parts[0][0].dtype), lse
 
 
-def _relay_column(q_sat, k_relay, v_relay, scale, visible):
-    """The part 'satellite attends the relay's key': lse = score, out = v_relay; ``visible``
-    [m] bool (causal: only satellites after the relay)."""
-    score = (q_sat.to(torch.float32 if q_sat.dtype != torch.float64 else q_sat.dtype)
-             @ k_relay.to(torch.float32 if q_sat.dtype != torch.float64 else q_sat.dtype).transpose(-1, -2))
-    score = score.squeeze(-1) * scale
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _relay_column(q, k_relay, v_relay, scale, visible):
+    """The part 'query attends the relay's key': lse = its score, out = v_relay; ``visible``
+    bool [N]: which rows see the relay this way."""
+    acc = _acc_dtype(q.dtype)
+    score = (q.to(acc) @ k_relay.to(acc).transpose(-1, -2)).squeeze(-1) * scale
     lse = torch.where(visible, score, torch.full_like(score, float("-inf")))
-    return v_relay.expand(*q_sat.shape[:-1], v_relay.shape[-1]), lse
+    return v_relay.expand(*q.shape[:-1], v_relay.shape[-1]), lse
 
 
-def _relay_row(q_relay, k, v, scale, upto):
-    """The relay's own row: it attends keys 0..upto-1 (all of them unless causal)."""
-    acc = torch.float64 if q_relay.dtype == torch.float64 else torch.float32
-    s = (q_relay.to(acc) @ k[:, :, :upto].to(acc).transpose(-1, -2)) * scale  # [B, H, 1, upto]
-    p = torch.softmax(s, dim=-1)
-    return (p @ v[:, :, :upto].to(acc)).to(q_relay.dtype)
+def _rows_attention(q, k, v, rows, mask, scale):
+    """Exact attention of the few query rows ``rows`` over all keys under ``mask`` [R, N]
+    (every row keeps at least one key): [B, H, R, Dv] in q's dtype.  O(R N) memory."""
+    acc = _acc_dtype(q.dtype)
+    s = (q.index_select(2, rows).to(acc) @ k.to(acc).transpose(-1, -2)) * scale
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    return (p @ v.to(acc)).to(q.dtype)
 
 
 class _Parts:
@@ -390,18 +402,16 @@ def _run_kernels(backend, q, k, v, pattern, scale):
             results += ops.run(q, ks, vs, summary, scale)
         return _merge(results)[0]
     if isinstance(pattern, Star):
+        # Band (positions) merged with the relay's key for every row, then the rows where that
+        # is not the star's neighbourhood (relay, its neighbours, the ring's ends) recomputed.
         r = pattern.relay
-        out_relay = _relay_row(q[:, :, r:r + 1], k, v, scale, r + 1 if pattern.causal else n)
-        m = n - 1
-        if m == 0:
-            return out_relay
-        qs, ks, vs = (torch.cat([t[:, :, :r], t[:, :, r + 1:]], dim=2).contiguous() for t in (q, k, v))
-        results = ops.run(qs, ks, vs, star_satellite_parts(m, pattern.radius, pattern.cyclic,
-                                                           pattern.causal), scale)
-        visible = torch.arange(m, device=q.device) >= (r if pattern.causal else 0)
-        results.append(_relay_column(qs, k[:, :, r:r + 1], v[:, :, r:r + 1], scale, visible))
-        sat = _merge(results)[0]
-        return torch.cat([sat[:, :, :r], out_relay, sat[:, :, r:]], dim=2)
+        band = ops.run(q, k, v, [star_band_part(pattern.radius, pattern.causal)], scale)[0]
+        pos = torch.arange(n, device=q.device)
+        visible = pos > r if pattern.causal else pos != r
+        out, _ = _merge([band, _relay_column(q, k[:, :, r:r + 1], v[:, :, r:r + 1], scale, visible)])
+        rows = star_patched_rows(n, r, pattern.radius, pattern.cyclic).to(q.device)
+        exact = _rows_attention(q, k, v, rows, pattern.mask_rows(rows, n), scale)
+        return out.index_copy(2, rows, exact)
     if isinstance(pattern, BlockLayout):
         row_ptr, col_idx, _, _ = pattern.index_lists(device=q.device)
         out, _ = ops.block_fwd(q, k, v, row_ptr, col_idx, pattern.block, pattern.causal, scale)

@@ -47,21 +47,18 @@ def test_fixed_parts_partition_the_mask(n, l, c, causal):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("cyclic", [True, False])
 @pytest.mark.parametrize("radius", [1, 2, 3])
-@pytest.mark.parametrize("n, relay", [(1, 0), (2, 1), (5, 2), (8, 0), (33, 16), (40, 39)])
-def test_star_parts_partition_the_mask(n, relay, radius, cyclic, causal):
-    m = n - 1
-    sat = torch.tensor([i for i in range(n) if i != relay], dtype=torch.int64)
-    full = torch.zeros(n, n, dtype=torch.bool)
-    masks = []
-    for p in ops.star_satellite_parts(m, radius, cyclic, causal) if m else []:
-        x = full.clone()
-        x[sat[:, None], sat[None, :]] = range_part_mask(m, m, *p)
-        masks.append(x)
-    # The relay column (satellites after the relay when causal) and the relay's own row.
-    col = full.clone()
-    seen = sat[sat > relay] if causal else sat
-    col[seen, relay] = True
-    row = full.clone()
-    row[relay, : relay + 1 if causal else n] = True
-    masks += [col, row]
-    _assert_partition(masks, patterns.star(relay, radius, cyclic, causal).mask(n))
+@pytest.mark.parametrize("n, relay", [(1, 0), (2, 1), (5, 2), (8, 0), (33, 16), (40, 39), (60, 30)])
+def test_star_parts_partition_the_mask_outside_the_patched_rows(n, relay, radius, cyclic, causal):
+    # Rows not patched: the position band and the relay's key, disjoint, are exactly the row.
+    want = patterns.star(relay, radius, cyclic, causal).mask(n)
+    band = range_part_mask(n, n, *ops.star_band_part(radius, causal))
+    col = torch.zeros(n, n, dtype=torch.bool)
+    rows = torch.arange(n)
+    col[rows > relay if causal else rows != relay, relay] = True
+    keep = torch.ones(n, dtype=torch.bool)
+    patched = ops.star_patched_rows(n, relay, radius, cyclic)
+    keep[patched] = False
+    _assert_partition([band[keep], col[keep]], want[keep])
+    assert patched.numel() <= 4 * radius + 6
+    # and the patched rows are recomputed from exactly their rows of the mask
+    assert torch.equal(patterns.star(relay, radius, cyclic, causal).mask_rows(patched, n), want[patched])
