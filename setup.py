@@ -61,6 +61,8 @@ def _extensions():
         return [], {}
 
     cpp_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    # Shared headers (csrc/cpu/flash_tiles.h, csrc/cuda/mma_sm80.cuh): a change rebuilds.
+    headers = sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/**/*.cuh", recursive=True))
     cxx_flags = ["-O3", "-fopenmp"]  # torch adds -std=c++20
     # attnkit is built from source on the machine that runs it, so the CPU kernels are tuned
     # for it (AVX-512 / AVX512-BF16 where present).  ATTNKIT_MARCH=x86-64-v3 (or any -march
@@ -84,6 +86,7 @@ def _extensions():
                 "nvcc": ["-O3", "--use_fast_math", "-DATTNKIT_WITH_CUDA"],
             },
             extra_link_args=link_flags,
+            depends=headers,
             optional=True,
         )
     else:
@@ -92,6 +95,7 @@ def _extensions():
             cpp_sources,
             extra_compile_args={"cxx": cxx_flags},
             extra_link_args=link_flags,
+            depends=headers,
             optional=True,
         )
     class OptionalBuildExtension(cpp_extension.BuildExtension):
