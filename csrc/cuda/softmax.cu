@@ -70,16 +70,13 @@
 #include <tuple>
 
 #include "mma_sm80.cuh"
+#include "flash_tiles.cuh"
 
 namespace attnkit {
 namespace {
 
-constexpr int kThreads = 128;  // 4 warps per block
-constexpr int kBlockQ = 64;    // queries per block (forward, dQ): warp w owns rows 16w..16w+15
-constexpr int kBlockK = 64;    // keys per tile (all kernels); dK/dV: warp w owns keys 16w..16w+15
-constexpr int kPad = 8;        // shared-memory row padding (elements): conflict-free fragment loads
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
+// Tile geometry (kThreads, kBlockQ, kBlockK, kPad), shared-memory layouts and tile steps:
+// flash_tiles.cuh, shared with sparse.cu.
 
 // ---------------------------------------------------------------------------------------------
 // mask
@@ -115,15 +112,10 @@ __device__ __forceinline__ float mask_bias_log2(const Mask& mk, int64_t base, in
 
 // ---------------------------------------------------------------------------------------------
 // element helpers, PTX helpers, fragment loaders: mma_sm80.cuh (pack2, to_float, exp2_approx,
-// mma16816, ldsm_x4, ldsm_x4_trans, load_a, load_b_nk2, load_b_kn2, acc_to_a, load_rows16)
+// mma16816, ldsm_x4, ldsm_x4_trans, load_a, load_b_nk2, load_b_kn2, acc_to_a, load_rows16).
+// Tile steps: flash_tiles.cuh (load_tile, load_kv_tiles, mma_abt[2], mma_pb[2],
+// online_softmax_update, for_each_entry, store_out_lse, store_rows, the smem layouts).
 // ---------------------------------------------------------------------------------------------
-
-// A tile of kR rows x kD columns to shared memory (leading dimension kD + kPad) by the block's
-// kThreads threads; rows >= `valid` zero-filled.
-template <int kR, int kD>
-__device__ __forceinline__ void load_tile(uint16_t* dst, const uint16_t* src, int64_t stride, int valid) {
-  load_rows16<kThreads, kPad, kR, kD>(dst, src, stride, valid);
-}
 
 // ---------------------------------------------------------------------------------------------
 // forward
@@ -142,19 +134,11 @@ struct FwdParams {
   bool causal;
 };
 
-template <int kD>
-constexpr size_t fwd_smem_bytes() {
-  return static_cast<size_t>(kBlockQ + 2 * kBlockK) * (kD + kPad) * sizeof(uint16_t);
-}
-
 template <bool kBF16, int kD>
 __global__ void __launch_bounds__(kThreads) softmax_fwd_kernel(const FwdParams p) {
-  constexpr int kLd = kD + kPad;
   constexpr int kNt = kBlockK / 8;  // n-tiles of scores per warp row block
   extern __shared__ __align__(16) uint16_t smem[];
-  uint16_t* q_s = smem;
-  uint16_t* k_s = q_s + kBlockQ * kLd;
-  uint16_t* v_s = k_s + kBlockK * kLd;
+  const auto [q_s, k_s, v_s] = fwd_smem<kD>(smem);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int t = lane % 4;
@@ -176,101 +160,27 @@ __global__ void __launch_bounds__(kThreads) softmax_fwd_kernel(const FwdParams p
 
   const int k_end = p.causal ? min(p.M, q0 + kBlockQ) : p.M;
   for (int k0 = 0; k0 < k_end; k0 += kBlockK) {
-    __syncthreads();  // every warp is done with the previous K/V tiles (q_s: written before)
-    const int k_valid = min(kBlockK, p.M - k0);
-    load_tile<kBlockK, kD>(k_s, k_g + k0 * p.k_sn, p.k_sn, k_valid);
-    load_tile<kBlockK, kD>(v_s, v_g + k0 * p.v_sn, p.v_sn, k_valid);
-    __syncthreads();
+    load_kv_tiles<kD>(k_s, v_s, k_g + k0 * p.k_sn, p.k_sn, v_g + k0 * p.v_sn, p.v_sn, min(kBlockK, p.M - k0));
 
     // S = Q Kᵀ for the warp's 16 rows x 64 keys.
     float s[kNt][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t a[4];
-      load_a<kLd>(a, q_s, warp * 16, kk * 16, lane);
-#pragma unroll
-      for (int nt = 0; nt < kNt; nt += 2) {
-        uint32_t b0[2], b1[2];
-        load_b_nk2<kLd>(b0, b1, k_s, nt * 8, kk * 16, lane);
-        mma16816<kBF16>(s[nt], a, b0);
-        mma16816<kBF16>(s[nt + 1], a, b1);
-      }
-    }
+    mma_abt<kBF16, kD, kNt>(s, q_s, k_s, warp * 16, lane);
 
     // Scale to base 2; -inf where the key is out of range, causally hidden or masked out.
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = row0 + (e / 2) * 8;
-        const int j = k0 + nt * 8 + 2 * t + (e % 2);
-        float x = s[nt][e] * p.scale_log2;
-        const bool visible = j < p.M && !(p.causal && j > i);
-        if (visible && p.mask.kind != kNoMask && i < p.N) x += mask_bias_log2(p.mask, mask_base, i, j);
-        s[nt][e] = visible ? x : -INFINITY;
-      }
-    }
+    for_each_entry<kNt>(t, [&](int nt, int e, int c) {
+      const int i = row0 + (e / 2) * 8;
+      const int j = k0 + c;
+      float x = s[nt][e] * p.scale_log2;
+      const bool visible = j < p.M && !(p.causal && j > i);
+      if (visible && p.mask.kind != kNoMask && i < p.N) x += mask_bias_log2(p.mask, mask_base, i, j);
+      s[nt][e] = visible ? x : -INFINITY;
+    });
 
-    // Online softmax.  The 4 lanes of a quad (same lane / 4) share a row.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[r], mx);
-      // A row that has seen only -inf: exponentiate against 0 (every term is then 0, no NaN).
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = exp2_approx(m_run[r] - m_use);  // 0 when m_run was -inf
-      m_run[r] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) {
-        s[nt][2 * r] = exp2_approx(s[nt][2 * r] - m_use);
-        s[nt][2 * r + 1] = exp2_approx(s[nt][2 * r + 1] - m_use);
-        sum += s[nt][2 * r] + s[nt][2 * r + 1];
-      }
-      l_run[r] = l_run[r] * alpha + sum;
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt) {
-        o[dt][2 * r] *= alpha;
-        o[dt][2 * r + 1] *= alpha;
-      }
-    }
-
-    // O += P V (P rounded to the input dtype, as the A operand).
-#pragma unroll
-    for (int kc = 0; kc < kBlockK / 16; ++kc) {
-      uint32_t a[4];
-      acc_to_a<kBF16, kNt>(a, s, kc);
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; dt += 2) {
-        uint32_t b0[2], b1[2];
-        load_b_kn2<kLd>(b0, b1, v_s, kc * 16, dt * 8, lane);
-        mma16816<kBF16>(o[dt], a, b0);
-        mma16816<kBF16>(o[dt + 1], a, b1);
-      }
-    }
+    online_softmax_update(s, o, m_run, l_run);
+    mma_pb<kBF16, kD, kNt>(o, s, v_s, lane);  // O += P V
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int i = row0 + 8 * r;
-    // l >= 1 whenever the row saw a finite score (its maximum contributes 2^0).
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    if (i < p.N) {
-      uint16_t* o_g = p.out + (bh * p.N + i) * kD;
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt) {
-        *reinterpret_cast<uint32_t*>(o_g + dt * 8 + 2 * t) = pack2<kBF16>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
-      }
-      if (t == 0) p.lse[bh * p.N + i] = l > 0.f ? (m_run[r] + log2f(l)) * kLn2 : -INFINITY;
-    }
-  }
+  store_out_lse<kBF16, kD>(p.out, p.lse, bh * p.N, 1, row0, p.N, o, m_run, l_run, t);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -294,12 +204,10 @@ struct BwdParams {
   bool causal;
 };
 
-// The base-2 lse of a row as the backward uses it: P = 2^(x - lse2).  Rows with no visible key
-// (lse = -inf) and rows past N get +inf, so that every P of theirs is 0.
+// The base-2 lse of row i as the backward uses it (see lse_log2); rows past N get +inf too, so
+// that every P of theirs is 0.
 __device__ __forceinline__ float lse_log2(const float* lse, int64_t bh, int N, int i) {
-  if (i >= N) return INFINITY;
-  const float value = lse[bh * N + i];
-  return value == -INFINITY ? INFINITY : value * kLog2e;
+  return i >= N ? INFINITY : lse_log2(lse[bh * N + i]);
 }
 
 // delta[b, h, i] = sum_d dO[b, h, i, d] · O[b, h, i, d] (fp32); one warp per row.
@@ -328,21 +236,12 @@ __global__ void __launch_bounds__(256) softmax_bwd_delta_kernel(
   if (lane == 0) delta[row] = acc;
 }
 
-template <int kD>
-constexpr size_t dq_smem_bytes() {
-  return static_cast<size_t>(2 * kBlockQ + 2 * kBlockK) * (kD + kPad) * sizeof(uint16_t);
-}
-
 // dQ for one tile of 64 queries of one (b, h): warp w owns query rows 16w..16w+15.
 template <bool kBF16, int kD>
 __global__ void __launch_bounds__(kThreads) softmax_bwd_dq_kernel(const BwdParams p) {
-  constexpr int kLd = kD + kPad;
   constexpr int kNt = kBlockK / 8;
   extern __shared__ __align__(16) uint16_t smem[];
-  uint16_t* q_s = smem;
-  uint16_t* do_s = q_s + kBlockQ * kLd;
-  uint16_t* k_s = do_s + kBlockQ * kLd;
-  uint16_t* v_s = k_s + kBlockK * kLd;
+  const auto [q_s, do_s, k_s, v_s] = dq_smem<kD>(smem);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int t = lane % 4;
@@ -369,101 +268,37 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dq_kernel(const BwdParam
 
   const int k_end = p.causal ? min(p.M, q0 + kBlockQ) : p.M;
   for (int k0 = 0; k0 < k_end; k0 += kBlockK) {
-    __syncthreads();  // every warp is done with the previous K/V tiles
-    const int k_valid = min(kBlockK, p.M - k0);
-    load_tile<kBlockK, kD>(k_s, k_g + k0 * p.k_sn, p.k_sn, k_valid);
-    load_tile<kBlockK, kD>(v_s, v_g + k0 * p.v_sn, p.v_sn, k_valid);
-    __syncthreads();
+    load_kv_tiles<kD>(k_s, v_s, k_g + k0 * p.k_sn, p.k_sn, v_g + k0 * p.v_sn, p.v_sn, min(kBlockK, p.M - k0));
 
-    float s[kNt][4] = {};   // S = Q Kᵀ, then P, then dS
+    float s[kNt][4] = {};   // S = Q Kᵀ, then dS
     float dp[kNt][4] = {};  // dP = dO Vᵀ
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t a[4], a_do[4];
-      load_a<kLd>(a, q_s, warp * 16, kk * 16, lane);
-      load_a<kLd>(a_do, do_s, warp * 16, kk * 16, lane);
-#pragma unroll
-      for (int nt = 0; nt < kNt; nt += 2) {
-        uint32_t bk0[2], bk1[2], bv0[2], bv1[2];
-        load_b_nk2<kLd>(bk0, bk1, k_s, nt * 8, kk * 16, lane);
-        load_b_nk2<kLd>(bv0, bv1, v_s, nt * 8, kk * 16, lane);
-        mma16816<kBF16>(s[nt], a, bk0);
-        mma16816<kBF16>(s[nt + 1], a, bk1);
-        mma16816<kBF16>(dp[nt], a_do, bv0);
-        mma16816<kBF16>(dp[nt + 1], a_do, bv1);
-      }
-    }
+    mma_abt2<kBF16, kD, kNt>(s, q_s, k_s, dp, do_s, v_s, warp * 16, lane);
 
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = row0 + (e / 2) * 8;
-        const int j = k0 + nt * 8 + 2 * t + (e % 2);
-        float x = s[nt][e] * p.scale_log2;
-        const bool visible = j < p.M && !(p.causal && j > i);
-        if (visible && p.mask.kind != kNoMask && i < p.N) x += mask_bias_log2(p.mask, mask_base, i, j);
-        const float prob = visible ? exp2_approx(x - lse2[e / 2]) : 0.f;
-        s[nt][e] = prob * (dp[nt][e] - dlt[e / 2]);
-      }
-    }
+    for_each_entry<kNt>(t, [&](int nt, int e, int c) {
+      const int i = row0 + (e / 2) * 8;
+      const int j = k0 + c;
+      float x = s[nt][e] * p.scale_log2;
+      const bool visible = j < p.M && !(p.causal && j > i);
+      if (visible && p.mask.kind != kNoMask && i < p.N) x += mask_bias_log2(p.mask, mask_base, i, j);
+      const float prob = visible ? exp2_approx(x - lse2[e / 2]) : 0.f;
+      s[nt][e] = prob * (dp[nt][e] - dlt[e / 2]);
+    });
 
-    // dQ += dS K  (the scale is applied once, at the end).
-#pragma unroll
-    for (int kc = 0; kc < kBlockK / 16; ++kc) {
-      uint32_t a[4];
-      acc_to_a<kBF16, kNt>(a, s, kc);
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; dt += 2) {
-        uint32_t b0[2], b1[2];
-        load_b_kn2<kLd>(b0, b1, k_s, kc * 16, dt * 8, lane);
-        mma16816<kBF16>(dq[dt], a, b0);
-        mma16816<kBF16>(dq[dt + 1], a, b1);
-      }
-    }
+    mma_pb<kBF16, kD, kNt>(dq, s, k_s, lane);  // dQ += dS K (the scale is applied once, at the end)
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = row0 + 8 * r;
-    if (i < p.N) {
-      uint16_t* g = p.dq + (bh * p.N + i) * kD;
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt) {
-        *reinterpret_cast<uint32_t*>(g + dt * 8 + 2 * t) =
-            pack2<kBF16>(dq[dt][2 * r] * p.scale, dq[dt][2 * r + 1] * p.scale);
-      }
-    }
-  }
-}
-
-// Query rows per step of the dK/dV kernel: fewer for D = 128, where dK and dV alone take 128
-// accumulator registers per thread.
-// (A variable template: a constexpr function would need --expt-relaxed-constexpr in device code.)
-template <int kD>
-constexpr int kDkdvBlockQ = kD <= 64 ? 64 : 32;
-
-template <int kD>
-constexpr size_t dkdv_smem_bytes() {
-  constexpr int kBr = kDkdvBlockQ<kD>;
-  return static_cast<size_t>(2 * kBlockK + 2 * kBr) * (kD + kPad) * sizeof(uint16_t) + 2 * kBr * sizeof(float);
+  store_rows<kBF16, kD>(p.dq, bh * p.N, 1, row0, p.N, dq, p.scale, t);
 }
 
 // dK, dV for one tile of 64 keys of one (b, kv head): warp w owns keys 16w..16w+15 and works
 // on the transposed products (Sᵀ = K Qᵀ), so that its rows of dK and dV stay in registers.
+// Query tiles of kBr = kDkdvBlockQ<kD> rows (flash_tiles.cuh).
 template <bool kBF16, int kD>
 __global__ void __launch_bounds__(kThreads) softmax_bwd_dkdv_kernel(const BwdParams p) {
-  constexpr int kLd = kD + kPad;
   constexpr int kBr = kDkdvBlockQ<kD>;
   constexpr int kNt = kBr / 8;
   extern __shared__ __align__(16) uint16_t smem[];
-  uint16_t* k_s = smem;
-  uint16_t* v_s = k_s + kBlockK * kLd;
-  uint16_t* q_s = v_s + kBlockK * kLd;
-  uint16_t* do_s = q_s + kBr * kLd;
-  // Byte offset (2 kBlockK + 2 kBr) · kLd · 2 is a multiple of 4 (kLd is even).
-  float* lse_s = reinterpret_cast<float*>(do_s + kBr * kLd);
-  float* dlt_s = lse_s + kBr;
+  const auto [k_s, v_s, q_s, do_s, lse_s, dlt_s] = dkdv_smem<kD>(smem);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int t = lane % 4;
@@ -501,75 +336,27 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dkdv_kernel(const BwdPar
       // Sᵀ = K Qᵀ (warp's 16 keys x kBr queries) and dPᵀ = V dOᵀ.
       float st[kNt][4] = {};
       float dpt[kNt][4] = {};
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        uint32_t ak[4], av[4];
-        load_a<kLd>(ak, k_s, warp * 16, kk * 16, lane);
-        load_a<kLd>(av, v_s, warp * 16, kk * 16, lane);
-#pragma unroll
-        for (int nt = 0; nt < kNt; nt += 2) {
-          uint32_t bq0[2], bq1[2], bdo0[2], bdo1[2];
-          load_b_nk2<kLd>(bq0, bq1, q_s, nt * 8, kk * 16, lane);
-          load_b_nk2<kLd>(bdo0, bdo1, do_s, nt * 8, kk * 16, lane);
-          mma16816<kBF16>(st[nt], ak, bq0);
-          mma16816<kBF16>(st[nt + 1], ak, bq1);
-          mma16816<kBF16>(dpt[nt], av, bdo0);
-          mma16816<kBF16>(dpt[nt + 1], av, bdo1);
-        }
-      }
+      mma_abt2<kBF16, kD, kNt>(st, k_s, q_s, dpt, v_s, do_s, warp * 16, lane);
 
       // Pᵀ (in st) and dSᵀ = Pᵀ ∘ (dPᵀ - delta) (in dpt).
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = key0 + (e / 2) * 8;
-          const int il = nt * 8 + 2 * t + (e % 2);
-          const int i = i0 + il;
-          float x = st[nt][e] * p.scale_log2;
-          const bool visible = j < p.M && i < p.N && !(p.causal && j > i);
-          if (visible && p.mask.kind != kNoMask) x += mask_bias_log2(p.mask, mask_base, i, j);
-          const float prob = visible ? exp2_approx(x - lse_s[il]) : 0.f;
-          st[nt][e] = prob;
-          dpt[nt][e] = prob * (dpt[nt][e] - dlt_s[il]);
-        }
-      }
+      for_each_entry<kNt>(t, [&](int nt, int e, int il) {
+        const int j = key0 + (e / 2) * 8;
+        const int i = i0 + il;
+        float x = st[nt][e] * p.scale_log2;
+        const bool visible = j < p.M && i < p.N && !(p.causal && j > i);
+        if (visible && p.mask.kind != kNoMask) x += mask_bias_log2(p.mask, mask_base, i, j);
+        const float prob = visible ? exp2_approx(x - lse_s[il]) : 0.f;
+        st[nt][e] = prob;
+        dpt[nt][e] = prob * (dpt[nt][e] - dlt_s[il]);
+      });
 
       // dV += Pᵀ dO,  dK += dSᵀ Q  (the scale is applied once, at the end).
-#pragma unroll
-      for (int kc = 0; kc < kBr / 16; ++kc) {
-        uint32_t ap[4], ads[4];
-        acc_to_a<kBF16, kNt>(ap, st, kc);
-        acc_to_a<kBF16, kNt>(ads, dpt, kc);
-#pragma unroll
-        for (int dt = 0; dt < kD / 8; dt += 2) {
-          uint32_t bdo0[2], bdo1[2], bq0[2], bq1[2];
-          load_b_kn2<kLd>(bdo0, bdo1, do_s, kc * 16, dt * 8, lane);
-          load_b_kn2<kLd>(bq0, bq1, q_s, kc * 16, dt * 8, lane);
-          mma16816<kBF16>(dv[dt], ap, bdo0);
-          mma16816<kBF16>(dv[dt + 1], ap, bdo1);
-          mma16816<kBF16>(dk[dt], ads, bq0);
-          mma16816<kBF16>(dk[dt + 1], ads, bq1);
-        }
-      }
+      mma_pb2<kBF16, kD, kNt>(dv, st, do_s, dk, dpt, q_s, lane);
     }
   }
 
   const int64_t bhk = static_cast<int64_t>(b) * p.Hk + hk;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int j = key0 + 8 * r;
-    if (j < p.M) {
-      uint16_t* gk = p.dk + (bhk * p.M + j) * kD;
-      uint16_t* gv = p.dv + (bhk * p.M + j) * kD;
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt) {
-        *reinterpret_cast<uint32_t*>(gk + dt * 8 + 2 * t) =
-            pack2<kBF16>(dk[dt][2 * r] * p.scale, dk[dt][2 * r + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(gv + dt * 8 + 2 * t) = pack2<kBF16>(dv[dt][2 * r], dv[dt][2 * r + 1]);
-      }
-    }
-  }
+  store_dk_dv<kBF16, kD>(p.dk, p.dv, bhk * p.M, 1, key0, p.M, dk, dv, p.scale, t);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -20,7 +20,9 @@
 // 4 warps x 16 rows, tensor-core mma.sync.m16n8k16 through inline PTX, ldmatrix fragments,
 // online softmax in base 2, deterministic backward with a dQ pass and a dK/dV pass, no
 // atomics).  The element, PTX and fragment helpers are softmax.cu's, shared through
-// mma_sm80.cuh (the emulator's extractor inlines it and checks each PTX helper's text).  What
+// mma_sm80.cuh (the emulator's extractor inlines it and checks each PTX helper's text); so are
+// the tile geometry, shared-memory layouts and tile steps (products, online softmax, K/V loads,
+// epilogues), through flash_tiles.cuh: the kernels below are only the walks' loops.  What
 // differs is which rows a tile holds and which tiles it meets, given by a "walk" object per
 // thread block:
 //  - range part, query-major (forward, dQ): a block owns 64 consecutive query rows t of one
@@ -70,31 +72,23 @@
 #include <tuple>
 
 #include "mma_sm80.cuh"
+#include "flash_tiles.cuh"
 
 namespace attnkit {
 namespace {
 
-constexpr int kThreads = 128;  // 4 warps per block
-constexpr int kBlockQ = 64;    // query rows per block (forward, dQ): warp w owns rows 16w..16w+15
-constexpr int kBlockK = 64;    // key rows per tile; dK/dV: warp w owns keys 16w..16w+15
-constexpr int kPad = 8;        // shared-memory row padding (elements): conflict-free fragment loads
+// Tile geometry (kThreads, kBlockQ, kBlockK, kPad), shared-memory layouts and tile steps:
+// flash_tiles.cuh, shared with softmax.cu.
 constexpr int kMinBlock = 16;  // block-sparse: smallest block size (64 rows then touch <= 5 blocks)
 constexpr int kMaxSpan = 5;    // blocks of >= kMinBlock rows that 64 consecutive rows can touch
 constexpr int kNoBlock = 0x7fffffff;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 // ---------------------------------------------------------------------------------------------
 // element helpers, PTX helpers, fragment loaders: mma_sm80.cuh (pack2, to_float, exp2_approx,
-// mma16816, ldsm_x4, ldsm_x4_trans, load_a, load_b_nk2, load_b_kn2, acc_to_a, load_rows16)
+// mma16816, ldsm_x4, ldsm_x4_trans, load_a, load_b_nk2, load_b_kn2, acc_to_a, load_rows16).
+// Tile steps: flash_tiles.cuh (load_tile, load_kv_tiles, mma_abt[2], mma_pb[2],
+// online_softmax_update, for_each_entry, store_out_lse, store_rows, lse_log2, the smem layouts).
 // ---------------------------------------------------------------------------------------------
-
-// A tile of kR rows x kD columns to shared memory (leading dimension kD + kPad) by the block's
-// kThreads threads; rows >= `valid` zero-filled.
-template <int kR, int kD>
-__device__ __forceinline__ void load_tile(uint16_t* dst, const uint16_t* src, int64_t stride, int valid) {
-  load_rows16<kThreads, kPad, kR, kD>(dst, src, stride, valid);
-}
 
 // ---------------------------------------------------------------------------------------------
 // parameters
@@ -292,30 +286,46 @@ struct RangeKeyWalk {
 // block-sparse lists
 // ---------------------------------------------------------------------------------------------
 
+__device__ __forceinline__ int layout_row(const BlockGeo& g, int H, int h) { return g.Hl == H ? h : 0; }
+
 // Merges the sorted index lists of the (at most kMaxSpan) blocks that rows own0 .. own0 +
 // own_valid - 1 touch, and yields tiles of kOther rows on the other side: each starts at the
 // first listed block at or after the current position, so a tile holds at least one listed
 // block; bits[i] says which blocks under the tile (bit b: block ob0 + b) own block first + i
-// lists.  Every thread runs the same walk (uniform control flow).
+// lists, and own_bits[e] the same for this thread's own row slot e (row own[e]).  Every thread
+// runs the same walk (uniform control flow).  Used by the query-major walk (own = query rows,
+// the lists of listed key blocks) and the key-major one (own = key rows, transposed lists).
 template <int kOther>
 struct ListWalk {
   const int* idx;
   int block, n_other, first, pos, pos_end, o0, ob0;
+  bool causal;
   int cur[kMaxSpan], end[kMaxSpan];
   uint32_t bits[kMaxSpan];
+  int own[2];            // this thread's two own rows: own0 + row_local0 (+ 8)
+  int own_rel[2];        // their block minus `first` (-1: a row past the end)
+  uint32_t own_bits[2];  // bits of their block for the current tile
 
-  __device__ void init(const int* ptr, const int* idx_, int block_, int own0, int own_valid, int n_other_,
-                       int pos_begin, int pos_end_) {
-    idx = idx_, block = block_, n_other = n_other_;
+  // ptr / idx: the lists of all layout heads ([Hl, nb + 1] and [nnz]); head h's are used.
+  __device__ void init(const BlockGeo& g, const int* ptr, const int* idx_, int H, int h, int own0, int own_valid,
+                       int n_own, int n_other_, int row_local0, int pos_begin, int pos_end_) {
+    ptr += static_cast<int64_t>(layout_row(g, H, h)) * (g.nb + 1);
+    idx = idx_, block = g.block, n_other = n_other_, causal = g.causal;
     first = own0 / block;
-    const int n_own = (own0 + own_valid - 1) / block - first + 1;
+    const int n_own_blocks = (own0 + own_valid - 1) / block - first + 1;
 #pragma unroll
     for (int i = 0; i < kMaxSpan; ++i) {
-      cur[i] = i < n_own ? ptr[first + i] : 0;
-      end[i] = i < n_own ? ptr[first + i + 1] : 0;
+      cur[i] = i < n_own_blocks ? ptr[first + i] : 0;
+      end[i] = i < n_own_blocks ? ptr[first + i + 1] : 0;
       bits[i] = 0;
     }
     pos = pos_begin, pos_end = pos_end_, o0 = 0, ob0 = 0;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      own[e] = own0 + row_local0 + 8 * e;
+      own_rel[e] = own[e] < n_own ? own[e] / block - first : -1;
+      own_bits[e] = 0;
+    }
   }
 
   __device__ bool next() {
@@ -339,6 +349,8 @@ struct ListWalk {
       bits[i] = m;
     }
     pos = o0 + kOther;
+    own_bits[0] = bits_of(own_rel[0]);
+    own_bits[1] = bits_of(own_rel[1]);
     return true;
   }
 
@@ -349,36 +361,24 @@ struct ListWalk {
     for (int i = 0; i < kMaxSpan; ++i) m = i == rel ? bits[i] : m;
     return m;
   }
-};
 
-__device__ __forceinline__ int layout_row(const BlockGeo& g, int H, int h) { return g.Hl == H ? h : 0; }
+  // Whether row o0 + c of the other side is in a block that own row slot e lists.
+  __device__ bool listed(int e, int c) const { return (own_bits[e] >> ((o0 + c) / block - ob0)) & 1u; }
+};
 
 // Query-major walk over the block lists (forward, dQ): 64 query rows, key tiles of 64.
 struct BlockQueryWalk {
   ListWalk<kBlockK> w;
   int64_t q_row0, k_row0;
-  int q_step, k_step, q_valid, k_valid, block;
-  bool causal;
-  int row_i[2];
-  uint32_t row_bits[2];
-  int row_rel[2];
+  int q_step, k_step, q_valid, k_valid;
 
   __device__ BlockQueryWalk(const Params& p, int tile, int h, int row_local0) {
     const BlockGeo& g = p.bg;
-    const int n = p.Nq;
     const int q0 = tile * kBlockQ;
     q_row0 = q0, q_step = 1, k_row0 = 0, k_step = 1, k_valid = 0;
-    q_valid = min(kBlockQ, n - q0);
-    block = g.block, causal = g.causal;
+    q_valid = min(kBlockQ, p.Nq - q0);
     // Causal: no key past the tile's last query.
-    w.init(g.row_ptr + static_cast<int64_t>(layout_row(g, p.H, h)) * (g.nb + 1), g.col_idx, block, q0, q_valid, n,
-           0, causal ? q0 + q_valid : n);
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      row_i[e] = q0 + row_local0 + 8 * e;
-      row_rel[e] = row_i[e] < n ? row_i[e] / block - w.first : -1;
-      row_bits[e] = 0;
-    }
+    w.init(g, g.row_ptr, g.col_idx, p.H, h, q0, q_valid, p.Nq, p.Nq, row_local0, 0, g.causal ? q0 + q_valid : p.Nq);
   }
 
   __device__ bool active() const { return q_valid > 0; }
@@ -387,14 +387,12 @@ struct BlockQueryWalk {
     if (!w.next()) return false;
     k_row0 = w.o0;
     k_valid = min(kBlockK, p.Nk - w.o0);
-    row_bits[0] = w.bits_of(row_rel[0]);
-    row_bits[1] = w.bits_of(row_rel[1]);
     return true;
   }
 
+  // Query row slot e and key c of the current key tile.
   __device__ bool visible(int e, int c) const {
-    const int j = w.o0 + c;
-    return c < k_valid && ((row_bits[e] >> (j / block - w.ob0)) & 1u) && !(causal && j > row_i[e]);
+    return c < k_valid && w.listed(e, c) && !(w.causal && w.o0 + c > w.own[e]);
   }
 };
 
@@ -403,28 +401,15 @@ template <int kBr>
 struct BlockKeyWalk {
   ListWalk<kBr> w;
   int64_t k_row0, q_row0;
-  int k_step, q_step, k_valid, q_valid, block;
-  bool causal;
-  int key_j[2];
-  uint32_t key_bits[2];
-  int key_rel[2];
+  int k_step, q_step, k_valid, q_valid;
 
   __device__ BlockKeyWalk(const Params& p, int tile, int h, int row_local0) {
     const BlockGeo& g = p.bg;
-    const int n = p.Nk;
     const int k0 = tile * kBlockK;
     k_row0 = k0, k_step = 1, q_row0 = 0, q_step = 1, q_valid = 0;
-    k_valid = min(kBlockK, n - k0);
-    block = g.block, causal = g.causal;
+    k_valid = min(kBlockK, p.Nk - k0);
     // Causal: queries before the tile's first key see none of it.
-    w.init(g.col_ptr + static_cast<int64_t>(layout_row(g, p.H, h)) * (g.nb + 1), g.row_idx, block, k0, k_valid,
-           p.Nq, causal ? k0 : 0, p.Nq);
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      key_j[e] = k0 + row_local0 + 8 * e;
-      key_rel[e] = key_j[e] < n ? key_j[e] / block - w.first : -1;
-      key_bits[e] = 0;
-    }
+    w.init(g, g.col_ptr, g.row_idx, p.H, h, k0, k_valid, p.Nk, p.Nq, row_local0, g.causal ? k0 : 0, p.Nq);
   }
 
   __device__ bool active() const { return k_valid > 0; }
@@ -433,16 +418,14 @@ struct BlockKeyWalk {
     if (!w.next()) return false;
     q_row0 = w.o0;
     q_valid = min(kBr, p.Nq - w.o0);
-    key_bits[0] = w.bits_of(key_rel[0]);
-    key_bits[1] = w.bits_of(key_rel[1]);
     return true;
   }
 
   __device__ void row_bounds(const Params&, int, int*, int*) const {}
 
+  // Key row slot e and query c of the current query tile.
   __device__ bool visible(int e, int c, const int*, const int*) const {
-    const int i = w.o0 + c;
-    return c < q_valid && ((key_bits[e] >> (i / block - w.ob0)) & 1u) && !(causal && key_j[e] > i);
+    return c < q_valid && w.listed(e, c) && !(w.causal && w.own[e] > w.o0 + c);
   }
 };
 
@@ -450,20 +433,12 @@ struct BlockKeyWalk {
 // forward
 // ---------------------------------------------------------------------------------------------
 
-template <int kD>
-constexpr size_t fwd_smem_bytes() {
-  return static_cast<size_t>(kBlockQ + 2 * kBlockK) * (kD + kPad) * sizeof(uint16_t);
-}
-
 // One block per (64 query rows of the walk, h, b).
 template <bool kBF16, int kD, class Walk>
 __global__ void __launch_bounds__(kThreads) sparse_fwd_kernel(const Params p) {
-  constexpr int kLd = kD + kPad;
   constexpr int kNt = kBlockK / 8;
   extern __shared__ __align__(16) uint16_t smem[];
-  uint16_t* q_s = smem;
-  uint16_t* k_s = q_s + kBlockQ * kLd;
-  uint16_t* v_s = k_s + kBlockK * kLd;
+  const auto [q_s, k_s, v_s] = fwd_smem<kD>(smem);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int t = lane % 4;
@@ -481,120 +456,32 @@ __global__ void __launch_bounds__(kThreads) sparse_fwd_kernel(const Params p) {
   float l_run[2] = {0.f, 0.f};              // this thread's part of the running sum
 
   while (w.next(p)) {
-    __syncthreads();  // every warp is done with the previous K/V tiles (q_s: written before)
     const int64_t k_stride = static_cast<int64_t>(w.k_step) * kD;
-    load_tile<kBlockK, kD>(k_s, k_g + w.k_row0 * kD, k_stride, w.k_valid);
-    load_tile<kBlockK, kD>(v_s, v_g + w.k_row0 * kD, k_stride, w.k_valid);
-    __syncthreads();
+    load_kv_tiles<kD>(k_s, v_s, k_g + w.k_row0 * kD, k_stride, v_g + w.k_row0 * kD, k_stride, w.k_valid);
 
     float s[kNt][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t a[4];
-      load_a<kLd>(a, q_s, warp * 16, kk * 16, lane);
-#pragma unroll
-      for (int nt = 0; nt < kNt; nt += 2) {
-        uint32_t b0[2], b1[2];
-        load_b_nk2<kLd>(b0, b1, k_s, nt * 8, kk * 16, lane);
-        mma16816<kBF16>(s[nt], a, b0);
-        mma16816<kBF16>(s[nt + 1], a, b1);
-      }
-    }
-
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = nt * 8 + 2 * t + (e % 2);
-        s[nt][e] = w.visible(e / 2, c) ? s[nt][e] * p.scale_log2 : -INFINITY;
-      }
-    }
-
-    // Online softmax; the 4 lanes of a quad share a row.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[r], mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with only -inf so far: no NaN
-      const float alpha = exp2_approx(m_run[r] - m_use);
-      m_run[r] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) {
-        s[nt][2 * r] = exp2_approx(s[nt][2 * r] - m_use);
-        s[nt][2 * r + 1] = exp2_approx(s[nt][2 * r + 1] - m_use);
-        sum += s[nt][2 * r] + s[nt][2 * r + 1];
-      }
-      l_run[r] = l_run[r] * alpha + sum;
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt) {
-        o[dt][2 * r] *= alpha;
-        o[dt][2 * r + 1] *= alpha;
-      }
-    }
-
-    // O += P V (P rounded to the input dtype, as the A operand).
-#pragma unroll
-    for (int kc = 0; kc < kBlockK / 16; ++kc) {
-      uint32_t a[4];
-      acc_to_a<kBF16, kNt>(a, s, kc);
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; dt += 2) {
-        uint32_t b0[2], b1[2];
-        load_b_kn2<kLd>(b0, b1, v_s, kc * 16, dt * 8, lane);
-        mma16816<kBF16>(o[dt], a, b0);
-        mma16816<kBF16>(o[dt + 1], a, b1);
-      }
-    }
+    mma_abt<kBF16, kD, kNt>(s, q_s, k_s, warp * 16, lane);  // S = Q Kᵀ
+    for_each_entry<kNt>(t, [&](int nt, int e, int c) {
+      s[nt][e] = w.visible(e / 2, c) ? s[nt][e] * p.scale_log2 : -INFINITY;
+    });
+    online_softmax_update(s, o, m_run, l_run);
+    mma_pb<kBF16, kD, kNt>(o, s, v_s, lane);  // O += P V
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int local = row_local0 + 8 * r;
-    const float inv = l > 0.f ? 1.f / l : 0.f;  // l >= 1 when the row saw a finite score
-    if (local < w.q_valid) {
-      const int64_t i = w.q_row0 + static_cast<int64_t>(local) * w.q_step;
-      uint16_t* o_g = p.out + (bh * p.Nq + i) * kD;
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt) {
-        *reinterpret_cast<uint32_t*>(o_g + dt * 8 + 2 * t) = pack2<kBF16>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
-      }
-      if (t == 0) p.lse_out[bh * p.Nq + i] = l > 0.f ? (m_run[r] + log2f(l)) * kLn2 : -INFINITY;
-    }
-  }
+  store_out_lse<kBF16, kD>(p.out, p.lse_out, bh * p.Nq + w.q_row0, w.q_step, row_local0, w.q_valid, o, m_run, l_run, t);
 }
 
 // ---------------------------------------------------------------------------------------------
 // backward
 // ---------------------------------------------------------------------------------------------
 
-// The base-2 lse of a row as the backward uses it: P = 2^(x - lse2); lse = -inf (no key) -> +inf
-// so that every P of the row is 0.
-__device__ __forceinline__ float lse_log2(float value) { return value == -INFINITY ? INFINITY : value * kLog2e; }
-
-template <int kD>
-constexpr size_t dq_smem_bytes() {
-  return static_cast<size_t>(2 * kBlockQ + 2 * kBlockK) * (kD + kPad) * sizeof(uint16_t);
-}
-
 // dQ for the 64 query rows of the walk: P = exp(S - lse), dP = dO Vᵀ, dS = P (dP - delta),
 // dQ += dS K (no atomics).
 template <bool kBF16, int kD, class Walk>
 __global__ void __launch_bounds__(kThreads) sparse_bwd_dq_kernel(const Params p) {
-  constexpr int kLd = kD + kPad;
   constexpr int kNt = kBlockK / 8;
   extern __shared__ __align__(16) uint16_t smem[];
-  uint16_t* q_s = smem;
-  uint16_t* do_s = q_s + kBlockQ * kLd;
-  uint16_t* k_s = do_s + kBlockQ * kLd;
-  uint16_t* v_s = k_s + kBlockK * kLd;
+  const auto [q_s, do_s, k_s, v_s] = dq_smem<kD>(smem);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int t = lane % 4;
@@ -620,98 +507,35 @@ __global__ void __launch_bounds__(kThreads) sparse_bwd_dq_kernel(const Params p)
   float dq[kD / 8][4] = {};
 
   while (w.next(p)) {
-    __syncthreads();  // every warp is done with the previous K/V tiles
     const int64_t k_stride = static_cast<int64_t>(w.k_step) * kD;
-    load_tile<kBlockK, kD>(k_s, k_g + w.k_row0 * kD, k_stride, w.k_valid);
-    load_tile<kBlockK, kD>(v_s, v_g + w.k_row0 * kD, k_stride, w.k_valid);
-    __syncthreads();
+    load_kv_tiles<kD>(k_s, v_s, k_g + w.k_row0 * kD, k_stride, v_g + w.k_row0 * kD, k_stride, w.k_valid);
 
     float s[kNt][4] = {};   // S = Q Kᵀ, then dS
     float dp[kNt][4] = {};  // dP = dO Vᵀ
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t a[4], a_do[4];
-      load_a<kLd>(a, q_s, warp * 16, kk * 16, lane);
-      load_a<kLd>(a_do, do_s, warp * 16, kk * 16, lane);
-#pragma unroll
-      for (int nt = 0; nt < kNt; nt += 2) {
-        uint32_t bk0[2], bk1[2], bv0[2], bv1[2];
-        load_b_nk2<kLd>(bk0, bk1, k_s, nt * 8, kk * 16, lane);
-        load_b_nk2<kLd>(bv0, bv1, v_s, nt * 8, kk * 16, lane);
-        mma16816<kBF16>(s[nt], a, bk0);
-        mma16816<kBF16>(s[nt + 1], a, bk1);
-        mma16816<kBF16>(dp[nt], a_do, bv0);
-        mma16816<kBF16>(dp[nt + 1], a_do, bv1);
-      }
-    }
-
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = nt * 8 + 2 * t + (e % 2);
-        const float prob = w.visible(e / 2, c) ? exp2_approx(s[nt][e] * p.scale_log2 - lse2[e / 2]) : 0.f;
-        s[nt][e] = prob * (dp[nt][e] - dlt[e / 2]);
-      }
-    }
-
-    // dQ += dS K  (the scale is applied once, at the end).
-#pragma unroll
-    for (int kc = 0; kc < kBlockK / 16; ++kc) {
-      uint32_t a[4];
-      acc_to_a<kBF16, kNt>(a, s, kc);
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; dt += 2) {
-        uint32_t b0[2], b1[2];
-        load_b_kn2<kLd>(b0, b1, k_s, kc * 16, dt * 8, lane);
-        mma16816<kBF16>(dq[dt], a, b0);
-        mma16816<kBF16>(dq[dt + 1], a, b1);
-      }
-    }
+    mma_abt2<kBF16, kD, kNt>(s, q_s, k_s, dp, do_s, v_s, warp * 16, lane);
+    for_each_entry<kNt>(t, [&](int nt, int e, int c) {
+      const float prob = w.visible(e / 2, c) ? exp2_approx(s[nt][e] * p.scale_log2 - lse2[e / 2]) : 0.f;
+      s[nt][e] = prob * (dp[nt][e] - dlt[e / 2]);
+    });
+    mma_pb<kBF16, kD, kNt>(dq, s, k_s, lane);  // dQ += dS K (the scale is applied once, at the end)
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int local = row_local0 + 8 * r;
-    if (local < w.q_valid) {
-      uint16_t* g = p.dq + (bh * p.Nq + w.q_row0 + static_cast<int64_t>(local) * w.q_step) * kD;
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt) {
-        *reinterpret_cast<uint32_t*>(g + dt * 8 + 2 * t) =
-            pack2<kBF16>(dq[dt][2 * r] * p.scale, dq[dt][2 * r + 1] * p.scale);
-      }
-    }
-  }
+  store_rows<kBF16, kD>(p.dq, bh * p.Nq + w.q_row0, w.q_step, row_local0, w.q_valid, dq, p.scale, t);
 }
 
-// Query rows per step of the dK/dV kernel: fewer for D = 128 (dK and dV alone take 128
-// accumulator registers per thread).  A variable template: a constexpr function would need
-// --expt-relaxed-constexpr in device code.
-template <int kD>
-constexpr int kDkdvBlockQ = kD <= 64 ? 64 : 32;
-
-template <int kD>
-constexpr size_t dkdv_smem_bytes() {
-  constexpr int kBr = kDkdvBlockQ<kD>;
-  return static_cast<size_t>(2 * kBlockK + 2 * kBr) * (kD + kPad) * sizeof(uint16_t) +
-         2 * kBr * sizeof(float) + 2 * kBr * sizeof(int);
-}
+// dK/dV's shared memory after flash_tiles.cuh's layout: the key range [lo, hi] of each query of
+// the tile (range parts; block walks leave it unused).
+constexpr int kBoundsRowBytes = 2 * sizeof(int);
 
 // dK, dV for the 64 key rows of the walk: warp w owns keys 16w..16w+15 and works on the
-// transposed products (Sᵀ = K Qᵀ), so its rows of dK and dV stay in registers.
+// transposed products (Sᵀ = K Qᵀ), so its rows of dK and dV stay in registers.  Query tiles of
+// kBr = kDkdvBlockQ<kD> rows (flash_tiles.cuh).
 template <bool kBF16, int kD, template <int> class Walk>
 __global__ void __launch_bounds__(kThreads) sparse_bwd_dkdv_kernel(const Params p) {
-  constexpr int kLd = kD + kPad;
   constexpr int kBr = kDkdvBlockQ<kD>;
   constexpr int kNt = kBr / 8;
   extern __shared__ __align__(16) uint16_t smem[];
-  uint16_t* k_s = smem;
-  uint16_t* v_s = k_s + kBlockK * kLd;
-  uint16_t* q_s = v_s + kBlockK * kLd;
-  uint16_t* do_s = q_s + kBr * kLd;
-  // Byte offset (2 kBlockK + 2 kBr) · kLd · 2 is a multiple of 4 (kLd is even).
-  float* lse_s = reinterpret_cast<float*>(do_s + kBr * kLd);
-  float* dlt_s = lse_s + kBr;
+  const auto [k_s, v_s, q_s, do_s, lse_s, dlt_s] = dkdv_smem<kD>(smem);
   int* lo_s = reinterpret_cast<int*>(dlt_s + kBr);  // range parts: keys [lo, hi] of each query
   int* hi_s = lo_s + kBr;
 
@@ -747,70 +571,20 @@ __global__ void __launch_bounds__(kThreads) sparse_bwd_dkdv_kernel(const Params 
     // Sᵀ = K Qᵀ (the warp's 16 keys x kBr queries) and dPᵀ = V dOᵀ.
     float st[kNt][4] = {};
     float dpt[kNt][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t ak[4], av[4];
-      load_a<kLd>(ak, k_s, warp * 16, kk * 16, lane);
-      load_a<kLd>(av, v_s, warp * 16, kk * 16, lane);
-#pragma unroll
-      for (int nt = 0; nt < kNt; nt += 2) {
-        uint32_t bq0[2], bq1[2], bdo0[2], bdo1[2];
-        load_b_nk2<kLd>(bq0, bq1, q_s, nt * 8, kk * 16, lane);
-        load_b_nk2<kLd>(bdo0, bdo1, do_s, nt * 8, kk * 16, lane);
-        mma16816<kBF16>(st[nt], ak, bq0);
-        mma16816<kBF16>(st[nt + 1], ak, bq1);
-        mma16816<kBF16>(dpt[nt], av, bdo0);
-        mma16816<kBF16>(dpt[nt + 1], av, bdo1);
-      }
-    }
+    mma_abt2<kBF16, kD, kNt>(st, k_s, q_s, dpt, v_s, do_s, warp * 16, lane);
 
-    // Pᵀ (in st) and dSᵀ = Pᵀ ∘ (dPᵀ - delta) (in dpt).
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = nt * 8 + 2 * t + (e % 2);  // query of the tile
-        const float prob =
-            w.visible(e / 2, c, lo_s, hi_s) ? exp2_approx(st[nt][e] * p.scale_log2 - lse_s[c]) : 0.f;
-        st[nt][e] = prob;
-        dpt[nt][e] = prob * (dpt[nt][e] - dlt_s[c]);
-      }
-    }
+    // Pᵀ (in st) and dSᵀ = Pᵀ ∘ (dPᵀ - delta) (in dpt); c: the query of the tile.
+    for_each_entry<kNt>(t, [&](int nt, int e, int c) {
+      const float prob = w.visible(e / 2, c, lo_s, hi_s) ? exp2_approx(st[nt][e] * p.scale_log2 - lse_s[c]) : 0.f;
+      st[nt][e] = prob;
+      dpt[nt][e] = prob * (dpt[nt][e] - dlt_s[c]);
+    });
 
     // dV += Pᵀ dO,  dK += dSᵀ Q  (the scale is applied once, at the end).
-#pragma unroll
-    for (int kc = 0; kc < kBr / 16; ++kc) {
-      uint32_t ap[4], ads[4];
-      acc_to_a<kBF16, kNt>(ap, st, kc);
-      acc_to_a<kBF16, kNt>(ads, dpt, kc);
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; dt += 2) {
-        uint32_t bdo0[2], bdo1[2], bq0[2], bq1[2];
-        load_b_kn2<kLd>(bdo0, bdo1, do_s, kc * 16, dt * 8, lane);
-        load_b_kn2<kLd>(bq0, bq1, q_s, kc * 16, dt * 8, lane);
-        mma16816<kBF16>(dv[dt], ap, bdo0);
-        mma16816<kBF16>(dv[dt + 1], ap, bdo1);
-        mma16816<kBF16>(dk[dt], ads, bq0);
-        mma16816<kBF16>(dk[dt + 1], ads, bq1);
-      }
-    }
+    mma_pb2<kBF16, kD, kNt>(dv, st, do_s, dk, dpt, q_s, lane);
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int local = row_local0 + 8 * r;
-    if (local < w.k_valid) {
-      const int64_t j = bh * p.Nk + w.k_row0 + static_cast<int64_t>(local) * w.k_step;
-      uint16_t* gk = p.dk + j * kD;
-      uint16_t* gv = p.dv + j * kD;
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt) {
-        *reinterpret_cast<uint32_t*>(gk + dt * 8 + 2 * t) =
-            pack2<kBF16>(dk[dt][2 * r] * p.scale, dk[dt][2 * r + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(gv + dt * 8 + 2 * t) = pack2<kBF16>(dv[dt][2 * r], dv[dt][2 * r + 1]);
-      }
-    }
-  }
+  store_dk_dv<kBF16, kD>(p.dk, p.dv, bh * p.Nk + w.k_row0, w.k_step, row_local0, w.k_valid, dk, dv, p.scale, t);
 }
 
 // Host-side helpers the launches need (plain functions: the emulator's launches use them too).
@@ -1000,7 +774,7 @@ void launch_bwd(const Params& p, unsigned q_blocks, unsigned k_blocks, int64_t B
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (k_blocks > 0) {
-    constexpr size_t smem = dkdv_smem_bytes<kD>();
+    constexpr size_t smem = dkdv_smem_bytes<kD, kBoundsRowBytes>();
     allow_smem(sparse_bwd_dkdv_kernel<kBF16, kD, KWalk>, smem);
     const dim3 grid(k_blocks, static_cast<unsigned>(p.H), static_cast<unsigned>(B));
     sparse_bwd_dkdv_kernel<kBF16, kD, KWalk><<<grid, kThreads, smem, stream>>>(p);

@@ -43,9 +43,10 @@ MUTATIONS = {
         "  a[2] = pack2<kBF16>(c[2 * kc][2], c[2 * kc][3]);\n"
         "  a[1] = pack2<kBF16>(c[2 * kc + 1][0], c[2 * kc + 1][1]);\n",
     ),
-    # forward: no barrier before the next K/V tiles overwrite the ones other warps still read.
+    # forward and dQ (flash_tiles.cuh's load_kv_tiles): no barrier before the next K/V tiles
+    # overwrite the ones other warps still read.
     "missing_syncthreads": (
-        "    __syncthreads();  // every warp is done with the previous K/V tiles (q_s: written before)\n",
+        "  __syncthreads();  // every warp is done with the previous K/V tiles (the query tiles: written before)\n",
         "",
     ),
 }
@@ -356,3 +357,19 @@ def test_extract_refuses_a_changed_ptx_helper():
     assert changed != header
     with pytest.raises(extract.ExtractError, match="mma16816"):
         extract.extract_device_code(source, {**headers, "mma_sm80.cuh": changed})
+
+
+def test_extract_inlines_the_shared_tile_steps_after_the_ptx_helpers():
+    # softmax.cu and sparse.cu take their tile steps from flash_tiles.cuh, which uses
+    # mma_sm80.cuh's helpers: both are inlined, in include order, and flash_tiles.cuh may not pull
+    # mma_sm80.cuh in itself (inlining is one level deep).
+    headers = extract.included_headers(SOURCE)
+    assert list(headers) == ["mma_sm80.cuh", "flash_tiles.cuh"]
+    code = extract.extract_device_code(SOURCE.read_text(), headers)
+    mma, tiles = code.index("// ---- inlined from mma_sm80.cuh"), code.index("// ---- inlined from flash_tiles.cuh")
+    assert mma < tiles < code.index("softmax_fwd_kernel")
+    assert code.count("void online_softmax_update(") == 1
+    nested = headers["flash_tiles.cuh"].replace("#pragma once\n", '#pragma once\n#include "mma_sm80.cuh"\n', 1)
+    assert nested != headers["flash_tiles.cuh"]
+    with pytest.raises(extract.ExtractError, match="one level deep"):
+        extract.extract_device_code(SOURCE.read_text(), {**headers, "flash_tiles.cuh": nested})

@@ -57,8 +57,8 @@ MUTATIONS = {
     ),
     # block lists: the causal test inside listed blocks dropped in the forward / dQ walk.
     "no_causal_in_blocks": (
-        "return c < k_valid && ((row_bits[e] >> (j / block - w.ob0)) & 1u) && !(causal && j > row_i[e]);",
-        "return c < k_valid && ((row_bits[e] >> (j / block - w.ob0)) & 1u);",
+        "return c < k_valid && w.listed(e, c) && !(w.causal && w.o0 + c > w.own[e]);",
+        "return c < k_valid && w.listed(e, c);",
     ),
 }
 
@@ -408,7 +408,7 @@ def test_extract_refuses_a_second_copy_of_a_ptx_helper():
     changed = source.replace("namespace {\n", "namespace {\n\n" + copy, 1)
     assert changed != source
     extract.extract_device_code(source, headers, name="sparse.cu")
-    with pytest.raises(extract.ExtractError, match=r"exp2_approx\(\) in sparse.cu \+ mma_sm80.cuh, found 2"):
+    with pytest.raises(extract.ExtractError, match=r"exp2_approx\(\) in sparse.cu \+ mma_sm80.cuh \+ flash_tiles.cuh, found 2"):
         extract.extract_device_code(changed, headers, name="sparse.cu")
 
 

@@ -3,9 +3,11 @@ the host emulator (harness.cpp and the harnesses built on it).
 
 Kept verbatim: everything from the file's ``namespace attnkit {`` up to the "host side" banner --
 the constants, the masks, the element helpers, the fragment loaders, the kernels -- preceded by the
-device part of each project header the file includes (``#include "mma_sm80.cuh"``: the shared
-element helpers, PTX helpers and fragment loaders), inlined at the top of the file's namespace,
-where the real compile sees it.  Changed:
+device part of each project header the file includes, in include order (``#include
+"mma_sm80.cuh"``: the shared element helpers, PTX helpers and fragment loaders; softmax.cu and
+sparse.cu then ``#include "flash_tiles.cuh"``: their shared tile geometry, shared-memory layouts
+and FlashAttention tile steps, which use mma_sm80.cuh's helpers and so come after it), inlined at
+the top of the file's namespace, where the real compile sees them.  Changed:
 
 - The four helpers whose bodies are inline PTX (``exp2_approx``, ``mma16816``, ``ldsm_x4``,
   ``ldsm_x4_trans``) are removed; harness.cpp defines emulated ones with the same signatures.

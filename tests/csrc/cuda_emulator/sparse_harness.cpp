@@ -39,7 +39,7 @@ bool bwd(const Params& p, unsigned q_blocks, unsigned k_blocks, int B) {
   }
   if (k_blocks > 0) {
     const dim3 grid{k_blocks, static_cast<unsigned>(p.H), static_cast<unsigned>(B)};
-    if (!emu::launch(grid, kThreads, dkdv_smem_bytes<D>(), [p] { sparse_bwd_dkdv_kernel<BF, D, KWalk>(p); }))
+    if (!emu::launch(grid, kThreads, dkdv_smem_bytes<D, kBoundsRowBytes>(), [p] { sparse_bwd_dkdv_kernel<BF, D, KWalk>(p); }))
       return false;
   }
   return true;
