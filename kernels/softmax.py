@@ -32,6 +32,8 @@ Dropout: the keep decision of element (b, h, i, j) is ``tl.rand(seed, ((b*H + h)
 forward, both backward kernels and :func:`dropout_keep_mask` all draw the same mask from the
 seed.  Kept probabilities are scaled by 1 / (1 - dropout_p).
 
+The tile steps and the launch plumbing shared with kernels/sparse.py live in kernels/_flash.py.
+
 Tuning: ``FWD_CONFIGS``, ``BWD_DKDV_CONFIGS`` and ``BWD_DQ_CONFIGS`` are the ``triton.autotune``
 search spaces (BLOCK_M = query tile, BLOCK_N = key tile, num_warps, num_stages), chosen for
 sm_80 / sm_90 and keyed on the head dims, causality, mask kind, dropout and the dtypes.  Each
@@ -49,6 +51,11 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ._flash import (INTERPRETED, _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, accumulate_pv,
+                     config_list, dk_step, dot_precision, dq_step, finish_rows, fitting, launch,
+                     load_bwd_rows, load_row_pair, load_rows, online_softmax_update, pow2, scores,
+                     split_config, store_rows, strides)
+
 __all__ = [
     "softmax_fwd",
     "softmax_bwd",
@@ -61,48 +68,20 @@ __all__ = [
     "SUPPORTED_DTYPES",
 ]
 
-MAX_HEAD_DIM = 256
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-_LOG2E = tl.constexpr(1.4426950408889634)
-_LN2 = tl.constexpr(0.6931471805599453)
-
 # ----------------------------------------------------------------------------------------------
 # autotune search spaces
 # ----------------------------------------------------------------------------------------------
 
-
-def _cfg(block_m, block_n, num_warps, num_stages):
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=num_warps,
-                         num_stages=num_stages)
-
-
 # Forward: one program per (query tile, head, batch); wide query tiles amortize the K/V loads.
-FWD_CONFIGS = [
-    _cfg(128, 64, 4, 3),
-    _cfg(128, 128, 8, 3),
-    _cfg(128, 64, 8, 4),
-    _cfg(128, 32, 4, 3),
-    _cfg(64, 64, 4, 4),
-    _cfg(64, 32, 4, 2),
-]
+FWD_CONFIGS = config_list((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3),
+                          (64, 64, 4, 4), (64, 32, 4, 2))
 # dK/dV: one program per (key tile, kv head, batch) looping over query tiles; the key tile holds
 # four accumulators-worth of state (k, v, dk, dv), so the query tile is the narrow one.
-BWD_DKDV_CONFIGS = [
-    _cfg(32, 128, 4, 3),
-    _cfg(64, 128, 8, 3),
-    _cfg(64, 64, 4, 3),
-    _cfg(32, 64, 4, 2),
-    _cfg(16, 64, 4, 2),
-]
+BWD_DKDV_CONFIGS = config_list((32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 2),
+                               (16, 64, 4, 2))
 # dQ: one program per (query tile, head, batch) looping over key tiles.
-BWD_DQ_CONFIGS = [
-    _cfg(128, 32, 4, 3),
-    _cfg(128, 64, 8, 3),
-    _cfg(64, 64, 4, 3),
-    _cfg(64, 32, 4, 2),
-    _cfg(32, 64, 4, 2),
-]
+BWD_DQ_CONFIGS = config_list((128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2),
+                             (32, 64, 4, 2))
 _CONFIG_LISTS = {"fwd": FWD_CONFIGS, "dkdv": BWD_DKDV_CONFIGS, "dq": BWD_DQ_CONFIGS}
 # BLOCK_M * BLOCK_N * (padded head dim) above which a config spills registers on sm_80/sm_90
 # (the forward keeps one [BLOCK_M, Dv] accumulator; each backward kernel keeps two).
@@ -112,24 +91,13 @@ _TUNE_KEY = ["HEAD_D", "HEAD_DV", "IS_CAUSAL", "MASK_KIND", "HAS_DROPOUT"]  # + 
 
 def configs_for(kernel: str, head_dim: int, value_dim: int | None = None) -> list:
     """The autotune candidates of ``kernel`` ("fwd", "dkdv" or "dq") for these head dims."""
-    dmax = _pow2(max(head_dim, head_dim if value_dim is None else value_dim))
-    configs = _CONFIG_LISTS[kernel]
-    fit = [c for c in configs
-           if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * dmax <= _TILE_LIMIT[kernel]]
-    if not fit:  # never leave the autotuner empty-handed: fall back to the smallest tile
-        fit = [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
-    return fit
+    dmax = pow2(max(head_dim, head_dim if value_dim is None else value_dim))
+    return fitting(_CONFIG_LISTS[kernel], dmax, _TILE_LIMIT[kernel])
 
 
 @functools.lru_cache(maxsize=None)
 def _autotuned(kernel: str, dmax: int):
-    fn = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}[kernel]
-    return triton.autotune(configs=configs_for(kernel, dmax), key=_TUNE_KEY)(fn)
-
-
-def _pow2(x: int) -> int:
-    # tl.dot needs every dimension >= 16 on GPUs, hence the floor.
-    return max(16, triton.next_power_of_2(int(x)))
+    return triton.autotune(configs=configs_for(kernel, dmax), key=_TUNE_KEY)(_kernel(kernel))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,17 +106,16 @@ def _pow2(x: int) -> int:
 
 
 @triton.jit
-def _load_2d(ptrs, row_ok, col_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
-    # Bounds checks only where a tile can run past the tensor, so that full tiles load unmasked.
-    if CHECK_ROWS and CHECK_COLS:
-        x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-    elif CHECK_ROWS:
-        x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
-    elif CHECK_COLS:
-        x = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+def _query_program(GROUP, IS_CAUSAL: tl.constexpr):
+    """(query tile, head, batch, key/value head) of a program of the (query tiles, H, B) grid."""
+    if IS_CAUSAL:
+        # Later query tiles see more keys: launch them first so the tail of the grid is short.
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
-        x = tl.load(ptrs)
-    return x
+        pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    return pid_m, h, b, h // GROUP
 
 
 @triton.jit
@@ -216,29 +183,21 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs
     # the diagonal of every row of this query tile, so no per-element bounds/causal test.
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_2d(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                     offs_n < M, offs_d < HEAD_D, MASKED, BLOCK_D != HEAD_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        k = load_rows(k_base, offs_n, stride_kn, offs_d, stride_kd, offs_n < M, HEAD_D, BLOCK_D,
+                      MASKED)
+        s = scores(q, k, qk_scale, DOT_PREC)
         s = _apply_user_mask(s, mask_base, offs_m[:, None], offs_n[None, :], stride_mn,
                              stride_mm, N, M, MASK_KIND)
         if MASKED:
             s = _mask_tail_and_diagonal(s, offs_m, offs_n, M, IS_CAUSAL)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # While a row has seen only -inf scores its max is -inf; shifting by 0 instead keeps
-        # exp2 at 0 rather than exp2(-inf - -inf) = NaN.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        # The normalizer sums the undropped probabilities (dropout acts after the softmax).
-        l_i = l_i * alpha + tl.sum(p, 1)
+        # The normalizer l_i sums the undropped probabilities (dropout acts after the softmax).
+        p, alpha, l_i, m_i = online_softmax_update(s, m_i, l_i)
         if HAS_DROPOUT:
             keep = _dropout_keep(seed, dropout_p, drop_row, offs_m[:, None], offs_n[None, :], M)
             p = tl.where(keep, p, 0.0)
-        v = _load_2d(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                     offs_n < M, offs_dv < HEAD_DV, MASKED, BLOCK_DV != HEAD_DV)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
-        m_i = m_new
+        v = load_rows(v_base, offs_n, stride_vn, offs_dv, stride_vd, offs_n < M, HEAD_DV,
+                      BLOCK_DV, MASKED)
+        acc = accumulate_pv(acc, alpha, p, v, DOT_PREC)
     return acc, l_i, m_i
 
 
@@ -257,15 +216,7 @@ def _attn_fwd_kernel(
     DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    if IS_CAUSAL:
-        # Later query tiles see more keys: launch them first so the tail of the grid is short.
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        pid_m = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    hk = h // GROUP
-
+    pid_m, h, b, hk = _query_program(GROUP, IS_CAUSAL)
     q_base = Q + b * stride_qb + h * stride_qh
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
@@ -276,8 +227,8 @@ def _attn_fwd_kernel(
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_2d(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
-                 offs_m < N, offs_d < HEAD_D, True, BLOCK_D != HEAD_D)
+    row_ok = offs_m < N
+    q = load_rows(q_base, offs_m, stride_qn, offs_d, stride_qd, row_ok, HEAD_D, BLOCK_D, True)
 
     qk_scale = sm_scale * _LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -298,19 +249,11 @@ def _attn_fwd_kernel(
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, DOT_PREC,
         BLOCK_N, True)
 
-    # l_i > 0 iff the row saw a finite score (its maximum contributes exp2(0) = 1).
-    attended = l_i > 0.0
-    l_safe = tl.where(attended, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    out, lse = finish_rows(acc, l_i, m_i)
     if HAS_DROPOUT:
         out = out * (1.0 / (1.0 - dropout_p))
-    lse = tl.where(attended, (m_i + tl.math.log2(l_safe)) * _LN2, float("-inf"))
-
-    row_ok = offs_m < N
-    o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on \
-        + offs_dv[None, :] * stride_od
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DV))
+    store_rows(Out + b * stride_ob + h * stride_oh, offs_m, stride_on, offs_dv, stride_od, row_ok,
+               out, HEAD_DV)
     tl.store(Lse + drop_row + offs_m, lse, mask=row_ok)
 
 
@@ -334,19 +277,16 @@ def _attn_bwd_preprocess(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < N
-    o = _load_2d(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
-                 + offs_dv[None, :] * stride_od, row_ok, offs_dv < HEAD_DV, True,
-                 BLOCK_DV != HEAD_DV)
-    do = _load_2d(dO + b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gn
-                  + offs_dv[None, :] * stride_gd, row_ok, offs_dv < HEAD_DV, True,
-                  BLOCK_DV != HEAD_DV)
+    o, do = load_row_pair(Out + b * stride_ob + h * stride_oh, dO + b * stride_gb + h * stride_gh,
+                          offs_m, row_ok, stride_on, stride_od, stride_gn, stride_gd, offs_dv,
+                          offs_dv, HEAD_DV, HEAD_DV, BLOCK_DV, BLOCK_DV, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + (b * H + h) * N + offs_m, delta, mask=row_ok)
 
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, drop_row,
-                offs_n, offs_d, offs_dv, lo, hi, qk_scale, dropout_p, seed,
+                offs_n, lo, hi, qk_scale, dropout_p, seed,
                 stride_qn, stride_qd, stride_gn, stride_gd, stride_mn, stride_mm, N, M,
                 HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -359,16 +299,10 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, 
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < N
-        q = _load_2d(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
-                     row_ok, offs_d < HEAD_D, True, BLOCK_D != HEAD_D)
-        do = _load_2d(do_base + offs_m[:, None] * stride_gn + offs_dv[None, :] * stride_gd,
-                      row_ok, offs_dv < HEAD_DV, True, BLOCK_DV != HEAD_DV)
-        lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
-        # Fully masked rows have lse = -inf; +inf makes every p of that row exp2(-inf) = 0.
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
-        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
-
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale
+        q, do, lse2, delta = load_bwd_rows(q_base, do_base, lse_base, delta_base, offs_m, row_ok,
+                                           stride_qn, stride_qd, stride_gn, stride_gd, HEAD_D,
+                                           HEAD_DV, BLOCK_D, BLOCK_DV)
+        s_t = scores(k, q, qk_scale, DOT_PREC)
         s_t = _apply_user_mask(s_t, mask_base, offs_m[None, :], offs_n[:, None], stride_mn,
                                stride_mm, N, M, MASK_KIND)
         if MASKED:
@@ -383,8 +317,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, 
         else:
             pd_t = p_t
         dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+        dk = dk_step(dk, p_t, dp_t, delta, q, DOT_PREC)
     return dk, dv
 
 
@@ -413,11 +346,9 @@ def _attn_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = offs_n < M
-    k = _load_2d(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn
-                 + offs_d[None, :] * stride_kd, col_ok, offs_d < HEAD_D, True, BLOCK_D != HEAD_D)
-    v = _load_2d(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn
-                 + offs_dv[None, :] * stride_vd, col_ok, offs_dv < HEAD_DV, True,
-                 BLOCK_DV != HEAD_DV)
+    k, v = load_row_pair(K + b * stride_kb + hk * stride_kh, V + b * stride_vb + hk * stride_vh,
+                         offs_n, col_ok, stride_kn, stride_kd, stride_vn, stride_vd, offs_d,
+                         offs_dv, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     qk_scale = sm_scale * _LOG2E
@@ -444,24 +375,21 @@ def _attn_bwd_dkdv_kernel(
         if IS_CAUSAL:
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, drop_row,
-                offs_n, offs_d, offs_dv, lo, mid, qk_scale, dropout_p, seed,
+                offs_n, lo, mid, qk_scale, dropout_p, seed,
                 stride_qn, stride_qd, stride_gn, stride_gd, stride_mn, stride_mm, N, M,
                 HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC,
                 BLOCK_M, True)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, drop_row,
-            offs_n, offs_d, offs_dv, mid, N, qk_scale, dropout_p, seed,
+            offs_n, mid, N, qk_scale, dropout_p, seed,
             stride_qn, stride_qd, stride_gn, stride_gd, stride_mn, stride_mm, N, M,
             HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC,
             BLOCK_M, False)
 
-    dk = dk * sm_scale
-    tl.store(dK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn
-             + offs_d[None, :] * stride_dkd, dk.to(dK.dtype.element_ty),
-             mask=col_ok[:, None] & (offs_d[None, :] < HEAD_D))
-    tl.store(dV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvn
-             + offs_dv[None, :] * stride_dvd, dv.to(dV.dtype.element_ty),
-             mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DV))
+    store_rows(dK + b * stride_dkb + hk * stride_dkh, offs_n, stride_dkn, offs_d, stride_dkd,
+               col_ok, dk * sm_scale, HEAD_D)
+    store_rows(dV + b * stride_dvb + hk * stride_dvh, offs_n, stride_dvn, offs_dv, stride_dvd,
+               col_ok, dv, HEAD_DV)
 
 
 @triton.jit
@@ -476,11 +404,10 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
     # columns past M must be masked here: they would otherwise get p = exp2(-lse) != 0.
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_2d(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                     offs_n < M, offs_d < HEAD_D, MASKED, BLOCK_D != HEAD_D)
-        v = _load_2d(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                     offs_n < M, offs_dv < HEAD_DV, MASKED, BLOCK_DV != HEAD_DV)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        k, v = load_row_pair(k_base, v_base, offs_n, offs_n < M, stride_kn, stride_kd, stride_vn,
+                             stride_vd, offs_d, offs_dv, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV,
+                             MASKED)
+        s = scores(q, k, qk_scale, DOT_PREC)
         s = _apply_user_mask(s, mask_base, offs_m[:, None], offs_n[None, :], stride_mn,
                              stride_mm, N, M, MASK_KIND)
         if MASKED:
@@ -490,8 +417,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
         if HAS_DROPOUT:
             keep = _dropout_keep(seed, dropout_p, drop_row, offs_m[:, None], offs_n[None, :], M)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+        dq = dq_step(dq, p, dp, delta, k, DOT_PREC)
     return dq
 
 
@@ -511,13 +437,7 @@ def _attn_bwd_dq_kernel(
     DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    if IS_CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        pid_m = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    hk = h // GROUP
+    pid_m, h, b, hk = _query_program(GROUP, IS_CAUSAL)
     drop_row = (b * H + h) * N
 
     i0 = pid_m * BLOCK_M
@@ -525,14 +445,10 @@ def _attn_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < N
-    q = _load_2d(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn
-                 + offs_d[None, :] * stride_qd, row_ok, offs_d < HEAD_D, True, BLOCK_D != HEAD_D)
-    do = _load_2d(dO + b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gn
-                  + offs_dv[None, :] * stride_gd, row_ok, offs_dv < HEAD_DV, True,
-                  BLOCK_DV != HEAD_DV)
-    lse = tl.load(Lse + drop_row + offs_m, mask=row_ok, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
-    delta = tl.load(Delta + drop_row + offs_m, mask=row_ok, other=0.0)
+    q, do, lse2, delta = load_bwd_rows(Q + b * stride_qb + h * stride_qh,
+                                       dO + b * stride_gb + h * stride_gh, Lse + drop_row,
+                                       Delta + drop_row, offs_m, row_ok, stride_qn, stride_qd,
+                                       stride_gn, stride_gd, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * _LOG2E
 
@@ -550,10 +466,8 @@ def _attn_bwd_dq_kernel(
                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
                    HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
                    DOT_PREC, BLOCK_N, True)
-    dq = dq * sm_scale
-    tl.store(dQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn
-             + offs_d[None, :] * stride_dqd, dq.to(dQ.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D))
+    store_rows(dQ + b * stride_dqb + h * stride_dqh, offs_m, stride_dqn, offs_d, stride_dqd,
+               row_ok, dq * sm_scale, HEAD_D)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -581,13 +495,12 @@ def _dropout_keep_kernel(Keep, dropout_p, seed, H, N, M,
 # launchers
 # ----------------------------------------------------------------------------------------------
 
-# Under TRITON_INTERPRET=1, @triton.jit gives an interpreted function instead of a JITFunction;
-# the autotuner cannot benchmark there (no GPU timers), so the launchers pick a config.
-_INTERPRETED = not isinstance(_attn_fwd_kernel, triton.runtime.JITFunction)
+def _kernel(name):
+    return {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}[name]
 
 
 def _check_device(fn: str, t: torch.Tensor) -> None:
-    if not (t.is_cuda or _INTERPRETED):
+    if not (t.is_cuda or INTERPRETED):
         raise RuntimeError(
             f"{fn}: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before "
             f"attnkit.kernels.softmax is imported, for CPU tensors); got a {t.device.type} tensor")
@@ -636,35 +549,11 @@ def _prepare_mask(fn, mask, q, B, H, N, M):
     raise TypeError(f"{fn}: mask must be bool or floating; got {mask.dtype}")
 
 
-def _meta(config):
-    """(BLOCK_M, BLOCK_N, launch kwargs) of a triton.Config."""
-    kw = dict(config.kwargs)
-    return kw["BLOCK_M"], kw["BLOCK_N"], dict(kw, num_warps=config.num_warps,
-                                              num_stages=config.num_stages)
-
-
 def _launch(name, dmax, grid, args, consts, config):
     """Run kernel ``name`` with ``config`` or, when None, autotuned (first candidate when
     interpreted).  ``grid(BLOCK_M, BLOCK_N)`` gives the launch grid."""
-    fn = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}[name]
-    if config is None and _INTERPRETED:
-        config = configs_for(name, dmax)[0]
-    if config is None:
-        tuned = _autotuned(name, dmax)
-        wrap_triton(tuned)[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **consts)
-    else:
-        bm, bn, launch = _meta(config)
-        wrap_triton(fn)[grid(bm, bn)](*args, **consts, **launch)
-
-
-def _strides(t):
-    return tuple(t.stride())
-
-
-def _dot_precision(dtype):
-    # float32 inputs: full-precision products (TF32 would miss the 2e-5 accuracy target);
-    # float16 / bfloat16 ignore the setting.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    launch(_kernel(name), lambda: _autotuned(name, dmax), lambda: configs_for(name, dmax), grid,
+           args, consts, config)
 
 
 def softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=0, config=None):
@@ -688,14 +577,14 @@ def softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=0, config=N
         lse.fill_(float("-inf"))
         return out, lse
     has_dropout = dropout_p > 0.0
-    block_d, block_dv = _pow2(D), _pow2(Dv)
+    block_d, block_dv = pow2(D), pow2(Dv)
     args = (q, k, v, mask_t, out, lse,
             scale, float(dropout_p) if has_dropout else 0.0, int(seed) if has_dropout else 0,
-            *_strides(q), *_strides(k), *_strides(v), *mask_strides, *_strides(out),
+            *strides(q), *strides(k), *strides(v), *mask_strides, *strides(out),
             H, N, M, H // Hk)
     consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
                   IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout,
-                  DOT_PREC=_dot_precision(q.dtype))
+                  DOT_PREC=dot_precision(q.dtype))
     _launch("fwd", max(block_d, block_dv), lambda bm, bn: (triton.cdiv(N, bm), H, B), args,
             consts, config)
     return out, lse
@@ -722,10 +611,7 @@ def softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal, dropout_p=0
                          f"{lse.dtype} {tuple(lse.shape)}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     mask_kind, mask_t, mask_strides = _prepare_mask(fn, mask, q, B, H, N, M)
-    if config is None or isinstance(config, triton.Config):
-        cfg_dkdv = cfg_dq = config
-    else:
-        cfg_dkdv, cfg_dq = config
+    cfg_dkdv, cfg_dq = split_config(config)
 
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
@@ -737,24 +623,24 @@ def softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal, dropout_p=0
 
     lse = lse.contiguous()
     delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
-    block_d, block_dv = _pow2(D), _pow2(Dv)
+    block_d, block_dv = pow2(D), pow2(Dv)
     pre_block = 64
     wrap_triton(_attn_bwd_preprocess)[(triton.cdiv(N, pre_block), H, B)](
-        out, grad_out, delta, *_strides(out), *_strides(grad_out), H, N,
+        out, grad_out, delta, *strides(out), *strides(grad_out), H, N,
         HEAD_DV=Dv, BLOCK_DV=block_dv, BLOCK_M=pre_block)
 
     has_dropout = dropout_p > 0.0
     common = (scale, float(dropout_p) if has_dropout else 0.0, int(seed) if has_dropout else 0,
-              *_strides(q), *_strides(k), *_strides(v), *mask_strides, *_strides(grad_out))
+              *strides(q), *strides(k), *strides(v), *mask_strides, *strides(grad_out))
     consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
                   IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout,
-                  DOT_PREC=_dot_precision(q.dtype))
+                  DOT_PREC=dot_precision(q.dtype))
     dmax = max(block_d, block_dv)
     _launch("dkdv", dmax, lambda bm, bn: (triton.cdiv(M, bn), Hk, B),
-            (q, k, v, mask_t, grad_out, lse, delta, dk, dv, *common, *_strides(dk),
-             *_strides(dv), H, N, M, H // Hk), consts, cfg_dkdv)
+            (q, k, v, mask_t, grad_out, lse, delta, dk, dv, *common, *strides(dk),
+             *strides(dv), H, N, M, H // Hk), consts, cfg_dkdv)
     _launch("dq", dmax, lambda bm, bn: (triton.cdiv(N, bm), H, B),
-            (q, k, v, mask_t, grad_out, lse, delta, dq, *common, *_strides(dq), H, N, M,
+            (q, k, v, mask_t, grad_out, lse, delta, dq, *common, *strides(dq), H, N, M,
              H // Hk), consts, cfg_dq)
     return dq, dk, dv
 

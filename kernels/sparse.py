@@ -55,6 +55,8 @@ block's end are masked -- so block 16, 32, ... tile exactly and block 24 uses on
 8 masked rows (or two 16-tiles).  ``causal``: j <= i inside the listed blocks; key sub-tiles
 entirely above a query sub-tile's diagonal are skipped.
 
+The tile steps (row-tile loads and stores, scores, online softmax, the backward's dQ / dK
+updates) and the launch plumbing are shared with kernels/softmax.py through kernels/_flash.py.
 Numerics as kernels/softmax.py: base-2 scores (``s * scale * log2(e)``, exp2), fp32 ieee dots
 for float32 inputs, lse stored in natural log, backward p = exp2(s - lse log2(e)).
 
@@ -73,7 +75,11 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+
+from ._flash import (INTERPRETED, _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, config_list, dk_step,
+                     dot_precision, dq_step, finish_rows, fitting, launch, load_bwd_rows,
+                     load_row_pair, load_rows, online_softmax_step, pow2, scores, split_config,
+                     store_rows, strides)
 
 __all__ = [
     "sparse_range_fwd",
@@ -92,65 +98,23 @@ __all__ = [
     "SUPPORTED_DTYPES",
 ]
 
-MAX_HEAD_DIM = 256
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-_LOG2E = tl.constexpr(1.4426950408889634)
-_LN2 = tl.constexpr(0.6931471805599453)
-
 # ----------------------------------------------------------------------------------------------
 # autotune search spaces
 # ----------------------------------------------------------------------------------------------
 
-
-def _cfg(block_m, block_n, num_warps, num_stages):
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=num_warps,
-                         num_stages=num_stages)
-
-
 # Range parts are often narrow bands (width s+1 .. 2s+1, s = 64): a 64x64 tile of a 65-wide band
 # spans 128 keys and wastes half its entries, 32x32 tiles waste a third; wide tiles pay off for
 # the long column parts.  The autotuner is keyed on the typical key span of a row (SPAN).
-RANGE_FWD_CONFIGS = [
-    _cfg(64, 64, 4, 3),
-    _cfg(128, 64, 8, 3),
-    _cfg(64, 32, 4, 3),
-    _cfg(32, 32, 4, 2),
-    _cfg(16, 32, 2, 2),
-]
-RANGE_DQ_CONFIGS = [
-    _cfg(64, 64, 4, 3),
-    _cfg(64, 32, 4, 3),
-    _cfg(32, 32, 4, 2),
-    _cfg(16, 32, 2, 2),
-]
+RANGE_FWD_CONFIGS = config_list((64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (32, 32, 4, 2),
+                                (16, 32, 2, 2))
+RANGE_DQ_CONFIGS = config_list((64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2), (16, 32, 2, 2))
 # dK/dV: BLOCK_N is the key tile the program owns, BLOCK_M the query tile it loops over.
-RANGE_DKDV_CONFIGS = [
-    _cfg(64, 64, 4, 3),
-    _cfg(32, 64, 4, 3),
-    _cfg(32, 32, 4, 2),
-    _cfg(16, 32, 2, 2),
-]
+RANGE_DKDV_CONFIGS = config_list((64, 64, 4, 3), (32, 64, 4, 3), (32, 32, 4, 2), (16, 32, 2, 2))
 # Block-sparse: sub-tiles of a block; configs larger than next_pow2(block) are filtered out, so
 # each list ends with a 16x16 entry that every block size accepts.
-BLOCK_FWD_CONFIGS = [
-    _cfg(128, 64, 8, 3),
-    _cfg(64, 64, 4, 3),
-    _cfg(32, 32, 4, 2),
-    _cfg(16, 16, 2, 2),
-]
-BLOCK_DQ_CONFIGS = [
-    _cfg(64, 64, 4, 3),
-    _cfg(64, 32, 4, 3),
-    _cfg(32, 32, 4, 2),
-    _cfg(16, 16, 2, 2),
-]
-BLOCK_DKDV_CONFIGS = [
-    _cfg(64, 64, 4, 3),
-    _cfg(32, 64, 4, 3),
-    _cfg(32, 32, 4, 2),
-    _cfg(16, 16, 2, 2),
-]
+BLOCK_FWD_CONFIGS = config_list((128, 64, 8, 3), (64, 64, 4, 3), (32, 32, 4, 2), (16, 16, 2, 2))
+BLOCK_DQ_CONFIGS = config_list((64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2), (16, 16, 2, 2))
+BLOCK_DKDV_CONFIGS = config_list((64, 64, 4, 3), (32, 64, 4, 3), (32, 32, 4, 2), (16, 16, 2, 2))
 _CONFIG_LISTS = {
     "range_fwd": RANGE_FWD_CONFIGS, "range_dq": RANGE_DQ_CONFIGS,
     "range_dkdv": RANGE_DKDV_CONFIGS, "block_fwd": BLOCK_FWD_CONFIGS,
@@ -165,21 +129,13 @@ def configs_for(kernel: str, head_dim: int, value_dim: int | None = None,
                 block: int | None = None) -> list:
     """The autotune candidates of ``kernel`` (``"range_fwd" | "range_dq" | "range_dkdv" |
     "block_fwd" | "block_dq" | "block_dkdv"``) for these head dims (and block size)."""
-    dmax = _pow2(max(head_dim, head_dim if value_dim is None else value_dim))
+    dmax = pow2(max(head_dim, head_dim if value_dim is None else value_dim))
     configs = _CONFIG_LISTS[kernel]
-    limit = _TILE_LIMIT[kernel.split("_")[1]]
-    fit = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * dmax <= limit]
     if block is not None:
-        tile = _pow2(block)
-        fit = [c for c in fit if c.kwargs["BLOCK_M"] <= tile and c.kwargs["BLOCK_N"] <= tile]
-    if not fit:  # never leave the autotuner empty-handed: fall back to the smallest tile
-        fit = [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
-    return fit
-
-
-def _pow2(x: int) -> int:
-    # tl.dot needs every dimension >= 16 on GPUs, hence the floor.
-    return max(16, triton.next_power_of_2(int(x)))
+        tile = pow2(block)
+        configs = [c for c in configs
+                   if c.kwargs["BLOCK_M"] <= tile and c.kwargs["BLOCK_N"] <= tile]
+    return fitting(configs, dmax, _TILE_LIMIT[kernel.split("_")[1]])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,48 +183,58 @@ def _group_len(n, g, pg, pt):
 
 
 @triton.jit
-def _load_rows(base, rows, stride_n, offs_d, stride_d, row_ok, HEAD_D: tl.constexpr,
-               BLOCK_D: tl.constexpr):
-    ptrs = base + rows[:, None] * stride_n + offs_d[None, :] * stride_d
-    if BLOCK_D != HEAD_D:
-        return tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
-    return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+def _batch_head(pid, H):
+    """(b*H + h, b, h) of the program's batch-head grid index (int64)."""
+    bh = pid.to(tl.int64)
+    return bh, bh // H, bh % H
+
+
+# One step of each kernel's tile loop, on rows gathered by the caller: ``rows`` / ``row_ok``
+# ([BM] query rows), ``krows`` / ``col_ok`` ([BN] key rows) and ``keep`` (the tile's elementwise
+# mask, [BM, BN], or [BN, BM] in the dK/dV kernels, which work on transposed tiles so that dk
+# and dv come out of plain dots).
 
 
 @triton.jit
-def _store_rows(base, rows, stride_n, offs_d, stride_d, row_ok, x, HEAD_D: tl.constexpr):
-    ptrs = base + rows[:, None] * stride_n + offs_d[None, :] * stride_d
-    tl.store(ptrs, x.to(base.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D))
+def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, krows, col_ok, keep, qk_scale,
+              stride_kn, stride_kd, stride_vn, stride_vd,
+              HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr):
+    k = load_rows(k_base, krows, stride_kn, tl.arange(0, BLOCK_D), stride_kd, col_ok, HEAD_D,
+                  BLOCK_D, True)
+    s = tl.where(keep, scores(q, k, qk_scale, DOT_PREC), float("-inf"))
+    # v after the scores, as in kernels/softmax.py: the software pipeliner overlaps its load
+    # with the first dot.
+    v = load_rows(v_base, krows, stride_vn, tl.arange(0, BLOCK_DV), stride_vd, col_ok, HEAD_DV,
+                  BLOCK_DV, True)
+    return online_softmax_step(acc, l_i, m_i, s, v, DOT_PREC)
 
 
 @triton.jit
-def _online_softmax_step(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr):
-    """One flash step on base-2 scores s [BM, BN] (-inf = masked) and values v [BN, Dv]."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row that has seen only -inf keeps m = -inf: shift by 0 so exp2 gives 0, not NaN.
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
-    return acc, l_i, m_new
+def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, krows, col_ok, keep, qk_scale,
+             stride_kn, stride_kd, stride_vn, stride_vd,
+             HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr):
+    k, v = load_row_pair(k_base, v_base, krows, col_ok, stride_kn, stride_kd, stride_vn,
+                         stride_vd, tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), HEAD_D,
+                         HEAD_DV, BLOCK_D, BLOCK_DV, True)
+    p = tl.where(keep, tl.math.exp2(scores(q, k, qk_scale, DOT_PREC) - lse2[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    return dq_step(dq, p, dp, delta, k, DOT_PREC)
 
 
 @triton.jit
-def _finish_rows(acc, l_i, m_i):
-    """(out, lse in natural log); rows that saw no key: 0 and -inf."""
-    attended = l_i > 0.0
-    l_safe = tl.where(attended, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(attended, (m_i + tl.math.log2(l_safe)) * _LN2, float("-inf"))
-    return out, lse
-
-
-@triton.jit
-def _lse2(lse):
-    # Rows with lse = -inf saw no key: +inf makes every p of the row exp2(-inf) = 0.
-    return tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
+def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, row_ok, keep_t,
+               qk_scale, stride_qn, stride_qd, stride_gn, stride_gd,
+               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr):
+    q, do, lse2, delta = load_bwd_rows(q_base, do_base, lse_base, delta_base, rows, row_ok,
+                                       stride_qn, stride_qd, stride_gn, stride_gd, HEAD_D,
+                                       HEAD_DV, BLOCK_D, BLOCK_DV)
+    p_t = tl.where(keep_t, tl.math.exp2(scores(k, q, qk_scale, DOT_PREC) - lse2[None, :]), 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    return dk_step(dk, p_t, dp_t, delta, q, DOT_PREC), dv
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,11 +246,14 @@ _RANGE_INTS = ["Nq", "Nk", "q_pg", "q_pt", "k_pg", "k_pt", "lo_a", "lo_d", "lo_m
 
 
 @triton.jit
-def _range_query_tile(pid_m, g, Nq, Nk, q_pg, q_pt, k_pg, k_pt,
+def _range_query_tile(H, G_OFFSET, Nq, Nk, q_pg, q_pt, k_pg, k_pt,
                       lo_a, lo_d, lo_m, lo_b, hi_a, hi_d, hi_m, hi_b, BLOCK_M: tl.constexpr):
-    """For the query tile pid_m of group g: (t [BM], row_ok, q rows, per-row lo / hi, key span
-    [klo, khi) of the tile, Tk_g).  All int64."""
-    g = g.to(tl.int64)
+    """The query tile of this program of the (query tiles, groups, B*H) grid: (b*H + h, b, h,
+    row_ok, q rows, per-row lo / hi, key span [klo, khi) of the tile, Tk_g, first key row of
+    the group, key row step)."""
+    bh, b, h = _batch_head(tl.program_id(2), H)
+    pid_m = tl.program_id(0)
+    g = (tl.program_id(1) + G_OFFSET).to(tl.int64)
     q_pg = q_pg.to(tl.int64)
     q_pt = q_pt.to(tl.int64)
     k_pg = k_pg.to(tl.int64)
@@ -308,8 +277,18 @@ def _range_query_tile(pid_m, g, Nq, Nk, q_pg, q_pt, k_pg, k_pt,
     # (cheaper compares than int64 on GPUs; row addresses stay int64).
     lo_t = tl.minimum(tl.maximum(lo_t, 0), tk).to(tl.int32)
     hi_t = tl.minimum(tl.maximum(hi_t, -1), tk).to(tl.int32)
-    return (t, row_ok, rows, lo_t, hi_t, klo.to(tl.int32), tl.maximum(khi, klo).to(tl.int32),
-            tk.to(tl.int32), g * k_pg, k_pt)
+    return (bh, b, h, row_ok, rows, lo_t, hi_t, klo.to(tl.int32),
+            tl.maximum(khi, klo).to(tl.int32), tk.to(tl.int32), g * k_pg, k_pt)
+
+
+@triton.jit
+def _range_key_tile(start_n, tk, k_row0, k_pt, lo_t, hi_t, BLOCK_N: tl.constexpr):
+    """(key rows [BN], in-group mask, keep [BM, BN]) of the key tile starting at index start_n
+    of the group: t attends t' iff lo(t) <= t' <= hi(t)."""
+    tn = start_n + tl.arange(0, BLOCK_N)
+    col_ok = tn < tk
+    keep = (tn[None, :] >= lo_t[:, None]) & (tn[None, :] <= hi_t[:, None]) & col_ok[None, :]
+    return k_row0 + tn * k_pt, col_ok, keep
 
 
 @triton.jit(do_not_specialize=_RANGE_INTS)
@@ -324,35 +303,25 @@ def _range_fwd_kernel(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    bh = tl.program_id(2).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    t, row_ok, rows, lo_t, hi_t, klo, khi, tk, k_row0, k_pt64 = _range_query_tile(
-        tl.program_id(0), tl.program_id(1) + G_OFFSET, Nq, Nk, q_pg, q_pt, k_pg, k_pt,
-        lo_a, lo_d, lo_m, lo_b, hi_a, hi_d, hi_m, hi_b, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, stride_qn, offs_d, stride_qd, row_ok,
-                   HEAD_D, BLOCK_D)
+    bh, b, h, row_ok, rows, lo_t, hi_t, klo, khi, tk, k_row0, k_pt64 = _range_query_tile(
+        H, G_OFFSET, Nq, Nk, q_pg, q_pt, k_pg, k_pt, lo_a, lo_d, lo_m, lo_b, hi_a, hi_d, hi_m,
+        hi_b, BLOCK_M)
+    q = load_rows(Q + b * stride_qb + h * stride_qh, rows, stride_qn, tl.arange(0, BLOCK_D),
+                  stride_qd, row_ok, HEAD_D, BLOCK_D, True)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
-    qk_scale = sm_scale * _LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    qk_scale = sm_scale * _LOG2E
     for start_n in range(klo, khi, BLOCK_N):
-        tn = start_n + tl.arange(0, BLOCK_N)
-        col_ok = tn < tk
-        krows = k_row0 + tn * k_pt64
-        k = _load_rows(k_base, krows, stride_kn, offs_d, stride_kd, col_ok, HEAD_D, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        keep = (tn[None, :] >= lo_t[:, None]) & (tn[None, :] <= hi_t[:, None]) & col_ok[None, :]
-        s = tl.where(keep, s, float("-inf"))
-        v = _load_rows(v_base, krows, stride_vn, offs_dv, stride_vd, col_ok, HEAD_DV, BLOCK_DV)
-        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, DOT_PREC)
-    out, lse = _finish_rows(acc, l_i, m_i)
-    _store_rows(Out + b * stride_ob + h * stride_oh, rows, stride_on, offs_dv, stride_od, row_ok,
-                out, HEAD_DV)
+        krows, col_ok, keep = _range_key_tile(start_n, tk, k_row0, k_pt64, lo_t, hi_t, BLOCK_N)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, krows, col_ok, keep,
+                                  qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC)
+    out, lse = finish_rows(acc, l_i, m_i)
+    store_rows(Out + b * stride_ob + h * stride_oh, rows, stride_on, tl.arange(0, BLOCK_DV),
+               stride_od, row_ok, out, HEAD_DV)
     tl.store(Lse + bh * Nq + rows, lse, mask=row_ok)
 
 
@@ -369,38 +338,24 @@ def _range_dq_kernel(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    bh = tl.program_id(2).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    t, row_ok, rows, lo_t, hi_t, klo, khi, tk, k_row0, k_pt64 = _range_query_tile(
-        tl.program_id(0), tl.program_id(1) + G_OFFSET, Nq, Nk, q_pg, q_pt, k_pg, k_pt,
-        lo_a, lo_d, lo_m, lo_b, hi_a, hi_d, hi_m, hi_b, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, stride_qn, offs_d, stride_qd, row_ok,
-                   HEAD_D, BLOCK_D)
-    do = _load_rows(dO + b * stride_gb + h * stride_gh, rows, stride_gn, offs_dv, stride_gd,
-                    row_ok, HEAD_DV, BLOCK_DV)
-    lse2 = _lse2(tl.load(Lse + bh * Nq + rows, mask=row_ok, other=float("inf")))
-    delta = tl.load(Delta + bh * Nq + rows, mask=row_ok, other=0.0)
+    bh, b, h, row_ok, rows, lo_t, hi_t, klo, khi, tk, k_row0, k_pt64 = _range_query_tile(
+        H, G_OFFSET, Nq, Nk, q_pg, q_pt, k_pg, k_pt, lo_a, lo_d, lo_m, lo_b, hi_a, hi_d, hi_m,
+        hi_b, BLOCK_M)
+    q, do, lse2, delta = load_bwd_rows(Q + b * stride_qb + h * stride_qh,
+                                       dO + b * stride_gb + h * stride_gh, Lse + bh * Nq,
+                                       Delta + bh * Nq, rows, row_ok, stride_qn, stride_qd,
+                                       stride_gn, stride_gd, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
-    qk_scale = sm_scale * _LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    qk_scale = sm_scale * _LOG2E
     for start_n in range(klo, khi, BLOCK_N):
-        tn = start_n + tl.arange(0, BLOCK_N)
-        col_ok = tn < tk
-        krows = k_row0 + tn * k_pt64
-        k = _load_rows(k_base, krows, stride_kn, offs_d, stride_kd, col_ok, HEAD_D, BLOCK_D)
-        v = _load_rows(v_base, krows, stride_vn, offs_dv, stride_vd, col_ok, HEAD_DV, BLOCK_DV)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        keep = (tn[None, :] >= lo_t[:, None]) & (tn[None, :] <= hi_t[:, None]) & col_ok[None, :]
-        p = tl.where(keep, tl.math.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
-    _store_rows(dQ + b * stride_dqb + h * stride_dqh, rows, stride_dqn, offs_d, stride_dqd,
-                row_ok, dq * sm_scale, HEAD_D)
+        krows, col_ok, keep = _range_key_tile(start_n, tk, k_row0, k_pt64, lo_t, hi_t, BLOCK_N)
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, krows, col_ok, keep,
+                      qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
+                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC)
+    store_rows(dQ + b * stride_dqb + h * stride_dqh, rows, stride_dqn, tl.arange(0, BLOCK_D),
+               stride_dqd, row_ok, dq * sm_scale, HEAD_D)
 
 
 @triton.jit(do_not_specialize=_RANGE_INTS)
@@ -418,9 +373,7 @@ def _range_dkdv_kernel(
     DOT_PREC: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    bh = tl.program_id(2).to(tl.int64)
-    b = bh // H
-    h = bh % H
+    bh, b, h = _batch_head(tl.program_id(2), H)
     g = (tl.program_id(1) + G_OFFSET).to(tl.int64)
     q_pg64 = q_pg.to(tl.int64)
     q_pt64 = q_pt.to(tl.int64)
@@ -436,10 +389,9 @@ def _range_dkdv_kernel(
     krows = g * k_pg.to(tl.int64) + tn * k_pt64
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = _load_rows(K + b * stride_kb + h * stride_kh, krows, stride_kn, offs_d, stride_kd, col_ok,
-                   HEAD_D, BLOCK_D)
-    v = _load_rows(V + b * stride_vb + h * stride_vh, krows, stride_vn, offs_dv, stride_vd,
-                   col_ok, HEAD_DV, BLOCK_DV)
+    k, v = load_row_pair(K + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh,
+                         krows, col_ok, stride_kn, stride_kd, stride_vn, stride_vd, offs_d,
+                         offs_dv, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True)
     # The queries that see a key of [n0, n1]: lo(t) <= n1 and hi(t) >= n0 -- an interval, as
     # both bounds are nondecreasing.
     n1 = tl.minimum(n0 + BLOCK_N, tk) - 1
@@ -449,43 +401,79 @@ def _range_dkdv_kernel(
 
     q_base = Q + b * stride_qb + h * stride_qh
     do_base = dO + b * stride_gb + h * stride_gh
-    qk_scale = sm_scale * _LOG2E
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    # Transposed tiles ([keys, queries]) so that dk and dv come out of plain dots.
+    qk_scale = sm_scale * _LOG2E
     for start_m in range(q_first, q_end, BLOCK_M):
         t = start_m + tl.arange(0, BLOCK_M)
         row_ok = t < tq
-        rows = g * q_pg64 + t * q_pt64
-        q = _load_rows(q_base, rows, stride_qn, offs_d, stride_qd, row_ok, HEAD_D, BLOCK_D)
-        do = _load_rows(do_base, rows, stride_gn, offs_dv, stride_gd, row_ok, HEAD_DV, BLOCK_DV)
-        lse2 = _lse2(tl.load(Lse + bh * Nq + rows, mask=row_ok, other=float("inf")))
-        delta = tl.load(Delta + bh * Nq + rows, mask=row_ok, other=0.0)
         lo_t = _affine(t, la, ld, lm, lb)
         hi_t = _affine(t, ha, hd, hm, hb)
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale
         keep = (tn[:, None] >= lo_t[None, :]) & (tn[:, None] <= hi_t[None, :]) & row_ok[None, :]
-        p_t = tl.where(keep, tl.math.exp2(s_t - lse2[None, :]), 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, Lse + bh * Nq, Delta + bh * Nq,
+                            g * q_pg64 + t * q_pt64, row_ok, keep, qk_scale,
+                            stride_qn, stride_qd, stride_gn, stride_gd,
+                            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC)
     dk = dk * sm_scale
     dk_base = dK + b * stride_dkb + h * stride_dkh
     dv_base = dV + b * stride_dvb + h * stride_dvh
     if ACCUMULATE:
         # Key rows shared by several groups: the launcher runs the groups one after the other
         # into float32 buffers (zeroed), each adding its share.
-        dk += _load_rows(dk_base, krows, stride_dkn, offs_d, stride_dkd, col_ok, HEAD_D, BLOCK_D)
-        dv += _load_rows(dv_base, krows, stride_dvn, offs_dv, stride_dvd, col_ok, HEAD_DV,
-                         BLOCK_DV)
-    _store_rows(dk_base, krows, stride_dkn, offs_d, stride_dkd, col_ok, dk, HEAD_D)
-    _store_rows(dv_base, krows, stride_dvn, offs_dv, stride_dvd, col_ok, dv, HEAD_DV)
+        dk_old, dv_old = load_row_pair(dk_base, dv_base, krows, col_ok, stride_dkn, stride_dkd,
+                                       stride_dvn, stride_dvd, offs_d, offs_dv, HEAD_D, HEAD_DV,
+                                       BLOCK_D, BLOCK_DV, True)
+        dk += dk_old
+        dv += dv_old
+    store_rows(dk_base, krows, stride_dkn, offs_d, stride_dkd, col_ok, dk, HEAD_D)
+    store_rows(dv_base, krows, stride_dvn, offs_dv, stride_dvd, col_ok, dv, HEAD_DV)
 
 
 # ----------------------------------------------------------------------------------------------
 # block-sparse
 # ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _block_sub_tile(pid, blk, BLOCK: tl.constexpr):
+    """Program ``pid`` of a grid of ceil(blk / BLOCK) sub-tiles per block: (its block, its rows
+    [BLOCK] int64, in-block mask, its first row, one past its last row)."""
+    n_sub = tl.cdiv(blk, BLOCK)
+    r = pid // n_sub
+    sub = pid % n_sub
+    local = sub * BLOCK + tl.arange(0, BLOCK)
+    first = r * blk + sub * BLOCK
+    return (r, (r * blk + local).to(tl.int64), local < blk, first,
+            r * blk + tl.minimum(sub * BLOCK + BLOCK, blk))
+
+
+@triton.jit
+def _index_list(Ptr, h, ptr_head_stride, r):
+    """[start, end) of block row (or column) r's entries in the index list of head h."""
+    ptr = Ptr + h * ptr_head_stride + r
+    return tl.load(ptr), tl.load(ptr + 1)
+
+
+@triton.jit
+def _listed_keys(ColIdx, e, blk, i_end, IS_CAUSAL: tl.constexpr):
+    """(first key, end of the keys to visit, end of the block) of entry e of a block row."""
+    j_start = tl.load(ColIdx + e) * blk
+    j_stop = j_start + blk
+    j_end = j_stop
+    if IS_CAUSAL:
+        j_end = tl.minimum(j_end, i_end)  # key sub-tiles wholly above the diagonal: skipped
+    return j_start, j_end, j_stop
+
+
+@triton.jit
+def _block_key_tile(start_n, j_stop, rows, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(key rows [BN] int64, in-block mask, keep [BM, BN]) of the key tile at start_n."""
+    cols = start_n + tl.arange(0, BLOCK_N)
+    col_ok = cols < j_stop
+    keep = col_ok[None, :]
+    if IS_CAUSAL:
+        keep = keep & (cols[None, :] <= rows[:, None])
+    return cols.to(tl.int64), col_ok, keep
 
 
 @triton.jit
@@ -500,52 +488,27 @@ def _block_fwd_kernel(
     IS_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    n_sub = tl.cdiv(blk, BLOCK_M)  # query sub-tiles per block
-    r = tl.program_id(0) // n_sub  # query block
-    sub = tl.program_id(0) % n_sub  # sub-tile within it
-    local = sub * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = local < blk
-    rows = (r * blk + local).to(tl.int64)
-    i_end = r * blk + tl.minimum(sub * BLOCK_M + BLOCK_M, blk)  # one past the tile's last row
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, stride_qn, offs_d, stride_qd, row_ok,
-                   HEAD_D, BLOCK_D)
+    bh, b, h = _batch_head(tl.program_id(1), H)
+    r, rows, row_ok, _, i_end = _block_sub_tile(tl.program_id(0), blk, BLOCK_M)
+    q = load_rows(Q + b * stride_qb + h * stride_qh, rows, stride_qn, tl.arange(0, BLOCK_D),
+                  stride_qd, row_ok, HEAD_D, BLOCK_D, True)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
-    ptr = RowPtr + h * ptr_head_stride + r
-    e_start = tl.load(ptr)
-    e_end = tl.load(ptr + 1)
-    qk_scale = sm_scale * _LOG2E
+    e_start, e_end = _index_list(RowPtr, h, ptr_head_stride, r)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    qk_scale = sm_scale * _LOG2E
     for e in range(e_start, e_end):
-        c = tl.load(ColIdx + e)
-        j_start = c * blk
-        j_stop = j_start + blk
-        j_end = j_stop
-        if IS_CAUSAL:
-            j_end = tl.minimum(j_end, i_end)  # key sub-tiles wholly above the diagonal: skipped
+        j_start, j_end, j_stop = _listed_keys(ColIdx, e, blk, i_end, IS_CAUSAL)
         for start_n in range(j_start, j_end, BLOCK_N):
-            cols = start_n + tl.arange(0, BLOCK_N)
-            col_ok = cols < j_stop
-            k = _load_rows(k_base, cols.to(tl.int64), stride_kn, offs_d, stride_kd, col_ok,
-                           HEAD_D, BLOCK_D)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-            keep = col_ok[None, :]
-            if IS_CAUSAL:
-                keep = keep & (cols[None, :] <= rows[:, None])
-            s = tl.where(keep, s, float("-inf"))
-            v = _load_rows(v_base, cols.to(tl.int64), stride_vn, offs_dv, stride_vd, col_ok,
-                           HEAD_DV, BLOCK_DV)
-            acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, DOT_PREC)
-    out, lse = _finish_rows(acc, l_i, m_i)
-    _store_rows(Out + b * stride_ob + h * stride_oh, rows, stride_on, offs_dv, stride_od, row_ok,
-                out, HEAD_DV)
+            cols, col_ok, keep = _block_key_tile(start_n, j_stop, rows, IS_CAUSAL, BLOCK_N)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, cols, col_ok, keep,
+                                      qk_scale, stride_kn, stride_kd, stride_vn,
+                                      stride_vd, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC)
+    out, lse = finish_rows(acc, l_i, m_i)
+    store_rows(Out + b * stride_ob + h * stride_oh, rows, stride_on, tl.arange(0, BLOCK_DV),
+               stride_od, row_ok, out, HEAD_DV)
     tl.store(Lse + bh * N + rows, lse, mask=row_ok)
 
 
@@ -562,55 +525,26 @@ def _block_dq_kernel(
     IS_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    n_sub = tl.cdiv(blk, BLOCK_M)
-    r = tl.program_id(0) // n_sub
-    sub = tl.program_id(0) % n_sub
-    local = sub * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = local < blk
-    rows = (r * blk + local).to(tl.int64)
-    i_end = r * blk + tl.minimum(sub * BLOCK_M + BLOCK_M, blk)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, stride_qn, offs_d, stride_qd, row_ok,
-                   HEAD_D, BLOCK_D)
-    do = _load_rows(dO + b * stride_gb + h * stride_gh, rows, stride_gn, offs_dv, stride_gd,
-                    row_ok, HEAD_DV, BLOCK_DV)
-    lse2 = _lse2(tl.load(Lse + bh * N + rows, mask=row_ok, other=float("inf")))
-    delta = tl.load(Delta + bh * N + rows, mask=row_ok, other=0.0)
+    bh, b, h = _batch_head(tl.program_id(1), H)
+    r, rows, row_ok, _, i_end = _block_sub_tile(tl.program_id(0), blk, BLOCK_M)
+    q, do, lse2, delta = load_bwd_rows(Q + b * stride_qb + h * stride_qh,
+                                       dO + b * stride_gb + h * stride_gh, Lse + bh * N,
+                                       Delta + bh * N, rows, row_ok, stride_qn, stride_qd,
+                                       stride_gn, stride_gd, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
-    ptr = RowPtr + h * ptr_head_stride + r
-    e_start = tl.load(ptr)
-    e_end = tl.load(ptr + 1)
-    qk_scale = sm_scale * _LOG2E
+    e_start, e_end = _index_list(RowPtr, h, ptr_head_stride, r)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    qk_scale = sm_scale * _LOG2E
     for e in range(e_start, e_end):
-        c = tl.load(ColIdx + e)
-        j_start = c * blk
-        j_stop = j_start + blk
-        j_end = j_stop
-        if IS_CAUSAL:
-            j_end = tl.minimum(j_end, i_end)
+        j_start, j_end, j_stop = _listed_keys(ColIdx, e, blk, i_end, IS_CAUSAL)
         for start_n in range(j_start, j_end, BLOCK_N):
-            cols = start_n + tl.arange(0, BLOCK_N)
-            col_ok = cols < j_stop
-            k = _load_rows(k_base, cols.to(tl.int64), stride_kn, offs_d, stride_kd, col_ok,
-                           HEAD_D, BLOCK_D)
-            v = _load_rows(v_base, cols.to(tl.int64), stride_vn, offs_dv, stride_vd, col_ok,
-                           HEAD_DV, BLOCK_DV)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-            keep = col_ok[None, :]
-            if IS_CAUSAL:
-                keep = keep & (cols[None, :] <= rows[:, None])
-            p = tl.where(keep, tl.math.exp2(s - lse2[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-            ds = p * (dp - delta[:, None])
-            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
-    _store_rows(dQ + b * stride_dqb + h * stride_dqh, rows, stride_dqn, offs_d, stride_dqd,
-                row_ok, dq * sm_scale, HEAD_D)
+            cols, col_ok, keep = _block_key_tile(start_n, j_stop, rows, IS_CAUSAL, BLOCK_N)
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, cols, col_ok, keep,
+                          qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
+                          HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC)
+    store_rows(dQ + b * stride_dqb + h * stride_dqh, rows, stride_dqn, tl.arange(0, BLOCK_D),
+               stride_dqd, row_ok, dq * sm_scale, HEAD_D)
 
 
 @triton.jit
@@ -627,67 +561,43 @@ def _block_dkdv_kernel(
     IS_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    n_sub = tl.cdiv(blk, BLOCK_N)  # key sub-tiles per block
-    c = tl.program_id(0) // n_sub  # key block
-    sub = tl.program_id(0) % n_sub
-    local = sub * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = local < blk
-    cols = (c * blk + local).to(tl.int64)
-    j_first = c * blk + sub * BLOCK_N  # the tile's first key
+    bh, b, h = _batch_head(tl.program_id(1), H)
+    c, cols, col_ok, j_first, _ = _block_sub_tile(tl.program_id(0), blk, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = _load_rows(K + b * stride_kb + h * stride_kh, cols, stride_kn, offs_d, stride_kd, col_ok,
-                   HEAD_D, BLOCK_D)
-    v = _load_rows(V + b * stride_vb + h * stride_vh, cols, stride_vn, offs_dv, stride_vd,
-                   col_ok, HEAD_DV, BLOCK_DV)
+    k, v = load_row_pair(K + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh,
+                         cols, col_ok, stride_kn, stride_kd, stride_vn, stride_vd, offs_d,
+                         offs_dv, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True)
     q_base = Q + b * stride_qb + h * stride_qh
     do_base = dO + b * stride_gb + h * stride_gh
-    ptr = ColPtr + h * ptr_head_stride + c
-    e_start = tl.load(ptr)
-    e_end = tl.load(ptr + 1)
-    qk_scale = sm_scale * _LOG2E
+    e_start, e_end = _index_list(ColPtr, h, ptr_head_stride, c)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    qk_scale = sm_scale * _LOG2E
     for e in range(e_start, e_end):
-        rq = tl.load(RowIdx + e)
-        i_start = rq * blk
+        i_start = tl.load(RowIdx + e) * blk
         i_stop = i_start + blk
         if IS_CAUSAL:
             i_start = tl.maximum(i_start, j_first)  # rows before the tile's first key see none
         for start_m in range(i_start, i_stop, BLOCK_M):
             rows = start_m + tl.arange(0, BLOCK_M)
             row_ok = rows < i_stop
-            rows64 = rows.to(tl.int64)
-            q = _load_rows(q_base, rows64, stride_qn, offs_d, stride_qd, row_ok, HEAD_D, BLOCK_D)
-            do = _load_rows(do_base, rows64, stride_gn, offs_dv, stride_gd, row_ok, HEAD_DV,
-                            BLOCK_DV)
-            lse2 = _lse2(tl.load(Lse + bh * N + rows64, mask=row_ok, other=float("inf")))
-            delta = tl.load(Delta + bh * N + rows64, mask=row_ok, other=0.0)
-            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale
             keep = row_ok[None, :]
             if IS_CAUSAL:
-                keep = keep & (cols[:, None] <= rows64[None, :])
-            p_t = tl.where(keep, tl.math.exp2(s_t - lse2[None, :]), 0.0)
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
-    _store_rows(dK + b * stride_dkb + h * stride_dkh, cols, stride_dkn, offs_d, stride_dkd,
-                col_ok, dk * sm_scale, HEAD_D)
-    _store_rows(dV + b * stride_dvb + h * stride_dvh, cols, stride_dvn, offs_dv, stride_dvd,
-                col_ok, dv, HEAD_DV)
+                keep = keep & (cols[:, None] <= rows[None, :])
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, Lse + bh * N, Delta + bh * N,
+                                rows.to(tl.int64), row_ok, keep, qk_scale,
+                                stride_qn, stride_qd, stride_gn, stride_gd,
+                                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC)
+    store_rows(dK + b * stride_dkb + h * stride_dkh, cols, stride_dkn, offs_d, stride_dkd,
+               col_ok, dk * sm_scale, HEAD_D)
+    store_rows(dV + b * stride_dvb + h * stride_dvh, cols, stride_dvn, offs_dv, stride_dvd,
+               col_ok, dv, HEAD_DV)
 
 
 # ----------------------------------------------------------------------------------------------
 # launchers
 # ----------------------------------------------------------------------------------------------
-
-# Under TRITON_INTERPRET=1, @triton.jit gives an interpreted function instead of a JITFunction;
-# the autotuner cannot benchmark there (no GPU timers), so the launchers pick a config.
-_INTERPRETED = not isinstance(_block_fwd_kernel, triton.runtime.JITFunction)
 
 _KERNELS = {
     "range_fwd": _range_fwd_kernel, "range_dq": _range_dq_kernel,
@@ -721,7 +631,7 @@ def supports(q, k, v) -> str | None:
         return f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
     if not (q.device == k.device == v.device):
         return "q, k, v must be on one device"
-    if not (q.is_cuda or _INTERPRETED):
+    if not (q.is_cuda or INTERPRETED):
         return (f"the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before "
                 f"attnkit.kernels.sparse is imported); got a {q.device.type} tensor")
     if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or k.shape[:3] != v.shape[:3]:
@@ -745,42 +655,19 @@ def _check(fn, q, k, v):
     raise ValueError(f"{fn}: {why}")
 
 
-def _strides(t):
-    return tuple(t.stride())
-
-
-def _dot_precision(dtype):
-    # float32 inputs: full-precision products (TF32 would miss the 2e-5 accuracy target);
-    # float16 / bfloat16 ignore the setting.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _split_config(config):
-    if config is None or isinstance(config, triton.Config):
-        return config, config
-    return tuple(config)
-
-
 def _launch(name, grid, args, consts, config, head_dim, value_dim, block=None, tune=True):
     """Run kernel ``name`` with ``config`` or, when None, autotuned (first candidate when
     interpreted, or when ``tune`` is False: a kernel that is not idempotent).  ``grid(BLOCK_M,
     BLOCK_N)`` gives the launch grid."""
-    if config is None and (_INTERPRETED or not tune):
-        config = configs_for(name, head_dim, value_dim, block)[0]
-    if config is None:
-        tuned = _autotuned(name, head_dim, value_dim, block)
-        wrap_triton(tuned)[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **consts)
-    else:
-        kw = dict(config.kwargs)
-        launch = dict(kw, num_warps=config.num_warps, num_stages=config.num_stages)
-        wrap_triton(_KERNELS[name])[grid(kw["BLOCK_M"], kw["BLOCK_N"])](*args, **consts,
-                                                                        **launch)
+    launch(_KERNELS[name], lambda: _autotuned(name, head_dim, value_dim, block),
+           lambda: configs_for(name, head_dim, value_dim, block), grid, args, consts, config,
+           tune)
 
 
 def _consts(q, v):
     D, Dv = q.shape[3], v.shape[3]
-    return dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
-                DOT_PREC=_dot_precision(q.dtype))
+    return dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv),
+                DOT_PREC=dot_precision(q.dtype))
 
 
 # ---- range parts -------------------------------------------------------------------------------
@@ -882,7 +769,7 @@ def sparse_range_fwd(q, k, v, view, lo, hi, scale, config=None):
     if B * H * Nq == 0 or G == 0:
         return out, lse
     tq_max = _group_len_host(Nq, 0, q_pg, q_pt)
-    args = (q, k, v, out, lse, scale, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+    args = (q, k, v, out, lse, scale, *strides(q), *strides(k), *strides(v), *strides(out),
             *_range_common(view, lo, hi, Nq, Nk, H), 0, _span(view, lo, hi, Nq, Nk))
     _launch("range_fwd", lambda bm, bn: (triton.cdiv(tq_max, bm), G, B * H), args, _consts(q, v),
             config, D, Dv)
@@ -914,7 +801,7 @@ def sparse_range_bwd(grad_out, q, k, v, lse, delta, view, lo, hi, scale, config=
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    cfg_dkdv, cfg_dq = _split_config(config)
+    cfg_dkdv, cfg_dq = split_config(config)
     G, q_pg, q_pt, k_pg, k_pt = view
     # Groups past the last query row touch nothing; past the last key row, too.
     G = min(_live_groups(Nq, G, q_pg), _live_groups(Nk, G, k_pg))
@@ -932,13 +819,13 @@ def sparse_range_bwd(grad_out, q, k, v, lse, delta, view, lo, hi, scale, config=
     span = _span(view, lo, hi, Nq, Nk)
     tq_max = _group_len_host(Nq, 0, q_pg, q_pt)
     tk_max = _group_len_host(Nk, 0, k_pg, k_pt)
-    bwd_strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad_out))
+    bwd_strides = (*strides(q), *strides(k), *strides(v), *strides(grad_out))
     if keys_disjoint:
         dk = alloc_k(k.shape, dtype=k.dtype, device=k.device)
         dv = alloc_k(v.shape, dtype=v.dtype, device=v.device)
         _launch("range_dkdv", lambda bm, bn: (triton.cdiv(tk_max, bn), G, B * H),
-                (q, k, v, grad_out, lse, delta, dk, dv, scale, *bwd_strides, *_strides(dk),
-                 *_strides(dv), *common, 0, span), dict(consts, ACCUMULATE=False), cfg_dkdv,
+                (q, k, v, grad_out, lse, delta, dk, dv, scale, *bwd_strides, *strides(dk),
+                 *strides(dv), *common, 0, span), dict(consts, ACCUMULATE=False), cfg_dkdv,
                 D, Dv)
     else:
         # Groups share key rows: one launch per group, adding into float32 buffers in order
@@ -950,11 +837,11 @@ def sparse_range_bwd(grad_out, q, k, v, lse, delta, view, lo, hi, scale, config=
                 continue
             _launch("range_dkdv", lambda bm, bn: (triton.cdiv(tk_max, bn), 1, B * H),
                     (q, k, v, grad_out, lse, delta, dk32, dv32, scale, *bwd_strides,
-                     *_strides(dk32), *_strides(dv32), *common, g, span),
+                     *strides(dk32), *strides(dv32), *common, g, span),
                     dict(consts, ACCUMULATE=True), cfg_dkdv, D, Dv, tune=False)
         dk, dv = dk32.to(k.dtype), dv32.to(v.dtype)
     _launch("range_dq", lambda bm, bn: (triton.cdiv(tq_max, bm), G, B * H),
-            (q, k, v, grad_out, lse, delta, dq, scale, *bwd_strides, *_strides(dq), *common, 0,
+            (q, k, v, grad_out, lse, delta, dq, scale, *bwd_strides, *strides(dq), *common, 0,
              span), consts, cfg_dq, D, Dv)
     return dq, dk, dv
 
@@ -1003,8 +890,8 @@ def block_sparse_fwd(q, k, v, row_ptr, col_idx, block, causal, scale, config=Non
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     if B * H * N == 0:
         return out, lse
-    args = (q, k, v, row_ptr, col_idx, out, lse, scale, *_strides(q), *_strides(k),
-            *_strides(v), *_strides(out), H, N, block, head_stride)
+    args = (q, k, v, row_ptr, col_idx, out, lse, scale, *strides(q), *strides(k),
+            *strides(v), *strides(out), H, N, block, head_stride)
     consts = dict(_consts(q, v), IS_CAUSAL=bool(causal))
     _launch("block_fwd", lambda bm, bn: (nb * triton.cdiv(block, bm), B * H), args, consts,
             config, D, Dv, block)
@@ -1026,19 +913,19 @@ def block_sparse_bwd(grad_out, q, k, v, lse, delta, row_ptr, col_idx, col_ptr, r
     B, H, N, D = q.shape
     Dv = v.shape[3]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    cfg_dkdv, cfg_dq = _split_config(config)
+    cfg_dkdv, cfg_dq = split_config(config)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     if B * H * N == 0:
         return dq, dk, dv
     consts = dict(_consts(q, v), IS_CAUSAL=bool(causal))
-    bwd_strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad_out))
+    bwd_strides = (*strides(q), *strides(k), *strides(v), *strides(grad_out))
     _launch("block_dkdv", lambda bm, bn: (nb * triton.cdiv(block, bn), B * H),
             (q, k, v, grad_out, lse, delta, col_ptr, row_idx, dk, dv, scale, *bwd_strides,
-             *_strides(dk), *_strides(dv), H, N, block, head_stride_t), consts, cfg_dkdv, D, Dv,
+             *strides(dk), *strides(dv), H, N, block, head_stride_t), consts, cfg_dkdv, D, Dv,
             block)
     _launch("block_dq", lambda bm, bn: (nb * triton.cdiv(block, bm), B * H),
             (q, k, v, grad_out, lse, delta, row_ptr, col_idx, dq, scale, *bwd_strides,
-             *_strides(dq), H, N, block, head_stride), consts, cfg_dq, D, Dv, block)
+             *strides(dq), H, N, block, head_stride), consts, cfg_dq, D, Dv, block)
     return dq, dk, dv

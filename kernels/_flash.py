@@ -1,0 +1,220 @@
+"""Pieces shared by the flash-style Triton kernels (kernels/softmax.py, kernels/sparse.py).
+
+Device side: ``@triton.jit`` helpers for one step of the tile loop -- row-tile loads and stores,
+base-2 scores, the online-softmax update, the forward's finish, the backward's row statistics
+and its dQ / dK accumulations.  Triton inlines them into the calling kernel, so splitting a
+kernel into these costs nothing at run time.  Host side: the plain-Python launcher plumbing
+(config lists, strides, dot precision, autotune-or-fixed-config launch).
+
+Conventions (as in both kernel files): a tile of rows is ``[BM, BLOCK_D]`` with the head dim
+padded to ``BLOCK_D`` (a power of two >= 16) and the columns past ``HEAD_D`` masked; scores are
+base 2 (``s * scale * log2(e)``) and the stored lse is in natural log.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+# The tile helpers pad head dims to a power of two up to this and take these input dtypes
+# (float32 accumulation); both kernel files export them.
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+# ----------------------------------------------------------------------------------------------
+# device helpers
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def load_2d(ptrs, row_ok, col_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    # Bounds checks only where a tile can run past the tensor, so that full tiles load unmasked.
+    if CHECK_ROWS and CHECK_COLS:
+        x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    elif CHECK_ROWS:
+        x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    elif CHECK_COLS:
+        x = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def load_rows(base, rows, stride_n, offs_d, stride_d, row_ok, HEAD_D: tl.constexpr,
+              BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """Rows ``rows`` [R] of a [*, HEAD_D] matrix at ``base`` -> [R, BLOCK_D], zeros where
+    masked (rows with row_ok False when CHECK_ROWS; columns past HEAD_D)."""
+    return load_2d(base + rows[:, None] * stride_n + offs_d[None, :] * stride_d, row_ok,
+                   offs_d < HEAD_D, CHECK_ROWS, BLOCK_D != HEAD_D)
+
+
+@triton.jit
+def load_row_pair(a_base, b_base, rows, row_ok, stride_an, stride_ad, stride_bn, stride_bd,
+                  offs_d, offs_dv, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """The same rows of two matrices (k and v, or q and dO): ``([R, BLOCK_D], [R, BLOCK_DV])``."""
+    a = load_rows(a_base, rows, stride_an, offs_d, stride_ad, row_ok, HEAD_D, BLOCK_D,
+                  CHECK_ROWS)
+    b = load_rows(b_base, rows, stride_bn, offs_dv, stride_bd, row_ok, HEAD_DV, BLOCK_DV,
+                  CHECK_ROWS)
+    return a, b
+
+
+@triton.jit
+def store_rows(base, rows, stride_n, offs_d, stride_d, row_ok, x, HEAD_D: tl.constexpr):
+    """Store x [R, BLOCK_D] (cast to the target's dtype) into rows ``rows`` at ``base``."""
+    ptrs = base + rows[:, None] * stride_n + offs_d[None, :] * stride_d
+    tl.store(ptrs, x.to(base.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D))
+
+
+@triton.jit
+def scores(a, b, qk_scale, DOT_PREC: tl.constexpr):
+    """Base-2 scores a @ b^T * qk_scale (qk_scale = scale * log2(e)): [A, B] float32."""
+    return tl.dot(a, tl.trans(b), input_precision=DOT_PREC) * qk_scale
+
+
+@triton.jit
+def online_softmax_update(s, m_i, l_i):
+    """Fold base-2 scores s [BM, BN] (-inf = masked) into the running row max m_i and sum l_i.
+    Returns (p [BM, BN] = exp2(s - m_new), alpha [BM] = rescale of the old state, l_new, m_new)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # While a row has seen only -inf scores its max is -inf; shifting by 0 instead keeps
+    # exp2 at 0 rather than exp2(-inf - -inf) = NaN.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, l_i, m_new
+
+
+@triton.jit
+def accumulate_pv(acc, alpha, p, v, DOT_PREC: tl.constexpr):
+    """acc [BM, Dv] rescaled by alpha, plus p @ v."""
+    acc = acc * alpha[:, None]
+    return tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def online_softmax_step(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr):
+    """One flash step on base-2 scores s [BM, BN] (-inf = masked) and values v [BN, Dv]."""
+    p, alpha, l_i, m_new = online_softmax_update(s, m_i, l_i)
+    acc = accumulate_pv(acc, alpha, p, v, DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def finish_rows(acc, l_i, m_i):
+    """(out, lse in natural log); rows that saw no key: 0 and -inf."""
+    # l_i > 0 iff the row saw a finite score (its maximum contributes exp2(0) = 1).
+    attended = l_i > 0.0
+    l_safe = tl.where(attended, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(attended, (m_i + tl.math.log2(l_safe)) * _LN2, float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def load_row_stats(lse_base, delta_base, rows, row_ok):
+    """(lse in base 2, delta) of the rows: what the backward needs to rebuild p and dS."""
+    lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))
+    # Rows with lse = -inf saw no key: +inf makes every p of the row exp2(-inf) = 0.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
+    delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
+    return lse2, delta
+
+
+@triton.jit
+def load_bwd_rows(q_base, do_base, lse_base, delta_base, rows, row_ok, stride_qn, stride_qd,
+                  stride_gn, stride_gd, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Everything the backward reads of a query tile: (q [R, BLOCK_D], dO [R, BLOCK_DV], lse in
+    base 2, delta).  Rows with row_ok False read q = dO = 0, lse2 = +inf, delta = 0."""
+    q, do = load_row_pair(q_base, do_base, rows, row_ok, stride_qn, stride_qd, stride_gn,
+                          stride_gd, tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), HEAD_D,
+                          HEAD_DV, BLOCK_D, BLOCK_DV, True)
+    lse2, delta = load_row_stats(lse_base, delta_base, rows, row_ok)
+    return q, do, lse2, delta
+
+
+@triton.jit
+def dq_step(dq, p, dp, delta, k, DOT_PREC: tl.constexpr):
+    """dq += dS @ k with dS = p * (dP - delta) ([queries, keys] tiles)."""
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+
+
+@triton.jit
+def dk_step(dk, p_t, dp_t, delta, q, DOT_PREC: tl.constexpr):
+    """dk += dS^T @ q with dS^T = p^T * (dP^T - delta) (transposed [keys, queries] tiles)."""
+    ds_t = p_t * (dp_t - delta[None, :])
+    return tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+
+
+# Under TRITON_INTERPRET=1, @triton.jit gives an interpreted function instead of a JITFunction;
+# the autotuner cannot benchmark there (no GPU timers), so the launchers pick a config.
+INTERPRETED = not isinstance(load_2d, triton.runtime.JITFunction)
+
+# ----------------------------------------------------------------------------------------------
+# host helpers (launchers)
+# ----------------------------------------------------------------------------------------------
+
+
+def cfg(block_m, block_n, num_warps, num_stages):
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=num_warps,
+                         num_stages=num_stages)
+
+
+def config_list(*tiles):
+    """[triton.Config] from (BLOCK_M, BLOCK_N, num_warps, num_stages) tuples."""
+    return [cfg(*t) for t in tiles]
+
+
+def pow2(x: int) -> int:
+    # tl.dot needs every dimension >= 16 on GPUs, hence the floor.
+    return max(16, triton.next_power_of_2(int(x)))
+
+
+def fitting(configs, dmax, limit):
+    """The configs whose BLOCK_M * BLOCK_N * dmax stays within ``limit`` (registers), or the
+    smallest tile when none does (never leave the autotuner empty-handed)."""
+    fit = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * dmax <= limit]
+    return fit or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+def strides(t):
+    return tuple(t.stride())
+
+
+def dot_precision(dtype):
+    # float32 inputs: full-precision products (TF32 would miss the 2e-5 accuracy target);
+    # float16 / bfloat16 ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def split_config(config):
+    """A backward's ``config``: None or one triton.Config for both kernels, or a pair
+    ``(dkdv_config, dq_config)``."""
+    if config is None or isinstance(config, triton.Config):
+        return config, config
+    return tuple(config)
+
+
+def launch(kernel, autotuned, candidates, grid, args, consts, config, tune=True):
+    """Run ``kernel`` with ``config`` or, when None, through ``autotuned()`` (its
+    ``triton.autotune`` wrapper); the first of ``candidates()`` instead when interpreted or when
+    ``tune`` is False (a kernel that is not idempotent).  ``grid(BLOCK_M, BLOCK_N)`` gives the
+    launch grid."""
+    if config is None and (INTERPRETED or not tune):
+        config = candidates()[0]
+    if config is None:
+        wrap_triton(autotuned())[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args,
+                                                                                    **consts)
+    else:
+        kw = dict(config.kwargs)
+        meta = dict(kw, num_warps=config.num_warps, num_stages=config.num_stages)
+        wrap_triton(kernel)[grid(kw["BLOCK_M"], kw["BLOCK_N"])](*args, **consts, **meta)
