@@ -28,8 +28,12 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -244,16 +248,25 @@ std::tuple<at::Tensor, at::Tensor> hopfield_energy_fwd_cpu(const at::Tensor& sta
 //   online softmax per row (running max m, sum l; acc rescaled when m grows)
 //   acc   += P . X_tile                          (GEMM, rows x D)
 // so no S x N matrix exists; the extra memory is O(rows * kTileN) per thread plus the fp32 (or
-// fp64) copies of the inputs (O((S + N) * D)).
+// fp64) copies of the inputs and, on the fast path below, one packed copy of X (O((S + N) * D)).
+//
+// Three kernels do a retrieval (retrieve_range picks):
+// - streaming (float32, AVX-512, blocks of <= kStreamMaxS states, D <= 128; stream_range_f32):
+//   each block of 16 stored rows is read once per group of 16 states and used from L1 as key
+//   and value by all of them, no GEMM at all (S=1 is memory-bound);
+// - AVX-512 GEMM (float32, D a multiple of 16 up to 128; fast_scores / fast_pv) on the stored
+//   patterns packed once per call;
+// - MKL SGEMM / DGEMM (everything else: float64, other D), portable loops without MKL.
 //
 // Two decompositions of the work:
 // - fused (the default): one task per (b, h, block of kBlockQ queries); the task keeps its block
 //   of states in a thread-local buffer across all steps and writes each step's state out only
 //   for the backward.
-// - split-N (S <= kSplitMaxS and few (b, h) compared with the threads, N >= 2 kSplitRows): one
-//   query block cannot occupy the machine, so each step runs as one parallel_for over
-//   (b, h, chunk of kSplitRows stored rows); every chunk returns a partial (m, l, acc) per query
-//   and the partials merge through their log-sum-exps (flash-decoding).
+// - split-N (S <= kSplitMaxS, or kStreamMaxS when the states stream, and few (b, h) compared
+//   with the threads, N >= 2 kSplitRows): one
+//   query block cannot occupy the machine, so each step hands out (b, h, chunk of kSplitRows
+//   stored rows) tasks to the threads; every chunk returns a partial (m, l, acc) per query and
+//   the partials merge, in chunk order, through their log-sum-exps (flash-decoding).
 //
 // tol (>= 0; < 0 means none): exactly the reference's rule.  A row's first update always
 // applies; after each applied update whose change max_d |new - old| is not > tol (NaN included)
@@ -282,7 +295,8 @@ constexpr int64_t kTileN = 512;      // stored rows per tile
 constexpr int64_t kSplitMaxS = 16;   // split-N only for this few queries ...
 constexpr int64_t kSplitRows = 4096; // ... in chunks of this many stored rows
 // Blocks of at most this many query rows use the plain loops below instead of BLAS.  0: BLAS
-// always; the loops measured slower for S=1 N=262144 (16-18 ms against 12 ms, same run).
+// always; the loops measured slower for S=1 N=262144 (16-18 ms against 12 ms, same run).  (For
+// float32 on AVX-512 such blocks now take the streaming kernel before either.)
 constexpr int64_t kSmallRows = 0;
 
 template <typename T>
@@ -412,6 +426,358 @@ inline float exp_sum_inplace<float>(float* s, int64_t n, float m) {
 }
 #endif  // __AVX512F__
 
+// ---------------------------------------------------------------------------------------------
+// Streaming retrieval for a few queries (kStreamMaxRows per pass, float32, D <= 16 kStreamMaxDC).
+//
+// With a handful of queries the GEMM formulation degenerates into matrix-vector products that
+// MKL runs poorly on the AMD EPYC machines (its non-AVX-512 path), and it reads each tile of
+// stored rows twice (scores, then P.X).  Here every block of 16 stored rows is loaded from
+// memory once and used from L1 by all the queries, as keys and as values:
+//   v_r  = x_r * xi_q as a 16-lane partial per row r (D/16 FMAs), folded into one score vector
+//          s (lane r = row r) by a transpose-and-add tree (reduce16);
+//   online softmax on s (block max; the running sum and accumulators rescaled when it grows);
+//   acc += p_r x_r (broadcast p_r, D/16 FMAs per row; even and odd rows in separate registers
+//          to halve the dependency chain), and with values acc_v += p_r v_r from the V rows.
+// The running sum stays a 16-lane vector until the end (one horizontal add per call).
+// ---------------------------------------------------------------------------------------------
+constexpr int64_t kStreamMaxRows = 16;  // queries handled by one streaming pass over the rows
+// Blocks of up to this many states stream, in groups of kStreamMaxRows (one pass over the stored
+// rows per group); larger blocks take the GEMM kernels.  Packing X for the AVX-512 GEMM costs
+// about one or two passes, and MKL on a lone block of 17 states ran ~6x slower than streaming
+// 16 (S=17 against S=16, N=262144, D=64: 121-211 ms against 20-27 ms, same runs).
+constexpr int64_t kStreamMaxS = 64;
+constexpr int kStreamMaxDC = 8;         // D <= 8 * 16 = 128
+constexpr int64_t kStreamAhead = 2;     // blocks of 16 rows prefetched ahead (1, 2, 4, 8 measured)
+
+// Whether retrieve_range runs the streaming kernel for blocks of `rows` states of width D.
+template <typename T>
+bool streaming_applies(int64_t rows, int64_t D) {
+#if defined(__AVX512F__)
+  return std::is_same_v<T, float> && rows <= kStreamMaxS && D >= 1 && D <= 16 * kStreamMaxDC;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512F__)
+// Lane r of the result = the sum of the 16 lanes of v[r].
+inline __m512 reduce16(const __m512* v) {
+  __m512 t[8];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3], a = v[2i], b = v[2i+1]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 u[4];
+  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: the partials of rows 4j .. 4j+3
+    const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
+    u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Sum the four 128-bit lanes of each u[j], keeping the rows in order.
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __mmask16 lanes_below(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+inline void prefetch_bytes(const float* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
+// Chunk c of a row: a plain load, masked for the last chunk when D is not a multiple of 16.
+template <int DC, bool TAIL>
+inline __m512 load_chunk(const float* p, int c, __mmask16 tail) {
+  if constexpr (TAIL) {
+    if (c == DC - 1) return _mm512_maskz_loadu_ps(tail, p + c * 16);
+  }
+  return _mm512_loadu_ps(p + c * 16);
+}
+
+// DC = ceil(D / 16) chunks per stored row, TAIL: D % 16 != 0 (otherwise D = 16 DC at compile
+// time).  (m, l, acc, accx) as in retrieve_range; values: the step reads out through V [.., Dv].
+template <int DC, bool TAIL>
+void stream_range_f32(const float* xi, int64_t S, const float* X, const float* V, bool values, int64_t D_in,
+                      int64_t Dv, int64_t n0, int64_t n1, float beta, float* m, float* l, float* acc,
+                      float* accx) {
+  constexpr int W = DC * 16;
+  const int64_t D = TAIL ? D_in : W;
+  const __mmask16 dtail = lanes_below(D - (DC - 1) * 16);
+  // Where the X-weighted sum goes: acc without values, accx (when asked) with them.
+  float* xsum = values ? accx : acc;
+  const int64_t vchunks = (Dv + 15) / 16;
+  const __mmask16 vtail = lanes_below(Dv - (vchunks - 1) * 16);
+  alignas(64) float q[kStreamMaxRows * W];   // the states, zero-padded to W
+  alignas(64) float xa[kStreamMaxRows * W];  // the X-weighted sums, padded
+  alignas(64) float pbuf[16];
+  alignas(64) float lsum[kStreamMaxRows * 16];
+  float mq[kStreamMaxRows];
+  for (int64_t r = 0; r < S; ++r) {
+    for (int64_t d = 0; d < W; ++d) {
+      q[r * W + d] = d < D ? xi[r * D + d] : 0.0f;
+      xa[r * W + d] = (xsum != nullptr && d < D) ? xsum[r * D + d] : 0.0f;
+    }
+    for (int j = 0; j < 16; ++j) lsum[r * 16 + j] = j == 0 ? l[r] : 0.0f;
+    mq[r] = m[r];
+  }
+  const __m512 vbeta = _mm512_set1_ps(beta);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i0 = n0; i0 < n1; i0 += 16) {
+    const int64_t nr = std::min<int64_t>(16, n1 - i0);
+    const __mmask16 valid = lanes_below(nr);
+    const float* rows = X + i0 * D;
+    // Software prefetch kStreamAhead blocks ahead: the hardware prefetcher alone left one
+    // thread at ~16 GB/s from DRAM (S=1, N=262144, D=64: 4.0 ms), with it ~34 GB/s (2.0 ms).
+    if (i0 + (kStreamAhead + 1) * 16 <= n1) {
+      prefetch_bytes(rows + kStreamAhead * 16 * D, 16 * D * sizeof(float));
+      if (values) prefetch_bytes(V + (i0 + kStreamAhead * 16) * Dv, 16 * Dv * sizeof(float));
+    }
+    for (int64_t qi = 0; qi < S; ++qi) {
+      const float* qp = q + qi * W;
+      __m512 v[16];
+      if (nr == 16) {
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; ++r) {
+          __m512 s = _mm512_mul_ps(load_chunk<DC, TAIL>(rows + r * D, 0, dtail), _mm512_load_ps(qp));
+#pragma GCC unroll 8
+          for (int c = 1; c < DC; ++c)
+            s = _mm512_fmadd_ps(load_chunk<DC, TAIL>(rows + r * D, c, dtail), _mm512_load_ps(qp + c * 16), s);
+          v[r] = s;
+        }
+      } else {
+        for (int r = 0; r < 16; ++r) {
+          __m512 s = _mm512_setzero_ps();
+          if (r < nr)
+            for (int c = 0; c < DC; ++c)
+              s = _mm512_fmadd_ps(load_chunk<DC, TAIL>(rows + r * D, c, dtail), _mm512_load_ps(qp + c * 16), s);
+          v[r] = s;
+        }
+      }
+      const __m512 sc = _mm512_mask_mov_ps(neg_inf, valid, _mm512_mul_ps(reduce16(v), vbeta));
+      const float bmax = _mm512_reduce_max_ps(sc);
+      float* xq = xa + qi * W;
+      float* lq = lsum + qi * 16;
+      if (bmax > mq[qi]) {
+        // exp(-inf) (first block) clamps to ~1e-38, times a zero sum and zero accumulators.
+        const float alpha = exp_nonpositive(mq[qi] - bmax);
+        const __m512 va = _mm512_set1_ps(alpha);
+        _mm512_store_ps(lq, _mm512_mul_ps(_mm512_load_ps(lq), va));
+        if (xsum != nullptr)
+          for (int c = 0; c < DC; ++c) _mm512_store_ps(xq + c * 16, _mm512_mul_ps(_mm512_load_ps(xq + c * 16), va));
+        if (values) {
+          float* a = acc + qi * Dv;
+          for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
+        }
+        mq[qi] = bmax;
+      }
+      // Lanes past the last row: exp(-inf) clamps to ~1e-38, so zero them.
+      const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive_v(_mm512_sub_ps(sc, _mm512_set1_ps(mq[qi]))));
+      _mm512_store_ps(lq, _mm512_add_ps(_mm512_load_ps(lq), p));
+      _mm512_store_ps(pbuf, p);
+      if (xsum != nullptr) {
+        // The block's sum from zero, added to the running sum once (as in pv_tile).
+        __m512 even[DC], odd[DC];
+        for (int c = 0; c < DC; ++c) even[c] = odd[c] = _mm512_setzero_ps();
+        if (nr == 16) {
+#pragma GCC unroll 8
+          for (int r = 0; r < 16; r += 2) {
+            const __m512 p0 = _mm512_set1_ps(pbuf[r]), p1 = _mm512_set1_ps(pbuf[r + 1]);
+#pragma GCC unroll 8
+            for (int c = 0; c < DC; ++c) {
+              even[c] = _mm512_fmadd_ps(p0, load_chunk<DC, TAIL>(rows + r * D, c, dtail), even[c]);
+              odd[c] = _mm512_fmadd_ps(p1, load_chunk<DC, TAIL>(rows + (r + 1) * D, c, dtail), odd[c]);
+            }
+          }
+        } else {
+          for (int64_t r = 0; r < nr; ++r) {
+            const __m512 p0 = _mm512_set1_ps(pbuf[r]);
+            for (int c = 0; c < DC; ++c)
+              even[c] = _mm512_fmadd_ps(p0, load_chunk<DC, TAIL>(rows + r * D, c, dtail), even[c]);
+          }
+        }
+        for (int c = 0; c < DC; ++c)
+          _mm512_store_ps(xq + c * 16, _mm512_add_ps(_mm512_load_ps(xq + c * 16), _mm512_add_ps(even[c], odd[c])));
+      }
+      if (values) {
+        float* a = acc + qi * Dv;
+        const float* vrows = V + i0 * Dv;
+        for (int64_t c = 0; c < vchunks; ++c) {
+          const __mmask16 mk = c == vchunks - 1 ? vtail : static_cast<__mmask16>(0xFFFF);
+          __m512 s = _mm512_maskz_loadu_ps(mk, a + c * 16);
+          for (int64_t r = 0; r < nr; ++r)
+            s = _mm512_fmadd_ps(_mm512_set1_ps(pbuf[r]), _mm512_maskz_loadu_ps(mk, vrows + r * Dv + c * 16), s);
+          _mm512_mask_storeu_ps(a + c * 16, mk, s);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < S; ++r) {
+    m[r] = mq[r];
+    l[r] = _mm512_reduce_add_ps(_mm512_load_ps(lsum + r * 16));
+    if (xsum != nullptr) std::memcpy(xsum + r * D, xa + r * W, sizeof(float) * D);
+  }
+}
+
+// Runs the streaming kernel when it applies (few queries, D <= 128); false otherwise.
+bool stream_range(const float* xi, int64_t rows, const float* X, const float* V, int64_t D, int64_t Dout,
+                         int64_t n0, int64_t n1, float beta, float* m, float* l, float* acc, float* accx) {
+  if (!streaming_applies<float>(rows, D)) return false;
+  // A read-out through values: a value step passes accx, or values that are not X itself.
+  const bool values = V != X || accx != nullptr;
+  const bool tail = D % 16 != 0;
+  using Kernel = void (*)(const float*, int64_t, const float*, const float*, bool, int64_t, int64_t, int64_t,
+                          int64_t, float, float*, float*, float*, float*);
+  Kernel kernel = nullptr;
+  switch ((D + 15) / 16) {
+#define ATTNKIT_STREAM_CASE(dc) \
+  case dc: kernel = tail ? stream_range_f32<dc, true> : stream_range_f32<dc, false>; break;
+    ATTNKIT_STREAM_CASE(1) ATTNKIT_STREAM_CASE(2) ATTNKIT_STREAM_CASE(3) ATTNKIT_STREAM_CASE(4)
+    ATTNKIT_STREAM_CASE(5) ATTNKIT_STREAM_CASE(6) ATTNKIT_STREAM_CASE(7) ATTNKIT_STREAM_CASE(8)
+#undef ATTNKIT_STREAM_CASE
+    default: return false;
+  }
+  // Groups of kStreamMaxRows states, each with its own (m, l, acc, accx) rows.
+  for (int64_t g = 0; g < rows; g += kStreamMaxRows)
+    kernel(xi + g * D, std::min(kStreamMaxRows, rows - g), X, V, values, D, Dout, n0, n1, beta, m + g, l + g,
+           acc + g * Dout, accx ? accx + g * D : nullptr);
+  return true;
+}
+#endif  // __AVX512F__
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 GEMM kernels of the fused path (float32, D a multiple of 16, D <= 128).
+//
+// MKL's SGEMM runs its AVX2 Zen kernel on these AMD EPYCs (mkl_blas_def_sgemm_kernel_0_zen in
+// perf): one tile step (256 states x 512 stored rows x D = 64, scores then P.X) measured 103
+// GFLOP/s on one core against 234 for these register-blocked AVX-512 loops.  The stored patterns
+// are packed once per call, transposed in groups of 16 rows ([group][D][16], zero-padded to a
+// multiple of kPackRows rows), so a score micro-tile is 8 states x 32 rows: per d, two vector
+// loads, eight broadcasts, sixteen FMAs.  P.X reads X in its own layout: a micro-tile of RB
+// states x D, per stored row D/16 loads, RB broadcasts, RB * D/16 FMAs.
+// ---------------------------------------------------------------------------------------------
+constexpr int64_t kPackRows = 32;  // packed stored patterns: padded to a multiple of this
+
+template <typename T>
+bool fast_gemm_applies(int64_t D) {
+#if defined(__AVX512F__)
+  return std::is_same_v<T, float> && D % 16 == 0 && D >= 16 && D <= 128;
+#else
+  return false;
+#endif
+}
+
+inline int64_t packed_floats(int64_t N, int64_t D) { return (N + kPackRows - 1) / kPackRows * kPackRows * D; }
+
+// Group g of X [N x D] packed as Xp [groups][D][16] (packed_floats(N, D) floats): rows
+// 16g .. 16g+15 transposed, zeros past N.
+inline void pack_group(const float* X, int64_t N, int64_t D, int64_t g, float* Xp) {
+  float* out = Xp + g * D * 16;
+  for (int64_t p = 0; p < 16; ++p) {
+    const int64_t i = g * 16 + p;
+    for (int64_t d = 0; d < D; ++d) out[d * 16 + p] = i < N ? X[i * D + d] : 0.0f;
+  }
+}
+
+#if defined(__AVX512F__)
+// C[MR x 32] = alpha * A[MR x D] . (32 packed rows)^T; b0: the first of the two groups.
+template <int MR>
+inline void scores_tile(const float* A, int64_t D, const float* b0, float* C, int64_t ldc, __m512 alpha) {
+  const float* b1 = b0 + D * 16;
+  __m512 c0[MR], c1[MR];
+  for (int i = 0; i < MR; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < D; ++k) {
+    const __m512 x0 = _mm512_loadu_ps(b0 + k * 16), x1 = _mm512_loadu_ps(b1 + k * 16);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512 a = _mm512_set1_ps(A[i * D + k]);
+      c0[i] = _mm512_fmadd_ps(a, x0, c0[i]);
+      c1[i] = _mm512_fmadd_ps(a, x1, c1[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    _mm512_storeu_ps(C + i * ldc, _mm512_mul_ps(c0[i], alpha));
+    _mm512_storeu_ps(C + i * ldc + 16, _mm512_mul_ps(c1[i], alpha));
+  }
+}
+
+// C[rows x cols] = alpha * A[rows x D] . X_tile^T with X_tile packed (Bp: its first group, the
+// tile starting at a multiple of kPackRows).  Columns up to cols rounded up to 32 are written
+// (ldc must leave room; past N they hold 0).
+inline void fast_scores(const float* A, int64_t rows, int64_t D, const float* Bp, int64_t cols, float* C,
+                        int64_t ldc, float alpha) {
+  const __m512 va = _mm512_set1_ps(alpha);
+  for (int64_t j0 = 0; j0 < cols; j0 += 32) {
+    const float* b0 = Bp + (j0 / 16) * D * 16;
+    int64_t r0 = 0;
+    for (; r0 + 8 <= rows; r0 += 8) scores_tile<8>(A + r0 * D, D, b0, C + r0 * ldc + j0, ldc, va);
+    const float* a = A + r0 * D;
+    float* c = C + r0 * ldc + j0;
+    switch (rows - r0) {
+      case 1: scores_tile<1>(a, D, b0, c, ldc, va); break;
+      case 2: scores_tile<2>(a, D, b0, c, ldc, va); break;
+      case 3: scores_tile<3>(a, D, b0, c, ldc, va); break;
+      case 4: scores_tile<4>(a, D, b0, c, ldc, va); break;
+      case 5: scores_tile<5>(a, D, b0, c, ldc, va); break;
+      case 6: scores_tile<6>(a, D, b0, c, ldc, va); break;
+      case 7: scores_tile<7>(a, D, b0, c, ldc, va); break;
+      default: break;
+    }
+  }
+}
+
+// acc[RB x D] += P[RB x K] . X[K x D], D = 16 DC.  The tile's sum starts from zero and is added
+// to acc once: chained onto the running acc, the 16384 products of S=1024 N=16384 D=64 3 steps
+// left 4.8e-6 relative error against float64 (torch SDPA: 7.8e-7).
+template <int DC, int RB>
+inline void pv_tile(const float* P, int64_t ldp, int64_t K, const float* X, float* acc) {
+  constexpr int64_t D = DC * 16;
+  __m512 c[RB][DC];
+  for (int i = 0; i < RB; ++i)
+    for (int d = 0; d < DC; ++d) c[i][d] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 x[DC];
+    for (int d = 0; d < DC; ++d) x[d] = _mm512_loadu_ps(X + k * D + d * 16);
+#pragma GCC unroll 12
+    for (int i = 0; i < RB; ++i) {
+      const __m512 p = _mm512_set1_ps(P[i * ldp + k]);
+      for (int d = 0; d < DC; ++d) c[i][d] = _mm512_fmadd_ps(p, x[d], c[i][d]);
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int d = 0; d < DC; ++d)
+      _mm512_storeu_ps(acc + i * D + d * 16, _mm512_add_ps(_mm512_loadu_ps(acc + i * D + d * 16), c[i][d]));
+}
+
+template <int DC>
+void fast_pv_dc(const float* P, int64_t rows, int64_t K, int64_t ldp, const float* X, float* acc) {
+  // Rows per micro-tile: RB x DC accumulators plus DC loaded rows within the 32 registers.
+  constexpr int RB = DC <= 2 ? 12 : DC == 3 ? 8 : DC == 4 ? 6 : DC == 5 ? 4 : DC <= 7 ? 3 : 2;
+  int64_t r0 = 0;
+  for (; r0 + RB <= rows; r0 += RB) pv_tile<DC, RB>(P + r0 * ldp, ldp, K, X, acc + r0 * DC * 16);
+  for (; r0 < rows; ++r0) pv_tile<DC, 1>(P + r0 * ldp, ldp, K, X, acc + r0 * DC * 16);
+}
+
+// acc[rows x D] += P[rows x K] . X[K x D] (fast_gemm_applies(D)).
+inline void fast_pv(const float* P, int64_t rows, int64_t K, int64_t ldp, const float* X, int64_t D, float* acc) {
+  switch (D / 16) {
+    case 1: fast_pv_dc<1>(P, rows, K, ldp, X, acc); break;
+    case 2: fast_pv_dc<2>(P, rows, K, ldp, X, acc); break;
+    case 3: fast_pv_dc<3>(P, rows, K, ldp, X, acc); break;
+    case 4: fast_pv_dc<4>(P, rows, K, ldp, X, acc); break;
+    case 5: fast_pv_dc<5>(P, rows, K, ldp, X, acc); break;
+    case 6: fast_pv_dc<6>(P, rows, K, ldp, X, acc); break;
+    case 7: fast_pv_dc<7>(P, rows, K, ldp, X, acc); break;
+    case 8: fast_pv_dc<8>(P, rows, K, ldp, X, acc); break;
+    default: TORCH_CHECK(false, "fast_pv: unsupported D ", D);
+  }
+}
+#endif  // __AVX512F__
+
 // One retrieval of `rows` states xi [rows x D] over stored rows [n0, n1), folded into the
 // running (m, l, acc) that the caller initialised (m = -inf, l = 0, acc = 0):
 //   acc  [rows x Dout] = sum_i exp(s_i - m) V_i   with V = values (Dout = Dv) or X (Dout = D)
@@ -419,10 +785,22 @@ inline float exp_sum_inplace<float>(float* s, int64_t n, float m) {
 // scores: scratch of rows x kTileN.
 template <typename T>
 void retrieve_range(const T* xi, int64_t rows, const T* X, const T* V, int64_t D, int64_t Dout, int64_t n0,
-                    int64_t n1, T beta, T* m, T* l, T* acc, T* accx, T* scores) {
+                    int64_t n1, T beta, T* m, T* l, T* acc, T* accx, T* scores, const T* Xp = nullptr) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (stream_range(xi, rows, X, V, D, Dout, n0, n1, beta, m, l, acc, accx)) return;
+  }
+#endif
+  // The AVX-512 kernels run on the packed patterns (tiles start at multiples of kPackRows).
+  const bool fast = Xp != nullptr && n0 % kPackRows == 0;
   for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
     const int64_t bk = std::min(kTileN, n1 - t0);
-    gemm_nt<T>(rows, bk, D, beta, xi, D, X + t0 * D, D, scores, kTileN);
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {
+      if (fast) fast_scores(xi, rows, D, Xp + t0 * D, bk, scores, kTileN, beta);
+    }
+#endif
+    if (!fast) gemm_nt<T>(rows, bk, D, beta, xi, D, X + t0 * D, D, scores, kTileN);
     for (int64_t r = 0; r < rows; ++r) {
       T* s = scores + r * kTileN;
       const T new_m = std::max(m[r], row_max(s, bk));
@@ -442,6 +820,18 @@ void retrieve_range(const T* xi, int64_t rows, const T* X, const T* V, int64_t D
       }
       l[r] += exp_sum_inplace(s, bk, m[r]);
     }
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {
+      if (fast) {
+        if (V == X)
+          fast_pv(scores, rows, bk, kTileN, X + t0 * D, D, acc);
+        else
+          gemm_nn_acc<T>(rows, Dout, bk, scores, kTileN, V + t0 * Dout, Dout, acc, Dout);
+        if (accx) fast_pv(scores, rows, bk, kTileN, X + t0 * D, D, accx);
+        continue;
+      }
+    }
+#endif
     gemm_nn_acc<T>(rows, Dout, bk, scores, kTileN, V + t0 * Dout, Dout, acc, Dout);
     if (accx) gemm_nn_acc<T>(rows, D, bk, scores, kTileN, X + t0 * D, D, accx, D);
   }
@@ -533,10 +923,70 @@ void parallel_tasks(int64_t tasks, const F& body) {
   });
 }
 
+// Like parallel_tasks, for task bodies that call no BLAS (the streaming kernel): the helpers
+// are jobs on torch's inter-op pool, and the caller waits only for the tasks a helper actually
+// claimed, never for a helper to be scheduled.  On the shared 2-core machines under load (~8
+// runnable processes) parallel_tasks' OpenMP region spent most of its time in the barrier:
+// S=1 N=262144 D=64 took 8.6 ms of CPU (26 ms wall) with 2 threads against 2.9 ms (9 ms wall)
+// with one.  A helper that wakes after the caller returned finds the counter past the end and
+// only drops its reference to the batch (so the batch lives on the heap, shared).  body must
+// not throw.
+struct TaskBatch {
+  explicit TaskBatch(int64_t n, std::function<void(int64_t)> f) : tasks(n), body(std::move(f)) {}
+  const int64_t tasks;
+  const std::function<void(int64_t)> body;  // called only for claimed tasks, while the caller waits
+  std::atomic<int64_t> next{0}, done{0};
+  std::mutex mu;
+  std::condition_variable finished;
+  void run() {
+    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
+      body(t);
+      if (done.fetch_add(1) + 1 == tasks) {
+        std::lock_guard<std::mutex> lock(mu);
+        finished.notify_all();
+      }
+    }
+  }
+};
+
+template <typename F>
+void parallel_tasks_nowait(int64_t tasks, const F& body) {
+  if (tasks <= 0) return;
+  const int64_t workers = at::in_parallel_region() ? 1 : std::min<int64_t>(tasks, at::get_num_threads());
+  if (workers <= 1) {
+    for (int64_t t = 0; t < tasks; ++t) body(t);
+    return;
+  }
+  auto batch = std::make_shared<TaskBatch>(tasks, std::function<void(int64_t)>(std::cref(body)));
+  for (int64_t w = 1; w < workers; ++w) at::launch([batch] { batch->run(); });
+  batch->run();
+  std::unique_lock<std::mutex> lock(batch->mu);
+  batch->finished.wait(lock, [&] { return batch->done.load() == tasks; });
+}
+
 template <typename T>
 void update_fused(const UpdateCtx<T>& c) {
   const int64_t qblocks = (c.S + kBlockQ - 1) / kBlockQ;
   const int64_t D = c.D;
+  // The stored patterns packed for the AVX-512 kernels, once for all steps and query blocks
+  // (only when some block has more rows than the streaming kernel takes).
+  // Uninitialised storage (every float is written by the packing), split over the threads by
+  // groups of 16 rows: with few states and a long memory the packing costs about one pass of
+  // the scores over X.
+  std::unique_ptr<T[]> packed;
+  const int64_t pack_stride = packed_floats(c.N, D);
+  if (fast_gemm_applies<T>(D) && c.S > kStreamMaxS) {
+    if constexpr (std::is_same_v<T, float>) {
+      packed.reset(new float[c.BH * pack_stride]);
+      const int64_t groups = pack_stride / (16 * D);
+      at::parallel_for(0, c.BH * groups, 256, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t bh = i / groups, g = i % groups;
+          pack_group(c.X + bh * c.N * D, c.N, D, g, packed.get() + bh * pack_stride);
+        }
+      });
+    }
+  }
   parallel_tasks(c.BH * qblocks, [&](int64_t task) {
     // Thread-local buffers: the block's states, the running softmax and the score tile.
     thread_local std::vector<T> xi, m, l, scores, acc, accx;
@@ -564,7 +1014,7 @@ void update_fused(const UpdateCtx<T>& c) {
         std::fill(acc.begin(), acc.begin() + rows * Dout, T(0));
         if (ax) std::fill(accx.begin(), accx.end(), T(0));
         retrieve_range<T>(xi.data(), rows, X, V, D, Dout, 0, c.N, c.beta, m.data(), l.data(), acc.data(), ax,
-                          scores.data());
+                          scores.data(), packed ? packed.get() + bh * pack_stride : nullptr);
         finish_step<T>(c, bh, q0, rows, k, m.data(), l.data(), acc.data(), ax, xi.data(), active);
       }
       if (!c.has_values) {
@@ -584,18 +1034,19 @@ void update_split(const UpdateCtx<T>& c) {
   std::memcpy(xi.data(), c.states, sizeof(T) * c.BH * S * D);
   std::vector<char> active_store(c.BH * S, 1);
   bool* active = reinterpret_cast<bool*>(active_store.data());
-  // Partials per (bh, chunk): m, l [S]; acc [S, W]; accx [S, D].
+  // Partials per (bh, chunk): m, l [S]; acc [S, Dout] in a slot of S * W; accx [S, D].
   std::vector<T> pm(c.BH * chunks * S), pl(c.BH * chunks * S), pacc(c.BH * chunks * S * W);
   std::vector<T> paccx(c.final_state ? c.BH * chunks * S * D : 0);
   std::vector<char> skip(c.BH, 0);
+  const bool streams = streaming_applies<T>(S, D);
   for (int64_t k = 0; k < c.R; ++k) {
     const bool value_step = c.has_values && k == c.R - 1;
     const int64_t Dout = value_step ? c.Dv : D;
     const bool want_x = value_step && c.final_state;
     for (int64_t bh = 0; bh < c.BH; ++bh) skip[bh] = !value_step && all_frozen(c, active + bh * S, S);
-    parallel_tasks(c.BH * chunks, [&](int64_t task) {
+    auto chunk_task = [&](int64_t task) {
       thread_local std::vector<T> scores;
-      scores.resize(S * kTileN);
+      if (!streams) scores.resize(S * kTileN);
       {
         const int64_t bh = task / chunks, ch = task % chunks;
         if (skip[bh]) return;
@@ -612,9 +1063,15 @@ void update_split(const UpdateCtx<T>& c) {
         retrieve_range<T>(xi.data() + bh * S * D, S, X, V, D, Dout, ch * kSplitRows,
                           std::min(c.N, (ch + 1) * kSplitRows), c.beta, m, l, acc, ax, scores.data());
       }
-    });
-    // Merge the chunks through their log-sum-exps: M = max_c m_c, weights exp(m_c - M).
-    at::parallel_for(0, c.BH, 1, [&](int64_t begin, int64_t end) {
+    };
+    if (streams)
+      parallel_tasks_nowait(c.BH * chunks, chunk_task);
+    else
+      parallel_tasks(c.BH * chunks, chunk_task);
+    // Merge the chunks through their log-sum-exps: M = max_c m_c, weights exp(m_c - M).  On the
+    // calling thread: split-N runs only for BH < 2 threads, and the merge reads chunks x S x W
+    // values (S=1 N=262144: 64 x 64), far less than a parallel region costs under load.
+    const auto merge = [&](int64_t begin, int64_t end) {
       std::vector<T> m(S), l(S), acc(S * Dout), ax(want_x ? S * D : 0);
       for (int64_t bh = begin; bh < end; ++bh) {
         if (skip[bh]) {
@@ -639,7 +1096,7 @@ void update_split(const UpdateCtx<T>& c) {
             const int64_t t = bh * chunks + ch;
             const T w = exp_nonpositive(pm[t * S + r] - big);
             sum += w * pl[t * S + r];
-            const T* pa = pacc.data() + (t * S + r) * W;
+            const T* pa = pacc.data() + t * S * W + r * Dout;  // rows of Dout in a slot of S x W
             for (int64_t d = 0; d < Dout; ++d) a[d] += w * pa[d];
             if (axr) {
               const T* px = paccx.data() + (t * S + r) * D;
@@ -652,14 +1109,16 @@ void update_split(const UpdateCtx<T>& c) {
         finish_step<T>(c, bh, 0, S, k, m.data(), l.data(), acc.data(), want_x ? ax.data() : nullptr,
                        xi.data() + bh * S * D, active + bh * S);
       }
-    });
+    };
+    merge(0, c.BH);
   }
   if (!c.has_values) std::memcpy(c.out, xi.data(), sizeof(T) * c.BH * S * D);
 }
 
 // Whether the split-N decomposition runs (also used by the tests through the op's behaviour).
-bool use_split(int64_t BH, int64_t S, int64_t N) {
-  return S <= kSplitMaxS && N >= 2 * kSplitRows && BH < 2 * at::get_num_threads();
+// streams: the states stream (streaming_applies), which takes up to kStreamMaxS of them.
+bool use_split(int64_t BH, int64_t S, int64_t N, bool streams) {
+  return S <= (streams ? kStreamMaxS : kSplitMaxS) && N >= 2 * kSplitRows && BH < 2 * at::get_num_threads();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hopfield_update_fwd_cpu(
@@ -716,7 +1175,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hopfield_update_fwd_c
     c.states = states.mutable_data_ptr<scalar_t>();
     c.lse = lse.mutable_data_ptr<scalar_t>();
     c.applied = applied.mutable_data_ptr<bool>();
-    if (use_split(B * H, S, N))
+    if (use_split(B * H, S, N, streaming_applies<scalar_t>(S, D)))
       update_split<scalar_t>(c);
     else
       update_fused<scalar_t>(c);

@@ -491,9 +491,10 @@ def test_update_kernel_checks_its_inputs(args, match):
 
 
 # ============================================================== streaming few-query kernel
-# S <= 16 float32 runs the streaming kernel (csrc/cpu/hopfield.cpp, stream_range_f32): each
-# block of 16 stored rows read once, as key and value, for all queries; N >= 8192 with few
-# (batch, head) pairs also splits the rows into chunks of 4096 merged by log-sum-exp.  Its
+# S <= 64 float32 runs the streaming kernel (csrc/cpu/hopfield.cpp, stream_range_f32): each
+# block of 16 stored rows read once, as key and value, for a group of up to 16 queries (one pass
+# per group); N >= 8192 with few (batch, head) pairs also splits the rows into chunks of 4096
+# merged by log-sum-exp.  Its
 # outputs are checked against an independent float64 trajectory, written here from the rule.
 
 
@@ -560,6 +561,9 @@ STREAM_CASES = [
     (1, 2, 1, 300, 100, 5, True, 1e-2, 0.1, 1.0),
     (1, 1, 7, 9000, 64, 1, False, None, 1.0, 3.0),
     (2, 1, 16, 1000, 48, 1, True, None, 1.0, 3.0),
+    (1, 1, 40, 9000, 64, 3, True, None, 0.125, 1.0),
+    (2, 3, 64, 300, 33, 2, False, None, 0.17, 1.0),
+    (1, 1, 23, 1000, 64, 2, True, None, 1.0, 3.0),
 ]
 
 
@@ -590,11 +594,11 @@ def test_update_streaming_all_rows_frozen_skip_with_infinite_lse():
 
 
 def test_update_streaming_split_agrees_with_the_blas_path_in_float32():
-    # S = 1 (streaming, split over N) against S = 17 (> 16: the GEMM path): the first row agrees.
+    # S = 1 (streaming, split over N) against S = 65 (> 64: the GEMM path): the first row agrees.
     torch.manual_seed(0)
     stored = torch.randn(1, 1, 20000, 64) * 2
     values = torch.randn(1, 1, 20000, 3)
-    state = torch.randn(1, 1, 17, 64) * 2
+    state = torch.randn(1, 1, 65, 64) * 2
     for v in (None, values):
         one = _upd(state[:, :, :1], stored, v, beta=0.125, steps=3, final_state=True)
         many = _upd(state, stored, v, beta=0.125, steps=3, final_state=True)
@@ -656,3 +660,35 @@ def test_update_split_with_values_and_several_queries_float64():
         want = _trajectory64(state, stored, values, 0.17, 3, None, final_state)
         for a, b in zip(got[:3], want[:3]):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# ============================================================== AVX-512 GEMM of the fused path
+# S > 64 float32 with D a multiple of 16 (<= 128) runs the fused path on register-blocked AVX-512
+# kernels over stored patterns packed in groups of 16 (padded to 32 rows): micro-tiles of 8
+# states x 32 patterns for the scores and RB states (12, 12, 8, 6, 4, 3, 3, 2 for D/16 = 1..8)
+# for P.X.  The cases leave remainders of every kind: states per block of 256 (the last block,
+# of <= 64 states, streams) and per micro-tile, stored rows per tile of 512 and per group of 32,
+# N = 1.
+FAST_GEMM_CASES = [
+    (1, 1, 65, 1, 16, 2, False, None),
+    (1, 2, 300, 513, 64, 3, True, None),
+    (2, 1, 69, 1000, 128, 3, False, 1e-3),
+    (1, 1, 100, 77, 48, 2, True, None),
+    (1, 1, 75, 300, 80, 3, False, None),
+    (1, 1, 341, 50, 32, 1, True, None),
+]
+
+
+@pytest.mark.parametrize("b,h,s,n,d,steps,with_values,tol", FAST_GEMM_CASES)
+def test_update_fused_avx512_gemm_matches_float64_trajectory(b, h, s, n, d, steps, with_values, tol):
+    beta = 1.0 / math.sqrt(d)
+    for seed in range(50):
+        torch.manual_seed(seed)
+        state, stored, values = _update_inputs(b, h, s, n, d, dv=11)
+        if tol is None or _tol_margin(state, stored, beta, steps, tol) > 1e-4:
+            break
+    values = values if with_values else None
+    for final_state in (False, True):
+        got = _upd(state, stored, values, beta=beta, steps=steps, tol=tol, final_state=final_state)
+        want = _trajectory64(state, stored, values, beta, steps, tol, final_state)
+        _check_against_trajectory(got, want, tol)
