@@ -36,6 +36,17 @@ def sdpa_update(state, stored, beta: float, steps: int) -> torch.Tensor:
     return xi
 
 
+def attnkit_softmax_update(state, stored, beta: float, steps: int) -> torch.Tensor:
+    """The update as a user of attnkit would write it without the Hopfield op: our own softmax
+    attention kernel once per step (the issue's multi-query GPU peer)."""
+    import attnkit
+
+    xi = state
+    for _ in range(steps):
+        xi = attnkit.softmax_attention(xi, stored, stored, scale=beta)
+    return xi
+
+
 def plain_energy(state, stored, beta: float) -> torch.Tensor:
     n = stored.shape[-2]
     lse = torch.logsumexp(beta * (state @ stored.transpose(-1, -2)), dim=-1)
@@ -67,9 +78,16 @@ def update_case(b: int, h: int, s: int, n: int, d: int, steps: int, dtype: torch
     impls = attnkit_impls(FAMILY, device, call, reference_skip_reason=reference_skip(b * h * s * n * size, device))
     impls.append(Impl("plain PyTorch loop", "peer", fn=lambda x: plain_update(x["state"], x["stored"], beta, steps)))
     impls.append(Impl("torch SDPA per step", "peer", fn=lambda x: sdpa_update(x["state"], x["stored"], beta, steps)))
+    impls.append(Impl("attnkit softmax per step", "peer",
+                      fn=lambda x: attnkit_softmax_update(x["state"], x["stored"], beta, steps)))
     params = {"B": b, "H": h, "S": s, "N": n, "D": d, "steps": steps, "dtype": dtype_name(dtype)}
+    notes = []
+    if s <= 16:  # few queries: bound by reading the stored patterns, once per step at best
+        mib = b * h * n * d * size * steps / 2**20
+        notes.append(f"reads >= {mib:.0f} MiB of stored patterns in all: time x copy bandwidth "
+                     "(meta copy_gb_per_s, read + write) bounds the achievable")
     return Case(FAMILY, f"update-S{s}-N{n}-D{d}-steps{steps}", "fwd", params, 4.0 * b * h * s * n * d * steps,
-                _inputs(b, h, s, n, d, dtype, seed), impls)
+                _inputs(b, h, s, n, d, dtype, seed), impls, notes=notes)
 
 
 def energy_case(b: int, h: int, s: int, n: int, d: int, dtype: torch.dtype, device: torch.device,
@@ -106,6 +124,8 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
         update_case(1, 1, 1, 262144, 64, 1, f32, device),
         energy_case(1, 1, 1024, 16384, 64, f32, device),
     ]
-    if device.type == "cuda":
+    if device.type == "cuda":  # issue 6's GPU targets: one query at N = 2^20; many queries in bf16
         out.append(update_case(1, 1, 1, 2**20, 64, 1, f32, device))
+        out.append(update_case(1, 1, 1, 2**20, 64, 1, torch.bfloat16, device))
+        out.append(update_case(1, 8, 4096, 16384, 64, 3, torch.bfloat16, device))
     return out

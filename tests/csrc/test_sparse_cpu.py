@@ -7,8 +7,9 @@ tolerances from DESIGN.md via assert_close_to_reference.  The backward is given 
 and a *merged* lse (the lse of all keys, as when this part is merged with others), so
 P = exp(s - lse) is not the part's own softmax.
 
-The kernel tiles a range part in 32-query tiles (64 when the range is wider than 256 keys),
-256-key chunks, and 32 keys x 64 queries in the backward; block-sparse in 64-row tiles with key
+The kernel's range forward takes 256-query tasks, keys packed in chunks of up to 384 (equal
+sizes), and strips of 16 query rows (48 when the range is wider than 192 keys) whose GEMMs
+cover only the union of the strip's row ranges; the backward 32 keys x 64 queries; block-sparse in 64-row tiles with key
 chunks of up to 256 gathered keys.  Sizes below straddle those edges (1, 7, 63, 129, 300).
 """
 import pytest
@@ -109,6 +110,18 @@ RANGE_CASES += [
     ("odd_dims", 33, 33, 5, 3, V1, [-7, 1, 1, 0], [0, 1, 1, 0]),
     ("dims_80_96", 70, 70, 80, 96, V1, [-20, 1, 1, 0], [3, 1, 1, 0]),
     ("no_keys", 5, 0, 8, 8, V1, NONE_LO, NONE_HI),
+    # forward tasks of 256 queries: a band across three of them (and their packed key chunks)
+    ("band_super_tiles", 600, 600, 16, 16, V1, [-40, 1, 1, 0], [0, 1, 1, 0]),
+    # 48-row strips over several equal key chunks (span 900 -> 3 x 304 keys): online softmax
+    # across chunks, strips whose window ends inside a later chunk
+    ("wide_chunks", 300, 900, 16, 16, V1, NONE_LO, NONE_HI),
+    ("wide_chunks_causal", 700, 700, 16, 16, V1, NONE_LO, [100, 1, 1, 0]),
+    # 48-key blocks: 16-row strips straddle the blocks (their window spans two)
+    ("own_block_48", 300, 300, 16, 16, V1, [0, 48, 48, 0], [0, 1, 1, 0]),
+    # gaps: rows whose ranges are empty in the middle of a strip (lo jumps past hi)
+    ("gapped_rows", 90, 90, 8, 8, V1, [0, 3, 3, 0], [-1, 3, 3, 1]),
+    # strided view with a wide range and rows past 256 per group
+    ("strided_long_groups", 650, 650, 16, 16, [2, 1, 2, 1, 2], [-300, 1, 1, 0], [0, 1, 1, 0]),
 ]
 
 
@@ -142,7 +155,7 @@ def test_range_float32(case):
 
 @pytest.mark.parametrize("case", [c for c in RANGE_CASES if c[0] in (
     "strided_causal_s3_n129_part0", "strided_causal_s3_n129_part1", "fixed_summary", "floor_negative",
-    "shared_keys", "wide_full", "uncovered_rows")], ids=str)
+    "shared_keys", "wide_full", "uncovered_rows", "wide_chunks", "own_block_48")], ids=str)
 @pytest.mark.parametrize("dtype", [F64, BF16, F16], ids=str)
 def test_range_dtypes(case, dtype):
     _range_case(case, dtype, seed=1)
