@@ -65,7 +65,7 @@ def main():
     # 1. the speed target: B=1 H=8 N=4096 D=64 fp32 causal elu fwd+bwd
     args = inputs(1, 8, 4096, 64)
     med = race({"attnkit cpu": (ours, args), "masked quadratic": (masked_quadratic, args),
-                "cumsum outer": (cumsum_outer, args)}, rounds=5, mode=fwd_bwd)
+                "cumsum outer": (cumsum_outer, args)}, 5, fwd_bwd)
     for name, t in med.items():
         print(f"N=4096 fwd+bwd  {name:18s} {t * 1e3:9.1f} ms")
     best = min(med["masked quadratic"], med["cumsum outer"])
@@ -73,10 +73,10 @@ def main():
 
     # 2. linear cost: t(16384) / t(4096), interleaved
     a4, a16 = inputs(1, 8, 4096, 64), inputs(1, 8, 16384, 64)
-    med = race({"4096": (ours, a4), "16384": (ours, a16)}, rounds=7, mode=fwd_bwd)
+    med = race({"4096": (ours, a4), "16384": (ours, a16)}, 7, fwd_bwd)
     print(f"fwd+bwd t(16384)/t(4096) = {med['16384'] / med['4096']:.2f} "
           f"({med['4096'] * 1e3:.1f} ms, {med['16384'] * 1e3:.1f} ms)")
-    med = race({"4096": (ours, a4), "16384": (ours, a16)}, rounds=7, mode=fwd_only)
+    med = race({"4096": (ours, a4), "16384": (ours, a16)}, 7, fwd_only)
     print(f"fwd     t(16384)/t(4096) = {med['16384'] / med['4096']:.2f} "
           f"({med['4096'] * 1e3:.1f} ms, {med['16384'] * 1e3:.1f} ms)")
 
@@ -85,7 +85,7 @@ def main():
         for n in (64, 128, 256, 512, 1024, 2048, 4096):
             args = inputs(1, 8, n, 64)
             med = race({"linear": (ours, args), "softmax": (softmax_causal, args)},
-                       rounds=9 if n <= 1024 else 5, mode=mode)
+                       9 if n <= 1024 else 5, mode)
             print(f"crossover {mode_name:7s} N={n:5d}: linear {med['linear'] * 1e3:8.2f} ms, "
                   f"softmax {med['softmax'] * 1e3:8.2f} ms, softmax/linear {med['softmax'] / med['linear']:.2f}")
 
