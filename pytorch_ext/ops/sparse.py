@@ -20,8 +20,9 @@ kernel, and merged exactly through their log-sum-exps:
   nothing of size N is gathered or copied.
 - ``block_layout``: a block-sparse kernel walking per-row index lists of the non-empty blocks.
 
-The parts of a pattern partition its mask (no entry counted twice), so softmax over the union
-equals the LSE-merge of the parts (tests check both the partition and the result).
+The parts of a pattern partition its mask (no entry counted twice; for a star, outside its
+recomputed rows), so softmax over the union equals the LSE-merge of the parts
+(tests/ops/test_sparse_parts.py checks the partition, tests/ops/test_sparse_backends.py the result).
 
 Layers (DESIGN.md):
 
