@@ -93,3 +93,13 @@ def check_bool(fn: str, name: str, value) -> None:
 def check_choice(fn: str, name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{fn}: unknown {name} {value!r}; expected one of {', '.join(map(repr, choices))}")
+
+
+def check_heads(fn: str, embed_dim, num_heads) -> None:
+    """A layer's ``embed_dim`` and ``num_heads``: positive ints, ``num_heads`` dividing ``embed_dim``."""
+    check_int(fn, "embed_dim", embed_dim, low=1)
+    check_int(fn, "num_heads", num_heads, low=1)
+    if embed_dim % num_heads != 0:
+        raise ValueError(
+            f"{fn}: num_heads must divide embed_dim; got embed_dim={embed_dim}, num_heads={num_heads}"
+        )

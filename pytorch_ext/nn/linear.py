@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._validation import check_bool, check_choice, check_int
+from .._validation import check_bool, check_choice, check_heads
 from ..ops.linear import linear_attention, linear_attention_step
 from ..reference.linear import FEATURE_MAPS
 
@@ -59,13 +59,7 @@ class LinearAttention(nn.Module):
                  backend: str | None = None, *, normalize: bool = True, eps: float = 1e-6,
                  scale: float = 1.0, device=None, dtype=None) -> None:
         super().__init__()
-        check_int(_NAME, "embed_dim", embed_dim, low=1)
-        check_int(_NAME, "num_heads", num_heads, low=1)
-        if embed_dim % num_heads != 0:
-            raise ValueError(
-                f"{_NAME}: num_heads must divide embed_dim; got embed_dim={embed_dim}, "
-                f"num_heads={num_heads}"
-            )
+        check_heads(_NAME, embed_dim, num_heads)
         check_choice(_NAME, "feature_map", feature_map, FEATURE_MAPS)
         for name, flag in (("causal", causal), ("bias", bias), ("batch_first", batch_first),
                            ("normalize", normalize)):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._validation import check_bool, check_int
+from .._validation import check_bool, check_heads
 from ..ops.sparse import sparse_attention
 from ..patterns import BlockLayout, Pattern
 
@@ -54,13 +54,7 @@ class SparseSelfAttention(nn.Module):
                  batch_first: bool = True, scale: float | None = None, backend: str | None = None,
                  device=None, dtype=None) -> None:
         super().__init__()
-        check_int(_NAME, "embed_dim", embed_dim, low=1)
-        check_int(_NAME, "num_heads", num_heads, low=1)
-        if embed_dim % num_heads != 0:
-            raise ValueError(
-                f"{_NAME}: num_heads must divide embed_dim; got embed_dim={embed_dim}, "
-                f"num_heads={num_heads}"
-            )
+        check_heads(_NAME, embed_dim, num_heads)
         check_bool(_NAME, "bias", bias)
         check_bool(_NAME, "batch_first", batch_first)
         patterns = list(pattern) if isinstance(pattern, (list, tuple)) else [pattern] * num_heads
