@@ -79,6 +79,23 @@ def _attnkit(causal):
     return call
 
 
+def _fla_chunk(causal):
+    """flash-linear-attention's chunked kernel (the issue's GPU peer), on the same φ(q), φ(k):
+    ``fla.ops.linear_attn.chunk_linear_attn`` takes [B, T, H, K] and normalizes by
+    φ(q)·Σφ(k) itself (no eps).  Causal only; CUDA only (Triton)."""
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn
+    except Exception as exc:  # noqa: BLE001 - not installed / not importable here
+        return None, (f"flash-linear-attention is not importable ({type(exc).__name__}); "
+                      "pip install flash-linear-attention")
+
+    def fn(x):
+        q, k, v = (t.transpose(1, 2) for t in (phi(x["q"]), phi(x["k"]), x["v"]))
+        out, _ = chunk_linear_attn(q, k, v, scale=1.0, normalize=True)
+        return out.transpose(1, 2)
+    return fn, ""
+
+
 def _softmax_peer(causal):
     def fn(x):
         import attnkit
@@ -103,6 +120,10 @@ def make_case(b: int, h: int, n: int, d: int, dv: int, dtype: torch.dtype, causa
                       skip=too_big(live * nn_bytes, device, "the [N, N] kernel matrix")))
     impls.append(Impl("cumsum outer", "peer", fn=lambda x: cumsum_outer(x["q"], x["k"], x["v"], causal),
                       skip=too_big(live * outer_bytes, device, "the [N, D, Dv] prefix-sum tensor")))
+    if device.type == "cuda" and causal:
+        fla_fn, why = _fla_chunk(causal)
+        impls.append(Impl("flash-linear-attention chunk", "peer", fn=fla_fn, unavailable=why,
+                          note="normalizes without eps"))
     if crossover:
         impls.append(Impl("attnkit softmax attention", "peer", fn=_softmax_peer(causal), same_result=False,
                           note="softmax, not linear attention: the crossover point"))
