@@ -1,4 +1,5 @@
-"""Pieces shared by the flash-style Triton kernels (kernels/softmax.py, kernels/sparse.py).
+"""Pieces shared by the flash-style Triton kernels (kernels/softmax.py, kernels/sparse.py; the
+host helpers also serve kernels/hopfield.py and kernels/linear.py).
 
 Device side: ``@triton.jit`` helpers for one step of the tile loop -- row-tile loads and stores,
 base-2 scores, the online-softmax update, the forward's finish, the backward's row statistics
@@ -164,8 +165,14 @@ INTERPRETED = not isinstance(load_2d, triton.runtime.JITFunction)
 # ----------------------------------------------------------------------------------------------
 
 
-def cfg(block_m, block_n, num_warps, num_stages):
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=num_warps,
+# The two tile sizes a launcher's configs carry: BLOCK_M x BLOCK_N here; other kernel files name
+# them after their own loops (hopfield: BLOCK_S x BLOCK_N, linear: BLOCK_K x BLOCK_V) and pass
+# ``names`` to cfg / fitting / launch.
+TILE_NAMES = ("BLOCK_M", "BLOCK_N")
+
+
+def cfg(block_m, block_n, num_warps, num_stages, names=TILE_NAMES):
+    return triton.Config({names[0]: block_m, names[1]: block_n}, num_warps=num_warps,
                          num_stages=num_stages)
 
 
@@ -179,11 +186,15 @@ def pow2(x: int) -> int:
     return max(16, triton.next_power_of_2(int(x)))
 
 
-def fitting(configs, dmax, limit):
-    """The configs whose BLOCK_M * BLOCK_N * dmax stays within ``limit`` (registers), or the
-    smallest tile when none does (never leave the autotuner empty-handed)."""
-    fit = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * dmax <= limit]
-    return fit or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+def fitting(configs, dmax, limit, names=TILE_NAMES):
+    """The configs whose tile (BLOCK_M * BLOCK_N, or the two ``names``) * dmax stays within
+    ``limit`` (registers), or the smallest tile when none does (never leave the autotuner
+    empty-handed)."""
+    def area(c):
+        return c.kwargs[names[0]] * c.kwargs[names[1]]
+
+    fit = [c for c in configs if area(c) * dmax <= limit]
+    return fit or [min(configs, key=area)]
 
 
 def strides(t):
@@ -204,17 +215,18 @@ def split_config(config):
     return tuple(config)
 
 
-def launch(kernel, autotuned, candidates, grid, args, consts, config, tune=True):
+def launch(kernel, autotuned, candidates, grid, args, consts, config, tune=True,
+           names=TILE_NAMES):
     """Run ``kernel`` with ``config`` or, when None, through ``autotuned()`` (its
     ``triton.autotune`` wrapper); the first of ``candidates()`` instead when interpreted or when
-    ``tune`` is False (a kernel that is not idempotent).  ``grid(BLOCK_M, BLOCK_N)`` gives the
-    launch grid."""
+    ``tune`` is False (a kernel that is not idempotent).  ``grid(BLOCK_M, BLOCK_N)`` (the two
+    tile sizes ``names``) gives the launch grid."""
     if config is None and (INTERPRETED or not tune):
         config = candidates()[0]
     if config is None:
-        wrap_triton(autotuned())[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args,
-                                                                                    **consts)
+        wrap_triton(autotuned())[lambda meta: grid(meta[names[0]], meta[names[1]])](*args,
+                                                                                  **consts)
     else:
         kw = dict(config.kwargs)
         meta = dict(kw, num_warps=config.num_warps, num_stages=config.num_stages)
-        wrap_triton(kernel)[grid(kw["BLOCK_M"], kw["BLOCK_N"])](*args, **consts, **meta)
+        wrap_triton(kernel)[grid(kw[names[0]], kw[names[1]])](*args, **consts, **meta)

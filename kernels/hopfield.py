@@ -52,11 +52,15 @@ How
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
+
+from ._flash import (INTERPRETED, _LN2, MAX_HEAD_DIM, SUPPORTED_DTYPES, cfg, dot_precision,
+                     fitting, launch, pow2)
 
 __all__ = [
     "hopfield_update_fwd",
@@ -68,17 +72,13 @@ __all__ = [
     "SUPPORTED_DTYPES",
 ]
 
-MAX_HEAD_DIM = 256
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SPLIT_MAX_S = 16  # split-N only for this few queries (one BLOCK_S = 16 tile)
 
-_LOG2E = tl.constexpr(1.4426950408889634)
-_LN2 = tl.constexpr(0.6931471805599453)
+_TILE_NAMES = ("BLOCK_S", "BLOCK_N")  # the config's tile sizes (kernels/_flash.py's names=)
 
 
 def _cfg(block_s, block_n, num_warps, num_stages):
-    return triton.Config({"BLOCK_S": block_s, "BLOCK_N": block_n}, num_warps=num_warps,
-                         num_stages=num_stages)
+    return cfg(block_s, block_n, num_warps, num_stages, names=_TILE_NAMES)
 
 
 # Fused update: the program keeps its [BLOCK_S, D] state and a [BLOCK_S, Dout] accumulator in
@@ -95,20 +95,13 @@ _TILE_LIMIT = 64 * 64 * 256  # BLOCK_S * BLOCK_N * padded head dim
 _TUNE_KEY = ["HEAD_D", "HEAD_DV", "HAS_VALUES", "FINAL_STATE", "HAS_TOL"]
 
 
-def _pow2(x: int) -> int:
-    # tl.dot needs every dimension >= 16 on GPUs.
-    return max(16, triton.next_power_of_2(int(x)))
-
-
 def configs_for(dmax: int, s: int) -> list:
     """Update configs whose tile fits for padded head dim ``dmax``; query tiles no wider than
     needed for ``s`` queries (an S = 7 call does not run 128-row tiles)."""
-    fit = [c for c in UPDATE_CONFIGS
-           if c.kwargs["BLOCK_S"] * c.kwargs["BLOCK_N"] * dmax <= _TILE_LIMIT
-           and c.kwargs["BLOCK_S"] <= max(16, triton.next_power_of_2(max(1, s)))]
-    if not fit:
-        fit = [min(UPDATE_CONFIGS, key=lambda c: c.kwargs["BLOCK_S"] * c.kwargs["BLOCK_N"])]
-    return fit
+    # The 16-row config always passes the query filter and is the smallest tile, so fitting()'s
+    # fallback is the same as over the whole list.
+    narrow = [c for c in UPDATE_CONFIGS if c.kwargs["BLOCK_S"] <= pow2(max(1, s))]
+    return fitting(narrow, dmax, _TILE_LIMIT, names=_TILE_NAMES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,19 +396,9 @@ def _energy_kernel(
 # launchers
 # ----------------------------------------------------------------------------------------------
 
-# Under TRITON_INTERPRET=1, @triton.jit gives an interpreted function (no GPU timers): the
-# launchers then take the first eligible config instead of autotuning.
-_INTERPRETED = not isinstance(_update_fused_kernel, triton.runtime.JITFunction)
-
-
 @functools.lru_cache(maxsize=None)
 def _autotuned(dmax: int, s_pow2: int):
     return triton.autotune(configs=configs_for(dmax, s_pow2), key=_TUNE_KEY)(_update_fused_kernel)
-
-
-def _dot_precision(dtype):
-    # float32: full-precision products (TF32 would miss the 2e-5 accuracy target).
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _check(fn, state, stored, values):
@@ -441,7 +424,7 @@ def _check(fn, state, stored, values):
     for name, d in (("head dim D", D), ("value dim Dv", dv)):
         if not 1 <= d <= MAX_HEAD_DIM:
             raise ValueError(f"{fn}: {name} must be in 1..{MAX_HEAD_DIM}; got {d}")
-    if not (state.is_cuda or _INTERPRETED):
+    if not (state.is_cuda or INTERPRETED):
         raise RuntimeError(f"{fn}: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set "
                            f"before attnkit.kernels.hopfield is imported); got {state.device.type}")
 
@@ -506,8 +489,8 @@ def hopfield_update_fwd(state, stored, values, beta, steps, tol, final_state, *,
     has_tol = tol is not None
     beta2 = float(beta) * 1.4426950408889634
     tol_f = float(tol) if has_tol else 0.0
-    block_d, block_dv = _pow2(D), _pow2(Dv)
-    dot_prec = _dot_precision(state.dtype)
+    block_d, block_dv = pow2(D), pow2(Dv)
+    dot_prec = dot_precision(state.dtype)
     if split is None:
         split = use_split(BH, S, N, dev)
     if split and S > SPLIT_MAX_S:
@@ -519,15 +502,9 @@ def hopfield_update_fwd(state, stored, values, beta, steps, tol, final_state, *,
                       HAS_VALUES=has_values, FINAL_STATE=final_state, HAS_TOL=has_tol,
                       DOT_PREC=dot_prec)
         dmax = max(block_d, block_dv)
-        if config is None and _INTERPRETED:
-            config = configs_for(dmax, S)[0]
-        if config is None:
-            tuned = _autotuned(dmax, triton.next_power_of_2(S))
-            wrap_triton(tuned)[lambda meta: (triton.cdiv(S, meta["BLOCK_S"]), BH)](*args, **consts)
-        else:
-            kw = dict(config.kwargs)
-            wrap_triton(_update_fused_kernel)[(triton.cdiv(S, kw["BLOCK_S"]), BH)](
-                *args, **consts, **kw, num_warps=config.num_warps, num_stages=config.num_stages)
+        launch(_update_fused_kernel, lambda: _autotuned(dmax, triton.next_power_of_2(S)),
+               lambda: configs_for(dmax, S), lambda bs, bn: (triton.cdiv(S, bs), BH), args,
+               consts, config, names=_TILE_NAMES)
         return out, states, lse, applied
 
     # split-N
@@ -575,7 +552,7 @@ def hopfield_energy_fwd(state, stored, beta, config=None):
     lse = torch.empty_like(energy)
     if S == 0 or B * H == 0:
         return energy, lse
-    block_d = _pow2(D)
+    block_d = pow2(D)
     if config is None:
         block_s = 16 if S <= 16 else 64
         block_n = 64 if block_d <= 128 else 32
@@ -583,11 +560,9 @@ def hopfield_energy_fwd(state, stored, beta, config=None):
     else:
         block_s, block_n = config.kwargs["BLOCK_S"], config.kwargs["BLOCK_N"]
         num_warps = config.num_warps
-    import math
-
     wrap_triton(_energy_kernel)[(triton.cdiv(S, block_s), B * H)](
         state.contiguous(), stored.contiguous(), energy, lse, float(beta),
         float(beta) * 1.4426950408889634, math.log(N), S, N, HEAD_D=D, BLOCK_D=block_d,
-        DOT_PREC=_dot_precision(state.dtype), BLOCK_S=block_s, BLOCK_N=block_n,
+        DOT_PREC=dot_precision(state.dtype), BLOCK_S=block_s, BLOCK_N=block_n,
         num_warps=num_warps)
     return energy, lse

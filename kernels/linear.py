@@ -90,6 +90,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ._flash import INTERPRETED, SUPPORTED_DTYPES, cfg, launch, pow2
+
 __all__ = [
     "linear_fwd",
     "linear_bwd",
@@ -102,7 +104,6 @@ __all__ = [
 ]
 
 FEATURE_MAPS = ("elu", "relu", "identity")
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_CHUNK = 64
 _FEATURE_CODE = {"elu": 0, "relu": 1, "identity": 2}
 # LOWP code of an input dtype: 0 = float32, 1 = float16, 2 = bfloat16 (see _dot_plain/_dot_state)
@@ -113,9 +114,11 @@ _LOWP = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # ----------------------------------------------------------------------------------------------
 
 
+_TILE_NAMES = ("BLOCK_K", "BLOCK_V")  # the config's tile sizes (kernels/_flash.py's names=)
+
+
 def _cfg(block_k, block_v, num_warps, num_stages):
-    return triton.Config({"BLOCK_K": block_k, "BLOCK_V": block_v}, num_warps=num_warps,
-                         num_stages=num_stages)
+    return cfg(block_k, block_v, num_warps, num_stages, names=_TILE_NAMES)
 
 
 # The lists hold the configs that ptxas (sm_90a, chunk 64, D = Dv in {64, 128}) compiles without
@@ -146,15 +149,10 @@ _CONFIG_LISTS = {"state": STATE_CONFIGS, "chunk": CHUNK_CONFIGS}
 _TUNE_KEY = ["HEAD_D", "HEAD_DV", "CHUNK"]  # + the argument dtypes (automatic)
 
 
-def _pow2(x: int) -> int:
-    # tl.dot needs every dimension >= 16 on GPUs, hence the floor.
-    return max(16, triton.next_power_of_2(int(x)))
-
-
 def _clamp(config, head_dim, value_dim):
     kw = dict(config.kwargs)
-    kw["BLOCK_K"] = min(kw["BLOCK_K"], _pow2(head_dim))
-    kw["BLOCK_V"] = min(kw["BLOCK_V"], _pow2(value_dim))
+    kw["BLOCK_K"] = min(kw["BLOCK_K"], pow2(head_dim))
+    kw["BLOCK_V"] = min(kw["BLOCK_V"], pow2(value_dim))
     return triton.Config(kw, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
@@ -661,10 +659,6 @@ def _dv_kernel(
 # launchers
 # ----------------------------------------------------------------------------------------------
 
-# Under TRITON_INTERPRET=1, @triton.jit gives an interpreted function instead of a JITFunction;
-# the autotuner cannot benchmark there (no GPU timers), so the launchers pick a config.
-_INTERPRETED = not isinstance(_output_kernel, triton.runtime.JITFunction)
-
 _KERNELS = {
     "state_fwd": (_state_fwd_kernel, "state"),
     "state_bwd": (_state_bwd_kernel, "state"),
@@ -685,21 +679,15 @@ def _launch(name, grid, args, consts, config, head_dim, value_dim):
     """Run kernel ``name``: with ``config`` (clamped to the head dims), else autotuned (the
     first candidate when interpreted).  ``grid(BLOCK_K, BLOCK_V)`` gives the launch grid."""
     fn, kind = _KERNELS[name]
-    if config is None and _INTERPRETED:
-        config = configs_for(kind, head_dim, value_dim)[0]
-    if config is None:
-        tuned = _autotuned(name, head_dim, value_dim)
-        wrap_triton(tuned)[lambda meta: grid(meta["BLOCK_K"], meta["BLOCK_V"])](*args, **consts)
-    else:
+    if config is not None:
         config = _clamp(config, head_dim, value_dim)
-        bk, bv = config.kwargs["BLOCK_K"], config.kwargs["BLOCK_V"]
-        wrap_triton(fn)[grid(bk, bv)](*args, **consts, BLOCK_K=bk, BLOCK_V=bv,
-                                      num_warps=config.num_warps,
-                                      num_stages=config.num_stages)
+    launch(fn, lambda: _autotuned(name, head_dim, value_dim),
+           lambda: configs_for(kind, head_dim, value_dim), grid, args, consts, config,
+           names=_TILE_NAMES)
 
 
 def _check_device(fn: str, t: torch.Tensor) -> None:
-    if not (t.is_cuda or _INTERPRETED):
+    if not (t.is_cuda or INTERPRETED):
         raise RuntimeError(
             f"{fn}: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before "
             f"attnkit.kernels.linear is imported, for CPU tensors); got a {t.device.type} tensor")
@@ -901,7 +889,7 @@ def linear_bwd(grad_out, q, k, v, *, causal, feature_map, normalize, eps, scale,
             block_r = 32
             wrap_triton(_delta_kernel)[(triton.cdiv(N, block_r), H, B)](
                 grad_out, out, delta, *grad_out.stride(), *out.stride(), H, N,
-                HEAD_DV=Dv, BLOCK_R=block_r, BLOCK_V=min(_pow2(Dv), 128))
+                HEAD_DV=Dv, BLOCK_R=block_r, BLOCK_V=min(pow2(Dv), 128))
     else:
         den = delta = dS0
     if gden is None:

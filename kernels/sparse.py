@@ -237,6 +237,51 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, row_ok
     return dk_step(dk, p_t, dp_t, delta, q, DOT_PREC), dv
 
 
+# The query-side kernels' prologues and the forward's epilogue: the same for both layouts, which
+# differ only in how a query tile finds its keys.
+
+
+@triton.jit
+def _fwd_start(Q, K, V, b, h, rows, row_ok, sm_scale, stride_qb, stride_qh, stride_qn, stride_qd,
+               stride_kb, stride_kh, stride_vb, stride_vh, HEAD_D: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(q [BM, BLOCK_D], k and v bases of head (b, h), empty softmax state acc / l_i / m_i,
+    base-2 qk_scale) for the query rows ``rows``."""
+    q = load_rows(Q + b * stride_qb + h * stride_qh, rows, stride_qn, tl.arange(0, BLOCK_D),
+                  stride_qd, row_ok, HEAD_D, BLOCK_D, True)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    return (q, K + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh, acc, l_i,
+            m_i, sm_scale * _LOG2E)
+
+
+@triton.jit
+def _fwd_finish(out_base, lse_base, rows, row_ok, acc, l_i, m_i, stride_on, stride_od,
+                HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Normalize and store the rows' output and lse (``lse_base``: the head's lse row)."""
+    out, lse = finish_rows(acc, l_i, m_i)
+    store_rows(out_base, rows, stride_on, tl.arange(0, BLOCK_DV), stride_od, row_ok, out, HEAD_DV)
+    tl.store(lse_base + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _dq_start(Q, K, V, dO, lse_base, delta_base, b, h, rows, row_ok, sm_scale,
+              stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_vb,
+              stride_vh, stride_gb, stride_gh, stride_gn, stride_gd, HEAD_D: tl.constexpr,
+              HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              BLOCK_M: tl.constexpr):
+    """(q, dO, lse2, delta of the rows (see load_bwd_rows), k and v bases of head (b, h), zero dq
+    [BM, BLOCK_D] float32, base-2 qk_scale)."""
+    q, do, lse2, delta = load_bwd_rows(Q + b * stride_qb + h * stride_qh,
+                                       dO + b * stride_gb + h * stride_gh, lse_base, delta_base,
+                                       rows, row_ok, stride_qn, stride_qd, stride_gn, stride_gd,
+                                       HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV)
+    return (q, do, lse2, delta, K + b * stride_kb + h * stride_kh,
+            V + b * stride_vb + h * stride_vh, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32),
+            sm_scale * _LOG2E)
+
+
 # ----------------------------------------------------------------------------------------------
 # range parts
 # ----------------------------------------------------------------------------------------------
@@ -306,23 +351,16 @@ def _range_fwd_kernel(
     bh, b, h, row_ok, rows, lo_t, hi_t, klo, khi, tk, k_row0, k_pt64 = _range_query_tile(
         H, G_OFFSET, Nq, Nk, q_pg, q_pt, k_pg, k_pt, lo_a, lo_d, lo_m, lo_b, hi_a, hi_d, hi_m,
         hi_b, BLOCK_M)
-    q = load_rows(Q + b * stride_qb + h * stride_qh, rows, stride_qn, tl.arange(0, BLOCK_D),
-                  stride_qd, row_ok, HEAD_D, BLOCK_D, True)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    qk_scale = sm_scale * _LOG2E
+    q, k_base, v_base, acc, l_i, m_i, qk_scale = _fwd_start(
+        Q, K, V, b, h, rows, row_ok, sm_scale, stride_qb, stride_qh, stride_qn, stride_qd,
+        stride_kb, stride_kh, stride_vb, stride_vh, HEAD_D, BLOCK_D, BLOCK_DV, BLOCK_M)
     for start_n in range(klo, khi, BLOCK_N):
         krows, col_ok, keep = _range_key_tile(start_n, tk, k_row0, k_pt64, lo_t, hi_t, BLOCK_N)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, krows, col_ok, keep,
                                   qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
                                   HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC)
-    out, lse = finish_rows(acc, l_i, m_i)
-    store_rows(Out + b * stride_ob + h * stride_oh, rows, stride_on, tl.arange(0, BLOCK_DV),
-               stride_od, row_ok, out, HEAD_DV)
-    tl.store(Lse + bh * Nq + rows, lse, mask=row_ok)
+    _fwd_finish(Out + b * stride_ob + h * stride_oh, Lse + bh * Nq, rows, row_ok, acc, l_i, m_i,
+                stride_on, stride_od, HEAD_DV, BLOCK_DV)
 
 
 @triton.jit(do_not_specialize=_RANGE_INTS)
@@ -341,14 +379,10 @@ def _range_dq_kernel(
     bh, b, h, row_ok, rows, lo_t, hi_t, klo, khi, tk, k_row0, k_pt64 = _range_query_tile(
         H, G_OFFSET, Nq, Nk, q_pg, q_pt, k_pg, k_pt, lo_a, lo_d, lo_m, lo_b, hi_a, hi_d, hi_m,
         hi_b, BLOCK_M)
-    q, do, lse2, delta = load_bwd_rows(Q + b * stride_qb + h * stride_qh,
-                                       dO + b * stride_gb + h * stride_gh, Lse + bh * Nq,
-                                       Delta + bh * Nq, rows, row_ok, stride_qn, stride_qd,
-                                       stride_gn, stride_gd, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    qk_scale = sm_scale * _LOG2E
+    q, do, lse2, delta, k_base, v_base, dq, qk_scale = _dq_start(
+        Q, K, V, dO, Lse + bh * Nq, Delta + bh * Nq, b, h, rows, row_ok, sm_scale, stride_qb,
+        stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb,
+        stride_gh, stride_gn, stride_gd, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M)
     for start_n in range(klo, khi, BLOCK_N):
         krows, col_ok, keep = _range_key_tile(start_n, tk, k_row0, k_pt64, lo_t, hi_t, BLOCK_N)
         dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, krows, col_ok, keep,
@@ -490,15 +524,10 @@ def _block_fwd_kernel(
 ):
     bh, b, h = _batch_head(tl.program_id(1), H)
     r, rows, row_ok, _, i_end = _block_sub_tile(tl.program_id(0), blk, BLOCK_M)
-    q = load_rows(Q + b * stride_qb + h * stride_qh, rows, stride_qn, tl.arange(0, BLOCK_D),
-                  stride_qd, row_ok, HEAD_D, BLOCK_D, True)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
+    q, k_base, v_base, acc, l_i, m_i, qk_scale = _fwd_start(
+        Q, K, V, b, h, rows, row_ok, sm_scale, stride_qb, stride_qh, stride_qn, stride_qd,
+        stride_kb, stride_kh, stride_vb, stride_vh, HEAD_D, BLOCK_D, BLOCK_DV, BLOCK_M)
     e_start, e_end = _index_list(RowPtr, h, ptr_head_stride, r)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    qk_scale = sm_scale * _LOG2E
     for e in range(e_start, e_end):
         j_start, j_end, j_stop = _listed_keys(ColIdx, e, blk, i_end, IS_CAUSAL)
         for start_n in range(j_start, j_end, BLOCK_N):
@@ -506,10 +535,8 @@ def _block_fwd_kernel(
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, cols, col_ok, keep,
                                       qk_scale, stride_kn, stride_kd, stride_vn,
                                       stride_vd, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC)
-    out, lse = finish_rows(acc, l_i, m_i)
-    store_rows(Out + b * stride_ob + h * stride_oh, rows, stride_on, tl.arange(0, BLOCK_DV),
-               stride_od, row_ok, out, HEAD_DV)
-    tl.store(Lse + bh * N + rows, lse, mask=row_ok)
+    _fwd_finish(Out + b * stride_ob + h * stride_oh, Lse + bh * N, rows, row_ok, acc, l_i, m_i,
+                stride_on, stride_od, HEAD_DV, BLOCK_DV)
 
 
 @triton.jit
@@ -527,15 +554,11 @@ def _block_dq_kernel(
 ):
     bh, b, h = _batch_head(tl.program_id(1), H)
     r, rows, row_ok, _, i_end = _block_sub_tile(tl.program_id(0), blk, BLOCK_M)
-    q, do, lse2, delta = load_bwd_rows(Q + b * stride_qb + h * stride_qh,
-                                       dO + b * stride_gb + h * stride_gh, Lse + bh * N,
-                                       Delta + bh * N, rows, row_ok, stride_qn, stride_qd,
-                                       stride_gn, stride_gd, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
+    q, do, lse2, delta, k_base, v_base, dq, qk_scale = _dq_start(
+        Q, K, V, dO, Lse + bh * N, Delta + bh * N, b, h, rows, row_ok, sm_scale, stride_qb,
+        stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb,
+        stride_gh, stride_gn, stride_gd, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M)
     e_start, e_end = _index_list(RowPtr, h, ptr_head_stride, r)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    qk_scale = sm_scale * _LOG2E
     for e in range(e_start, e_end):
         j_start, j_end, j_stop = _listed_keys(ColIdx, e, blk, i_end, IS_CAUSAL)
         for start_n in range(j_start, j_end, BLOCK_N):

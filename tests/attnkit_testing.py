@@ -12,7 +12,13 @@ ground truths.  ``from attnkit_testing import ...`` works from any test module: 
 - :func:`make_qkv`, :func:`make_mask` -- seeded random inputs and masks.
 - :func:`state_reference` -- linear attention with a recurrent state (S0, z0 in; S, z and the raw
   normalizer out) in the recurrent form: cumulative sums of outer products.
+- :func:`has_cpu_kernel`, :func:`native_cuda_ops` -- what the tests of the C++ / CUDA kernels
+  (tests/csrc) check before they call ``torch.ops.attnkit``.
+- :func:`num_threads` -- torch's CPU thread count set for a block (thread-count invariance tests).
+- :func:`make_hopfield_inputs`, :func:`loop_hopfield_update` -- Hopfield inputs and the update
+  op's outputs in float64, one retrieval at a time (Triton and CUDA tests of the op).
 """
+import contextlib
 import math
 
 import torch
@@ -21,7 +27,39 @@ F64 = torch.float64
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 __all__ = ["F64", "LOW_PRECISION", "assert_close_to_reference", "loop_attention", "loop_sparse_attention",
-           "sparse_allowed_keys", "make_qkv", "make_mask", "state_reference"]
+           "sparse_allowed_keys", "make_qkv", "make_mask", "state_reference", "has_cpu_kernel",
+           "native_cuda_ops", "num_threads", "make_hopfield_inputs", "loop_hopfield_update"]
+
+
+@contextlib.contextmanager
+def num_threads(n: int):
+    """torch's intra-op thread count is ``n`` inside the block, and what it was again after."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n)
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def has_cpu_kernel(name: str) -> bool:
+    """Whether ``attnkit::<name>`` has a CPU kernel registered (attnkit._C built and loaded)."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"attnkit::{name}", "CPU")
+    except RuntimeError:  # schema not registered: attnkit._C is not built
+        return False
+
+
+def native_cuda_ops():
+    """``torch.ops.attnkit`` once attnkit._C is known to hold its CUDA kernels (the ``ops``
+    fixture of the tests/csrc/test_*_cuda.py files, which run on a GPU only)."""
+    from attnkit._dispatch import native
+
+    assert native().built_with_cuda(), (
+        "attnkit._C was built without CUDA; reinstall on this machine with nvcc present "
+        "(ATTNKIT_BUILD_CUDA=1 pip install --no-build-isolation -e .)"
+    )
+    return torch.ops.attnkit
 
 
 def _max_finite_err(x: torch.Tensor, ref64: torch.Tensor, name: str) -> float:
@@ -208,3 +246,47 @@ def state_reference(q, k, v, s0, z0, *, causal, feature_map, normalize, eps, sca
         den = (pq * z_final[:, :, None]).sum(-1)
     out = num / (den[..., None] + eps) if normalize else num * scale
     return out, den, s_final, z_final
+
+
+def make_hopfield_inputs(b, h, s, n, d, dv=None, dtype=torch.float32, seed=0, scale=1.0, device="cpu"):
+    """(state [B, H, S, D] (times ``scale``), stored [B, H, N, D], values [B, H, N, Dv] or None
+    for ``dv`` None): seeded float64 normal draws rounded to ``dtype``, on ``device``."""
+    g = torch.Generator().manual_seed(seed)
+    state = torch.randn(b, h, s, d, generator=g, dtype=F64) * scale
+    stored = torch.randn(b, h, n, d, generator=g, dtype=F64)
+    values = None if dv is None else torch.randn(b, h, n, dv, generator=g, dtype=F64)
+    cast = lambda t: None if t is None else t.to(dtype).to(device)  # noqa: E731
+    return cast(state), cast(stored), cast(values)
+
+
+def loop_hopfield_update(state, stored, values, beta, steps, tol, final_state):
+    """The four outputs of the Hopfield update op (csrc/ops.cpp: out, states, lse, applied) in
+    float64 on the CPU, one retrieval at a time, the tol rule row by row."""
+    xi, x = state.detach().double().cpu(), stored.detach().double().cpu()
+    v = None if values is None else values.detach().double().cpu()
+    updates = steps if v is None else steps - 1
+    active = torch.ones(xi.shape[:-1], dtype=torch.bool)
+    states, lses, applied = [xi], [], []
+
+    def retrieve(q, val):
+        scores = beta * q @ x.transpose(-2, -1)
+        return torch.softmax(scores, -1) @ val, torch.logsumexp(scores, -1)
+
+    for _ in range(updates):
+        new, lse = retrieve(xi, x)
+        lses.append(lse)
+        applied.append(active.clone())
+        change = (new - xi).abs().amax(-1)
+        xi = torch.where(active.unsqueeze(-1), new, xi)
+        if tol is not None:
+            active = active & (change > tol)
+        states.append(xi)
+    if v is None:
+        out = xi
+    else:
+        out, lse = retrieve(xi, v)
+        lses.append(lse)
+        last = torch.where(active.unsqueeze(-1), retrieve(xi, x)[0], xi)
+        states.append(last if final_state else torch.zeros_like(xi))
+    empty = torch.zeros((0,) + xi.shape[:-1], dtype=torch.bool)
+    return out, torch.stack(states), torch.stack(lses), torch.stack(applied) if applied else empty

@@ -8,6 +8,7 @@ import torch
 
 import attnkit
 from attnkit.reference.hopfield import hopfield_energy_reference
+from attnkit_testing import num_threads
 
 hop_ops = importlib.import_module("attnkit.ops.hopfield")
 pytestmark = pytest.mark.skipif(
@@ -547,6 +548,22 @@ def _check_against_trajectory(got, want, tol):
         assert torch.equal(applied, w_applied)
 
 
+def _check_case_against_trajectory(sizes, dv, spread, steps, with_values, tol, beta):
+    """Random float32 inputs of ``sizes`` (B, H, S, N, D) and value dim ``dv``, both final_state
+    settings, against the float64 trajectory.  With a tol, the first seed whose updates all stay
+    1e-4 away from the stopping threshold (so that float32 rounding cannot flip a decision)."""
+    for seed in range(50):
+        torch.manual_seed(seed)
+        state, stored, values = _update_inputs(*sizes, dv=dv, spread=spread)
+        if tol is None or _tol_margin(state, stored, beta, steps, tol) > 1e-4:
+            break
+    values = values if with_values else None
+    for final_state in (False, True):
+        got = _upd(state, stored, values, beta=beta, steps=steps, tol=tol, final_state=final_state)
+        want = _trajectory64(state, stored, values, beta, steps, tol, final_state)
+        _check_against_trajectory(got, want, tol)
+
+
 # (B, H, S, N, D, steps, with values, tol, beta, spread).  N = 9000 / 9001 with B = H = 1 takes
 # the split path (and leaves partial blocks of 16 rows at the ends of chunks); D = 33, 100, 5:
 # a masked last chunk of the row; beta = 1 with spread 3: scores in the hundreds, so the running
@@ -569,16 +586,7 @@ STREAM_CASES = [
 
 @pytest.mark.parametrize("b,h,s,n,d,steps,with_values,tol,beta,spread", STREAM_CASES)
 def test_update_streaming_float32_matches_float64_trajectory(b, h, s, n, d, steps, with_values, tol, beta, spread):
-    for seed in range(50):
-        torch.manual_seed(seed)
-        state, stored, values = _update_inputs(b, h, s, n, d, dv=19, spread=spread)
-        if tol is None or _tol_margin(state, stored, beta, steps, tol) > 1e-4:
-            break
-    values = values if with_values else None
-    for final_state in (False, True):
-        got = _upd(state, stored, values, beta=beta, steps=steps, tol=tol, final_state=final_state)
-        want = _trajectory64(state, stored, values, beta, steps, tol, final_state)
-        _check_against_trajectory(got, want, tol)
+    _check_case_against_trajectory((b, h, s, n, d), 19, spread, steps, with_values, tol, beta)
 
 
 def test_update_streaming_all_rows_frozen_skip_with_infinite_lse():
@@ -615,14 +623,10 @@ def test_update_streaming_result_does_not_depend_on_the_thread_count():
     stored = torch.randn(1, 1, 20000, 48)
     values = torch.randn(1, 1, 20000, 7)
     state = torch.randn(1, 1, 3, 48)
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
+    results = []
+    for n in (1, 2, 3):
+        with num_threads(n):
             results.append(_upd(state, stored, values, beta=0.2, steps=3, tol=1e-5, final_state=True))
-    finally:
-        torch.set_num_threads(threads)
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)
@@ -681,14 +685,4 @@ FAST_GEMM_CASES = [
 
 @pytest.mark.parametrize("b,h,s,n,d,steps,with_values,tol", FAST_GEMM_CASES)
 def test_update_fused_avx512_gemm_matches_float64_trajectory(b, h, s, n, d, steps, with_values, tol):
-    beta = 1.0 / math.sqrt(d)
-    for seed in range(50):
-        torch.manual_seed(seed)
-        state, stored, values = _update_inputs(b, h, s, n, d, dv=11)
-        if tol is None or _tol_margin(state, stored, beta, steps, tol) > 1e-4:
-            break
-    values = values if with_values else None
-    for final_state in (False, True):
-        got = _upd(state, stored, values, beta=beta, steps=steps, tol=tol, final_state=final_state)
-        want = _trajectory64(state, stored, values, beta, steps, tol, final_state)
-        _check_against_trajectory(got, want, tol)
+    _check_case_against_trajectory((b, h, s, n, d), 11, 1.0, steps, with_values, tol, 1.0 / math.sqrt(d))

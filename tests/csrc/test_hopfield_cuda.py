@@ -2,11 +2,12 @@
 attnkit::hopfield_energy_fwd under the CUDA dispatch key, i.e. ``backend="cuda"``.
 
 GPU only (``pytest -m gpu``; skipped elsewhere, and where attnkit._C was built without CUDA).
-Ground truth: float64 -- the reference for out / energy and ``loop_update`` of the Triton test
-file's twin below for the op's other outputs (states, lse, applied).  Tolerance rule of
+Ground truth: float64 -- the reference for out / energy and attnkit_testing's
+``loop_hopfield_update`` for the op's other outputs (states, lse, applied).  Tolerance rule of
 DESIGN.md via ``assert_close_to_reference``; bfloat16 and float16 against 2x the reference's own
 error in that dtype.
 """
+import functools
 import math
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 import attnkit
 from attnkit.reference.hopfield import hopfield_energy_reference, hopfield_update_reference
-from attnkit_testing import assert_close_to_reference
+from attnkit_testing import assert_close_to_reference, loop_hopfield_update, make_hopfield_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -27,35 +28,11 @@ def _needs_cuda_build():
         pytest.skip(attnkit.backends()["hopfield"]["cuda"].reason)
 
 
-def make(b, h, s, n, d, dv=None, dtype=F32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    state = torch.randn(b, h, s, d, generator=g, dtype=F64)
-    stored = torch.randn(b, h, n, d, generator=g, dtype=F64)
-    values = None if dv is None else torch.randn(b, h, n, dv, generator=g, dtype=F64)
-    cast = lambda t: None if t is None else t.to(dtype).cuda()  # noqa: E731
-    return cast(state), cast(stored), cast(values)
+make = functools.partial(make_hopfield_inputs, device="cuda")
 
 
 def to64(t):
     return None if t is None else t.detach().double()
-
-
-def loop_update(state, stored, values, beta, steps, tol):
-    """(states, applied) of the op contract in float64 (final_state=True)."""
-    xi, x, v = to64(state), to64(stored), to64(values)
-    updates = steps if v is None else steps - 1
-    active = torch.ones(xi.shape[:-1], dtype=torch.bool, device=xi.device)
-    states, applied = [xi], []
-    for _ in range(updates + (v is not None)):
-        new = torch.softmax(beta * xi @ x.transpose(-2, -1), -1) @ x
-        if len(applied) < updates:
-            applied.append(active.clone())
-        change = (new - xi).abs().amax(-1)
-        xi = torch.where(active.unsqueeze(-1), new, xi)
-        if tol is not None:
-            active = active & (change > tol)
-        states.append(xi)
-    return torch.stack(states), (torch.stack(applied) if applied else None)
 
 
 CASES = [  # (S, N, D, Dv): fused, split-N (S <= 16, N >= 4096), odd sizes, D = 256
@@ -86,9 +63,9 @@ def test_op_outputs_with_tol(s, n, with_values):
     state = stored[:, :, :s] + 0.3 * state
     steps, tol = 3 + with_values, 1e-3
     out, states, lse, applied = torch.ops.attnkit.hopfield_update_fwd(state, stored, values, 2.0, steps, tol, True)
-    r_states, r_applied = loop_update(state, stored, values, 2.0, steps, tol)
-    assert torch.equal(applied, r_applied)
-    assert_close_to_reference(states, r_states, name="states")
+    _, r_states, _, r_applied = loop_hopfield_update(state, stored, values, 2.0, steps, tol, True)
+    assert torch.equal(applied.cpu(), r_applied)
+    assert_close_to_reference(states.cpu(), r_states, name="states")
     assert torch.isfinite(lse[0]).all()
 
 

@@ -12,6 +12,7 @@ import torch
 
 import attnkit
 from attnkit.reference.linear import linear_attention_reference, linear_attention_step_reference
+from attnkit_testing import num_threads
 
 pytestmark = pytest.mark.skipif(
     not attnkit.backends()["linear"]["cpu"].usable, reason="attnkit._C is not built"
@@ -271,14 +272,10 @@ def test_non_contiguous_inputs_and_broadcast_grad(causal):
 def test_causal_results_do_not_depend_on_the_thread_count():
     q, k, v = make(2, 3, 300, 300, 32, 16, seed=11)
     g = torch.randn(2, 3, 300, 16)
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
+    results = []
+    for t in (1, 2, 3):
+        with num_threads(t):
             results.append(run_cpu(q, k, v, g, causal=True))
-    finally:
-        torch.set_num_threads(threads)
     for out, _, grads in results[1:]:
         assert torch.equal(out, results[0][0])  # per-(b, h) sweeps: bitwise reproducible
         for a, b in zip(grads, results[0][2]):
@@ -287,14 +284,10 @@ def test_causal_results_do_not_depend_on_the_thread_count():
 
 def test_noncausal_split_reduction_single_head():
     # B*H = 1 < threads: the key (and query) chunks are reduced in parallel groups.
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(3)
+    with num_threads(3):
         q, k, v = make(1, 1, 700, 1000, 32, 24, F64, seed=12)
         g = torch.randn(1, 1, 700, 24, dtype=F64)
         out, _, grads = run_cpu(q, k, v, g, causal=False)
-    finally:
-        torch.set_num_threads(threads)
     want, _, want_grads = truth(q, k, v, g, causal=False)
     assert rel_err(out, want) < 1e-12
     for a, b in zip(grads, want_grads):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from attnkit.reference.linear import feature_map_reference, linear_attention_reference
-from attnkit_testing import state_reference
+from attnkit_testing import native_cuda_ops, state_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -27,13 +27,7 @@ FEATURE_MAPS = ("elu", "relu", "identity")
 
 @pytest.fixture(scope="module")
 def ops():
-    from attnkit._dispatch import native
-
-    assert native().built_with_cuda(), (
-        "attnkit._C was built without CUDA; reinstall on this machine with nvcc present "
-        "(ATTNKIT_BUILD_CUDA=1 pip install --no-build-isolation -e .)"
-    )
-    return torch.ops.attnkit
+    return native_cuda_ops()
 
 
 # ----------------------------------------------------------------------------------------------

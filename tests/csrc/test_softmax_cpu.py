@@ -17,21 +17,15 @@ import torch
 
 import attnkit  # noqa: F401  (loads attnkit._C, which registers the ops)
 from attnkit.reference.softmax import softmax_attention_reference
+from attnkit_testing import has_cpu_kernel, num_threads
 
 F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
-
-
-def _has_cpu_kernel(name):
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(f"attnkit::{name}", "CPU")
-    except RuntimeError:  # schema not registered: attnkit._C is not built
-        return False
 
 
 def test_cpu_kernels_are_registered():
     # No skip when they are missing: every supported install builds attnkit._C, and a missing
     # kernel must fail here rather than hide behind skipped tests.
-    assert _has_cpu_kernel("softmax_fwd") and _has_cpu_kernel("softmax_bwd")
+    assert has_cpu_kernel("softmax_fwd") and has_cpu_kernel("softmax_bwd")
 
 
 def fwd(q, k, v, mask, scale, causal):
@@ -301,13 +295,9 @@ def test_empty_batch():
 def test_thread_counts(threads):
     """Few (batch, kv-head) pairs split the backward's key blocks over chunks with dQ partials;
     one thread runs everything in order.  Both must give the same answers."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         check(1, 2, 1, 129, 300, 64, 64, F32, causal=True)
         check(1, 1, 1, 7, 257, 16, 16, F64)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_validation_errors():

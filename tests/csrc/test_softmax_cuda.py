@@ -13,21 +13,14 @@ import pytest
 import torch
 
 from attnkit.reference.softmax import softmax_attention_reference
-from attnkit_testing import F64, LOW_PRECISION as LOW, assert_close_to_reference
+from attnkit_testing import F64, LOW_PRECISION as LOW, assert_close_to_reference, native_cuda_ops
 
 pytestmark = pytest.mark.gpu
 
 
-
 @pytest.fixture(scope="module")
 def ops():
-    from attnkit._dispatch import native
-
-    assert native().built_with_cuda(), (
-        "attnkit._C was built without CUDA; reinstall on this machine with nvcc present "
-        "(ATTNKIT_BUILD_CUDA=1 pip install --no-build-isolation -e .)"
-    )
-    return torch.ops.attnkit
+    return native_cuda_ops()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -123,17 +123,9 @@ class Emulator(emu_build.Library):
         self.check(rc, "backward")
 
 
-@pytest.fixture(scope="session")
-def builds(tmp_path_factory):
-    """Starts every build at once (the full emulator and the mutants), in the background."""
-    yield from emu_build.session_builds(tmp_path_factory.mktemp("cuda_emulator"), SOURCE,
-                                        EMULATOR / "harness.cpp", "kernels.inc", MUTATIONS,
-                                        ("EMU_ONLY_F16_D64",), Emulator)
-
-
-@pytest.fixture(scope="session")
-def emulator(builds):
-    return builds["full"].emulator()
+# Session fixtures: builds (the full emulator and the mutants, all started at once), emulator.
+builds, emulator = emu_build.session_fixtures("cuda_emulator", SOURCE, EMULATOR / "harness.cpp",
+                                              "kernels.inc", MUTATIONS, ("EMU_ONLY_F16_D64",), Emulator)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from attnkit.reference.sparse import (
     sparse_range_bwd_reference,
     sparse_range_reference,
 )
-from attnkit_testing import F64, assert_close_to_reference
+from attnkit_testing import F64, assert_close_to_reference, has_cpu_kernel
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 NONE_LO = [0, 1, 0, 0]          # lo(t) = 0
@@ -30,16 +30,9 @@ NONE_HI = [0, 1, 0, 2 ** 40]    # hi(t) = "no bound"
 V1 = [1, 0, 1, 0, 1]
 
 
-def _has_cpu_kernel(name):
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(f"attnkit::{name}", "CPU")
-    except RuntimeError:  # schema not registered: attnkit._C is not built
-        return False
-
-
 def test_cpu_kernels_are_registered():
     for name in ("sparse_range_fwd", "sparse_range_bwd", "block_sparse_fwd", "block_sparse_bwd"):
-        assert _has_cpu_kernel(name), name
+        assert has_cpu_kernel(name), name
 
 
 def _acc(dtype):

@@ -19,7 +19,7 @@ from attnkit.reference.sparse import (
     sparse_range_bwd_reference,
     sparse_range_reference,
 )
-from attnkit_testing import F64, LOW_PRECISION as LOW, assert_close_to_reference
+from attnkit_testing import F64, LOW_PRECISION as LOW, assert_close_to_reference, native_cuda_ops
 
 pytestmark = pytest.mark.gpu
 
@@ -29,13 +29,7 @@ V1 = (1, 0, 1, 0, 1)
 
 @pytest.fixture(scope="module")
 def ops():
-    from attnkit._dispatch import native
-
-    assert native().built_with_cuda(), (
-        "attnkit._C was built without CUDA; reinstall on this machine with nvcc present "
-        "(ATTNKIT_BUILD_CUDA=1 pip install --no-build-isolation -e .)"
-    )
-    return torch.ops.attnkit
+    return native_cuda_ops()
 
 
 def _randn(shape, dtype, g):

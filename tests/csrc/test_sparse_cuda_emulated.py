@@ -94,17 +94,9 @@ class Emulator(emu_build.Library):
             getattr(lib, f).restype = _int
 
 
-@pytest.fixture(scope="session")
-def builds(tmp_path_factory):
-    """Starts every build at once (the full emulator and the mutants), in the background."""
-    yield from emu_build.session_builds(tmp_path_factory.mktemp("cuda_emulator_sparse"), SOURCE,
-                                        EMULATOR / "sparse_harness.cpp", "sparse_kernels.inc", MUTATIONS,
-                                        ("EMU_ONLY_F16_D64",), Emulator)
-
-
-@pytest.fixture(scope="session")
-def emulator(builds):
-    return builds["full"].emulator()
+# Session fixtures: builds (the full emulator and the mutants, all started at once), emulator.
+builds, emulator = emu_build.session_fixtures("cuda_emulator_sparse", SOURCE, EMULATOR / "sparse_harness.cpp",
+                                              "sparse_kernels.inc", MUTATIONS, ("EMU_ONLY_F16_D64",), Emulator)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,11 +6,12 @@ TRITON_INTERPRET=1): small shapes (S in {1, 7}, N in {1, 300}, D in {16, 64}, st
 a GPU the same tests run on CUDA, plus the ``gpu``-marked ones (bfloat16, which the interpreter
 cannot do, large N through the split path, autotuned configs).
 
-Ground truth: float64.  ``loop_update`` below spells out every output of the op contract
+Ground truth: float64.  attnkit_testing's ``loop_hopfield_update`` spells out every output of the op contract
 (csrc/ops.cpp: out, states, lse, applied) with the tol rule written row by row; the outputs are
 also checked against ``hopfield_update_reference`` (the public function's ground truth).
 Tolerance rule (DESIGN.md) via ``assert_close_to_reference``.
 """
+import functools
 import math
 
 import pytest
@@ -21,58 +22,18 @@ triton = pytest.importorskip("triton")
 import attnkit  # noqa: E402
 from attnkit.kernels import hopfield as K  # noqa: E402
 from attnkit.reference.hopfield import hopfield_energy_reference, hopfield_update_reference  # noqa: E402
-from attnkit_testing import assert_close_to_reference  # noqa: E402
+from attnkit_testing import assert_close_to_reference, loop_hopfield_update, make_hopfield_inputs  # noqa: E402
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CFG16 = triton.Config({"BLOCK_S": 16, "BLOCK_N": 64}, num_warps=4, num_stages=2)
-
-
-def make(b, h, s, n, d, dv=None, dtype=F32, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    state = torch.randn(b, h, s, d, generator=g, dtype=F64) * scale
-    stored = torch.randn(b, h, n, d, generator=g, dtype=F64)
-    values = None if dv is None else torch.randn(b, h, n, dv, generator=g, dtype=F64)
-    cast = lambda t: None if t is None else t.to(dtype).to(DEVICE)  # noqa: E731
-    return cast(state), cast(stored), cast(values)
-
-
-def loop_update(state, stored, values, beta, steps, tol, final_state):
-    """The op's four outputs in float64, one retrieval at a time, the tol rule row by row."""
-    xi, x = state.detach().double().cpu(), stored.detach().double().cpu()
-    v = None if values is None else values.detach().double().cpu()
-    updates = steps if v is None else steps - 1
-    active = torch.ones(xi.shape[:-1], dtype=torch.bool)
-    states, lses, applied = [xi], [], []
-
-    def retrieve(q, val):
-        scores = beta * q @ x.transpose(-2, -1)
-        return torch.softmax(scores, -1) @ val, torch.logsumexp(scores, -1)
-
-    for _ in range(updates):
-        new, lse = retrieve(xi, x)
-        lses.append(lse)
-        applied.append(active.clone())
-        change = (new - xi).abs().amax(-1)
-        xi = torch.where(active.unsqueeze(-1), new, xi)
-        if tol is not None:
-            active = active & (change > tol)
-        states.append(xi)
-    if v is None:
-        out = xi
-    else:
-        out, lse = retrieve(xi, v)
-        lses.append(lse)
-        last = torch.where(active.unsqueeze(-1), retrieve(xi, x)[0], xi)
-        states.append(last if final_state else torch.zeros_like(xi))
-    empty = torch.zeros((0,) + xi.shape[:-1], dtype=torch.bool)
-    return out, torch.stack(states), torch.stack(lses), torch.stack(applied) if applied else empty
+make = functools.partial(make_hopfield_inputs, device=DEVICE)
 
 
 def check_outputs(got, state, stored, values, beta, steps, tol, final_state):
-    """float32 inputs: every output against loop_update; out also against the reference."""
+    """float32 inputs: every output against loop_hopfield_update; out also against the reference."""
     out, states, lse, applied = got
-    r_out, r_states, r_lse, r_applied = loop_update(state, stored, values, beta, steps, tol, final_state)
+    r_out, r_states, r_lse, r_applied = loop_hopfield_update(state, stored, values, beta, steps, tol, final_state)
     assert out.dtype == states.dtype == lse.dtype == F32 and applied.dtype == torch.bool
     assert torch.equal(applied.cpu(), r_applied), "applied differs"
     assert_close_to_reference(out.cpu(), r_out, name="out")

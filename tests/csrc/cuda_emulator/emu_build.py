@@ -8,6 +8,9 @@ sys.path under pytest's default import mode, as for ``attnkit_testing``).
   (extract.py, with the project headers it includes), starts g++ on `harness` for it ("full")
   and for one copy per deliberate bug in `mutations` (built with `mutant_defines`), all at once,
   yields them, and at teardown kills what is still running.
+- ``session_fixtures(directory_name, ...)``: a test module's two session fixtures over it,
+  ``builds`` (session_builds in a fresh temporary directory) and ``emulator`` (the full build,
+  loaded): ``builds, emulator = emu_build.session_fixtures(...)``.
 - ``Build(directory, harness, include_name, device_code, defines, load)``: one g++ run; it writes
   the device code to ``directory / include_name`` (the file `harness` #includes), and
   ``emulator()`` waits and returns ``load(path of the .so)``, failing the calling test with
@@ -95,6 +98,24 @@ def session_builds(root: Path, source: Path, harness: Path, include_name: str, m
     finally:
         for build in started.values():
             build.stop()
+
+
+def session_fixtures(directory_name: str, source: Path, harness: Path, include_name: str, mutations, mutant_defines,
+                     load):
+    """(builds, emulator): the session fixtures of an emulated test module; the arguments as for
+    session_builds, the builds going to a fresh temporary directory named after `directory_name`."""
+
+    @pytest.fixture(scope="session")
+    def builds(tmp_path_factory):
+        """Starts every build at once (the full emulator and the mutants), in the background."""
+        yield from session_builds(tmp_path_factory.mktemp(directory_name), source, harness, include_name, mutations,
+                                  mutant_defines, load)
+
+    @pytest.fixture(scope="session")
+    def emulator(builds):
+        return builds["full"].emulator()
+
+    return builds, emulator
 
 
 class EmulatorError(RuntimeError):
