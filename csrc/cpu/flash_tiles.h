@@ -8,6 +8,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 
 #if defined(__AVX512F__)
@@ -35,6 +36,26 @@ inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 template <typename T>
 constexpr T neg_inf() {
   return -std::numeric_limits<T>::infinity();
+}
+
+// Accumulation type of an input element type: float64 for float64, float32 for the rest.
+template <typename scalar_t>
+using acc_of = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+inline at::ScalarType acc_type_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// Writes a finished row of the base-2 online softmax (running max m, sum l, unnormalized output
+// o[0..Dv)): dst = o / l, lse = ln 2 * m + ln l; a row that saw no key: 0 and -inf.
+template <typename scalar_t, typename acc_t>
+inline void finish_row(const acc_t* o, acc_t m, acc_t l, int64_t Dv, scalar_t* dst, acc_t* lse) {
+  if (l > acc_t(0)) {
+    const acc_t inv = acc_t(1) / l;
+    for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(o[d] * inv);
+    *lse = m * static_cast<acc_t>(kLn2) + std::log(l);
+  } else {
+    for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(0);
+    *lse = neg_inf<acc_t>();
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -107,14 +128,12 @@ void gemm_generic(int64_t rows, int64_t cols, int64_t K, const T* A, int64_t sar
 }
 
 #if defined(__AVX512F__)
-// R rows x NV vectors of 16 columns held in registers (R * NV <= 24 accumulators + NV loads of
-// B + one broadcast fit in the 32 zmm registers).  Per k: NV loads, R broadcasts, R*NV FMAs.
-// The last vector of columns is loaded / stored under `last` (columns past `cols`).
+// The R x NV accumulator block of a register-blocked tile (micro_f32, micro_bf16), read from C
+// (accumulate) or zeroed, and written back; the last vector of each row under the mask `last`.
+// Forced inline: acc must stay in zmm registers.
 template <int R, int NV>
-inline void micro_f32(int64_t K, const float* __restrict A, int64_t sar, int64_t sak,
-                      const float* __restrict B, int64_t ldb, float* __restrict C, int64_t ldc,
-                      __mmask16 last, bool accumulate) {
-  __m512 acc[R][NV];
+__attribute__((always_inline)) inline void load_acc(__m512 (&acc)[R][NV], const float* C, int64_t ldc,
+                                                    __mmask16 last, bool accumulate) {
   if (accumulate) {
     #pragma GCC unroll 32
     for (int r = 0; r < R; ++r)
@@ -128,6 +147,31 @@ inline void micro_f32(int64_t K, const float* __restrict A, int64_t sar, int64_t
       #pragma GCC unroll 32
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   }
+}
+
+template <int R, int NV>
+__attribute__((always_inline)) inline void store_acc(const __m512 (&acc)[R][NV], float* C, int64_t ldc,
+                                                     __mmask16 last) {
+  #pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 32
+    for (int v = 0; v < NV; ++v) {
+      if (v == NV - 1)
+        _mm512_mask_storeu_ps(C + r * ldc + 16 * v, last, acc[r][v]);
+      else
+        _mm512_storeu_ps(C + r * ldc + 16 * v, acc[r][v]);
+    }
+}
+
+// R rows x NV vectors of 16 columns held in registers (R * NV <= 24 accumulators + NV loads of
+// B + one broadcast fit in the 32 zmm registers).  Per k: NV loads, R broadcasts, R*NV FMAs.
+// The last vector of columns is loaded / stored under `last` (columns past `cols`).
+template <int R, int NV>
+inline void micro_f32(int64_t K, const float* __restrict A, int64_t sar, int64_t sak,
+                      const float* __restrict B, int64_t ldb, float* __restrict C, int64_t ldc,
+                      __mmask16 last, bool accumulate) {
+  __m512 acc[R][NV];
+  load_acc(acc, C, ldc, last, accumulate);
   for (int64_t k = 0; k < K; ++k) {
     const float* b = B + k * ldb;
     __m512 bv[NV];
@@ -142,15 +186,7 @@ inline void micro_f32(int64_t K, const float* __restrict A, int64_t sar, int64_t
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
     }
   }
-  #pragma GCC unroll 32
-  for (int r = 0; r < R; ++r)
-    #pragma GCC unroll 32
-    for (int v = 0; v < NV; ++v) {
-      if (v == NV - 1)
-        _mm512_mask_storeu_ps(C + r * ldc + 16 * v, last, acc[r][v]);
-      else
-        _mm512_storeu_ps(C + r * ldc + 16 * v, acc[r][v]);
-    }
+  store_acc(acc, C, ldc, last);
 }
 
 // Rows per register block for NV column vectors (about 24 accumulators).  For NV = 4: 6 rows
@@ -246,54 +282,70 @@ inline __m512 exp2_ps(__m512 x) {
 }
 #endif
 
-// s[j] <- exp2(s[j] - mx) for j < n; returns the sum.  mx is finite.
-template <typename T>
-inline T exp2_sub_sum(T* s, int64_t n, T mx) {
+// max_j c * s[j] over n >= 1 entries (c may have either sign).
+template <typename acc_t>
+inline acc_t scaled_max(const acc_t* s, int64_t n, acc_t c) {
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) {
-    const __m512 m = _mm512_set1_ps(mx);
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const __m512 cv = _mm512_set1_ps(c);
+    __m512 m = _mm512_set1_ps(neg_inf<float>());
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_mul_ps(cv, _mm512_loadu_ps(s + j)));
+    if (j < n) {
+      const __mmask16 k = static_cast<__mmask16>((1u << (n - j)) - 1u);
+      m = _mm512_mask_max_ps(m, k, m, _mm512_mul_ps(cv, _mm512_maskz_loadu_ps(k, s + j)));
+    }
+    return _mm512_reduce_max_ps(m);
+  }
+#endif
+  acc_t m = neg_inf<acc_t>();
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, c * s[j]);
+  return m;
+}
+
+// s[j] <- exp2(c s[j] - mx) for j < n (mx finite); returns the sum.  Folding the scale into
+// the exponent's FMA saves the separate scaling pass over the scores.
+template <typename acc_t>
+inline acc_t exp2_scaled_sum(acc_t* s, int64_t n, acc_t c, acc_t mx) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const __m512 cv = _mm512_set1_ps(c), mv = _mm512_set1_ps(mx);
     __m512 sum = _mm512_setzero_ps();
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
-      const __m512 p = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+      const __m512 p = exp2_ps(_mm512_fmsub_ps(cv, _mm512_loadu_ps(s + j), mv));
       _mm512_storeu_ps(s + j, p);
       sum = _mm512_add_ps(sum, p);
     }
     if (j < n) {
       const __mmask16 k = static_cast<__mmask16>((1u << (n - j)) - 1u);
-      const __m512 p = exp2_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), m));
+      const __m512 p = exp2_ps(_mm512_fmsub_ps(cv, _mm512_maskz_loadu_ps(k, s + j), mv));
       _mm512_mask_storeu_ps(s + j, k, p);
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, p));
     }
     return _mm512_reduce_add_ps(sum);
   }
 #endif
-  T sum = 0;
+  acc_t sum = 0;
   for (int64_t j = 0; j < n; ++j) {
-    const T p = std::exp2(s[j] - mx);
+    const acc_t p = std::exp2(c * s[j] - mx);
     s[j] = p;
     sum += p;
   }
   return sum;
 }
 
+// s[j] <- exp2(s[j] - mx) for j < n; returns the sum.  mx is finite.  (c = 1: the FMA's product is
+// exact, so this is s[j] - mx to the bit.)
+template <typename T>
+inline T exp2_sub_sum(T* s, int64_t n, T mx) {
+  return exp2_scaled_sum(s, n, T(1), mx);
+}
+
+// max_j s[j] over n >= 1 entries.
 template <typename T>
 inline T row_max(const T* s, int64_t n) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) {
-    __m512 m = _mm512_set1_ps(neg_inf<float>());
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
-    if (j < n) {
-      const __mmask16 k = static_cast<__mmask16>((1u << (n - j)) - 1u);
-      m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, s + j));
-    }
-    return _mm512_reduce_max_ps(m);
-  }
-#endif
-  T m = neg_inf<T>();
-  for (int64_t j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
-  return m;
+  return scaled_max(s, n, T(1));
 }
 
 
@@ -330,13 +382,7 @@ inline void micro_bf16(int64_t KP, const uint16_t* __restrict A, int64_t lda,
                        const uint16_t* __restrict B, int64_t ldb, float* __restrict C,
                        int64_t ldc, __mmask16 last, bool accumulate) {
   __m512 acc[R][NV];
-#pragma GCC unroll 32
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 32
-    for (int v = 0; v < NV; ++v)
-      acc[r][v] = !accumulate ? _mm512_setzero_ps()
-                  : v == NV - 1 ? _mm512_maskz_loadu_ps(last, C + r * ldc + 16 * v)
-                                : _mm512_loadu_ps(C + r * ldc + 16 * v);
+  load_acc(acc, C, ldc, last, accumulate);
   for (int64_t kp = 0; kp < KP; ++kp) {
     const uint16_t* b = B + kp * ldb;
     __m512bh bv[NV];
@@ -351,15 +397,7 @@ inline void micro_bf16(int64_t KP, const uint16_t* __restrict A, int64_t lda,
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
     }
   }
-#pragma GCC unroll 32
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 32
-    for (int v = 0; v < NV; ++v) {
-      if (v == NV - 1)
-        _mm512_mask_storeu_ps(C + r * ldc + 16 * v, last, acc[r][v]);
-      else
-        _mm512_storeu_ps(C + r * ldc + 16 * v, acc[r][v]);
-    }
+  store_acc(acc, C, ldc, last);
 }
 
 template <int NV, int R>

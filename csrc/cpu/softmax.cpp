@@ -34,20 +34,7 @@
 // MKL sgemm_ on the same tiles gave 0.93x (forward) / 1.07x (causal forward+backward), the
 // micro-kernels 1.86x / 2.19x; one thread, they reach ~157 GF/s forward, ~145 GF/s backward.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <optional>
-#include <type_traits>
 #include <vector>
 
 #include "flash_tiles.h"
@@ -333,16 +320,7 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
         }
         for (int64_t r = 0; r < qn; ++r) {
           const int64_t row = (b * H + h) * N + q0 + r;
-          scalar_t* dst = out + row * Dv;
-          const acc_t* o = st.o.data() + r * Dv;
-          if (st.l[r] > acc_t(0)) {
-            const acc_t inv = acc_t(1) / st.l[r];
-            for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(o[d] * inv);
-            lse[row] = st.m[r] * static_cast<acc_t>(kLn2) + std::log(st.l[r]);
-          } else {
-            for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(0);
-            lse[row] = neg_inf<acc_t>();
-          }
+          finish_row(st.o.data() + r * Dv, st.m[r], st.l[r], Dv, out + row * Dv, lse + row);
         }
       });
 }
@@ -548,8 +526,6 @@ Problem check_problem(const char* fn, const at::Tensor& q, const at::Tensor& k, 
   return p;
 }
 
-at::ScalarType acc_type_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
-
 std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& v,
                                                    const c10::optional<at::Tensor>& mask,
@@ -564,7 +540,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
     return {out, lse};
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_fwd", [&] {
-    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    using acc_t = acc_of<scalar_t>;
     softmax_fwd_kernel<scalar_t, acc_t>(p, q.const_data_ptr<scalar_t>(), Strides4(q),
                                         k.const_data_ptr<scalar_t>(), Strides4(k),
                                         v.const_data_ptr<scalar_t>(), Strides4(v),
@@ -602,7 +578,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cpu(
   // lse is read through strides as a 4-D view [B,H,N,1].
   const at::Tensor lse4 = lse.unsqueeze(-1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_bwd", [&] {
-    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    using acc_t = acc_of<scalar_t>;
     softmax_bwd_kernel<scalar_t, acc_t>(
         p, grad_out.const_data_ptr<scalar_t>(), Strides4(grad_out), q.const_data_ptr<scalar_t>(),
         Strides4(q), k.const_data_ptr<scalar_t>(), Strides4(k), v.const_data_ptr<scalar_t>(),

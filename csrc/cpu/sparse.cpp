@@ -46,14 +46,7 @@
 //
 // Extra memory: per thread O(Nk (D + Dv)) packed keys plus O(tile) scratch; never N x N.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <type_traits>
 #include <vector>
 
 #include "flash_tiles.h"
@@ -76,11 +69,6 @@ constexpr int64_t kBlockQb = 128;     //   backward dK/dV pass: query rows per s
 // Leading dimensions of packed tiles get 16 extra columns so that the rows of a [D][ld] tile
 // do not all map to the same L1 sets (ld = 256 floats = 1 KiB would).
 constexpr int64_t kPad = 16;
-
-template <typename scalar_t>
-using acc_of = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-
-at::ScalarType acc_type_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 // ---------------------------------------------------------------------------------------------
 // Tiles.  vlo[r] <= j < vhi[r] are the visible columns of row r (relative to the tile; empty
@@ -117,19 +105,6 @@ void fwd_tile(int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int
     m[r] = mx;
   }
   gemm<acc_t>(qn, Dv, kn, S, lds, 1, V, ldv, O, ldo, true);
-}
-
-// Writes the finished rows: out = O / l, lse = ln 2 * m + ln l; rows with nothing: 0, -inf.
-template <typename scalar_t, typename acc_t>
-inline void finish_row(const acc_t* o, acc_t m, acc_t l, int64_t Dv, scalar_t* dst, acc_t* lse) {
-  if (l > acc_t(0)) {
-    const acc_t inv = acc_t(1) / l;
-    for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(o[d] * inv);
-    *lse = m * static_cast<acc_t>(kLn2) + std::log(l);
-  } else {
-    for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(0);
-    *lse = neg_inf<acc_t>();
-  }
 }
 
 // Gradients of one tile given the (merged) lse in base 2 (l2) and delta (di) per row:
@@ -377,58 +352,6 @@ void check_grad_inputs(const char* fn, const at::Tensor& q, const at::Tensor& v,
 // ---------------------------------------------------------------------------------------------
 // Range part: forward.
 // ---------------------------------------------------------------------------------------------
-// max_j c * s[j] over n >= 1 entries (c may have either sign).
-template <typename acc_t>
-inline acc_t scaled_max(const acc_t* s, int64_t n, acc_t c) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<acc_t, float>) {
-    const __m512 cv = _mm512_set1_ps(c);
-    __m512 m = _mm512_set1_ps(neg_inf<float>());
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_mul_ps(cv, _mm512_loadu_ps(s + j)));
-    if (j < n) {
-      const __mmask16 k = static_cast<__mmask16>((1u << (n - j)) - 1u);
-      m = _mm512_mask_max_ps(m, k, m, _mm512_mul_ps(cv, _mm512_maskz_loadu_ps(k, s + j)));
-    }
-    return _mm512_reduce_max_ps(m);
-  }
-#endif
-  acc_t m = neg_inf<acc_t>();
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, c * s[j]);
-  return m;
-}
-
-// s[j] <- exp2(c s[j] - mx) for j < n (mx finite); returns the sum.  Folding the scale into
-// the exponent's FMA saves the separate scaling pass over the scores.
-template <typename acc_t>
-inline acc_t exp2_scaled_sum(acc_t* s, int64_t n, acc_t c, acc_t mx) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<acc_t, float>) {
-    const __m512 cv = _mm512_set1_ps(c), mv = _mm512_set1_ps(mx);
-    __m512 sum = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-      const __m512 p = exp2_ps(_mm512_fmsub_ps(cv, _mm512_loadu_ps(s + j), mv));
-      _mm512_storeu_ps(s + j, p);
-      sum = _mm512_add_ps(sum, p);
-    }
-    if (j < n) {
-      const __mmask16 k = static_cast<__mmask16>((1u << (n - j)) - 1u);
-      const __m512 p = exp2_ps(_mm512_fmsub_ps(cv, _mm512_maskz_loadu_ps(k, s + j), mv));
-      _mm512_mask_storeu_ps(s + j, k, p);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, p));
-    }
-    return _mm512_reduce_add_ps(sum);
-  }
-#endif
-  acc_t sum = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const acc_t p = std::exp2(c * s[j] - mx);
-    s[j] = p;
-    sum += p;
-  }
-  return sum;
-}
 
 // Online-softmax step of one strip of hn query rows over a window of w keys: S (row stride
 // lds) holds the raw scores q.k; row r sees the window's columns [a[r], e[r]) (clamped to
@@ -873,6 +796,19 @@ void for_each_chunk(const int32_t* idx, int64_t a, int64_t e, int64_t block, int
   if (n > 0) fn(segs, n);
 }
 
+// Rows per chunk of listed blocks: as many whole blocks as fit in `target` rows, or `target`
+// (a part of one block) when a block is larger.
+inline int64_t chunk_cap(int64_t block, int64_t target) {
+  return std::max(block >= target ? target : target / block * block, int64_t(1));
+}
+
+// A block-sparse task index, decoded: sub-tile `sub` of block `blk` of head row bh (= b * H + h).
+struct BlockTask {
+  int64_t sub, blk, bh, h;
+  BlockTask(int64_t task, int64_t subs, int64_t nb, int64_t H)
+      : sub(task % subs), blk((task / subs) % nb), bh(task / (subs * nb)), h(bh % H) {}
+};
+
 // Causal visibility in a chunk of sorted key segments: the number of chunk keys j <= i.
 inline int64_t keys_up_to(const std::vector<Seg>& segs, int64_t i) {
   int64_t n = 0;
@@ -893,6 +829,21 @@ struct BlockScratch {
   std::vector<acc_t> dk, dv;
   std::vector<int64_t> vlo, vhi;
   std::vector<Seg> segs;
+
+  // Sizes what both backward passes use: `rows` query rows (Q, dO, lse, delta, visible ranges
+  // from 0) against transposed key tiles of leading dimension ld.
+  void size_bwd(int64_t rows, int64_t ld, int64_t D, int64_t Dv) {
+    kt.resize(static_cast<size_t>(D * ld));
+    vt.resize(static_cast<size_t>(Dv * ld));
+    qr.resize(static_cast<size_t>(rows * D));
+    dor.resize(static_cast<size_t>(rows * Dv));
+    l2.resize(rows);
+    di.resize(rows);
+    s.resize(static_cast<size_t>(rows * ld));
+    dp.resize(static_cast<size_t>(rows * ld));
+    vlo.assign(rows, 0);
+    vhi.resize(rows);
+  }
 };
 
 // Pointer to `n` rows (width w) of a chunk: in place when the chunk is one run and needs no
@@ -933,7 +884,7 @@ void block_fwd_kernel(const BlockLists& L, int64_t BH, int64_t H, int64_t N, int
   const int64_t nb = L.nb;
   const int64_t TQ = std::min(block, kBlockQ);
   const int64_t subs = ceil_div(block, TQ);
-  const int64_t cap = std::max(block >= kChunkK ? kChunkK : kChunkK / block * block, int64_t(1));
+  const int64_t cap = chunk_cap(block, kChunkK);
   const int64_t ld = cap + kPad;
   const acc_t c = static_cast<acc_t>(scale * kLog2e);
   run_tasks(
@@ -951,8 +902,8 @@ void block_fwd_kernel(const BlockLists& L, int64_t BH, int64_t H, int64_t N, int
         return st;
       },
       [&](BlockScratch<acc_t>& st, int64_t task) {
-        const int64_t sub = task % subs, r = (task / subs) % nb, bh = task / (subs * nb);
-        const int64_t h = bh % H;
+        const BlockTask bt(task, subs, nb, H);
+        const int64_t sub = bt.sub, r = bt.blk, bh = bt.bh, h = bt.h;
         const int64_t i0 = r * block + sub * TQ, qn = std::min(TQ, (r + 1) * block - i0);
         const int64_t qrow0 = bh * N + i0;
         std::fill(st.o.begin(), st.o.begin() + qn * Dv, acc_t(0));
@@ -1001,28 +952,19 @@ void block_bwd_kernel(const BlockLists& R, const BlockLists& C, int64_t BH, int6
     const int64_t TQ = std::min(block, kBlockQ);
     const int64_t subs = ceil_div(block, TQ);
     // Keys per chunk: the scratch holds [TQ][cap] scores twice; 128 keys keep it in L1/L2.
-    const int64_t cap = std::max(block >= 128 ? int64_t(128) : 128 / block * block, int64_t(1));
+    const int64_t cap = chunk_cap(block, 128);
     const int64_t ld = cap + kPad;
     run_tasks(
         BH * nb * subs,
         [&] {
           BlockScratch<acc_t> st;
-          st.kt.resize(static_cast<size_t>(D * ld));
-          st.vt.resize(static_cast<size_t>(Dv * ld));
+          st.size_bwd(TQ, ld, D, Dv);
           st.kr.resize(static_cast<size_t>(cap * D));
-          st.qr.resize(static_cast<size_t>(TQ * D));
-          st.dor.resize(static_cast<size_t>(TQ * Dv));
-          st.l2.resize(TQ);
-          st.di.resize(TQ);
-          st.s.resize(static_cast<size_t>(TQ * ld));
-          st.dp.resize(static_cast<size_t>(TQ * ld));
-          st.vlo.assign(TQ, 0);
-          st.vhi.resize(TQ);
           return st;
         },
         [&](BlockScratch<acc_t>& st, int64_t task) {
-          const int64_t sub = task % subs, r = (task / subs) % nb, bh = task / (subs * nb);
-          const int64_t h = bh % H;
+          const BlockTask bt(task, subs, nb, H);
+          const int64_t sub = bt.sub, r = bt.blk, bh = bt.bh, h = bt.h;
           const int64_t i0 = r * block + sub * TQ, qn = std::min(TQ, (r + 1) * block - i0);
           const int64_t qrow0 = bh * N + i0;
           int64_t ldq, lddo;
@@ -1057,30 +999,20 @@ void block_bwd_kernel(const BlockLists& R, const BlockLists& C, int64_t BH, int6
   {
     const int64_t TK = std::min(block, kBlockKb);
     const int64_t subs = ceil_div(block, TK);
-    const int64_t cap = std::max(block >= kBlockQb ? kBlockQb : kBlockQb / block * block,
-                                 int64_t(1));
+    const int64_t cap = chunk_cap(block, kBlockQb);
     const int64_t ld = TK + kPad;
     run_tasks(
         BH * nb * subs,
         [&] {
           BlockScratch<acc_t> st;
-          st.kt.resize(static_cast<size_t>(D * ld));
-          st.vt.resize(static_cast<size_t>(Dv * ld));
-          st.qr.resize(static_cast<size_t>(cap * D));
-          st.dor.resize(static_cast<size_t>(cap * Dv));
-          st.l2.resize(cap);
-          st.di.resize(cap);
-          st.s.resize(static_cast<size_t>(cap * ld));
-          st.dp.resize(static_cast<size_t>(cap * ld));
+          st.size_bwd(cap, ld, D, Dv);
           st.dk.resize(static_cast<size_t>(TK * D));
           st.dv.resize(static_cast<size_t>(TK * Dv));
-          st.vlo.assign(cap, 0);
-          st.vhi.resize(cap);
           return st;
         },
         [&](BlockScratch<acc_t>& st, int64_t task) {
-          const int64_t sub = task % subs, cb = (task / subs) % nb, bh = task / (subs * nb);
-          const int64_t h = bh % H;
+          const BlockTask bt(task, subs, nb, H);
+          const int64_t sub = bt.sub, cb = bt.blk, bh = bt.bh, h = bt.h;
           const int64_t j0 = cb * block + sub * TK, kn = std::min(TK, (cb + 1) * block - j0);
           const int64_t krow0 = bh * N + j0;
           pack_kt(k + krow0 * D, D, kn, D, st.kt.data(), ld);

@@ -37,30 +37,10 @@
 // Scores are kept in base 2 (beta * log2 e) so the exponentials are exp2f; lse is natural log.
 // SIMT float32 FMAs throughout (no tensor cores): the Triton kernel is the default GPU path.
 
-// The CPU torch wheel (used by CI's compile check) does not ship this generated header; it only
-// matters for Windows DLL exports, which c10/cuda/CUDAMacros.h lets us skip.
-#if defined(__has_include)
-#if !__has_include(<c10/cuda/impl/cuda_cmake_macros.h>)
-#define C10_CUDA_NO_CMAKE_CONFIGURE_FILE
-#endif
-#endif
-
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
-
-#include <cuda_runtime.h>
+#include "host_utils.cuh"  // first: torch headers and host helpers
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <optional>
-#include <tuple>
 #include <type_traits>
 
 namespace attnkit {
@@ -493,11 +473,6 @@ __global__ void __launch_bounds__(kThreads) energy_kernel(const T* state, const 
 // ---------------------------------------------------------------------------------------------
 // host side
 // ---------------------------------------------------------------------------------------------
-
-template <typename Kernel>
-void allow_smem(Kernel kernel, size_t bytes) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-}
 
 // Calls f(T{}) with the element type of `st` (float16, bfloat16, float32).
 template <typename F>

@@ -57,35 +57,14 @@
 //    each an inter-chunk state product plus masked intra-chunk products.  No atomics:
 //    deterministic.
 
-// The CPU torch wheel (used by CI's compile check) does not ship this generated header; it only
-// matters for Windows DLL exports, which c10/cuda/CUDAMacros.h lets us skip.  A CUDA wheel ships
-// it and it is used.
-#if defined(__has_include)
-#if !__has_include(<c10/cuda/impl/cuda_cmake_macros.h>)
-#define C10_CUDA_NO_CMAKE_CONFIGURE_FILE
-#endif
-#endif
-
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
+#include "host_utils.cuh"  // first: torch headers and host helpers
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
 #include <cmath>
-#include <cstdint>
-#include <optional>
 #include <string>
 #include <string_view>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -879,9 +858,7 @@ void check_qkv(const char* fn, const at::Tensor& q, const at::Tensor& k, const a
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
               ": expected q [B,H,N,D], k [B,H,M,D], v [B,H,M,Dv]; got ", q.sizes(), ", ", k.sizes(), ", ",
               v.sizes());
-  TORCH_CHECK(q.is_cuda(), fn, ": the cuda backend takes CUDA tensors; got q on ", q.device());
-  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), fn, ": q, k, v must be on one device; got ",
-              q.device(), ", ", k.device(), ", ", v.device());
+  check_same_cuda_device(fn, q, k, v);
   const auto st = q.scalar_type();
   TORCH_CHECK(st == at::kHalf || st == at::kBFloat16 || st == at::kFloat || st == at::kDouble, fn,
               ": the cuda kernels take float16, bfloat16, float32 or float64; got ", st);
@@ -891,10 +868,7 @@ void check_qkv(const char* fn, const at::Tensor& q, const at::Tensor& k, const a
               fn, ": q, k, v sizes do not fit: ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   TORCH_CHECK(!causal || q.size(2) == k.size(2), fn, ": causal needs N == M; got ", q.size(2), " and ", k.size(2));
   if (st == at::kHalf || st == at::kBFloat16) {
-    int major = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
-    TORCH_CHECK(major >= 8, fn, ": float16 / bfloat16 inputs need compute capability 8.0 or newer (tensor-core ",
-                "mma.m16n8k16); got ", major, ".x");
+    check_sm80(fn, q, "float16 / bfloat16 inputs");
   }
   TORCH_CHECK(q.size(0) <= 65535 && q.size(1) <= 65535, fn, ": B and H must be <= 65535 (CUDA grid); got ",
               q.size(0), ", ", q.size(1));
@@ -946,7 +920,7 @@ States<A> states_of(const at::Tensor& x, int64_t nt, int64_t rows, int64_t cols)
 template <typename A, typename... P, typename... Args>
 void launch(void (*kernel)(P...), dim3 grid, Args&&... args) {
   constexpr size_t smem = smem_bytes<A>();
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  allow_smem(kernel, smem);
   kernel<<<grid, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(std::forward<Args>(args)...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -44,30 +44,12 @@
 //    NaN; a row with lse = -inf is treated as lse = +inf in the backward (P = 0, zero grads).
 // Inputs need only a contiguous last dim with 16-byte aligned rows; others are copied first.
 
-// The CPU torch wheel (used by CI's compile check) does not ship this generated header; it only
-// matters for Windows DLL exports, which c10/cuda/CUDAMacros.h lets us skip.  A CUDA wheel
-// ships it and it is used.
-#if defined(__has_include)
-#if !__has_include(<c10/cuda/impl/cuda_cmake_macros.h>)
-#define C10_CUDA_NO_CMAKE_CONFIGURE_FILE
-#endif
-#endif
-
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#include "host_utils.cuh"  // first: torch headers and host helpers
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
 #include <cmath>
-#include <cstdint>
-#include <optional>
-#include <tuple>
 
 #include "mma_sm80.cuh"
 #include "flash_tiles.cuh"
@@ -392,14 +374,8 @@ Shape check_qkv(const char* fn, const at::Tensor& q, const at::Tensor& k, const 
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
               ": q, k, v must be 4-D [B, H, N, D], [B, Hk, M, D], [B, Hk, M, Dv]; got ", q.dim(), "-D, ",
               k.dim(), "-D, ", v.dim(), "-D");
-  TORCH_CHECK(q.is_cuda(), fn, ": the cuda backend takes CUDA tensors; got q on ", q.device());
-  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), fn,
-              ": q, k, v must be on one device; got ", q.device(), ", ", k.device(), ", ", v.device());
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, fn,
-              ": the cuda kernels take float16 or bfloat16; got ", q.scalar_type());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), fn,
-              ": q, k, v must share one dtype; got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
-              v.scalar_type());
+  check_same_cuda_device(fn, q, k, v);
+  check_16bit_dtypes(fn, q, k, v);
   const Shape s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
   TORCH_CHECK(k.size(0) == s.B && v.size(0) == s.B && v.size(1) == s.Hk && v.size(2) == s.M && k.size(3) == s.D,
               fn, ": shapes do not match: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
@@ -413,11 +389,7 @@ Shape check_qkv(const char* fn, const at::Tensor& q, const at::Tensor& k, const 
               s.N, ", M = ", s.M);
   TORCH_CHECK(s.H <= 65535 && s.B <= 65535, fn, ": B and H must be <= 65535 (CUDA grid); got B = ", s.B,
               ", H = ", s.H);
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
-  TORCH_CHECK(major >= 8, fn,
-              ": the cuda kernels need compute capability 8.0 or newer (tensor-core mma.m16n8k16); got ",
-              major, ".x");
+  check_sm80(fn, q, "the cuda kernels");
   return s;
 }
 
@@ -446,14 +418,6 @@ Mask make_mask(const char* fn, const std::optional<at::Tensor>& mask, const Shap
   mk.sm = stride_or_zero(m, 3);
   return mk;
 }
-
-template <typename Kernel>
-void allow_smem(Kernel kernel, size_t bytes) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-}
-
-const uint16_t* bits(const at::Tensor& x) { return static_cast<const uint16_t*>(x.data_ptr()); }
-uint16_t* mutable_bits(at::Tensor& x) { return static_cast<uint16_t*>(x.data_ptr()); }
 
 template <bool kBF16, int kD>
 void launch_fwd(const FwdParams& p, dim3 grid, cudaStream_t stream) {

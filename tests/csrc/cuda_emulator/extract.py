@@ -3,7 +3,7 @@ the host emulator (harness.cpp and the harnesses built on it).
 
 Kept verbatim: everything from the file's ``namespace attnkit {`` up to the "host side" banner --
 the constants, the masks, the element helpers, the fragment loaders, the kernels -- preceded by the
-device part of each project header the file includes, in include order (``#include
+device part of each project header the file includes (but the host-only ``host_utils.cuh``), in include order (``#include
 "mma_sm80.cuh"``: the shared element helpers, PTX helpers and fragment loaders; softmax.cu and
 sparse.cu then ``#include "flash_tiles.cuh"``: their shared tile geometry, shared-memory layouts
 and FlashAttention tile steps, which use mma_sm80.cuh's helpers and so come after it), inlined at
@@ -27,6 +27,9 @@ import sys
 from pathlib import Path
 
 HOST_BANNER = "// host side"
+# Project headers that hold host code only (torch headers, input checks, launch helpers): no device
+# part to inline, and their torch includes would not compile in the emulator; they are skipped.
+HOST_ONLY_HEADERS = ("host_utils.cuh",)
 # A kernel's shared-memory declaration -> its emulated replacement (softmax.cu and sparse.cu use
 # the first form, linear.cu the second).
 SHARED_MEMORY = {
@@ -188,10 +191,15 @@ def _header_device_part(header, text):
 
 def included_headers(path):
     """{name: text} of the project headers (``#include "..."``) that the kernel file at `path`
-    includes, read from its directory."""
+    includes, read from its directory; the host-only ones (HOST_ONLY_HEADERS) left out."""
     path = Path(path)
     return {name: (path.parent / name).read_text(encoding="utf-8")
-            for name in PROJECT_INCLUDE.findall(_without_comments(path.read_text(encoding="utf-8")))}
+            for name in _project_includes(path.read_text(encoding="utf-8"))}
+
+
+def _project_includes(text):
+    """Names of the project headers `text` includes, in order, but the host-only ones."""
+    return [name for name in PROJECT_INCLUDE.findall(_without_comments(text)) if name not in HOST_ONLY_HEADERS]
 
 
 def extract_device_code(source: str, headers=None, name="csrc/cuda/softmax.cu") -> str:
@@ -213,7 +221,7 @@ def extract_device_code(source: str, headers=None, name="csrc/cuda/softmax.cu") 
     end = source.rfind("// ----", start, banner)
     if end < 0:
         _fail(f"no `// ----` rule above `{HOST_BANNER}`", name)
-    inlined, includes = [], PROJECT_INCLUDE.findall(_without_comments(source[:start]))
+    inlined, includes = [], _project_includes(source[:start])
     for include in includes:
         if include not in headers:
             _fail(f"it includes \"{include}\", which was not given to the extractor", name)
