@@ -118,7 +118,7 @@ RANGE_CASES += [
 ]
 
 
-def _range_case(case, dtype, b=1, h=2, seed=0):
+def _check_range_case(case, dtype, b=1, h=2, seed=0):
     name, nq, nk, d, dv, view, lo, hi = case
     scale = d ** -0.5
     q, k, v, dout, delta = _inputs(b, h, nq, nk, d, dv, dtype, seed)
@@ -143,7 +143,7 @@ def _range_case(case, dtype, b=1, h=2, seed=0):
 
 @pytest.mark.parametrize("case", RANGE_CASES, ids=[c[0] for c in RANGE_CASES])
 def test_range_float32(case):
-    _range_case(case, F32)
+    _check_range_case(case, F32)
 
 
 @pytest.mark.parametrize("case", [c for c in RANGE_CASES if c[0] in (
@@ -151,12 +151,12 @@ def test_range_float32(case):
     "shared_keys", "wide_full", "uncovered_rows", "wide_chunks", "own_block_48")], ids=str)
 @pytest.mark.parametrize("dtype", [F64, BF16, F16], ids=str)
 def test_range_dtypes(case, dtype):
-    _range_case(case, dtype, seed=1)
+    _check_range_case(case, dtype, seed=1)
 
 
 def test_range_batch_and_chunks():
     # B*H = 3 units on 2+ threads: the backward splits key tiles into chunks (own dQ buffers).
-    _range_case(("b3", 150, 150, 16, 16, V1, [-40, 1, 1, 0], [0, 1, 1, 0]), F32, b=3, h=1, seed=2)
+    _check_range_case(("b3", 150, 150, 16, 16, V1, [-40, 1, 1, 0], [0, 1, 1, 0]), F32, b=3, h=1, seed=2)
 
 
 def test_range_parts_partition_strided_causal():
@@ -231,7 +231,7 @@ BLOCK_CASES = [  # (block, nb, hl, causal, d, dv)
 ]
 
 
-def _block_case(case, dtype, seed=0, b=1, h=2):
+def _check_block_case(case, dtype, seed=0, b=1, h=2):
     block, nb, hl, causal, d, dv = case
     n = block * nb
     scale = d ** -0.5
@@ -262,13 +262,13 @@ def _block_case(case, dtype, seed=0, b=1, h=2):
 
 @pytest.mark.parametrize("case", BLOCK_CASES, ids=str)
 def test_block_sparse_float32(case):
-    _block_case(case, F32)
+    _check_block_case(case, F32)
 
 
 @pytest.mark.parametrize("case", [BLOCK_CASES[1], BLOCK_CASES[2], BLOCK_CASES[4]], ids=str)
 @pytest.mark.parametrize("dtype", [F64, BF16, F16], ids=str)
 def test_block_sparse_dtypes(case, dtype):
-    _block_case(case, dtype, seed=1)
+    _check_block_case(case, dtype, seed=1)
 
 
 def test_block_sparse_matches_block_layout_lists():

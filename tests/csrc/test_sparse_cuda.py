@@ -52,7 +52,7 @@ def _check_all(results, reference, dtype, label):
         assert_close_to_reference(x, r64, rlow, name=f"{name} [{label}]", dtype=dtype)
 
 
-def run_range(ops, dtype, d, b, h, nq, nk, view, lo, hi, seed=0, scale=None):
+def check_range(ops, dtype, d, b, h, nq, nk, view, lo, hi, seed=0, scale=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     q, k, v = _randn((b, h, nq, d), dtype, g), _randn((b, h, nk, d), dtype, g), _randn((b, h, nk, d), dtype, g)
@@ -102,7 +102,7 @@ def _range_parts(n, s=64, l=128, c=8):
 @pytest.mark.parametrize("dtype", LOW)
 def test_range_part_matches_reference(ops, dtype, d, part, n):
     name, nq, nk, view, lo, hi = _range_parts(n)[part]
-    run_range(ops, dtype, d, 1, 2, nq, nk, view, lo, hi, seed=part + n)
+    check_range(ops, dtype, d, 1, 2, nq, nk, view, lo, hi, seed=part + n)
 
 
 def test_strided_causal_partition_merges_to_the_pattern(ops):
@@ -123,7 +123,7 @@ def test_strided_causal_partition_merges_to_the_pattern(ops):
     assert_close_to_reference(out, ref64, ref16, name="merged strided", dtype=dtype)
 
 
-def run_block(ops, dtype, d, b, h, hl, block, nb, causal, density=0.3, seed=0):
+def check_block(ops, dtype, d, b, h, hl, block, nb, causal, density=0.3, seed=0):
     g = torch.Generator().manual_seed(seed)
     lay = torch.rand(hl, nb, nb, generator=g) < density
     lay[0, 1] = False  # a query block with no key block
@@ -161,16 +161,16 @@ def run_block(ops, dtype, d, b, h, hl, block, nb, causal, density=0.3, seed=0):
 @pytest.mark.parametrize("d", (64, 128))
 @pytest.mark.parametrize("dtype", LOW)
 def test_block_sparse_matches_reference(ops, dtype, d, hl, causal, block, nb):
-    run_block(ops, dtype, d, 2, 4, hl, block, nb, causal, seed=block + nb + hl)
+    check_block(ops, dtype, d, 2, 4, hl, block, nb, causal, seed=block + nb + hl)
 
 
 def test_deterministic(ops):
-    first, _ = run_range(ops, torch.bfloat16, 64, 1, 2, 3000, 3000, _strided_view(64), (0, 1, 0, 0), (-2, 1, 1, 0))
-    second, _ = run_range(ops, torch.bfloat16, 64, 1, 2, 3000, 3000, _strided_view(64), (0, 1, 0, 0), (-2, 1, 1, 0))
+    first, _ = check_range(ops, torch.bfloat16, 64, 1, 2, 3000, 3000, _strided_view(64), (0, 1, 0, 0), (-2, 1, 1, 0))
+    second, _ = check_range(ops, torch.bfloat16, 64, 1, 2, 3000, 3000, _strided_view(64), (0, 1, 0, 0), (-2, 1, 1, 0))
     for x, y in zip(first, second):
         assert torch.equal(x, y)
-    a = run_block(ops, torch.float16, 128, 1, 2, 2, 32, 40, True, seed=1)
-    b = run_block(ops, torch.float16, 128, 1, 2, 2, 32, 40, True, seed=1)
+    a = check_block(ops, torch.float16, 128, 1, 2, 2, 32, 40, True, seed=1)
+    b = check_block(ops, torch.float16, 128, 1, 2, 2, 32, 40, True, seed=1)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
