@@ -200,28 +200,33 @@ def _times_dphi(grad, x, FEATURE: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(base, rows, cols, stride_r, stride_c, n_rows, n_cols):
-    """[len(rows), len(cols)] tile as float32, zero outside [n_rows, n_cols)."""
+def _tile_ptrs(base, rows, cols, stride_r, stride_c, n_rows, n_cols):
+    """(pointers, in-bounds mask) of the [len(rows), len(cols)] tile of a strided matrix with
+    n_rows x n_cols valid entries (int64 row offsets: rows · stride can pass 2^31)."""
     ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     ptrs = base + rows.to(tl.int64)[:, None] * stride_r + cols[None, :] * stride_c
-    return tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _load_phi(base, rows, cols, stride_r, stride_c, n_rows, n_cols, FEATURE: tl.constexpr):
-    """(φ(tile), tile), both float32, φ forced to 0 outside [n_rows, n_cols)."""
-    ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    ptrs = base + rows.to(tl.int64)[:, None] * stride_r + cols[None, :] * stride_c
-    x = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
-    return tl.where(ok, _phi(x, FEATURE), 0.0), x
+    return ptrs, ok
 
 
 @triton.jit
 def _load_raw(base, rows, cols, stride_r, stride_c, n_rows, n_cols):
     """Tile in its stored dtype, zero outside [n_rows, n_cols)."""
-    ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    ptrs = base + rows.to(tl.int64)[:, None] * stride_r + cols[None, :] * stride_c
+    ptrs, ok = _tile_ptrs(base, rows, cols, stride_r, stride_c, n_rows, n_cols)
     return tl.load(ptrs, mask=ok, other=0.0)
+
+
+@triton.jit
+def _load_tile(base, rows, cols, stride_r, stride_c, n_rows, n_cols):
+    """[len(rows), len(cols)] tile as float32, zero outside [n_rows, n_cols)."""
+    return _load_raw(base, rows, cols, stride_r, stride_c, n_rows, n_cols).to(tl.float32)
+
+
+@triton.jit
+def _load_phi(base, rows, cols, stride_r, stride_c, n_rows, n_cols, FEATURE: tl.constexpr):
+    """(φ(tile), tile), both float32, φ forced to 0 outside [n_rows, n_cols)."""
+    ptrs, ok = _tile_ptrs(base, rows, cols, stride_r, stride_c, n_rows, n_cols)
+    x = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    return tl.where(ok, _phi(x, FEATURE), 0.0), x
 
 
 @triton.jit
@@ -235,6 +240,62 @@ def _load_state(base, offs_k, offs_v, HEAD_D: tl.constexpr, HEAD_DV: tl.constexp
 def _store_state(base, x, offs_k, offs_v, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr):
     ok = (offs_k < HEAD_D)[:, None] & (offs_v < HEAD_DV)[None, :]
     tl.store(base + offs_k[:, None] * HEAD_DV + offs_v[None, :], x, mask=ok)
+
+
+@triton.jit
+def _store_state_z(s_base, z_base, state, z, offs_k, offs_v, z_store, HEAD_D: tl.constexpr,
+                   HEAD_DV: tl.constexpr):
+    """A state block [BLOCK_K, BLOCK_V] at s_base and its z block [BLOCK_K] at z_base (where
+    z_store: only the first Dv-block writes z)."""
+    _store_state(s_base, state, offs_k, offs_v, HEAD_D, HEAD_DV)
+    tl.store(z_base + offs_k, z, mask=z_store)
+
+
+@triton.jit
+def _store_rows(base, x, row0, rows, cols, n_rows, WIDTH: tl.constexpr):
+    """x [len(rows), len(cols)] in base's dtype into rows row0 + rows of a contiguous
+    [*, WIDTH] matrix, masked to rows < n_rows and cols < WIDTH."""
+    ptrs = base + (row0 + rows.to(tl.int64))[:, None] * WIDTH + cols[None, :]
+    tl.store(ptrs, x.to(base.dtype.element_ty),
+             mask=(rows < n_rows)[:, None] & (cols < WIDTH)[None, :])
+
+
+@triton.jit
+def _store_times_dphi(dX, acc, X, row0, rows, cols, stride_r, stride_c, n_rows,
+                      WIDTH: tl.constexpr, FEATURE: tl.constexpr):
+    """acc · φ'(x) (x: the rows / cols tile of the strided input X, n_rows x WIDTH valid) into
+    rows row0 + rows of the contiguous [*, WIDTH] gradient dX."""
+    x = _load_tile(X, rows, cols, stride_r, stride_c, n_rows, WIDTH)
+    _store_rows(dX, _times_dphi(acc, x, FEATURE), row0, rows, cols, n_rows, WIDTH)
+
+
+@triton.jit
+def _program_tiles(OUTER_BLOCK: tl.constexpr, INNER_DIM: tl.constexpr,
+                   INNER_BLOCK: tl.constexpr):
+    """(outer, inner, h, b, offs_outer [OUTER_BLOCK], offs_inner [INNER_BLOCK]) of this program:
+    grid axis 0 packs outer · cdiv(INNER_DIM, INNER_BLOCK) + inner (outer: a chunk or a D-block,
+    inner: a D- or Dv-block); axes 1, 2 are the head and batch (int64: they scale the big
+    strides)."""
+    num_inner: tl.constexpr = (INNER_DIM + INNER_BLOCK - 1) // INNER_BLOCK
+    pid = tl.program_id(0)
+    outer = pid // num_inner
+    inner = pid % num_inner
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    offs_outer = outer * OUTER_BLOCK + tl.arange(0, OUTER_BLOCK)
+    offs_inner = inner * INNER_BLOCK + tl.arange(0, INNER_BLOCK)
+    return outer, inner, h, b, offs_outer, offs_inner
+
+
+@triton.jit
+def _chunk_causal(CHUNK: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """[CHUNK, CHUNK] mask of the visible (query i, key j) pairs in a chunk, j <= i: indexed
+    [i, j], or [j, i] when TRANSPOSED."""
+    ci = tl.arange(0, CHUNK)
+    if TRANSPOSED:
+        return ci[None, :] >= ci[:, None]
+    else:
+        return ci[None, :] <= ci[:, None]
 
 
 @triton.jit
@@ -280,15 +341,8 @@ def _state_fwd_kernel(
 ):
     """S = S0 + Σ φ(k) vᵀ and z = z0 + Σ φ(k) over the M keys, chunk by chunk; with
     STORE_CHUNKS the state before chunk t goes to Hs[b, h, t] / Zs[b, h, t]."""
-    num_v: tl.constexpr = (HEAD_DV + BLOCK_V - 1) // BLOCK_V
-    pid = tl.program_id(0)
-    ik = pid // num_v
-    iv = pid % num_v
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+    ik, iv, h, b, offs_k, offs_v = _program_tiles(BLOCK_K, HEAD_DV, BLOCK_V)
     bh = b * H + h
-    offs_k = ik * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_v = iv * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok = offs_k < HEAD_D
     # z depends on the D-block only: every Dv-block computes it, the first one stores it.
     z_store = offs_k < tl.where(iv == 0, HEAD_D, 0)
@@ -307,16 +361,16 @@ def _state_fwd_kernel(
     for t in range(NT):
         if STORE_CHUNKS:
             t64 = b * 0 + t  # int64 (t is a plain int in the interpreter: no .to())
-            _store_state(h_base + t64 * stride_ht, state, offs_k, offs_v, HEAD_D, HEAD_DV)
-            tl.store(zc_base + t64 * stride_zt + offs_k, z, mask=z_store)
+            _store_state_z(h_base + t64 * stride_ht, zc_base + t64 * stride_zt, state, z,
+                           offs_k, offs_v, z_store, HEAD_D, HEAD_DV)
         rows = t * CHUNK + tl.arange(0, CHUNK)
         phik, _ = _load_phi(k_base, rows, offs_k, stride_kn, stride_kd, M, HEAD_D, FEATURE)
         vv = _load_raw(v_base, rows, offs_v, stride_vn, stride_vd, M, HEAD_DV)
         state = _dot_plain(tl.trans(phik), vv, state, LOWP)
         z += tl.sum(phik, 0)
 
-    _store_state(S_out + bh * (HEAD_D * HEAD_DV), state, offs_k, offs_v, HEAD_D, HEAD_DV)
-    tl.store(Z_out + bh * HEAD_D + offs_k, z, mask=z_store)
+    _store_state_z(S_out + bh * (HEAD_D * HEAD_DV), Z_out + bh * HEAD_D, state, z, offs_k,
+                   offs_v, z_store, HEAD_D, HEAD_DV)
 
 
 @triton.jit
@@ -334,14 +388,7 @@ def _output_kernel(
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """out rows of query chunk t, Dv-block iv: φQ_c Hs[t] (+ (φQ_c φK_cᵀ ∘ tril) V_c)."""
-    num_v: tl.constexpr = (HEAD_DV + BLOCK_V - 1) // BLOCK_V
-    pid = tl.program_id(0)
-    t = pid // num_v
-    iv = pid % num_v
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    rows = t * CHUNK + tl.arange(0, CHUNK)
-    offs_v = iv * BLOCK_V + tl.arange(0, BLOCK_V)
+    t, iv, h, b, rows, offs_v = _program_tiles(CHUNK, HEAD_DV, BLOCK_V)
     q_base = Q + b * stride_qb + h * stride_qh
     k_base = K + b * stride_kb + h * stride_kh
     h_base = Hs + b * stride_hb + h * stride_hh + t.to(tl.int64) * stride_ht
@@ -361,8 +408,7 @@ def _output_kernel(
             phik, _ = _load_phi(k_base, rows, offs_k, stride_kn, stride_kd, N, HEAD_D, FEATURE)
             p = _dot_plain(phiq, tl.trans(phik), p, LOWP)
     if CAUSAL:
-        ci = tl.arange(0, CHUNK)
-        p = tl.where(ci[None, :] <= ci[:, None], p, 0.0)  # key j visible to query i iff j <= i
+        p = tl.where(_chunk_causal(CHUNK, False), p, 0.0)
         vv = _load_raw(V + b * stride_vb + h * stride_vh, rows, offs_v, stride_vn, stride_vd,
                        N, HEAD_DV)
         acc = _dot_plain(p, vv, acc, LOWP)
@@ -445,15 +491,8 @@ def _state_bwd_kernel(
     """dS = grad_S + Σ r_i φq_i g_iᵀ, dz = grad_z + Σ c_i φq_i over the N queries, walking
     the chunks backwards; with STORE_CHUNKS the value *after* chunk t (the sum over the later
     chunks) goes to dHs[b, h, t] / dZs[b, h, t]."""
-    num_v: tl.constexpr = (HEAD_DV + BLOCK_V - 1) // BLOCK_V
-    pid = tl.program_id(0)
-    ik = pid // num_v
-    iv = pid % num_v
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+    ik, iv, h, b, offs_k, offs_v = _program_tiles(BLOCK_K, HEAD_DV, BLOCK_V)
     bh = b * H + h
-    offs_k = ik * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_v = iv * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok = offs_k < HEAD_D
     z_store = offs_k < tl.where(iv == 0, HEAD_D, 0)
 
@@ -475,8 +514,8 @@ def _state_bwd_kernel(
         t = NT - 1 - tt
         if STORE_CHUNKS:
             t64 = b * 0 + t  # int64 (t is a plain int in the interpreter: no .to())
-            _store_state(h_base + t64 * stride_ht, dstate, offs_k, offs_v, HEAD_D, HEAD_DV)
-            tl.store(zc_base + t64 * stride_zt + offs_k, dz, mask=z_store)
+            _store_state_z(h_base + t64 * stride_ht, zc_base + t64 * stride_zt, dstate, dz,
+                           offs_k, offs_v, z_store, HEAD_D, HEAD_DV)
         rows = t * CHUNK + tl.arange(0, CHUNK)
         phiq, _ = _load_phi(q_base, rows, offs_k, stride_qn, stride_qd, N, HEAD_D, FEATURE)
         g = _load_raw(g_base, rows, offs_v, stride_gn, stride_gd, N, HEAD_DV)
@@ -486,8 +525,8 @@ def _state_bwd_kernel(
         if NORMALIZE or HAS_GDEN:
             dz += tl.sum(phiq * c[:, None], 0)
 
-    _store_state(dS_out + bh * (HEAD_D * HEAD_DV), dstate, offs_k, offs_v, HEAD_D, HEAD_DV)
-    tl.store(dZ_out + bh * HEAD_D + offs_k, dz, mask=z_store)
+    _store_state_z(dS_out + bh * (HEAD_D * HEAD_DV), dZ_out + bh * HEAD_D, dstate, dz, offs_k,
+                   offs_v, z_store, HEAD_D, HEAD_DV)
 
 
 @triton.jit
@@ -506,14 +545,7 @@ def _dq_kernel(
 ):
     """dq of query chunk t, D-block ik: [r_i g_i Hs[t]ᵀ + c_i Zs[t] + Σ_{j<=i in chunk}
     (r_i g_i·v_j + c_i) φk_j] · φ'(q_i).  Output contiguous [B, H, N, D]."""
-    num_k: tl.constexpr = (HEAD_D + BLOCK_K - 1) // BLOCK_K
-    pid = tl.program_id(0)
-    t = pid // num_k
-    ik = pid % num_k
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    rows = t * CHUNK + tl.arange(0, CHUNK)
-    offs_k = ik * BLOCK_K + tl.arange(0, BLOCK_K)
+    t, ik, h, b, rows, offs_k = _program_tiles(CHUNK, HEAD_D, BLOCK_K)
     k_ok = offs_k < HEAD_D
     g_base = G + b * stride_gb + h * stride_gh
     v_base = V + b * stride_vb + h * stride_vh
@@ -537,16 +569,12 @@ def _dq_kernel(
                     mask=k_ok, other=0.0)
         acc += c[:, None] * z[None, :]
     if CAUSAL:
-        ci = tl.arange(0, CHUNK)
-        w = tl.where(ci[None, :] <= ci[:, None], w * r[:, None] + c[:, None], 0.0)
+        w = tl.where(_chunk_causal(CHUNK, False), w * r[:, None] + c[:, None], 0.0)
         phik, _ = _load_phi(K + b * stride_kb + h * stride_kh, rows, offs_k, stride_kn,
                             stride_kd, N, HEAD_D, FEATURE)
         acc = _dot_state(w, phik, acc, LOWP)
-    xq = _load_tile(Q + b * stride_qb + h * stride_qh, rows, offs_k, stride_qn, stride_qd,
-                    N, HEAD_D)
-    dq = _times_dphi(acc, xq, FEATURE)
-    ptrs = dQ + ((b * H + h) * N + rows.to(tl.int64))[:, None] * HEAD_D + offs_k[None, :]
-    tl.store(ptrs, dq.to(dQ.dtype.element_ty), mask=(rows < N)[:, None] & k_ok[None, :])
+    _store_times_dphi(dQ, acc, Q + b * stride_qb + h * stride_qh, (b * H + h) * N, rows,
+                      offs_k, stride_qn, stride_qd, N, HEAD_D, FEATURE)
 
 
 @triton.jit
@@ -565,14 +593,7 @@ def _dk_kernel(
 ):
     """dk of key chunk t, D-block ik: [dHs[t] v_j + dZs[t] + Σ_{i>=j in chunk} (r_i g_i·v_j +
     c_i) φq_i] · φ'(k_j).  Output contiguous [B, H, M, D]."""
-    num_k: tl.constexpr = (HEAD_D + BLOCK_K - 1) // BLOCK_K
-    pid = tl.program_id(0)
-    t = pid // num_k
-    ik = pid % num_k
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    rows = t * CHUNK + tl.arange(0, CHUNK)
-    offs_k = ik * BLOCK_K + tl.arange(0, BLOCK_K)
+    t, ik, h, b, rows, offs_k = _program_tiles(CHUNK, HEAD_D, BLOCK_K)
     k_ok = offs_k < HEAD_D
     g_base = G + b * stride_gb + h * stride_gh
     v_base = V + b * stride_vb + h * stride_vh
@@ -594,16 +615,12 @@ def _dk_kernel(
     if CAUSAL:
         r, c = _row_factors(Den, Delta, GDen, (b * H + h) * N, rows, N, eps, scale,
                             NORMALIZE, HAS_GDEN)
-        ci = tl.arange(0, CHUNK)
-        wt = tl.where(ci[None, :] >= ci[:, None], wt * r[None, :] + c[None, :], 0.0)
+        wt = tl.where(_chunk_causal(CHUNK, True), wt * r[None, :] + c[None, :], 0.0)
         phiq, _ = _load_phi(Q + b * stride_qb + h * stride_qh, rows, offs_k, stride_qn,
                             stride_qd, N, HEAD_D, FEATURE)
         acc = _dot_state(wt, phiq, acc, LOWP)
-    xk = _load_tile(K + b * stride_kb + h * stride_kh, rows, offs_k, stride_kn, stride_kd,
-                    M, HEAD_D)
-    dk = _times_dphi(acc, xk, FEATURE)
-    ptrs = dK + ((b * H + h) * M + rows.to(tl.int64))[:, None] * HEAD_D + offs_k[None, :]
-    tl.store(ptrs, dk.to(dK.dtype.element_ty), mask=(rows < M)[:, None] & k_ok[None, :])
+    _store_times_dphi(dK, acc, K + b * stride_kb + h * stride_kh, (b * H + h) * M, rows,
+                      offs_k, stride_kn, stride_kd, M, HEAD_D, FEATURE)
 
 
 @triton.jit
@@ -620,15 +637,7 @@ def _dv_kernel(
 ):
     """dv of key chunk t, Dv-block iv: dHs[t]ᵀ φk_j + Σ_{i>=j in chunk} r_i (φq_i·φk_j) g_i.
     Output contiguous [B, H, M, Dv]."""
-    num_v: tl.constexpr = (HEAD_DV + BLOCK_V - 1) // BLOCK_V
-    pid = tl.program_id(0)
-    t = pid // num_v
-    iv = pid % num_v
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    rows = t * CHUNK + tl.arange(0, CHUNK)
-    offs_v = iv * BLOCK_V + tl.arange(0, BLOCK_V)
-    v_ok = offs_v < HEAD_DV
+    t, iv, h, b, rows, offs_v = _program_tiles(CHUNK, HEAD_DV, BLOCK_V)
     q_base = Q + b * stride_qb + h * stride_qh
     k_base = K + b * stride_kb + h * stride_kh
     h_base = dHs + b * stride_hb + h * stride_hh + t.to(tl.int64) * stride_ht
@@ -646,13 +655,11 @@ def _dv_kernel(
     if CAUSAL:
         r, _ = _row_factors(Den, Delta, GDen, (b * H + h) * N, rows, N, eps, scale, NORMALIZE,
                             False)
-        ci = tl.arange(0, CHUNK)
-        pt = tl.where(ci[None, :] >= ci[:, None], pt * r[None, :], 0.0)
+        pt = tl.where(_chunk_causal(CHUNK, True), pt * r[None, :], 0.0)
         g = _load_raw(G + b * stride_gb + h * stride_gh, rows, offs_v, stride_gn, stride_gd,
                       N, HEAD_DV)
         acc = _dot_state(pt, g, acc, LOWP)
-    ptrs = dV + ((b * H + h) * M + rows.to(tl.int64))[:, None] * HEAD_DV + offs_v[None, :]
-    tl.store(ptrs, acc.to(dV.dtype.element_ty), mask=(rows < M)[:, None] & v_ok[None, :])
+    _store_rows(dV, acc, (b * H + h) * M, rows, offs_v, M, HEAD_DV)
 
 
 # ----------------------------------------------------------------------------------------------

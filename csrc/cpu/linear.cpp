@@ -72,48 +72,25 @@ inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 template <typename T>
 struct Simd;
 
+// One specialization per (element type, instruction set); PFX/SFX name the intrinsics
+// (PFX##_loadu_##SFX is _mm512_loadu_ps, _mm256_loadu_pd, ...).
+#define ATTNKIT_LINEAR_SIMD(T, VT, WIDTH, PFX, SFX)                      \
+  template <>                                                            \
+  struct Simd<T> {                                                       \
+    using V = VT;                                                        \
+    static constexpr int W = WIDTH;                                      \
+    static V zero() { return PFX##_setzero_##SFX(); }                    \
+    static V load(const T* p) { return PFX##_loadu_##SFX(p); }           \
+    static void store(T* p, V v) { PFX##_storeu_##SFX(p, v); }           \
+    static V set1(T a) { return PFX##_set1_##SFX(a); }                   \
+    static V fma(V a, V b, V c) { return PFX##_fmadd_##SFX(a, b, c); }   \
+  };
 #if defined(__AVX512F__)
-template <>
-struct Simd<float> {
-  using V = __m512;
-  static constexpr int W = 16;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  static V set1(float a) { return _mm512_set1_ps(a); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-};
-template <>
-struct Simd<double> {
-  using V = __m512d;
-  static constexpr int W = 8;
-  static V zero() { return _mm512_setzero_pd(); }
-  static V load(const double* p) { return _mm512_loadu_pd(p); }
-  static void store(double* p, V v) { _mm512_storeu_pd(p, v); }
-  static V set1(double a) { return _mm512_set1_pd(a); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
-};
+ATTNKIT_LINEAR_SIMD(float, __m512, 16, _mm512, ps)
+ATTNKIT_LINEAR_SIMD(double, __m512d, 8, _mm512, pd)
 #elif defined(__AVX2__) && defined(__FMA__)
-template <>
-struct Simd<float> {
-  using V = __m256;
-  static constexpr int W = 8;
-  static V zero() { return _mm256_setzero_ps(); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  static V set1(float a) { return _mm256_set1_ps(a); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-};
-template <>
-struct Simd<double> {
-  using V = __m256d;
-  static constexpr int W = 4;
-  static V zero() { return _mm256_setzero_pd(); }
-  static V load(const double* p) { return _mm256_loadu_pd(p); }
-  static void store(double* p, V v) { _mm256_storeu_pd(p, v); }
-  static V set1(double a) { return _mm256_set1_pd(a); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
-};
+ATTNKIT_LINEAR_SIMD(float, __m256, 8, _mm256, ps)
+ATTNKIT_LINEAR_SIMD(double, __m256d, 4, _mm256, pd)
 #else
 template <typename T>
 struct ScalarSimd {
@@ -130,6 +107,7 @@ struct Simd<float> : ScalarSimd<float> {};
 template <>
 struct Simd<double> : ScalarSimd<double> {};
 #endif
+#undef ATTNKIT_LINEAR_SIMD
 
 // ---------------------------------------------------------------------------------------------
 // GEMM on packed tiles:  C[r][c] (+)= sum_k A(r, k) B[k][c],  A(r, k) = A[r * sar + k * sak]
@@ -247,46 +225,37 @@ inline float exp_nonpositive(float x) {
 
 inline double exp_nonpositive(double x) { return std::exp(x); }
 
-// x <- phi(x) on n values.
-template <typename T>
-void apply_phi(T* x, int64_t n, FeatureMap fm) {
+// x <- phi(x) (kDerivative false) or x <- phi'(x) (true) on n values.  phi' is the derivative
+// torch's autograd uses: at 0, relu' = 0, elu' = 1.  One body for both so that the two stay
+// consistent; kDerivative is a compile-time constant, the loops vectorize as before.
+template <bool kDerivative, typename T>
+void map_phi(T* x, int64_t n, FeatureMap fm) {
   switch (fm) {
     case FeatureMap::kElu:
 #pragma omp simd
       for (int64_t d = 0; d < n; ++d) {
         const T e = exp_nonpositive(x[d] > T(0) ? T(0) : x[d]);  // NaN stays NaN
-        x[d] = x[d] > T(0) ? x[d] + T(1) : e;
+        x[d] = x[d] > T(0) ? (kDerivative ? T(1) : x[d] + T(1)) : e;
       }
       break;
     case FeatureMap::kRelu:
-#pragma omp simd
-      for (int64_t d = 0; d < n; ++d) x[d] = x[d] < T(0) ? T(0) : x[d];  // NaN stays NaN
-      break;
-    case FeatureMap::kIdentity:
-      break;
-  }
-}
-
-// x <- phi'(x) on n values (the derivative torch's autograd uses: at 0, relu' = 0, elu' = 1).
-template <typename T>
-void apply_dphi(T* x, int64_t n, FeatureMap fm) {
-  switch (fm) {
-    case FeatureMap::kElu:
 #pragma omp simd
       for (int64_t d = 0; d < n; ++d) {
-        const T e = exp_nonpositive(x[d] > T(0) ? T(0) : x[d]);  // NaN stays NaN
-        x[d] = x[d] > T(0) ? T(1) : e;
+        if constexpr (kDerivative)
+          x[d] = x[d] > T(0) ? T(1) : T(0);
+        else
+          x[d] = x[d] < T(0) ? T(0) : x[d];  // NaN stays NaN
       }
       break;
-    case FeatureMap::kRelu:
-#pragma omp simd
-      for (int64_t d = 0; d < n; ++d) x[d] = x[d] > T(0) ? T(1) : T(0);
-      break;
     case FeatureMap::kIdentity:
-      std::fill(x, x + n, T(1));
+      if constexpr (kDerivative) std::fill(x, x + n, T(1));
       break;
   }
 }
+template <typename T>
+void apply_phi(T* x, int64_t n, FeatureMap fm) { map_phi<false>(x, n, fm); }
+template <typename T>
+void apply_dphi(T* x, int64_t n, FeatureMap fm) { map_phi<true>(x, n, fm); }
 
 // Vectorized reductions (the pragma allows the reassociation that a plain loop forbids).
 template <typename T>
@@ -405,6 +374,80 @@ void load_state(const T* src, int64_t D, int64_t Dv, T* dst, int64_t Dp, int64_t
     }
 }
 
+// The running state of one (b, h) at the start of a sweep: S <- init_S (or 0) as a padded tile
+// ([Dp][Dvp], or [Dvp][Dp] transposed), z <- init_z (or 0) padded to Dp.  init_S [BH][D][Dv] and
+// init_z [BH][D] are optional.
+template <typename T>
+void init_state(const T* init_S, const T* init_z, int64_t bh, int64_t D, int64_t Dv, int64_t Dp,
+                int64_t Dvp, bool transposed, T* S, T* z) {
+  load_state(init_S ? init_S + bh * D * Dv : nullptr, D, Dv, S, Dp, Dvp, transposed);
+  std::fill(z, z + Dp, T(0));
+  if (init_z) std::copy(init_z + bh * D, init_z + (bh + 1) * D, z);
+}
+
+// Non-causal reductions: the `groups` partial states [S (Dp x Dvp), z (Dp)] of (b, h), state_size
+// apart from partial + bh groups state_size on, summed into the first; then the optional extras
+// add_S [BH][D][Dv] and add_z [BH][D] of (b, h) added.  Returns that first state's S (z follows).
+template <typename T>
+T* sum_partials(T* partial, int64_t bh, int64_t groups, int64_t state_size, const T* add_S,
+                const T* add_z, int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp) {
+  T* S = partial + bh * groups * state_size;
+  T* z = S + Dp * Dvp;
+  if (add_S) add_S += bh * D * Dv;
+  if (add_z) add_z += bh * D;
+  for (int64_t g = 1; g < groups; ++g) {
+    const T* Sg = S + g * state_size;
+    for (int64_t x = 0; x < state_size; ++x) S[x] += Sg[x];
+  }
+  if (add_S)
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t e = 0; e < Dv; ++e) S[d * Dvp + e] += add_S[d * Dv + e];
+  if (add_z)
+    for (int64_t d = 0; d < D; ++d) z[d] += add_z[d];
+  return S;
+}
+
+// Chunk packing shared by the passes, rows [i0, i0 + L) of one (b, h), Lp = L rounded up to W:
+//   pack_q_t:  t.pq = phi(Q_c), t.pqT its transpose
+//   pack_kv:   t.pk = phi(K_c), t.v = V_c, and t.pkT (with_kT) / t.vT (with_vT) transposed
+template <typename scalar_t, typename T>
+void pack_q_t(const Problem<scalar_t, T>& P, int64_t bh, int64_t i0, int64_t L, int64_t Lp,
+              Tiles<T>& t) {
+  pack_rows(P.q, bh, i0, L, P.D, t.pq.data(), P.Dp, &P.fm);
+  transpose(t.pq.data(), P.Dp, L, P.D, t.pqT.data(), kChunk, Lp);
+}
+template <typename scalar_t, typename T>
+void pack_kv(const Problem<scalar_t, T>& P, int64_t bh, int64_t j0, int64_t L, int64_t Lp,
+             bool with_kT, bool with_vT, Tiles<T>& t) {
+  pack_rows(P.k, bh, j0, L, P.D, t.pk.data(), P.Dp, &P.fm);
+  if (with_kT) transpose(t.pk.data(), P.Dp, L, P.D, t.pkT.data(), kChunk, Lp);
+  pack_rows(P.v, bh, j0, L, P.Dv, t.v.data(), P.Dvp, nullptr);
+  if (with_vT) transpose(t.v.data(), P.Dvp, L, P.Dv, t.vT.data(), kChunk, Lp);
+}
+
+// S += xT y, z += xT ycol over the L rows of a chunk: xT [D][kChunk] (a transposed packed tile),
+// y [L][Dvp], ycol [L] (null: a column of ones, i.e. z += rowsum(xT)).  The state updates of
+// the forward (S += K'^T V, z += colsum(K')) and of the backward (R += P^T dnum, w += P^T dden).
+template <typename T>
+void add_outer(int64_t D, int64_t Dvp, int64_t L, const T* xT, const T* y, const T* ycol, T* S,
+               T* z) {
+  gemm<T>(Tri::kFull, D, Dvp, L, xT, kChunk, 1, y, Dvp, S, Dvp, true);
+  for (int64_t d = 0; d < D; ++d)
+    z[d] += ycol ? dot(xT + d * kChunk, ycol, L) : sum_of(xT + d * kChunk, L);
+}
+
+// a[i][c] += u[i] v[c] on an [rows][ld] tile, c < cols (v null: a row of ones, a[i][c] += u[i]).
+template <typename T>
+void add_rank1(T* a, int64_t ld, int64_t rows, int64_t cols, const T* u, const T* v) {
+  for (int64_t i = 0; i < rows; ++i) {
+    T* r = a + i * ld;
+    if (v)
+      for (int64_t c = 0; c < cols; ++c) r[c] += u[i] * v[c];
+    else
+      for (int64_t c = 0; c < cols; ++c) r[c] += u[i];
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward.
 // ---------------------------------------------------------------------------------------------
@@ -451,15 +494,11 @@ void causal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
     T* z = t.z.data();
     T den[kChunk];
     for (int64_t bh = begin; bh < end; ++bh) {
-      load_state(P.S0 ? P.S0 + bh * D * Dv : nullptr, D, Dv, S, Dp, Dvp, false);
-      std::fill(z, z + Dp, T(0));
-      if (P.z0) std::copy(P.z0 + bh * D, P.z0 + (bh + 1) * D, z);
+      init_state(P.S0, P.z0, bh, D, Dv, Dp, Dvp, false, S, z);
       for (int64_t i0 = 0; i0 < P.N; i0 += kChunk) {
         const int64_t L = std::min(kChunk, P.N - i0), Lp = round_up(L, W);
         pack_rows(P.q, bh, i0, L, D, t.pq.data(), Dp, &P.fm);
-        pack_rows(P.k, bh, i0, L, D, t.pk.data(), Dp, &P.fm);
-        transpose(t.pk.data(), Dp, L, D, t.pkT.data(), kChunk, Lp);
-        pack_rows(P.v, bh, i0, L, Dv, t.v.data(), Dvp, nullptr);
+        pack_kv(P, bh, i0, L, Lp, true, false, t);
         // A = P K'^T o tril
         gemm<T>(Tri::kOutLower, L, Lp, D, t.pq.data(), Dp, 1, t.pkT.data(), kChunk, t.a.data(),
                 kChunk, false);
@@ -476,8 +515,7 @@ void causal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
         write_out(P, bh, i0, L, t.num.data(), den, static_cast<scalar_t*>(o.out),
                   static_cast<T*>(o.den));
         // S_prev += K'^T V, z_prev += colsum(K')
-        gemm<T>(Tri::kFull, D, Dvp, L, t.pkT.data(), kChunk, 1, t.v.data(), Dvp, S, Dvp, true);
-        for (int64_t d = 0; d < D; ++d) z[d] += sum_of(t.pkT.data() + d * kChunk, L);
+        add_outer<T>(D, Dvp, L, t.pkT.data(), t.v.data(), nullptr, S, z);
       }
       store_state(P, bh, S, z, static_cast<T*>(o.S), static_cast<T*>(o.z));
     }
@@ -492,47 +530,47 @@ inline int64_t reduce_groups(int64_t BH, int64_t chunks) {
   return std::min(chunks, ceil_div(threads, BH));
 }
 
-template <typename scalar_t, typename T>
-void noncausal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
-  const int64_t D = P.D, Dv = P.Dv, Dp = P.Dp, Dvp = P.Dvp;
+// Step 1 of a non-causal pass: the chunks of each (b, h) over `rows` rows are split into G
+// groups (one task each); body(bh, i0, L, Lp, tiles, scratch, S, z) adds chunk [i0, i0 + L)'s
+// terms to its group's partial state S [Dp][Dvp], z [Dp], at partial + (bh G + g) state_size.
+template <typename T, typename Body>
+void reduce_chunk_groups(int64_t BH, int64_t rows, int64_t G, int64_t Dp, int64_t Dvp,
+                         int64_t state_size, T* partial, const Body& body) {
   constexpr int64_t W = Simd<T>::W;
-  const int64_t kchunks = ceil_div(P.M, kChunk);
-  const int64_t G = reduce_groups(P.BH, kchunks);
-  const int64_t per_group = ceil_div(kchunks, G);
-  const int64_t state_size = Dp * Dvp + Dp;  // S then z
-  std::vector<T> partial(static_cast<size_t>(P.BH * G * state_size), T(0));
-  // 1. partial sums of K'^T V and colsum(K') over the key chunks of each group
-  at::parallel_for(0, P.BH * G, 1, [&](int64_t begin, int64_t end) {
+  const int64_t chunks = ceil_div(rows, kChunk), per_group = ceil_div(chunks, G);
+  at::parallel_for(0, BH * G, 1, [&](int64_t begin, int64_t end) {
     Tiles<T> t(Dp, Dvp);
+    std::vector<T> scratch(std::max(Dp, Dvp));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / G, g = task % G;
-      T* S = partial.data() + task * state_size;
+      T* S = partial + task * state_size;
       T* z = S + Dp * Dvp;
-      for (int64_t c = g * per_group; c < std::min(kchunks, (g + 1) * per_group); ++c) {
-        const int64_t j0 = c * kChunk, L = std::min(kChunk, P.M - j0), Lp = round_up(L, W);
-        pack_rows(P.k, bh, j0, L, D, t.pk.data(), Dp, &P.fm);
-        transpose(t.pk.data(), Dp, L, D, t.pkT.data(), kChunk, Lp);
-        pack_rows(P.v, bh, j0, L, Dv, t.v.data(), Dvp, nullptr);
-        gemm<T>(Tri::kFull, D, Dvp, L, t.pkT.data(), kChunk, 1, t.v.data(), Dvp, S, Dvp, true);
-        for (int64_t d = 0; d < D; ++d) z[d] += sum_of(t.pkT.data() + d * kChunk, L);
+      for (int64_t c = g * per_group; c < std::min(chunks, (g + 1) * per_group); ++c) {
+        const int64_t i0 = c * kChunk, L = std::min(kChunk, rows - i0), Lp = round_up(L, W);
+        body(bh, i0, L, Lp, t, scratch.data(), S, z);
       }
     }
   });
+}
+
+template <typename scalar_t, typename T>
+void noncausal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
+  const int64_t D = P.D, Dv = P.Dv, Dp = P.Dp, Dvp = P.Dvp;
+  const int64_t G = reduce_groups(P.BH, ceil_div(P.M, kChunk));
+  const int64_t state_size = Dp * Dvp + Dp;  // S then z
+  std::vector<T> partial(static_cast<size_t>(P.BH * G * state_size), T(0));
+  // 1. partial sums of K'^T V and colsum(K') over the key chunks of each group
+  reduce_chunk_groups<T>(P.BH, P.M, G, Dp, Dvp, state_size, partial.data(),
+                         [&](int64_t bh, int64_t j0, int64_t L, int64_t Lp, Tiles<T>& t, T*,
+                             T* S, T* z) {
+                           pack_kv(P, bh, j0, L, Lp, true, false, t);
+                           add_outer<T>(D, Dvp, L, t.pkT.data(), t.v.data(), nullptr, S, z);
+                         });
   // 2. S = S0 + sum of the groups (into group 0's slot), z likewise
   at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
-      T* S = partial.data() + bh * G * state_size;
-      T* z = S + Dp * Dvp;
-      for (int64_t g = 1; g < G; ++g) {
-        const T* Sg = S + g * state_size;
-        for (int64_t x = 0; x < state_size; ++x) S[x] += Sg[x];
-      }
-      if (P.S0)
-        for (int64_t d = 0; d < D; ++d)
-          for (int64_t e = 0; e < Dv; ++e) S[d * Dvp + e] += P.S0[(bh * D + d) * Dv + e];
-      if (P.z0)
-        for (int64_t d = 0; d < D; ++d) z[d] += P.z0[bh * D + d];
-      store_state(P, bh, S, z, static_cast<T*>(o.S), static_cast<T*>(o.z));
+      const T* S = sum_partials(partial.data(), bh, G, state_size, P.S0, P.z0, D, Dv, Dp, Dvp);
+      store_state(P, bh, S, S + Dp * Dvp, static_cast<T*>(o.S), static_cast<T*>(o.z));
     }
   });
   // 3. num = P S, den = P z per query chunk
@@ -651,22 +689,17 @@ void causal_dq_sweep(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G,
   const int64_t D = P.D, Dv = P.Dv, Dp = P.Dp, Dvp = P.Dvp;
   T* ST = t.S.data();  // prefix state, transposed: [Dvp][Dp]
   T* z = t.z.data();
-  load_state(P.S0 ? P.S0 + bh * D * Dv : nullptr, D, Dv, ST, Dp, Dvp, true);
-  std::fill(z, z + Dp, T(0));
-  if (P.z0) std::copy(P.z0 + bh * D, P.z0 + (bh + 1) * D, z);
+  init_state(P.S0, P.z0, bh, D, Dv, Dp, Dvp, true, ST, z);
   for (int64_t i0 = 0; i0 < P.N; i0 += kChunk) {
     const int64_t L = std::min(kChunk, P.N - i0), Lp = round_up(L, W);
-    pack_rows(P.k, bh, i0, L, D, t.pk.data(), Dp, &P.fm);
-    pack_rows(P.v, bh, i0, L, Dv, t.v.data(), Dvp, nullptr);
-    transpose(t.v.data(), Dvp, L, Dv, t.vT.data(), kChunk, Lp);
+    pack_kv(P, bh, i0, L, Lp, false, true, t);
     pack_dnum(P, G, bh, i0, L, t.dnum.data(), t.dden.data(), scratch);
     intra_dA(L, Lp, Dv, t.dnum.data(), Dvp, t.vT.data(), t.dden.data(), t.da.data());
     // dphi(q) = dA K' + dnum S_prev^T + dden z_prev^T
     T* gq = t.grad.data();
     gemm<T>(Tri::kLeftLower, L, Dp, L, t.da.data(), kChunk, 1, t.pk.data(), Dp, gq, Dp, false);
     gemm<T>(Tri::kFull, L, Dp, Dv, t.dnum.data(), Dvp, 1, ST, Dp, gq, Dp, true);
-    for (int64_t i = 0; i < L; ++i)
-      for (int64_t d = 0; d < D; ++d) gq[i * Dp + d] += t.dden[i] * z[d];
+    add_rank1(gq, Dp, L, D, t.dden.data(), z);
     write_input_grad(P.q, bh, i0, L, D, P.N, gq, Dp, P.fm, scratch, G.dq);
     // S_prev^T += V^T K',  z_prev += colsum(K')
     gemm<T>(Tri::kFull, Dv, Dp, L, t.vT.data(), kChunk, 1, t.pk.data(), Dp, ST, Dp, true);
@@ -710,17 +743,12 @@ void causal_dkv_sweep(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G
   const int64_t D = P.D, Dv = P.Dv, Dp = P.Dp, Dvp = P.Dvp;
   T* R = t.S.data();  // suffix state [Dp][Dvp]
   T* w = t.z.data();
-  load_state(G.grad_S ? G.grad_S + bh * D * Dv : nullptr, D, Dv, R, Dp, Dvp, false);
-  std::fill(w, w + Dp, T(0));
-  if (G.grad_z) std::copy(G.grad_z + bh * D, G.grad_z + (bh + 1) * D, w);
+  init_state(G.grad_S, G.grad_z, bh, D, Dv, Dp, Dvp, false, R, w);
   const int64_t chunks = ceil_div(P.N, kChunk);
   for (int64_t c = chunks - 1; c >= 0; --c) {
     const int64_t i0 = c * kChunk, L = std::min(kChunk, P.N - i0), Lp = round_up(L, W);
-    pack_rows(P.q, bh, i0, L, D, t.pq.data(), Dp, &P.fm);
-    transpose(t.pq.data(), Dp, L, D, t.pqT.data(), kChunk, Lp);
-    pack_rows(P.k, bh, i0, L, D, t.pk.data(), Dp, &P.fm);
-    pack_rows(P.v, bh, i0, L, Dv, t.v.data(), Dvp, nullptr);
-    transpose(t.v.data(), Dvp, L, Dv, t.vT.data(), kChunk, Lp);
+    pack_q_t(P, bh, i0, L, Lp, t);
+    pack_kv(P, bh, i0, L, Lp, false, true, t);
     pack_dnum(P, G, bh, i0, L, t.dnum.data(), t.dden.data(), scratch);
     // A^T = K' P^T o triu  (A^T[j][i] = phi(k_j) . phi(q_i), kept for i >= j)
     gemm<T>(Tri::kOutUpper, L, Lp, D, t.pk.data(), Dp, 1, t.pqT.data(), kChunk, t.a.data(),
@@ -737,12 +765,10 @@ void causal_dkv_sweep(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G
     gemm<T>(Tri::kRightLower, D, Lp, L, t.pqT.data(), kChunk, 1, t.da.data(), kChunk, gkT, kChunk,
             false);
     gemm<T>(Tri::kFull, D, Lp, Dv, R, Dvp, 1, t.vT.data(), kChunk, gkT, kChunk, true);
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t j = 0; j < L; ++j) gkT[d * kChunk + j] += w[d];
+    add_rank1(gkT, kChunk, D, L, w, static_cast<const T*>(nullptr));
     write_dk_transposed(P, G, bh, i0, L, gkT, t.grad.data(), scratch);
     // R_next += P^T dnum,  w_next += P^T dden
-    gemm<T>(Tri::kFull, D, Dvp, L, t.pqT.data(), kChunk, 1, t.dnum.data(), Dvp, R, Dvp, true);
-    for (int64_t d = 0; d < D; ++d) w[d] += dot(t.pqT.data() + d * kChunk, t.dden.data(), L);
+    add_outer<T>(D, Dvp, L, t.pqT.data(), t.dnum.data(), t.dden.data(), R, w);
   }
   store_state_grad(P, G, bh, R, w);
 }
@@ -769,43 +795,24 @@ void noncausal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>&
   const int64_t D = P.D, Dv = P.Dv, Dp = P.Dp, Dvp = P.Dvp;
   const int64_t qchunks = ceil_div(P.N, kChunk), kchunks = ceil_div(P.M, kChunk);
   const int64_t NG = reduce_groups(P.BH, qchunks);
-  const int64_t per_group = ceil_div(qchunks, NG);
   const int64_t state_size = Dp * Dvp + Dp;
   std::vector<T> partial(static_cast<size_t>(P.BH * NG * state_size), T(0));
   // 1. R = grad_S + P^T dnum, w = grad_z + P^T dden (partial sums over query-chunk groups)
-  at::parallel_for(0, P.BH * NG, 1, [&](int64_t begin, int64_t end) {
-    Tiles<T> t(Dp, Dvp);
-    std::vector<T> scratch(std::max(Dp, Dvp));
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / NG, g = task % NG;
-      T* R = partial.data() + task * state_size;
-      T* w = R + Dp * Dvp;
-      for (int64_t c = g * per_group; c < std::min(qchunks, (g + 1) * per_group); ++c) {
-        const int64_t i0 = c * kChunk, L = std::min(kChunk, P.N - i0), Lp = round_up(L, W);
-        pack_rows(P.q, bh, i0, L, D, t.pq.data(), Dp, &P.fm);
-        transpose(t.pq.data(), Dp, L, D, t.pqT.data(), kChunk, Lp);
-        pack_dnum(P, G, bh, i0, L, t.dnum.data(), t.dden.data(), scratch.data());
-        gemm<T>(Tri::kFull, D, Dvp, L, t.pqT.data(), kChunk, 1, t.dnum.data(), Dvp, R, Dvp, true);
-        for (int64_t d = 0; d < D; ++d) w[d] += dot(t.pqT.data() + d * kChunk, t.dden.data(), L);
-      }
-    }
-  });
+  reduce_chunk_groups<T>(P.BH, P.N, NG, Dp, Dvp, state_size, partial.data(),
+                         [&](int64_t bh, int64_t i0, int64_t L, int64_t Lp, Tiles<T>& t,
+                             T* scratch, T* R, T* w) {
+                           pack_q_t(P, bh, i0, L, Lp, t);
+                           pack_dnum(P, G, bh, i0, L, t.dnum.data(), t.dden.data(), scratch);
+                           add_outer<T>(D, Dvp, L, t.pqT.data(), t.dnum.data(),
+                                        t.dden.data(), R, w);
+                         });
   // 2. totals (group 0's slot), S^T for the dq pass, the state gradients
   std::vector<T> ST(static_cast<size_t>(P.BH * Dvp * Dp));
   at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
-      T* R = partial.data() + bh * NG * state_size;
-      T* w = R + Dp * Dvp;
-      for (int64_t g = 1; g < NG; ++g) {
-        const T* Rg = R + g * state_size;
-        for (int64_t x = 0; x < state_size; ++x) R[x] += Rg[x];
-      }
-      if (G.grad_S)
-        for (int64_t d = 0; d < D; ++d)
-          for (int64_t e = 0; e < Dv; ++e) R[d * Dvp + e] += G.grad_S[(bh * D + d) * Dv + e];
-      if (G.grad_z)
-        for (int64_t d = 0; d < D; ++d) w[d] += G.grad_z[bh * D + d];
-      store_state_grad(P, G, bh, R, w);
+      const T* R = sum_partials(partial.data(), bh, NG, state_size, G.grad_S, G.grad_z, D, Dv,
+                                Dp, Dvp);
+      store_state_grad(P, G, bh, R, R + Dp * Dvp);
       load_state(G.S + bh * D * Dv, D, Dv, ST.data() + bh * Dvp * Dp, Dp, Dvp, true);
     }
   });
@@ -823,17 +830,14 @@ void noncausal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>&
         gemm<T>(Tri::kFull, L, Dp, Dv, t.dnum.data(), Dvp, 1, ST.data() + bh * Dvp * Dp, Dp, gq,
                 Dp, false);
         const T* z = G.z + bh * D;
-        for (int64_t i = 0; i < L; ++i)
-          for (int64_t d = 0; d < D; ++d) gq[i * Dp + d] += t.dden[i] * z[d];
+        add_rank1(gq, Dp, L, D, t.dden.data(), z);
         write_input_grad(P.q, bh, i0, L, D, P.N, gq, Dp, P.fm, scratch.data(), G.dq);
       } else {
         const int64_t j0 = (c - qchunks) * kChunk, L = std::min(kChunk, P.M - j0),
                       Lp = round_up(L, W);
         const T* R = partial.data() + bh * NG * state_size;
         const T* w = R + Dp * Dvp;
-        pack_rows(P.k, bh, j0, L, D, t.pk.data(), Dp, &P.fm);
-        pack_rows(P.v, bh, j0, L, Dv, t.v.data(), Dvp, nullptr);
-        transpose(t.v.data(), Dvp, L, Dv, t.vT.data(), kChunk, Lp);
+        pack_kv(P, bh, j0, L, Lp, false, true, t);
         // dv = K' R
         T* gv = t.num.data();
         gemm<T>(Tri::kFull, L, Dvp, D, t.pk.data(), Dp, 1, R, Dvp, gv, Dvp, false);
@@ -841,8 +845,7 @@ void noncausal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>&
         // dphi(k)^T = R V^T + w 1^T
         T* gkT = t.gradT.data();
         gemm<T>(Tri::kFull, D, Lp, Dv, R, Dvp, 1, t.vT.data(), kChunk, gkT, kChunk, false);
-        for (int64_t d = 0; d < D; ++d)
-          for (int64_t j = 0; j < L; ++j) gkT[d * kChunk + j] += w[d];
+        add_rank1(gkT, kChunk, D, L, w, static_cast<const T*>(nullptr));
         write_dk_transposed(P, G, bh, j0, L, gkT, t.grad.data(), scratch.data());
       }
     }
@@ -904,6 +907,24 @@ const T* ptr_or_null(const at::Tensor& t) {
   return t.defined() ? t.const_data_ptr<T>() : nullptr;
 }
 
+// The accumulation type of the kernels for inputs of scalar_t.
+template <typename scalar_t>
+using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+// The Problem of checked q [B,H,N,D], k [B,H,M,D], v [B,H,M,Dv] and optional S0, z0 (of T).
+template <typename scalar_t, typename T>
+Problem<scalar_t, T> make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& S0, const at::Tensor& z0, FeatureMap fm,
+                                  bool causal, bool normalize, double eps, double scale) {
+  constexpr int64_t W = Simd<T>::W;
+  const int64_t D = q.size(3), Dv = v.size(3);
+  return Problem<scalar_t, T>{q.size(0) * q.size(1), q.size(2), k.size(2), D, Dv,
+                              round_up(D, W), round_up(Dv, W), fm, causal, normalize,
+                              static_cast<T>(eps), static_cast<T>(scale), View4<scalar_t>(q),
+                              View4<scalar_t>(k), View4<scalar_t>(v), ptr_or_null<T>(S0),
+                              ptr_or_null<T>(z0)};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& S0_in, const std::optional<at::Tensor>& z0_in, bool causal,
@@ -911,8 +932,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd_cpu(
   constexpr const char* fn = "attnkit::linear_fwd";
   check_qkv(fn, q, k, v, causal);
   const FeatureMap fm = parse_feature_map(feature_map);
-  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
-  const int64_t M = k.size(2), Dv = v.size(3);
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Dv = v.size(3);
   const auto acc = acc_type(q.scalar_type());
   const at::Tensor S0 = check_acc(fn, "S0", S0_in, acc, {B, H, D, Dv});
   const at::Tensor z0 = check_acc(fn, "z0", z0_in, acc, {B, H, D});
@@ -923,12 +943,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd_cpu(
   auto z = at::zeros({B, H, D}, q.options().dtype(acc));
   if (B * H == 0) return {out, den, S, z};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "linear_fwd", [&] {
-    using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    constexpr int64_t W = Simd<T>::W;
-    Problem<scalar_t, T> P{B * H, N, M, D, Dv, round_up(D, W), round_up(Dv, W), fm, causal,
-                           normalize, static_cast<T>(eps), static_cast<T>(scale),
-                           View4<scalar_t>(q), View4<scalar_t>(k), View4<scalar_t>(v),
-                           ptr_or_null<T>(S0), ptr_or_null<T>(z0)};
+    using T = acc_t<scalar_t>;
+    const auto P = make_problem<scalar_t, T>(q, k, v, S0, z0, fm, causal, normalize, eps, scale);
     FwdOut o{out.mutable_data_ptr<scalar_t>(), den.mutable_data_ptr<T>(), S.mutable_data_ptr<T>(),
              z.mutable_data_ptr<T>()};
     if (causal)
@@ -982,12 +998,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_bw
     return {dq, dk, dv, dS0, dz0};
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "linear_bwd", [&] {
-    using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    constexpr int64_t W = Simd<T>::W;
-    Problem<scalar_t, T> P{B * H, N, M, D, Dv, round_up(D, W), round_up(Dv, W), fm, causal,
-                           normalize, static_cast<T>(eps), static_cast<T>(scale),
-                           View4<scalar_t>(q), View4<scalar_t>(k), View4<scalar_t>(v),
-                           ptr_or_null<T>(S0), ptr_or_null<T>(z0)};
+    using T = acc_t<scalar_t>;
+    const auto P = make_problem<scalar_t, T>(q, k, v, S0, z0, fm, causal, normalize, eps, scale);
     Grads<scalar_t, T> G;
     if (g.defined()) G.g = View4<scalar_t>(g);
     G.out = View4<scalar_t>(out);
