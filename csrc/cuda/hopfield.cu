@@ -3,7 +3,8 @@
 // csrc/ops.cpp; the CPU kernels are csrc/cpu/hopfield.cpp).  Same ops as the CPU kernels, so the
 // fakes and the autograd formula registered in pytorch_ext/ops/hopfield.py serve both.
 //
-// STATUS.  Checked: compiles with nvcc -c for sm_80 and sm_90a (.ci/compile_cuda.sh).  NOT yet
+// STATUS.  Checked: compiles with nvcc -c for sm_80 and sm_90a (.ci/compile_cuda.sh); the device
+// code runs in the CPU emulator (tests/csrc/test_hopfield_cuda_emulated.py).  NOT yet
 // checked: it has not run on a GPU.  tests/csrc/test_hopfield_cuda.py (`pytest -m gpu`) checks it
 // against the float64 reference; until that has passed on a GPU, treat this backend as
 // unverified.  The algorithm is the one of the Triton kernels (kernels/hopfield.py), which are
@@ -258,10 +259,13 @@ __device__ void skip_step(const Params<T>& p, const Smem& sm, int64_t bh, int64_
   }
 }
 
-// Whether any row of the block is still active (block-wide; every thread must call it).
+// Whether any row of the block is still active (block-wide; every thread must call it).  The
+// barrier first: thread t reads act[t], which lane 0 of warp t % 8 may have just cleared in
+// finish_step (no barrier after it in the fused kernel's step loop).
 template <int RPW>
 __device__ bool any_active(const Smem& sm, int rows) {
   const int t = threadIdx.x;
+  __syncthreads();
   return __syncthreads_or(t < rows && t < 8 * RPW && sm.act[t] != 0) != 0;
 }
 
@@ -380,6 +384,8 @@ __global__ void __launch_bounds__(kThreads) split_merge_kernel(Params<T> p, Part
   __syncthreads();
   if (!value_step && !any_active<RPW>(sm, rows)) {
     skip_step<T, RPW>(p, sm, bh, 0, rows, k);
+    // The last step skipped: out (the carried states) must still be written.
+    if (!p.has_values && k == p.R - 1) store_out_states<T, RPW>(p, sm, bh, 0, rows);
     return;
   }
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;

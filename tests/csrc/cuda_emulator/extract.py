@@ -13,7 +13,8 @@ the top of the file's namespace, where the real compile sees them.  Changed:
   ``ldsm_x4_trans``) are removed; harness.cpp defines emulated ones with the same signatures.
   Before removing one, the extractor checks that its body still issues the PTX instruction the
   emulation models, with the operand order it models, so the two cannot drift apart silently.
-  Each must be defined exactly once in the file and its headers together.
+  Each must be defined exactly once in the file and its headers together (or, in a file that
+  never calls it, not at all: hopfield.cu).
 - The kernels' ``extern __shared__`` declarations (the two forms of SHARED_MEMORY) become pointers
   to the emulated shared memory of the current block.
 - The two namespaces left open by the cut are closed.
@@ -36,6 +37,8 @@ SHARED_MEMORY = {
     "extern __shared__ __align__(16) uint16_t smem[];": "uint16_t* smem = emu::shared_memory();",
     "extern __shared__ __align__(16) unsigned char smem_raw[];":
         "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(emu::shared_memory());",
+    # hopfield.cu (float32 tiles, no tensor cores)
+    "extern __shared__ float smem_raw[];": "float* smem_raw = reinterpret_cast<float*>(emu::shared_memory());",
 }
 # `#include "name"` (quotes, not angle brackets): a project header, whose device part is inlined.
 PROJECT_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.M)
@@ -149,6 +152,8 @@ def _matching_brace(text, open_index):
 
 def _remove_function(text, name, signature, snippets, where):
     matches = list(re.finditer(r"__device__ __forceinline__ \w+ " + re.escape(name) + r"\(", text))
+    if not matches and not re.search(r"(?<!\w)" + re.escape(name) + r"(?!\w)", _code_only(text)):
+        return text  # a file that neither defines nor calls it (hopfield.cu: SIMT only, no mma_sm80.cuh)
     if len(matches) != 1:
         _fail(f"expected one definition of the PTX helper {name}() in {where}, found {len(matches)}", where)
     m = matches[0]
