@@ -46,7 +46,6 @@
 #endif
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -220,7 +219,12 @@ inline float exp_nonpositive(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
+  // 2^k from its exponent bits; memcpy rather than C++20's std::bit_cast (torch < 2.13 builds
+  // extensions as C++17), and gcc folds it to the same register move, so the loop still vectorizes.
+  const int32_t two_k_bits = (static_cast<int32_t>(k) + 127) << 23;
+  float two_k;
+  std::memcpy(&two_k, &two_k_bits, sizeof two_k);
+  return p * two_k;
 }
 
 inline double exp_nonpositive(double x) { return std::exp(x); }
