@@ -63,7 +63,11 @@ def _extensions():
     cpp_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     # Shared headers (csrc/cpu/flash_tiles.h, csrc/cuda/mma_sm80.cuh): a change rebuilds.
     headers = sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/**/*.cuh", recursive=True))
-    cxx_flags = ["-O3", "-fopenmp"]  # torch adds -std=c++20
+    # The C++ standard is torch's choice: -std=c++17 up to torch 2.12, -std=c++20 from 2.13.  The
+    # sources are kept C++17-clean (tests/test_build.py, .ci/compile_cuda.sh check both), so no
+    # standard is forced here: objects built under another standard than libtorch's were the
+    # first suspect when every failing check in a .cu killed the process (issue 10).
+    cxx_flags = ["-O3", "-fopenmp"]
     # attnkit is built from source on the machine that runs it, so the CPU kernels are tuned
     # for it (AVX-512 / AVX512-BF16 where present).  ATTNKIT_MARCH=x86-64-v3 (or any -march
     # value, or "none") builds a portable binary instead.
@@ -134,7 +138,8 @@ setup(
     package_dir=PACKAGE_DIR,
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    install_requires=["torch>=2.4", "numpy"],
+    # Tested: torch 2.11 (+cu130, the GPU image: C++17, CUDA build) and 2.13 (CPU, CI: C++20).
+    install_requires=["torch>=2.11", "numpy"],
     extras_require={
         "triton": ["triton"],
         "bench": ["matplotlib", "tqdm", "pytest-benchmark"],

@@ -248,6 +248,39 @@ def state_reference(q, k, v, s0, z0, *, causal, feature_map, normalize, eps, sca
     return out, den, s_final, z_final
 
 
+def linear_dq_term_scale(q, k, v, grad_out, *, causal, feature_map, normalize, eps, scale):
+    """Element-wise [B,H,N,D] size of the terms that linear attention's dq sums, in float64:
+    |φ'(q_i)| ⊙ (r_i |S_i g_i| + |r_i δ_i| |z_i|) with r = 1/(den + eps), δ_i = g_i·out_i when
+    normalized (r = scale, no second term otherwise).
+
+    Normalized, the two terms cancel wherever out_i does not depend on q_i -- exactly with a
+    single key (out = v for any q, up to eps), nearly with few keys -- so dq is rounding noise
+    there, and its error can only be held to a tolerance relative to these terms, not to |dq|
+    (the test rule for a result that cancels, as for a single key's dq in the sparse tests)."""
+    from attnkit.reference.linear import feature_map_reference
+
+    q, k, v, g = (t.detach().to(F64) for t in (q, k, v, grad_out))
+    qq = q.clone().requires_grad_()
+    pq = feature_map_reference(qq, feature_map)
+    dphi = torch.autograd.grad(pq.sum(), qq)[0].abs()  # φ' element-wise (φ acts element-wise)
+    pq = pq.detach()
+    pk = feature_map_reference(k, feature_map)
+    if causal:
+        states = (pk[..., :, None] * v[..., None, :]).cumsum(2)  # [B,H,N,D,Dv]
+        zs = pk.cumsum(2)
+    else:
+        states = (pk.transpose(-2, -1) @ v)[:, :, None].expand(*q.shape, v.shape[-1])
+        zs = pk.sum(2, keepdim=True).expand_as(q)
+    s_g = torch.einsum("bhnde,bhne->bhnd", states, g).abs()
+    if not normalize:
+        return dphi * abs(scale) * s_g
+    den = (pq * zs).sum(-1)
+    r = 1.0 / (den + eps)
+    out = torch.einsum("bhnd,bhnde->bhne", pq, states) * r[..., None]
+    delta = (g * out).sum(-1)
+    return dphi * (r.abs()[..., None] * s_g + (r * delta).abs()[..., None] * zs.abs())
+
+
 def make_hopfield_inputs(b, h, s, n, d, dv=None, dtype=torch.float32, seed=0, scale=1.0, device="cpu"):
     """(state [B, H, S, D] (times ``scale``), stored [B, H, N, D], values [B, H, N, Dv] or None
     for ``dv`` None): seeded float64 normal draws rounded to ``dtype``, on ``device``."""

@@ -1,6 +1,7 @@
 """Shared test setup: GPU-marked tests run only where CUDA is present; Triton kernels run in
 the interpreter where there is no GPU."""
 import os
+import sys
 
 # Without a GPU the Triton kernels run under the interpreter on CPU tensors.  The flag is read
 # when a kernel is decorated (@triton.jit), i.e. when attnkit.kernels.* is first imported, so it
@@ -25,6 +26,54 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(no_gpu)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU runs: a test that poisons the CUDA context ends its own worker, nobody else's
+# ----------------------------------------------------------------------------------------------
+# An illegal address (or any other sticky CUDA error) leaves the process's CUDA context unusable:
+# every later test in that process would fail with the same error (seen on an H200: one bad
+# Triton launch failed ~120 tests after it).  So after each test that touched CUDA we probe the
+# context; if it is poisoned, the test is reported as failed with the CUDA error, and the process
+# exits at once.  Under pytest-xdist (`pytest -m gpu -n 8`, as .ci/gpu runs it) the controller
+# records that test as crashed and starts a fresh worker for the rest.  Without xdist the run
+# stops (pytest.exit) with the error, instead of failing everything after it.
+CUDA_CRASH_LOG = os.environ.get("ATTNKIT_CUDA_CRASH_LOG")  # optional file: one line per poisoning
+
+
+def _cuda_context_error():
+    """None if the CUDA context still works, else the error text (a sticky error)."""
+    if not (_HAS_CUDA and torch.cuda.is_initialized()):
+        return None
+    try:
+        torch.cuda.synchronize()
+        probe = torch.ones(1, device="cuda")
+        if (probe + 1).item() != 2.0:
+            return "the CUDA context computes 1 + 1 != 2"
+    except Exception as exc:  # noqa: BLE001 - any failure here means the context is gone
+        return f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+    return None
+
+
+def _abandon_process(item, error):
+    message = f"{item.nodeid}: CUDA context poisoned ({error}); this process cannot run more tests"
+    sys.stderr.write("\nattnkit conftest: " + message + "\n")
+    sys.stderr.flush()
+    if CUDA_CRASH_LOG:
+        with open(CUDA_CRASH_LOG, "a") as log:
+            log.write(message + "\n")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os._exit(70)  # xdist: this test is reported as the worker's crash; a new worker goes on
+    pytest.exit(message, returncode=70)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield
+    # Probed inside the call phase, so that under xdist the crash belongs to this test.
+    error = _cuda_context_error()
+    if error is not None:
+        _abandon_process(item, error)
 
 
 @pytest.fixture(autouse=True)

@@ -51,3 +51,34 @@ def test_install_without_a_compiler_still_imports(tmp_path):
         env=dict(os.environ, PYTHONPATH=str(target)), cwd=tmp_path,
     )
     assert "torch.Size([1, 1, 3, 4])" in out.stdout
+
+
+def _cpp_sources():
+    return sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("csrc/*.cpp"), *ROOT.glob("csrc/cpu/*.cpp")])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
+def test_cpp_sources_are_cpp17():
+    """torch < 2.13 builds extensions as C++17 (2.13 as C++20): every C++ source must compile as
+    C++17 with no C++20 extension used (an H200 image with torch 2.11 failed on std::bit_cast).
+    torch's own headers come in as system headers, so their C++20-isms do not count here; the
+    .cu files get the same check from .ci/compile_cuda.sh (sm_90a under -std=c++17)."""
+    from torch.utils.cpp_extension import include_paths
+    import sysconfig
+
+    includes = []
+    for path in [*include_paths(), sysconfig.get_paths()["include"]]:
+        includes += ["-isystem", path]
+    procs = {}
+    for src in _cpp_sources():
+        cmd = ["g++", "-std=c++17", "-fsyntax-only", "-fopenmp", "-march=native",
+               "-Werror=c++20-extensions", "-Werror=c++20-compat", "-DTORCH_EXTENSION_NAME=_C",
+               *includes, src]
+        procs[src] = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True)
+        if len(procs) % 2 == 0:  # two at a time: the CI machine has 2 cores
+            for p in procs.values():
+                p.wait()
+    failures = {src: p.communicate()[0] for src, p in procs.items() if p.wait() != 0}
+    assert not failures, "\n".join(f"{src} is not C++17:\n{log[-3000:]}" for src, log in failures.items())
