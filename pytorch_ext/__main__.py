@@ -3,6 +3,7 @@
 Commands:
   bench   benchmark attnkit's backends against torch SDPA, FlexAttention and plain PyTorch
           (``python -m attnkit bench --help`` for its options)
+  theory  rerun a result about attention (``python -m attnkit theory --help``)
 """
 from __future__ import annotations
 
@@ -13,10 +14,15 @@ USAGE = """usage: python -m attnkit <command> [options]
 commands:
   bench    benchmark attnkit against torch SDPA, FlexAttention and plain PyTorch:
            python -m attnkit bench [--device cpu|cuda] [--family softmax,linear,sparse,hopfield]
-                                   [--quick] [--out DIR] [--repeats K]
-           prints a table and writes DIR/bench-<device>.json and .png (default DIR: bench/out/)
+                                   [--quick] [--out DIR] [--deadline SECONDS] [--match REGEX]
+                                   [--repeats K] [--list]
+           prints each case as it finishes, keeps DIR/bench-<device>.json up to date (rewritten
+           after every implementation) and writes DIR/bench-<device>.png (default DIR: bench/out/)
 
-run `python -m attnkit bench --help` for every option.
+  theory   rerun a result about attention (icl, svm, memory, scaling, polynomial, prediction):
+           python -m attnkit theory <name> [--quick] [--out DIR]
+
+run `python -m attnkit bench --help` (or `theory <name> --help`) for every option.
 """
 
 
@@ -30,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.harness import main as bench_main
 
         return bench_main(rest)
+    if command == "theory":
+        from .theory.cli import main as theory_main
+
+        return theory_main(rest)
     sys.stderr.write(f"python -m attnkit: unknown command {command!r}\n\n{USAGE}")
     return 2
 
