@@ -24,6 +24,20 @@ but only pages actually touched, and misses memory that the C allocator reuses w
 it to the OS.  Both are lower bounds of the true figure; the reported ``peak_bytes`` is the
 larger, and the JSON keeps both.  Memory, CUDA: ``torch.cuda.max_memory_allocated`` after
 ``reset_peak_memory_stats``, minus what was allocated before the call.
+
+Timing, CUDA (:func:`cuda_time_calls`).  The first warmup call compiles and autotunes the Triton
+kernels (seconds; never timed).  Each timed call is bracketed by CUDA events, after zeroing a
+buffer larger than the L2 cache (as ``triton.testing.do_bench`` does: a call that streams its
+inputs is not timed from a warm cache) and after a short GPU spin (``torch.cuda._sleep``) that
+lets the host queue the whole call before the start event is reached: the events then measure
+the device's time for the call, not the host's Python and launch overhead, which is recorded
+apart (``host_s``, flagged in the table when it exceeds the device time).  Medians, as on the CPU.
+
+Streaming (:mod:`attnkit.bench.live`).  ``python -m attnkit bench`` prints each case's block
+as soon as the case finishes and rewrites the JSON after every implementation, so that a run
+stopped midway keeps what it measured; ``--deadline`` stops starting cases past a time budget and
+still writes the JSON and the plot.  After an implementation loses the CUDA context (a sticky
+error), the cases left continue in a fresh process (:mod:`attnkit.bench.respawn`).
 """
 from __future__ import annotations
 
@@ -52,6 +66,12 @@ SCHEMA = "attnkit-bench/1"
 # A reference implementation materializes the full score matrix; it is for checking, not
 # speed.  Above this many bytes for one score matrix the sweep skips it (and says so).
 REFERENCE_SCORE_LIMIT = {"cpu": 256 * 2**20, "cuda": 2 * 2**30}
+
+# Zeroed before every timed CUDA call to evict the previous call's data from the L2 cache
+# (50 MiB on an H100; triton.testing.do_bench uses the same 256 MiB).
+L2_FLUSH_BYTES = 256 * 2**20
+# Longest GPU spin queued ahead of a timed CUDA call (see cuda_time_calls).
+MAX_HOLD_S = 0.05
 
 
 class Unavailable(Exception):
@@ -90,7 +110,13 @@ class Case:
     ``make_inputs(device)`` returns a dict of tensors (the same for every implementation);
     ``grad_inputs`` names those that get gradients in a ``fwd+bwd`` case.  ``flops`` is the
     work of one call as counted by the family file (its docstring says how), so FLOP/s ratios
-    equal time ratios.
+    equal time ratios.  ``bytes``: the least memory traffic of one call, for cases bound by it
+    (the table then shows GB/s).  ``targets``: peer name -> the speedup an issue asks of attnkit
+    over it; ``copy_fraction_target``: the fraction of the measured copy bandwidth
+    (``meta.machine.copy_gb_per_s``) an issue asks for.  Both are checked in the record's
+    ``targets`` and shown under the case's table.  ``priority``: the sweep runs lower values
+    first, across families (the GPU sweep puts the issues' targets first, so that a run cut short
+    by ``--deadline`` keeps them); equal values keep the family order.
     """
 
     family: str
@@ -102,6 +128,10 @@ class Case:
     impls: list[Impl]
     grad_inputs: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
+    bytes: float = 0.0
+    targets: dict[str, float] = field(default_factory=dict)
+    copy_fraction_target: float | None = None
+    priority: int = 0
 
     def __post_init__(self):
         if self.mode not in ("fwd", "fwd+bwd"):
@@ -123,7 +153,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def seeded_randn(shape: Sequence[int], dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
-    """Reproducible standard-normal inputs (drawn in float32 on the CPU, then moved / cast)."""
+    """Reproducible standard-normal inputs, drawn in float32 and cast: on the CPU for CPU tensors,
+    on the GPU for CUDA tensors (drawing a GPU case's hundreds of MiB on the CPU and copying it
+    over took seconds per case)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        gen = torch.Generator(device=device).manual_seed(seed)
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
@@ -175,7 +211,8 @@ def attnkit_impls(
     ``call(backend)`` returns the forward ``fn(inputs)`` for that backend.  Backends that
     ``attnkit.backends()`` reports unusable are left out (the JSON's meta lists why); the Triton
     interpreter (``TRITON_INTERPRET=1`` on CPU tensors) is left out because it is a checking
-    tool, not a fast path.
+    tool, not a fast path.  On CUDA the reference is left out too (its N×N scores are slow and
+    big there; each output is checked against the first peer's instead, see ``max_rel_diff``).
     """
     from .. import backends
     from .._dispatch import _device_problem, triton_interpreted
@@ -190,6 +227,8 @@ def attnkit_impls(
                               skip="Triton interpreter (TRITON_INTERPRET=1) is for checking, not speed"))
             continue
         skip = reference_skip_reason if backend == "reference" else ""
+        if backend == "reference" and device.type == "cuda":
+            skip = "the reference is for checking, not speed (outputs are checked against the first peer)"
         impls.append(Impl(name, "attnkit", fn=call(backend), backend=backend, skip=skip))
     return impls
 
@@ -248,14 +287,18 @@ def prepare(case: Case, impl: Impl, inputs: dict, device: torch.device) -> Calla
 
 def time_calls(step: Callable[[], Any], device: torch.device, *, warmup: int, repeats: int,
                timer: Callable[[], float] = time.perf_counter, max_time: float | None = None,
-               min_repeats: int = 3) -> tuple[list[float], Any]:
+               min_repeats: int = 3, info: dict | None = None) -> tuple[list[float], Any]:
     """``warmup`` untimed calls (at least one), then the timed ones; returns (seconds per call,
     the last warmup call's output).
 
     ``repeats`` timed calls; with ``max_time`` fewer when the last warmup call says ``repeats``
     would take longer than that, but never fewer than ``min(repeats, min_repeats)`` — and a
     single warmup call when that one already took over a third of ``max_time``.
+    On CUDA with the default timer: :func:`cuda_time_calls` (which fills ``info``).
     """
+    if device.type == "cuda" and timer is time.perf_counter:
+        return cuda_time_calls(step, device, warmup=warmup, repeats=repeats, max_time=max_time,
+                               min_repeats=min_repeats, info=info)
     out, last = None, 0.0
     for i in range(max(1, warmup)):
         if i and max_time is not None and last > max_time / 3:
@@ -276,6 +319,87 @@ def time_calls(step: Callable[[], Any], device: torch.device, *, warmup: int, re
         _sync(device)
         times.append(timer() - t0)
     return times, out
+
+
+_CUDA_STATE: dict = {}
+
+
+def _cuda_flush_buffer(device: torch.device) -> torch.Tensor:
+    key = ("flush", str(device))
+    if key not in _CUDA_STATE:
+        _CUDA_STATE[key] = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+    return _CUDA_STATE[key]
+
+
+def _cuda_spin_rate(device: torch.device) -> float | None:
+    """Cycles per second of ``torch.cuda._sleep``'s spin loop, measured once with events (None
+    where that private helper is missing: then no spin is queued)."""
+    key = ("spin", str(device))
+    if key not in _CUDA_STATE:
+        rate = None
+        spin = getattr(torch.cuda, "_sleep", None)
+        if spin is not None:
+            try:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                spin(1000)
+                start.record()
+                spin(2_000_000)
+                end.record()
+                end.synchronize()
+                rate = 2e6 / (start.elapsed_time(end) / 1e3)
+            except Exception:  # noqa: BLE001 - timing still works without the spin
+                rate = None
+        _CUDA_STATE[key] = rate
+    return _CUDA_STATE[key]
+
+
+def _cuda_timed_call(step: Callable[[], Any], flush: torch.Tensor, hold_s: float, rate: float | None):
+    """Queue one timed call: flush L2, spin ``hold_s`` (the host queues the call meanwhile),
+    start event, the call, end event.  Returns (start, end, host seconds of the call)."""
+    flush.zero_()
+    if hold_s > 0 and rate:
+        torch.cuda._sleep(int(hold_s * rate))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    step()
+    host = time.perf_counter() - t0
+    end.record()
+    return start, end, host
+
+
+def cuda_time_calls(step: Callable[[], Any], device: torch.device, *, warmup: int, repeats: int,
+                    max_time: float | None = None, min_repeats: int = 3,
+                    info: dict | None = None) -> tuple[list[float], Any]:
+    """Device seconds of ``repeats`` calls, timed with CUDA events; returns (seconds per call, the
+    last warmup call's output), like :func:`time_calls`.
+
+    The ``warmup`` calls (at least one) come first: the first one compiles and autotunes.  A
+    probe call then gives the host time of a call (Python and launches) and a first device time;
+    each timed call is queued behind an L2 flush and a GPU spin of twice that host time (at most
+    ``MAX_HOLD_S``), so that the GPU reaches the start event only once the whole call is queued:
+    the events time the device's work, not the host's.  With ``max_time``, fewer calls when
+    ``repeats`` would take longer (never fewer than ``min(repeats, min_repeats)``).  ``info``
+    receives ``host_s`` (the probe's host time) and ``timing``.
+    """
+    out = None
+    for _ in range(max(1, warmup)):
+        out = step()
+    torch.cuda.synchronize(device)
+    flush = _cuda_flush_buffer(device)
+    rate = _cuda_spin_rate(device)
+    start, end, host = _cuda_timed_call(step, flush, 0.0, rate)
+    torch.cuda.synchronize(device)
+    probe = start.elapsed_time(end) / 1e3
+    count = repeats
+    if max_time is not None:
+        count = max(min(repeats, min_repeats), min(repeats, int(max_time / max(probe, 1e-6))))
+    hold = min(MAX_HOLD_S, 2.0 * host + 1e-4) if rate else 0.0
+    calls = [_cuda_timed_call(step, flush, hold, rate) for _ in range(count)]
+    torch.cuda.synchronize(device)
+    if info is not None:
+        info.update(host_s=host, timing="cuda-events" + (" (host queued ahead)" if rate else ""))
+    return [s.elapsed_time(e) / 1e3 for s, e, _ in calls], out
 
 
 _CLEAR_REFS_OK: bool | None = None
@@ -443,11 +567,15 @@ def run_impl(case: Case, impl: Impl, inputs: dict, device: torch.device, *, warm
     if impl.skip:
         row.update(status="skipped", reason=impl.skip)
         return row, None
+    from .._dispatch import BackendUnavailableError
+
     out = None
     started = time.perf_counter()
     try:
         step = prepare(case, impl, inputs, device)
-        times, out = time_calls(step, device, warmup=warmup, repeats=repeats, timer=timer, max_time=max_time)
+        info: dict = {}
+        times, out = time_calls(step, device, warmup=warmup, repeats=repeats, timer=timer, max_time=max_time,
+                                info=info)
         median = statistics.median(times)
         row.update(
             repeats=len(times),
@@ -456,9 +584,12 @@ def run_impl(case: Case, impl: Impl, inputs: dict, device: torch.device, *, warm
             times_s=times,
             flops_per_s=case.flops / median if median > 0 else None,
         )
+        if case.bytes and median > 0:
+            row["bytes_per_s"] = case.bytes / median
+        row.update(info)
         if memory:
             row.update(measure_memory(step, device))
-    except Unavailable as exc:
+    except (Unavailable, BackendUnavailableError) as exc:
         row.update(status="unavailable", reason=str(exc))
         out = None
     except Exception as exc:  # noqa: BLE001 - one failing implementation must not end the sweep
@@ -468,21 +599,103 @@ def run_impl(case: Case, impl: Impl, inputs: dict, device: torch.device, *, warm
     return row, out
 
 
+def _pending_row(impl: Impl, reason: str = "not run yet") -> dict:
+    return {"impl": impl.name, "kind": impl.kind, "backend": impl.backend, "status": "pending", "reason": reason,
+            "note": impl.note}
+
+
+def cuda_context_error(device: torch.device) -> str:
+    """'' while the CUDA context works, else the error that broke it.
+
+    An illegal address or a device-side assert is sticky: every later CUDA call of the process
+    fails with it, so the sweep stops rather than report every later row as an error."""
+    if device.type != "cuda":
+        return ""
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).item()
+        return ""
+    except Exception as exc:  # noqa: BLE001 - whatever it is, nothing more can run
+        return _first_line(exc)
+
+
+def _case_record(case: Case, rows: list[dict]) -> dict:
+    return {
+        "family": case.family,
+        "name": case.name,
+        "label": case.label,
+        "mode": case.mode,
+        "params": case.params,
+        "flops": case.flops,
+        "bytes": case.bytes or None,
+        "notes": list(case.notes),
+        "results": rows,
+        "ratios": speedups(rows),
+    }
+
+
+def check_targets(case: Case, rec: dict, machine: dict | None = None) -> list[dict]:
+    """The case's targets against what was measured: one entry per (attnkit backend, target),
+    ``got`` None where that backend has no measurement.  Sets ``copy_fraction`` on attnkit rows
+    when the case has a bandwidth target and the machine's copy bandwidth is known."""
+    copy = (machine or {}).get("copy_gb_per_s")
+    ours = [r for r in rec["results"] if r["kind"] == "attnkit" and r.get("backend") != "reference"]
+    out = []
+    for row in ours:
+        for peer, want in case.targets.items():
+            got = next((r["speedup"] for r in rec["ratios"]
+                        if r["attnkit"] == row["impl"] and r["peer"] == peer), None)
+            out.append({"attnkit": row["impl"], "what": f"speedup vs {peer}", "want": want, "got": got,
+                        "met": None if got is None else got >= want})
+        if case.copy_fraction_target:
+            got = None
+            if copy and row.get("bytes_per_s"):
+                got = row["copy_fraction"] = row["bytes_per_s"] / 1e9 / copy
+            out.append({"attnkit": row["impl"], "what": "fraction of the copy bandwidth",
+                        "want": case.copy_fraction_target, "got": got,
+                        "met": None if got is None else got >= case.copy_fraction_target})
+    return out
+
+
 def run_case(case: Case, device: torch.device, *, warmup: int = 1, repeats: int = 5, memory: bool = True,
              timer: Callable[[], float] = time.perf_counter, max_time: float | None = None,
-             progress=None) -> dict:
-    """Run every implementation of ``case`` on the same inputs; returns the case's JSON record."""
-    inputs = case.make_inputs(device)
+             progress=None, on_row: Callable[[dict], None] | None = None,
+             machine: dict | None = None) -> dict:
+    """Run every implementation of ``case`` on the same inputs; returns the case's JSON record.
+
+    Never raises for a failing implementation (its row says why).  ``on_row(record)`` is called
+    with the record so far after each implementation (rows not yet run have status
+    ``pending``).  On CUDA, an implementation that breaks the CUDA context ends the case: the
+    record then has ``aborted`` (the reason), and the rows left are skipped.
+    """
+    started = time.perf_counter()
+    rows: list[dict | None] = [None] * len(case.impls)
+    aborted = ""
+    try:
+        inputs = case.make_inputs(device)
+    except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the case is reported, not the sweep
+        inputs = None
+        reason = f"making the inputs failed: {_first_line(exc)}"
+        rows = [dict(_pending_row(impl), status="error", reason=reason) for impl in case.impls]
+        aborted = cuda_context_error(device)
     # Peers first, so their output is the baseline the attnkit outputs are checked against.
     order = sorted(range(len(case.impls)), key=lambda i: case.impls[i].kind != "peer")
-    rows: list[dict | None] = [None] * len(case.impls)
+    if inputs is None:
+        order = []
     baseline, baseline_name = None, None
     for i in order:
         impl = case.impls[i]
+        if aborted:
+            rows[i] = dict(_pending_row(impl), status="skipped", reason=f"CUDA context lost ({aborted})")
+            continue
         if progress is not None:
             progress.set_postfix_str(f"{case.label} · {impl.name}", refresh=True)
         row, out = run_impl(case, impl, inputs, device, warmup=warmup, repeats=repeats, memory=memory,
                             timer=timer, max_time=max_time)
+        if row["status"] == "error":
+            aborted = cuda_context_error(device)
+            if aborted:
+                row["reason"] += f" (and the CUDA context is lost: {aborted})"
         if out is not None and impl.same_result:
             if baseline is None:
                 baseline, baseline_name = out, impl.name
@@ -496,23 +709,24 @@ def run_case(case: Case, device: torch.device, *, warmup: int = 1, repeats: int 
         rows[i] = row
         if memory:  # the next memory measurement starts from a clean heap
             gc.collect()
+        if device.type == "cuda" and not aborted:
+            torch.cuda.empty_cache()  # one implementation's cached blocks must not crowd the next
         if progress is not None:
             progress.update(1)
+        if on_row is not None:
+            partial = _case_record(case, [r or _pending_row(case.impls[j]) for j, r in enumerate(rows)])
+            partial["targets"] = check_targets(case, partial, machine)
+            on_row(partial)
     del baseline, inputs
     gc.collect()
-    if device.type == "cuda":
+    if device.type == "cuda" and not aborted:
         torch.cuda.empty_cache()
-    return {
-        "family": case.family,
-        "name": case.name,
-        "label": case.label,
-        "mode": case.mode,
-        "params": case.params,
-        "flops": case.flops,
-        "notes": list(case.notes),
-        "results": rows,
-        "ratios": speedups(rows),
-    }
+    rec = _case_record(case, rows)
+    rec["targets"] = check_targets(case, rec, machine)
+    rec["wall_s"] = time.perf_counter() - started
+    if aborted:
+        rec["aborted"] = f"CUDA context lost: {aborted}"
+    return rec
 
 
 def speedups(rows: Iterable[dict]) -> list[dict]:
@@ -574,13 +788,15 @@ def pytest_benchmark_run(benchmark, case: Case, impl: Impl, device: torch.device
 
 
 def collect_cases(families: Sequence[str], *, quick: bool, device: torch.device) -> list[Case]:
+    """The families' cases, lowest ``priority`` first (a stable sort: the CPU cases, all 0, keep
+    the family order)."""
     import importlib
 
     cases = []
     for family in families:
         module = importlib.import_module(f".{family}", __package__)
         cases.extend(module.cases(quick=quick, device=device))
-    return cases
+    return sorted(cases, key=lambda c: c.priority)
 
 
 def _progress_bar(total: int, enabled: bool):
@@ -595,14 +811,32 @@ def _progress_bar(total: int, enabled: bool):
 
 def run_sweep(cases: Sequence[Case], device: torch.device, *, warmup: int = 1, repeats: int = 5,
               memory: bool = True, timer: Callable[[], float] = time.perf_counter,
-              max_time: float | None = None, progress: bool = True) -> list[dict]:
-    """Run every case; a tqdm bar on stderr counts the (case, implementation) runs."""
+              max_time: float | None = None, progress: bool = True, deadline_at: float | None = None,
+              on_start: Callable[[Case, int], None] | None = None,
+              on_row: Callable[[dict], None] | None = None,
+              on_record: Callable[[dict], None] | None = None, machine: dict | None = None) -> list[dict]:
+    """Run the cases in order; a tqdm bar on stderr counts the (case, implementation) runs.
+
+    ``deadline_at`` (a ``time.perf_counter()`` value): no case starts after it; the cases not
+    run are those past ``len(records)``.  A case whose record says ``aborted`` (the CUDA context
+    is lost) ends the sweep too.  ``on_start(case, index)`` before a case, ``on_row`` as in
+    :func:`run_case`, ``on_record(record)`` after it: the streaming output hangs on these.
+    """
     bar = _progress_bar(sum(len(c.impls) for c in cases), progress)
     records = []
     try:
-        for case in cases:
-            records.append(run_case(case, device, warmup=warmup, repeats=repeats, memory=memory,
-                                    timer=timer, max_time=max_time, progress=bar))
+        for index, case in enumerate(cases):
+            if deadline_at is not None and time.perf_counter() >= deadline_at:
+                break
+            if on_start is not None:
+                on_start(case, index)
+            rec = run_case(case, device, warmup=warmup, repeats=repeats, memory=memory, timer=timer,
+                           max_time=max_time, progress=bar, on_row=on_row, machine=machine)
+            records.append(rec)
+            if on_record is not None:
+                on_record(rec)
+            if rec.get("aborted"):
+                break
     finally:
         if bar is not None:
             bar.close()
@@ -695,8 +929,13 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def format_table(meta: dict, records: list[dict]) -> str:
-    """The stdout report: one block per case, one row per implementation."""
+def _rate_unit(meta: dict) -> tuple[float, str]:
+    """FLOP/s shown in TFLOP/s on a GPU, GFLOP/s on a CPU."""
+    return (1e12, "TFLOP/s") if meta.get("device") == "cuda" else (1e9, "GFLOP/s")
+
+
+def format_header(meta: dict) -> list[str]:
+    """The report's first lines: the run, the machine (when measured) and the legend."""
     lines = []
     machine = meta.get("machine") or {}
     repeats = f"{meta.get('repeats')}"
@@ -706,50 +945,103 @@ def format_table(meta: dict, records: list[dict]) -> str:
            f"{meta.get('threads')} threads, median of {repeats} calls after {meta.get('warmup')} warmup"
     lines.append(head + (" [quick]" if meta.get("quick") else ""))
     if machine:
-        lines.append("machine: " + ", ".join(
-            f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in machine.items()))
-    lines.append("speedup = peer time / attnkit time (> 1: attnkit faster); GFLOP/s from the case's FLOP count;\n"
-                 "peak = extra memory during one call, scratch = peak minus what the call returns; "
-                 "rel diff = max|out - first peer's| / max|first peer's|")
-    cols = ("impl", "median ms", "GFLOP/s", "peak MiB", "scratch MiB", "rel diff", "speedup vs peers / status")
+        lines.append(format_machine(machine))
+    lines.extend(format_legend(meta))
+    return lines
+
+
+def format_machine(machine: dict) -> str:
+    return "machine: " + ", ".join(
+        f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in machine.items())
+
+
+def format_legend(meta: dict) -> list[str]:
+    unit = _rate_unit(meta)[1]
+    lines = [f"speedup = peer time / attnkit time (> 1: attnkit faster); {unit} from the case's FLOP count;\n"
+             "peak = extra memory during one call, scratch = peak minus what the call returns; "
+             "rel diff = max|out - first peer's| / max|first peer's|"]
+    if meta.get("device") == "cuda":
+        lines.append("CUDA: device time per call from CUDA events (autotuning and compilation happen in the "
+                     "untimed warmup); GB/s = the case's least memory traffic / time")
+    return lines
+
+
+def _fmt_work(flops: float, meta: dict) -> str:
+    scale, unit = _rate_unit(meta)
+    return f"{flops / scale:.3g} {unit[:-2]}"
+
+
+def format_case(rec: dict, meta: dict) -> list[str]:
+    """One case's block: its title line, notes, one row per implementation, its targets."""
+    scale, unit = _rate_unit(meta)
+    with_bytes = any(row.get("bytes_per_s") for row in rec["results"])
+    cols = ("impl", "median ms", unit, *(("GB/s",) if with_bytes else ()), "peak MiB", "scratch MiB",
+            "rel diff", "speedup vs peers / status")
+    lines = [""]
+    params = " ".join(f"{k}={v}" for k, v in rec["params"].items())
+    title = f"{rec['label']}  [{rec['mode']}]  {params}  ({_fmt_work(rec['flops'], meta)})"
+    if rec.get("wall_s") is not None:
+        title += f"  [{rec['wall_s']:.1f} s]"
+    lines.append(title)
+    for note in rec.get("notes", []):
+        lines.append(f"  note: {note}")
+    by_attnkit: dict[str, list[str]] = {}
+    for r in rec["ratios"]:
+        by_attnkit.setdefault(r["attnkit"], []).append(f"{r['speedup']:.2f}x {r['peer']}")
+    table = [cols]
+    for row in rec["results"]:
+        if row["status"] != "ok":
+            table.append((row["impl"], *["-"] * (len(cols) - 2), f"{row['status']}: {row['reason']}"))
+            continue
+        peak, scratch = row.get("peak_bytes"), row.get("scratch_bytes")
+        flops = row.get("flops_per_s")
+        last = ", ".join(by_attnkit.get(row["impl"], [])) if row["kind"] == "attnkit" else "(peer)"
+        notes = [row["note"]] if row.get("note") else []
+        host = row.get("host_s")
+        if host and row.get("median_s") and host > 1.5 * row["median_s"]:
+            notes.append(f"host-bound when called eagerly: {host * 1e3:.3f} ms of Python and launches per call")
+        if row.get("copy_fraction") is not None:
+            notes.append(f"{100 * row['copy_fraction']:.0f}% of the copy bandwidth")
+        if notes:
+            last = f"{last}  ({'; '.join(notes)})"
+        cells = [row["impl"], _fmt(row["median_s"] * 1e3, ".3f"), _fmt(None if flops is None else flops / scale, ".1f")]
+        if with_bytes:
+            bps = row.get("bytes_per_s")
+            cells.append(_fmt(None if bps is None else bps / 1e9, ".0f"))
+        cells += [_fmt(None if peak is None else peak / 2**20, ".2f"),
+                  _fmt(None if scratch is None else scratch / 2**20, ".2f"),
+                  _fmt(row.get("max_rel_diff"), ".1e"), last]
+        table.append(tuple(cells))
+    widths = [max(len(t[i]) for t in table) for i in range(len(cols) - 1)]
+    for t in table:
+        cells = [t[0].ljust(widths[0])] + [t[i].rjust(widths[i]) for i in range(1, len(cols) - 1)]
+        lines.append("  " + "  ".join(cells) + "  " + t[-1])
+    for tgt in rec.get("targets") or []:
+        if tgt["got"] is None:
+            verdict = "not measured"
+        elif "fraction" in tgt["what"]:
+            verdict = f"{100 * tgt['got']:.0f}%: {'met' if tgt['met'] else 'MISSED'}"
+        else:
+            verdict = f"{tgt['got']:.2f}x: {'met' if tgt['met'] else 'MISSED'}"
+        want = f"{100 * tgt['want']:.0f}%" if "fraction" in tgt["what"] else f"{tgt['want']:g}x"
+        lines.append(f"  target: {tgt['attnkit']} {tgt['what']} >= {want}: {verdict}")
+    if rec.get("aborted"):
+        lines.append(f"  ABORTED: {rec['aborted']}")
+    return lines
+
+
+def format_table(meta: dict, records: list[dict]) -> str:
+    """The stdout report: the header, then one block per case, one row per implementation."""
+    lines = format_header(meta)
     for rec in records:
-        lines.append("")
-        params = " ".join(f"{k}={v}" for k, v in rec["params"].items())
-        lines.append(f"{rec['label']}  [{rec['mode']}]  {params}  ({rec['flops'] / 1e9:.3g} GFLOP)")
-        for note in rec.get("notes", []):
-            lines.append(f"  note: {note}")
-        by_attnkit: dict[str, list[str]] = {}
-        for r in rec["ratios"]:
-            by_attnkit.setdefault(r["attnkit"], []).append(f"{r['speedup']:.2f}x {r['peer']}")
-        table = [cols]
-        for row in rec["results"]:
-            if row["status"] != "ok":
-                table.append((row["impl"], "-", "-", "-", "-", "-", f"{row['status']}: {row['reason']}"))
-                continue
-            peak, scratch = row.get("peak_bytes"), row.get("scratch_bytes")
-            flops = row.get("flops_per_s")
-            last = ", ".join(by_attnkit.get(row["impl"], [])) if row["kind"] == "attnkit" else "(peer)"
-            if row.get("note"):
-                last = f"{last}  ({row['note']})"
-            table.append((
-                row["impl"],
-                _fmt(row["median_s"] * 1e3, ".3f"),
-                _fmt(None if flops is None else flops / 1e9, ".1f"),
-                _fmt(None if peak is None else peak / 2**20, ".2f"),
-                _fmt(None if scratch is None else scratch / 2**20, ".2f"),
-                _fmt(row.get("max_rel_diff"), ".1e"),
-                last,
-            ))
-        widths = [max(len(t[i]) for t in table) for i in range(len(cols) - 1)]
-        for t in table:
-            cells = [t[0].ljust(widths[0])] + [t[i].rjust(widths[i]) for i in range(1, len(cols) - 1)]
-            lines.append("  " + "  ".join(cells) + "  " + t[-1])
+        lines.extend(format_case(rec, meta))
     return "\n".join(lines) + "\n"
 
 
 def write_plot(path: str | os.PathLike, meta: dict, records: list[dict]) -> Path:
-    """A PNG: per family, the achieved GFLOP/s of every implementation that ran, case by case
-    (log scale, the value printed on each bar; one colour per implementation throughout)."""
+    """A PNG: per family, the achieved GFLOP/s (TFLOP/s on a GPU) of every implementation that ran,
+    case by case (log scale, the value printed on each bar; one colour per implementation
+    throughout)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -757,6 +1049,7 @@ def write_plot(path: str | os.PathLike, meta: dict, records: list[dict]) -> Path
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    scale, unit = _rate_unit(meta)
     families = list(dict.fromkeys(r["family"] for r in records)) or ["(no cases)"]
     names = list(dict.fromkeys(row["impl"] for r in records for row in r["results"]))
     palette = plt.get_cmap("tab20").colors
@@ -771,7 +1064,7 @@ def write_plot(path: str | os.PathLike, meta: dict, records: list[dict]) -> Path
             width = 0.8 / max(1, len(ran))
             for j, row in enumerate(ran):
                 x = i + (j - (len(ran) - 1) / 2) * width
-                y = row["flops_per_s"] / 1e9
+                y = row["flops_per_s"] / scale
                 bar = ax.bar(x, y, width=width * 0.95, color=colors[row["impl"]])
                 seen.setdefault(row["impl"], bar)
                 ax.annotate(f"{y:.3g}", (x, y), ha="center", va="bottom", fontsize=6)
@@ -779,7 +1072,7 @@ def write_plot(path: str | os.PathLike, meta: dict, records: list[dict]) -> Path
         ax.set_xticks(range(len(recs)))
         ax.set_xticklabels([f"{r['name']}\n[{r['mode']}]" for r in recs], fontsize=7)
         ax.set_xlim(-0.6, max(1, len(recs)) - 0.4)
-        ax.set_ylabel("GFLOP/s")
+        ax.set_ylabel(unit)
         ax.set_title(family, fontsize=10)
         if values:
             ax.set_yscale("log")
@@ -813,19 +1106,44 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m attnkit bench",
         description="Benchmark attnkit's backends against torch SDPA, FlexAttention and plain PyTorch "
-                    "on the same inputs; prints a table and writes DIR/bench-<device>.json and .png.",
+                    "on the same inputs; prints each case as it finishes and keeps DIR/bench-<device>.json "
+                    "up to date (rewritten after every implementation); writes DIR/bench-<device>.png at the end.",
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default: cpu)")
     p.add_argument("--family", default=",".join(FAMILIES),
                    help=f"comma-separated families (default: all of {','.join(FAMILIES)})")
-    p.add_argument("--quick", action="store_true", help="small shapes: the whole sweep in a few minutes on 2 CPU cores")
+    p.add_argument("--quick", action="store_true",
+                   help="small sweep: a few minutes on 2 CPU cores; on CUDA the issues' target cases only "
+                        "(under a minute on one H100)")
     p.add_argument("--out", default=None, help="output folder (default: bench/out/, git-ignored)")
+    p.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                   help="no case starts later than this many seconds after the start (the cases left are "
+                        "listed as not run); the JSON and plot are still written")
+    p.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
+                   help="with --deadline: a case still running this long after the deadline is abandoned and "
+                        "the run ends with what it measured (exit status 3; default: 10)")
+    p.add_argument("--match", default=None, metavar="REGEX",
+                   help="only the cases whose label (family/name) or mode matches (re.search)")
+    p.add_argument("--skip-impl", default=None, metavar="REGEX",
+                   help="leave out the implementations whose name matches (re.search), e.g. 'cuda\\]|Flex'")
+    p.add_argument("--list", action="store_true", help="list the cases and their implementations; run nothing")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed calls per implementation, exactly (default: up to 10, at least 3, fewer when "
-                        "they would take over ~15 s; --quick: up to 5, within ~2 s)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: 2; 1 with --quick)")
+                        "they would take over ~15 s; --quick: up to 5, within ~2 s; CUDA: up to 20 within ~1 s)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed calls first (default: 2; 1 with --quick on a CPU); the first one compiles and "
+                        "autotunes the Triton kernels")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory calls")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (each case's start is printed instead)")
+    p.add_argument("--respawns", type=int, default=8,
+                   help="CUDA: how many times the cases left may continue in a fresh process after an "
+                        "implementation loses the CUDA context (an illegal address is sticky; default: 8, "
+                        "0: stop there)")
+    # Passed by a parent to the child that continues its sweep (attnkit.bench.respawn).
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--machine-json", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--skip-in-case", action="append", default=[], help=argparse.SUPPRESS)
     return p
 
 
@@ -836,6 +1154,58 @@ def parse_families(text: str) -> list[str]:
         raise ValueError(f"--family: unknown {', '.join(unknown) or '(empty)'}; expected a comma-separated "
                          f"subset of {','.join(FAMILIES)}")
     return list(dict.fromkeys(names))
+
+
+# The exit status of ``main`` by how the run ended.
+EXIT_STATUS = {"complete": 0, "deadline": 0, "abandoned": 3, "aborted": 4, "interrupted": 130}
+
+
+def timing_defaults(device_type: str, quick: bool) -> tuple[int, float, int]:
+    """(repeats, max_time, warmup) when not given.  CPU: as ever.  CUDA: a call takes
+    milliseconds, so up to 20 calls within ~1 s; two warmup calls (the first compiles)."""
+    if device_type == "cuda":
+        return (10, 0.5, 2) if quick else (20, 1.0, 2)
+    return (5, 2.0, 1) if quick else (10, 15.0, 2)
+
+
+def select_cases(cases: Sequence[Case], match: str | None, skip_impl: str | None) -> list[Case]:
+    """The cases ``--match`` keeps, with the implementations ``--skip-impl`` names marked skipped."""
+    if match:
+        pattern = re.compile(match)
+        cases = [c for c in cases if pattern.search(c.label) or pattern.search(f"{c.label} [{c.mode}]")]
+    if skip_impl:
+        pattern = re.compile(skip_impl)
+        for case in cases:
+            for impl in case.impls:
+                if pattern.search(impl.name) and not impl.skip and not impl.unavailable:
+                    impl.skip = f"left out by --skip-impl {skip_impl!r}"
+    return list(cases)
+
+
+def skip_in_cases(cases: Sequence[Case], entries: Sequence[str]) -> None:
+    """``--skip-in-case 'LABEL [MODE]=IMPL'``: leave out one implementation of one case (one that
+    lost the CUDA context in the parent process, in that case or one of its family and mode)."""
+    for entry in entries:
+        key, _, name = entry.rpartition("=")
+        for case in cases:
+            if f"{case.label} [{case.mode}]" == key:
+                for impl in case.impls:
+                    if impl.name == name:
+                        impl.skip = ("lost the CUDA context in a previous process (in this case or one of its "
+                                     "family and mode: see the JSON's meta.restarts)")
+
+
+def format_case_list(cases: Sequence[Case], device: torch.device) -> str:
+    meta = {"device": device.type}
+    lines = []
+    for i, case in enumerate(cases):
+        params = " ".join(f"{k}={v}" for k, v in case.params.items())
+        lines.append(f"{i + 1:3d}. {case.label} [{case.mode}]  {params}  ({_fmt_work(case.flops, meta)})")
+        for impl in case.impls:
+            why = impl.unavailable or impl.skip
+            lines.append(f"       {impl.name}" + (f"  ({'unavailable' if impl.unavailable else 'skipped'}: {why})"
+                                                   if why else ""))
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -851,25 +1221,66 @@ def main(argv: Sequence[str] | None = None) -> int:
         value = getattr(args, name)
         if value is not None and value < (1 if name == "repeats" else 0):
             parser.error(f"--{name} must be >= {1 if name == 'repeats' else 0}; got {value}")
-    repeats = args.repeats if args.repeats is not None else (5 if args.quick else 10)
-    max_time = None if args.repeats is not None else (2.0 if args.quick else 15.0)
-    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    if args.deadline is not None and args.deadline <= 0:
+        parser.error(f"--deadline must be > 0; got {args.deadline}")
+    for name in ("match", "skip_impl"):
+        try:
+            re.compile(getattr(args, name) or "")
+        except re.error as exc:
+            parser.error(f"--{name.replace('_', '-')}: not a regular expression ({exc})")
+    repeats, max_time, warmup = timing_defaults(args.device, args.quick)
+    if args.repeats is not None:
+        repeats, max_time = args.repeats, None
+    warmup = args.warmup if args.warmup is not None else warmup
     device = torch.device(args.device)
     out_dir = Path(args.out) if args.out else default_out_dir()
 
     t0 = time.perf_counter()
-    machine = machine_peaks(device)
-    cases = collect_cases(families, quick=args.quick, device=device)
-    records = run_sweep(cases, device, warmup=warmup, repeats=repeats, memory=not args.no_memory,
-                        max_time=max_time, progress=not args.no_progress)
+    if args.list:
+        cases = select_cases(collect_cases(families, quick=args.quick, device=device), args.match, args.skip_impl)
+        sys.stdout.write(format_case_list(cases, device))
+        return 0
+
+    from .live import LiveReport
+    from .respawn import continue_in_child
+
+    memory = not args.no_memory
     meta = make_meta(device, quick=args.quick, warmup=warmup, repeats=repeats, families=families,
-                     memory=not args.no_memory, machine=machine, max_time=max_time)
-    meta["wall_s"] = time.perf_counter() - t0
-    json_path = write_json(out_dir / f"bench-{device.type}.json", meta, records)
+                     memory=memory, machine=None, max_time=max_time)
+    bar = progress_available() and not args.no_progress
+    report = LiveReport(out_dir, device.type, meta, started=t0, deadline=args.deadline, grace=args.grace,
+                        announce_cases=not bar, child=args.child)
+    not_run: list[str] = []
+    status, why = "complete", ""
+    with report.guard():
+        try:
+            report.header()
+            report.machine(json.loads(args.machine_json) if args.machine_json else machine_peaks(device))
+            cases = select_cases(collect_cases(families, quick=args.quick, device=device), args.match,
+                                 args.skip_impl)
+            skip_in_cases(cases, args.skip_in_case)
+            report.plan(cases)
+            records = run_sweep(cases, device, warmup=warmup, repeats=repeats, memory=memory, max_time=max_time,
+                                progress=bar, deadline_at=report.deadline_at(), on_start=report.case_started,
+                                on_row=report.row_done, on_record=report.case_done, machine=meta["machine"])
+            not_run = [f"{c.label} [{c.mode}]" for c in cases[len(records):]]
+            if records and records[-1].get("aborted"):
+                status, why = "aborted", f"stopped: {records[-1]['aborted']} (in {records[-1]['label']})"
+                if args.respawns > 0:
+                    status, not_run, why = continue_in_child(args, report, cases, records, args.respawns)
+            elif not_run:
+                status, why = "deadline", f"deadline of {args.deadline:.3g} s reached at {report.elapsed():.0f} s"
+        except KeyboardInterrupt:
+            done = {f"{r['label']} [{r['mode']}]" for r in report.records}
+            not_run = [c for c in meta.get("cases_planned", []) if c not in done]
+            status, why = "interrupted", f"interrupted at {report.elapsed():.0f} s"
+        report.finish(status, not_run, why)
+    return EXIT_STATUS[status]
+
+
+def progress_available() -> bool:
     try:
-        png_path = write_plot(out_dir / f"bench-{device.type}.png", meta, records)
-    except ImportError as exc:
-        png_path = f"not written ({exc}; pip install matplotlib)"
-    sys.stdout.write(format_table(meta, records))
-    print(f"\nwrote {json_path}\nwrote {png_path}\n({meta['wall_s']:.0f} s)")
-    return 0
+        import tqdm  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -13,13 +13,25 @@ Crossover (issue 5): causal forward at N = 128 .. 2048 (CUDA: bfloat16, 512 .. 8
 attnkit.softmax_attention as a further peer computing a different function; its ratio crosses 1
 where linear attention becomes the cheaper one.
 ``--quick``: N=256 and N=1024, and the crossover at N=256 only.
+
+CUDA (issue 10, :func:`cuda_cases`): bfloat16, causal, elu+1, B=1, H=8, D=64, each case against
+flash-linear-attention's chunk kernel when it is installed (``fla-core``: ``pip install --no-index
+--no-deps .whl/fla_core-*.whl``; reported unavailable otherwise) — the forward at N=16384 right
+after the other families' targets, the crossover with softmax at N = 1024, 4096, 8192 (forward),
+and last of the whole sweep forward+backward at N=16384 and N=4096 (their ratio is the
+linear-cost check).  The order follows the compile cost: fla's autotuner compiles some 50 kernel
+configs for its forward and as many for its backward on first use (together ~110 s on an H200,
+2026-11-26; later cases reuse them), so a sweep cut short by ``--deadline`` loses fla's backward
+first.  Not in ``--quick``: that, and attnkit's own linear kernels' ~20 s of autotuning.
 """
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
 
-from .harness import Case, Impl, attnkit_impls, dtype_name, reference_skip, seeded_randn, too_big
+from .harness import Case, Impl, Unavailable, attnkit_impls, dtype_name, reference_skip, seeded_randn, too_big
 
 FAMILY = "linear"
 EPS = 1e-6
@@ -79,21 +91,56 @@ def _attnkit(causal):
     return call
 
 
-def _fla_chunk(causal):
-    """flash-linear-attention's chunked kernel (the issue's GPU peer), on the same φ(q), φ(k):
-    ``fla.ops.linear_attn.chunk_linear_attn`` takes [B, T, H, K] and normalizes by
-    φ(q)·Σφ(k) itself (no eps).  Causal only; CUDA only (Triton)."""
+FLA_IMPORT = "fla.ops.linear_attn.chunk_linear_attn"
+FLA_INSTALL = "pip install --no-index --no-deps .whl/fla_core-*.whl (fla-core, pure Python on Triton)"
+
+
+def fla_missing() -> str:
+    """'' when flash-linear-attention (``fla``) is installed, else why it is not run.  Only
+    looked up here; it is imported on the first (warmup) call, which takes seconds."""
+    if importlib.util.find_spec("fla") is None:
+        return f"flash-linear-attention is not installed: {FLA_INSTALL}"
+    return ""
+
+
+def _import_fla_chunk():
     try:
         from fla.ops.linear_attn import chunk_linear_attn
-    except Exception as exc:  # noqa: BLE001 - not installed / not importable here
-        return None, (f"flash-linear-attention is not importable ({type(exc).__name__}); "
-                      "pip install flash-linear-attention")
+    except Exception as exc:  # noqa: BLE001 - installed but broken here (triton / torch versions)
+        raise Unavailable(f"{FLA_IMPORT} does not import: {type(exc).__name__}: "
+                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
+    return chunk_linear_attn
 
-    def fn(x):
+
+def _fla_chunk(mode: str):
+    """flash-linear-attention's chunked kernel (the issue's GPU peer), on the same φ(q), φ(k):
+    ``fla.ops.linear_attn.chunk_linear_attn(q, k, v, scale, normalize=True)`` takes [B, T, H, K]
+    (time before heads) and normalizes by φ(q)·Σφ(k) itself (+1e-10, no 1e-6); causal only, CUDA
+    only (Triton).  Returns (fn, note).
+
+    ``fwd``: the inputs are laid out as [B, T, H, D] once, outside the timed calls (a user of
+    fla keeps that layout), and φ is applied inside them (attnkit applies it in its kernel).
+    ``fwd+bwd``: the transposes to and from that layout (and their backward) are timed with it,
+    because the harness's gradients are taken with respect to the [B, H, N, D] inputs."""
+    if mode == "fwd":
+        state: dict = {}
+
+        def fwd(x):
+            chunk = _import_fla_chunk()
+            if state.get("src") is not x["q"]:
+                state["src"] = x["q"]
+                state["bthd"] = tuple(x[k].transpose(1, 2).contiguous() for k in ("q", "k", "v"))
+            q, k, v = state["bthd"]
+            out, _ = chunk(phi(q), phi(k), v, scale=1.0, normalize=True)
+            return out.transpose(1, 2)
+        return fwd, "normalizes without eps; [B, T, H, D] inputs made outside the timing"
+
+    def fwd_bwd(x):
+        chunk = _import_fla_chunk()
         q, k, v = (t.transpose(1, 2) for t in (phi(x["q"]), phi(x["k"]), x["v"]))
-        out, _ = chunk_linear_attn(q, k, v, scale=1.0, normalize=True)
+        out, _ = chunk(q, k, v, scale=1.0, normalize=True)
         return out.transpose(1, 2)
-    return fn, ""
+    return fwd_bwd, "normalizes without eps; the transposes to [B, T, H, D] are timed"
 
 
 def _softmax_peer(causal):
@@ -105,9 +152,10 @@ def _softmax_peer(causal):
 
 
 def make_case(b: int, h: int, n: int, d: int, dv: int, dtype: torch.dtype, causal: bool, mode: str,
-              device: torch.device, seed: int = 0, crossover: bool = False) -> Case:
+              device: torch.device, seed: int = 0, crossover: bool = False, priority: int = 0) -> Case:
     """``crossover``: also time attnkit's own softmax attention on the same inputs (a different
-    function: the ratio says from which N on linear attention is the cheaper one)."""
+    function: the ratio says from which N on linear attention is the cheaper one).  On CUDA
+    (causal), flash-linear-attention's chunk kernel is a peer too."""
     size = torch.empty((), dtype=dtype).element_size()
     # Big intermediates live at the peak (measured: cumsum outer fwd+bwd peaks at ~4x its
     # [N, D, Dv] tensor): ~2 for the forward, ~4 with the backward.
@@ -121,9 +169,8 @@ def make_case(b: int, h: int, n: int, d: int, dv: int, dtype: torch.dtype, causa
     impls.append(Impl("cumsum outer", "peer", fn=lambda x: cumsum_outer(x["q"], x["k"], x["v"], causal),
                       skip=too_big(live * outer_bytes, device, "the [N, D, Dv] prefix-sum tensor")))
     if device.type == "cuda" and causal:
-        fla_fn, why = _fla_chunk(causal)
-        impls.append(Impl("flash-linear-attention chunk", "peer", fn=fla_fn, unavailable=why,
-                          note="normalizes without eps"))
+        fla_fn, note = _fla_chunk(mode)
+        impls.append(Impl("flash-linear-attention chunk", "peer", fn=fla_fn, unavailable=fla_missing(), note=note))
     if crossover:
         impls.append(Impl("attnkit softmax attention", "peer", fn=_softmax_peer(causal), same_result=False,
                           note="softmax, not linear attention: the crossover point"))
@@ -131,16 +178,32 @@ def make_case(b: int, h: int, n: int, d: int, dv: int, dtype: torch.dtype, causa
     params = {"B": b, "H": h, "N": n, "D": d, "Dv": dv, "dtype": dtype_name(dtype), "causal": causal,
               "feature_map": "elu"}
     return Case(FAMILY, name, mode, params, flops(b, h, n, d, dv, mode), _inputs(b, h, n, d, dv, dtype, seed),
-                impls, grad_inputs=("q", "k", "v") if mode == "fwd+bwd" else ())
+                impls, grad_inputs=("q", "k", "v") if mode == "fwd+bwd" else (), priority=priority)
 
 
 def cases(quick: bool, device: torch.device) -> list[Case]:
+    if device.type == "cuda":
+        return cuda_cases(quick, device)
     sizes = (256, 1024) if quick else (4096, 16384)
     out = [make_case(1, 8, n, 64, 64, torch.float32, True, "fwd+bwd", device) for n in sizes]
     # The crossover with softmax attention (issue 5): causal forward over a sweep of N.
     sweep = (256,) if quick else (128, 256, 512, 1024, 2048)
-    if device.type == "cuda" and not quick:
-        sweep = (512, 1024, 2048, 4096, 8192)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    out += [make_case(1, 8, n, 64, 64, dtype, True, "fwd", device, crossover=True) for n in sweep]
+    out += [make_case(1, 8, n, 64, 64, torch.float32, True, "fwd", device, crossover=True) for n in sweep]
+    return out
+
+
+# Case.priority: after the other families' targets; after all the targets; last of all.
+FLA_CASE, EXTRA, LAST = 10, 20, 30
+
+
+def cuda_cases(quick: bool, device: torch.device) -> list[Case]:
+    """The GPU sweep: bfloat16, causal, B=1, H=8, D=64 (see the module docstring); none in
+    ``--quick``."""
+    if quick:
+        return []
+    bf16 = torch.bfloat16
+    out = [make_case(1, 8, 16384, 64, 64, bf16, True, "fwd", device, priority=FLA_CASE)]
+    out += [make_case(1, 8, n, 64, 64, bf16, True, "fwd", device, crossover=True, priority=EXTRA)
+            for n in (1024, 4096, 8192)]
+    out += [make_case(1, 8, n, 64, 64, bf16, True, "fwd+bwd", device, priority=LAST) for n in (16384, 4096)]
     return out

@@ -10,8 +10,17 @@ FLOPs are counted on the kept entries only (effective FLOP/s, the same count for
 implementation): 4·B·H·D·(number of True entries of the mask).
 
 Full sizes (issue 4): B=1, H=8, N=4096, D=64, float32, forward — strided (stride 64, causal),
-fixed (stride 64, summary 8, causal) and star (relay 0, radius 1); on CUDA also bfloat16, N=16384,
-D=128, strided with stride 128.  ``--quick``: strided, N=1024, stride 32.
+fixed (stride 64, summary 8, causal) and star (relay 0, radius 1).  ``--quick``: strided, N=1024,
+stride 32.
+
+CUDA (issue 10, :func:`cuda_cases`): bfloat16, B=1, H=8, N=16384, D=128 — strided(128) forward
+against FlexAttention (target >= 3x; ``--quick``: this case only, without the attnkit dense
+causal peer, whose causal kernels would be autotuned for it alone), then strided
+forward+backward.  (fixed and star stay CPU cases: each new pattern recompiles FlexAttention, and
+the GPU sweep has five minutes.)  There FlexAttention gets the pattern as
+a ``mask_mod`` computed from the indices (:data:`MASK_MODS`), as a user would write it, rather
+than a lookup into the dense mask (which the CPU runs keep, so that their recorded figures stay
+comparable); the dense masks are built on the GPU.
 """
 from __future__ import annotations
 
@@ -23,28 +32,29 @@ from .harness import Case, Impl, Unavailable, attnkit_impls, dtype_name, referen
 FAMILY = "sparse"
 
 
-def strided_mask(n: int, stride: int, causal: bool = True) -> torch.Tensor:
+def strided_mask(n: int, stride: int, causal: bool = True, device=None) -> torch.Tensor:
     """Child et al. 2019: 0 ≤ i−j ≤ stride (|i−j| ≤ stride if not causal) or (i−j) mod stride = 0."""
-    i = torch.arange(n).unsqueeze(1)
-    j = torch.arange(n).unsqueeze(0)
+    i = torch.arange(n, device=device).unsqueeze(1)
+    j = torch.arange(n, device=device).unsqueeze(0)
     d = i - j
     local = (d >= 0) & (d <= stride) if causal else d.abs() <= stride
     mask = local | (torch.remainder(d, stride) == 0)
     return mask & (j <= i) if causal else mask
 
 
-def fixed_mask(n: int, stride: int, summary: int = 1, causal: bool = True) -> torch.Tensor:
+def fixed_mask(n: int, stride: int, summary: int = 1, causal: bool = True, device=None) -> torch.Tensor:
     """Same block (⌊i/stride⌋ = ⌊j/stride⌋) or a summary column (j mod stride ≥ stride − summary)."""
-    i = torch.arange(n).unsqueeze(1)
-    j = torch.arange(n).unsqueeze(0)
+    i = torch.arange(n, device=device).unsqueeze(1)
+    j = torch.arange(n, device=device).unsqueeze(0)
     mask = (i // stride == j // stride) | (j % stride >= stride - summary)
     return mask & (j <= i) if causal else mask
 
 
-def star_mask(n: int, relay: int = 0, radius: int = 1, cyclic: bool = False, causal: bool = False) -> torch.Tensor:
+def star_mask(n: int, relay: int = 0, radius: int = 1, cyclic: bool = False, causal: bool = False,
+              device=None) -> torch.Tensor:
     """Star transformer: satellites see satellites within ``radius`` (numbered without the relay)
     and the relay; the relay sees everything."""
-    pos = torch.arange(n)
+    pos = torch.arange(n, device=device)
     sat = pos - (pos > relay).long()  # satellite number of each non-relay position
     dist = (sat.unsqueeze(1) - sat.unsqueeze(0)).abs()
     if cyclic:
@@ -61,15 +71,59 @@ def star_mask(n: int, relay: int = 0, radius: int = 1, cyclic: bool = False, cau
 PATTERNS = {"strided": strided_mask, "fixed": fixed_mask, "star": star_mask}
 
 
+# FlexAttention mask_mods of the same patterns: mod(b, h, q_idx, kv_idx) -> bool, written with
+# tensor operations only, so they also evaluate on broadcast index grids (the tests compare them
+# with the mask builders above that way).
+
+def strided_mod(n: int, stride: int, causal: bool = True):
+    def mod(b, h, q, kv):
+        d = q - kv
+        local = ((d >= 0) & (d <= stride)) if causal else (d.abs() <= stride)
+        keep = local | (torch.remainder(d, stride) == 0)
+        return (keep & (kv <= q)) if causal else keep
+    return mod
+
+
+def fixed_mod(n: int, stride: int, summary: int = 1, causal: bool = True):
+    def mod(b, h, q, kv):
+        keep = (q // stride == kv // stride) | (torch.remainder(kv, stride) >= stride - summary)
+        return (keep & (kv <= q)) if causal else keep
+    return mod
+
+
+def star_mod(n: int, relay: int = 0, radius: int = 1, cyclic: bool = False, causal: bool = False):
+    def mod(b, h, q, kv):
+        sq, skv = q - (q > relay).to(q.dtype), kv - (kv > relay).to(kv.dtype)  # satellite numbers
+        dist = (sq - skv).abs()
+        if cyclic:
+            dist = torch.minimum(dist, (n - 1) - dist)
+        rq, rkv = q == relay, kv == relay
+        keep = ((dist <= radius) & ~rq & ~rkv) | rq | rkv
+        return (keep & (kv <= q)) if causal else keep
+    return mod
+
+
+MASK_MODS = {"strided": strided_mod, "fixed": fixed_mod, "star": star_mod}
+
+
 def _inputs(b, h, n, d, dtype, seed, mask_fn):
     def make(device):
+        device = torch.device(device)
+        # Built where it is used: a 16384² mask takes seconds to build on the CPU (int64 index
+        # grids of 2 GiB), milliseconds on a GPU.
+        mask = mask_fn(n, device=device) if device.type == "cuda" else mask_fn(n).to(device)
         return {
             "q": seeded_randn((b, h, n, d), dtype, device, seed),
             "k": seeded_randn((b, h, n, d), dtype, device, seed + 1),
             "v": seeded_randn((b, h, n, d), dtype, device, seed + 2),
-            "mask": mask_fn(n).to(device),
+            "mask": mask,
         }
     return make
+
+
+# attnkit.patterns' own masks are checked against the bench's at this size at most (the
+# definitions do not depend on N; building an N² mask on the CPU at N = 16384 takes seconds).
+PATTERN_CHECK_N = 4096
 
 
 def _attnkit(kind: str, kwargs: dict):
@@ -82,8 +136,13 @@ def _attnkit(kind: str, kwargs: dict):
             if "pattern" not in state:
                 pattern = getattr(attnkit.patterns, kind)(**kwargs)
                 n = x["q"].shape[-2]
-                theirs = pattern.mask(n).to(x["mask"].device)
-                if not torch.equal(theirs.reshape(-1, n, n)[0], x["mask"]):
+                if n <= PATTERN_CHECK_N:
+                    ours = x["mask"]
+                else:
+                    n = PATTERN_CHECK_N
+                    ours = PATTERNS[kind](n, **kwargs, device=x["mask"].device)
+                theirs = pattern.mask(n).to(ours.device)
+                if not torch.equal(theirs.reshape(-1, n, n)[0], ours):
                     raise RuntimeError(f"attnkit.patterns.{kind}(**{kwargs}).mask({n}) differs from the "
                                        "bench's construction from the issue's definition")
                 state["pattern"] = pattern
@@ -123,9 +182,9 @@ def _compiled_flex():
     return _FLEX["fn"]
 
 
-def _flex():
-    """FlexAttention with a BlockMask from the case's dense mask (built, and compiled, on the
-    first call, which is a warmup call)."""
+def _flex(mask_mod=None):
+    """FlexAttention with a BlockMask from ``mask_mod``, or else from a lookup into the case's
+    dense mask (built, and compiled, on the first call, which is a warmup call)."""
     state = {}
 
     def fn(x):
@@ -135,8 +194,8 @@ def _flex():
         dense = x["mask"]
         n = dense.shape[-1]
         try:
-            block_mask = create_block_mask(lambda b, h, i, j: dense[i, j], None, None, n, n,
-                                           device=str(dense.device))
+            mod = mask_mod if mask_mod is not None else (lambda b, h, i, j: dense[i, j])
+            block_mask = create_block_mask(mod, None, None, n, n, device=str(dense.device))
             out = flex(x["q"], x["k"], x["v"], block_mask=block_mask)
         except Exception as exc:  # noqa: BLE001 - torch.compile of flex may fail on a machine
             msg = str(exc).strip().splitlines()
@@ -148,33 +207,49 @@ def _flex():
     return fn
 
 
+def count_kept(kind: str, kwargs: dict, n: int, device: torch.device) -> int:
+    """The number of True entries of the pattern's N×N mask, counted where the case runs (on
+    the CPU the 16384² strided mask takes ~10 s to build; on a GPU, milliseconds)."""
+    device = torch.device(device)
+    mask = PATTERNS[kind](n, **kwargs, device=device if device.type == "cuda" else None)
+    return int(mask.sum())
+
+
 def make_case(kind: str, kwargs: dict, b: int, h: int, n: int, d: int, dtype: torch.dtype, mode: str,
-              device: torch.device, seed: int = 0) -> Case:
+              device: torch.device, seed: int = 0, targets: dict | None = None,
+              dense_attnkit: bool = True, priority: int = 0) -> Case:
+    """``dense_attnkit``: also time attnkit's own dense causal kernel (the issue's ">= 4x dense
+    causal" comparison)."""
     mask_fn = PATTERNS[kind]
-    mask = mask_fn(n, **kwargs)
-    kept = int(mask.sum())
+    cuda = torch.device(device).type == "cuda"
+    kept = count_kept(kind, kwargs, n, device)
     size = torch.empty((), dtype=dtype).element_size()
     impls = attnkit_impls(FAMILY, device, _attnkit(kind, kwargs),
                           reference_skip_reason=reference_skip(b * h * n * n * size, device))
     impls.append(Impl("torch SDPA (dense mask)", "peer", fn=_sdpa_masked))
-    flex = Impl("FlexAttention (BlockMask)", "peer", fn=_flex())
+    flex = Impl("FlexAttention (BlockMask)", "peer", fn=_flex(MASK_MODS[kind](n, **kwargs) if cuda else None),
+                note="mask_mod from the indices" if cuda else "")
     if mode == "fwd+bwd" and device.type == "cpu":
         flex.unavailable = "FlexAttention has no backward on CPU (torch raises NotImplementedError)"
     impls.append(flex)
     impls.append(Impl("torch SDPA (dense causal)", "peer", fn=_sdpa_causal, same_result=False,
                       note="dense causal, not the pattern: cost comparison only"))
-    impls.append(Impl("attnkit dense causal", "peer", fn=_attnkit_causal, same_result=False,
-                      note="our dense causal softmax kernel: the issue's >= 4x target"))
+    if dense_attnkit:
+        impls.append(Impl("attnkit dense causal", "peer", fn=_attnkit_causal, same_result=False,
+                          note="our dense causal softmax kernel: the issue's >= 4x target"))
     args = ",".join(f"{k}={v}" for k, v in kwargs.items())
     name = f"{kind}({args})-{dtype_name(dtype)}-N{n}-D{d}"
     params = {"B": b, "H": h, "N": n, "D": d, "dtype": dtype_name(dtype), "pattern": f"{kind}({args})",
               "density": round(kept / (n * n), 5)}
     return Case(FAMILY, name, mode, params, 4.0 * b * h * d * kept * (3.5 if mode == "fwd+bwd" else 1.0),
-                _inputs(b, h, n, d, dtype, seed, lambda m: mask_fn(m, **kwargs)), impls,
-                grad_inputs=("q", "k", "v") if mode == "fwd+bwd" else ())
+                _inputs(b, h, n, d, dtype, seed, lambda m, device=None: mask_fn(m, **kwargs, device=device)),
+                impls, grad_inputs=("q", "k", "v") if mode == "fwd+bwd" else (), targets=dict(targets or {}),
+                priority=priority)
 
 
 def cases(quick: bool, device: torch.device) -> list[Case]:
+    if device.type == "cuda":
+        return cuda_cases(quick, device)
     if quick:
         return [make_case("strided", {"stride": 32, "causal": True}, 1, 8, 1024, 64, torch.float32, "fwd", device)]
     out = [
@@ -184,9 +259,22 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
         make_case("star", {"relay": 0, "radius": 1}, 1, 8, 4096, 64, torch.float32, "fwd", device),
         make_case("strided", {"stride": 64, "causal": True}, 1, 8, 4096, 64, torch.float32, "fwd+bwd", device),
     ]
-    if device.type == "cuda":
-        out.append(make_case("strided", {"stride": 128, "causal": True}, 1, 8, 16384, 128, torch.bfloat16, "fwd",
-                             device))
+    return out
+
+
+FLEX_TARGET = {"FlexAttention (BlockMask)": 3.0}  # issue 10: >= 3x FlexAttention on the GPU
+EXTRA = 20  # Case.priority of the GPU cases no issue names as a target: after all the targets
+
+
+def cuda_cases(quick: bool, device: torch.device) -> list[Case]:
+    """The GPU sweep (bfloat16, B=1, H=8, N=16384, D=128), the target case first."""
+    bf16, n = torch.bfloat16, 16384
+    strided = {"stride": 128, "causal": True}
+    out = [make_case("strided", strided, 1, 8, n, 128, bf16, "fwd", device, targets=FLEX_TARGET,
+                     dense_attnkit=not quick, priority=3)]
+    if quick:
+        return out
+    out.append(make_case("strided", strided, 1, 8, n, 128, bf16, "fwd+bwd", device, priority=EXTRA))
     return out
 
 
