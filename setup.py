@@ -60,7 +60,8 @@ def _extensions():
         print("attnkit: torch is not importable; building without attnkit._C")
         return [], {}
 
-    cpp_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    # csrc/checks/: every op's input checks, and the CUDA registrations (g++-compiled, issue 10).
+    cpp_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp") + glob.glob("csrc/checks/*.cpp"))
     # Shared headers (csrc/cpu/flash_tiles.h, csrc/cuda/mma_sm80.cuh): a change rebuilds.
     headers = sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/**/*.cuh", recursive=True))
     # The C++ standard is torch's choice: -std=c++17 up to torch 2.12, -std=c++20 from 2.13.  The

@@ -1,7 +1,14 @@
 // The one place attnkit's operator schemas are declared (TORCH_LIBRARY(attnkit, m)).
-// Kernels register implementations per dispatch key in their own files:
-// csrc/cpu/<family>.cpp (CPU), csrc/cuda/<family>.cu (CUDA).
+// Kernels register implementations per dispatch key: csrc/cpu/<family>.cpp (CPU), and
+// csrc/checks/<family>.cpp (CUDA: the input check, then the kernels of csrc/cuda/<family>.cu).
+// Also the Python module attnkit._C, with the op's input checks bound for the tests (_checks).
 #include <torch/extension.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "checks/checks.h"
 
 TORCH_LIBRARY(attnkit, m) {
   // Hopfield energy, fused log-sum-exp.  state [B,H,S,D], stored [B,H,N,D] ->
@@ -77,6 +84,40 @@ bool built_with_cuda() {
   return false;
 #endif
 }
+
+namespace checks = attnkit::checks;
+
+// A target for the tests: backend "cpu" or "cuda"; device: the device type the tensors must have
+// (default: the backend's; "meta" runs the CUDA branch on meta tensors, without a GPU); cc and
+// smem_optin: the made-up CUDA device (default: an H100, compute capability 9.0, 227 KiB).
+checks::Target make_target(const std::string& backend, const std::optional<std::string>& device,
+                           std::tuple<int, int> cc, int64_t smem_optin) {
+  TORCH_CHECK(backend == "cpu" || backend == "cuda", "backend must be 'cpu' or 'cuda'; got '", backend, "'");
+  checks::Target t;
+  t.backend = backend == "cuda" ? checks::Backend::kCuda : checks::Backend::kCpu;
+  t.device_type = device ? c10::Device(*device).type() : (t.cuda() ? c10::DeviceType::CUDA : c10::DeviceType::CPU);
+  t.cc_major = std::get<0>(cc);
+  t.cc_minor = std::get<1>(cc);
+  t.smem_optin = smem_optin;
+  return t;
+}
+
+// The checks take std::string_view; the module passes a Python str through std::string.
+void linear_fwd_check(const checks::Target& t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const std::optional<at::Tensor>& S0, const std::optional<at::Tensor>& z0, bool causal,
+                      const std::string& feature_map, bool normalize, double eps, double scale) {
+  checks::linear_fwd(t, q, k, v, S0, z0, causal, feature_map, normalize, eps, scale);
+}
+
+void linear_bwd_check(const checks::Target& t, const std::optional<at::Tensor>& grad_out,
+                      const std::optional<at::Tensor>& grad_den, const std::optional<at::Tensor>& grad_S,
+                      const std::optional<at::Tensor>& grad_z, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& den, const at::Tensor& S,
+                      const at::Tensor& z, const std::optional<at::Tensor>& S0, const std::optional<at::Tensor>& z0,
+                      bool causal, const std::string& feature_map, bool normalize, double eps, double scale) {
+  checks::linear_bwd(t, grad_out, grad_den, grad_S, grad_z, q, k, v, out, den, S, z, S0, z0, causal, feature_map,
+                     normalize, eps, scale);
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -84,4 +125,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("built_with_cuda", &built_with_cuda, "whether the CUDA kernels were compiled in");
   module.def("openmp_max_threads", []() { return at::get_num_threads(); },
              "threads the CPU kernels use (torch's intra-op pool)");
+
+  // The input check of each op (csrc/checks/), callable without running the op: the tests run
+  // every message of both backends here, the CUDA ones on CPU / meta tensors without a GPU.
+  // _checks.<op>(target, <the op's arguments>) returns None or raises RuntimeError.
+  namespace py = pybind11;
+  py::module_ c = module.def_submodule("_checks", "the ops' input checks, for the tests (csrc/checks/)");
+  py::class_<checks::Target>(c, "Target")
+      .def(py::init(&make_target), py::arg("backend"), py::kw_only(), py::arg("device") = py::none(),
+           py::arg("cc") = std::make_tuple(9, 0), py::arg("smem_optin") = int64_t{227 * 1024});
+  c.def("softmax_fwd", &checks::softmax_fwd);
+  c.def("softmax_bwd", &checks::softmax_bwd);
+  c.def("linear_fwd", &linear_fwd_check);
+  c.def("linear_bwd", &linear_bwd_check);
+  c.def("sparse_range_fwd", &checks::sparse_range_fwd);
+  c.def("sparse_range_bwd", &checks::sparse_range_bwd);
+  c.def("block_sparse_fwd", &checks::block_sparse_fwd);
+  c.def("block_sparse_bwd", &checks::block_sparse_bwd);
+  c.def("hopfield_update_fwd", &checks::hopfield_update_fwd);
+  c.def("hopfield_energy_fwd", &checks::hopfield_energy_fwd);
 }

@@ -54,7 +54,8 @@ def test_install_without_a_compiler_still_imports(tmp_path):
 
 
 def _cpp_sources():
-    return sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("csrc/*.cpp"), *ROOT.glob("csrc/cpu/*.cpp")])
+    return sorted(str(p.relative_to(ROOT))
+                  for p in [*ROOT.glob("csrc/*.cpp"), *ROOT.glob("csrc/cpu/*.cpp"), *ROOT.glob("csrc/checks/*.cpp")])
 
 
 @pytest.mark.slow

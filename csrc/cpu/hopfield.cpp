@@ -39,6 +39,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "../checks/checks.h"
+
 namespace attnkit {
 namespace {
 
@@ -207,19 +209,7 @@ void energy_kernel(const scalar_t* state, const scalar_t* stored, acc_t* energy,
 
 std::tuple<at::Tensor, at::Tensor> hopfield_energy_fwd_cpu(const at::Tensor& state,
                                                            const at::Tensor& stored, double beta) {
-  TORCH_CHECK(state.dim() == 4 && stored.dim() == 4,
-              "hopfield_energy_fwd: expected state [B,H,S,D] and stored [B,H,N,D]; got ",
-              state.dim(), "-D and ", stored.dim(), "-D");
-  TORCH_CHECK(state.scalar_type() == stored.scalar_type(),
-              "hopfield_energy_fwd: state and stored must share a dtype; got ", state.scalar_type(),
-              " and ", stored.scalar_type());
-  TORCH_CHECK(state.size(0) == stored.size(0) && state.size(1) == stored.size(1) &&
-                  state.size(3) == stored.size(3),
-              "hopfield_energy_fwd: state and stored must agree on B, H and D; got ", state.sizes(),
-              " and ", stored.sizes());
-  TORCH_CHECK(stored.size(2) > 0, "hopfield_energy_fwd: needs at least one stored pattern (N >= 1)");
-  TORCH_CHECK(beta > 0 && std::isfinite(beta), "hopfield_energy_fwd: beta must be finite and > 0; got ",
-              beta);
+  checks::hopfield_energy_fwd(checks::cpu_target(), state, stored, beta);
   const auto st = state.contiguous();
   const auto x = stored.contiguous();
   const int64_t B = st.size(0), H = st.size(1), S = st.size(2), D = st.size(3);
@@ -1124,28 +1114,8 @@ bool use_split(int64_t BH, int64_t S, int64_t N, bool streams) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hopfield_update_fwd_cpu(
     const at::Tensor& state, const at::Tensor& stored, const std::optional<at::Tensor>& values_opt, double beta,
     int64_t steps, std::optional<double> tol, bool final_state) {
-  TORCH_CHECK(state.dim() == 4 && stored.dim() == 4,
-              "hopfield_update_fwd: expected state [B,H,S,D] and stored [B,H,N,D]; got ", state.dim(), "-D and ",
-              stored.dim(), "-D");
-  TORCH_CHECK(state.scalar_type() == stored.scalar_type(),
-              "hopfield_update_fwd: state and stored must share a dtype; got ", state.scalar_type(), " and ",
-              stored.scalar_type());
-  TORCH_CHECK(state.size(0) == stored.size(0) && state.size(1) == stored.size(1) && state.size(3) == stored.size(3),
-              "hopfield_update_fwd: state and stored must agree on B, H and D; got ", state.sizes(), " and ",
-              stored.sizes());
-  TORCH_CHECK(stored.size(2) > 0, "hopfield_update_fwd: needs at least one stored pattern (N >= 1)");
-  TORCH_CHECK(beta > 0 && std::isfinite(beta), "hopfield_update_fwd: beta must be finite and > 0; got ", beta);
-  TORCH_CHECK(steps >= 1, "hopfield_update_fwd: steps must be >= 1; got ", steps);
-  TORCH_CHECK(!tol.has_value() || (*tol >= 0 && std::isfinite(*tol)),
-              "hopfield_update_fwd: tol must be finite and >= 0; got ", tol.value_or(0));
+  checks::hopfield_update_fwd(checks::cpu_target(), state, stored, values_opt, beta, steps, tol, final_state);
   const bool has_values = values_opt.has_value() && values_opt->defined();
-  if (has_values) {
-    const auto& v = *values_opt;
-    TORCH_CHECK(v.dim() == 4 && v.size(0) == stored.size(0) && v.size(1) == stored.size(1) &&
-                    v.size(2) == stored.size(2),
-                "hopfield_update_fwd: values must be [B,H,N,Dv] matching stored; got ", v.sizes());
-    TORCH_CHECK(v.scalar_type() == stored.scalar_type(), "hopfield_update_fwd: values must share the dtype of stored");
-  }
   const int64_t B = state.size(0), H = state.size(1), S = state.size(2), D = state.size(3), N = stored.size(2);
   const int64_t Dv = has_values ? values_opt->size(3) : D;
   const int64_t R = steps, U = has_values ? steps - 1 : steps;

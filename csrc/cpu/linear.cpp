@@ -54,6 +54,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "../checks/checks.h"
+
 namespace attnkit {
 namespace {
 
@@ -193,13 +195,12 @@ void gemm(Tri tri, int64_t m, int64_t n, int64_t K, const T* A, int64_t sar, int
 // ---------------------------------------------------------------------------------------------
 enum class FeatureMap { kElu, kRelu, kIdentity };
 
+// name: checked by checks::linear_fwd / linear_bwd (csrc/checks/linear.cpp).
 FeatureMap parse_feature_map(std::string_view name) {
   if (name == "elu") return FeatureMap::kElu;
   if (name == "relu") return FeatureMap::kRelu;
-  if (name == "identity") return FeatureMap::kIdentity;
-  TORCH_CHECK(false, "attnkit::linear: unknown feature_map '", std::string(name),
-              "'; expected 'elu', 'relu' or 'identity'");
-  return FeatureMap::kIdentity;  // unreachable
+  TORCH_INTERNAL_ASSERT(name == "identity", "unchecked feature_map ", std::string(name));
+  return FeatureMap::kIdentity;
 }
 
 // exp(x) for x <= 0 in float, written so that loops over it vectorize: x = k ln2 + r with
@@ -879,31 +880,11 @@ at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options)
   return t;
 }
 
-at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+at::ScalarType acc_type(at::ScalarType t) { return checks::acc_type(t); }
 
-void check_qkv(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-               bool causal) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
-              ": expected q [B,H,N,D], k [B,H,M,D], v [B,H,M,Dv]; got ", q.sizes(), ", ",
-              k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), fn,
-              ": q, k and v must share a dtype");
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(0) == v.size(0) && q.size(1) == k.size(1) &&
-                  q.size(1) == v.size(1) && q.size(3) == k.size(3) && k.size(2) == v.size(2),
-              fn, ": q, k, v sizes do not fit: ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(!causal || q.size(2) == k.size(2), fn, ": causal needs N == M; got ", q.size(2),
-              " and ", k.size(2));
-}
-
-// An optional contiguous tensor of the accumulation type with the given shape.
-at::Tensor check_acc(const char* fn, const char* name, const std::optional<at::Tensor>& t,
-                     at::ScalarType acc, at::IntArrayRef shape) {
-  if (!t.has_value() || !t->defined()) return at::Tensor();
-  TORCH_CHECK(t->scalar_type() == acc, fn, ": ", name, " must be ", acc, "; got ",
-              t->scalar_type());
-  TORCH_CHECK(t->sizes() == shape, fn, ": ", name, " must have shape ", shape, "; got ",
-              t->sizes());
-  return t->contiguous();
+// An optional tensor (checked: of the accumulation type and its shape), contiguous.
+at::Tensor contiguous_or_none(const std::optional<at::Tensor>& t) {
+  return checks::defined(t) ? t->contiguous() : at::Tensor();
 }
 
 template <typename T>
@@ -933,14 +914,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& S0_in, const std::optional<at::Tensor>& z0_in, bool causal,
     c10::string_view feature_map, bool normalize, double eps, double scale) {
-  constexpr const char* fn = "attnkit::linear_fwd";
-  check_qkv(fn, q, k, v, causal);
-  const FeatureMap fm = parse_feature_map(feature_map);
+  const std::string_view fm_name(feature_map.data(), feature_map.size());
+  checks::linear_fwd(checks::cpu_target(), q, k, v, S0_in, z0_in, causal, fm_name, normalize, eps, scale);
+  const FeatureMap fm = parse_feature_map(fm_name);
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Dv = v.size(3);
   const auto acc = acc_type(q.scalar_type());
-  const at::Tensor S0 = check_acc(fn, "S0", S0_in, acc, {B, H, D, Dv});
-  const at::Tensor z0 = check_acc(fn, "z0", z0_in, acc, {B, H, D});
-  TORCH_CHECK(S0.defined() == z0.defined(), fn, ": S0 and z0 go together");
+  const at::Tensor S0 = contiguous_or_none(S0_in);
+  const at::Tensor z0 = contiguous_or_none(z0_in);
   auto out = empty_output({B, H, N, Dv}, q.options());
   auto den = at::empty({B, H, N}, q.options().dtype(acc));
   auto S = at::zeros({B, H, D, Dv}, q.options().dtype(acc));
@@ -966,28 +946,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_bw
     const at::Tensor& den_in, const at::Tensor& S_in, const at::Tensor& z_in,
     const std::optional<at::Tensor>& S0_in, const std::optional<at::Tensor>& z0_in, bool causal,
     c10::string_view feature_map, bool normalize, double eps, double scale) {
-  constexpr const char* fn = "attnkit::linear_bwd";
-  check_qkv(fn, q, k, v, causal);
-  const FeatureMap fm = parse_feature_map(feature_map);
-  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
+  const std::string_view fm_name(feature_map.data(), feature_map.size());
+  checks::linear_bwd(checks::cpu_target(), grad_out, grad_den_in, grad_S_in, grad_z_in, q, k, v, out, den_in, S_in,
+                     z_in, S0_in, z0_in, causal, fm_name, normalize, eps, scale);
+  const FeatureMap fm = parse_feature_map(fm_name);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
   const int64_t M = k.size(2), Dv = v.size(3);
   const auto acc = acc_type(q.scalar_type());
-  TORCH_CHECK(out.sizes() == at::IntArrayRef({B, H, N, Dv}) && out.scalar_type() == q.scalar_type(),
-              fn, ": out must be the forward's output");
-  const at::Tensor den = check_acc(fn, "den", den_in, acc, {B, H, N});
-  const at::Tensor S = check_acc(fn, "S", S_in, acc, {B, H, D, Dv});
-  const at::Tensor z = check_acc(fn, "z", z_in, acc, {B, H, D});
-  const at::Tensor S0 = check_acc(fn, "S0", S0_in, acc, {B, H, D, Dv});
-  const at::Tensor z0 = check_acc(fn, "z0", z0_in, acc, {B, H, D});
-  const at::Tensor gden = check_acc(fn, "grad_den", grad_den_in, acc, {B, H, N});
-  const at::Tensor gS = check_acc(fn, "grad_S", grad_S_in, acc, {B, H, D, Dv});
-  const at::Tensor gz = check_acc(fn, "grad_z", grad_z_in, acc, {B, H, D});
-  at::Tensor g;
-  if (grad_out.has_value() && grad_out->defined()) {
-    g = *grad_out;
-    TORCH_CHECK(g.sizes() == out.sizes() && g.scalar_type() == q.scalar_type(), fn,
-                ": grad_out must be shaped and typed like out");
-  }
+  const at::Tensor den = den_in.contiguous();
+  const at::Tensor S = S_in.contiguous();
+  const at::Tensor z = z_in.contiguous();
+  const at::Tensor S0 = contiguous_or_none(S0_in);
+  const at::Tensor z0 = contiguous_or_none(z0_in);
+  const at::Tensor gden = contiguous_or_none(grad_den_in);
+  const at::Tensor gS = contiguous_or_none(grad_S_in);
+  const at::Tensor gz = contiguous_or_none(grad_z_in);
+  const at::Tensor g = checks::defined(grad_out) ? *grad_out : at::Tensor();
   auto dq = empty_output(q.sizes(), q.options());
   auto dk = empty_output(k.sizes(), k.options());
   auto dv = empty_output(v.sizes(), v.options());

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "flash_tiles.h"
+#include "../checks/checks.h"
 
 namespace attnkit {
 namespace {
@@ -141,7 +142,7 @@ MaskView make_mask_view(const c10::optional<at::Tensor>& mask) {
     case at::kDouble: mv.kind = MaskKind::kDouble; break;
     case at::kBFloat16: mv.kind = MaskKind::kBFloat16; break;
     case at::kHalf: mv.kind = MaskKind::kHalf; break;
-    default: TORCH_CHECK(false, "softmax attention: mask must be bool or floating; got ", m.scalar_type());
+    default: TORCH_INTERNAL_ASSERT(false, "unchecked mask dtype ", m.scalar_type());  // checks::softmax_*
   }
   mv.data = static_cast<const char*>(m.const_data_ptr());
   mv.esize = m.element_size();
@@ -486,16 +487,9 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
 // ---------------------------------------------------------------------------------------------
 // Entry points.
 // ---------------------------------------------------------------------------------------------
-Problem check_problem(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const c10::optional<at::Tensor>& mask, double scale, bool is_causal) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
-              ": expected q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,Dv]; got ", q.dim(), "-D, ",
-              k.dim(), "-D and ", v.dim(), "-D");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), fn,
-              ": q, k and v must share a dtype; got ", q.scalar_type(), ", ", k.scalar_type(),
-              " and ", v.scalar_type());
-  TORCH_CHECK(at::isFloatingType(q.scalar_type()), fn, ": expected floating inputs; got ",
-              q.scalar_type());
+// The Problem of inputs that passed checks::softmax_fwd / softmax_bwd (csrc/checks/softmax.cpp).
+Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const c10::optional<at::Tensor>& mask, double scale, bool is_causal) {
   Problem p;
   p.B = q.size(0);
   p.H = q.size(1);
@@ -504,24 +498,8 @@ Problem check_problem(const char* fn, const at::Tensor& q, const at::Tensor& k, 
   p.Hk = k.size(1);
   p.M = k.size(2);
   p.Dv = v.size(3);
-  TORCH_CHECK(k.size(0) == p.B && v.size(0) == p.B, fn, ": batch sizes differ: q ", q.sizes(),
-              ", k ", k.sizes(), ", v ", v.sizes());
-  TORCH_CHECK(k.size(3) == p.D, fn, ": q and k must share the head dim; got ", q.sizes(), " and ",
-              k.sizes());
-  TORCH_CHECK(v.size(1) == p.Hk && v.size(2) == p.M, fn, ": k and v must agree on Hk and M; got ",
-              k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(p.Hk > 0 ? p.H % p.Hk == 0 : p.H == 0, fn,
-              ": the query heads must be a multiple of the key/value heads; got H=", p.H,
-              ", Hk=", p.Hk);
   p.scale = scale;
   p.causal = is_causal;
-  if (mask.has_value() && mask->defined()) {
-    TORCH_CHECK(mask->dim() == 4 && mask->size(0) == p.B && mask->size(1) == p.H &&
-                    mask->size(2) == p.N && mask->size(3) == p.M,
-                fn, ": mask must have shape [B,H,N,M] = [", p.B, ",", p.H, ",", p.N, ",", p.M,
-                "] (a broadcast view is fine); got ", mask->sizes());
-    TORCH_CHECK(mask->device() == q.device(), fn, ": mask must be on ", q.device());
-  }
   p.mask = make_mask_view(mask);
   return p;
 }
@@ -530,7 +508,8 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
                                                    const at::Tensor& v,
                                                    const c10::optional<at::Tensor>& mask,
                                                    double scale, bool is_causal) {
-  const Problem p = check_problem("softmax_fwd", q, k, v, mask, scale, is_causal);
+  checks::softmax_fwd(checks::cpu_target(), q, k, v, mask, scale, is_causal);
+  const Problem p = make_problem(q, k, v, mask, scale, is_causal);
   auto out = at::empty({p.B, p.H, p.N, p.Dv}, q.options());
   auto lse = at::empty({p.B, p.H, p.N}, q.options().dtype(acc_type_of(q.scalar_type())));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
@@ -554,18 +533,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& mask,
     double scale, bool is_causal) {
-  const Problem p = check_problem("softmax_bwd", q, k, v, mask, scale, is_causal);
-  TORCH_CHECK(grad_out.sizes() == out.sizes() && out.dim() == 4 && out.size(0) == p.B &&
-                  out.size(1) == p.H && out.size(2) == p.N && out.size(3) == p.Dv,
-              "softmax_bwd: grad_out and out must have shape [B,H,N,Dv]; got ", grad_out.sizes(),
-              " and ", out.sizes());
-  TORCH_CHECK(grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "softmax_bwd: grad_out and out must have q's dtype ", q.scalar_type());
-  const auto acc_dtype = acc_type_of(q.scalar_type());
-  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == p.B && lse.size(1) == p.H && lse.size(2) == p.N,
-              "softmax_bwd: lse must have shape [B,H,N]; got ", lse.sizes());
-  TORCH_CHECK(lse.scalar_type() == acc_dtype, "softmax_bwd: lse must be ", acc_dtype, "; got ",
-              lse.scalar_type());
+  checks::softmax_bwd(checks::cpu_target(), grad_out, q, k, v, out, lse, mask, scale, is_causal);
+  const Problem p = make_problem(q, k, v, mask, scale, is_causal);
   auto dq = at::empty({p.B, p.H, p.N, p.D}, q.options());
   auto dk = at::empty({p.B, p.Hk, p.M, p.D}, q.options());
   auto dv = at::empty({p.B, p.Hk, p.M, p.Dv}, q.options());

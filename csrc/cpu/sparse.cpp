@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "flash_tiles.h"
+#include "../checks/checks.h"
 
 namespace attnkit {
 namespace {
@@ -262,34 +263,25 @@ int64_t first_at_least(const Affine& f, int64_t T, int64_t x) {
   return a;
 }
 
-Affine parse_affine(const char* fn, const char* name, at::IntArrayRef f) {
-  TORCH_CHECK(f.size() == 4, fn, ": ", name, " must be [a, d, m, b]; got ", f.size(), " values");
-  TORCH_CHECK(f[1] >= 1 && f[2] >= 0, fn, ": ", name, " = [a, d, m, b] needs d >= 1 and m >= 0 "
-              "(nondecreasing bounds); got d=", f[1], ", m=", f[2]);
-  TORCH_CHECK(std::abs(f[0]) < kHuge / 4, fn, ": ", name, "'s offset a is out of range: ", f[0]);
-  return Affine{f[0], f[1], f[2], f[3]};
-}
+Affine to_affine(at::IntArrayRef f) { return Affine{f[0], f[1], f[2], f[3]}; }
 
-// Checks the view; returns whether the groups' query rows cover every row of q (else the caller
-// zero-fills first) and, through keys_shared, whether some key row belongs to several groups
-// (then the backward keeps the groups of a head in one task, so dK/dV never race).
-RangeGeom make_geom(const char* fn, at::IntArrayRef view, at::IntArrayRef lo, at::IntArrayRef hi,
+// The geometry of a view checked by checks::sparse_range_* (csrc/checks/sparse.cpp: sizes,
+// ranges, query rows of the groups disjoint); returns whether the groups' query rows cover every
+// row of q (else the caller zero-fills first) and, through keys_shared, whether some key row
+// belongs to several groups (then the backward keeps the groups of a head in one task, so dK/dV
+// never race).
+RangeGeom make_geom(at::IntArrayRef view, at::IntArrayRef lo, at::IntArrayRef hi,
                     int64_t Nq, int64_t Nk, bool& all_rows_covered, bool& keys_shared) {
-  TORCH_CHECK(view.size() == 5, fn, ": view must be [G, q_pg, q_pt, k_pg, k_pt]; got ",
-              view.size(), " values");
   RangeGeom g;
   g.G = view[0];
   g.q_pg = view[1];
   g.q_pt = view[2];
   g.k_pg = view[3];
   g.k_pt = view[4];
-  TORCH_CHECK(g.G >= 0 && g.q_pg >= 0 && g.k_pg >= 0 && g.q_pt >= 1 && g.k_pt >= 1, fn,
-              ": view [G, q_pg, q_pt, k_pg, k_pt] needs G, q_pg, k_pg >= 0 and q_pt, k_pt >= 1; got ",
-              view);
   g.Nq = Nq;
   g.Nk = Nk;
-  g.lo = parse_affine(fn, "lo", lo);
-  g.hi = parse_affine(fn, "hi", hi);
+  g.lo = to_affine(lo);
+  g.hi = to_affine(hi);
   // Groups are visited only while they have rows: G may be large with most groups empty.
   std::vector<char> qseen(static_cast<size_t>(Nq), 0), kseen(static_cast<size_t>(Nk), 0);
   int64_t covered = 0;
@@ -299,8 +291,7 @@ RangeGeom make_geom(const char* fn, at::IntArrayRef view, at::IntArrayRef lo, at
     if (tq == 0) break;  // starts only grow with g: no later group has queries either
     for (int64_t t = 0; t < tq; ++t) {
       char& s = qseen[gi * g.q_pg + t * g.q_pt];
-      TORCH_CHECK(!s, fn, ": view ", view, " puts query row ", gi * g.q_pg + t * g.q_pt,
-                  " in two groups; the kernels need the groups' query rows to be disjoint");
+      TORCH_INTERNAL_ASSERT(!s, "query row in two groups");  // checks::sparse_range_*
       s = 1;
       ++covered;
     }
@@ -312,41 +303,6 @@ RangeGeom make_geom(const char* fn, at::IntArrayRef view, at::IntArrayRef lo, at
   }
   all_rows_covered = covered == Nq;
   return g;
-}
-
-void check_qkv(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
-              ": expected q [B,H,Nq,D], k [B,H,Nk,D], v [B,H,Nk,Dv]; got ", q.dim(), "-D, ",
-              k.dim(), "-D and ", v.dim(), "-D");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), fn,
-              ": q, k and v must share a dtype; got ", q.scalar_type(), ", ", k.scalar_type(),
-              " and ", v.scalar_type());
-  TORCH_CHECK(at::isFloatingType(q.scalar_type()), fn, ": expected floating inputs; got ",
-              q.scalar_type());
-  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == q.size(1) &&
-                  v.size(1) == q.size(1),
-              fn, ": q, k, v must share B and H; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(k.size(3) == q.size(3), fn, ": q and k must share D; got ", q.sizes(), " and ",
-              k.sizes());
-  TORCH_CHECK(v.size(2) == k.size(2), fn, ": k and v must have the same rows; got ", k.sizes(),
-              " and ", v.sizes());
-}
-
-void check_grad_inputs(const char* fn, const at::Tensor& q, const at::Tensor& v,
-                       const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& delta) {
-  const auto acc = acc_type_of(q.scalar_type());
-  TORCH_CHECK(dout.dim() == 4 && dout.size(0) == q.size(0) && dout.size(1) == q.size(1) &&
-                  dout.size(2) == q.size(2) && dout.size(3) == v.size(3),
-              fn, ": grad_out must be [B,H,Nq,Dv]; got ", dout.sizes());
-  TORCH_CHECK(dout.scalar_type() == q.scalar_type(), fn, ": grad_out must have q's dtype ",
-              q.scalar_type(), "; got ", dout.scalar_type());
-  for (const at::Tensor* t : {&lse, &delta}) {
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == q.size(0) && t->size(1) == q.size(1) &&
-                    t->size(2) == q.size(2),
-                fn, ": lse and delta must be [B,H,Nq]; got ", t->sizes());
-    TORCH_CHECK(t->scalar_type() == acc, fn, ": lse and delta must be ", acc, "; got ",
-                t->scalar_type());
-  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -737,32 +693,13 @@ struct BlockLists {
   int64_t end(int64_t h, int64_t r) const { return ptr[(Hl == 1 ? 0 : h) * (nb + 1) + r + 1]; }
 };
 
-BlockLists check_lists(const char* fn, const char* pname, const char* iname, const at::Tensor& ptr,
-                       const at::Tensor& idx, int64_t H, int64_t nb) {
-  TORCH_CHECK(ptr.scalar_type() == at::kInt && idx.scalar_type() == at::kInt, fn, ": ", pname,
-              " and ", iname, " must be int32; got ", ptr.scalar_type(), " and ", idx.scalar_type());
-  TORCH_CHECK(ptr.device().is_cpu() && idx.device().is_cpu(), fn, ": ", pname, " and ", iname,
-              " must be CPU tensors");
-  TORCH_CHECK(ptr.dim() == 2 && (ptr.size(0) == 1 || ptr.size(0) == H) && ptr.size(1) == nb + 1,
-              fn, ": ", pname, " must be [1 or H, nb + 1] = [1 or ", H, ", ", nb + 1, "]; got ",
-              ptr.sizes());
-  TORCH_CHECK(idx.dim() == 1, fn, ": ", iname, " must be 1-D; got ", idx.sizes());
+// The lists (ptr [Hl, nb + 1], idx [nnz], contiguous) checked by checks::block_sparse_*.
+BlockLists make_lists(const at::Tensor& ptr, const at::Tensor& idx, int64_t nb) {
   BlockLists L;
   L.ptr = ptr.const_data_ptr<int32_t>();
   L.idx = idx.const_data_ptr<int32_t>();
   L.Hl = ptr.size(0);
   L.nb = nb;
-  const int64_t nnz = idx.numel();
-  for (int64_t h = 0; h < L.Hl; ++h)
-    for (int64_t r = 0; r < nb; ++r) {
-      const int64_t a = L.begin(h, r), e = L.end(h, r);
-      TORCH_CHECK(0 <= a && a <= e && e <= nnz, fn, ": ", pname, " must hold nondecreasing offsets "
-                  "into ", iname, " (", nnz, " entries); head ", h, " row ", r, ": [", a, ", ", e, ")");
-      for (int64_t x = a; x < e; ++x)
-        TORCH_CHECK(0 <= L.idx[x] && L.idx[x] < nb && (x == a || L.idx[x - 1] < L.idx[x]), fn,
-                    ": ", iname, " entries must be increasing block indices in [0, ", nb,
-                    ") per row; head ", h, " row ", r, " has ", L.idx[x]);
-    }
   return L;
 }
 
@@ -1059,13 +996,12 @@ std::tuple<at::Tensor, at::Tensor> sparse_range_fwd_cpu(const at::Tensor& q_, co
                                                         const at::Tensor& v_, at::IntArrayRef view,
                                                         at::IntArrayRef lo, at::IntArrayRef hi,
                                                         double scale) {
-  const char* fn = "sparse_range_fwd";
-  check_qkv(fn, q_, k_, v_);
+  checks::sparse_range_fwd(checks::cpu_target(), q_, k_, v_, view, lo, hi, scale);
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
   const int64_t Nk = k.size(2), Dv = v.size(3);
   bool covered = false, keys_shared = false;
-  const RangeGeom geo = make_geom(fn, view, lo, hi, Nq, Nk, covered, keys_shared);
+  const RangeGeom geo = make_geom(view, lo, hi, Nq, Nk, covered, keys_shared);
   const auto acc = acc_type_of(q.scalar_type());
   at::Tensor out, lse;
   if (covered) {
@@ -1096,15 +1032,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_range_bwd_cpu(
     const at::Tensor& dout_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
     const at::Tensor& lse_, const at::Tensor& delta_, at::IntArrayRef view, at::IntArrayRef lo,
     at::IntArrayRef hi, double scale) {
-  const char* fn = "sparse_range_bwd";
-  check_qkv(fn, q_, k_, v_);
-  check_grad_inputs(fn, q_, v_, dout_, lse_, delta_);
+  checks::sparse_range_bwd(checks::cpu_target(), dout_, q_, k_, v_, lse_, delta_, view, lo, hi, scale);
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   const at::Tensor dout = dout_.contiguous(), lse = lse_.contiguous(), delta = delta_.contiguous();
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
   const int64_t Nk = k.size(2), Dv = v.size(3);
   bool covered = false, keys_shared = false;
-  const RangeGeom geo = make_geom(fn, view, lo, hi, Nq, Nk, covered, keys_shared);
+  const RangeGeom geo = make_geom(view, lo, hi, Nq, Nk, covered, keys_shared);
   const auto dtype = q.scalar_type();
   const auto acc = acc_type_of(dtype);
   const bool direct = acc == dtype;
@@ -1142,26 +1076,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_range_bwd_cpu(
   return {dq, dk, dv};
 }
 
-void check_block(const char* fn, const at::Tensor& q, const at::Tensor& k, int64_t block) {
-  TORCH_CHECK(block >= 1, fn, ": block must be >= 1; got ", block);
-  TORCH_CHECK(k.size(2) == q.size(2), fn, ": q and k must have the same length N; got ",
-              q.sizes(), " and ", k.sizes());
-  TORCH_CHECK(q.size(2) % block == 0, fn, ": N = ", q.size(2), " must be a multiple of block = ",
-              block);
-}
-
 std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cpu(const at::Tensor& q_, const at::Tensor& k_,
                                                         const at::Tensor& v_,
                                                         const at::Tensor& row_ptr_,
                                                         const at::Tensor& col_idx_, int64_t block,
                                                         bool causal, double scale) {
-  const char* fn = "block_sparse_fwd";
-  check_qkv(fn, q_, k_, v_);
-  check_block(fn, q_, k_, block);
+  checks::block_sparse_fwd(checks::cpu_target(), q_, k_, v_, row_ptr_, col_idx_, block, causal, scale);
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   const at::Tensor row_ptr = row_ptr_.contiguous(), col_idx = col_idx_.contiguous();
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Dv = v.size(3);
-  const BlockLists L = check_lists(fn, "row_ptr", "col_idx", row_ptr, col_idx, H, N / block);
+  const BlockLists L = make_lists(row_ptr, col_idx, N / block);
   auto out = at::empty({B, H, N, Dv}, q.options());
   auto lse = at::empty({B, H, N}, q.options().dtype(acc_type_of(q.scalar_type())));
   if (B * H * N == 0) return {out, lse};
@@ -1180,20 +1104,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu(
     const at::Tensor& lse_, const at::Tensor& delta_, const at::Tensor& row_ptr_,
     const at::Tensor& col_idx_, const at::Tensor& col_ptr_, const at::Tensor& row_idx_,
     int64_t block, bool causal, double scale) {
-  const char* fn = "block_sparse_bwd";
-  check_qkv(fn, q_, k_, v_);
-  check_block(fn, q_, k_, block);
-  check_grad_inputs(fn, q_, v_, dout_, lse_, delta_);
+  checks::block_sparse_bwd(checks::cpu_target(), dout_, q_, k_, v_, lse_, delta_, row_ptr_, col_idx_, col_ptr_,
+                           row_idx_, block, causal, scale);
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   const at::Tensor dout = dout_.contiguous(), lse = lse_.contiguous(), delta = delta_.contiguous();
   const at::Tensor row_ptr = row_ptr_.contiguous(), col_idx = col_idx_.contiguous();
   const at::Tensor col_ptr = col_ptr_.contiguous(), row_idx = row_idx_.contiguous();
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Dv = v.size(3);
-  const BlockLists R = check_lists(fn, "row_ptr", "col_idx", row_ptr, col_idx, H, N / block);
-  const BlockLists C = check_lists(fn, "col_ptr", "row_idx", col_ptr, row_idx, H, N / block);
-  TORCH_CHECK(col_idx.numel() == row_idx.numel() && R.Hl == C.Hl, fn,
-              ": the column lists must transpose the row lists; got ", col_idx.numel(), " vs ",
-              row_idx.numel(), " entries, Hl ", R.Hl, " vs ", C.Hl);
+  const BlockLists R = make_lists(row_ptr, col_idx, N / block);
+  const BlockLists C = make_lists(col_ptr, row_idx, N / block);
   const auto dtype = q.scalar_type();
   const auto acc = acc_type_of(dtype);
   at::Tensor dq = at::zeros({B, H, N, D}, q.options().dtype(acc));

@@ -1,6 +1,8 @@
 // Host-side preamble shared by csrc/cuda/{hopfield,linear,softmax,sparse}.cu: the torch headers
-// their host code needs, and the small helpers each would otherwise write again (input checks,
-// the compute-capability check, the shared-memory opt-in, raw 16-bit pointers).
+// their host code needs, the declarations of their entry points (launch.h), and the small helpers
+// each would otherwise write again (the shared-memory opt-in, raw 16-bit pointers).  No input
+// checks: those run in g++-compiled code before an entry point is called (csrc/checks/, issue 10),
+// and nothing here throws.
 //
 // Host code only.  tests/csrc/cuda_emulator/extract.py takes a kernel file's device code and the
 // device part of the project headers it includes; it skips this one by name (HOST_ONLY_HEADERS
@@ -20,12 +22,10 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include <cuda_runtime.h>
 
@@ -34,37 +34,18 @@
 #include <optional>
 #include <tuple>
 
+#include "launch.h"  // the entry points each .cu defines, and the limits its kernels must match
+
 namespace attnkit {
 namespace {
 
-// q is a CUDA tensor and k, v sit on its device (fn names the op in the message).
-inline void check_same_cuda_device(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.is_cuda(), fn, ": the cuda backend takes CUDA tensors; got q on ", q.device());
-  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), fn, ": q, k, v must be on one device; got ",
-              q.device(), ", ", k.device(), ", ", v.device());
-}
-
-// q is float16 or bfloat16 (the tensor-core kernels' inputs) and k, v share its dtype.
-inline void check_16bit_dtypes(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, fn,
-              ": the cuda kernels take float16 or bfloat16; got ", q.scalar_type());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), fn,
-              ": q, k, v must share one dtype; got ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
-}
-
-// x's device has compute capability >= 8.0 (mma.m16n8k16 on 16-bit operands).  `what` says
-// what needs it, as the message's subject ("the cuda kernels", "float16 / bfloat16 inputs").
-inline void check_sm80(const char* fn, const at::Tensor& x, const char* what) {
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()));
-  TORCH_CHECK(major >= 8, fn, ": ", what, " need compute capability 8.0 or newer (tensor-core mma.m16n8k16); got ",
-              major, ".x");
-}
-
 // Lets `kernel` use `bytes` of dynamic shared memory (past the default 48 KiB needs the opt-in).
+// Does not throw: a failure stays in CUDA's last-error slot (and the launch that needed it fails
+// too), which the op's g++ caller raises (checks::raise_cuda_error).  The checks already made
+// sure the device has the memory.
 template <typename Kernel>
 void allow_smem(Kernel kernel, size_t bytes) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  (void)cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
 }
 
 // The elements of a float16 / bfloat16 tensor as raw 16-bit words (the kernels' operand type).

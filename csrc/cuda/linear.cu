@@ -1,6 +1,8 @@
-// CUDA C++ kernels of linear (kernelized) attention, chunked, forward and backward, registered
-// for the CUDA dispatch key of attnkit::linear_fwd and attnkit::linear_bwd (schemas and their
-// exact semantics in csrc/ops.cpp; the CPU kernels are csrc/cpu/linear.cpp).
+// CUDA C++ kernels of linear (kernelized) attention, chunked, forward and backward, for
+// attnkit::linear_fwd and attnkit::linear_bwd (schemas and their exact semantics in csrc/ops.cpp;
+// the CPU kernels are csrc/cpu/linear.cpp): the entry points linear_fwd_cuda / linear_bwd_cuda
+// (csrc/cuda/launch.h), which csrc/checks/linear.cpp registers for the CUDA dispatch key after
+// running the ops' input checks (nothing here throws on bad input: issue 10).
 //
 // STATUS.  Checked: compiles with nvcc -c for sm_80 and sm_90a against torch's headers
 // (.ci/compile_cuda.sh).  The device code (this file up to "host side") runs on the CPU under
@@ -843,49 +845,23 @@ __global__ void __launch_bounds__(kThreads)
 // host side
 // ---------------------------------------------------------------------------------------------
 
+// The kernels agree with the limits the checks use (csrc/cuda/launch.h).
+static_assert(smem_bytes<float>() == cuda_limits::linear_smem_bytes(false), "csrc/cuda/launch.h: linear_smem_bytes");
+static_assert(smem_bytes<double>() == cuda_limits::linear_smem_bytes(true), "csrc/cuda/launch.h: linear_smem_bytes");
+
+// name: checked by checks::linear_* (csrc/checks/linear.cpp).
 int parse_feature_map(std::string_view name) {
   if (name == "elu") return kElu;
   if (name == "relu") return kRelu;
-  if (name == "identity") return kIdentity;
-  TORCH_CHECK(false, "attnkit::linear (cuda): unknown feature_map '", std::string(name),
-              "'; expected 'elu', 'relu' or 'identity'");
-  return kIdentity;  // unreachable
+  TORCH_INTERNAL_ASSERT(name == "identity", "unchecked feature_map");  // cannot happen
+  return kIdentity;
 }
 
 at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-void check_qkv(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
-              ": expected q [B,H,N,D], k [B,H,M,D], v [B,H,M,Dv]; got ", q.sizes(), ", ", k.sizes(), ", ",
-              v.sizes());
-  check_same_cuda_device(fn, q, k, v);
-  const auto st = q.scalar_type();
-  TORCH_CHECK(st == at::kHalf || st == at::kBFloat16 || st == at::kFloat || st == at::kDouble, fn,
-              ": the cuda kernels take float16, bfloat16, float32 or float64; got ", st);
-  TORCH_CHECK(k.scalar_type() == st && v.scalar_type() == st, fn, ": q, k and v must share a dtype");
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(0) == v.size(0) && q.size(1) == k.size(1) && q.size(1) == v.size(1) &&
-                  q.size(3) == k.size(3) && k.size(2) == v.size(2),
-              fn, ": q, k, v sizes do not fit: ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(!causal || q.size(2) == k.size(2), fn, ": causal needs N == M; got ", q.size(2), " and ", k.size(2));
-  if (st == at::kHalf || st == at::kBFloat16) {
-    check_sm80(fn, q, "float16 / bfloat16 inputs");
-  }
-  TORCH_CHECK(q.size(0) <= 65535 && q.size(1) <= 65535, fn, ": B and H must be <= 65535 (CUDA grid); got ",
-              q.size(0), ", ", q.size(1));
-  TORCH_CHECK(q.size(2) < (int64_t{1} << 30) && k.size(2) < (int64_t{1} << 30) && q.size(3) < (1 << 24) &&
-                  v.size(3) < (1 << 24),
-              fn, ": sizes too large: ", q.sizes(), ", ", v.sizes());
-}
-
-// An optional contiguous tensor of the accumulation type with the given shape, on q's device.
-at::Tensor check_acc(const char* fn, const char* name, const std::optional<at::Tensor>& t, const at::Tensor& q,
-                     at::ScalarType acc, at::IntArrayRef shape) {
-  if (!t.has_value() || !t->defined()) return at::Tensor();
-  TORCH_CHECK(t->scalar_type() == acc, fn, ": ", name, " must be ", acc, "; got ", t->scalar_type());
-  TORCH_CHECK(t->sizes() == shape, fn, ": ", name, " must have shape ", shape, "; got ", t->sizes());
-  TORCH_CHECK(t->device() == q.device(), fn, ": ", name, " must be on q's device (", q.device(), "); got ",
-              t->device());
-  return t->contiguous();
+// An optional tensor (checked: of the accumulation type and its shape, on q's device), contiguous.
+at::Tensor contiguous_or_none(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->contiguous() : at::Tensor();
 }
 
 template <typename T>
@@ -916,13 +892,13 @@ States<A> states_of(const at::Tensor& x, int64_t nt, int64_t rows, int64_t cols)
 }
 
 // kernel<<<grid, kThreads, smem_bytes<A>()>>>(args...) on the current stream, with the
-// shared-memory opt-in (the double kernels use more than the default 48 KiB).
+// shared-memory opt-in (the double kernels use more than the default 48 KiB).  A failed launch
+// is left for the caller (csrc/cuda/launch.h).
 template <typename A, typename... P, typename... Args>
 void launch(void (*kernel)(P...), dim3 grid, Args&&... args) {
   constexpr size_t smem = smem_bytes<A>();
   allow_smem(kernel, smem);
   kernel<<<grid, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(std::forward<Args>(args)...);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T, typename A>
@@ -1001,40 +977,8 @@ void dispatch(at::ScalarType st, F&& f) {
     case at::kBFloat16: f(c10::BFloat16{}, float{}); break;
     case at::kFloat: f(float{}, float{}); break;
     case at::kDouble: f(double{}, double{}); break;
-    default: TORCH_CHECK(false, "attnkit::linear (cuda): unsupported dtype ", st);
+    default: TORCH_INTERNAL_ASSERT(false, "unchecked dtype");  // checks::linear_*: cannot happen
   }
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd_cuda(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& S0_in,
-    const std::optional<at::Tensor>& z0_in, bool causal, c10::string_view feature_map, bool normalize, double eps,
-    double scale) {
-  constexpr const char* fn = "attnkit::linear_fwd (cuda)";
-  check_qkv(fn, q, k, v, causal);
-  const int fm = parse_feature_map(std::string_view(feature_map.data(), feature_map.size()));
-  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
-  const int64_t Dv = v.size(3);
-  const auto acc = acc_type(q.scalar_type());
-  const at::Tensor S0 = check_acc(fn, "S0", S0_in, q, acc, {B, H, D, Dv});
-  const at::Tensor z0 = check_acc(fn, "z0", z0_in, q, acc, {B, H, D});
-  TORCH_CHECK(S0.defined() == z0.defined(), fn, ": S0 and z0 go together");
-  c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor out = at::empty({B, H, N, Dv}, q.options());
-  at::Tensor den = at::empty({B, H, N}, q.options().dtype(acc));
-  at::Tensor S = at::empty({B, H, D, Dv}, q.options().dtype(acc));
-  at::Tensor z = at::empty({B, H, D}, q.options().dtype(acc));
-  if (B * H == 0) return {out, den, S, z};
-  if (D == 0 || Dv == 0) {  // empty head dims: every sum is empty
-    out.zero_(), den.zero_(), S.zero_(), z.zero_();
-    if (S0.defined()) S.copy_(S0), z.copy_(z0);
-    return {out, den, S, z};
-  }
-  dispatch(q.scalar_type(), [&](auto t, auto a) {
-    using T = decltype(t);
-    using A = decltype(a);
-    forward_impl<T, A>(q, k, v, S0, z0, fm, causal, normalize, eps, scale, out, den, S, z);
-  });
-  return {out, den, S, z};
 }
 
 template <typename T, typename A>
@@ -1060,7 +1004,6 @@ void backward_impl(const at::Tensor& g, const at::Tensor& gden, const at::Tensor
     delta_kernel<T, A><<<static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)), kThreads, 0,
                          c10::cuda::getCurrentCUDAStream()>>>(view_of<T>(g), view_of<T>(out), p.H, p.N, p.Dv, rows,
                                                               static_cast<A*>(delta.data_ptr()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
     x.delta = static_cast<const A*>(delta.data_ptr());
   }
 
@@ -1088,37 +1031,59 @@ void backward_impl(const at::Tensor& g, const at::Tensor& gden, const at::Tensor
   }
 }
 
+}  // namespace
+
+// Entry points (csrc/cuda/launch.h: checked inputs; launch errors are left to the caller).
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& S0_in,
+    const std::optional<at::Tensor>& z0_in, bool causal, std::string_view feature_map, bool normalize, double eps,
+    double scale) {
+  const int fm = parse_feature_map(feature_map);
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
+  const int64_t Dv = v.size(3);
+  const auto acc = acc_type(q.scalar_type());
+  const at::Tensor S0 = contiguous_or_none(S0_in);
+  const at::Tensor z0 = contiguous_or_none(z0_in);
+  c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty({B, H, N, Dv}, q.options());
+  at::Tensor den = at::empty({B, H, N}, q.options().dtype(acc));
+  at::Tensor S = at::empty({B, H, D, Dv}, q.options().dtype(acc));
+  at::Tensor z = at::empty({B, H, D}, q.options().dtype(acc));
+  if (B * H == 0) return {out, den, S, z};
+  if (D == 0 || Dv == 0) {  // empty head dims: every sum is empty
+    out.zero_(), den.zero_(), S.zero_(), z.zero_();
+    if (S0.defined()) S.copy_(S0), z.copy_(z0);
+    return {out, den, S, z};
+  }
+  dispatch(q.scalar_type(), [&](auto t, auto a) {
+    using T = decltype(t);
+    using A = decltype(a);
+    forward_impl<T, A>(q, k, v, S0, z0, fm, causal, normalize, eps, scale, out, den, S, z);
+  });
+  return {out, den, S, z};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_bwd_cuda(
     const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_den_in,
     const std::optional<at::Tensor>& grad_S_in, const std::optional<at::Tensor>& grad_z_in, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& den_in,
     const at::Tensor& S_in, const at::Tensor& z_in, const std::optional<at::Tensor>& S0_in,
-    const std::optional<at::Tensor>& z0_in, bool causal, c10::string_view feature_map, bool normalize, double eps,
+    const std::optional<at::Tensor>& z0_in, bool causal, std::string_view feature_map, bool normalize, double eps,
     double scale) {
-  constexpr const char* fn = "attnkit::linear_bwd (cuda)";
-  check_qkv(fn, q, k, v, causal);
-  const int fm = parse_feature_map(std::string_view(feature_map.data(), feature_map.size()));
+  const int fm = parse_feature_map(feature_map);
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
   const int64_t M = k.size(2), Dv = v.size(3);
   const auto acc = acc_type(q.scalar_type());
-  TORCH_CHECK(out.sizes() == at::IntArrayRef({B, H, N, Dv}) && out.scalar_type() == q.scalar_type() &&
-                  out.device() == q.device(),
-              fn, ": out must be the forward's output");
-  const at::Tensor den = check_acc(fn, "den", den_in, q, acc, {B, H, N});
-  const at::Tensor S = check_acc(fn, "S", S_in, q, acc, {B, H, D, Dv});
-  const at::Tensor z = check_acc(fn, "z", z_in, q, acc, {B, H, D});
-  const at::Tensor S0 = check_acc(fn, "S0", S0_in, q, acc, {B, H, D, Dv});
-  const at::Tensor z0 = check_acc(fn, "z0", z0_in, q, acc, {B, H, D});
-  TORCH_CHECK(S0.defined() == z0.defined(), fn, ": S0 and z0 go together");
-  const at::Tensor gden = check_acc(fn, "grad_den", grad_den_in, q, acc, {B, H, N});
-  const at::Tensor gS = check_acc(fn, "grad_S", grad_S_in, q, acc, {B, H, D, Dv});
-  const at::Tensor gz = check_acc(fn, "grad_z", grad_z_in, q, acc, {B, H, D});
-  at::Tensor g;
-  if (grad_out.has_value() && grad_out->defined()) {
-    g = *grad_out;
-    TORCH_CHECK(g.sizes() == out.sizes() && g.scalar_type() == q.scalar_type() && g.device() == q.device(), fn,
-                ": grad_out must be shaped and typed like out");
-  }
+  const at::Tensor den = den_in.contiguous();
+  const at::Tensor S = S_in.contiguous();
+  const at::Tensor z = z_in.contiguous();
+  const at::Tensor S0 = contiguous_or_none(S0_in);
+  const at::Tensor z0 = contiguous_or_none(z0_in);
+  const at::Tensor gden = contiguous_or_none(grad_den_in);
+  const at::Tensor gS = contiguous_or_none(grad_S_in);
+  const at::Tensor gz = contiguous_or_none(grad_z_in);
+  const at::Tensor g = grad_out.has_value() && grad_out->defined() ? *grad_out : at::Tensor();
   c10::cuda::CUDAGuard guard(q.device());
   at::Tensor dq = at::empty({B, H, N, D}, q.options());
   at::Tensor dk = at::empty({B, H, M, D}, q.options());
@@ -1134,7 +1099,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_bw
     if (gz.defined()) dz0.copy_(gz); else dz0.zero_();
     return {dq, dk, dv, dS0, dz0};
   }
-  if (normalize) TORCH_CHECK(den.defined(), fn, ": den is needed with normalize");
   dispatch(q.scalar_type(), [&](auto t, auto a) {
     using T = decltype(t);
     using A = decltype(a);
@@ -1144,10 +1108,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_bw
   return {dq, dk, dv, dS0, dz0};
 }
 
-}  // namespace
 }  // namespace attnkit
-
-TORCH_LIBRARY_IMPL(attnkit, CUDA, m) {
-  m.impl("linear_fwd", &attnkit::linear_fwd_cuda);
-  m.impl("linear_bwd", &attnkit::linear_bwd_cuda);
-}

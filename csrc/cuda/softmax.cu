@@ -1,5 +1,7 @@
-// CUDA C++ kernels of softmax attention (FlashAttention-2 style), registered for the CUDA
-// dispatch key of attnkit::softmax_fwd and attnkit::softmax_bwd (schemas in csrc/ops.cpp).
+// CUDA C++ kernels of softmax attention (FlashAttention-2 style) for attnkit::softmax_fwd and
+// attnkit::softmax_bwd (schemas in csrc/ops.cpp): the entry points softmax_fwd_cuda /
+// softmax_bwd_cuda (csrc/cuda/launch.h), which csrc/checks/softmax.cpp registers for the CUDA
+// dispatch key after running the ops' input checks (nothing here throws on bad input: issue 10).
 //
 // STATUS.  Checked: compiles with nvcc -c for sm_80 and sm_90a against torch's headers
 // (.ci/compile_cuda.sh); ptxas -v: 128-244 registers per thread, no spills except 16-24 bytes
@@ -13,8 +15,9 @@
 // that has passed on a GPU, treat this backend as unverified.
 //
 // WHAT IT COMPUTES.  q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,D] (float16 or bfloat16; D = 64 or
-// 128, value's head dim equal to query's; other head dims fail with a TORCH_CHECK that names
-// them, so the Python side can route elsewhere).  GQA: query head h reads kv head h / (H/Hk).
+// 128, value's head dim equal to query's; other head dims fail the op's check
+// (csrc/checks/softmax.cpp) with a message that names them, so the Python side can route
+// elsewhere).  GQA: query head h reads kv head h / (H/Hk).
 // Optional mask [B,H,N,M] (any strides, stride-0 broadcast welcome; each dim may also be 1):
 // bool (True = attend) or float16/bfloat16/float32/float64 (added to the scaled scores).
 // is_causal: key j is visible to query i iff j <= i (top-left; N != M allowed).
@@ -370,46 +373,23 @@ struct Shape {
   int64_t B, H, Hk, N, M, D;
 };
 
-Shape check_qkv(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
-              ": q, k, v must be 4-D [B, H, N, D], [B, Hk, M, D], [B, Hk, M, Dv]; got ", q.dim(), "-D, ",
-              k.dim(), "-D, ", v.dim(), "-D");
-  check_same_cuda_device(fn, q, k, v);
-  check_16bit_dtypes(fn, q, k, v);
-  const Shape s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
-  TORCH_CHECK(k.size(0) == s.B && v.size(0) == s.B && v.size(1) == s.Hk && v.size(2) == s.M && k.size(3) == s.D,
-              fn, ": shapes do not match: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
-  TORCH_CHECK(s.Hk > 0 ? s.H % s.Hk == 0 : s.H == 0, fn,
-              ": the query heads must be a multiple of the key/value heads; got H = ", s.H, ", Hk = ", s.Hk);
-  TORCH_CHECK((s.D == 64 || s.D == 128) && v.size(3) == s.D, fn,
-              ": the cuda kernels support head dims 64 and 128, with value's head dim equal to "
-              "query's; got D = ",
-              s.D, ", Dv = ", v.size(3));
-  TORCH_CHECK(s.N < (int64_t{1} << 30) && s.M < (int64_t{1} << 30), fn, ": sequence lengths must be < 2^30; got N = ",
-              s.N, ", M = ", s.M);
-  TORCH_CHECK(s.H <= 65535 && s.B <= 65535, fn, ": B and H must be <= 65535 (CUDA grid); got B = ", s.B,
-              ", H = ", s.H);
-  check_sm80(fn, q, "the cuda kernels");
-  return s;
+// Inputs checked by checks::softmax_fwd / softmax_bwd (csrc/checks/softmax.cpp).
+Shape shape_of(const at::Tensor& q, const at::Tensor& k) {
+  return Shape{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
 }
 
-Mask make_mask(const char* fn, const std::optional<at::Tensor>& mask, const Shape& s, const at::Tensor& q) {
+// The kernels' view of a checked mask: any dim may be 1 (read with stride 0).
+Mask make_mask(const std::optional<at::Tensor>& mask) {
   Mask mk{nullptr, kNoMask, 0, 0, 0, 0};
   if (!mask.has_value() || !mask->defined()) return mk;
   const at::Tensor& m = *mask;
-  const int64_t want[4] = {s.B, s.H, s.N, s.M};
-  bool fits = m.dim() == 4;
-  for (int64_t d = 0; fits && d < 4; ++d) fits = m.size(d) == want[d] || m.size(d) == 1;
-  TORCH_CHECK(fits, fn, ": mask must have shape [B, H, N, M] = [", s.B, ", ", s.H, ", ", s.N, ", ", s.M,
-              "] (or 1 in any dim); got ", m.sizes());
-  TORCH_CHECK(m.device() == q.device(), fn, ": mask must be on q's device (", q.device(), "); got ", m.device());
   switch (m.scalar_type()) {
     case at::kBool: mk.kind = kBoolMask; break;
     case at::kFloat: mk.kind = kF32Mask; break;
     case at::kHalf: mk.kind = kF16Mask; break;
     case at::kBFloat16: mk.kind = kBF16Mask; break;
     case at::kDouble: mk.kind = kF64Mask; break;
-    default: TORCH_CHECK(false, fn, ": mask must be bool or floating point; got ", m.scalar_type());
+    default: TORCH_INTERNAL_ASSERT(false, "unchecked mask dtype");  // checks::softmax_*: cannot happen
   }
   mk.ptr = m.numel() > 0 ? m.data_ptr() : nullptr;
   mk.sb = stride_or_zero(m, 0);
@@ -424,15 +404,43 @@ void launch_fwd(const FwdParams& p, dim3 grid, cudaStream_t stream) {
   constexpr size_t smem = fwd_smem_bytes<kD>();
   allow_smem(softmax_fwd_kernel<kBF16, kD>, smem);
   softmax_fwd_kernel<kBF16, kD><<<grid, kThreads, smem, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+
+template <bool kBF16, int kD>
+void launch_bwd(const BwdParams& p, const at::Tensor& out, const at::Tensor& dout, float* delta, int64_t B,
+                cudaStream_t stream) {
+  const int64_t rows = B * p.H * static_cast<int64_t>(p.N);
+  if (rows > 0) {
+    constexpr int kRowsPerBlock = 256 / 32;
+    softmax_bwd_delta_kernel<kBF16, kD><<<static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock), 256, 0, stream>>>(
+        bits(out), stride_or_zero(out, 0), stride_or_zero(out, 1), stride_or_zero(out, 2), bits(dout),
+        stride_or_zero(dout, 0), stride_or_zero(dout, 1), stride_or_zero(dout, 2), delta, p.H, p.N, rows);
+
+    constexpr size_t dq_smem = dq_smem_bytes<kD>();
+    allow_smem(softmax_bwd_dq_kernel<kBF16, kD>, dq_smem);
+    const dim3 dq_grid(static_cast<unsigned>((p.N + kBlockQ - 1) / kBlockQ), static_cast<unsigned>(p.H),
+                       static_cast<unsigned>(B));
+    softmax_bwd_dq_kernel<kBF16, kD><<<dq_grid, kThreads, dq_smem, stream>>>(p);
+  }
+  if (B * p.Hk * static_cast<int64_t>(p.M) > 0) {
+    // Runs also when N = 0: it then writes dK = dV = 0.
+    constexpr size_t dkdv_smem = dkdv_smem_bytes<kD>();
+    allow_smem(softmax_bwd_dkdv_kernel<kBF16, kD>, dkdv_smem);
+    const dim3 kv_grid(static_cast<unsigned>((p.M + kBlockK - 1) / kBlockK), static_cast<unsigned>(p.Hk),
+                       static_cast<unsigned>(B));
+    softmax_bwd_dkdv_kernel<kBF16, kD><<<kv_grid, kThreads, dkdv_smem, stream>>>(p);
+  }
+}
+
+}  // namespace
+
+// Entry points (csrc/cuda/launch.h: checked inputs; launch errors are left to the caller).
 
 std::tuple<at::Tensor, at::Tensor> softmax_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                                     const at::Tensor& v_in, const std::optional<at::Tensor>& mask,
                                                     double scale, bool is_causal) {
-  constexpr const char* fn = "attnkit::softmax_fwd (cuda)";
-  const Shape s = check_qkv(fn, q_in, k_in, v_in);
-  const Mask mk = make_mask(fn, mask, s, q_in);
+  const Shape s = shape_of(q_in, k_in);
+  const Mask mk = make_mask(mask);
   c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);
   at::Tensor out = at::empty({s.B, s.H, s.N, s.D}, q.options());
@@ -468,55 +476,12 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cuda(const at::Tensor& q_in, cons
   return {out, lse};
 }
 
-template <bool kBF16, int kD>
-void launch_bwd(const BwdParams& p, const at::Tensor& out, const at::Tensor& dout, float* delta, int64_t B,
-                cudaStream_t stream) {
-  const int64_t rows = B * p.H * static_cast<int64_t>(p.N);
-  if (rows > 0) {
-    constexpr int kRowsPerBlock = 256 / 32;
-    softmax_bwd_delta_kernel<kBF16, kD><<<static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock), 256, 0, stream>>>(
-        bits(out), stride_or_zero(out, 0), stride_or_zero(out, 1), stride_or_zero(out, 2), bits(dout),
-        stride_or_zero(dout, 0), stride_or_zero(dout, 1), stride_or_zero(dout, 2), delta, p.H, p.N, rows);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-
-    constexpr size_t dq_smem = dq_smem_bytes<kD>();
-    allow_smem(softmax_bwd_dq_kernel<kBF16, kD>, dq_smem);
-    const dim3 dq_grid(static_cast<unsigned>((p.N + kBlockQ - 1) / kBlockQ), static_cast<unsigned>(p.H),
-                       static_cast<unsigned>(B));
-    softmax_bwd_dq_kernel<kBF16, kD><<<dq_grid, kThreads, dq_smem, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  if (B * p.Hk * static_cast<int64_t>(p.M) > 0) {
-    // Runs also when N = 0: it then writes dK = dV = 0.
-    constexpr size_t dkdv_smem = dkdv_smem_bytes<kD>();
-    allow_smem(softmax_bwd_dkdv_kernel<kBF16, kD>, dkdv_smem);
-    const dim3 kv_grid(static_cast<unsigned>((p.M + kBlockK - 1) / kBlockK), static_cast<unsigned>(p.Hk),
-                       static_cast<unsigned>(B));
-    softmax_bwd_dkdv_kernel<kBF16, kD><<<kv_grid, kThreads, dkdv_smem, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in, const std::optional<at::Tensor>& mask, double scale,
     bool is_causal) {
-  constexpr const char* fn = "attnkit::softmax_bwd (cuda)";
-  const Shape s = check_qkv(fn, q_in, k_in, v_in);
-  const Mask mk = make_mask(fn, mask, s, q_in);
-  const at::IntArrayRef q_shape = q_in.sizes();
-  TORCH_CHECK(dout_in.sizes() == q_shape && out_in.sizes() == q_shape, fn,
-              ": grad_out and out must have q's shape ", q_shape, "; got ", dout_in.sizes(), " and ",
-              out_in.sizes());
-  TORCH_CHECK(dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type(), fn,
-              ": grad_out and out must have q's dtype ", q_in.scalar_type(), "; got ", dout_in.scalar_type(),
-              " and ", out_in.scalar_type());
-  TORCH_CHECK(lse_in.dim() == 3 && lse_in.size(0) == s.B && lse_in.size(1) == s.H && lse_in.size(2) == s.N, fn,
-              ": lse must have shape [B, H, N] = [", s.B, ", ", s.H, ", ", s.N, "]; got ", lse_in.sizes());
-  TORCH_CHECK(lse_in.scalar_type() == at::kFloat, fn, ": lse must be float32; got ", lse_in.scalar_type());
-  TORCH_CHECK(dout_in.device() == q_in.device() && out_in.device() == q_in.device() &&
-                  lse_in.device() == q_in.device(),
-              fn, ": grad_out, out and lse must be on q's device (", q_in.device(), ")");
+  const Shape s = shape_of(q_in, k_in);
+  const Mask mk = make_mask(mask);
   c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);
   const at::Tensor dout = aligned_rows(dout_in), out = aligned_rows(out_in);
@@ -563,10 +528,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cuda(
   return {dq, dk, dv};
 }
 
-}  // namespace
 }  // namespace attnkit
-
-TORCH_LIBRARY_IMPL(attnkit, CUDA, m) {
-  m.impl("softmax_fwd", &attnkit::softmax_fwd_cuda);
-  m.impl("softmax_bwd", &attnkit::softmax_bwd_cuda);
-}

@@ -1,6 +1,8 @@
-// CUDA C++ kernels of sparse attention (issue 4), registered for the CUDA dispatch key of
-// attnkit::sparse_range_fwd / sparse_range_bwd / block_sparse_fwd / block_sparse_bwd (schemas
-// and exact semantics: csrc/ops.cpp; plain-PyTorch twins: pytorch_ext/reference/sparse.py).
+// CUDA C++ kernels of sparse attention (issue 4) for attnkit::sparse_range_fwd /
+// sparse_range_bwd / block_sparse_fwd / block_sparse_bwd (schemas and exact semantics:
+// csrc/ops.cpp; plain-PyTorch twins: pytorch_ext/reference/sparse.py): the entry points
+// <op>_cuda (csrc/cuda/launch.h), which csrc/checks/sparse.cpp registers for the CUDA dispatch
+// key after running the ops' input checks (nothing here throws on bad input: issue 10).
 //
 // STATUS.  Checked: compiles with nvcc -c for sm_80 and sm_90a (.ci/compile_cuda.sh).  The
 // device code (this file up to "host side") runs on the CPU through the project's emulator of
@@ -13,8 +15,10 @@
 // D = 64 or 128 with Dv == D, compute capability >= 8.0.  Block-sparse: block >= 16 (any size,
 // not only powers of two).  Range parts: the query rows of different groups must not overlap
 // (nor, for the backward, the key rows): true of every view of the form [G, 1, s, 1, s] with
-// G <= s, and of a single group.  Anything else fails with a TORCH_CHECK naming it, so the
-// Python side can route it elsewhere (float32 / float64: the CPU or Triton backends).
+// G <= s, and of a single group.  Anything else fails the op's check (csrc/checks/sparse.cpp)
+// with a message naming it, so the Python side can route it elsewhere (float32 / float64: the
+// CPU or Triton backends).  Block index lists on the GPU are not read back to be checked: they
+// must be valid (attnkit.patterns.BlockLayout.index_lists makes them so).
 //
 // HOW.  The tiles and the arithmetic are those of csrc/cuda/softmax.cu (FlashAttention-2 style:
 // 4 warps x 16 rows, tensor-core mma.sync.m16n8k16 through inline PTX, ldmatrix fragments,
@@ -623,83 +627,24 @@ at::Tensor dense_rows(const at::Tensor& x) {
   return c;
 }
 
+// The kernels agree with the limits the checks use (csrc/cuda/launch.h).
+static_assert(kMinBlock == cuda_limits::kSparseMinBlock, "csrc/cuda/launch.h: kSparseMinBlock");
+
 struct Shape {
   int64_t B, H, Nq, Nk, D;
 };
 
-Shape check_qkv(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
-              ": q, k, v must be 4-D [B, H, Nq, D], [B, H, Nk, D], [B, H, Nk, Dv]; got ", q.dim(), "-D, ", k.dim(),
-              "-D, ", v.dim(), "-D");
-  check_same_cuda_device(fn, q, k, v);
-  check_16bit_dtypes(fn, q, k, v);
-  const Shape s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
-  TORCH_CHECK(k.size(0) == s.B && k.size(1) == s.H && v.size(0) == s.B && v.size(1) == s.H && v.size(2) == s.Nk &&
-                  k.size(3) == s.D,
-              fn, ": shapes do not match: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
-  TORCH_CHECK((s.D == 64 || s.D == 128) && v.size(3) == s.D, fn,
-              ": the cuda kernels support head dims 64 and 128, with value's head dim equal to query's; got D = ",
-              s.D, ", Dv = ", v.size(3));
-  TORCH_CHECK(s.Nq < (int64_t{1} << 30) && s.Nk < (int64_t{1} << 30), fn,
-              ": sequence lengths must be < 2^30; got Nq = ", s.Nq, ", Nk = ", s.Nk);
-  TORCH_CHECK(s.H <= 65535 && s.B <= 65535, fn, ": B and H must be <= 65535 (CUDA grid); got B = ", s.B, ", H = ",
-              s.H);
-  check_sm80(fn, q, "the cuda kernels");
-  return s;
+// Inputs checked by checks::sparse_range_* / block_sparse_* (csrc/checks/sparse.cpp).
+Shape shape_of(const at::Tensor& q, const at::Tensor& k) {
+  return Shape{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
 }
 
-void check_grads_inputs(const char* fn, const Shape& s, const at::Tensor& q, const at::Tensor& dout,
-                        const at::Tensor& lse, const at::Tensor& delta) {
-  TORCH_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == q.scalar_type() && dout.device() == q.device(), fn,
-              ": grad_out must be like q (", q.sizes(), ", ", q.scalar_type(), "); got ", dout.sizes(), ", ",
-              dout.scalar_type(), " on ", dout.device());
-  for (const at::Tensor* x : {&lse, &delta}) {
-    TORCH_CHECK(x->dim() == 3 && x->size(0) == s.B && x->size(1) == s.H && x->size(2) == s.Nq, fn,
-                ": lse and delta must have shape [B, H, Nq] = [", s.B, ", ", s.H, ", ", s.Nq, "]; got ", x->sizes());
-    TORCH_CHECK(x->scalar_type() == at::kFloat && x->device() == q.device(), fn,
-                ": lse and delta must be float32 on q's device; got ", x->scalar_type(), " on ", x->device());
-  }
-}
-
-// Checks the range part's view and bounds (see RangeGeo) and fills p.rg.
-void set_range(const char* fn, Params& p, c10::IntArrayRef view, c10::IntArrayRef lo, c10::IntArrayRef hi) {
-  TORCH_CHECK(view.size() == 5 && lo.size() == 4 && hi.size() == 4, fn,
-              ": view must have 5 entries [G, q_pg, q_pt, k_pg, k_pt] and lo, hi 4 [a, d, m, b]; got ", view.size(),
-              ", ", lo.size(), ", ", hi.size());
-  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
-  TORCH_CHECK(view[0] >= 0 && view[1] >= 0 && view[3] >= 0 && view[2] >= 1 && view[4] >= 1, fn,
-              ": view needs G, q_pg, k_pg >= 0 and q_pt, k_pt >= 1; got ", view);
-  for (int i = 0; i < 5; ++i) TORCH_CHECK(view[i] <= kIntMax, fn, ": view entries must be < 2^31; got ", view);
-  for (const c10::IntArrayRef f : {lo, hi}) {
-    TORCH_CHECK(f[1] >= 1 && f[1] <= kIntMax && f[2] >= 0 && f[2] <= (int64_t{1} << 20) &&
-                    std::abs(f[0]) <= (int64_t{1} << 40) && std::abs(f[3]) <= (int64_t{1} << 62),
-                fn, ": the cuda kernels take bounds [a, d, m, b] with 1 <= d < 2^31, 0 <= m <= 2^20, |a| <= 2^40, ",
-                "|b| <= 2^62; got lo = ", lo, ", hi = ", hi);
-  }
+// The range part's view and bounds (checked: sizes, ranges, int limits) into p.rg.
+void set_range(Params& p, c10::IntArrayRef view, c10::IntArrayRef lo, c10::IntArrayRef hi) {
   RangeGeo& r = p.rg;
   r.G = static_cast<int>(view[0]), r.q_pg = static_cast<int>(view[1]), r.q_pt = static_cast<int>(view[2]);
   r.k_pg = static_cast<int>(view[3]), r.k_pt = static_cast<int>(view[4]);
   for (int i = 0; i < 4; ++i) r.lo[i] = lo[i], r.hi[i] = hi[i];
-}
-
-// Checks one pair of block index lists (ptr [Hl, nb + 1], idx [nnz], int32 on q's device) and
-// returns them contiguous (kept alive by the caller).
-std::pair<at::Tensor, at::Tensor> block_lists(const char* fn, const Shape& s, const at::Tensor& q,
-                                              const at::Tensor& ptr, const at::Tensor& idx, int64_t block,
-                                              const char* names) {
-  TORCH_CHECK(block >= kMinBlock, fn, ": the cuda kernels need block >= ", kMinBlock, "; got block = ", block);
-  TORCH_CHECK(s.Nq == s.Nk && s.Nq % block == 0, fn,
-              ": block-sparse attention needs Nq == Nk == nb * block; got Nq = ", s.Nq, ", Nk = ", s.Nk,
-              ", block = ", block);
-  const int64_t nb = s.Nq / block;
-  TORCH_CHECK(ptr.dim() == 2 && (ptr.size(0) == 1 || ptr.size(0) == s.H) && ptr.size(1) == nb + 1 && idx.dim() == 1,
-              fn, ": ", names, " must have shapes [1 or H, nb + 1] = [1 or ", s.H, ", ", nb + 1, "] and [nnz]; got ",
-              ptr.sizes(), ", ", idx.sizes());
-  TORCH_CHECK(ptr.scalar_type() == at::kInt && idx.scalar_type() == at::kInt && ptr.device() == q.device() &&
-                  idx.device() == q.device(),
-              fn, ": ", names, " must be int32 on q's device (", q.device(), "); got ", ptr.scalar_type(), " on ",
-              ptr.device(), ", ", idx.scalar_type(), " on ", idx.device());
-  return {ptr.contiguous(), idx.contiguous()};
 }
 
 void set_block_geo(Params& p, int64_t hl, int64_t nb, int64_t block, bool causal) {
@@ -728,7 +673,6 @@ void launch_fwd(const Params& p, unsigned q_blocks, int64_t B, cudaStream_t stre
   allow_smem(sparse_fwd_kernel<kBF16, kD, QWalk>, smem);
   const dim3 grid(q_blocks, static_cast<unsigned>(p.H), static_cast<unsigned>(B));
   sparse_fwd_kernel<kBF16, kD, QWalk><<<grid, kThreads, smem, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <bool kBF16, int kD, class QWalk, template <int> class KWalk>
@@ -739,14 +683,12 @@ void launch_bwd(const Params& p, unsigned q_blocks, unsigned k_blocks, int64_t B
     allow_smem(sparse_bwd_dq_kernel<kBF16, kD, QWalk>, smem);
     const dim3 grid(q_blocks, static_cast<unsigned>(p.H), static_cast<unsigned>(B));
     sparse_bwd_dq_kernel<kBF16, kD, QWalk><<<grid, kThreads, smem, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (k_blocks > 0) {
     constexpr size_t smem = dkdv_smem_bytes<kD, kBoundsRowBytes>();
     allow_smem(sparse_bwd_dkdv_kernel<kBF16, kD, KWalk>, smem);
     const dim3 grid(k_blocks, static_cast<unsigned>(p.H), static_cast<unsigned>(B));
     sparse_bwd_dkdv_kernel<kBF16, kD, KWalk><<<grid, kThreads, smem, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
@@ -781,18 +723,20 @@ struct BlockBwd {
   }
 };
 
+}  // namespace
+
+// Entry points (csrc/cuda/launch.h: checked inputs; launch errors are left to the caller).
+
 // ---- range parts ----
 
 std::tuple<at::Tensor, at::Tensor> sparse_range_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                                          const at::Tensor& v_in, c10::IntArrayRef view,
                                                          c10::IntArrayRef lo, c10::IntArrayRef hi, double scale) {
-  constexpr const char* fn = "attnkit::sparse_range_fwd (cuda)";
-  const Shape s = check_qkv(fn, q_in, k_in, v_in);
+  const Shape s = shape_of(q_in, k_in);
   Params p = base_params(s, scale);
-  set_range(fn, p, view, lo, hi);
+  set_range(p, view, lo, hi);
   const GroupCover cq = group_cover(p.Nq, p.rg.G, p.rg.q_pg, p.rg.q_pt);
-  TORCH_CHECK(cq.disjoint, fn, ": the cuda kernels need the groups' query rows to be disjoint; view = ", view,
-              " with Nq = ", s.Nq, " puts some query row in two groups");
+  TORCH_INTERNAL_ASSERT(cq.disjoint, "unchecked view");  // checks::sparse_range_fwd: cannot happen
   c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = dense_rows(q_in), k = dense_rows(k_in), v = dense_rows(v_in);
   // Rows in no group: out 0, lse -inf (written here; the kernels write every row of a group).
@@ -811,16 +755,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_range_bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& lse_in, const at::Tensor& delta_in, c10::IntArrayRef view, c10::IntArrayRef lo,
     c10::IntArrayRef hi, double scale) {
-  constexpr const char* fn = "attnkit::sparse_range_bwd (cuda)";
-  const Shape s = check_qkv(fn, q_in, k_in, v_in);
-  check_grads_inputs(fn, s, q_in, dout_in, lse_in, delta_in);
+  const Shape s = shape_of(q_in, k_in);
   Params p = base_params(s, scale);
-  set_range(fn, p, view, lo, hi);
+  set_range(p, view, lo, hi);
   const GroupCover cq = group_cover(p.Nq, p.rg.G, p.rg.q_pg, p.rg.q_pt);
   const GroupCover ck = group_cover(p.Nk, p.rg.G, p.rg.k_pg, p.rg.k_pt);
-  TORCH_CHECK(cq.disjoint && ck.disjoint, fn,
-              ": the cuda kernels need the groups' query rows and key rows to be disjoint; view = ", view,
-              " with Nq = ", s.Nq, ", Nk = ", s.Nk, " puts some row in two groups");
+  TORCH_INTERNAL_ASSERT(cq.disjoint && ck.disjoint, "unchecked view");  // checks::sparse_range_bwd: cannot happen
   c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = dense_rows(q_in), k = dense_rows(k_in), v = dense_rows(v_in), dout = dense_rows(dout_in);
   const at::Tensor lse = lse_in.contiguous(), delta = delta_in.contiguous();
@@ -840,9 +780,8 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda(const at::Tensor& q_in,
                                                          const at::Tensor& v_in, const at::Tensor& row_ptr_in,
                                                          const at::Tensor& col_idx_in, int64_t block, bool causal,
                                                          double scale) {
-  constexpr const char* fn = "attnkit::block_sparse_fwd (cuda)";
-  const Shape s = check_qkv(fn, q_in, k_in, v_in);
-  const auto [row_ptr, col_idx] = block_lists(fn, s, q_in, row_ptr_in, col_idx_in, block, "row_ptr, col_idx");
+  const Shape s = shape_of(q_in, k_in);
+  const at::Tensor row_ptr = row_ptr_in.contiguous(), col_idx = col_idx_in.contiguous();
   c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = dense_rows(q_in), k = dense_rows(k_in), v = dense_rows(v_in);
   at::Tensor out = at::empty({s.B, s.H, s.Nq, s.D}, q.options());  // every row is written
@@ -861,13 +800,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& lse_in, const at::Tensor& delta_in, const at::Tensor& row_ptr_in, const at::Tensor& col_idx_in,
     const at::Tensor& col_ptr_in, const at::Tensor& row_idx_in, int64_t block, bool causal, double scale) {
-  constexpr const char* fn = "attnkit::block_sparse_bwd (cuda)";
-  const Shape s = check_qkv(fn, q_in, k_in, v_in);
-  check_grads_inputs(fn, s, q_in, dout_in, lse_in, delta_in);
-  const auto [row_ptr, col_idx] = block_lists(fn, s, q_in, row_ptr_in, col_idx_in, block, "row_ptr, col_idx");
-  const auto [col_ptr, row_idx] = block_lists(fn, s, q_in, col_ptr_in, row_idx_in, block, "col_ptr, row_idx");
-  TORCH_CHECK(col_ptr.size(0) == row_ptr.size(0), fn, ": row_ptr and col_ptr must have the same number of rows; got ",
-              row_ptr.size(0), " and ", col_ptr.size(0));
+  const Shape s = shape_of(q_in, k_in);
+  const at::Tensor row_ptr = row_ptr_in.contiguous(), col_idx = col_idx_in.contiguous();
+  const at::Tensor col_ptr = col_ptr_in.contiguous(), row_idx = row_idx_in.contiguous();
   c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = dense_rows(q_in), k = dense_rows(k_in), v = dense_rows(v_in), dout = dense_rows(dout_in);
   const at::Tensor lse = lse_in.contiguous(), delta = delta_in.contiguous();
@@ -884,12 +819,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda(
   return {dq, dk, dv};
 }
 
-}  // namespace
 }  // namespace attnkit
-
-TORCH_LIBRARY_IMPL(attnkit, CUDA, m) {
-  m.impl("sparse_range_fwd", &attnkit::sparse_range_fwd_cuda);
-  m.impl("sparse_range_bwd", &attnkit::sparse_range_bwd_cuda);
-  m.impl("block_sparse_fwd", &attnkit::block_sparse_fwd_cuda);
-  m.impl("block_sparse_bwd", &attnkit::block_sparse_bwd_cuda);
-}

@@ -17,6 +17,8 @@ identity + normalize divides by Σ_j q_i·k_j, which for zero-mean inputs comes 
 close to 0 (an ill-conditioned problem whatever computes it), so those cases draw q, k with a
 positive mean (``positive``) to keep the normalizer away from 0.
 """
+import os
+
 import pytest
 import torch
 
@@ -374,6 +376,20 @@ def test_config_lists_and_clamping():
         small = triton_linear.configs_for(kind, 20, 16)
         assert all(c.kwargs["BLOCK_K"] <= 32 and c.kwargs["BLOCK_V"] == 16 for c in small)
         assert len(small) < len(configs)  # duplicates after clamping are dropped
+
+
+def test_gpu_launches_use_a_fixed_config_unless_autotuning_is_asked_for():
+    # Issue 10: autotuned bfloat16 backwards made illegal memory accesses on an H100 while every
+    # single forced config ran clean; autotuning is opt-in (ATTNKIT_LINEAR_AUTOTUNE=1).
+    assert triton_linear.AUTOTUNE == (os.environ.get("ATTNKIT_LINEAR_AUTOTUNE") == "1")
+    for dtype, block in ((torch.float32, 32), (torch.float16, 64), (torch.bfloat16, 64)):
+        c = triton_linear.default_config(dtype)
+        assert (c.kwargs["BLOCK_K"], c.kwargs["BLOCK_V"]) == (block, block)
+        assert any(c.kwargs == l.kwargs and c.num_warps == l.num_warps
+                   for l in triton_linear.STATE_CONFIGS)  # one of the searched configs
+    # the config seen faulting alone on the H100 is out of both lists
+    assert all((c.kwargs["BLOCK_K"], c.kwargs["BLOCK_V"], c.num_warps, c.num_stages) != (32, 64, 4, 2)
+               for c in triton_linear.STATE_CONFIGS + triton_linear.CHUNK_CONFIGS)
 
 
 # Every block shape of both lists (warps / stages mean nothing to the interpreter).
