@@ -21,6 +21,7 @@ PACKAGES = [
     "attnkit.nn",
     "attnkit.theory",
     "attnkit.bench",
+    "attnkit.integrations",
 ]
 PACKAGE_DIR = {
     "attnkit": "pytorch_ext",
@@ -30,6 +31,7 @@ PACKAGE_DIR = {
     "attnkit.nn": "pytorch_ext/nn",
     "attnkit.theory": "pytorch_ext/theory",
     "attnkit.bench": "bench",
+    "attnkit.integrations": "pytorch_ext/integrations",
 }
 
 
@@ -145,5 +147,7 @@ setup(
         "triton": ["triton"],
         "bench": ["matplotlib", "tqdm", "pytest-benchmark"],
         "test": ["pytest", "expecttest", "triton"],
+        # attnkit.integrations.transformers (attn_implementation="attnkit"); tested with 5.17.0.
+        "transformers": ["transformers>=5.17"],
     },
 )

@@ -4,6 +4,7 @@ Commands:
   bench   benchmark attnkit's backends against torch SDPA, FlexAttention and plain PyTorch
           (``python -m attnkit bench --help`` for its options)
   theory  rerun a result about attention (``python -m attnkit theory --help``)
+  train   train the reference model attnkit.models.CausalLM (``python -m attnkit train --help``)
 """
 from __future__ import annotations
 
@@ -22,7 +23,13 @@ commands:
   theory   rerun a result about attention (icl, svm, memory, scaling, polynomial, prediction):
            python -m attnkit theory <name> [--quick] [--out DIR]
 
-run `python -m attnkit bench --help` (or `theory <name> --help`) for every option.
+  train    train the reference causal LM (attnkit.models) on a Markov source or a text file:
+           python -m attnkit train [--data markov|PATH] [--attention softmax|linear,sparse,...]
+                                   [--steps K] [--device auto|cpu|cuda] [--resume CKPT] [--out DIR]
+           progress bar; writes DIR/loss.png, DIR/checkpoint.pt, DIR/losses.json
+           (default DIR: bench/out/train)
+
+run `python -m attnkit bench --help` (or `theory <name> --help`, `train --help`) for every option.
 """
 
 
@@ -40,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         from .theory.cli import main as theory_main
 
         return theory_main(rest)
+    if command == "train":
+        from .models import main as train_main
+
+        return train_main(rest)
     sys.stderr.write(f"python -m attnkit: unknown command {command!r}\n\n{USAGE}")
     return 2
 

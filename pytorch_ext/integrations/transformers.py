@@ -1,0 +1,255 @@
+"""attnkit as a Hugging Face transformers attention implementation.
+
+Usage::
+
+    import attnkit.integrations.transformers as attnkit_hf
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    attnkit_hf.register()                                    # adds "attnkit" (once per process)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(...), attn_implementation="attnkit")
+    other.set_attn_implementation("attnkit")                 # switch an existing model
+
+After :func:`register`, every attention layer of a model whose ``config._attn_implementation``
+is ``"attnkit"`` calls :func:`attention_forward`, i.e. :func:`attnkit.softmax_attention`:
+
+- **GQA / MQA**: key and value keep their ``num_key_value_heads`` heads; the call passes
+  ``enable_gqa=True`` (K / V are never repeated in memory).
+- **Causal without a mask** where transformers allows it: the mask function is transformers'
+  own ``sdpa_mask``, which returns ``None`` when the causal structure alone says everything
+  (no padding; prefill or a query block as long as the keys), and the call then passes
+  ``is_causal=True`` (top-left aligned, like SDPA).
+- **Padding**: otherwise the mask is the boolean ``[B, 1, N, M]`` tensor of ``sdpa_mask``
+  (True = attend), broadcast over heads without being expanded.  A query row with no visible
+  key (left padding, a fully padded sequence) gives output 0 -- never NaN.
+- **KV-cache decoding**: one query (or a few) against the cached keys ``M > N``; with one
+  query and no mask every cached key is visible (``is_causal=False``, as SDPA's integration
+  does).
+- **Dropout in training**: the model's attention dropout (``dropout`` > 0 only in training
+  mode) goes to ``softmax_attention(dropout_p=...)``.  On CPU tensors that call runs on the
+  reference backend (the C++ kernel has no dropout); on CUDA the Triton kernel draws it.
+- **Scale**: the model's ``scaling`` (``None``: ``1 / sqrt(head_dim)``).
+- ``position_bias`` (T5-style additive biases) is folded into a floating mask, as SDPA's
+  integration does.
+
+Not supported (raise ``NotImplementedError`` instead of computing something else):
+attention sinks (``s_aux``, gpt-oss) and logit soft-capping (``softcap``, Gemma 2).  Attention
+weights are never returned (``output_attentions=True`` gives ``None`` weights, with a warning,
+like SDPA).  Paged attention (``"paged|attnkit"``, continuous batching) is not registered.
+
+Tested with transformers 5.17.0 (:data:`TESTED_TRANSFORMERS_VERSIONS`; CI pins it in
+``requirements.txt``, and the GPU image ships it): Llama (GQA), GPT-2 and BERT built from small
+configs, against ``attn_implementation="sdpa"``.  The extra asks for ``transformers>=5.17``.
+On 4.57.6 (the last 4.x) the same suite partly fails: ``set_attn_implementation`` leaves
+BERT's config on "sdpa", and 4.x's SDPA integration ignores ``position_bias``; older versions
+without ``AttentionMaskInterface`` make :func:`register` raise its ImportError.
+
+transformers is an optional dependency (the pip extra ``attnkit[transformers]``): this module
+imports without it; :func:`register` raises ImportError naming the extra.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+
+from ..ops.softmax import softmax_attention
+
+__all__ = [
+    "NAME",
+    "EXTRA",
+    "TESTED_TRANSFORMERS_VERSIONS",
+    "register",
+    "is_registered",
+    "attention_forward",
+    "make_attention_forward",
+]
+
+NAME = "attnkit"
+"""The default ``attn_implementation`` name that :func:`register` adds."""
+
+EXTRA = "transformers"
+"""The pip extra that installs transformers: ``pip install "attnkit[transformers]"``."""
+
+TESTED_TRANSFORMERS_VERSIONS = ("5.17.0",)
+"""transformers versions the test suite (tests/integrations/test_transformers.py) ran on."""
+
+_log = logging.getLogger(__name__)
+_warned: list = []  # the output_attentions warning is given once per process
+_UNSUPPORTED = {
+    "s_aux": "attention sinks (s_aux)",
+    "softcap": "attention logit soft-capping (softcap)",
+}
+
+
+def _missing_transformers(exc: Exception) -> ImportError:
+    return ImportError(
+        "attnkit.integrations.transformers.register() needs Hugging Face transformers "
+        f"(>= 5.17; tested: {', '.join(TESTED_TRANSFORMERS_VERSIONS)}), which could not be imported "
+        f"({type(exc).__name__}: {exc}). Install the optional extra: "
+        f'pip install "attnkit[{EXTRA}]"  (or: pip install transformers=={TESTED_TRANSFORMERS_VERSIONS[0]})'
+    )
+
+
+def _position_bias_mask(position_bias, attention_mask, is_causal, n, m, dtype):
+    """A floating ``[.., N, M]`` mask: ``position_bias`` where attending, ``finfo.min`` elsewhere
+    (the rule of transformers' SDPA integration)."""
+    min_value = torch.finfo(dtype).min
+    if attention_mask is None:
+        if not is_causal:
+            return position_bias
+        causal = torch.ones(n, m, dtype=torch.bool, device=position_bias.device).tril()
+        return torch.where(causal, position_bias, min_value)
+    if attention_mask.dtype == torch.bool:
+        return torch.where(attention_mask, position_bias, min_value)
+    return position_bias + attention_mask
+
+
+def make_attention_forward(backend: Optional[str] = None) -> Callable:
+    """An attention function for transformers' ``AttentionInterface`` on
+    :func:`attnkit.softmax_attention` with ``backend`` (None: attnkit's default dispatch, or
+    the ``ATTNKIT_BACKEND`` environment variable).  :func:`attention_forward` is the one with
+    ``backend=None``; :func:`register` uses this to register another backend under another name.
+    """
+
+    def forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        dropout: float = 0.0,
+        scaling: Optional[float] = None,
+        is_causal: Optional[bool] = None,
+        position_bias: Optional[torch.Tensor] = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        """transformers' attention signature (see :func:`attention_forward`)."""
+        for name, what in _UNSUPPORTED.items():
+            if kwargs.get(name) is not None:
+                raise NotImplementedError(
+                    f"attn_implementation='attnkit' does not support {what}: this model needs "
+                    "attn_implementation='eager' (or 'sdpa' where that supports it)"
+                )
+        if kwargs.get("output_attentions", False) and not _warned:
+            _warned.append(True)
+            _log.warning("attn_implementation='attnkit' does not return attention weights "
+                         "(output_attentions=True gives None); use 'eager' for them.")
+        n, m = query.shape[2], key.shape[2]
+        if is_causal is None:
+            is_causal = getattr(module, "is_causal", True)
+        # transformers' mask function returns None exactly when is_causal may stand in for the
+        # causal mask; one query with no mask sees every cached key (bottom-right alignment:
+        # is_causal=False), as in transformers' SDPA integration.
+        is_causal = bool(is_causal) and attention_mask is None and n > 1
+        if is_causal and m > n:
+            # Prefill into an empty static cache: the keys past N are empty slots; top-left
+            # causal never reads them, so they are cut off (as SDPA's integration does).
+            key, value = key[:, :, :n], value[:, :, :n]
+            if position_bias is not None:
+                position_bias = position_bias[..., :n]
+            m = n
+        if attention_mask is not None and attention_mask.shape[-1] > m:
+            attention_mask = attention_mask[..., :m]
+        if position_bias is not None:
+            attention_mask = _position_bias_mask(position_bias, attention_mask, is_causal, n, m, query.dtype)
+            is_causal = False
+        out = softmax_attention(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=float(dropout),
+            is_causal=is_causal,
+            scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
+            backend=backend,
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    forward.__name__ = forward.__qualname__ = (
+        "attention_forward" if backend is None else f"attention_forward_{backend}"
+    )
+    return forward
+
+
+attention_forward = make_attention_forward(None)
+attention_forward.__doc__ = """transformers' attention function for ``attn_implementation="attnkit"``.
+
+Args:
+    module: the calling attention layer (read: ``is_causal`` when the call does not say).
+    query: ``[B, H, N, D]``.
+    key: ``[B, Hk, M, D]`` (Hk divides H: GQA without repeating K / V).
+    value: ``[B, Hk, M, Dv]``.
+    attention_mask: None, or ``[B or 1, 1 or H, N, >= M]``: bool (True = attend, from the
+        registered mask function ``sdpa_mask``) or floating (added to the scores).
+    dropout: attention-probability dropout (the models pass 0 outside training).
+    scaling: the score scale (None: ``1 / sqrt(D)``).
+    is_causal: overrides ``module.is_causal``; only used when there is no mask and N > 1.
+    position_bias: optional additive bias broadcastable to ``[B, H, N, M]`` (T5-style).
+    **kwargs: the rest of the model's attention kwargs; ``s_aux`` / ``softcap`` (when not
+        None) raise NotImplementedError, everything else is ignored.
+
+Returns:
+    ``(out, None)``: ``out`` ``[B, N, H, Dv]`` contiguous, in the inputs' dtype; no attention
+    weights.
+"""
+
+
+def _interfaces():
+    try:
+        import transformers  # noqa: F401
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as exc:
+        raise _missing_transformers(exc) from exc
+    return AttentionInterface, AttentionMaskInterface, sdpa_mask
+
+
+def register(name: str = NAME, *, backend: Optional[str] = None) -> str:
+    """Add attnkit to transformers as the attention implementation ``name``.
+
+    Registers :func:`attention_forward` (or, with ``backend``, one bound to that attnkit
+    backend) in ``transformers.AttentionInterface`` and transformers' ``sdpa_mask`` (boolean
+    masks, ``None`` where ``is_causal`` suffices) in ``transformers.masking_utils.
+    AttentionMaskInterface`` under ``name``, for every model in this process.  Calling it
+    again is harmless (the entries are replaced).
+
+    Args:
+        name: the ``attn_implementation`` string (default ``"attnkit"``).
+        backend: an attnkit backend for every call (``"cpu"``, ``"triton"``, ``"cuda"``,
+            ``"reference"``), or None for attnkit's default dispatch.
+
+    Returns:
+        ``name``, to pass as ``attn_implementation``.
+
+    Raises:
+        ImportError: transformers is not installed (or too old); the message names the extra
+            ``pip install "attnkit[transformers]"``.
+
+    Example::
+
+        >>> import attnkit.integrations.transformers as attnkit_hf
+        >>> from transformers import AutoModelForCausalLM, LlamaConfig
+        >>> attnkit_hf.register()
+        'attnkit'
+        >>> cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+        ...                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        >>> model = AutoModelForCausalLM.from_config(cfg, attn_implementation="attnkit")
+    """
+    if not isinstance(name, str) or not name or name == "eager" or "|" in name:
+        raise ValueError(f"register: name must be a non-empty string other than 'eager', without '|'; got {name!r}")
+    attention_interface, mask_interface, sdpa_mask = _interfaces()
+    fn = attention_forward if backend is None else make_attention_forward(backend)
+    attention_interface.register(name, fn)
+    mask_interface.register(name, sdpa_mask)
+    return name
+
+
+def is_registered(name: str = NAME) -> bool:
+    """Whether ``name`` is in transformers' attention interface (False without transformers)."""
+    try:
+        attention_interface, _, _ = _interfaces()
+    except ImportError:
+        return False
+    return name in attention_interface._global_mapping
