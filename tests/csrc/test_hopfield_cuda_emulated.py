@@ -13,7 +13,9 @@ DESIGN.md (float32 within 2e-5; float16 / bfloat16 within 2x the reference's own
 dtype + 1e-3); the op's other outputs (states, lse, applied) against attnkit_testing's
 ``loop_hopfield_update``, float32-rule (they are float32 computations from inputs that are exact in
 float64); energy and its lse against the reference.  Fused and split-N, S in {1, 7}, N in {1, 50,
-300}, D in {16, 64}, 1..3 steps, values or not, tol.  Not covered: the host side (checks,
+300} and odd N (1, 7, 63, 129) at D 64 / 128, D in {16, 64}, 1..3 steps, values or not, tol.  Every
+memory access is bounds-checked against its allocation, the split-N scratch included
+(cuda_emulator/README.md, "Checked pointers"), with mutants whose bounds are one off.  Not covered: the host side (checks,
 allocations, the split decision, launches as nvcc builds them), nvcc's compilation, and anything
 about a real GPU: tests/csrc/test_hopfield_cuda.py (``pytest -m gpu``) covers those.
 """
@@ -36,20 +38,39 @@ PAD = 64  # guard elements around every buffer
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 DTYPE_CODE = {F32: 0, F16: 1, BF16: 2}
 
-# Deliberate bugs, each applied to a copy of the extracted device code (built for float32 only):
-# the tests must catch them.
+# Deliberate bugs (old -> new, `{on}`: 1 while the bug is switched on, else 0), applied to the
+# extracted device code: the tests must catch them.
 MUTATIONS = {
     # retrieve: no barrier before the next X tile overwrites the one other warps still read.
     "missing_syncthreads": (
         "    __syncthreads();  // everyone is done with the previous tile\n",
-        "",
+        "    if (!{on}) __syncthreads();  // everyone is done with the previous tile\n",
     ),
     # the split-N merge rescales a chunk's partials by the wrong weight.
     "merge_weight": (
         "l[i] = l[i] * a + q.l[pr] * wc;",
-        "l[i] = l[i] * a + q.l[pr] * a;",
+        "l[i] = l[i] * a + q.l[pr] * ({on} ? a : wc);",
     ),
 }
+# Out-of-bounds accesses, which the checked pointers must stop (BOUNDS_MUTANTS): bounds one off.
+BOUNDS_MUTATIONS = {
+    # split-N: a partial row's column guard, one element written past the row (for the last
+    # partial row: past the end of the harness's scratch, which no guard watched before).
+    "partial_column_guard": (
+        "if (d < Dout) q.acc[pr * q.W + d] = acc[i][j];",
+        "if (d < Dout + {on}) q.acc[pr * q.W + d] = acc[i][j];",
+    ),
+    # the state tile load's row guard: the row after the last state row is read (for the last
+    # (batch, head): past the end of state).
+    "state_row_guard": (
+        "const int r = e / D, d = e - r * D;\n    sm.xi[r * (D + 1) + d] = r < rows",
+        "const int r = e / D, d = e - r * D;\n    sm.xi[r * (D + 1) + d] = r < rows + {on}",
+    ),
+}
+# Every deliberate bug is in one build ("switched", built for float32
+# only), each on while configure(mutant=MUTANT[name]) (see emu_build.session_builds).
+SWITCHED = {**MUTATIONS, **BOUNDS_MUTATIONS}
+MUTANT = emu_build.switched_ids(SWITCHED)
 
 _ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _i64p = ctypes.POINTER(ctypes.c_int64)
@@ -68,19 +89,21 @@ class Emulator(emu_build.Library):
         lib.emu_hopfield_update.restype = lib.emu_hopfield_energy.restype = _int
 
     def update(self, dtype, dims, beta, tol, state, x, v, out, states, lse, applied):
-        rc = self.lib.emu_hopfield_update(DTYPE_CODE[dtype], (ctypes.c_int64 * 11)(*dims), beta, tol, _p(state),
-                                          _p(x), _p(v), _p(out), _p(states), _p(lse), _p(applied))
-        self.check(rc, "update")
+        with self.buffers(state=state, X=x, V=v, out=out, states=states, lse=lse, applied=applied):
+            rc = self.lib.emu_hopfield_update(DTYPE_CODE[dtype], (ctypes.c_int64 * 11)(*dims), beta, tol,
+                                              _p(state), _p(x), _p(v), _p(out), _p(states), _p(lse), _p(applied))
+            self.check(rc, "update")
 
     def energy(self, dtype, dims, beta, state, x, e, lse):
-        rc = self.lib.emu_hopfield_energy(DTYPE_CODE[dtype], (ctypes.c_int64 * 4)(*dims), beta, _p(state), _p(x),
-                                          _p(e), _p(lse))
-        self.check(rc, "energy")
+        with self.buffers(state=state, X=x, energy=e, lse=lse):
+            rc = self.lib.emu_hopfield_energy(DTYPE_CODE[dtype], (ctypes.c_int64 * 4)(*dims), beta, _p(state),
+                                              _p(x), _p(e), _p(lse))
+            self.check(rc, "energy")
 
 
 # Session fixtures: builds (the full emulator and the mutants, all started at once), emulator.
 builds, emulator = emu_build.session_fixtures("cuda_emulator_hopfield", SOURCE, EMULATOR / "hopfield_harness.cpp",
-                                              "hopfield_kernels.inc", MUTATIONS, ("EMU_ONLY_F32",), Emulator)
+                                              "hopfield_kernels.inc", {}, ("EMU_ONLY_F32",), Emulator, SWITCHED)
 
 
 class Guarded:
@@ -105,7 +128,7 @@ class Guarded:
         return (g == 0x5A).all().item() if g.dtype == torch.uint8 else torch.isnan(g).all().item()
 
 
-def run_update(emu, state, stored, values, beta, steps, tol, final_state, split, seed=1):
+def run_update(emu, state, stored, values, beta, steps, tol, final_state, split, seed=1, mutant=0):
     """The op's four outputs (out, states, lse, applied) from the emulated kernels (b*h flattened
     back to [B, H]), after checking the guards and that no input changed."""
     b, h, s, d = state.shape
@@ -117,7 +140,7 @@ def run_update(emu, state, stored, values, beta, steps, tol, final_state, split,
     out, states = Guarded((b, h, s, dv), F32), Guarded((steps + 1, b, h, s, d), F32)
     lse, applied = Guarded((r, b, h, s), F32), Guarded((u, b, h, s), torch.bool)
     dims = (b * h, s, n, d, dv, steps, tol is not None, values is not None, final_state, split, 132)
-    emu.configure(seed=seed)
+    emu.configure(seed=seed, mutant=mutant)
     emu.update(dt, dims, beta, 0.0 if tol is None else tol, ins[0].tensor, ins[1].tensor,
                ins[2].tensor if values is not None else None, out.tensor, states.tensor, lse.tensor, applied.tensor)
     for g, bits in zip(ins, before):
@@ -128,12 +151,14 @@ def run_update(emu, state, stored, values, beta, steps, tol, final_state, split,
     return out.tensor, states.tensor, lse.tensor, applied.tensor.bool()
 
 
-def check_update(emu, dtype, s, n, d, dv, steps, tol, split, final_state=True, seed=0, scale=1.0, near=False):
+def check_update(emu, dtype, s, n, d, dv, steps, tol, split, final_state=True, seed=0, scale=1.0, near=False,
+                 mutant=0):
     state, stored, values = make_hopfield_inputs(1, 2, s, n, d, dv, dtype=dtype, seed=seed, scale=scale)
     if near:  # states near stored patterns, so that tol freezes rows at different steps
         state = (stored[:, :, :s].double() + 0.3 * state.double()).to(dtype)
     beta = 1.0 / math.sqrt(d) if not near else 2.0
-    out, states, lse, applied = run_update(emu, state, stored, values, beta, steps, tol, final_state, split)
+    out, states, lse, applied = run_update(emu, state, stored, values, beta, steps, tol, final_state, split,
+                                           mutant=mutant)
     to64 = lambda t: None if t is None else t.double()  # noqa: E731
     ref64 = hopfield_update_reference(to64(state), to64(stored), beta=beta, steps=steps, values=to64(values),
                                       tol=tol)
@@ -227,9 +252,68 @@ def test_energy(emulator, dtype, s, n, d):
     assert_close_to_reference(lse.tensor, r_lse, name="lse", dtype=F32)
 
 
-@pytest.mark.parametrize("mutation", list(MUTATIONS))
+# The out-of-bounds mutants: (split, message).  The launch must stop at the first bad access,
+# naming the access, the buffer, the kernel and the thread.
+BOUNDS_MUTANTS = {
+    "partial_column_guard": (
+        True,
+        (r"out-of-bounds access \(read or write\) of 4 bytes at byte offset 2048 of `acc \(split-N partial outputs, "
+         r"scratch\)` \(global memory, 2048 bytes: 4 bytes past its end\) \(thread \d+ of block \(1, 1, 0\) of "
+         r"split_partial_kernel\)"),
+    ),
+    "state_row_guard": (
+        False,
+        (r"out-of-bounds read of 4 bytes at byte offset 896 of `state` \(global memory, 896 bytes: 4 bytes past its "
+         r"end\) \(thread \d+ of block \(0, 1, 0\) of update_fused_kernel\)"),
+    ),
+}
+
+
+@pytest.mark.parametrize("mutation", BOUNDS_MUTATIONS)
+def test_catches_an_out_of_bounds_access(builds, mutation):
+    split, message = BOUNDS_MUTANTS[mutation]
+    state, stored, _ = make_hopfield_inputs(1, 2, 7, 300, 16, seed=0)
+    emu = builds["switched"].emulator()
+    with pytest.raises(EmulatorError, match=message):
+        run_update(emu, state, stored, None, 0.25, 2, None, True, split, mutant=MUTANT[mutation])
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+def test_switched_mutants_off_pass(builds, split):
+    # The switched build with every bug off is the kernel file: the mutants' cases pass.
+    check_update(builds["switched"].emulator(), F32, 7, 300, 16, None, 2, None, split)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+def test_every_buffer_goes_through_the_checks(emulator, split):
+    # Every buffer the kernels get (and the harness's split-N scratch) is accessed through checked
+    # pointers: none is reached by a raw pointer the rewriting missed.
+    state, stored, values = make_hopfield_inputs(1, 2, 7, 50, 16, 24, seed=8)
+    run_update(emulator, state, stored, values, 0.25, 2, None, True, split)
+    names = {"state", "X", "V", "out", "states", "lse", "applied"}
+    if split:
+        names |= {"m (split-N partial maxima, scratch)", "l (split-N partial sums, scratch)",
+                  "acc (split-N partial outputs, scratch)", "accx (split-N partial states, scratch)",
+                  "active (split-N row flags, scratch)"}
+    assert set(emulator.accesses) == names
+    assert all(n > 0 for n in emulator.accesses.values()), emulator.accesses
+
+
+# Odd numbers of stored patterns (DESIGN.md) at D = 64 and 128, fused and split-N, with values at
+# D = 128; every access bounds-checked.
+ODD_CASES = [(7, n, d, 40 if d == 128 else None, 2, i % 2 == 1)
+             for d in (64, 128) for i, n in enumerate((1, 7, 63, 129))]
+
+
+@pytest.mark.parametrize("s,n,d,dv,steps,split", ODD_CASES,
+                         ids=[f"N{c[1]}-D{c[2]}-{'split' if c[5] else 'fused'}" for c in ODD_CASES])
+def test_odd_sizes(emulator, s, n, d, dv, steps, split):
+    check_update(emulator, F32, s, n, d, dv, steps, None, split)
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
 def test_mutants_are_caught(builds, mutation):
-    emu = builds[mutation].emulator()
+    emu = builds["switched"].emulator()
     split = mutation == "merge_weight"
     with pytest.raises((AssertionError, EmulatorError)):
-        check_update(emu, F32, 7, 300, 16, None, 2, None, split)
+        check_update(emu, F32, 7, 300, 16, None, 2, None, split, mutant=MUTANT[mutation])

@@ -15,7 +15,9 @@ DESIGN.md (within 2x the error the reference makes in the inputs' dtype, + 1e-3)
 dv for float16 and bfloat16 (the tensor-core path), causal and not, the three feature maps,
 normalize or not, N not a multiple of the 64-row chunk, Dv != D, D and Dv over 64 (two column
 blocks); with an initial state and gradients of every output, also den, S, z, dS0, dz0 against
-the recurrent form.  Not covered: the host side of linear.cu (checks, copies, launches as nvcc
+the recurrent form.  Every memory access is bounds-checked against its allocation, the harness's
+scratch included (cuda_emulator/README.md, "Checked pointers"), with mutants whose bounds are one
+off.  Not covered: the host side of linear.cu (checks, copies, launches as nvcc
 builds them), the float32 / float64 kernels (CUDA cores), nvcc's own compilation and anything
 about a real GPU: tests/csrc/test_linear_cuda.py (``pytest -m gpu``) covers those.
 """
@@ -38,20 +40,38 @@ SOURCE = HERE.parents[1] / "csrc" / "cuda" / "linear.cu"
 PAD = 64  # guard elements around every buffer
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
-# Deliberate bugs, each applied to a copy of the extracted device code (built for float16 only):
-# the tests must catch them.
+# Deliberate bugs (old -> new, `{on}`: 1 while the bug is switched on, else 0), applied to the
+# extracted device code: the tests must catch them.
 MUTATIONS = {
     # the intra-chunk causal mask one off: a query no longer sees its own key (and dk/dv alike).
     "mask_off_by_one": (
         "const bool keep = kLower ? c <= r : c >= r;",
-        "const bool keep = kLower ? c < r : c > r;",
+        "const bool keep = kLower ? c <= r - {on} : c >= r + {on};",
     ),
     # state_fwd: no barrier before the next chunk's K/V tiles overwrite the ones other warps read.
     "missing_syncthreads": (
         "    __syncthreads();\n  }\n  store_state(S_out",
-        "  }\n  store_state(S_out",
+        "    if (!{on}) __syncthreads();\n  }\n  store_state(S_out",
     ),
 }
+# Out-of-bounds accesses, which the checked pointers must stop (BOUNDS_MESSAGES): bounds one off.
+BOUNDS_MUTATIONS = {
+    # the chunk tile load's row guard: the row after the chunk's last one is read (for the last
+    # chunk of the last (batch, head): past the end of k).
+    "tile_row_guard": (
+        "    if (src != nullptr && r < rows && c < cols) {",
+        "    if (src != nullptr && r < rows + {on} && c < cols) {",
+    ),
+    # the output epilogue's row guard: a row written past the chunk (past the end of out).
+    "store_row_guard": (
+        "    if (r < rows && c < cols) out[r * ld + c] = from_acc<T>(f(acc.v[i][j], r, c));",
+        "    if (r < rows + {on} && c < cols) out[r * ld + c] = from_acc<T>(f(acc.v[i][j], r, c));",
+    ),
+}
+# Every deliberate bug is in one build ("switched", built for float16
+# only), each on while configure(mutant=MUTANT[name]) (see emu_build.session_builds).
+SWITCHED = {**MUTATIONS, **BOUNDS_MUTATIONS}
+MUTANT = emu_build.switched_ids(SWITCHED)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,21 +110,24 @@ class Emulator(emu_build.Library):
         return [int(q.dtype == BF16), shape, kw["eps"], kw["scale"]]
 
     def forward(self, q, k, v, s0, z0, kw, out, den, s, z):
-        rc = self.lib.emu_linear_fwd(*self._head(q, v, k, kw), _p(q), _strides(q), _p(k), _strides(k), _p(v),
-                                     _strides(v), _p(s0), _p(z0), _p(out), _p(den), _p(s), _p(z))
-        self.check(rc, "forward")
+        with self.buffers(q=q, k=k, v=v, S0=s0, z0=z0, out=out, den=den, S=s, z=z):
+            rc = self.lib.emu_linear_fwd(*self._head(q, v, k, kw), _p(q), _strides(q), _p(k), _strides(k), _p(v),
+                                         _strides(v), _p(s0), _p(z0), _p(out), _p(den), _p(s), _p(z))
+            self.check(rc, "forward")
 
     def backward(self, g, gden, gs, gz, q, k, v, out, den, s, z, s0, z0, kw, dq, dk, dv, ds0, dz0):
-        rc = self.lib.emu_linear_bwd(*self._head(q, v, k, kw), _p(g), _strides(g), _p(gden), _p(gs), _p(gz),
-                                     _p(q), _strides(q), _p(k), _strides(k), _p(v), _strides(v), _p(out),
-                                     _strides(out), _p(den), _p(s), _p(z), _p(s0), _p(z0), _p(dq), _p(dk), _p(dv),
-                                     _p(ds0), _p(dz0))
-        self.check(rc, "backward")
+        with self.buffers(grad_out=g, grad_den=gden, grad_S=gs, grad_z=gz, q=q, k=k, v=v, out=out, den=den, S=s,
+                          z=z, S0=s0, z0=z0, dq=dq, dk=dk, dv=dv, dS0=ds0, dz0=dz0):
+            rc = self.lib.emu_linear_bwd(*self._head(q, v, k, kw), _p(g), _strides(g), _p(gden), _p(gs), _p(gz),
+                                         _p(q), _strides(q), _p(k), _strides(k), _p(v), _strides(v), _p(out),
+                                         _strides(out), _p(den), _p(s), _p(z), _p(s0), _p(z0), _p(dq), _p(dk),
+                                         _p(dv), _p(ds0), _p(dz0))
+            self.check(rc, "backward")
 
 
 # Session fixtures: builds (the full emulator and the mutants, all started at once), emulator.
 builds, emulator = emu_build.session_fixtures("cuda_emulator_linear", SOURCE, EMULATOR / "linear_harness.cpp",
-                                              "linear_kernels.inc", MUTATIONS, ("EMU_ONLY_F16",), Emulator)
+                                              "linear_kernels.inc", {}, ("EMU_ONLY_F16",), Emulator, SWITCHED)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,10 +310,70 @@ MUTANT_CASE = Case(F16, "elu", True, True, 70, 70, 32, 48)
 
 @pytest.mark.parametrize("name", MUTATIONS)
 def test_catches_a_broken_kernel(builds, name):
-    emu = builds[name].emulator()
-    emu.configure(seed=3)
+    emu = builds["switched"].emulator()
+    emu.configure(seed=3, mutant=MUTANT[name])
     with pytest.raises((AssertionError, EmulatorError)):
         check(emu, MUTANT_CASE)
+
+
+# The out-of-bounds mutants: the launch must stop at the first bad access, naming the access, the
+# buffer, the kernel and the thread (MUTANT_CASE: N = 70, a partial last chunk).
+BOUNDS_MESSAGES = {
+    "tile_row_guard": r"out-of-bounds read of 2 bytes at byte offset 8960 of `k` \(global memory, 8960 bytes: 2 bytes "
+                      r"past its end\) \(thread \d+ of block \(0, 1, 0\) of state_fwd_kernel\)",
+    "store_row_guard": r"out-of-bounds access \(read or write\) of 2 bytes at byte offset \d+ of `out` \(global "
+                       r"memory, 13440 bytes: \d+ bytes past its end\) \(thread \d+ of block \(1, 1, 0\) of "
+                       r"output_kernel\)",
+}
+
+
+@pytest.mark.parametrize("name", BOUNDS_MUTATIONS)
+def test_catches_an_out_of_bounds_access(builds, name):
+    emu = builds["switched"].emulator()
+    emu.configure(seed=3, mutant=MUTANT[name])
+    with pytest.raises(EmulatorError, match=BOUNDS_MESSAGES[name]):
+        run_emulated(emu, MUTANT_CASE)
+
+
+def test_switched_mutants_off_pass(builds):
+    # The switched build with every bug off is the kernel file: the mutants' case passes.
+    emu = builds["switched"].emulator()
+    emu.configure(seed=3, mutant=0)
+    check(emu, MUTANT_CASE)
+
+
+def test_every_buffer_goes_through_the_checks(emulator):
+    # Every buffer the kernels get (and the harness's scratch) is accessed through checked
+    # pointers: none is reached by a raw pointer the rewriting missed.
+    emulator.configure(seed=5)
+    for causal in (True, False):
+        emulator.access_log.clear()
+        run_emulated(emulator, Case(BF16, "elu", causal, True, 70, 70, 20, 12, state=True))
+        fwd, bwd = emulator.access_log
+        chunks = {"Hs (chunk states, scratch)", "Zs (chunk normalizers, scratch)"} if causal else set()
+        assert set(fwd) == {"q", "k", "v", "S0", "z0", "out", "den", "S", "z"} | chunks
+        assert all(n > 0 for n in fwd.values()), fwd
+        scratch = {"delta (scratch)"}
+        if causal:
+            scratch |= chunks | {"Rs (chunk state gradients, scratch)", "Ws (chunk normalizer gradients, scratch)",
+                                 "S (recomputed total state, scratch)", "z (recomputed total normalizer, scratch)"}
+        assert set(bwd) == {"grad_out", "grad_den", "grad_S", "grad_z", "q", "k", "v", "out", "den", "S", "z",
+                            "S0", "z0", "dq", "dk", "dv", "dS0", "dz0"} | scratch
+        # Causal: S and z are recomputed from S0, z0 chunk by chunk; otherwise the totals S, z serve.
+        unread = {"S", "z"} if causal else {"S0", "z0"}
+        assert all(n > 0 for name, n in bwd.items() if name not in unread), {k: n for k, n in bwd.items() if not n}
+        assert all(bwd[name] == 0 for name in unread), bwd
+
+
+# Odd sizes (DESIGN.md) at D = 64 and 128 (Dv != D), causal and not; every access bounds-checked.
+ODD_CASES = [Case(F16 if i % 2 else BF16, ("elu", "relu", "identity", "elu")[i], i % 2 == 0, i != 1, n, n, d,
+                  d // 2 + 8, h=1) for d in (64, 128) for i, n in enumerate((1, 7, 63, 129))]
+
+
+@pytest.mark.parametrize("case", ODD_CASES, ids=str)
+def test_odd_sizes(emulator, case):
+    emulator.configure(seed=7)
+    check(emulator, case)
 
 
 @pytest.mark.parametrize("fault", (1, 2), ids=("mma_a_layout", "ldmatrix_trans"))

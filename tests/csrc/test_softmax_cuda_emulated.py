@@ -9,7 +9,9 @@ reference with the rule of DESIGN.md: within 2x the error the reference itself m
 in the inputs' dtype, + 1e-3; infinities must match, NaN never passes.
 
 What it covers: the kernels' arithmetic, fragment layouts, tiling and bounds, masking, GQA,
-and the shared-memory synchronization between warps.  What it does not: the host side of
+and the shared-memory synchronization between warps; every global, shared and local memory access
+is checked against the allocation it belongs to (cuda_emulator/README.md, "Checked pointers"),
+and mutants with a bound one off must stop at their first bad access.  What it does not: the host side of
 softmax.cu (checks, copies, launch configuration as nvcc builds it; harness.cpp re-creates the
 launches), nvcc's own compilation, and anything about a real GPU (speed, memory model, ex2.approx
 rounding).  tests/csrc/test_softmax_cuda.py (``pytest -m gpu``) covers those on a GPU.
@@ -33,23 +35,49 @@ EMULATOR = HERE / "cuda_emulator"
 SOURCE = HERE.parents[1] / "csrc" / "cuda" / "softmax.cu"
 PAD = 64  # guard elements around every buffer (a multiple of 8: rows stay 16-byte aligned)
 
-# Deliberate bugs, each applied to a copy of the extracted device code (and built for fp16,
-# D = 64 only): the tests must catch them.
+# Deliberate bugs (old -> new, `{on}`: 1 while the bug is switched on, else 0), applied to the
+# extracted device code: the tests must catch them.
 MUTATIONS = {
     # acc_to_a: the accumulator -> A-operand re-packing of P (and dS), registers 1 and 2 swapped.
     "fragment_layout": (
         "  a[1] = pack2<kBF16>(c[2 * kc][2], c[2 * kc][3]);\n"
         "  a[2] = pack2<kBF16>(c[2 * kc + 1][0], c[2 * kc + 1][1]);\n",
-        "  a[2] = pack2<kBF16>(c[2 * kc][2], c[2 * kc][3]);\n"
-        "  a[1] = pack2<kBF16>(c[2 * kc + 1][0], c[2 * kc + 1][1]);\n",
+        "  a[1 + {on}] = pack2<kBF16>(c[2 * kc][2], c[2 * kc][3]);\n"
+        "  a[2 - {on}] = pack2<kBF16>(c[2 * kc + 1][0], c[2 * kc + 1][1]);\n",
     ),
     # forward and dQ (flash_tiles.cuh's load_kv_tiles): no barrier before the next K/V tiles
     # overwrite the ones other warps still read.
     "missing_syncthreads": (
         "  __syncthreads();  // every warp is done with the previous K/V tiles (the query tiles: written before)\n",
-        "",
+        ("  if (!{on}) __syncthreads();  // every warp is done with the previous K/V tiles (the query tiles: written "
+         "before)\n"),
     ),
 }
+# Out-of-bounds accesses, which the checked pointers must stop (BOUNDS_MESSAGES): bounds one off.
+BOUNDS_MUTATIONS = {
+    # the backward's lse row guard: a row past the last one reads lse (for the last (batch, head):
+    # one element past the end of lse).  The value is never used (the row is masked out), so no
+    # output changes: only the bounds check sees it (the NaN guards did not).
+    "lse_row_guard": (
+        "  return i >= N ? INFINITY : lse_log2(lse[bh * N + i]);",
+        "  return i >= N + {on} ? INFINITY : lse_log2(lse[bh * N + i]);",
+    ),
+    # the delta kernel's column loop one step too far: a read past the end of its row of out.
+    "delta_loop_bound": (
+        "for (int c = 2 * lane; c < kD; c += 64) {",
+        "for (int c = 2 * lane; c < kD + {on}; c += 64) {",
+    ),
+    # the forward epilogue's row guard (flash_tiles.cuh's store_out_lse): the row after the
+    # block's last valid one is written too (for the last block: past the end of out).
+    "store_row_guard": (
+        "    if (local + 8 * r < valid) {\n      const int64_t i = base",
+        "    if (local + 8 * r < valid + {on}) {\n      const int64_t i = base",
+    ),
+}
+# Every deliberate bug is in one build ("switched", built for fp16, D = 64
+# only), each on while configure(mutant=MUTANT[name]) (see emu_build.session_builds).
+SWITCHED = {**MUTATIONS, **BOUNDS_MUTATIONS}
+MUTANT = emu_build.switched_ids(SWITCHED)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,11 +131,12 @@ class Emulator(emu_build.Library):
         hk, m = k.shape[1], k.shape[2]
         s = self._strides
         ms = s(mask, 4) if mask is not None else (ctypes.c_int64 * 4)()
-        rc = self.lib.emu_softmax_fwd(
-            int(q.dtype == torch.bfloat16), d, self._p(q), s(q, 3), self._p(k), s(k, 3), self._p(v), s(v, 3),
-            self._p(out), self._p(lse), self._p(mask), self.mask_kinds[None if mask is None else mask.dtype], ms,
-            b, h, hk, n, m, scale, int(causal))
-        self.check(rc, "forward")
+        with self.buffers(q=q, k=k, v=v, mask=mask, out=out, lse=lse):
+            rc = self.lib.emu_softmax_fwd(
+                int(q.dtype == torch.bfloat16), d, self._p(q), s(q, 3), self._p(k), s(k, 3), self._p(v), s(v, 3),
+                self._p(out), self._p(lse), self._p(mask), self.mask_kinds[None if mask is None else mask.dtype], ms,
+                b, h, hk, n, m, scale, int(causal))
+            self.check(rc, "forward")
 
     def backward(self, dout, q, k, v, out, lse, mask, scale, causal, dq, dk, dv):
         self._require_aligned_rows(dout, q, k, v, out, dq, dk, dv)
@@ -115,17 +144,18 @@ class Emulator(emu_build.Library):
         hk, m = k.shape[1], k.shape[2]
         s = self._strides
         ms = s(mask, 4) if mask is not None else (ctypes.c_int64 * 4)()
-        rc = self.lib.emu_softmax_bwd(
-            int(q.dtype == torch.bfloat16), d, self._p(dout), s(dout, 3), self._p(q), s(q, 3), self._p(k), s(k, 3),
-            self._p(v), s(v, 3), self._p(out), s(out, 3), self._p(lse), self._p(dq), self._p(dk), self._p(dv),
-            self._p(mask), self.mask_kinds[None if mask is None else mask.dtype], ms, b, h, hk, n, m, scale,
-            int(causal))
-        self.check(rc, "backward")
+        with self.buffers(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv, mask=mask):
+            rc = self.lib.emu_softmax_bwd(
+                int(q.dtype == torch.bfloat16), d, self._p(dout), s(dout, 3), self._p(q), s(q, 3), self._p(k),
+                s(k, 3), self._p(v), s(v, 3), self._p(out), s(out, 3), self._p(lse), self._p(dq), self._p(dk),
+                self._p(dv), self._p(mask), self.mask_kinds[None if mask is None else mask.dtype], ms, b, h, hk, n,
+                m, scale, int(causal))
+            self.check(rc, "backward")
 
 
 # Session fixtures: builds (the full emulator and the mutants, all started at once), emulator.
 builds, emulator = emu_build.session_fixtures("cuda_emulator", SOURCE, EMULATOR / "harness.cpp",
-                                              "kernels.inc", MUTATIONS, ("EMU_ONLY_F16_D64",), Emulator)
+                                              "kernels.inc", {}, ("EMU_ONLY_F16_D64",), Emulator, SWITCHED)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,6 +310,18 @@ CASES = [
 ]
 
 
+# Odd sizes (DESIGN.md) at both head dims: one query / key, fewer than a tile, one short of a
+# tile, one past two tiles; every access bounds-checked.
+ODD_CASES = [Case(F16 if i % 2 else BF16, d, 1, 2, 1 + (i % 2), n, n, i % 2 == 0)
+             for d in (64, 128) for i, n in enumerate((1, 7, 63, 129))]
+
+
+@pytest.mark.parametrize("case", ODD_CASES, ids=str)
+def test_odd_sizes(emulator, case):
+    emulator.configure(seed=7)
+    check(emulator, case)
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_matches_reference(emulator, case):
     emulator.configure(seed=1 + CASES.index(case))
@@ -319,10 +361,58 @@ MUTANT_CASE = Case(F16, 64, 1, 2, 1, 70, 130, False)
 
 @pytest.mark.parametrize("name", MUTATIONS)
 def test_catches_a_broken_kernel(builds, name):
-    emu = builds[name].emulator()
-    emu.configure(seed=3)
+    emu = builds["switched"].emulator()
+    emu.configure(seed=3, mutant=MUTANT[name])
     with pytest.raises((AssertionError, EmulatorError)):
         check(emu, MUTANT_CASE)
+
+
+# The out-of-bounds mutants: the launch must stop at the first bad access, with a message naming
+# the access, the buffer, the kernel and the thread (MUTANT_CASE has N = 70: a partial last tile;
+# the forward and dQ kernels take their query tiles last first, so block x = 0 holds it).
+BOUNDS_MESSAGES = {
+    "lse_row_guard": r"out-of-bounds read of 4 bytes at byte offset 560 of `lse` \(global memory, 560 bytes: 4 bytes "
+                     r"past its end\) \(thread \d+ of block \(0, 1, 0\) of softmax_bwd_dq_kernel\)",
+    "delta_loop_bound": r"out-of-bounds read of 4 bytes at byte offset 17920 of `out` \(global memory, 17920 bytes: "
+                        r"4 bytes past its end\) \(thread \d+ of block \(\d+, 0, 0\) of softmax_bwd_delta_kernel\)",
+    "store_row_guard": r"out-of-bounds access \(read or write\) of 4 bytes at byte offset 17920 of `out` \(global "
+                       r"memory, 17920 bytes: 4 bytes past its end\) \(thread \d+ of block \(0, 1, 0\) of "
+                       r"softmax_fwd_kernel\)",
+}
+
+
+@pytest.mark.parametrize("name", BOUNDS_MUTATIONS)
+def test_catches_an_out_of_bounds_access(builds, name):
+    emu = builds["switched"].emulator()
+    emu.configure(seed=3, mutant=MUTANT[name])
+    with pytest.raises(EmulatorError, match=BOUNDS_MESSAGES[name]):
+        run_emulated(emu, MUTANT_CASE)
+
+
+def test_switched_mutants_off_pass(builds):
+    # The switched build with every bug off is the kernel file: the mutants' case passes.
+    emu = builds["switched"].emulator()
+    emu.configure(seed=3, mutant=0)
+    check(emu, MUTANT_CASE)
+
+
+def test_every_buffer_goes_through_the_checks(emulator):
+    # Every buffer the kernels get (and the harness's delta scratch) is accessed through checked
+    # pointers: none is reached by a raw pointer the rewriting missed.
+    case = Case(F16, 64, 1, 2, 1, 33, 70, True, mask="bool")
+    q, k, v, dout, mask = _make_inputs(case, 0)
+    out, lse = Guarded((1, 2, 33, 64), F16, float("nan")), Guarded((1, 2, 33), torch.float32, float("nan"))
+    mask_t = mask.tensor.expand(1, 2, 33, 70)
+    emulator.configure(seed=5)
+    emulator.forward(q.tensor, k.tensor, v.tensor, mask_t, 0.125, True, out.tensor, lse.tensor)
+    assert set(emulator.accesses) == {"q", "k", "v", "mask", "out", "lse"}
+    assert all(n > 0 for n in emulator.accesses.values()), emulator.accesses
+    grads = [Guarded(x.tensor.shape, F16, float("nan")) for x in (q, k, v)]
+    emulator.backward(dout.tensor, q.tensor, k.tensor, v.tensor, out.tensor, lse.tensor, mask_t, 0.125, True,
+                      *(g.tensor for g in grads))
+    assert set(emulator.accesses) == {"q", "k", "v", "mask", "out", "lse", "dout", "dq", "dk", "dv",
+                                      "delta (scratch)"}
+    assert all(n > 0 for n in emulator.accesses.values()), emulator.accesses
 
 
 @pytest.mark.parametrize("fault", (1, 2), ids=("mma_a_layout", "ldmatrix_trans"))

@@ -12,7 +12,9 @@ itself makes in the inputs' dtype, + 1e-3; infinities must match, NaN never pass
 Covered: range parts (the strided band and columns with N not a multiple of the stride, fixed-like
 floor ranges with Nq != Nk, floor division of negative numbers, empty ranges, rows in no group,
 different query and key views, several query / key tiles per group) and block-sparse lists (Hl = 1
-and H, causal, rows with no block, block 16 / 24 / 32 / 80), fp16 and bf16, D 64 and 128.
+and H, causal, rows with no block, block 16 / 24 / 32 / 80), fp16 and bf16, D 64 and 128, odd N;
+every memory access bounds-checked against its allocation (cuda_emulator/README.md, "Checked
+pointers"), with mutants whose bounds are one off.
 Not covered: the host side of sparse.cu (checks, copies, launch configuration as nvcc builds it;
 sparse_harness.cpp re-creates the launches) and anything about a real GPU:
 tests/csrc/test_sparse_cuda.py (``pytest -m gpu``) covers those.
@@ -42,25 +44,50 @@ SOURCE = HERE.parents[1] / "csrc" / "cuda" / "sparse.cu"
 PAD = 64  # guard elements around every buffer (a multiple of 8: rows stay 16-byte aligned)
 NONE_HI = 2**40  # "no upper bound" as the lead writes it
 
-# Deliberate bugs, each applied to a copy of the extracted device code (built for fp16, D = 64
-# only): the tests must catch them.
+# Deliberate bugs (old -> new, `{on}`: 1 while the bug is switched on, else 0), applied to the
+# extracted device code: the tests must catch them.
 MUTATIONS = {
     # floor division done as C++'s truncating `/` (wrong for a negative t + a).
     "truncating_division": (
         "return x >= 0 ? x / d : -((-x + d - 1) / d);",
-        "return x / d;",
+        "return x >= 0 || {on} ? x / d : -((-x + d - 1) / d);",
     ),
     # dK/dV: no barrier before the next Q/dO tiles overwrite the ones other warps still read.
     "missing_syncthreads": (
         "    __syncthreads();  // every warp is done with the previous Q/dO tiles (k_s, v_s: written before)\n",
-        "",
+        ("    if (!{on}) __syncthreads();  // every warp is done with the previous Q/dO tiles (k_s, v_s: written "
+         "before)\n"),
     ),
     # block lists: the causal test inside listed blocks dropped in the forward / dQ walk.
     "no_causal_in_blocks": (
         "return c < k_valid && w.listed(e, c) && !(w.causal && w.o0 + c > w.own[e]);",
-        "return c < k_valid && w.listed(e, c);",
+        "return c < k_valid && w.listed(e, c) && ({on} || !(w.causal && w.o0 + c > w.own[e]));",
     ),
 }
+# Out-of-bounds accesses, which the checked pointers must stop (BOUNDS_MUTANTS): bounds one off.
+BOUNDS_MUTATIONS = {
+    # the block-list walk's loop bound: it reads the entry after a row's list (for the last row
+    # of the last layout head: past the end of col_idx).
+    "list_loop_bound": (
+        "for (int c = cur[i]; c < end[i] && idx[c] <= ob1; ++c)",
+        "for (int c = cur[i]; c < end[i] + {on} && idx[c] <= ob1; ++c)",
+    ),
+    # dK/dV: the lse row guard: the query row after the tile's last valid one reads lse (past its
+    # end in the last tile); the value is never used, no output changes.
+    "dkdv_lse_row_guard": (
+        "lse_s[idx] = idx < w.q_valid ? lse_log2(p.lse[i]) : INFINITY;",
+        "lse_s[idx] = idx < w.q_valid + {on} ? lse_log2(p.lse[i]) : INFINITY;",
+    ),
+    # dK/dV epilogue (flash_tiles.cuh's store_dk_dv): the row guard, a write past the end of dk.
+    "store_row_guard": (
+        "    if (local + 8 * r < valid) {\n      const int64_t j = base",
+        "    if (local + 8 * r < valid + {on}) {\n      const int64_t j = base",
+    ),
+}
+# Every deliberate bug is in one build ("switched", built for fp16, D = 64
+# only), each on while configure(mutant=MUTANT[name]) (see emu_build.session_builds).
+SWITCHED = {**MUTATIONS, **BOUNDS_MUTATIONS}
+MUTANT = emu_build.switched_ids(SWITCHED)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -96,7 +123,7 @@ class Emulator(emu_build.Library):
 
 # Session fixtures: builds (the full emulator and the mutants, all started at once), emulator.
 builds, emulator = emu_build.session_fixtures("cuda_emulator_sparse", SOURCE, EMULATOR / "sparse_harness.cpp",
-                                              "sparse_kernels.inc", MUTATIONS, ("EMU_ONLY_F16_D64",), Emulator)
+                                              "sparse_kernels.inc", {}, ("EMU_ONLY_F16_D64",), Emulator, SWITCHED)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,11 +254,13 @@ def _bwd_inputs(out64, lse64, g):
     return dout, lse.float(), delta.float()
 
 
-def _run_case(emu, kind, bf16, d, inputs, outs, args):
-    """Calls the emulator with guarded buffers; checks guards and unchanged inputs."""
+def _run_case(emu, kind, bf16, d, inputs, outs, args, buffers):
+    """Calls the emulator with guarded buffers (buffers: {name: Guarded}, the allocations the
+    checked pointers are checked against); checks guards and unchanged inputs."""
     before = [x.bits() for x in inputs]
     fn = getattr(emu.lib, f"emu_{kind}")
-    emu.check(fn(bf16, d, *args), kind)
+    with emu.buffers(**{name: x.tensor for name, x in buffers.items()}):
+        emu.check(fn(bf16, d, *args), kind)
     for x in outs:
         assert x.guards_intact(), f"{kind}: an output was written outside its bounds"
     for x, bits in zip(inputs, before):
@@ -253,10 +282,12 @@ def run_range(emu, case: RangeCase, seed=0):
     bf16 = int(dtype == BF16)
     geo = [b, h, nq, nk, _i64(case.view), _i64(case.lo), _i64(case.hi), scale]
     _run_case(emu, "sparse_range_fwd", bf16, d, [gq, gk, gv], [out, olse],
-              [_p(gq.tensor), _p(gk.tensor), _p(gv.tensor), _p(out.tensor), _p(olse.tensor)] + geo)
+              [_p(gq.tensor), _p(gk.tensor), _p(gv.tensor), _p(out.tensor), _p(olse.tensor)] + geo,
+              {"q": gq, "k": gk, "v": gv, "out": out, "lse": olse})
     _run_case(emu, "sparse_range_bwd", bf16, d, [gq, gk, gv, gdo, glse, gdelta], [dq, dk, dv],
               [_p(gdo.tensor), _p(gq.tensor), _p(gk.tensor), _p(gv.tensor), _p(glse.tensor), _p(gdelta.tensor),
-               _p(dq.tensor), _p(dk.tensor), _p(dv.tensor)] + geo)
+               _p(dq.tensor), _p(dk.tensor), _p(dv.tensor)] + geo,
+              {"dout": gdo, "q": gq, "k": gk, "v": gv, "lse": glse, "delta": gdelta, "dq": dq, "dk": dk, "dv": dv})
     results = (out.tensor, olse.tensor, dq.tensor, dk.tensor, dv.tensor)
 
     def reference(dt):
@@ -298,12 +329,16 @@ def run_block(emu, case: BlockCase, seed=0):
     dq, dk, dv = (Guarded((b, h, n, d), dtype, float("nan")) for _ in range(3))
     bf16 = int(dtype == BF16)
     tail = [case.hl, block, int(case.causal), scale]
+    names = dict(zip(("row_ptr", "col_idx", "col_ptr", "row_idx"), lists))
     _run_case(emu, "block_sparse_fwd", bf16, d, [gq, gk, gv] + lists, [out, olse],
               [_p(gq.tensor), _p(gk.tensor), _p(gv.tensor), _p(out.tensor), _p(olse.tensor), b, h, n,
-               _p(lists[0].tensor), _p(lists[1].tensor)] + tail)
+               _p(lists[0].tensor), _p(lists[1].tensor)] + tail,
+              {"q": gq, "k": gk, "v": gv, "out": out, "lse": olse, "row_ptr": lists[0], "col_idx": lists[1]})
     _run_case(emu, "block_sparse_bwd", bf16, d, [gq, gk, gv, gdo, glse, gdelta] + lists, [dq, dk, dv],
               [_p(gdo.tensor), _p(gq.tensor), _p(gk.tensor), _p(gv.tensor), _p(glse.tensor), _p(gdelta.tensor),
-               _p(dq.tensor), _p(dk.tensor), _p(dv.tensor), b, h, n] + [_p(x.tensor) for x in lists] + tail)
+               _p(dq.tensor), _p(dk.tensor), _p(dv.tensor), b, h, n] + [_p(x.tensor) for x in lists] + tail,
+              {"dout": gdo, "q": gq, "k": gk, "v": gv, "lse": glse, "delta": gdelta, "dq": dq, "dk": dk, "dv": dv,
+               **names})
     results = (out.tensor, olse.tensor, dq.tensor, dk.tensor, dv.tensor)
 
     def reference(dt):
@@ -377,8 +412,8 @@ MUTANT_CASES = {
 
 @pytest.mark.parametrize("name", MUTATIONS)
 def test_catches_a_broken_kernel(builds, name):
-    emu = builds[name].emulator()
-    emu.configure(seed=3)
+    emu = builds["switched"].emulator()
+    emu.configure(seed=3, mutant=MUTANT[name])
     with pytest.raises((AssertionError, EmulatorError)):
         check(emu, MUTANT_CASES[name])
 
@@ -386,8 +421,71 @@ def test_catches_a_broken_kernel(builds, name):
 def test_mutant_cases_pass_unmutated(emulator):
     # The cases that catch the mutants pass on the real kernels (so what fails there is the bug).
     emulator.configure(seed=3)
-    for case in MUTANT_CASES.values():
+    for case in list(MUTANT_CASES.values()) + [case for case, _ in BOUNDS_MUTANTS.values()]:
         check(emulator, case)
+
+
+def test_switched_mutants_off_pass(builds):
+    # The switched build with every bug off is the kernel file: the mutants' cases pass.
+    emu = builds["switched"].emulator()
+    emu.configure(seed=3, mutant=0)
+    for case in list(MUTANT_CASES.values()) + [case for case, _ in BOUNDS_MUTANTS.values()]:
+        check(emu, case)
+
+
+# The out-of-bounds mutants: (case, the message).  The launch must stop at the first bad access,
+# naming the access, the buffer, the kernel and the thread.
+BOUNDS_MUTANTS = {
+    "list_loop_bound": (
+        BlockCase("b16_causal", F16, 64, 1, 2, 2, 16, 5, True, 0.6),
+        (r"out-of-bounds read of 4 bytes at byte offset \d+ of `col_idx` \(global memory, \d+ bytes: 4 bytes past "
+         r"its end\) \(thread \d+ of block \(\d+, 1, 0\) of sparse_fwd_kernel\)"),
+    ),
+    "dkdv_lse_row_guard": (
+        RangeCase("band_causal", F16, 64, 1, 2, 100, 100, V1, (-8, 1, 1, 0), (0, 1, 1, 0)),
+        (r"out-of-bounds read of 4 bytes at byte offset 800 of `lse` \(global memory, 800 bytes: 4 bytes past its "
+         r"end\) \(thread \d+ of block \(0, 1, 0\) of sparse_bwd_dkdv_kernel\)"),
+    ),
+    "store_row_guard": (
+        RangeCase("band_causal", F16, 64, 1, 2, 100, 100, V1, (-8, 1, 1, 0), (0, 1, 1, 0)),
+        (r"out-of-bounds access \(read or write\) of 4 bytes at byte offset 25600 of `dk` \(global memory, 25600 "
+         r"bytes: 4 bytes past its end\) \(thread \d+ of block \(1, 1, 0\) of sparse_bwd_dkdv_kernel\)"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", BOUNDS_MUTATIONS)
+def test_catches_an_out_of_bounds_access(builds, name):
+    case, message = BOUNDS_MUTANTS[name]
+    emu = builds["switched"].emulator()
+    emu.configure(seed=3, mutant=MUTANT[name])
+    with pytest.raises(EmulatorError, match=message):
+        (run_range if isinstance(case, RangeCase) else run_block)(emu, case)
+
+
+def test_every_buffer_goes_through_the_checks(emulator):
+    # Every buffer the kernels get is accessed through checked pointers (none is reached by a raw
+    # pointer the rewriting missed).
+    emulator.configure(seed=5)
+    run_block(emulator, BLOCK_CASES[0])
+    names = {"dout", "q", "k", "v", "lse", "delta", "dq", "dk", "dv", "row_ptr", "col_idx", "col_ptr", "row_idx"}
+    assert set(emulator.accesses) == names
+    assert all(n > 0 for n in emulator.accesses.values()), emulator.accesses
+    run_range(emulator, RANGE_CASES[0])
+    assert set(emulator.accesses) == names - {"row_ptr", "col_idx", "col_ptr", "row_idx"}
+    assert all(n > 0 for n in emulator.accesses.values()), emulator.accesses
+
+
+# Odd sizes (DESIGN.md) at both head dims, on the band of a causal strided pattern (block lists
+# need N to be a multiple of the block): every access bounds-checked.
+ODD_CASES = [RangeCase("band_causal", F16 if i % 2 else BF16, d, 1, 2, n, n, V1, (-8, 1, 1, 0), (0, 1, 1, 0))
+             for d in (64, 128) for i, n in enumerate((1, 7, 63, 129))]
+
+
+@pytest.mark.parametrize("case", ODD_CASES, ids=str)
+def test_odd_sizes(emulator, case):
+    emulator.configure(seed=7)
+    check(emulator, case)
 
 
 def test_extract_refuses_a_second_copy_of_a_ptx_helper():

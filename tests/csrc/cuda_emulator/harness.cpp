@@ -26,8 +26,13 @@
 //   ex2.approx.ftz.f32: exp2f with subnormal results flushed to zero.
 // Shared memory is allocated at exactly the launch's size (16-byte aligned), filled with NaN
 // (0xffff is NaN in fp16, bf16 and fp32) and followed by a canary that is checked after the
-// block.  Errors (a bad ldmatrix address, divergent collectives, a deadlock, a clobbered
-// canary) stop the launch; the entry points return nonzero and emu_last_error() says why.
+// block.  Every pointer of the device code is an emu::ptr (extract.py rewrites them): it carries
+// the allocation it was made from (a registered global buffer, the block's shared memory, the
+// thread's stack) and every access through it is checked against that allocation's bytes, its
+// liveness and the type's alignment.  Errors (an out-of-bounds, misaligned or stray access, a
+// bad ldmatrix address, divergent collectives, a deadlock, a clobbered canary) stop the launch;
+// the entry points return nonzero and emu_last_error() says why, naming the thread, block and
+// kernel.
 #include <algorithm>
 #include <cmath>
 #include <cstdarg>
@@ -36,7 +41,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <sys/mman.h>
@@ -179,6 +186,17 @@ constexpr size_t kStackBytes = 256 * 1024;
 constexpr size_t kCanaryBytes = 256;
 constexpr unsigned kMaxThreads = 1024;
 
+// An allocation that checked pointers (emu::ptr, below) point into: [lo, hi).  Global buffers are
+// registered by the caller (emu_register_buffer: the tests' tensors) or a harness (its scratch,
+// emu::Buffers); shared memory is the launch's block allocation; local memory a thread's stack.
+struct Alloc {
+  uintptr_t lo = 0, hi = 0;
+  std::string name;
+  const char* space = "global";
+  bool live = false;              // false: freed (or the null / stray sentinel)
+  mutable long long accesses = 0;  // checked accesses through pointers into it
+};
+
 struct Fiber {
   void* sp = nullptr;  // saved stack pointer (x86-64 switch)
 #ifdef EMU_UCONTEXT
@@ -190,6 +208,7 @@ struct Fiber {
   const Barrier* wait_bar = nullptr;  // waiting until wait_bar->generation != wait_gen
   uint64_t wait_gen = 0;
   const char* wait_what = nullptr;
+  Alloc local;  // its stack, the thread's local memory
 };
 
 struct State {
@@ -199,6 +218,8 @@ struct State {
   uint16_t* smem = nullptr;
   size_t smem_bytes = 0;
   Fiber* current = nullptr;
+  bool in_fiber = false;  // a kernel thread is running (not the harness's own code)
+  const char* kernel = nullptr;  // the running launch's kernel, for messages
   void* scheduler_sp = nullptr;
 #ifdef EMU_UCONTEXT
   ucontext_t scheduler_ctx;
@@ -209,11 +230,17 @@ struct State {
   std::string error;
   uint64_t seed = 1;
   int fault = 0;  // test hook: 1 = mma reads A's registers 1 and 2 swapped, 2 = ldmatrix ignores .trans
+  int mutant = 0;  // test hook: the switched mutation that is on (emu_build's `switched`; 0: none)
   long long collectives = 0;
+  // checked pointers: the registered global buffers (stable addresses: deque), the live ones, the
+  // block's shared memory, and two sentinels that every access fails against.
+  std::deque<Alloc> buffers;
+  std::vector<Alloc*> live_buffers;
+  Alloc shared{0, 0, "shared memory", "shared"};
+  Alloc null_alloc{0, 0, "a null pointer"};
+  Alloc stray{0, 0, "no registered buffer"};
 };
 State S;
-
-uint16_t* shared_memory() { return S.smem; }
 
 void to_scheduler() {
 #ifdef EMU_UCONTEXT
@@ -234,7 +261,8 @@ void to_scheduler() {
     va_end(args);
     S.failed = true;
     S.error = std::string(buf) + " (thread " + std::to_string(threadIdx.x) + " of block (" +
-              std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) + ", " + std::to_string(blockIdx.z) + "))";
+              std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) + ", " + std::to_string(blockIdx.z) +
+              ")" + (S.kernel ? std::string(" of ") + S.kernel : std::string()) + ")";
   }
   for (;;) to_scheduler();
 }
@@ -289,11 +317,13 @@ void resume(Fiber& f) {
   S.current = &f;
   threadIdx = dim3{f.tid, 0, 0};
   f.wait_bar = nullptr;
+  S.in_fiber = true;
 #ifdef EMU_UCONTEXT
   swapcontext(&S.scheduler_ctx, &f.ctx);
 #else
   emu_switch_stack(&S.scheduler_sp, f.sp);
 #endif
+  S.in_fiber = false;
 }
 
 char* new_stack() {
@@ -351,7 +381,8 @@ void run_block(unsigned threads) {
       }
       S.failed = true;
       S.error = "deadlock in block (" + std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) + ", " +
-                std::to_string(blockIdx.z) + "): " + std::to_string(finished) + " of " + std::to_string(threads) +
+                std::to_string(blockIdx.z) + ")" + (S.kernel ? std::string(" of ") + S.kernel : std::string()) +
+                ": " + std::to_string(finished) + " of " + std::to_string(threads) +
                 " threads exited, the others wait (thread:barrier):" + where;
     }
   }
@@ -362,9 +393,9 @@ void call_body(void* f) {
   (*static_cast<F*>(f))();
 }
 
-// Runs `kernel` on every block of `grid`, blocks one after the other.
+// Runs `kernel` (named `name` in messages) on every block of `grid`, blocks one after the other.
 template <typename F>
-bool launch(dim3 grid, unsigned threads, size_t smem_bytes, F kernel) {
+bool launch(const char* name, dim3 grid, unsigned threads, size_t smem_bytes, F kernel) {
   if (S.failed) return false;
   if (threads == 0 || threads % 32 || threads > kMaxThreads) {
     S.failed = true;
@@ -380,12 +411,17 @@ bool launch(dim3 grid, unsigned threads, size_t smem_bytes, F kernel) {
       S.error = "launch: cannot map a fiber stack";
       return false;
     }
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(S.fibers.back().stack);
+    S.fibers.back().local = Alloc{lo, lo + kStackBytes, "the thread's local memory (stack)", "local", true};
   }
   S.warps.assign(threads / 32, Warp{});
   const size_t alloc = (smem_bytes + kCanaryBytes + 15) / 16 * 16;
   auto* raw = static_cast<unsigned char*>(std::aligned_alloc(128, alloc));
   S.body = &call_body<F>;
   S.body_arg = &kernel;
+  S.kernel = name;
+  S.shared = Alloc{reinterpret_cast<uintptr_t>(raw), reinterpret_cast<uintptr_t>(raw) + smem_bytes,
+                   "shared memory", "shared", smem_bytes > 0};
   gridDim = grid;
   blockDim = dim3{threads, 1, 1};
   for (unsigned z = 0; z < grid.z && !S.failed; ++z) {
@@ -404,7 +440,7 @@ bool launch(dim3 grid, unsigned threads, size_t smem_bytes, F kernel) {
             S.failed = true;
             S.error = "shared memory written past its end (byte " + std::to_string(i) + " of a " +
                       std::to_string(smem_bytes) + "-byte allocation) in block (" + std::to_string(x) + ", " +
-                      std::to_string(y) + ", " + std::to_string(z) + ")";
+                      std::to_string(y) + ", " + std::to_string(z) + ") of " + (name ? name : "?");
           }
         }
       }
@@ -412,6 +448,8 @@ bool launch(dim3 grid, unsigned threads, size_t smem_bytes, F kernel) {
   }
   std::free(raw);
   S.smem = nullptr;
+  S.shared.live = false;
+  S.kernel = nullptr;
   return !S.failed;
 }
 
@@ -439,6 +477,258 @@ Exchange& collective(int kind, const char* what, Compute&& compute, void (*depos
   }
   return ex;
 }
+
+// ---------------------------------------------------------------------------------------------
+// checked pointers.  extract.py spells every pointer type of the device code `T*` as ptr<T>,
+// every reinterpret_cast / const_cast to a pointer type as reinterpret_ptr / const_ptr_cast and
+// every `&x` as addr(x), so the kernels hold no raw pointer: a ptr carries the allocation it was
+// made from (found by address when it is made from a raw pointer: the harness's parameters, a
+// local's address) through all arithmetic and casts, and every dereference checks that the
+// accessed bytes lie inside that allocation, that the allocation is still live and that the
+// address is aligned for the type (as the GPU requires).  The first violation stops the launch.
+// ---------------------------------------------------------------------------------------------
+
+// The allocation a raw pointer points into (or one past the end of): the running thread's stack,
+// the block's shared memory, the most recently registered live buffer that holds it; else the
+// null or the stray sentinel.
+[[gnu::noinline]] inline Alloc* find_alloc(const void* raw) {
+  if (raw == nullptr) return &S.null_alloc;
+  const uintptr_t x = reinterpret_cast<uintptr_t>(raw);
+  if (S.in_fiber) {
+    const Alloc& l = S.current->local;
+    if (x - l.lo < l.hi - l.lo) return &S.current->local;
+  }
+  if (S.shared.live && x - S.shared.lo <= S.shared.hi - S.shared.lo) return &S.shared;
+  for (auto it = S.live_buffers.rbegin(); it != S.live_buffers.rend(); ++it) {
+    if (x - (*it)->lo < (*it)->hi - (*it)->lo) return *it;
+  }
+  for (auto it = S.live_buffers.rbegin(); it != S.live_buffers.rend(); ++it) {
+    if (x == (*it)->hi) return *it;
+  }
+  return &S.stray;
+}
+
+inline Alloc* register_buffer(const void* p, size_t bytes, std::string name) {
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(p);
+  S.buffers.push_back(Alloc{lo, lo + bytes, std::move(name), "global", true});
+  S.live_buffers.push_back(&S.buffers.back());
+  return &S.buffers.back();
+}
+
+inline void unregister_buffer(Alloc* a) {
+  a->live = false;
+  S.live_buffers.erase(std::remove(S.live_buffers.begin(), S.live_buffers.end(), a), S.live_buffers.end());
+}
+
+// A harness's own device-visible buffers (scratch such as softmax's delta, linear's chunk states,
+// hopfield's split-N partials), registered while it lives.
+class Buffers {
+ public:
+  Buffers() = default;
+  Buffers(const Buffers&) = delete;
+  Buffers& operator=(const Buffers&) = delete;
+  ~Buffers() {
+    for (Alloc* a : list_) unregister_buffer(a);
+  }
+  template <typename T>
+  void add(std::vector<T>& v, const char* name) {
+    if (!v.empty()) list_.push_back(register_buffer(v.data(), v.size() * sizeof(T), name));
+  }
+
+ private:
+  std::vector<Alloc*> list_;
+};
+
+// The failed check of an access of `bytes` at address x through a pointer into `a`: in a kernel
+// thread, the launch's error (the thread is parked); in a harness's own code, the error is recorded
+// and a scratch area is returned to access instead (the harness then stops at its next launch).
+[[gnu::cold, gnu::noinline]] inline void* bad_access(const Alloc* a, uintptr_t x, size_t bytes, size_t align,
+                                                     bool read) {
+  char what[48];
+  std::snprintf(what, sizeof what, "%s of %zu bytes", read ? "read" : "access (read or write)", bytes);
+  const long long off = static_cast<long long>(x - a->lo);
+  const long long size = static_cast<long long>(a->hi - a->lo);
+  char where[160] = "";
+  if (off < 0)
+    std::snprintf(where, sizeof where, ": %lld bytes before its start", -off);
+  else if (off + static_cast<long long>(bytes) > size)
+    std::snprintf(where, sizeof where, ": %lld bytes past its end", off + static_cast<long long>(bytes) - size);
+  char msg[512];
+  if (a == &S.null_alloc)
+    std::snprintf(msg, sizeof msg, "%s through a null pointer (address %#zx)", what, static_cast<size_t>(x));
+  else if (a == &S.stray)
+    std::snprintf(msg, sizeof msg, "%s at address %#zx, which is in no registered buffer", what,
+                  static_cast<size_t>(x));
+  else if (!a->live)
+    std::snprintf(msg, sizeof msg, "%s in `%s` (%s memory) after it was freed", what, a->name.c_str(), a->space);
+  else if (x % align != 0 && off >= 0 && off + static_cast<long long>(bytes) <= size)
+    std::snprintf(msg, sizeof msg, "misaligned %s at byte offset %lld of `%s` (%s memory; needs %zu-byte alignment)",
+                  what, off, a->name.c_str(), a->space, align);
+  else
+    std::snprintf(msg, sizeof msg, "out-of-bounds %s at byte offset %lld of `%s` (%s memory, %lld bytes%s)", what,
+                  off, a->name.c_str(), a->space, size, where);
+  if (S.in_fiber) fail("%s", msg);
+  if (!S.failed) {
+    S.failed = true;
+    S.error = std::string(msg) + " (in the harness, outside a kernel)";
+  }
+  alignas(64) static unsigned char scratch[4096];
+  return scratch;
+}
+
+struct ptr_root {
+  const void* p_ = nullptr;
+  Alloc* a_ = &S.null_alloc;
+};
+
+template <class T>
+class ptr;
+
+// ptr<T> derives from ptr<const T>: it converts to it implicitly, and template argument deduction
+// sees through it (`const EA* a` deduces EA from a ptr<E>, as from an E*).
+template <class T>
+using ptr_base = std::conditional_t<std::is_const_v<T>, ptr_root, ptr<const T>>;
+
+template <class T>
+class ptr : public ptr_base<T> {
+  static constexpr size_t kSize = sizeof(std::conditional_t<std::is_void_v<T>, char, T>);
+
+ public:
+  using element_type = T;
+
+  ptr() = default;
+  ptr(std::nullptr_t) {}
+  ptr(T* raw) {  // NOLINT: implicit, as the harnesses assign their raw pointers to parameters
+    this->p_ = raw;
+    this->a_ = find_alloc(raw);
+  }
+  ptr(T* raw, Alloc* a) {
+    this->p_ = raw;
+    this->a_ = a;
+  }
+  // ptr<U> -> ptr<void>, ptr<const void> (as U* -> void*): implicit.
+  template <class U, std::enable_if_t<std::is_convertible_v<U*, T*> && !std::is_base_of_v<ptr<T>, ptr<U>>, int> = 0>
+  ptr(const ptr<U>& o) {  // NOLINT
+    this->p_ = o.p_;
+    this->a_ = o.a_;
+  }
+  // void* -> U* (static_cast): explicit.
+  template <class U, std::enable_if_t<std::is_void_v<U> && (std::is_const_v<T> || !std::is_const_v<U>) &&
+                                          !std::is_convertible_v<U*, T*>, int> = 0>
+  explicit ptr(const ptr<U>& o) {
+    this->p_ = o.p_;
+    this->a_ = o.a_;
+  }
+
+  T* get() const { return static_cast<T*>(const_cast<void*>(this->p_)); }
+  Alloc* alloc() const { return this->a_; }
+
+  // The checked address of element i (as a U).
+  template <class U>
+  U* check(ptrdiff_t i) const {
+    const Alloc* a = this->a_;
+    const uintptr_t x = reinterpret_cast<uintptr_t>(this->p_) + static_cast<uintptr_t>(i) * sizeof(U);
+    if (x - a->lo > a->hi - a->lo || a->hi - x < sizeof(U) || x % alignof(U) != 0 || !a->live) [[unlikely]]
+      return static_cast<U*>(bad_access(a, x, sizeof(U), alignof(U), std::is_const_v<U>));
+    ++a->accesses;
+    return reinterpret_cast<U*>(x);
+  }
+  template <class U = T, std::enable_if_t<!std::is_void_v<U>, int> = 0>
+  U& operator*() const {
+    return *check<U>(0);
+  }
+  template <class U = T, std::enable_if_t<!std::is_void_v<U>, int> = 0>
+  U* operator->() const {
+    return check<U>(0);
+  }
+  template <class U = T, std::enable_if_t<!std::is_void_v<U>, int> = 0>
+  U& operator[](ptrdiff_t i) const {
+    return *check<U>(i);
+  }
+
+  ptr operator+(ptrdiff_t n) const { return ptr(offset(n), this->a_); }
+  friend ptr operator+(ptrdiff_t n, const ptr& p) { return p + n; }
+  ptr operator-(ptrdiff_t n) const { return ptr(offset(-n), this->a_); }
+  ptr& operator+=(ptrdiff_t n) {
+    this->p_ = offset(n);
+    return *this;
+  }
+  ptr& operator-=(ptrdiff_t n) {
+    this->p_ = offset(-n);
+    return *this;
+  }
+  ptr& operator++() { return *this += 1; }
+  ptr& operator--() { return *this -= 1; }
+  ptr operator++(int) {
+    ptr old = *this;
+    *this += 1;
+    return old;
+  }
+  ptr operator--(int) {
+    ptr old = *this;
+    *this -= 1;
+    return old;
+  }
+  template <class U>
+  ptrdiff_t operator-(const ptr<U>& o) const {
+    return (reinterpret_cast<intptr_t>(this->p_) - reinterpret_cast<intptr_t>(o.p_)) / static_cast<ptrdiff_t>(kSize);
+  }
+
+  explicit operator bool() const { return this->p_ != nullptr; }
+  bool operator==(std::nullptr_t) const { return this->p_ == nullptr; }
+  template <class U>
+  bool operator==(const ptr<U>& o) const {
+    return this->p_ == o.p_;
+  }
+  template <class U>
+  bool operator<(const ptr<U>& o) const {
+    return this->p_ < o.p_;
+  }
+  template <class U>
+  bool operator<=(const ptr<U>& o) const {
+    return this->p_ <= o.p_;
+  }
+  template <class U>
+  bool operator>(const ptr<U>& o) const {
+    return this->p_ > o.p_;
+  }
+  template <class U>
+  bool operator>=(const ptr<U>& o) const {
+    return this->p_ >= o.p_;
+  }
+
+ private:
+  // Address arithmetic on integers: a pointer may leave its allocation; only accesses are checked.
+  T* offset(ptrdiff_t n) const {
+    return reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(this->p_) + static_cast<uintptr_t>(n) * kSize);
+  }
+};
+
+template <class P, class U>
+P reinterpret_ptr(const ptr<U>& p) {
+  return P(reinterpret_cast<typename P::element_type*>(p.get()), p.alloc());
+}
+template <class P, class U>
+P reinterpret_ptr(U* raw) {
+  return P(reinterpret_cast<typename P::element_type*>(raw));
+}
+template <class P, class U>
+P const_ptr_cast(const ptr<U>& p) {
+  return P(const_cast<typename P::element_type*>(p.get()), p.alloc());
+}
+template <class T>
+ptr<T> addr(T& x) {
+  return ptr<T>(&x);
+}
+// The library functions the device code passes an address to (found by argument-dependent lookup).
+inline float frexpf(float x, ptr<int> e) { return std::frexp(x, &*e); }
+inline double frexp(double x, ptr<int> e) { return std::frexp(x, &*e); }
+
+// 1 while switched mutation k is on (emu_set_mutant), else 0.
+inline int mutant(int k) { return S.mutant == k; }
+
+// The block's dynamic shared memory (the kernels' `extern __shared__` array).
+inline ptr<uint16_t> shared_memory() { return ptr<uint16_t>(S.smem, S.smem ? &S.shared : &S.null_alloc); }
 
 }  // namespace emu
 
@@ -484,7 +774,11 @@ inline float emu_bits_to_float(uint16_t bits, bool bf16) {
   return bf16 ? __bfloat162float(__nv_bfloat16{bits}) : __half2float(__half{bits});
 }
 
-inline void emu_ldmatrix_x4(uint32_t (&r)[4], const uint16_t* row, bool trans) {
+inline void emu_ldmatrix_x4(uint32_t (&r)[4], emu::ptr<const uint16_t> row_ptr, bool trans) {
+  if (row_ptr.alloc() != &emu::S.shared)
+    emu::fail("ldmatrix row address not in shared memory (it points into %s)", row_ptr.alloc()->name.c_str());
+  ++row_ptr.alloc()->accesses;
+  const uint16_t* row = row_ptr.get();
   const ptrdiff_t off = reinterpret_cast<intptr_t>(row) - reinterpret_cast<intptr_t>(emu::S.smem);  // bytes
   if (emu::S.smem == nullptr || off < 0 || static_cast<size_t>(off) + 16 > emu::S.smem_bytes)
     emu::fail("ldmatrix row address outside the block's %zu bytes of shared memory (byte offset %td)",
@@ -510,8 +804,12 @@ inline void emu_ldmatrix_x4(uint32_t (&r)[4], const uint16_t* row, bool trans) {
   for (int m = 0; m < 4; ++m) r[m] = ex.r_out[lane][m];
 }
 
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* row) { emu_ldmatrix_x4(r, row, false); }
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* row) { emu_ldmatrix_x4(r, row, true); }
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], emu::ptr<const uint16_t> row) {
+  emu_ldmatrix_x4(r, row, false);
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], emu::ptr<const uint16_t> row) {
+  emu_ldmatrix_x4(r, row, true);
+}
 
 template <bool kBF16>
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
@@ -573,7 +871,7 @@ template <bool BF, int D>
 bool fwd(const FwdParams& p, int B) {
   const dim3 grid{static_cast<unsigned>((p.N + kBlockQ - 1) / kBlockQ), static_cast<unsigned>(p.H),
                   static_cast<unsigned>(B)};
-  return emu::launch(grid, kThreads, fwd_smem_bytes<D>(), [p] { softmax_fwd_kernel<BF, D>(p); });
+  return emu::launch("softmax_fwd_kernel", grid, kThreads, fwd_smem_bytes<D>(), [p] { softmax_fwd_kernel<BF, D>(p); });
 }
 
 template <bool BF, int D>
@@ -583,19 +881,22 @@ bool bwd(const BwdParams& p, const uint16_t* out, const int64_t* os, const uint1
   if (rows > 0) {
     constexpr int kRowsPerBlock = 256 / 32;
     const dim3 grid{static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock), 1, 1};
-    if (!emu::launch(grid, 256, 0, [=] {
+    if (!emu::launch("softmax_bwd_delta_kernel", grid, 256, 0, [=] {
           softmax_bwd_delta_kernel<BF, D>(out, os[0], os[1], os[2], dout, dos[0], dos[1], dos[2], delta, p.H, p.N,
                                           rows);
         }))
       return false;
     const dim3 dq_grid{static_cast<unsigned>((p.N + kBlockQ - 1) / kBlockQ), static_cast<unsigned>(p.H),
                        static_cast<unsigned>(B)};
-    if (!emu::launch(dq_grid, kThreads, dq_smem_bytes<D>(), [p] { softmax_bwd_dq_kernel<BF, D>(p); })) return false;
+    if (!emu::launch("softmax_bwd_dq_kernel", dq_grid, kThreads, dq_smem_bytes<D>(),
+                     [p] { softmax_bwd_dq_kernel<BF, D>(p); }))
+      return false;
   }
   if (int64_t(B) * p.Hk * p.M > 0) {
     const dim3 kv_grid{static_cast<unsigned>((p.M + kBlockK - 1) / kBlockK), static_cast<unsigned>(p.Hk),
                        static_cast<unsigned>(B)};
-    if (!emu::launch(kv_grid, kThreads, dkdv_smem_bytes<D>(), [p] { softmax_bwd_dkdv_kernel<BF, D>(p); }))
+    if (!emu::launch("softmax_bwd_dkdv_kernel", kv_grid, kThreads, dkdv_smem_bytes<D>(),
+                     [p] { softmax_bwd_dkdv_kernel<BF, D>(p); }))
       return false;
   }
   return true;
@@ -678,6 +979,8 @@ extern "C" int emu_softmax_bwd(int bf16, int D, const uint16_t* dout, const int6
   begin();
   if (unsupported(bf16, D)) return 1;
   std::vector<float> delta(static_cast<size_t>(B) * H * N, NAN);
+  emu::Buffers scratch;
+  scratch.add(delta, "delta (scratch)");
   BwdParams p;
   p.q = q, p.k = k, p.v = v, p.dout = dout, p.lse = lse, p.delta = delta.data();
   p.dq = dq, p.dk = dk, p.dv = dv;
@@ -704,6 +1007,26 @@ extern "C" void emu_configure(uint64_t seed, int fault) {
 }
 
 extern "C" long long emu_collectives() { return emu::S.collectives; }
+
+// k: the switched mutation to turn on in a build that holds them (tests/csrc/cuda_emulator/
+// emu_build.py, `switched`); 0: none.
+extern "C" void emu_set_mutant(int k) { emu::S.mutant = k; }
+
+// The buffer registry of the checked pointers (emu::ptr): the caller registers every buffer it
+// passes to an entry point (`bytes` from p on; `name` appears in the error messages), and clears
+// them once the call is done.  The harnesses register their own scratch while it lives.
+extern "C" void emu_register_buffer(const void* p, size_t bytes, const char* name) {
+  emu::register_buffer(p, bytes, name);
+}
+extern "C" void emu_clear_buffers() {
+  emu::S.live_buffers.clear();
+  emu::S.buffers.clear();
+}
+// Every buffer registered since the last emu_clear_buffers, in order (the harnesses' included):
+// its name and the number of checked accesses to it.
+extern "C" int emu_buffer_count() { return static_cast<int>(emu::S.buffers.size()); }
+extern "C" const char* emu_buffer_name(int i) { return emu::S.buffers[static_cast<size_t>(i)].name.c_str(); }
+extern "C" long long emu_buffer_accesses(int i) { return emu::S.buffers[static_cast<size_t>(i)].accesses; }
 
 #ifndef EMU_CORE_ONLY
 // The values of softmax.cu's MaskKind, in the order none, bool, f32, f16, bf16, f64.

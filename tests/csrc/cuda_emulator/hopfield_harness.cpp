@@ -123,9 +123,9 @@ bool with_rpw(int64_t S, F&& f) {
 }
 
 template <typename F>
-bool hop_launch(dim3 grid, size_t smem, F kernel) {
+bool hop_launch(const char* name, dim3 grid, size_t smem, F kernel) {
   emu::block_or[0] = emu::block_or[1] = emu::OrSlot{};
-  return emu::launch(grid, kThreads, smem, kernel);
+  return emu::launch(name, grid, kThreads, smem, kernel);
 }
 
 std::vector<float> scratch(size_t n) { return std::vector<float>(n, NAN); }
@@ -155,7 +155,7 @@ bool update(const Args& a, const void* state, const void* X, const void* V, floa
     const size_t smem = smem_bytes<RPW>(p.D, p.Dv, a.has_values);
     if (!a.split) {
       const dim3 grid{static_cast<unsigned>(ceil_div(a.S, kRows)), static_cast<unsigned>(a.BH), 1};
-      return hop_launch(grid, smem, [p] { update_fused_kernel<T, RPW>(p); });
+      return hop_launch("update_fused_kernel", grid, smem, [p] { update_fused_kernel<T, RPW>(p); });
     }
     // states[0] = state (the host's copy_, converting to float32).
     for (int64_t e = 0; e < plane * a.D; ++e) states[e] = to_float(p.state[e]);
@@ -169,12 +169,20 @@ bool update(const Args& a, const void* state, const void* X, const void* V, floa
     std::vector<float> pacc = scratch(a.BH * q.splits * kRows * q.W);
     std::vector<float> paccx = scratch(p.final_state ? a.BH * q.splits * kRows * a.D : 1);
     std::vector<int8_t> active(plane, 1);
+    emu::Buffers buffers;
+    buffers.add(pm, "m (split-N partial maxima, scratch)");
+    buffers.add(pl, "l (split-N partial sums, scratch)");
+    buffers.add(pacc, "acc (split-N partial outputs, scratch)");
+    buffers.add(paccx, "accx (split-N partial states, scratch)");
+    buffers.add(active, "active (split-N row flags, scratch)");
     q.m = pm.data(), q.l = pl.data(), q.acc = pacc.data(), q.accx = paccx.data(), q.active = active.data();
     for (int k = 0; k < static_cast<int>(R); ++k) {
       const dim3 pgrid{static_cast<unsigned>(q.splits), static_cast<unsigned>(a.BH), 1};
-      if (!hop_launch(pgrid, smem, [p, q, k] { split_partial_kernel<T, RPW>(p, q, k); })) return false;
+      if (!hop_launch("split_partial_kernel", pgrid, smem, [p, q, k] { split_partial_kernel<T, RPW>(p, q, k); }))
+        return false;
       const dim3 mgrid{static_cast<unsigned>(a.BH), 1, 1};
-      if (!hop_launch(mgrid, smem, [p, q, k] { split_merge_kernel<T, RPW>(p, q, k); })) return false;
+      if (!hop_launch("split_merge_kernel", mgrid, smem, [p, q, k] { split_merge_kernel<T, RPW>(p, q, k); }))
+        return false;
     }
     return true;
   });
@@ -189,7 +197,7 @@ bool energy(const Args& a, const void* state, const void* X, float* e, float* ls
     const T* st = static_cast<const T*>(state);
     const T* x = static_cast<const T*>(X);
     const Args b = a;
-    return hop_launch(grid, smem,
+    return hop_launch("energy_kernel", grid, smem,
                        [=] { energy_kernel<T, RPW>(st, x, e, lse, b.S, b.N, b.D, b.beta); });
   });
 }

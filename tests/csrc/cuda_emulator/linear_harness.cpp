@@ -57,9 +57,9 @@ States<float> states(float* p, int64_t nt, int64_t rows, int64_t cols) {
 }
 
 template <typename Kernel>
-bool run(dim3 grid, Kernel kernel) {
+bool run(const char* name, dim3 grid, Kernel kernel) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return !emu::S.failed;
-  return emu::launch(grid, kThreads, smem_bytes<float>(), kernel);
+  return emu::launch(name, grid, kThreads, smem_bytes<float>(), kernel);
 }
 
 std::vector<float> scratch(size_t n) { return std::vector<float>(n, NAN); }
@@ -85,7 +85,8 @@ bool state_fwd(const Problem<T, float>& p, int B, const float* S0, const float* 
   const int64_t nt = ceil_div(p.N, kC);
   const States<float> hs = Hs ? states(Hs, nt, p.D, p.Dv) : States<float>{};
   const States<float> zs = Zs ? states(Zs, nt, 1, p.D) : States<float>{};
-  return run(state_grid(p.D, p.Dv, p.H, B), [=] { state_fwd_kernel<T, float>(p, S0, z0, hs, zs, S, z); });
+  return run("state_fwd_kernel", state_grid(p.D, p.Dv, p.H, B),
+             [=] { state_fwd_kernel<T, float>(p, S0, z0, hs, zs, S, z); });
 }
 
 // linear_fwd_cuda's forward_impl (inputs checked, D, Dv, B, H > 0).
@@ -95,6 +96,9 @@ bool forward(const Shape& s, const Problem<T, float>& p, const float* S0, const 
   const int64_t nt = ceil_div(p.N, kC);
   std::vector<float> Hs, Zs;
   if (s.causal) Hs = scratch(size_t(s.B) * s.H * nt * s.D * s.Dv), Zs = scratch(size_t(s.B) * s.H * nt * s.D);
+  emu::Buffers buffers;
+  buffers.add(Hs, "Hs (chunk states, scratch)");
+  buffers.add(Zs, "Zs (chunk normalizers, scratch)");
   if (!state_fwd(p, s.B, S0, z0, s.causal ? Hs.data() : nullptr, s.causal ? Zs.data() : nullptr, S, z)) return false;
   if (p.N == 0) return true;
   if (p.M == 0 && S0 == nullptr) {
@@ -104,7 +108,7 @@ bool forward(const Shape& s, const Problem<T, float>& p, const float* S0, const 
   }
   const States<float> hs = s.causal ? states(Hs.data(), nt, p.D, p.Dv) : states(S, 0, p.D, p.Dv);
   const States<float> zs = s.causal ? states(Zs.data(), nt, 1, p.D) : states(z, 0, 1, p.D);
-  return run(chunk_grid(p.N, p.Dv, p.H, s.B), [=] { output_kernel<T, float>(p, hs, zs, out, den); });
+  return run("output_kernel", chunk_grid(p.N, p.Dv, p.H, s.B), [=] { output_kernel<T, float>(p, hs, zs, out, den); });
 }
 
 // linear_bwd_cuda's backward_impl.
@@ -116,12 +120,15 @@ bool backward(const Shape& s, const Problem<T, float>& p, const View<T>& g, cons
   BwdExtra<T, float> x;
   x.g = g, x.den = den, x.gden = gden;
   std::vector<float> delta;
+  emu::Buffers buffers;
   if (s.normalize && g.p != nullptr && p.N > 0) {
     delta = scratch(size_t(s.B) * s.H * s.N);
+    buffers.add(delta, "delta (scratch)");
     const int64_t rows = int64_t(s.B) * s.H * s.N;
     const dim3 grid{static_cast<unsigned>(ceil_div(rows, kThreads / 32)), 1, 1};
     float* d = delta.data();
-    if (!emu::launch(grid, kThreads, 0, [=] { delta_kernel<T, float>(g, out, p.H, p.N, p.Dv, rows, d); }))
+    if (!emu::launch("delta_kernel", grid, kThreads, 0,
+                     [=] { delta_kernel<T, float>(g, out, p.H, p.N, p.Dv, rows, d); }))
       return false;
     x.delta = delta.data();
   }
@@ -130,6 +137,12 @@ bool backward(const Shape& s, const Problem<T, float>& p, const View<T>& g, cons
   if (s.causal) {
     Hs = scratch(per_state), Zs = scratch(per_z), Rs = scratch(per_state), Ws = scratch(per_z);
     Ss = scratch(size_t(s.B) * s.H * s.D * s.Dv), zs_ = scratch(size_t(s.B) * s.H * s.D);
+    buffers.add(Hs, "Hs (chunk states, scratch)");
+    buffers.add(Zs, "Zs (chunk normalizers, scratch)");
+    buffers.add(Rs, "Rs (chunk state gradients, scratch)");
+    buffers.add(Ws, "Ws (chunk normalizer gradients, scratch)");
+    buffers.add(Ss, "S (recomputed total state, scratch)");
+    buffers.add(zs_, "z (recomputed total normalizer, scratch)");
     if (!state_fwd(p, s.B, S0, z0, Hs.data(), Zs.data(), Ss.data(), zs_.data())) return false;
   }
   const States<float> hs = s.causal ? states(Hs.data(), nt, p.D, p.Dv) : states(const_cast<float*>(S), 0, p.D, p.Dv);
@@ -137,13 +150,14 @@ bool backward(const Shape& s, const Problem<T, float>& p, const View<T>& g, cons
   const States<float> rs = s.causal ? states(Rs.data(), nt, p.D, p.Dv) : states(dS0, 0, p.D, p.Dv);
   const States<float> ws = s.causal ? states(Ws.data(), nt, 1, p.D) : states(dz0, 0, 1, p.D);
   const States<float> rs_out = s.causal ? rs : States<float>{}, ws_out = s.causal ? ws : States<float>{};
-  if (!run(state_grid(p.D, p.Dv, p.H, s.B),
+  if (!run("state_bwd_kernel", state_grid(p.D, p.Dv, p.H, s.B),
            [=] { state_bwd_kernel<T, float>(p, x, gS, gz, rs_out, ws_out, dS0, dz0); }))
     return false;
-  if (p.N > 0 && !run(chunk_grid(p.N, p.D, p.H, s.B), [=] { dq_kernel<T, float>(p, x, hs, zs, dq); })) return false;
+  if (p.N > 0 && !run("dq_kernel", chunk_grid(p.N, p.D, p.H, s.B), [=] { dq_kernel<T, float>(p, x, hs, zs, dq); }))
+    return false;
   if (p.M > 0) {
-    if (!run(chunk_grid(p.M, p.D, p.H, s.B), [=] { dk_kernel<T, float>(p, x, rs, ws, dk); })) return false;
-    if (!run(chunk_grid(p.M, p.Dv, p.H, s.B), [=] { dv_kernel<T, float>(p, x, rs, dv); })) return false;
+    if (!run("dk_kernel", chunk_grid(p.M, p.D, p.H, s.B), [=] { dk_kernel<T, float>(p, x, rs, ws, dk); })) return false;
+    if (!run("dv_kernel", chunk_grid(p.M, p.Dv, p.H, s.B), [=] { dv_kernel<T, float>(p, x, rs, dv); })) return false;
   }
   return true;
 }

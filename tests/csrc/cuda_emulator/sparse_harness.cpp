@@ -27,7 +27,8 @@ template <bool BF, int D, class QWalk>
 bool fwd(const Params& p, unsigned q_blocks, int B) {
   if (q_blocks == 0 || B == 0 || p.H == 0) return true;
   const dim3 grid{q_blocks, static_cast<unsigned>(p.H), static_cast<unsigned>(B)};
-  return emu::launch(grid, kThreads, fwd_smem_bytes<D>(), [p] { sparse_fwd_kernel<BF, D, QWalk>(p); });
+  return emu::launch("sparse_fwd_kernel", grid, kThreads, fwd_smem_bytes<D>(),
+                     [p] { sparse_fwd_kernel<BF, D, QWalk>(p); });
 }
 
 template <bool BF, int D, class QWalk, template <int> class KWalk>
@@ -35,11 +36,14 @@ bool bwd(const Params& p, unsigned q_blocks, unsigned k_blocks, int B) {
   if (B == 0 || p.H == 0) return true;
   if (q_blocks > 0) {
     const dim3 grid{q_blocks, static_cast<unsigned>(p.H), static_cast<unsigned>(B)};
-    if (!emu::launch(grid, kThreads, dq_smem_bytes<D>(), [p] { sparse_bwd_dq_kernel<BF, D, QWalk>(p); })) return false;
+    if (!emu::launch("sparse_bwd_dq_kernel", grid, kThreads, dq_smem_bytes<D>(),
+                     [p] { sparse_bwd_dq_kernel<BF, D, QWalk>(p); }))
+      return false;
   }
   if (k_blocks > 0) {
     const dim3 grid{k_blocks, static_cast<unsigned>(p.H), static_cast<unsigned>(B)};
-    if (!emu::launch(grid, kThreads, dkdv_smem_bytes<D, kBoundsRowBytes>(), [p] { sparse_bwd_dkdv_kernel<BF, D, KWalk>(p); }))
+    if (!emu::launch("sparse_bwd_dkdv_kernel", grid, kThreads, dkdv_smem_bytes<D, kBoundsRowBytes>(),
+                     [p] { sparse_bwd_dkdv_kernel<BF, D, KWalk>(p); }))
       return false;
   }
   return true;
