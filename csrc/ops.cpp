@@ -92,7 +92,7 @@ namespace checks = attnkit::checks;
 // smem_optin: the made-up CUDA device (default: an H100, compute capability 9.0, 227 KiB).
 checks::Target make_target(const std::string& backend, const std::optional<std::string>& device,
                            std::tuple<int, int> cc, int64_t smem_optin) {
-  TORCH_CHECK(backend == "cpu" || backend == "cuda", "backend must be 'cpu' or 'cuda'; got '", backend, "'");
+  ATTNKIT_CHECK(backend == "cpu" || backend == "cuda", "backend must be 'cpu' or 'cuda'; got '", backend, "'");
   checks::Target t;
   t.backend = backend == "cuda" ? checks::Backend::kCuda : checks::Backend::kCpu;
   t.device_type = device ? c10::Device(*device).type() : (t.cuda() ? c10::DeviceType::CUDA : c10::DeviceType::CPU);

@@ -1,16 +1,19 @@
 // The input checks of every attnkit op, one function per op, shared by its CPU and CUDA
 // implementations (issue 10).
 //
-// Why: on the GPU image (torch 2.11) a TORCH_CHECK failing in nvcc-compiled host code killed the
-// process instead of raising.  So every input check lives here, compiled by the host C++ compiler
-// in every build:
+// Why: on the GPU image (torch 2.11) every failing check of a CUDA op killed the process instead
+// of raising.  First suspects: the nvcc-compiled host code (its C++ standard, exceptions through its
+// frames); the measured cause: a message formatted through iostreams inside attnkit._C (see
+// csrc/message.h), hence ATTNKIT_CHECK throughout.  Either way, every input check lives here,
+// compiled by the host C++ compiler in every build:
 //  - the CPU kernels (csrc/cpu/<family>.cpp) call their op's check first;
 //  - the CUDA kernels are registered for the CUDA key by csrc/checks/<family>.cpp (under
 //    ATTNKIT_WITH_CUDA), whose wrappers run the same check, call the .cu's entry point
 //    (csrc/cuda/launch.h) and raise a failed launch from here (raise_cuda_error);
 //  - the tests run the checks directly, the CUDA branch too, on CPU and meta tensors with a
 //    made-up device (attnkit._C._checks, bound in csrc/ops.cpp), so CI covers every message.
-// A check raises c10::Error (RuntimeError in Python) saying what was expected and what came.
+// A check raises c10::Error (RuntimeError in Python) saying what was expected and what came,
+// through ATTNKIT_CHECK (csrc/message.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -21,7 +24,6 @@
 
 #include <cstdint>
 #include <optional>
-#include <ostream>
 #include <string_view>
 
 #include <utility>
@@ -31,6 +33,7 @@
 #endif
 
 #include "../cuda/launch.h"  // the CUDA kernels' limits (plain C++, in every build)
+#include "../message.h"      // ATTNKIT_CHECK: messages formatted without iostreams
 
 namespace attnkit {
 namespace checks {
@@ -59,8 +62,13 @@ struct Op {
   const Target& target;
 };
 
-inline std::ostream& operator<<(std::ostream& os, const Op& op) {
-  return os << "attnkit::" << op.name << (op.target.cuda() ? " (cuda)" : " (cpu)");
+// How ATTNKIT_CHECK (csrc/message.h) writes an Op into a message (found by argument-dependent
+// lookup).  Every check here uses ATTNKIT_CHECK, not TORCH_CHECK: a message formatted through
+// iostreams inside attnkit._C segfaulted on the GPU image (csrc/message.h says why).
+inline void put(std::string& s, const Op& op) {
+  s += "attnkit::";
+  s += op.name;
+  s += op.target.cuda() ? " (cuda)" : " (cpu)";
 }
 
 // ---- one check function per op (csrc/checks/<family>.cpp) -----------------------------------
@@ -111,7 +119,7 @@ inline bool defined(const std::optional<at::Tensor>& t) { return t.has_value() &
 // `lead` (the op's first tensor, named `name`) has the target's device type ("the cuda backend
 // takes CUDA tensors; got q on cpu").
 inline void check_device_type(const Op& op, const char* name, const at::Tensor& lead) {
-  TORCH_CHECK(lead.device().type() == op.target.device_type, op, ": the ", (op.target.cuda() ? "cuda" : "cpu"),
+  ATTNKIT_CHECK(lead.device().type() == op.target.device_type, op, ": the ", (op.target.cuda() ? "cuda" : "cpu"),
               " backend takes ", c10::DeviceTypeName(op.target.device_type), " tensors; got ", name, " on ",
               lead.device());
 }
@@ -119,7 +127,7 @@ inline void check_device_type(const Op& op, const char* name, const at::Tensor& 
 // t (named `name`) is on lead's device (`lead_name`'s).
 inline void check_same_device(const Op& op, const char* name, const at::Tensor& t, const char* lead_name,
                               const at::Tensor& lead) {
-  TORCH_CHECK(t.device() == lead.device(), op, ": ", name, " must be on ", lead_name, "'s device (", lead.device(),
+  ATTNKIT_CHECK(t.device() == lead.device(), op, ": ", name, " must be on ", lead_name, "'s device (", lead.device(),
               "); got ", t.device());
 }
 
@@ -127,14 +135,14 @@ inline void check_same_device(const Op& op, const char* name, const at::Tensor& 
 // is the subject of the message ("the cuda kernels", "float16 / bfloat16 inputs").
 inline void check_sm80(const Op& op, const char* what) {
   const Target& t = op.target;
-  TORCH_CHECK(t.cc_major >= 8, op, ": ", what, " need compute capability 8.0 or newer (tensor-core mma.m16n8k16); ",
+  ATTNKIT_CHECK(t.cc_major >= 8, op, ": ", what, " need compute capability 8.0 or newer (tensor-core mma.m16n8k16); ",
               "got ", t.cc_major, ".", t.cc_minor);
 }
 
 // CUDA: B and H index gridDim.z and gridDim.y.
 inline void check_grid_bh(const Op& op, int64_t B, int64_t H) {
   constexpr int64_t kMax = cuda_limits::kMaxGridYZ;
-  TORCH_CHECK(B <= kMax && H <= kMax, op, ": B and H must be <= ", kMax, " (CUDA grid); got B = ", B, ", H = ", H);
+  ATTNKIT_CHECK(B <= kMax && H <= kMax, op, ": B and H must be <= ", kMax, " (CUDA grid); got B = ", B, ", H = ", H);
 }
 
 #ifdef ATTNKIT_WITH_CUDA
@@ -151,7 +159,7 @@ inline Target cuda_target(const at::Tensor& lead) {
                            std::pair{cudaDevAttrComputeCapabilityMinor, &t.cc_minor},
                            std::pair{cudaDevAttrMaxSharedMemoryPerBlockOptin, &smem}}) {
     const cudaError_t err = cudaDeviceGetAttribute(out, attr, dev);
-    TORCH_CHECK(err == cudaSuccess, "attnkit: cannot read the properties of CUDA device ", dev, ": ",
+    ATTNKIT_CHECK(err == cudaSuccess, "attnkit: cannot read the properties of CUDA device ", dev, ": ",
                 cudaGetErrorString(err));
   }
   t.smem_optin = smem;
@@ -162,7 +170,7 @@ inline Target cuda_target(const at::Tensor& lead) {
 // after the entry point, from g++-compiled code: the .cu itself raises nothing (launch.h).
 inline void raise_cuda_error(const char* op) {
   const cudaError_t err = cudaGetLastError();
-  TORCH_CHECK(err == cudaSuccess, "attnkit::", op, " (cuda): CUDA error ", cudaGetErrorName(err), ": ",
+  ATTNKIT_CHECK(err == cudaSuccess, "attnkit::", op, " (cuda): CUDA error ", cudaGetErrorName(err), ": ",
               cudaGetErrorString(err));
 }
 #endif

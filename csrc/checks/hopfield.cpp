@@ -18,29 +18,29 @@ namespace {
 
 // state [B,H,S,D], stored [B,H,N,D], beta.
 void check_common(const Op& op, const at::Tensor& state, const at::Tensor& stored, double beta) {
-  TORCH_CHECK(state.dim() == 4 && stored.dim() == 4, op, ": expected state [B,H,S,D] and stored [B,H,N,D]; got ",
+  ATTNKIT_CHECK(state.dim() == 4 && stored.dim() == 4, op, ": expected state [B,H,S,D] and stored [B,H,N,D]; got ",
               state.dim(), "-D and ", stored.dim(), "-D");
   check_device_type(op, "state", state);
   check_same_device(op, "stored", stored, "state", state);
   const auto st = state.scalar_type();
-  TORCH_CHECK(stored.scalar_type() == st, op, ": state and stored must share a dtype; got ", st, " and ",
+  ATTNKIT_CHECK(stored.scalar_type() == st, op, ": state and stored must share a dtype; got ", st, " and ",
               stored.scalar_type());
   if (op.target.cuda()) {
-    TORCH_CHECK(st == at::kHalf || st == at::kBFloat16 || st == at::kFloat, op,
+    ATTNKIT_CHECK(st == at::kHalf || st == at::kBFloat16 || st == at::kFloat, op,
                 ": the cuda kernels take float16, bfloat16 and float32; got ", st);
   } else {
-    TORCH_CHECK(at::isFloatingType(st), op, ": expected floating inputs; got ", st);
+    ATTNKIT_CHECK(at::isFloatingType(st), op, ": expected floating inputs; got ", st);
   }
-  TORCH_CHECK(state.size(0) == stored.size(0) && state.size(1) == stored.size(1) && state.size(3) == stored.size(3),
+  ATTNKIT_CHECK(state.size(0) == stored.size(0) && state.size(1) == stored.size(1) && state.size(3) == stored.size(3),
               op, ": state and stored must agree on B, H and D; got ", state.sizes(), " and ", stored.sizes());
-  TORCH_CHECK(stored.size(2) > 0, op, ": needs at least one stored pattern (N >= 1)");
-  TORCH_CHECK(beta > 0 && std::isfinite(beta), op, ": beta must be finite and > 0; got ", beta);
+  ATTNKIT_CHECK(stored.size(2) > 0, op, ": needs at least one stored pattern (N >= 1)");
+  ATTNKIT_CHECK(beta > 0 && std::isfinite(beta), op, ": beta must be finite and > 0; got ", beta);
   if (op.target.cuda()) {
     const int64_t D = state.size(3), BH = state.size(0) * state.size(1);
-    TORCH_CHECK(D >= 1 && D <= cuda_limits::kHopfieldMaxD, op, ": head dim D must be in 1..",
+    ATTNKIT_CHECK(D >= 1 && D <= cuda_limits::kHopfieldMaxD, op, ": head dim D must be in 1..",
                 cuda_limits::kHopfieldMaxD, "; got ", D);
     // One block row per (b, h) in gridDim.y.
-    TORCH_CHECK(BH <= cuda_limits::kMaxGridYZ, op, ": B * H must be <= ", cuda_limits::kMaxGridYZ,
+    ATTNKIT_CHECK(BH <= cuda_limits::kMaxGridYZ, op, ": B * H must be <= ", cuda_limits::kMaxGridYZ,
                 " (CUDA grid); got B = ", state.size(0), ", H = ", state.size(1));
   }
 }
@@ -52,22 +52,22 @@ void hopfield_update_fwd(const Target& t, const at::Tensor& state, const at::Ten
                          std::optional<double> tol, bool /*final_state*/) {
   const Op op{"hopfield_update_fwd", t};
   check_common(op, state, stored, beta);
-  TORCH_CHECK(steps >= 1, op, ": steps must be >= 1; got ", steps);
+  ATTNKIT_CHECK(steps >= 1, op, ": steps must be >= 1; got ", steps);
   if (t.cuda()) {
-    TORCH_CHECK(steps < std::numeric_limits<int>::max(), op, ": steps must be < 2^31 - 1; got ", steps);
+    ATTNKIT_CHECK(steps < std::numeric_limits<int>::max(), op, ": steps must be < 2^31 - 1; got ", steps);
   }
-  TORCH_CHECK(!tol.has_value() || (*tol >= 0 && std::isfinite(*tol)), op, ": tol must be finite and >= 0; got ",
+  ATTNKIT_CHECK(!tol.has_value() || (*tol >= 0 && std::isfinite(*tol)), op, ": tol must be finite and >= 0; got ",
               tol.value_or(0));
   if (!defined(values)) return;
   const at::Tensor& v = *values;
-  TORCH_CHECK(v.dim() == 4 && v.size(0) == stored.size(0) && v.size(1) == stored.size(1) &&
+  ATTNKIT_CHECK(v.dim() == 4 && v.size(0) == stored.size(0) && v.size(1) == stored.size(1) &&
                   v.size(2) == stored.size(2),
               op, ": values must be [B,H,N,Dv] matching stored ", stored.sizes(), "; got ", v.sizes());
-  TORCH_CHECK(v.scalar_type() == stored.scalar_type(), op, ": values must share the dtype of stored (",
+  ATTNKIT_CHECK(v.scalar_type() == stored.scalar_type(), op, ": values must share the dtype of stored (",
               stored.scalar_type(), "); got ", v.scalar_type());
   check_same_device(op, "values", v, "state", state);
   if (t.cuda()) {
-    TORCH_CHECK(v.size(3) >= 1 && v.size(3) <= cuda_limits::kHopfieldMaxD, op, ": value dim Dv must be in 1..",
+    ATTNKIT_CHECK(v.size(3) >= 1 && v.size(3) <= cuda_limits::kHopfieldMaxD, op, ": value dim Dv must be in 1..",
                 cuda_limits::kHopfieldMaxD, "; got ", v.size(3));
   }
 }

@@ -17,35 +17,35 @@ namespace {
 
 // q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,Dv]: ranks, devices, dtypes, shapes, the backend's limits.
 void check_qkv(const Op& op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op,
+  ATTNKIT_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op,
               ": expected q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,Dv]; got ", q.dim(), "-D, ", k.dim(), "-D and ",
               v.dim(), "-D");
   check_device_type(op, "q", q);
   check_same_device(op, "k", k, "q", q);
   check_same_device(op, "v", v, "q", q);
   const auto st = q.scalar_type();
-  TORCH_CHECK(k.scalar_type() == st && v.scalar_type() == st, op, ": q, k and v must share a dtype; got ", st, ", ",
+  ATTNKIT_CHECK(k.scalar_type() == st && v.scalar_type() == st, op, ": q, k and v must share a dtype; got ", st, ", ",
               k.scalar_type(), " and ", v.scalar_type());
   if (op.target.cuda()) {
-    TORCH_CHECK(st == at::kHalf || st == at::kBFloat16, op, ": the cuda kernels take float16 or bfloat16; got ", st);
+    ATTNKIT_CHECK(st == at::kHalf || st == at::kBFloat16, op, ": the cuda kernels take float16 or bfloat16; got ", st);
   } else {
-    TORCH_CHECK(at::isFloatingType(st), op, ": expected floating inputs; got ", st);
+    ATTNKIT_CHECK(at::isFloatingType(st), op, ": expected floating inputs; got ", st);
   }
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
   const int64_t Hk = k.size(1), M = k.size(2);
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B, op, ": batch sizes differ: q ", q.sizes(), ", k ", k.sizes(), ", v ",
+  ATTNKIT_CHECK(k.size(0) == B && v.size(0) == B, op, ": batch sizes differ: q ", q.sizes(), ", k ", k.sizes(), ", v ",
               v.sizes());
-  TORCH_CHECK(k.size(3) == D, op, ": q and k must share the head dim; got ", q.sizes(), " and ", k.sizes());
-  TORCH_CHECK(v.size(1) == Hk && v.size(2) == M, op, ": k and v must agree on Hk and M; got ", k.sizes(), " and ",
+  ATTNKIT_CHECK(k.size(3) == D, op, ": q and k must share the head dim; got ", q.sizes(), " and ", k.sizes());
+  ATTNKIT_CHECK(v.size(1) == Hk && v.size(2) == M, op, ": k and v must agree on Hk and M; got ", k.sizes(), " and ",
               v.sizes());
-  TORCH_CHECK(Hk > 0 ? H % Hk == 0 : H == 0, op,
+  ATTNKIT_CHECK(Hk > 0 ? H % Hk == 0 : H == 0, op,
               ": the query heads must be a multiple of the key/value heads; got H = ", H, ", Hk = ", Hk);
   if (op.target.cuda()) {
-    TORCH_CHECK(cuda_limits::flash_head_dim(D) && v.size(3) == D, op,
+    ATTNKIT_CHECK(cuda_limits::flash_head_dim(D) && v.size(3) == D, op,
                 ": the cuda kernels support head dims 64 and 128, with value's head dim equal to query's; got D = ",
                 D, ", Dv = ", v.size(3));
     // The kernels index rows with int.
-    TORCH_CHECK(N < (int64_t{1} << 30) && M < (int64_t{1} << 30), op, ": sequence lengths must be < 2^30; got N = ",
+    ATTNKIT_CHECK(N < (int64_t{1} << 30) && M < (int64_t{1} << 30), op, ": sequence lengths must be < 2^30; got N = ",
                 N, ", M = ", M);
     check_grid_bh(op, B, H);
     check_sm80(op, "the cuda kernels");
@@ -61,12 +61,12 @@ void check_mask(const Op& op, const std::optional<at::Tensor>& mask, const at::T
   // mask's strides as they are, so it needs the full shape (a stride-0 expand() view is fine).
   bool fits = m.dim() == 4;
   for (int d = 0; fits && d < 4; ++d) fits = m.size(d) == want[d] || (op.target.cuda() && m.size(d) == 1);
-  TORCH_CHECK(fits, op, ": mask must have shape [B, H, N, M] = [", want[0], ", ", want[1], ", ", want[2], ", ",
+  ATTNKIT_CHECK(fits, op, ": mask must have shape [B, H, N, M] = [", want[0], ", ", want[1], ", ", want[2], ", ",
               want[3], "]", (op.target.cuda() ? " (or 1 in any dim)" : " (a broadcast view is fine)"), "; got ",
               m.sizes());
   check_same_device(op, "mask", m, "q", q);
   const auto st = m.scalar_type();
-  TORCH_CHECK(st == at::kBool || st == at::kHalf || st == at::kBFloat16 || st == at::kFloat || st == at::kDouble, op,
+  ATTNKIT_CHECK(st == at::kBool || st == at::kHalf || st == at::kBFloat16 || st == at::kFloat || st == at::kDouble, op,
               ": mask must be bool or floating point (float16, bfloat16, float32, float64); got ", st);
 }
 
@@ -87,16 +87,16 @@ void softmax_bwd(const Target& t, const at::Tensor& grad_out, const at::Tensor& 
   check_mask(op, mask, q, k);
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), Dv = v.size(3);
   const std::vector<int64_t> want_out{B, H, N, Dv};
-  TORCH_CHECK(grad_out.sizes() == want_out && out.sizes() == want_out, op,
+  ATTNKIT_CHECK(grad_out.sizes() == want_out && out.sizes() == want_out, op,
               ": grad_out and out must have shape [B, H, N, Dv] = ", at::IntArrayRef(want_out), "; got ",
               grad_out.sizes(), " and ", out.sizes());
-  TORCH_CHECK(grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(), op,
+  ATTNKIT_CHECK(grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(), op,
               ": grad_out and out must have q's dtype ", q.scalar_type(), "; got ", grad_out.scalar_type(), " and ",
               out.scalar_type());
   const std::vector<int64_t> want_lse{B, H, N};
-  TORCH_CHECK(lse.sizes() == want_lse, op, ": lse must have shape [B, H, N] = ", at::IntArrayRef(want_lse), "; got ",
+  ATTNKIT_CHECK(lse.sizes() == want_lse, op, ": lse must have shape [B, H, N] = ", at::IntArrayRef(want_lse), "; got ",
               lse.sizes());
-  TORCH_CHECK(lse.scalar_type() == acc_type(q.scalar_type()), op, ": lse must be ", acc_type(q.scalar_type()),
+  ATTNKIT_CHECK(lse.scalar_type() == acc_type(q.scalar_type()), op, ": lse must be ", acc_type(q.scalar_type()),
               "; got ", lse.scalar_type());
   check_same_device(op, "grad_out", grad_out, "q", q);
   check_same_device(op, "out", out, "q", q);

@@ -25,29 +25,29 @@ constexpr int64_t kIntMax = std::numeric_limits<int>::max();
 
 // q [B,H,Nq,D], k [B,H,Nk,D], v [B,H,Nk,Dv].
 void check_qkv(const Op& op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op,
+  ATTNKIT_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op,
               ": expected q [B,H,Nq,D], k [B,H,Nk,D], v [B,H,Nk,Dv]; got ", q.dim(), "-D, ", k.dim(), "-D and ",
               v.dim(), "-D");
   check_device_type(op, "q", q);
   check_same_device(op, "k", k, "q", q);
   check_same_device(op, "v", v, "q", q);
   const auto st = q.scalar_type();
-  TORCH_CHECK(k.scalar_type() == st && v.scalar_type() == st, op, ": q, k and v must share a dtype; got ", st, ", ",
+  ATTNKIT_CHECK(k.scalar_type() == st && v.scalar_type() == st, op, ": q, k and v must share a dtype; got ", st, ", ",
               k.scalar_type(), " and ", v.scalar_type());
   if (op.target.cuda()) {
-    TORCH_CHECK(st == at::kHalf || st == at::kBFloat16, op, ": the cuda kernels take float16 or bfloat16; got ", st);
+    ATTNKIT_CHECK(st == at::kHalf || st == at::kBFloat16, op, ": the cuda kernels take float16 or bfloat16; got ", st);
   } else {
-    TORCH_CHECK(at::isFloatingType(st), op, ": expected floating inputs; got ", st);
+    ATTNKIT_CHECK(at::isFloatingType(st), op, ": expected floating inputs; got ", st);
   }
-  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == q.size(1) && v.size(1) == q.size(1),
+  ATTNKIT_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == q.size(1) && v.size(1) == q.size(1),
               op, ": q, k, v must share B and H; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(k.size(3) == q.size(3), op, ": q and k must share D; got ", q.sizes(), " and ", k.sizes());
-  TORCH_CHECK(v.size(2) == k.size(2), op, ": k and v must have the same rows; got ", k.sizes(), " and ", v.sizes());
+  ATTNKIT_CHECK(k.size(3) == q.size(3), op, ": q and k must share D; got ", q.sizes(), " and ", k.sizes());
+  ATTNKIT_CHECK(v.size(2) == k.size(2), op, ": k and v must have the same rows; got ", k.sizes(), " and ", v.sizes());
   if (op.target.cuda()) {
-    TORCH_CHECK(cuda_limits::flash_head_dim(q.size(3)) && v.size(3) == q.size(3), op,
+    ATTNKIT_CHECK(cuda_limits::flash_head_dim(q.size(3)) && v.size(3) == q.size(3), op,
                 ": the cuda kernels support head dims 64 and 128, with value's head dim equal to query's; got D = ",
                 q.size(3), ", Dv = ", v.size(3));
-    TORCH_CHECK(q.size(2) < (int64_t{1} << 30) && k.size(2) < (int64_t{1} << 30), op,
+    ATTNKIT_CHECK(q.size(2) < (int64_t{1} << 30) && k.size(2) < (int64_t{1} << 30), op,
                 ": sequence lengths must be < 2^30; got Nq = ", q.size(2), ", Nk = ", k.size(2));
     check_grid_bh(op, q.size(0), q.size(1));
     check_sm80(op, "the cuda kernels");
@@ -59,17 +59,17 @@ void check_qkv(const Op& op, const at::Tensor& q, const at::Tensor& k, const at:
 void check_grad_inputs(const Op& op, const at::Tensor& q, const at::Tensor& v, const at::Tensor& dout,
                        const at::Tensor& lse, const at::Tensor& delta) {
   const std::vector<int64_t> out_shape{q.size(0), q.size(1), q.size(2), v.size(3)};
-  TORCH_CHECK(dout.sizes() == out_shape, op, ": grad_out must be [B, H, Nq, Dv] = ", at::IntArrayRef(out_shape),
+  ATTNKIT_CHECK(dout.sizes() == out_shape, op, ": grad_out must be [B, H, Nq, Dv] = ", at::IntArrayRef(out_shape),
               "; got ", dout.sizes());
-  TORCH_CHECK(dout.scalar_type() == q.scalar_type(), op, ": grad_out must have q's dtype ", q.scalar_type(), "; got ",
+  ATTNKIT_CHECK(dout.scalar_type() == q.scalar_type(), op, ": grad_out must have q's dtype ", q.scalar_type(), "; got ",
               dout.scalar_type());
   check_same_device(op, "grad_out", dout, "q", q);
   const std::vector<int64_t> row_shape{q.size(0), q.size(1), q.size(2)};
   const auto acc = acc_type(q.scalar_type());
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"lse", lse}, {"delta", delta}}) {
-    TORCH_CHECK(t.sizes() == row_shape, op, ": lse and delta must be [B, H, Nq] = ", at::IntArrayRef(row_shape),
+    ATTNKIT_CHECK(t.sizes() == row_shape, op, ": lse and delta must be [B, H, Nq] = ", at::IntArrayRef(row_shape),
                 "; got ", name, " ", t.sizes());
-    TORCH_CHECK(t.scalar_type() == acc, op, ": lse and delta must be ", acc, "; got ", name, " ", t.scalar_type());
+    ATTNKIT_CHECK(t.scalar_type() == acc, op, ": lse and delta must be ", acc, "; got ", name, " ", t.scalar_type());
     check_same_device(op, name, t, "q", q);
   }
 }
@@ -114,40 +114,40 @@ int64_t first_shared_query_row(int64_t Nq, int64_t G, int64_t pg, int64_t pt) {
 // backward, whose CUDA kernels write dK/dV of each group's key rows without atomics.
 void check_range(const Op& op, const at::Tensor& q, const at::Tensor& k, c10::IntArrayRef view, c10::IntArrayRef lo,
                  c10::IntArrayRef hi, bool keys_disjoint) {
-  TORCH_CHECK(view.size() == 5, op, ": view must be [G, q_pg, q_pt, k_pg, k_pt]; got ", view.size(), " values");
+  ATTNKIT_CHECK(view.size() == 5, op, ": view must be [G, q_pg, q_pt, k_pg, k_pt]; got ", view.size(), " values");
   const int64_t G = view[0], q_pg = view[1], q_pt = view[2], k_pg = view[3], k_pt = view[4];
-  TORCH_CHECK(G >= 0 && q_pg >= 0 && k_pg >= 0 && q_pt >= 1 && k_pt >= 1, op,
+  ATTNKIT_CHECK(G >= 0 && q_pg >= 0 && k_pg >= 0 && q_pt >= 1 && k_pt >= 1, op,
               ": view [G, q_pg, q_pt, k_pg, k_pt] needs G, q_pg, k_pg >= 0 and q_pt, k_pt >= 1; got ", view);
   for (const auto& [name, f] : {std::pair<const char*, c10::IntArrayRef>{"lo", lo}, {"hi", hi}}) {
-    TORCH_CHECK(f.size() == 4, op, ": ", name, " must be [a, d, m, b]; got ", f.size(), " values");
-    TORCH_CHECK(f[1] >= 1 && f[2] >= 0, op, ": ", name, " = [a, d, m, b] needs d >= 1 and m >= 0 ",
+    ATTNKIT_CHECK(f.size() == 4, op, ": ", name, " must be [a, d, m, b]; got ", f.size(), " values");
+    ATTNKIT_CHECK(f[1] >= 1 && f[2] >= 0, op, ": ", name, " = [a, d, m, b] needs d >= 1 and m >= 0 ",
                 "(nondecreasing bounds); got d=", f[1], ", m=", f[2]);
     // The CPU kernels clamp f(t) to +-2^62; t + a must not overflow on the way.
-    TORCH_CHECK(std::abs(f[0]) < (int64_t{1} << 60), op, ": ", name, "'s offset a is out of range (|a| < 2^60); got ",
+    ATTNKIT_CHECK(std::abs(f[0]) < (int64_t{1} << 60), op, ": ", name, "'s offset a is out of range (|a| < 2^60); got ",
                 f[0]);
   }
   const int64_t Nq = q.size(2), Nk = k.size(2);
   if (!op.target.cuda()) {
     const int64_t row = first_shared_query_row(Nq, G, q_pg, q_pt);
-    TORCH_CHECK(row < 0, op, ": view ", view, " puts query row ", row,
+    ATTNKIT_CHECK(row < 0, op, ": view ", view, " puts query row ", row,
                 " in two groups; the kernels need the groups' query rows to be disjoint");
     return;
   }
   // The CUDA kernels hold view entries and d in int, and evaluate floor((t + a) / d) * m + b in
   // int64 with t < 2^30.
-  for (int i = 0; i < 5; ++i) TORCH_CHECK(view[i] <= kIntMax, op, ": view entries must be < 2^31; got ", view);
+  for (int i = 0; i < 5; ++i) ATTNKIT_CHECK(view[i] <= kIntMax, op, ": view entries must be < 2^31; got ", view);
   for (const c10::IntArrayRef f : {lo, hi}) {
-    TORCH_CHECK(f[1] <= kIntMax && f[2] <= (int64_t{1} << 20) && std::abs(f[0]) <= (int64_t{1} << 40) &&
+    ATTNKIT_CHECK(f[1] <= kIntMax && f[2] <= (int64_t{1} << 20) && std::abs(f[0]) <= (int64_t{1} << 40) &&
                     std::abs(f[3]) <= (int64_t{1} << 62),
                 op, ": the cuda kernels take bounds [a, d, m, b] with 1 <= d < 2^31, 0 <= m <= 2^20, |a| <= 2^40, ",
                 "|b| <= 2^62; got lo = ", lo, ", hi = ", hi);
   }
   if (!keys_disjoint) {
-    TORCH_CHECK(cuda_groups_disjoint(Nq, G, q_pg, q_pt), op,
+    ATTNKIT_CHECK(cuda_groups_disjoint(Nq, G, q_pg, q_pt), op,
                 ": the cuda kernels need the groups' query rows to be disjoint; view = ", view, " with Nq = ", Nq,
                 " puts some query row in two groups (or is not of the interleaved / consecutive forms they take)");
   } else {
-    TORCH_CHECK(cuda_groups_disjoint(Nq, G, q_pg, q_pt) && cuda_groups_disjoint(Nk, G, k_pg, k_pt), op,
+    ATTNKIT_CHECK(cuda_groups_disjoint(Nq, G, q_pg, q_pt) && cuda_groups_disjoint(Nk, G, k_pg, k_pt), op,
                 ": the cuda kernels need the groups' query rows and key rows to be disjoint; view = ", view,
                 " with Nq = ", Nq, ", Nk = ", Nk,
                 " puts some row in two groups (or is not of the interleaved / consecutive forms they take)");
@@ -159,14 +159,14 @@ void check_range(const Op& op, const at::Tensor& q, const at::Tensor& k, c10::In
 // block, and q, k of one length N = nb * block.
 void check_block(const Op& op, const at::Tensor& q, const at::Tensor& k, int64_t block) {
   if (op.target.cuda()) {
-    TORCH_CHECK(block >= cuda_limits::kSparseMinBlock, op, ": the cuda kernels need block >= ",
+    ATTNKIT_CHECK(block >= cuda_limits::kSparseMinBlock, op, ": the cuda kernels need block >= ",
                 cuda_limits::kSparseMinBlock, "; got block = ", block);
   } else {
-    TORCH_CHECK(block >= 1, op, ": block must be >= 1; got ", block);
+    ATTNKIT_CHECK(block >= 1, op, ": block must be >= 1; got ", block);
   }
-  TORCH_CHECK(k.size(2) == q.size(2), op, ": q and k must have the same length N; got ", q.sizes(), " and ",
+  ATTNKIT_CHECK(k.size(2) == q.size(2), op, ": q and k must have the same length N; got ", q.sizes(), " and ",
               k.sizes());
-  TORCH_CHECK(q.size(2) % block == 0, op, ": N = ", q.size(2), " must be a multiple of block = ", block);
+  ATTNKIT_CHECK(q.size(2) % block == 0, op, ": N = ", q.size(2), " must be a multiple of block = ", block);
 }
 
 // One pair of index lists: ptr int32 [1 or H, nb + 1] of offsets into idx int32 [nnz], on q's
@@ -174,13 +174,13 @@ void check_block(const Op& op, const at::Tensor& q, const at::Tensor& k, int64_t
 void check_lists(const Op& op, const at::Tensor& q, const char* pname, const at::Tensor& ptr, const char* iname,
                  const at::Tensor& idx, int64_t nb) {
   const int64_t H = q.size(1);
-  TORCH_CHECK(ptr.scalar_type() == at::kInt && idx.scalar_type() == at::kInt, op, ": ", pname, " and ", iname,
+  ATTNKIT_CHECK(ptr.scalar_type() == at::kInt && idx.scalar_type() == at::kInt, op, ": ", pname, " and ", iname,
               " must be int32; got ", ptr.scalar_type(), " and ", idx.scalar_type());
   check_same_device(op, pname, ptr, "q", q);
   check_same_device(op, iname, idx, "q", q);
-  TORCH_CHECK(ptr.dim() == 2 && (ptr.size(0) == 1 || ptr.size(0) == H) && ptr.size(1) == nb + 1, op, ": ", pname,
+  ATTNKIT_CHECK(ptr.dim() == 2 && (ptr.size(0) == 1 || ptr.size(0) == H) && ptr.size(1) == nb + 1, op, ": ", pname,
               " must be [1 or H, nb + 1] = [1 or ", H, ", ", nb + 1, "]; got ", ptr.sizes());
-  TORCH_CHECK(idx.dim() == 1, op, ": ", iname, " must be 1-D; got ", idx.sizes());
+  ATTNKIT_CHECK(idx.dim() == 1, op, ": ", iname, " must be 1-D; got ", idx.sizes());
   if (!ptr.device().is_cpu()) return;
   const at::Tensor p = ptr.contiguous(), x = idx.contiguous();
   const int32_t* P = p.const_data_ptr<int32_t>();
@@ -189,10 +189,10 @@ void check_lists(const Op& op, const at::Tensor& q, const char* pname, const at:
   for (int64_t h = 0; h < p.size(0); ++h) {
     for (int64_t r = 0; r < nb; ++r) {
       const int64_t a = P[h * (nb + 1) + r], e = P[h * (nb + 1) + r + 1];
-      TORCH_CHECK(0 <= a && a <= e && e <= nnz, op, ": ", pname, " must hold nondecreasing offsets into ", iname,
+      ATTNKIT_CHECK(0 <= a && a <= e && e <= nnz, op, ": ", pname, " must hold nondecreasing offsets into ", iname,
                   " (", nnz, " entries); head ", h, " row ", r, ": [", a, ", ", e, ")");
       for (int64_t i = a; i < e; ++i) {
-        TORCH_CHECK(0 <= I[i] && I[i] < nb && (i == a || I[i - 1] < I[i]), op, ": ", iname,
+        ATTNKIT_CHECK(0 <= I[i] && I[i] < nb && (i == a || I[i - 1] < I[i]), op, ": ", iname,
                     " entries must be increasing block indices in [0, ", nb, ") per row; head ", h, " row ", r,
                     " has ", I[i]);
       }
@@ -238,7 +238,7 @@ void block_sparse_bwd(const Target& t, const at::Tensor& grad_out, const at::Ten
   const int64_t nb = q.size(2) / block;
   check_lists(op, q, "row_ptr", row_ptr, "col_idx", col_idx, nb);
   check_lists(op, q, "col_ptr", col_ptr, "row_idx", row_idx, nb);
-  TORCH_CHECK(col_idx.numel() == row_idx.numel() && row_ptr.size(0) == col_ptr.size(0), op,
+  ATTNKIT_CHECK(col_idx.numel() == row_idx.numel() && row_ptr.size(0) == col_ptr.size(0), op,
               ": the column lists must transpose the row lists; got ", col_idx.numel(), " vs ", row_idx.numel(),
               " entries, ", row_ptr.size(0), " vs ", col_ptr.size(0), " layout heads");
 }

@@ -763,7 +763,7 @@ inline void fast_pv(const float* P, int64_t rows, int64_t K, int64_t ldp, const 
     case 6: fast_pv_dc<6>(P, rows, K, ldp, X, acc); break;
     case 7: fast_pv_dc<7>(P, rows, K, ldp, X, acc); break;
     case 8: fast_pv_dc<8>(P, rows, K, ldp, X, acc); break;
-    default: TORCH_CHECK(false, "fast_pv: unsupported D ", D);
+    default: ATTNKIT_CHECK(false, "fast_pv: unsupported D ", D);
   }
 }
 #endif  // __AVX512F__

@@ -199,7 +199,7 @@ enum class FeatureMap { kElu, kRelu, kIdentity };
 FeatureMap parse_feature_map(std::string_view name) {
   if (name == "elu") return FeatureMap::kElu;
   if (name == "relu") return FeatureMap::kRelu;
-  TORCH_INTERNAL_ASSERT(name == "identity", "unchecked feature_map ", std::string(name));
+  ATTNKIT_CHECK(name == "identity", "attnkit::linear (cpu): unchecked feature_map ", name);
   return FeatureMap::kIdentity;
 }
 

@@ -142,7 +142,7 @@ MaskView make_mask_view(const c10::optional<at::Tensor>& mask) {
     case at::kDouble: mv.kind = MaskKind::kDouble; break;
     case at::kBFloat16: mv.kind = MaskKind::kBFloat16; break;
     case at::kHalf: mv.kind = MaskKind::kHalf; break;
-    default: TORCH_INTERNAL_ASSERT(false, "unchecked mask dtype ", m.scalar_type());  // checks::softmax_*
+    default: ATTNKIT_CHECK(false, "attnkit::softmax (cpu): unchecked mask dtype ", m.scalar_type());  // checks::softmax_*
   }
   mv.data = static_cast<const char*>(m.const_data_ptr());
   mv.esize = m.element_size();

@@ -291,7 +291,7 @@ RangeGeom make_geom(at::IntArrayRef view, at::IntArrayRef lo, at::IntArrayRef hi
     if (tq == 0) break;  // starts only grow with g: no later group has queries either
     for (int64_t t = 0; t < tq; ++t) {
       char& s = qseen[gi * g.q_pg + t * g.q_pt];
-      TORCH_INTERNAL_ASSERT(!s, "query row in two groups");  // checks::sparse_range_*
+      ATTNKIT_CHECK(!s, "attnkit::sparse_range (cpu): unchecked view: a query row in two groups");  // checks::sparse_range_*
       s = 1;
       ++covered;
     }

@@ -492,7 +492,7 @@ void dispatch(at::ScalarType st, F&& f) {
     case at::kHalf: f(c10::Half{}); break;
     case at::kBFloat16: f(c10::BFloat16{}); break;
     case at::kFloat: f(float{}); break;
-    default: TORCH_INTERNAL_ASSERT(false, "unchecked dtype");  // checks::hopfield_*: cannot happen
+    default: ATTNKIT_CHECK(false, "attnkit::hopfield (cuda): unchecked dtype");  // checks::hopfield_*: cannot happen
   }
 }
 

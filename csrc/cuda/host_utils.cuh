@@ -35,6 +35,7 @@
 #include <tuple>
 
 #include "launch.h"  // the entry points each .cu defines, and the limits its kernels must match
+#include "../message.h"  // ATTNKIT_CHECK for the few internal invariants left in a .cu
 
 namespace attnkit {
 namespace {

@@ -1,9 +1,10 @@
 // The host entry points of the CUDA kernels (defined in csrc/cuda/<family>.cu) and the limits
 // of what those kernels take.
 //
-// Why this header (issue 10): a TORCH_CHECK failing in nvcc-compiled host code killed the process
-// on the GPU image instead of raising.  So the .cu files no longer check their inputs nor
-// register themselves with the dispatcher: csrc/checks/<family>.cpp (compiled by the host C++
+// Why this header (issue 10): a check failing in a .cu's host code killed the process on the GPU
+// image instead of raising (the cause, measured later, was the iostream formatting of TORCH_CHECK
+// messages inside attnkit._C: csrc/message.h; it hit the C++ sources too).  The .cu files no
+// longer check their inputs nor register themselves with the dispatcher: csrc/checks/<family>.cpp (compiled by the host C++
 // compiler) registers the CUDA implementations, runs the op's one input check
 // (csrc/checks/checks.h) and only then calls the entry point declared here.
 //

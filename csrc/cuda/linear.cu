@@ -853,7 +853,7 @@ static_assert(smem_bytes<double>() == cuda_limits::linear_smem_bytes(true), "csr
 int parse_feature_map(std::string_view name) {
   if (name == "elu") return kElu;
   if (name == "relu") return kRelu;
-  TORCH_INTERNAL_ASSERT(name == "identity", "unchecked feature_map");  // cannot happen
+  ATTNKIT_CHECK(name == "identity", "attnkit::linear (cuda): unchecked feature_map");  // cannot happen
   return kIdentity;
 }
 
@@ -977,7 +977,7 @@ void dispatch(at::ScalarType st, F&& f) {
     case at::kBFloat16: f(c10::BFloat16{}, float{}); break;
     case at::kFloat: f(float{}, float{}); break;
     case at::kDouble: f(double{}, double{}); break;
-    default: TORCH_INTERNAL_ASSERT(false, "unchecked dtype");  // checks::linear_*: cannot happen
+    default: ATTNKIT_CHECK(false, "attnkit::linear (cuda): unchecked dtype");  // checks::linear_*: cannot happen
   }
 }
 

@@ -389,7 +389,7 @@ Mask make_mask(const std::optional<at::Tensor>& mask) {
     case at::kHalf: mk.kind = kF16Mask; break;
     case at::kBFloat16: mk.kind = kBF16Mask; break;
     case at::kDouble: mk.kind = kF64Mask; break;
-    default: TORCH_INTERNAL_ASSERT(false, "unchecked mask dtype");  // checks::softmax_*: cannot happen
+    default: ATTNKIT_CHECK(false, "attnkit::softmax (cuda): unchecked mask dtype");  // checks::softmax_*: cannot happen
   }
   mk.ptr = m.numel() > 0 ? m.data_ptr() : nullptr;
   mk.sb = stride_or_zero(m, 0);

@@ -736,7 +736,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_range_fwd_cuda(const at::Tensor& q_in,
   Params p = base_params(s, scale);
   set_range(p, view, lo, hi);
   const GroupCover cq = group_cover(p.Nq, p.rg.G, p.rg.q_pg, p.rg.q_pt);
-  TORCH_INTERNAL_ASSERT(cq.disjoint, "unchecked view");  // checks::sparse_range_fwd: cannot happen
+  ATTNKIT_CHECK(cq.disjoint, "attnkit::sparse_range_fwd (cuda): unchecked view");  // checks::sparse_range_fwd: cannot happen
   c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = dense_rows(q_in), k = dense_rows(k_in), v = dense_rows(v_in);
   // Rows in no group: out 0, lse -inf (written here; the kernels write every row of a group).
@@ -760,7 +760,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_range_bwd_cuda(
   set_range(p, view, lo, hi);
   const GroupCover cq = group_cover(p.Nq, p.rg.G, p.rg.q_pg, p.rg.q_pt);
   const GroupCover ck = group_cover(p.Nk, p.rg.G, p.rg.k_pg, p.rg.k_pt);
-  TORCH_INTERNAL_ASSERT(cq.disjoint && ck.disjoint, "unchecked view");  // checks::sparse_range_bwd: cannot happen
+  ATTNKIT_CHECK(cq.disjoint && ck.disjoint, "attnkit::sparse_range_bwd (cuda): unchecked view");  // checks::sparse_range_bwd: cannot happen
   c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = dense_rows(q_in), k = dense_rows(k_in), v = dense_rows(v_in), dout = dense_rows(dout_in);
   const at::Tensor lse = lse_in.contiguous(), delta = delta_in.contiguous();

@@ -13,6 +13,7 @@ runs the CUDA branch on meta tensors for a made-up device (default: compute capa
   real CUDA ops with bad inputs (they raised by killing the process before: issue 10).
 
 Matches are regular expressions on the messages, which say what was expected and what came.
+The checks raise through ATTNKIT_CHECK (csrc/message.h: messages built without iostreams).
 """
 import itertools
 import pathlib
@@ -86,8 +87,15 @@ def test_the_native_code_is_wired_to_the_checks():
             < wrapper.index(f'checks::raise_cuda_error("{op}")'), wrapper
     for path in [*(ROOT / "csrc/cuda").glob("*.cu"), *(ROOT / "csrc/cuda").glob("*.cuh")]:
         code = re.sub(r"//[^\n]*", "", path.read_text())
-        for word in ("TORCH_CHECK", "C10_CUDA_CHECK", "C10_CUDA_KERNEL_LAUNCH_CHECK", "TORCH_LIBRARY", "throw"):
+        for word in ("C10_CUDA_CHECK", "C10_CUDA_KERNEL_LAUNCH_CHECK", "TORCH_LIBRARY", "throw"):
             assert word not in code, f"{path.name} uses {word}: input checks belong in csrc/checks/ (issue 10)"
+    # No message is formatted through iostreams inside attnkit._C (TORCH_CHECK's c10::str did, and
+    # that segfaulted on the GPU image: csrc/message.h); ATTNKIT_CHECK instead.
+    for path in ROOT.glob("csrc/**/*"):
+        if path.suffix in (".h", ".cuh", ".cpp", ".cu") and path.name != "message.h":
+            code = re.sub(r"//[^\n]*", "", path.read_text())
+            for word in ("TORCH_CHECK", "TORCH_INTERNAL_ASSERT", "c10::str(", "operator<<"):
+                assert word not in code, f"{path.relative_to(ROOT)} uses {word}: use ATTNKIT_CHECK (csrc/message.h)"
 
 
 def _cuda_include():
