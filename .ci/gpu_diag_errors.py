@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 PROBES = {
-    # a TORCH_CHECK in the CPU (g++) code
+    # a failing input check reached from the CPU op
     "cpu_linear_causal": "ops.linear_fwd(*cpu(1,2,4,5), None, None, True, 'elu', True, 1e-6, 1.0)",
-    # the same check in the CUDA (nvcc) host code
+    # the same check for CUDA tensors (csrc/checks/, before any .cu code runs)
     "cuda_linear_causal": "ops.linear_fwd(*gpu(1,2,4,5), None, None, True, 'elu', True, 1e-6, 1.0)",
     "cuda_softmax_bad_dim": "ops.softmax_fwd(*(t.half()[..., :96] for t in gpu(1,2,8,8)), None, 1.0, False)",
     # an error thrown by torch itself inside a .cu op (c10 allocation / shape checks)

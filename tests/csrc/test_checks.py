@@ -123,7 +123,8 @@ def test_cuda_build_of_the_gxx_sources_compiles():
     sources = [ROOT / "csrc/ops.cpp", *sorted((ROOT / "csrc/checks").glob("*.cpp"))]
     procs = {}
     for src in sources:
-        cmd = ["g++", "-std=c++17", "-fsyntax-only", "-Wall", "-Werror=c++20-extensions", "-DATTNKIT_WITH_CUDA",
+        cmd = ["g++", "-std=c++17", "-fsyntax-only", "-Wall", "-Werror=c++20-extensions", "-Werror=c++20-compat",
+               "-DATTNKIT_WITH_CUDA",
                "-DTORCH_EXTENSION_NAME=_C", *includes, str(src)]
         procs[src.name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if len(procs) % 2 == 0:  # two at a time: the CI machine has 2 cores
