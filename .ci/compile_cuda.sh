@@ -19,8 +19,8 @@ fi
 includes=$(python -c "import sysconfig; from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths() + [sysconfig.get_paths()['include']]))")
 out=$(mktemp -d)
 echo "compile_cuda: $(nvcc --version | tail -1); ${#sources[@]} file(s), sm_80 + sm_90a, C++17"
-# Two at a time (the CI machine has 2 cores); each file reports its own failure.
-printf '%s\n' "${sources[@]}" | xargs -P 2 -I{} sh -c '
+# Two at a time (the CI machine has 2 cores; COMPILE_JOBS overrides); each file reports its own failure.
+printf '%s\n' "${sources[@]}" | xargs -P "${COMPILE_JOBS:-2}" -I{} sh -c '
   obj="$0/$(echo {} | tr / _).o"
   flags="-O3 -DATTNKIT_WITH_CUDA -DTORCH_EXTENSION_NAME=_C '"$includes"' -Xcompiler -fPIC"
   if nvcc -c {} -o "$obj" -std=c++17 $flags -gencode arch=compute_80,code=sm_80 \
