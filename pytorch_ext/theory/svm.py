@@ -176,6 +176,14 @@ def _min_norm_point_slsqp(G: np.ndarray) -> np.ndarray:
     return res.x
 
 
+def _solve(G: np.ndarray, method: str) -> np.ndarray:
+    if method == "nnls":
+        return _min_norm_point(G)
+    if method == "slsqp":
+        return _min_norm_point_slsqp(G)
+    raise ValueError(f"method must be 'nnls' or 'slsqp'; got {method!r}")
+
+
 def _svm_constraints(X: torch.Tensor, opt: torch.Tensor, z: Optional[torch.Tensor]) -> np.ndarray:
     Xn = X.detach().cpu().double().numpy()
     n, T, d = Xn.shape
@@ -205,7 +213,7 @@ def att_svm(X: torch.Tensor, z: torch.Tensor, opt: torch.Tensor, *, method: str 
     Returns ``W^mm`` ``[d, d]`` (float64).  Raises ValueError when infeasible.
     """
     G = _svm_constraints(X, opt, z)
-    x = _min_norm_point(G) if method == "nnls" else _min_norm_point_slsqp(G)
+    x = _solve(G, method)
     d = X.shape[-1]
     return torch.as_tensor(x, dtype=DTYPE).reshape(d, d)
 
@@ -215,7 +223,7 @@ def p_svm(X: torch.Tensor, opt: torch.Tensor, *, method: str = "nnls") -> torch.
     (ATT-SVM)): ``p^{mm} = argmin ‖p‖ s.t. (x_{i,opt_i} − x_{i,t})ᵀ p ≥ 1`` for all t ≠ opt_i, all i.
     Solved like :func:`att_svm`.  Returns ``[d]``."""
     G = _svm_constraints(X, opt, None)
-    x = _min_norm_point(G) if method == "nnls" else _min_norm_point_slsqp(G)
+    x = _solve(G, method)
     return torch.as_tensor(x, dtype=DTYPE)
 
 
@@ -325,8 +333,10 @@ def regularization_path(data: SVMData, radii: Sequence[float], *, W0: Optional[t
     large R.  The path is followed by continuation: each R starts from the previous solution's
     direction (the first from ``W0``, default ``−∇L(0)``); ``restarts`` extra random directions
     (seeded) are tried at each R and the lowest loss kept -- the theorem is about the global
-    minimizer, a local method only finds a local one.  Float64 resolves the path while
-    ``exp(−R·margin)`` stays above ~1e-12 (R up to ~30 ‖W^mm‖_F).
+    minimizer, a local method only finds a local one (seen: seed 4 of :func:`tlto_data` follows a
+    locally optimal path, corr ≈ 0.45, without restarts, and reaches corr 0.998 at R = 64 with 16).
+    Float64 resolves the path while ``L − L_*`` stays above ~1e-13 (R up to ~20-30 ‖W^mm‖_F); where
+    it does not, the start is kept as the solution.
 
     Theorem 2: ``W̄_R / R → W^mm/‖W^mm‖_F`` as R → ∞, with ``opt`` = the globally optimal tokens
     (:func:`optimal_tokens`), when those are unique and the SVM is feasible.
@@ -361,7 +371,12 @@ def regularization_path(data: SVMData, radii: Sequence[float], *, W0: Optional[t
         best = None
         for x0 in starts:
             f0, _ = loss_and_grad(x0, R)
-            scale = max(f0 - L_star, 1e-300)
+            scale = f0 - L_star
+            if scale <= 1e-13 * max(1.0, abs(L_star)):
+                # L is within float64 resolution of its infimum: nothing left to resolve at this R
+                if best is None or f0 < best[0]:
+                    best = (f0, x0)
+                continue
 
             def fun(u, R=R, scale=scale):
                 f, g = loss_and_grad(u, R)
@@ -390,11 +405,11 @@ def _table(headers, rows) -> str:
     return "\n".join([line(cells[0]), line(["-" * w for w in widths])] + [line(r) for r in cells[1:]])
 
 
-def _figure_2d(seed: int = 3, steps: int = 300, lr: float = 0.1):
+def _figure_2d(seed: int = 3, steps: int = 2000, lr: float = 0.1):
     """Data, GD trajectory of p and p^mm for the tutorial's d = 2 picture."""
     data = tlto_data(seed, n=3, T=3, d=2)
     p0 = torch.zeros(2, dtype=DTYPE) + 1e-3
-    ks = list(range(0, steps + 1, 5))
+    ks = list(range(0, steps + 1, 10))
     _, rec, probs = train_attention(data, p0, steps=steps, lr=lr, record=ks)
     opt = probs.argmax(-1)
     return data, torch.stack([rec[k] for k in ks]), opt, p_svm(data.X, opt)
@@ -427,19 +442,25 @@ def main(argv: Optional[list] = None) -> int:
     print()
 
     # regularization path (tutorial Theorem 2), on the seeds whose selected tokens are globally optimal
-    radii = [0.5, 1, 2, 4, 8, 16] if q else [0.5, 1, 2, 4, 8, 16, 32, 64, 128]
+    radii = [0.5, 1, 2, 4, 8, 16] if q else [0.5, 1, 2, 4, 8, 16, 32, 64]
+    restarts = 0 if q else 16
     rp_rows = []
     n_rp = 2 if q else 5
     rp_corr = []
-    for s in range(n_rp):
+    seeds = range(n_rp)
+    if prog:
+        from tqdm.auto import tqdm
+
+        seeds = tqdm(seeds, desc="regularization path", leave=False)
+    for s in seeds:
         data = tlto_data(s)
         W_mm = att_svm(data.X, data.z, optimal_tokens(data))
-        sols, _ = regularization_path(data, radii)
+        sols, _ = regularization_path(data, radii, restarts=restarts, seed=s)
         c = [float(correlation(Wr, W_mm)) for Wr in sols]
         rp_corr.append(c)
         rp_rows.append([s] + [f"{x:.4f}" for x in c])
     print("Regularization path W̄_R = argmin_{‖W‖≤R} L(W) (L-BFGS on the sphere ‖W‖ = R, continuation): "
-          "corr(W̄_R, W^mm) with opt = argmax_t Y vᵀx_t (globally optimal tokens)")
+          f"{restarts} random restarts per R: corr(W̄_R, W^mm) with opt = argmax_t Y vᵀx_t (globally optimal tokens)")
     print(_table(["seed"] + [f"R={R:g}" for R in radii], rp_rows))
 
     import matplotlib

@@ -243,10 +243,30 @@ def test_tiny_transformer_is_causal_and_runs_on_attnkit(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_icl_transformer_trains_and_predicts():
+def test_icl_token_formats():
+    data = sample_regression(2, 4, 3, generator=_gen(6))
+    g = icl.garg_tokens(data.X, data.y)
+    p = icl.paired_tokens(data.X, data.y)
+    assert g.shape == (2, 8, 4) and p.shape == (2, 4, 4)
+    torch.testing.assert_close(g[:, 0::2, :3], data.X)
+    torch.testing.assert_close(g[:, 1::2, 3], data.y)
+    assert float(g[:, 0::2, 3].abs().max()) == 0 and float(g[:, 1::2, :3].abs().max()) == 0
+    torch.testing.assert_close(p[:, :, :3], data.X)
+    torch.testing.assert_close(p[:, 1:, 3], data.y[:, :-1])
+    assert float(p[:, 0, 3].abs().max()) == 0
+
+
+@pytest.mark.parametrize("tokens", ["paired", "garg"])
+def test_icl_transformer_trains_and_predicts(tokens):
     model, losses = icl.train_icl_transformer(d=3, n_points=6, d_model=16, n_layers=1, n_heads=2, steps=60,
-                                              batch=32, lr=3e-3, progress=False, dtype=DT)
+                                              batch=32, lr=3e-3, tokens=tokens, progress=False, dtype=DT)
     assert len(losses) == 60 and all(math.isfinite(v) for v in losses)
     assert sum(losses[-10:]) < sum(losses[:10])
-    curve = icl_curve(icl.transformer_predictor(model), 3, [0, 2, 5], n_prompts=200)
+    predict = icl.transformer_predictor(model)
+    curve = icl_curve(predict, 3, [0, 2, 5], n_prompts=200)
     assert all(math.isfinite(v) for v in curve)
+    # the predictor reads the same output the training loss uses: the last example's prediction
+    data = sample_regression(8, 5, 3, generator=_gen(7))
+    with torch.no_grad():
+        full = icl._transformer_outputs(model, data.X, data.y, tokens)
+    torch.testing.assert_close(predict(data.X[:, :4], data.y[:, :4], data.X[:, 4]), full[:, 4], rtol=1e-12, atol=1e-12)

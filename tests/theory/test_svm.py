@@ -1,6 +1,5 @@
 """attnkit.theory.svm: attention as a max-margin token selector (Tarzanagh, Li, Thrampoulidis &
 Oymak 2023) on attnkit.softmax_attention, float64."""
-import numpy as np
 import pytest
 import torch
 
