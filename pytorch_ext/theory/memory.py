@@ -24,7 +24,6 @@ table next to the sources' numbers and writes ``memory.png`` (default folder
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import sys
 from dataclasses import dataclass, field
@@ -35,6 +34,8 @@ import torch
 
 from ..hopfield import ClassicalHopfield, DenseAssociativeMemory
 from ..ops.hopfield import hopfield_update
+
+from ._threads import intra_op_threads as _threads
 
 __all__ = [
     "CapacityCurve",
@@ -53,20 +54,6 @@ __all__ = [
 ]
 
 
-@contextlib.contextmanager
-def _threads(n: Optional[int]):
-    """Run with ``n`` intra-op threads (None: leave torch's setting), restoring it afterwards.
-    The theory experiments run many tiny ops, which only lose to thread synchronization (a small
-    transformer step: 23 ms on 1 thread, 1.75 s on 2 threads of a loaded 2-core machine)."""
-    if n is None:
-        yield
-        return
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 KINDS = ("classical", "polynomial", "exponential")
 

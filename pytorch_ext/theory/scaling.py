@@ -15,7 +15,6 @@ prints the table and the fitted exponent, and writes ``scaling.png`` (default fo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import sys
 from dataclasses import dataclass, field
@@ -24,6 +23,8 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
+
+from ._threads import intra_op_threads as _threads
 
 __all__ = [
     "PowerLawFit",
@@ -41,20 +42,6 @@ __all__ = [
 ]
 
 
-@contextlib.contextmanager
-def _threads(n: Optional[int]):
-    """Run with ``n`` intra-op threads (None: leave torch's setting), restoring it afterwards.
-    The theory experiments run many tiny ops, which only lose to thread synchronization (a small
-    transformer step: 23 ms on 1 thread, 1.75 s on 2 threads of a loaded 2-core machine)."""
-    if n is None:
-        yield
-        return
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 # ----------------------------------------------------------------------------------------------
