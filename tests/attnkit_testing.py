@@ -64,9 +64,11 @@ def native_cuda_ops():
 
 def _max_finite_err(x: torch.Tensor, ref64: torch.Tensor, name: str) -> float:
     """max |x - ref64| over the finite entries, after checking that x has no NaN and the same
-    infinities as ref64 (lse is -inf on fully masked rows)."""
-    x = x.detach().to(F64)
+    infinities as ref64 (lse is -inf on fully masked rows).  A GPU result is compared on the
+    reference's device (torch.equal raises on tensors of two devices: on an H100 every GPU
+    sparse Triton test failed on that, not on its numbers)."""
     ref64 = ref64.detach()
+    x = x.detach().to(device=ref64.device, dtype=F64)
     assert not torch.isnan(x).any(), f"{name}: NaN in the result"
     assert not torch.isnan(ref64).any(), f"{name}: NaN in the float64 reference"
     inf_x, inf_ref = torch.isinf(x), torch.isinf(ref64)

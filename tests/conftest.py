@@ -76,6 +76,21 @@ def pytest_runtest_call(item):
         _abandon_process(item, error)
 
 
+# GPU runs write each failure's traceback as it happens (ATTNKIT_FAIL_LOG): a run stopped at its
+# deadline never reaches pytest's summary, and a list of FAILED names alone cannot be debugged.
+FAIL_LOG = os.environ.get("ATTNKIT_FAIL_LOG")
+
+
+def pytest_runtest_logreport(report):
+    # Written by the controller (it receives every worker's reports, crashes included), once.
+    if FAIL_LOG and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        text = report.longreprtext
+        if len(text) > 6000:  # keep the assertion and the innermost frames
+            text = text[:1500] + "\n[...]\n" + text[-4500:]
+        with open(FAIL_LOG, "a") as log:
+            log.write(f"===== {report.nodeid} ({report.when})\n{text}\n")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     """Fresh but reproducible random inputs in every test."""

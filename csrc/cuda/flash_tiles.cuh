@@ -272,8 +272,12 @@ __device__ __forceinline__ void store_out_lse(uint16_t* out, float* lse, int64_t
     float l = l_run[r];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    // l >= 1 whenever the row saw a finite score (its maximum contributes 2^0).
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    // l >= 1 whenever the row saw a finite score (its maximum contributes 2^0); l = 0 only for a
+    // row that saw no key (out 0, lse -inf).  A NaN or +inf score makes l NaN: out and lse NaN,
+    // as SDPA's (issue 15: testing `l > 0` sent such rows to "no key", and the backward then
+    // gave them zero gradients).
+    const bool empty = l == 0.f;
+    const float inv = empty ? 0.f : 1.f / l;
     if (local + 8 * r < valid) {
       const int64_t i = base + static_cast<int64_t>(local + 8 * r) * step;
       uint16_t* o_g = out + i * kD;
@@ -281,7 +285,7 @@ __device__ __forceinline__ void store_out_lse(uint16_t* out, float* lse, int64_t
       for (int dt = 0; dt < kD / 8; ++dt) {
         *reinterpret_cast<uint32_t*>(o_g + dt * 8 + 2 * t) = pack2<kBF16>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
       }
-      if (t == 0) lse[i] = l > 0.f ? (m_run[r] + log2f(l)) * kLn2 : -INFINITY;
+      if (t == 0) lse[i] = empty ? -INFINITY : (m_run[r] + log2f(l)) * kLn2;
     }
   }
 }

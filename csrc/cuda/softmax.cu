@@ -75,13 +75,9 @@ struct Mask {
   int64_t sb, sh, sn, sm;  // element strides (0 where broadcast)
 };
 
-// The mask's contribution to the base-2 score of (query i, key j): 0 / -inf for a bool mask,
-// value · log2(e) for a float one.  `base` = b · sb + h · sh.
-__device__ __forceinline__ float mask_bias_log2(const Mask& mk, int64_t base, int i, int j) {
-  const int64_t off = base + static_cast<int64_t>(i) * mk.sn + static_cast<int64_t>(j) * mk.sm;
+// A float mask's value at element offset `off`, times log2(e).
+__device__ __forceinline__ float mask_bias_log2(const Mask& mk, int64_t off) {
   switch (mk.kind) {
-    case kBoolMask:
-      return static_cast<const uint8_t*>(mk.ptr)[off] ? 0.f : -INFINITY;
     case kF32Mask:
       return static_cast<const float*>(mk.ptr)[off] * kLog2e;
     case kF16Mask:
@@ -93,6 +89,19 @@ __device__ __forceinline__ float mask_bias_log2(const Mask& mk, int64_t base, in
     default:
       return 0.f;
   }
+}
+
+// Applies the mask to the base-2 score x of a visible (query i, key j); returns whether the
+// entry stays visible.  A bool mask hides the entry (its score is never used, so a NaN there
+// stays out, as SDPA's masked_fill keeps it out -- an added -inf kept NaN + -inf = NaN, issue
+// 15); a float mask adds value · log2(e) (NaN + -inf is NaN there, as in SDPA).  `base` = b · sb
+// + h · sh.
+__device__ __forceinline__ bool apply_mask_log2(const Mask& mk, int64_t base, int i, int j, float& x) {
+  if (mk.kind == kNoMask) return true;
+  const int64_t off = base + static_cast<int64_t>(i) * mk.sn + static_cast<int64_t>(j) * mk.sm;
+  if (mk.kind == kBoolMask) return static_cast<const uint8_t*>(mk.ptr)[off] != 0;
+  x += mask_bias_log2(mk, off);
+  return true;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -156,8 +165,7 @@ __global__ void __launch_bounds__(kThreads) softmax_fwd_kernel(const FwdParams p
       const int i = row0 + (e / 2) * 8;
       const int j = k0 + c;
       float x = s[nt][e] * p.scale_log2;
-      const bool visible = j < p.M && !(p.causal && j > i);
-      if (visible && p.mask.kind != kNoMask && i < p.N) x += mask_bias_log2(p.mask, mask_base, i, j);
+      const bool visible = j < p.M && !(p.causal && j > i) && (i >= p.N || apply_mask_log2(p.mask, mask_base, i, j, x));
       s[nt][e] = visible ? x : -INFINITY;
     });
 
@@ -263,10 +271,10 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dq_kernel(const BwdParam
       const int i = row0 + (e / 2) * 8;
       const int j = k0 + c;
       float x = s[nt][e] * p.scale_log2;
-      const bool visible = j < p.M && !(p.causal && j > i);
-      if (visible && p.mask.kind != kNoMask && i < p.N) x += mask_bias_log2(p.mask, mask_base, i, j);
-      const float prob = visible ? exp2_approx(x - lse2[e / 2]) : 0.f;
-      s[nt][e] = prob * (dp[nt][e] - dlt[e / 2]);
+      const bool visible = j < p.M && !(p.causal && j > i) && (i >= p.N || apply_mask_log2(p.mask, mask_base, i, j, x));
+      // Hidden entries get dS = 0 exactly (not 0 · (dP - delta)): a NaN row's delta must not
+      // reach the keys it cannot see (issue 15; SDPA's masked_fill gives them no gradient).
+      s[nt][e] = visible ? exp2_approx(x - lse2[e / 2]) * (dp[nt][e] - dlt[e / 2]) : 0.f;
     });
 
     mma_pb<kBF16, kD, kNt>(dq, s, k_s, lane);  // dQ += dS K (the scale is applied once, at the end)
@@ -328,11 +336,10 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dkdv_kernel(const BwdPar
         const int j = key0 + (e / 2) * 8;
         const int i = i0 + il;
         float x = st[nt][e] * p.scale_log2;
-        const bool visible = j < p.M && i < p.N && !(p.causal && j > i);
-        if (visible && p.mask.kind != kNoMask) x += mask_bias_log2(p.mask, mask_base, i, j);
+        const bool visible = j < p.M && i < p.N && !(p.causal && j > i) && apply_mask_log2(p.mask, mask_base, i, j, x);
         const float prob = visible ? exp2_approx(x - lse_s[il]) : 0.f;
         st[nt][e] = prob;
-        dpt[nt][e] = prob * (dpt[nt][e] - dlt_s[il]);
+        dpt[nt][e] = visible ? prob * (dpt[nt][e] - dlt_s[il]) : 0.f;  // hidden: exactly 0 (see dQ)
       });
 
       // dV += Pᵀ dO,  dK += dSᵀ Q  (the scale is applied once, at the end).

@@ -501,8 +501,10 @@ __global__ void __launch_bounds__(kThreads) sparse_bwd_dq_kernel(const Params p)
     float dp[kNt][4] = {};  // dP = dO Vᵀ
     mma_abt2<kBF16, kD, kNt>(s, q_s, k_s, dp, do_s, v_s, warp * 16, lane);
     for_each_entry<kNt>(t, [&](int nt, int e, int c) {
-      const float prob = w.visible(e / 2, c) ? exp2_approx(s[nt][e] * p.scale_log2 - lse2[e / 2]) : 0.f;
-      s[nt][e] = prob * (dp[nt][e] - dlt[e / 2]);
+      // Hidden entries get dS = 0 exactly, not 0 · (dP - delta): a NaN row's delta must not reach
+      // the keys it cannot see (issue 15).
+      s[nt][e] = w.visible(e / 2, c) ? exp2_approx(s[nt][e] * p.scale_log2 - lse2[e / 2]) * (dp[nt][e] - dlt[e / 2])
+                                     : 0.f;
     });
     mma_pb<kBF16, kD, kNt>(dq, s, k_s, lane);  // dQ += dS K (the scale is applied once, at the end)
   }
@@ -562,9 +564,10 @@ __global__ void __launch_bounds__(kThreads) sparse_bwd_dkdv_kernel(const Params 
 
     // Pᵀ (in st) and dSᵀ = Pᵀ ∘ (dPᵀ - delta) (in dpt); c: the query of the tile.
     for_each_entry<kNt>(t, [&](int nt, int e, int c) {
-      const float prob = w.visible(e / 2, c, lo_s, hi_s) ? exp2_approx(st[nt][e] * p.scale_log2 - lse_s[c]) : 0.f;
+      const bool visible = w.visible(e / 2, c, lo_s, hi_s);
+      const float prob = visible ? exp2_approx(st[nt][e] * p.scale_log2 - lse_s[c]) : 0.f;
       st[nt][e] = prob;
-      dpt[nt][e] = prob * (dpt[nt][e] - dlt_s[c]);
+      dpt[nt][e] = visible ? prob * (dpt[nt][e] - dlt_s[c]) : 0.f;  // hidden: exactly 0 (see dQ)
     });
 
     // dV += Pᵀ dO,  dK += dSᵀ Q  (the scale is applied once, at the end).

@@ -68,7 +68,9 @@ def softmax_attention_reference(
     shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
     exps = torch.exp(scores - shift)
     denom = exps.sum(dim=-1, keepdim=True)
-    attended = denom > 0
+    # A NaN sum (a NaN or +inf score) is not "no key": that row's out and lse are NaN, as
+    # SDPA's are; only a row whose every key is hidden has the sum 0 (issue 15).
+    attended = denom != 0
     safe_denom = torch.where(attended, denom, torch.ones_like(denom))
     probs = exps / safe_denom
     if dropout_p > 0.0:

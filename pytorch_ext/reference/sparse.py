@@ -79,11 +79,14 @@ def _masked_attention_with_lse(q, k, v, mask, scale):
 
 def _masked_attention_bwd(dout, q, k, v, lse, delta, mask, scale):
     s = (q @ k.transpose(-1, -2)) * scale
-    finite = torch.isfinite(lse).unsqueeze(-1)
-    p = torch.exp(s - torch.where(finite, lse.unsqueeze(-1), torch.zeros_like(lse).unsqueeze(-1)))
-    p = torch.where(mask & finite, p, torch.zeros_like(p))
+    # lse = -inf: a row no part reaches (P = 0, zero gradients).  A NaN lse (a NaN / +inf score
+    # somewhere in the row) keeps P NaN on the row's entries, so its gradients are NaN, as
+    # SDPA's are (issue 15: testing isfinite zeroed them).  Hidden entries get P = dS = 0.
+    empty = torch.isneginf(lse).unsqueeze(-1)
+    p = torch.exp(s - torch.where(empty, torch.zeros_like(lse).unsqueeze(-1), lse.unsqueeze(-1)))
+    p = torch.where(mask & ~empty, p, torch.zeros_like(p))
     dp = dout @ v.transpose(-1, -2)
-    ds = p * (dp - delta.unsqueeze(-1))
+    ds = torch.where(mask, p * (dp - delta.unsqueeze(-1)), torch.zeros_like(p))
     return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, p.transpose(-1, -2) @ dout
 
 

@@ -246,11 +246,13 @@ def _reference(q, k, v, dout, mask, scale, causal, dtype):
     return out, lse, qq.grad, kk.grad, vv.grad
 
 
-def run_emulated(emu: Emulator, case: Case, seed=0):
+def run_emulated(emu: Emulator, case: Case, seed=0, edit=None):
     """Runs the forward and backward kernels; returns (out, lse, dq, dk, dv) and the inputs
     (q, k, v, dout, mask, scale), after checking that no buffer was touched outside its bounds
-    and no input was written."""
+    and no input was written.  ``edit(q, k, v, mask)`` may change the input tensors first."""
     q, k, v, dout, mask = _make_inputs(case, seed)
+    if edit is not None:
+        edit(q.tensor, k.tensor, v.tensor, None if mask is None else mask.tensor)
     b, h, hk, n, m, d, dtype = case.b, case.h, case.hk, case.n, case.m, case.d, case.dtype
     scale = 1.0 / math.sqrt(d) if case.scale is None else case.scale
     inputs = [x for x in (q, k, v, dout, mask) if x is not None]
@@ -339,6 +341,67 @@ def test_matches_reference(emulator, case):
         assert torch.equal(dq, torch.zeros_like(dq))
     if case.n == 0:
         assert torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))
+
+
+# Issue 15: NaN / +-inf reach the results as in SDPA (and the float64 reference): the online
+# softmax's fmaxf drops NaN operands, so a row whose scores are all NaN kept the running max
+# -inf, and the epilogue's `l > 0` test sent a NaN sum to "no visible key" (lse -inf), after
+# which the backward treated the row as empty: zero gradients instead of NaN.
+NONFINITE = {
+    "q_nan": lambda q, k, v, m: q[0, 1, 3].__setitem__(5, float("nan")),
+    "k_nan": lambda q, k, v, m: k[0, 0, 40].__setitem__(0, float("nan")),
+    "k_posinf": lambda q, k, v, m: k[0, 0, 9].fill_(float("inf")),
+    "v_nan": lambda q, k, v, m: v[0, 0, 66].__setitem__(3, float("nan")),
+    "mask_nan": lambda q, k, v, m: m[0, 1, 20].__setitem__(2, float("nan")),
+    # a NaN query on the row the mask hides entirely (row 1): that row stays 0
+    "q_nan_masked_row": lambda q, k, v, m: q[0, 0, 1].__setitem__(0, float("nan")),
+}
+
+
+# (head, row) of the one query row each case poisons (None: a row the mask hides: none)
+POISONED_ROW = {"q_nan": (1, 3), "mask_nan": (1, 20), "q_nan_masked_row": (None, 1)}
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("name", NONFINITE)
+def test_nonfinite_inputs_propagate_like_the_reference(emulator, name, causal):
+    mask = torch.float32 if name == "mask_nan" else "bool" if name == "q_nan_masked_row" else None
+    case = Case(F16, 64, 1, 2, 1, 70, 70, causal, mask=mask)
+    emulator.configure(seed=5)
+    results, (q, k, v, dout, mask_t, scale) = run_emulated(emulator, case, edit=NONFINITE[name])
+    ref64 = _reference(q, k, v, dout, mask_t, scale, causal, F64)
+    ref_low = _reference(q, k, v, dout, mask_t, scale, causal, F16)
+    for what, x, r64, rlow in zip(("out", "lse", "dq", "dk", "dv"), results, ref64, ref_low):
+        nan_x, nan_ref = torch.isnan(x), torch.isnan(r64)
+        if name == "v_nan":
+            # The float64 reference also reaches rows that cannot see the key, through 0 * NaN
+            # in P V (SDPA does too; acceptable, not required): the kernel's NaN must lie within
+            # the reference's, and cover every row that sees the key (causal: rows >= 66).
+            assert not (nan_x & ~nan_ref).any(), f"{what}: NaN where the reference has none"
+            if what == "out":
+                seen = slice(66, None) if causal else slice(None)
+                assert nan_x[0, :, seen, 3].all(), "out: a row that sees the NaN value lost it"
+        elif name in POISONED_ROW and what in ("dk", "dv"):
+            # One poisoned query row (h, i): the keys it sees get NaN gradients.  The reference
+            # also has 0 * NaN in dK = dSᵀ Q on the keys the row cannot see (its dS there is 0,
+            # its q has a NaN); the kernel may or may not, tile by tile: within the reference's.
+            assert not (nan_x & ~nan_ref).any(), f"{what}: NaN where the reference has none"
+            h, i = POISONED_ROW[name]
+            if h is not None:
+                seen = i + 1 if causal else case.m
+                assert nan_x[0, 0, :seen].all(), f"{what}: a key the NaN row sees lost the NaN"
+        else:
+            assert torch.equal(nan_x, nan_ref), (
+                f"{what}: NaN at {nan_x.sum().item()} entries, the reference at {nan_ref.sum().item()}")
+        if name not in ("v_nan", "q_nan_masked_row") and what in ("out", "lse"):
+            assert nan_ref.any(), f"{what}: the poisoned input reaches no result (a test that cannot fail)"
+        keep = ~(nan_x | nan_ref)
+        assert_close_to_reference(torch.where(keep, x.to(F64), 0.0), torch.where(keep, r64, 0.0),
+                                  torch.where(keep, rlow.to(F64), 0.0).to(rlow.dtype), name=what,
+                                  dtype=F16 if what != "lse" else F16, grad=what.startswith("d"))
+    if name == "q_nan_masked_row":
+        out, lse = results[0], results[1]
+        assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1])) and torch.isneginf(lse[:, :, 1]).all()
 
 
 def test_independent_of_warp_schedule(emulator):

@@ -267,11 +267,14 @@ def _run_case(emu, kind, bf16, d, inputs, outs, args, buffers):
         assert torch.equal(x.bits(), bits), f"{kind}: an input (or its guard) was written"
 
 
-def run_range(emu, case: RangeCase, seed=0):
+def run_range(emu, case: RangeCase, seed=0, edit=None):
+    """``edit(q, k, v)`` may change the inputs first."""
     g = torch.Generator().manual_seed(seed)
     b, h, nq, nk, d, dtype = case.b, case.h, case.nq, case.nk, case.d, case.dtype
     scale = 1.0 / math.sqrt(d)
     q, k, v = _randn((b, h, nq, d), dtype, g), _randn((b, h, nk, d), dtype, g), _randn((b, h, nk, d), dtype, g)
+    if edit is not None:
+        edit(q, k, v)
     ref_out, ref_lse = sparse_range_reference(q.double(), k.double(), v.double(), case.view, case.lo, case.hi, scale)
     dout, lse, delta = _bwd_inputs(ref_out, ref_lse, g)
     dout = dout.to(dtype)
@@ -389,6 +392,37 @@ def test_block_sparse_matches_reference(emulator, case):
     assert torch.isneginf(lse[:, 0, rows]).all()
     assert torch.equal(out[:, 0, rows], torch.zeros_like(out[:, 0, rows]))
     assert torch.equal(dq[:, 0, rows], torch.zeros_like(dq[:, 0, rows]))
+
+
+# Issue 15: a NaN query poisons its row (and the gradients of the keys it sees), a NaN key the
+# rows that see it; rows that do not see them stay finite.  Band, causal, s = 8: query i sees
+# keys i - 8 .. i.
+@pytest.mark.parametrize("name, edit, rows", [
+    ("q_nan", lambda q, k, v: q[0, 1, 70].__setitem__(4, float("nan")), [(1, 70)]),
+    ("k_nan", lambda q, k, v: k[0, 0, 100].__setitem__(0, float("nan")), [(0, i) for i in range(100, 109)]),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_nonfinite_inputs_propagate_like_the_reference(emulator, name, edit, rows):
+    case = RANGE_CASES[0]
+    emulator.configure(seed=3)
+    results, reference = run_range(emulator, case, edit=edit)
+    ref64 = reference(F64)
+    for what, x, r in zip(("out", "lse", "dq", "dk", "dv"), results, ref64):
+        nan_x, nan_ref = torch.isnan(x), torch.isnan(r)
+        if what.startswith("d"):
+            # 0 * NaN in dQ = dS K and dK = dSᵀ Q (dS = 0 on hidden entries, a NaN in k or q) may
+            # reach more rows than the reference's NaN rows, tile by tile: within the reference's.
+            assert not (nan_x & ~nan_ref).any(), f"{what}: NaN where the reference has none"
+            for h, i in rows:
+                seen = slice(i, i + 1) if what == "dq" else slice(max(0, i - 8), i + 1)
+                assert nan_x[0, h, seen].all(), f"{what}: lost the NaN of row {i}"
+        else:
+            assert torch.equal(nan_x, nan_ref), f"{what}: NaN at {nan_x.sum()} entries, reference {nan_ref.sum()}"
+            hit = nan_x.reshape(*nan_x.shape[:3], -1).any(-1)
+            assert sorted(map(tuple, hit[0].nonzero().tolist())) == rows, what
+        keep = ~(nan_x | nan_ref)
+        assert_close_to_reference(torch.where(keep, x.double(), 0.0), torch.where(keep, r, 0.0),
+                                  torch.where(keep, reference(case.dtype)[("out", "lse", "dq", "dk", "dv").index(what)].double(), 0.0).to(case.dtype),
+                                  name=what, dtype=case.dtype, grad=what.startswith("d"))
 
 
 def test_independent_of_warp_schedule(emulator):

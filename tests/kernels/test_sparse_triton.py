@@ -250,13 +250,15 @@ def check_block(b, h, hl, nb, block, causal, d, dv, dtype, config=None, bwd_conf
     q, k, v, go = make_inputs(b, h, n, n, d, dv, dtype, seed)
     rp, ci, cp, ri = block_lists(hl, nb, block, causal, seed)
     out, lse = ks.block_sparse_fwd(q, k, v, rp, ci, block, causal, scale, config=config)
+    rp_cpu, ci_cpu = rp.cpu(), ci.cpu()  # the references run on CPU (the lists may be CUDA)
     lse_m, delta = merged_lse_delta(ref.block_sparse_reference(
-        q.cpu().double(), k.cpu().double(), v.cpu().double(), rp, ci, block, causal, scale)[1])
+        q.cpu().double(), k.cpu().double(), v.cpu().double(), rp_cpu, ci_cpu, block, causal,
+        scale)[1])
     grads = ks.block_sparse_bwd(go, q, k, v, lse_m, delta, rp, ci, cp, ri, block, causal, scale,
                                 config=config if bwd_config is None else bwd_config)
     ref64, lowp = references(
-        lambda *a: ref.block_sparse_reference(*a, rp, ci, block, causal, scale),
-        lambda *a: ref.block_sparse_bwd_reference(*a, rp, ci, block, causal, scale),
+        lambda *a: ref.block_sparse_reference(*a, rp_cpu, ci_cpu, block, causal, scale),
+        lambda *a: ref.block_sparse_bwd_reference(*a, rp_cpu, ci_cpu, block, causal, scale),
         q, k, v, go, lse_m, delta, (F64, None if dtype == F32 else dtype))
     got = (out, lse, *grads)
     check(got, ref64, lowp, dtype, ("out", "lse", "dq", "dk", "dv"))
