@@ -1,6 +1,10 @@
 """attnkit: fused softmax, linear, sparse and Hopfield attention kernels for PyTorch.
 
-Public API (all tensors [B, H, N, D], like torch's scaled_dot_product_attention):
+Public API.  Shapes: :func:`softmax_attention` takes SDPA's ``[..., H, N, D]`` (any number of
+leading batch dims, broadcast together; ``[N, D]`` works too); every other op takes exactly
+``[B, H, N, D]`` (``linear_attention_step``: ``[B, H, D]``) and raises ValueError for other ranks,
+naming the expected layout and the shape it got.  NaN and ±Inf propagate like SDPA's (never
+silently dropped); a fully masked row gives 0.
 
 - :func:`softmax_attention` — a drop-in for ``scaled_dot_product_attention``
 - :func:`linear_attention` — kernelized attention φ(q)·Σφ(k)vᵀ, causal or not

@@ -13,19 +13,32 @@ import torch
 
 FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+# Rank errors of the families that take exactly [B, H, N, D] (only softmax_attention takes
+# SDPA's any leading dims): what to do instead.
+RANK_HINT = ("unlike softmax_attention, this op takes no other number of dims: unsqueeze to add "
+             "a batch or head dim, reshape to fold extra batch dims into B")
+
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def check_tensor(fn: str, name: str, x, layout: str) -> None:
-    """``x`` is a floating-point tensor whose rank matches ``layout`` (e.g. "[B, H, N, D]")."""
+def check_tensor(fn: str, name: str, x, layout: str, hint: str = "") -> None:
+    """``x`` is a floating-point tensor whose rank matches ``layout`` (e.g. "[B, H, N, D]").
+
+    A layout that starts with ``...`` (e.g. "[..., N, D]") takes any number of leading dims:
+    the rank must be at least that of the named dims.  ``hint``: appended to a rank error
+    (what to do instead)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor {layout}; got {type(x).__name__}")
-    rank = len(layout.strip("[]").split(","))
-    if x.dim() != rank:
+    dims = [part.strip() for part in layout.strip("[]").split(",")]
+    leading = dims[0] == "..."
+    rank = len(dims) - 1 if leading else len(dims)
+    if (x.dim() < rank) if leading else (x.dim() != rank):
+        what = f"a tensor of at least {rank} dims" if leading else f"a {rank}-D tensor"
         raise ValueError(
-            f"{fn}: {name} must be a {rank}-D tensor {layout}; got {x.dim()}-D with shape {tuple(x.shape)}"
+            f"{fn}: {name} must be {what} {layout}; got {x.dim()}-D with shape "
+            f"{tuple(x.shape)}" + (f" ({hint})" if hint else "")
         )
     if x.dtype not in FLOATING:
         raise TypeError(

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from .._dispatch import ENV_VAR, BackendUnavailableError, native, register_kernel, resolve
-from .._validation import check_int, check_real, check_same_dtype_device, check_size_match, check_tensor
+from .._validation import RANK_HINT, check_int, check_real, check_same_dtype_device, check_size_match, check_tensor
 from ..reference.hopfield import hopfield_energy_reference, hopfield_update_reference
 
 __all__ = ["hopfield_update", "hopfield_energy"]
@@ -344,8 +344,8 @@ def _states_energy(states, stored, beta, steps, dtype, backend="cpu"):
 
 def _check_common(fn: str, state, stored) -> None:
     """Checks shared by both functions: state [B,H,S,D] and stored [B,H,N,D] with N, D >= 1."""
-    check_tensor(fn, "state", state, "[B, H, S, D]")
-    check_tensor(fn, "stored", stored, "[B, H, N, D]")
+    check_tensor(fn, "state", state, "[B, H, S, D]", RANK_HINT)
+    check_tensor(fn, "stored", stored, "[B, H, N, D]", RANK_HINT)
     check_size_match(fn, "batch size", {"state": state.shape[0], "stored": stored.shape[0]})
     check_size_match(fn, "number of heads", {"state": state.shape[1], "stored": stored.shape[1]})
     check_size_match(fn, "head dim", {"state": state.shape[3], "stored": stored.shape[3]})
@@ -370,6 +370,10 @@ def hopfield_update(
     backend: str | None = None,
 ):
     """The modern Hopfield update (Ramsauer et al. 2020): retrieve stored patterns from states.
+
+    Shapes: exactly 4-D (unlike :func:`attnkit.softmax_attention`, no other ranks and no
+    broadcasting: B and H must match); anything else raises ValueError naming the expected
+    layout and the shape that came.
 
     Args:
         state: ξ, ``[B, H, S, D]`` — S query states (S may be 0: an empty result).
@@ -431,7 +435,7 @@ def hopfield_update(
     fn = "attnkit.hopfield_update"
     _check_common(fn, state, stored)
     if values is not None:
-        check_tensor(fn, "values", values, "[B, H, N, Dv]")
+        check_tensor(fn, "values", values, "[B, H, N, Dv]", RANK_HINT)
         check_size_match(fn, "batch size", {"values": values.shape[0], "stored": stored.shape[0]})
         check_size_match(fn, "number of heads", {"values": values.shape[1], "stored": stored.shape[1]})
         check_size_match(fn, "length N", {"values": values.shape[2], "stored": stored.shape[2]})
@@ -472,6 +476,8 @@ def hopfield_energy(
 
     E(ξ) = −β⁻¹ log Σ_i exp(β x_iᵀ ξ) + ½ ξᵀξ + β⁻¹ log N + ½ M²,  M = max_i ‖x_i‖ (per batch
     and head).  The constants make E ≥ 0; the update of :func:`hopfield_update` never raises it.
+
+    Shapes: exactly 4-D, as :func:`hopfield_update` (other ranks raise ValueError).
 
     Args:
         state: ξ, ``[B, H, S, D]`` (S may be 0: an empty result).

@@ -41,6 +41,7 @@ from .._dispatch import (
     resolve,
 )
 from .._validation import (
+    RANK_HINT,
     check_bool,
     check_choice,
     check_real,
@@ -365,8 +366,8 @@ def _check_state(fn: str, name: str, state, b: int, h: int, d: int, dv: int, dty
             else type(state).__name__
         raise TypeError(f"{fn}: {name} must be a pair (S, z) of tensors; got {got}")
     s, z = state
-    check_tensor(fn, f"{name}[0] (S)", s, "[B, H, D, Dv]")
-    check_tensor(fn, f"{name}[1] (z)", z, "[B, H, D]")
+    check_tensor(fn, f"{name}[0] (S)", s, "[B, H, D, Dv]", RANK_HINT)
+    check_tensor(fn, f"{name}[1] (z)", z, "[B, H, D]", RANK_HINT)
     want = state_dtype(dtype)
     for part, t, shape in ((f"{name}[0] (S)", s, (b, h, d, dv)), (f"{name}[1] (z)", z, (b, h, d))):
         if tuple(t.shape) != shape:
@@ -390,9 +391,9 @@ def _check_options(fn, feature_map, normalize, eps, scale) -> None:
 def _validate(query, key, value, causal, feature_map, normalize, eps, scale, initial_state,
               return_state) -> None:
     fn = OP_NAME
-    check_tensor(fn, "query", query, "[B, H, N, D]")
-    check_tensor(fn, "key", key, "[B, H, M, D]")
-    check_tensor(fn, "value", value, "[B, H, M, Dv]")
+    check_tensor(fn, "query", query, "[B, H, N, D]", RANK_HINT)
+    check_tensor(fn, "key", key, "[B, H, M, D]", RANK_HINT)
+    check_tensor(fn, "value", value, "[B, H, M, Dv]", RANK_HINT)
     check_same_dtype_device(fn, {"query": query, "key": key, "value": value})
     check_size_match(fn, "batch size B", {"query": query.shape[0], "key": key.shape[0],
                                           "value": value.shape[0]})
@@ -440,6 +441,10 @@ def linear_attention(
 
         out_i = Σ_{j∈S_i} (φ(q_i)·φ(k_j)) v_j / (Σ_{j∈S_i} φ(q_i)·φ(k_j) + eps)   if normalize
         out_i = scale · Σ_{j∈S_i} (φ(q_i)·φ(k_j)) v_j                              otherwise
+
+    Shapes: exactly 4-D ``[B, H, N, D]`` (unlike :func:`attnkit.softmax_attention`, no other
+    ranks and no broadcasting: B and H must match across query, key and value); anything else
+    raises ValueError naming the expected layout and the shape that came.
 
     Args:
         query: ``[B, H, N, D]``.
@@ -554,9 +559,9 @@ def linear_attention_step(
         ...     out_t, state = attnkit.linear_attention_step(q_t, k_t, v_t, state)
     """
     fn = STEP_OP_NAME
-    check_tensor(fn, "q_t", q_t, "[B, H, D]")
-    check_tensor(fn, "k_t", k_t, "[B, H, D]")
-    check_tensor(fn, "v_t", v_t, "[B, H, Dv]")
+    check_tensor(fn, "q_t", q_t, "[B, H, D]", RANK_HINT)
+    check_tensor(fn, "k_t", k_t, "[B, H, D]", RANK_HINT)
+    check_tensor(fn, "v_t", v_t, "[B, H, Dv]", RANK_HINT)
     check_same_dtype_device(fn, {"q_t": q_t, "k_t": k_t, "v_t": v_t})
     check_size_match(fn, "batch size B", {"q_t": q_t.shape[0], "k_t": k_t.shape[0],
                                           "v_t": v_t.shape[0]})

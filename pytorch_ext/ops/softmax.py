@@ -391,7 +391,7 @@ def _route(backend, query, key, value, attn_mask, dropout_p) -> str:
 # ==============================================================================================
 
 
-def _check_mask(attn_mask, query: torch.Tensor, target: tuple[int, int, int, int]) -> None:
+def _check_mask(attn_mask, query: torch.Tensor, target: tuple[int, ...], layout: str) -> None:
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(
             f"{OP_NAME}: attn_mask must be a torch.Tensor or None; got {type(attn_mask).__name__}"
@@ -405,16 +405,118 @@ def _check_mask(attn_mask, query: torch.Tensor, target: tuple[int, int, int, int
         raise ValueError(
             f"{OP_NAME}: attn_mask must be on the device of query ({query.device}); got {attn_mask.device}"
         )
-    # Broadcastable *to* [B, H, N, M]: the mask may not enlarge the result (SDPA neither).
+    # Broadcastable *to* the scores' shape: the mask may not enlarge the result (SDPA neither).
     shape = tuple(attn_mask.shape)
-    fits = len(shape) <= 4 and all(
+    fits = len(shape) <= len(target) and all(
         size == 1 or size == want for size, want in zip(reversed(shape), reversed(target))
     )
     if not fits:
         raise ValueError(
-            f"{OP_NAME}: attn_mask must be broadcastable to [B, H, N, M] = {list(target)}; "
+            f"{OP_NAME}: attn_mask must be broadcastable to {layout} = {list(target)}; "
             f"got shape {list(shape)}"
         )
+
+
+def _broadcast_sizes(what: str, sizes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The broadcast of the named shapes (numpy rules, right-aligned), or a ValueError naming
+    them.  Plain ints: torch.compile traces this without graph breaks."""
+    rank = max(len(shape) for shape in sizes.values())
+    result = []
+    for i in range(rank):
+        size = 1
+        for shape in sizes.values():
+            at = len(shape) - rank + i
+            dim = shape[at] if at >= 0 else 1
+            if dim != 1:
+                if size not in (1, dim):
+                    got = ", ".join(f"{name} {list(shape)}" for name, shape in sizes.items())
+                    raise ValueError(f"{OP_NAME}: {what} must broadcast together; got {got}")
+                size = dim
+        result.append(size)
+    return tuple(result)
+
+
+class _Layout:
+    """How the public shapes map onto the kernels' ``[B, H, N, D]``.
+
+    ``query [..., Hq, N, D]``, ``key [..., Hk, M, D]``, ``value [..., Hk, M, Dv]`` (any number of
+    leading dims, at least 2-D; fewer dims count as leading 1s, like SDPA).  The batch dims (all
+    before the head dim) broadcast together and are flattened into B; the head dim is dim -3
+    (absent for 2-D inputs: one head).  The kernels get views wherever strides allow (expand for
+    broadcast dims -- stride 0 -- then reshape): no copy unless a tensor broadcasts over some
+    of several batch dims but not all.
+    """
+
+    def __init__(self, query, key, value, enable_gqa):
+        self.rank = max(query.dim(), key.dim(), value.dim())
+        shapes = {
+            name: (1,) * (self.rank - t.dim()) + tuple(t.shape)
+            for name, t in (("query", query), ("key", key), ("value", value))
+        }
+        if self.rank == 2:
+            self.batch, self.heads, self.kv_heads = (), 1, 1
+        else:
+            self.batch = _broadcast_sizes(
+                "the batch dims (all before the head dim -3) of query, key and value",
+                {name: tuple(t.shape[:-3]) for name, t in (("query", query), ("key", key), ("value", value))},
+            )
+            hq, hk, hv = (shapes[name][-3] for name in ("query", "key", "value"))
+            if hk != hv and 1 not in (hk, hv):
+                check_size_match(OP_NAME, "number of heads Hk", {"key": hk, "value": hv})
+            kv_heads = max(hk, hv) if 1 in (hk, hv) else hk
+            heads = hq
+            if hq != kv_heads:
+                if kv_heads == 1:
+                    pass  # broadcast K/V heads: every query head reads the one K/V head
+                elif hq == 1:
+                    heads = kv_heads  # broadcast the query's head (SDPA's matmul does)
+                elif not enable_gqa:
+                    raise ValueError(
+                        f"{OP_NAME}: query and key must have the same number of heads unless "
+                        f"enable_gqa=True; got query {hq}, key {kv_heads}"
+                    )
+                elif hq % kv_heads != 0:
+                    raise ValueError(
+                        f"{OP_NAME}: with enable_gqa the query's heads must be a multiple of the "
+                        f"key's; got query {hq}, key {kv_heads}"
+                    )
+            self.heads, self.kv_heads = heads, kv_heads
+        self.flat_batch = math.prod(self.batch)
+        self.gqa = self.heads != self.kv_heads  # the kernels' grouped heads (H % Hk == 0)
+
+    @property
+    def out_lead(self) -> tuple[int, ...]:
+        """The result's dims before [N, Dv]."""
+        return () if self.rank == 2 else (*self.batch, self.heads)
+
+    def scores_shape(self, n: int, m: int) -> tuple[int, ...]:
+        return (*self.out_lead, n, m)
+
+    def to_kernel(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        """``t`` (one of q, k, v) as ``[B, heads, rows, cols]``."""
+        rows, cols = t.shape[-2], t.shape[-1]
+        t = t.reshape((1,) * (self.rank - t.dim()) + tuple(t.shape))  # a view: leading 1s
+        if self.rank == 2:
+            return t.reshape(1, 1, rows, cols)
+        t = t.expand(*self.batch, heads, rows, cols)
+        return t.reshape(self.flat_batch, heads, rows, cols)
+
+    def mask_to_kernel(self, mask: torch.Tensor) -> torch.Tensor:
+        """The mask as ``[B or 1, H or 1, N or 1, M or 1]`` (the kernels expand it)."""
+        rank = len(self.out_lead) + 2
+        mask = mask.reshape((1,) * (rank - mask.dim()) + tuple(mask.shape))
+        if self.rank == 2:
+            return mask.reshape(1, 1, *mask.shape)
+        tail = tuple(mask.shape[-3:])
+        if all(size == 1 for size in mask.shape[:-3]):
+            return mask.reshape(1, *tail)  # batch-broadcast mask: stays one batch
+        return mask.expand(*self.batch, *tail).reshape(self.flat_batch, *tail)
+
+    def restore(self, out: torch.Tensor, lse: torch.Tensor | None):
+        out = out.reshape(*self.out_lead, *out.shape[-2:])
+        if lse is not None:
+            lse = lse.reshape(*self.out_lead, lse.shape[-1])
+        return out, lse
 
 
 def softmax_attention(
@@ -433,18 +535,29 @@ def softmax_attention(
     """Scaled dot-product (softmax) attention with the semantics of
     :func:`torch.nn.functional.scaled_dot_product_attention`.
 
-    ``out[b, h, i] = Σ_j softmax_j(scale · q_i·k_j + bias_ij) · v_j``
+    ``out[..., h, i] = Σ_j softmax_j(scale · q_i·k_j + bias_ij) · v_j``
+
+    Shapes are SDPA's: any number of leading batch dims, at least 2-D.
 
     Args:
-        query: ``[B, H, N, D]``.
-        key: ``[B, Hk, M, D]`` (M may differ from N).
-        value: ``[B, Hk, M, Dv]`` (Dv may differ from D).
+        query: ``[..., H, N, D]`` -- typically ``[B, H, N, D]``; ``[H, N, D]`` and ``[N, D]``
+            (one head) work too, and so do more batch dims (``[B1, B2, H, N, D]``).
+        key: ``[..., Hk, M, D]`` (M may differ from N).
+        value: ``[..., Hk, M, Dv]`` (Dv may differ from D).
             query, key and value share one floating dtype (float16, bfloat16, float32, float64)
-            and one device; any strides.
-        attn_mask: None, or a tensor broadcastable to ``[B, H, N, M]``: bool (True = attend,
-            False = masked out) or floating point (added to the scores; any floating dtype, cast
-            to the inputs' dtype; -inf masks out).  The kernels read a broadcast mask through
-            stride-0 views: it is never expanded in memory.
+            and one device; any strides (transposed, sliced from a fused qkv tensor, expanded
+            with stride 0).  A tensor with fewer dims counts as having leading 1s.  The batch
+            dims (all before dim -3, the heads) broadcast together like SDPA's (sizes equal or
+            1); a head count of 1 broadcasts against the others' too.  The kernels see the
+            batch dims flattened into one: a view of each input (stride 0 where it broadcasts),
+            no copy -- except for a tensor that broadcasts over some of several batch dims but
+            not all (e.g. key ``[1, B2, H, M, D]`` against query ``[B1, B2, H, N, D]``), which
+            the flattening expands in memory.
+        attn_mask: None, or a tensor broadcastable to the scores ``[..., H, N, M]`` (the result's
+            batch dims; it may not enlarge them): bool (True = attend, False = masked out) or
+            floating point (added to the scores; any floating dtype, cast to the inputs' dtype;
+            -inf masks out).  The kernels read a broadcast mask through stride-0 views: it is
+            never expanded in memory.
         dropout_p: probability in ``[0, 1)`` of zeroing each attention probability (kept ones
             are scaled by ``1 / (1 - dropout_p)``).  Applied whenever it is > 0, like SDPA
             (there is no training flag).  The randomness comes from torch's default generator
@@ -462,11 +575,15 @@ def softmax_attention(
         backend: ``"reference" | "cpu" | "triton" | "cuda"`` or None; see *Backends*.
 
     Returns:
-        ``out`` ``[B, H, N, Dv]`` in the inputs' dtype; with ``return_lse`` the tuple
-        ``(out, lse)``, lse ``[B, H, N]`` in float32 (float64 for float64 inputs).
+        ``out`` ``[..., H, N, Dv]`` (the broadcast batch dims; ``[N, Dv]`` for 2-D inputs) in
+        the inputs' dtype; with ``return_lse`` the tuple ``(out, lse)``, lse ``[..., H, N]`` in
+        float32 (float64 for float64 inputs).
 
     A row with no key to attend to (fully masked, or M = 0) gives output 0 and lse -inf, and
-    zero gradients -- never NaN (SDPA gives NaN there).  Empty N or M give empty / zero results.
+    zero gradients -- never NaN (SDPA gives NaN there).  NaN and ±Inf inputs propagate as in
+    SDPA: a NaN in a query row makes that output row NaN; a NaN or +Inf in a key (or a NaN in
+    a floating mask) makes NaN every row that can see that key; a NaN (or ±Inf) in a value row
+    reaches at least every row that can see it.  A fully masked row stays 0 even then.  Empty N or M give empty / zero results.
     Differentiable in query, key, value, a floating ``attn_mask`` (reference only, see below)
     and through ``lse`` too.  The kernel backends are differentiable once (their backward is a
     kernel); double backward needs ``backend="reference"``.
@@ -495,8 +612,9 @@ def softmax_attention(
     Raises:
         TypeError: a non-tensor, non-floating q/k/v, a mask that is neither bool nor floating,
             a non-bool flag, a non-finite or non-numeric ``scale`` / ``dropout_p``.
-        ValueError: wrong rank, mismatched sizes / dtypes / devices, head counts that do not
-            fit (GQA), a mask that does not broadcast to ``[B, H, N, M]`` or lies on another
+        ValueError: fewer than 2 dims, mismatched sizes / dtypes / devices, batch dims that do
+            not broadcast, head counts that do not fit (GQA), a mask that does not broadcast to
+            the scores ``[..., H, N, M]`` or lies on another
             device, ``attn_mask`` with ``is_causal``, ``dropout_p`` outside ``[0, 1)``, an
             unknown backend.
         attnkit.BackendUnavailableError: the backend asked for cannot run here, or cannot run
@@ -512,49 +630,51 @@ def softmax_attention(
         (torch.Size([2, 8, 128, 64]), torch.Size([2, 8, 128]), torch.float32)
     """
     # --- validation: everything before any computation ---
-    check_tensor(OP_NAME, "query", query, "[B, H, N, D]")
-    check_tensor(OP_NAME, "key", key, "[B, Hk, M, D]")
-    check_tensor(OP_NAME, "value", value, "[B, Hk, M, Dv]")
+    check_tensor(OP_NAME, "query", query, "[..., N, D]")
+    check_tensor(OP_NAME, "key", key, "[..., M, D]")
+    check_tensor(OP_NAME, "value", value, "[..., M, Dv]")
     check_same_dtype_device(OP_NAME, {"query": query, "key": key, "value": value})
-    batch, heads, n, head_dim = query.shape
-    kv_heads, m = key.shape[1], key.shape[2]
-    check_size_match(OP_NAME, "batch size", {"query": batch, "key": key.shape[0], "value": value.shape[0]})
-    check_size_match(OP_NAME, "head dim D", {"query": head_dim, "key": key.shape[3]})
-    check_size_match(OP_NAME, "sequence length M", {"key": m, "value": value.shape[2]})
-    check_size_match(OP_NAME, "number of heads Hk", {"key": kv_heads, "value": value.shape[1]})
+    n, head_dim = query.shape[-2], query.shape[-1]
+    m = key.shape[-2]
+    check_size_match(OP_NAME, "head dim D", {"query": head_dim, "key": key.shape[-1]})
+    check_size_match(OP_NAME, "sequence length M", {"key": m, "value": value.shape[-2]})
     # Flags must be real bools, like SDPA, which rejects is_causal=1: a number there is
     # probably a misplaced positional argument.
     check_bool(OP_NAME, "is_causal", is_causal)
     check_bool(OP_NAME, "enable_gqa", enable_gqa)
     check_bool(OP_NAME, "return_lse", return_lse)
-    if heads != kv_heads:
-        if not enable_gqa:
-            raise ValueError(
-                f"{OP_NAME}: query and key must have the same number of heads unless "
-                f"enable_gqa=True; got query {heads}, key {kv_heads}"
-            )
-        if kv_heads == 0 or heads % kv_heads != 0:
-            raise ValueError(
-                f"{OP_NAME}: with enable_gqa the query's heads must be a multiple of the key's; "
-                f"got query {heads}, key {kv_heads}"
-            )
+    layout = _Layout(query, key, value, enable_gqa)
     if attn_mask is not None:
         if is_causal:
             raise ValueError(
                 f"{OP_NAME}: attn_mask and is_causal=True cannot be combined (like SDPA); "
                 "fold the causal condition into the mask instead"
             )
-        _check_mask(attn_mask, query, (batch, heads, n, m))
+        names = {2: "[N, M]", 3: "[H, N, M]", 4: "[B, H, N, M]"}.get(layout.rank, "[..., H, N, M]")
+        _check_mask(attn_mask, query, layout.scores_shape(n, m), names)
     check_real(OP_NAME, "dropout_p", dropout_p, low=0.0)
     if dropout_p >= 1.0:
         # p = 1 would drop every probability and then divide by 1 - p = 0.
         raise ValueError(f"{OP_NAME}: dropout_p must be < 1; got {dropout_p!r}")
     check_real(OP_NAME, "scale", scale, allow_none=True)
 
+    # --- the kernels' layout [B, H, N, D]: views of the inputs where strides allow ---
+    q4 = layout.to_kernel(query, layout.heads)
+    k4 = layout.to_kernel(key, layout.kv_heads)
+    v4 = layout.to_kernel(value, layout.kv_heads)
+    mask4 = None if attn_mask is None else layout.mask_to_kernel(attn_mask)
 
-    chosen = _route(backend, query, key, value, attn_mask, dropout_p)
+    chosen = _route(backend, q4, k4, v4, mask4, dropout_p)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
-    return _IMPLEMENTATIONS[chosen](
-        query, key, value, attn_mask, float(dropout_p), is_causal, float(scale), enable_gqa, return_lse
+    # No (batch, head) pair at all: the reference's empty result, attached to the graph (as
+    # sparse_attention does; the Triton launcher rejects H = Hk = 0).
+    implementation = _IMPLEMENTATIONS["reference" if q4.shape[0] * q4.shape[1] == 0 else chosen]
+    result = implementation(
+        q4, k4, v4, mask4, float(dropout_p), is_causal, float(scale), layout.gqa, return_lse
     )
+    if layout.rank == 4:
+        return result  # already in the caller's shape
+    out, lse = result if return_lse else (result, None)
+    out, lse = layout.restore(out, lse)
+    return (out, lse) if return_lse else out

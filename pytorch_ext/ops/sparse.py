@@ -43,7 +43,7 @@ import os
 import torch
 
 from .._dispatch import ENV_VAR, BackendUnavailableError, native_ops_declared, register_kernel, resolve
-from .._validation import check_real, check_same_dtype_device, check_size_match, check_tensor
+from .._validation import RANK_HINT, check_real, check_same_dtype_device, check_size_match, check_tensor
 from ..patterns import BlockLayout, Fixed, Pattern, Star, Strided
 from ..reference.sparse import (
     block_sparse_reference,
@@ -477,9 +477,9 @@ def _route(backend, query, value, pattern) -> str:
 
 def _validate(query, key, value, pattern, scale) -> None:
     layout = "[B, H, N, D]"
-    check_tensor(OP, "query", query, layout)
-    check_tensor(OP, "key", key, layout)
-    check_tensor(OP, "value", value, "[B, H, N, Dv]")
+    check_tensor(OP, "query", query, layout, RANK_HINT)
+    check_tensor(OP, "key", key, layout, RANK_HINT)
+    check_tensor(OP, "value", value, "[B, H, N, Dv]", RANK_HINT)
     check_same_dtype_device(OP, {"query": query, "key": key, "value": value})
     check_size_match(OP, "batch size", {"query": query.shape[0], "key": key.shape[0], "value": value.shape[0]})
     check_size_match(OP, "number of heads", {"query": query.shape[1], "key": key.shape[1], "value": value.shape[1]})
@@ -506,6 +506,10 @@ def _validate(query, key, value, pattern, scale) -> None:
 
 def sparse_attention(query, key, value, pattern, *, scale=None, backend=None):
     """Softmax self-attention where query i may only attend the keys ``pattern.mask(N)[i]``.
+
+    Shapes: exactly 4-D ``[B, H, N, D]`` (unlike :func:`attnkit.softmax_attention`, no other
+    ranks and no broadcasting); anything else raises ValueError naming the expected layout and
+    the shape that came.
 
     Args:
         query: ``[B, H, N, D]`` float16 / bfloat16 / float32 / float64.
