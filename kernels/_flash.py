@@ -110,9 +110,12 @@ def online_softmax_step(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr):
 
 @triton.jit
 def finish_rows(acc, l_i, m_i):
-    """(out, lse in natural log); rows that saw no key: 0 and -inf."""
-    # l_i > 0 iff the row saw a finite score (its maximum contributes exp2(0) = 1).
-    attended = l_i > 0.0
+    """(out, lse in natural log); rows that saw no key: 0 and -inf; a row with a NaN or +inf
+    score: NaN and NaN, as SDPA (issue 15)."""
+    # l_i >= 1 iff the row saw a finite score (its maximum contributes exp2(0) = 1); l_i = 0 iff
+    # it saw no key.  A NaN / +inf score makes l_i NaN, which must not count as "no key" (the
+    # backward would then give the row zero gradients): test l_i != 0, not l_i > 0.
+    attended = l_i != 0.0
     l_safe = tl.where(attended, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(attended, (m_i + tl.math.log2(l_safe)) * _LN2, float("-inf"))
@@ -143,16 +146,19 @@ def load_bwd_rows(q_base, do_base, lse_base, delta_base, rows, row_ok, stride_qn
 
 
 @triton.jit
-def dq_step(dq, p, dp, delta, k, DOT_PREC: tl.constexpr):
-    """dq += dS @ k with dS = p * (dP - delta) ([queries, keys] tiles)."""
-    ds = p * (dp - delta[:, None])
+def dq_step(dq, p, dp, delta, k, visible, DOT_PREC: tl.constexpr):
+    """dq += dS @ k with dS = p * (dP - delta) on the visible entries, exactly 0 on the hidden
+    ones ([queries, keys] tiles): 0 * (dP - delta) would carry a NaN row's delta to keys the row
+    cannot see (issue 15)."""
+    ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
 
 
 @triton.jit
-def dk_step(dk, p_t, dp_t, delta, q, DOT_PREC: tl.constexpr):
-    """dk += dS^T @ q with dS^T = p^T * (dP^T - delta) (transposed [keys, queries] tiles)."""
-    ds_t = p_t * (dp_t - delta[None, :])
+def dk_step(dk, p_t, dp_t, delta, q, visible_t, DOT_PREC: tl.constexpr):
+    """dk += dS^T @ q with dS^T = p^T * (dP^T - delta), 0 where hidden (transposed [keys,
+    queries] tiles; see dq_step)."""
+    ds_t = tl.where(visible_t, p_t * (dp_t - delta[None, :]), 0.0)
     return tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
 
 

@@ -307,7 +307,9 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, 
                                stride_mm, N, M, MASK_KIND)
         if MASKED:
             s_t = tl.where(offs_n[:, None] <= offs_m[None, :], s_t, float("-inf"))
-        p_t = tl.math.exp2(s_t - lse2[None, :])
+        # Hidden entries (s = -inf) get p = 0 exactly: a NaN row's lse would make exp2 NaN there.
+        visible_t = s_t != float("-inf")
+        p_t = tl.where(visible_t, tl.math.exp2(s_t - lse2[None, :]), 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         if HAS_DROPOUT:
             keep_t = _dropout_keep(seed, dropout_p, drop_row, offs_m[None, :], offs_n[:, None], M)
@@ -317,7 +319,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, 
         else:
             pd_t = p_t
         dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        dk = dk_step(dk, p_t, dp_t, delta, q, DOT_PREC)
+        dk = dk_step(dk, p_t, dp_t, delta, q, visible_t, DOT_PREC)
     return dk, dv
 
 
@@ -412,12 +414,13 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
                              stride_mm, N, M, MASK_KIND)
         if MASKED:
             s = _mask_tail_and_diagonal(s, offs_m, offs_n, M, IS_CAUSAL)
-        p = tl.math.exp2(s - lse2[:, None])
+        visible = s != float("-inf")  # hidden: p = 0 exactly (see the dK/dV loop)
+        p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         if HAS_DROPOUT:
             keep = _dropout_keep(seed, dropout_p, drop_row, offs_m[:, None], offs_n[None, :], M)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-        dq = dq_step(dq, p, dp, delta, k, DOT_PREC)
+        dq = dq_step(dq, p, dp, delta, k, visible, DOT_PREC)
     return dq
 
 

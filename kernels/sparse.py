@@ -220,7 +220,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, krows, col_ok, keep, qk_sca
                          HEAD_DV, BLOCK_D, BLOCK_DV, True)
     p = tl.where(keep, tl.math.exp2(scores(q, k, qk_scale, DOT_PREC) - lse2[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-    return dq_step(dq, p, dp, delta, k, DOT_PREC)
+    return dq_step(dq, p, dp, delta, k, keep, DOT_PREC)
 
 
 @triton.jit
@@ -234,7 +234,7 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, row_ok
     p_t = tl.where(keep_t, tl.math.exp2(scores(k, q, qk_scale, DOT_PREC) - lse2[None, :]), 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-    return dk_step(dk, p_t, dp_t, delta, q, DOT_PREC), dv
+    return dk_step(dk, p_t, dp_t, delta, q, keep_t, DOT_PREC), dv
 
 
 # The query-side kernels' prologues and the forward's epilogue: the same for both layouts, which

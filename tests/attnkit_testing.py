@@ -283,6 +283,40 @@ def linear_dq_term_scale(q, k, v, grad_out, *, causal, feature_map, normalize, e
     return dphi * (r.abs()[..., None] * s_g + (r * delta).abs()[..., None] * zs.abs())
 
 
+def linear_dk_term_scale(q, k, v, grad_out, *, causal, feature_map, normalize, eps, scale):
+    """Element-wise [B,H,M,D] size of the terms that linear attention's dk sums, in float64:
+    |φ'(k_j)| ⊙ Σ_{i sees j} (|r_i| |g_i·v_j| + |r_i δ_i|) |φ(q_i)| (normalized; r = scale and
+    no δ term otherwise).  Normalized, the two terms cancel where out does not depend on k --
+    exactly with a single key (out = v), so dk is rounding noise there like dq (see
+    linear_dq_term_scale); measured on the CPU kernel: 1.2e-7 against a float64 |dk| of 1e-12."""
+    from attnkit.reference.linear import feature_map_reference
+
+    q, k, v, g = (t.detach().to(F64) for t in (q, k, v, grad_out))
+    kk = k.clone().requires_grad_()
+    pk = feature_map_reference(kk, feature_map)
+    dphi = torch.autograd.grad(pk.sum(), kk)[0].abs()
+    pk = pk.detach()
+    pq = feature_map_reference(q, feature_map)
+    n, m = q.shape[-2], k.shape[-2]
+    gv = (g @ v.transpose(-1, -2)).abs()  # [B,H,N,M] |g_i·v_j|
+    visible = torch.ones(n, m, dtype=torch.bool).tril() if causal else torch.ones(n, m, dtype=torch.bool)
+    if not normalize:
+        terms = abs(scale) * gv
+    else:
+        if causal:
+            states = (pk[..., :, None] * v[..., None, :]).cumsum(2)
+            zs = pk.cumsum(2)
+        else:
+            states = (pk.transpose(-2, -1) @ v)[:, :, None].expand(*q.shape, v.shape[-1])
+            zs = pk.sum(2, keepdim=True).expand_as(q)
+        r = 1.0 / ((pq * zs).sum(-1) + eps)
+        out = torch.einsum("bhnd,bhnde->bhne", pq, states) * r[..., None]
+        delta = (g * out).sum(-1)
+        terms = r.abs()[..., None] * gv + (r * delta).abs()[..., None]
+    terms = terms * visible.to(F64)
+    return dphi * (terms.transpose(-1, -2) @ pq.abs())
+
+
 def make_hopfield_inputs(b, h, s, n, d, dv=None, dtype=torch.float32, seed=0, scale=1.0, device="cpu"):
     """(state [B, H, S, D] (times ``scale``), stored [B, H, N, D], values [B, H, N, Dv] or None
     for ``dv`` None): seeded float64 normal draws rounded to ``dtype``, on ``device``."""
@@ -325,3 +359,48 @@ def loop_hopfield_update(state, stored, values, beta, steps, tol, final_state):
         states.append(last if final_state else torch.zeros_like(xi))
     empty = torch.zeros((0,) + xi.shape[:-1], dtype=torch.bool)
     return out, torch.stack(states), torch.stack(lses), torch.stack(applied) if applied else empty
+
+
+def assert_nonfinite_like_reference(got, ref64, ref_low, visible, *, dtype, v=None):
+    """Issue 15's rule for NaN / ±inf inputs: ``got`` and the references are (out, lse, dq, dk,
+    dv) of one attention call; ``visible`` bool [B, H, N, M] says which key each query row sees.
+
+    - out, lse: NaN exactly where the float64 reference has it (a NaN in q poisons its row, a NaN
+      or +inf in k or a float mask the rows that see it); with a NaN in v (``v_poisoned``) the
+      reference also reaches hidden rows through 0 · NaN in P V, so out's NaN only has to lie
+      within the reference's and cover the NaN's column on every row that sees it (pass ``v``).
+    - gradients: NaN only where the reference has it (which also has 0 · NaN products on keys a
+      NaN row cannot see, tile by tile in a kernel), and at least on the rows whose out is NaN
+      (dq) and on every key such a row sees (dk, dv, summed over the heads that share the key).
+    - every other entry: the usual tolerance (assert_close_to_reference) on the finite part.
+    """
+    names = ("out", "lse", "dq", "dk", "dv")
+    v_poisoned = v is not None and bool(torch.isnan(v).any())
+    out_ref = ref64[0].detach().cpu()
+    vis = visible.cpu().expand(*out_ref.shape[:2], *visible.shape[-2:])
+    poisoned = torch.isnan(out_ref).all(-1) if not v_poisoned else torch.zeros(out_ref.shape[:3], dtype=torch.bool)
+    hk = got[3].shape[1]
+    # keys each kv head must carry a NaN gradient for: seen by a poisoned row of its group
+    seen = (vis & poisoned[..., None]).reshape(vis.shape[0], hk, -1, *vis.shape[-2:]).any(2).any(2)
+    for i, name in enumerate(names):
+        x, r = got[i].detach().cpu(), ref64[i].detach().cpu()
+        nan_x, nan_r = torch.isnan(x), torch.isnan(r)
+        if i < 2 and not v_poisoned:
+            assert torch.equal(nan_x, nan_r), (
+                f"{name}: NaN at {int(nan_x.sum())} entries, the float64 reference at {int(nan_r.sum())}")
+        else:
+            assert not (nan_x & ~nan_r).any(), f"{name}: NaN where the float64 reference has none"
+            if name == "out":  # v_poisoned: rows that see a NaN value, in its column
+                nan_v = torch.isnan(v.detach().cpu()).repeat_interleave(out_ref.shape[1] // hk, dim=1)
+                must = (vis.to(F64) @ nan_v.to(F64)) > 0
+                assert nan_x[must].all(), "out: a row that sees a NaN value lost it"
+            elif name == "dq":
+                assert nan_x[poisoned].all(), "dq: a NaN row's gradient lost the NaN"
+            elif name in ("dk", "dv"):
+                assert nan_x[seen].all(), f"{name}: a key a NaN row sees lost the NaN"
+        keep = ~(nan_x | nan_r)
+        low = ref_low[i].detach().cpu() if ref_low is not None else None
+        assert_close_to_reference(
+            torch.where(keep, x.to(F64), 0.0).to(x.dtype), torch.where(keep, r, 0.0),
+            None if low is None else torch.where(keep, low.to(F64), 0.0).to(low.dtype),
+            dtype=dtype, grad=i >= 2, name=name)

@@ -413,3 +413,47 @@ def test_gpu_bf16_dropout():
     got = run_kernels(q, k, v, go, None, True, dropout_p=p, seed=seed)
     keep = triton_softmax.dropout_keep_mask(b, h, n, m, p, seed, DEVICE)
     check_against_reference(got, q, k, v, go, None, True, dropout_p=p, keep=keep)
+
+
+# ----------------------------------------------------------------------------------------------
+# NaN / inf inputs (issue 15): propagate as in SDPA, forward and backward
+# ----------------------------------------------------------------------------------------------
+
+NONFINITE = {
+    "q_nan": lambda q, k, v, m: q[0, 1, 9].__setitem__(3, float("nan")),
+    "k_nan": lambda q, k, v, m: k[0, 0, 20].__setitem__(0, float("nan")),
+    "k_posinf": lambda q, k, v, m: k[0, 0, 5].fill_(float("inf")),
+    "v_nan": lambda q, k, v, m: v[0, 0, 30].__setitem__(2, float("nan")),
+    "mask_nan": lambda q, k, v, m: m[0, 1, 12].__setitem__(4, float("nan")),
+    "q_nan_on_masked_row": lambda q, k, v, m: q[0, 0, 6].__setitem__(0, float("nan")),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", NONFINITE)
+def test_nonfinite_inputs_propagate_like_the_reference(name, causal):
+    from attnkit_testing import assert_nonfinite_like_reference
+
+    b, h, hk, n, d = 1, 2, 1, 40, 16
+    q, k, v, go = (t.cpu() for t in make_inputs(b, h, hk, n, n, d, d, F32, seed=3))
+    mask = None
+    if name == "mask_nan":
+        mask = torch.zeros(b, h, n, n)
+    elif name == "q_nan_on_masked_row":
+        mask = torch.ones(b, h, n, n, dtype=torch.bool)
+        mask[0, 0, 6] = False  # row 6 of head 0 sees no key: stays 0 despite its NaN query
+    NONFINITE[name](q, k, v, mask)
+    q, k, v, go = (t.to(DEVICE) for t in (q, k, v, go))
+    mask = None if mask is None else mask.to(DEVICE)
+    got = run_kernels(q, k, v, go, mask, causal, fwd_config=cfg(16, 16), bwd_config=cfg(16, 16))
+    ref = reference(q, k, v, go, mask, causal)
+    visible = torch.ones(b, h, n, n, dtype=torch.bool)
+    if causal:
+        visible &= torch.ones(n, n, dtype=torch.bool).tril()
+    if mask is not None and mask.dtype == torch.bool:
+        visible &= mask.cpu()
+    assert torch.isnan(ref[0]).any() or name == "q_nan_on_masked_row"  # the case poisons something
+    assert_nonfinite_like_reference(got, ref, None, visible, dtype=F32,
+                                    v=v if name == "v_nan" else None)
+    if name == "q_nan_on_masked_row":
+        assert torch.equal(got[0][0, 0, 6].cpu(), torch.zeros(d)) and got[1][0, 0, 6] == float("-inf")
