@@ -44,11 +44,33 @@ using acc_of = std::conditional_t<std::is_same_v<scalar_t, double>, double, floa
 
 inline at::ScalarType acc_type_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
+// NaN propagation (issue 15).  A NaN or +inf score must reach the row's output and lse, as in
+// torch SDPA: std::max(a, NaN) returns a, and AVX-512 max returns its second operand when either
+// is NaN, so no max below is trusted to carry a NaN.  The exponentials are: exp2_ps keeps NaN
+// (and +inf - +inf = NaN), so a NaN score makes the row's sum l NaN, and finish_row then writes
+// a NaN row and a NaN lse.  The one place a NaN could hide is a row whose max came out -inf
+// (every other score masked): callers check has_nan there (a rare path, no cost otherwise).
+
+// max(a, b), NaN if either is.
+template <typename T>
+inline T max_nan(T a, T b) {
+  return (a != a || b != b) ? std::numeric_limits<T>::quiet_NaN() : std::max(a, b);
+}
+
+// Whether s[0..n) holds a NaN.
+template <typename T>
+inline bool has_nan(const T* s, int64_t n) {
+  for (int64_t j = 0; j < n; ++j)
+    if (s[j] != s[j]) return true;
+  return false;
+}
+
 // Writes a finished row of the base-2 online softmax (running max m, sum l, unnormalized output
-// o[0..Dv)): dst = o / l, lse = ln 2 * m + ln l; a row that saw no key: 0 and -inf.
+// o[0..Dv)): dst = o / l, lse = ln 2 * m + ln l; a row that saw no key (l == 0): 0 and -inf.  A
+// row that saw a NaN (l NaN) comes out NaN, lse NaN: told apart from a fully masked one.
 template <typename scalar_t, typename acc_t>
 inline void finish_row(const acc_t* o, acc_t m, acc_t l, int64_t Dv, scalar_t* dst, acc_t* lse) {
-  if (l > acc_t(0)) {
+  if (l != acc_t(0)) {
     const acc_t inv = acc_t(1) / l;
     for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(o[d] * inv);
     *lse = m * static_cast<acc_t>(kLn2) + std::log(l);
@@ -265,9 +287,11 @@ inline void gemm(int64_t rows, int64_t cols, int64_t K, const T* A, int64_t sar,
 #if defined(__AVX512F__)
 // x = n + f with n = round(x), |f| <= 1/2; 2^f by its degree-7 Taylor polynomial in f*ln2
 // (truncation < 5e-9 relative), times 2^n with vscalefps.  x is clamped at -200 first:
-// 2^-200 underflows to exactly 0, so masked scores (-inf) give p = 0 without a NaN.
+// 2^-200 underflows to exactly 0, so masked scores (-inf) give p = 0 without a NaN.  The clamp
+// takes x as max's *second* operand, which vmaxps returns when either is NaN: a NaN x stays NaN
+// (with x first, NaN became -200 and then p = 0: the NaN was dropped, issue 15).
 inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-200.0f));
+  x = _mm512_max_ps(_mm512_set1_ps(-200.0f), x);
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
@@ -282,7 +306,8 @@ inline __m512 exp2_ps(__m512 x) {
 }
 #endif
 
-// max_j c * s[j] over n >= 1 entries (c may have either sign).
+// max_j c * s[j] over n >= 1 entries (c may have either sign).  NaN entries may or may not be
+// dropped (see max_nan above): callers rely on the exponential pass, or has_nan, for those.
 template <typename acc_t>
 inline acc_t scaled_max(const acc_t* s, int64_t n, acc_t c) {
 #if defined(__AVX512F__)
@@ -303,7 +328,8 @@ inline acc_t scaled_max(const acc_t* s, int64_t n, acc_t c) {
   return m;
 }
 
-// s[j] <- exp2(c s[j] - mx) for j < n (mx finite); returns the sum.  Folding the scale into
+// s[j] <- exp2(c s[j] - mx) for j < n (mx finite, or NaN: then every s[j] is NaN); returns the
+// sum.  A NaN (or +inf when mx is +inf) among the scores makes the sum NaN.  Folding the scale into
 // the exponent's FMA saves the separate scaling pass over the scores.
 template <typename acc_t>
 inline acc_t exp2_scaled_sum(acc_t* s, int64_t n, acc_t c, acc_t mx) {

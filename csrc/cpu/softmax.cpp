@@ -290,9 +290,14 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
             acc_t* s = S + r * kBK;
             const int64_t i = q0 + r;
             prepare_row<acc_t>(s, kn, cut ? i - k0 + 1 : kn, c, p.mask, b, h, i, k0);
-            const acc_t mx = std::max(st.m[r], row_max(s, kn));
+            const acc_t mx = max_nan(st.m[r], row_max(s, kn));
             if (mx == neg_inf<acc_t>()) {
-              // Nothing visible yet in this row: contributes nothing.
+              // Nothing visible yet in this row: contributes nothing -- unless the max dropped a
+              // NaN (flash_tiles.h): then the row is NaN from here on (m, l NaN are sticky).
+              if (has_nan(s, kn)) {
+                st.m[r] = st.l[r] = std::numeric_limits<acc_t>::quiet_NaN();
+                std::fill(st.o.data() + r * Dv, st.o.data() + (r + 1) * Dv, st.m[r]);
+              }
               std::fill(s, s + kn, acc_t(0));
             } else {
               const acc_t alpha = std::exp2(st.m[r] - mx);  // 0 on the row's first visible block
@@ -442,6 +447,17 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
                 const acc_t l2 = L2[row0 + r];
                 if (l2 == neg_inf<acc_t>()) {  // fully masked row: no gradient
                   std::fill(s, s + kn, acc_t(0));
+                  continue;
+                }
+                if (l2 != l2) {
+                  // A row the forward found NaN (it saw a NaN or +inf score): P is NaN on every
+                  // key the row sees (a score of -inf included) and exactly 0 on the keys that
+                  // causality or a bool mask hide, as in torch SDPA's backward, so that dK, dV
+                  // of hidden keys stay clean (exp2(s - NaN) would make every P NaN).
+                  std::fill(s, s + kn, l2);
+                  prepare_row<acc_t>(s, kn, cut ? i - k0 + 1 : kn, c, p.mask, b, h, i, k0);
+                  for (int64_t j = 0; j < kn; ++j)
+                    s[j] = s[j] == neg_inf<acc_t>() ? acc_t(0) : l2;
                   continue;
                 }
                 prepare_row<acc_t>(s, kn, cut ? i - k0 + 1 : kn, c, p.mask, b, h, i, k0);

@@ -321,3 +321,173 @@ def test_validation_errors():
         bwd(out, q, k, v, out, lse.double(), None, 1.0, False)
     with pytest.raises(RuntimeError, match="grad_out and out must have shape"):
         bwd(out[:, :, :4], q, k, v, out, lse, None, 1.0, False)
+
+
+# ----------------------------------------------------------------------------------------------
+# NaN and +-inf propagate as in torch SDPA (issue 15)
+# ----------------------------------------------------------------------------------------------
+# The rule: a NaN in q poisons exactly that row; a NaN or +inf in k (a NaN in a float mask)
+# poisons exactly the rows that can see that key (causality and a bool mask hide keys; a score
+# of -inf, from q . k = -inf, is dropped like a masked one); a NaN in v reaches at least the rows
+# that see it.  A poisoned row has out and lse NaN; a fully masked row stays 0 / -inf.  The
+# gradients are NaN at least where SDPA's are for those rows: dq on the poisoned rows, dk and dv
+# on every key a poisoned row sees.  (SDPA also spreads NaN through 0 * NaN to neighbours of the
+# same tile, and through its bool -> additive mask conversion to rows that mask the key: not
+# required, the rows of another kv head must stay clean.)
+
+NAN, INF = float("nan"), float("inf")
+
+
+def visibility(H, N, M, causal, bool_mask):
+    """[H, N, M] bool: which keys each (head, row) sees."""
+    vis = torch.ones(H, N, M, dtype=torch.bool)
+    if causal:
+        vis &= torch.ones(N, M, dtype=torch.bool).tril()
+    if bool_mask is not None:
+        vis &= bool_mask[0]
+    return vis
+
+
+def nan_rows(x):
+    return torch.isnan(x).any(-1)
+
+
+def assert_rows(got, want, name, exact=True):
+    """got, want: bool [..., rows]; exact or got a superset of want."""
+    if exact:
+        assert torch.equal(got, want), f"{name}: NaN rows {got.nonzero().tolist()} != {want.nonzero().tolist()}"
+    else:
+        missing = want & ~got
+        assert not missing.any(), f"{name}: rows {missing.nonzero().tolist()} should be NaN"
+
+
+NAN_CASES = [("q", NAN), ("q", INF), ("k", NAN), ("k", INF), ("k", -INF), ("v", NAN),
+             ("mask", NAN), ("mask", INF)]
+
+
+@pytest.mark.parametrize("where,val", NAN_CASES, ids=[f"{w}-{v}" for w, v in NAN_CASES])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [F32, F64, BF16, F16])
+def test_nan_and_inf_propagate(where, val, mask_kind, causal, dtype):
+    if where == "mask" and mask_kind != "float":
+        pytest.skip("a NaN in the mask needs a float mask")
+    # H = 4 query heads on Hk = 2 kv heads: the poisoned kv head 0 feeds heads 0, 1 only.
+    B, H, Hk, N, M, D = 1, 4, 2, 70, 300, 32
+    gen = torch.Generator().manual_seed(15)
+    q = torch.randn(B, H, N, D, generator=gen).to(dtype)
+    k = torch.randn(B, Hk, M, D, generator=gen).to(dtype)
+    v = torch.randn(B, Hk, M, D, generator=gen).to(dtype)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(B, H, N, M, generator=gen) > 0.3
+        mask[:, :, 5] = False            # fully masked rows
+    elif mask_kind == "float":
+        mask = torch.randn(B, H, N, M, generator=gen).to(dtype)
+        mask[:, :, 5] = -INF
+    # Keys hidden by causality or a bool mask; an additive -inf does not hide a NaN score
+    # (NaN + -inf = NaN, in SDPA too).
+    vis = visibility(H, N, M, causal, mask if mask_kind == "bool" else None)
+    i, j = 40, 7                          # the poisoned query row / key
+    if where == "q":
+        q[0, 0, i, 5] = val
+    elif where == "k":
+        k[0, 0, j, 5] = val
+    elif where == "v":
+        v[0, 0, j, 5] = val
+    else:
+        mask[0, 0, i, j] = val
+    scale = 1.0 / math.sqrt(D)
+    if where == "v":
+        poisoned = torch.zeros(H, N, dtype=torch.bool)   # rows whose out must be NaN
+        poisoned[:2] = vis[:2, :, j]
+        if mask_kind == "float":  # p = 0 on an additive -inf: the row need not see v[j]
+            poisoned[:2] &= ~torch.isneginf(mask[0, :2, :, j])
+    else:
+        # A row is poisoned when a score it sees is NaN or +inf: the scores in float64 of the
+        # same inputs (q . k = -inf is a dropped key).
+        s = torch.einsum("hnd,hmd->hnm", q[0].double(), k[0].double().repeat_interleave(H // Hk, 0))
+        s = s * scale
+        if mask_kind == "float":
+            s = s + mask[0].double()
+        poisoned = (vis & (torch.isnan(s) | (s == INF))).any(-1)
+    out, lse = fwd(q, k, v, mask, scale, causal)
+    g = torch.randn(B, H, N, D, generator=gen).to(dtype)
+    dq, dk, dv = bwd(g, q, k, v, out, lse, mask, scale, causal)
+
+    # Forward: exactly the poisoned rows (v: at least those, and only in kv head 0's query heads).
+    exact = where != "v"
+    assert_rows(nan_rows(out)[0], poisoned, "out", exact)
+    assert not nan_rows(out)[0, 2:].any(), "NaN leaked to another kv head's query heads"
+    lse_nan = torch.isnan(lse[0])
+    if where == "v":
+        assert not lse_nan.any()
+    else:
+        assert torch.equal(lse_nan, poisoned), "lse NaN rows differ from out's"
+    # Fully masked rows: 0 and -inf, told apart from NaN rows.
+    if mask_kind is not None:
+        hidden = ~vis.any(-1) if mask_kind == "bool" else torch.isneginf(mask[0]).all(-1)
+        hidden &= ~poisoned
+        assert hidden[2:, 5].all()
+        assert torch.equal(out[0][hidden], torch.zeros_like(out[0][hidden]))
+        assert torch.isneginf(lse[0][hidden]).all()
+    # Finite rows agree with the float64 reference on the same inputs.
+    ref_mask = None if mask is None else (mask if mask.dtype == torch.bool else mask.double())
+    ref_out = softmax_attention_reference(q.double(), k.double(), v.double(), attn_mask=ref_mask,
+                                          is_causal=causal, scale=scale, enable_gqa=True)
+    clean = ~nan_rows(out)[0] & ~nan_rows(ref_out)[0]
+    tol = {F64: 1e-10, F32: 2e-5, BF16: 2e-2, F16: 4e-3}[dtype]
+    torch.testing.assert_close(out[0][clean].double(), ref_out[0][clean], rtol=0, atol=tol * 4)
+
+    # Backward: NaN at least where the poisoned rows reach; nothing in kv head 1's gradients.
+    seen = (vis & poisoned.unsqueeze(-1))[:2].any(0)          # keys a poisoned row sees
+    if where == "v":
+        rows_v = vis[:2, :, j]                                # rows whose dP sees v[j]
+        assert_rows(nan_rows(dq)[0], torch.cat([rows_v, torch.zeros(2, N, dtype=torch.bool)]),
+                    "dq", exact=False)
+        assert_rows(nan_rows(dk)[0, 0], (vis[:2] & rows_v.unsqueeze(-1)).any(0).any(0), "dk",
+                    exact=False)
+    else:
+        assert_rows(nan_rows(dq)[0], poisoned, "dq", exact=False)
+        assert_rows(nan_rows(dk)[0, 0], seen, "dk", exact=False)
+        assert_rows(nan_rows(dv)[0, 0], seen, "dv", exact=False)
+    for t, name in ((dq[0, 2:], "dq"), (dk[0, 1], "dk"), (dv[0, 1], "dv")):
+        assert not torch.isnan(t).any(), f"{name}: NaN leaked to kv head 1"
+    # Where no mask reinterprets visibility, the forward's NaN rows are SDPA's (its bool masks
+    # turn into -inf additive ones: NaN + -inf = NaN would poison rows that hide the key).
+    if exact and mask_kind != "bool" and dtype in (F32, F64):
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+        if where != "mask" or vis[0, i, j]:
+            assert torch.equal(nan_rows(out), nan_rows(sdpa))
+
+
+@pytest.mark.parametrize("dtype", [F32, F64, BF16, F16])
+def test_nan_behind_masked_keys(dtype):
+    """A row whose only visible score is NaN (the max of the others is -inf: the row looks fully
+    masked to the max) comes out NaN, not 0; a NaN on keys a row cannot see changes nothing."""
+    B, H, N, M, D = 1, 1, 3, 260, 16
+    q, k, v = (torch.randn(B, H, n, D).to(dtype) for n in (N, M, M))
+    mask = torch.zeros(B, H, N, M, dtype=torch.bool)
+    mask[0, 0, 0, 258] = True     # row 0 sees key 258 only (second key block), which is NaN
+    mask[0, 0, 1, 3] = True       # row 1 sees key 3 only
+    mask[0, 0, 2, :] = True
+    mask[0, 0, 2, 258] = False    # row 2 sees everything but the NaN key
+    k[0, 0, 258, 0] = NAN
+    out, lse = fwd(q, k, v, mask, 0.25, False)
+    assert torch.isnan(out[0, 0, 0]).all() and torch.isnan(lse[0, 0, 0])
+    assert torch.isfinite(out[0, 0, 1:]).all() and torch.isfinite(lse[0, 0, 1:]).all()
+    dq, dk, dv = bwd(torch.ones_like(out), q, k, v, out, lse, mask, 0.25, False)
+    assert torch.isnan(dq[0, 0, 0]).all() and torch.isnan(dv[0, 0, 258]).all()
+    assert not torch.isnan(dv[0, 0, :258]).any()
+
+
+def test_nan_row_is_not_a_fully_masked_row():
+    q, k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
+    q[0, 0, 1, 0] = NAN
+    mask = torch.ones(1, 1, 4, 5, dtype=torch.bool)
+    mask[0, 0, 2] = False
+    out, lse = fwd(q, k, v, mask, 0.3, False)
+    assert torch.isnan(out[0, 0, 1]).all() and torch.isnan(lse[0, 0, 1])
+    assert torch.equal(out[0, 0, 2], torch.zeros(8)) and torch.isneginf(lse[0, 0, 2])
+    assert torch.isfinite(out[0, 0, [0, 3]]).all()
