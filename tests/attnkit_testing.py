@@ -361,6 +361,13 @@ def loop_hopfield_update(state, stored, values, beta, steps, tol, final_state):
     return out, torch.stack(states), torch.stack(lses), torch.stack(applied) if applied else empty
 
 
+def poison(spec, q, k, v, mask):
+    """Writes one non-finite value into an input: ``spec`` = (tensor name, index, value) with the
+    name "q", "k", "v" or "mask"; an index of fewer dims fills that whole slice."""
+    name, index, value = spec
+    {"q": q, "k": k, "v": v, "mask": mask}[name][index] = value
+
+
 def assert_nonfinite_like_reference(got, ref64, ref_low, visible, *, dtype, v=None):
     """Issue 15's rule for NaN / ±inf inputs: ``got`` and the references are (out, lse, dq, dk,
     dv) of one attention call; ``visible`` bool [B, H, N, M] says which key each query row sees.

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from attnkit.reference.softmax import softmax_attention_reference
-from attnkit_testing import F64, assert_close_to_reference
+from attnkit_testing import F64, assert_close_to_reference, poison
 from cuda_emulator import emu_build, extract
 from cuda_emulator.emu_build import EmulatorError
 
@@ -347,14 +347,16 @@ def test_matches_reference(emulator, case):
 # softmax's fmaxf drops NaN operands, so a row whose scores are all NaN kept the running max
 # -inf, and the epilogue's `l > 0` test sent a NaN sum to "no visible key" (lse -inf), after
 # which the backward treated the row as empty: zero gradients instead of NaN.
+NAN = float("nan")
+# (tensor, index, value) for attnkit_testing.poison
 NONFINITE = {
-    "q_nan": lambda q, k, v, m: q[0, 1, 3].__setitem__(5, float("nan")),
-    "k_nan": lambda q, k, v, m: k[0, 0, 40].__setitem__(0, float("nan")),
-    "k_posinf": lambda q, k, v, m: k[0, 0, 9].fill_(float("inf")),
-    "v_nan": lambda q, k, v, m: v[0, 0, 66].__setitem__(3, float("nan")),
-    "mask_nan": lambda q, k, v, m: m[0, 1, 20].__setitem__(2, float("nan")),
+    "q_nan": ("q", (0, 1, 3, 5), NAN),
+    "k_nan": ("k", (0, 0, 40, 0), NAN),
+    "k_posinf": ("k", (0, 0, 9), float("inf")),
+    "v_nan": ("v", (0, 0, 66, 3), NAN),
+    "mask_nan": ("mask", (0, 1, 20, 2), NAN),
     # a NaN query on the row the mask hides entirely (row 1): that row stays 0
-    "q_nan_masked_row": lambda q, k, v, m: q[0, 0, 1].__setitem__(0, float("nan")),
+    "q_nan_masked_row": ("q", (0, 0, 1, 0), NAN),
 }
 
 
@@ -368,7 +370,8 @@ def test_nonfinite_inputs_propagate_like_the_reference(emulator, name, causal):
     mask = torch.float32 if name == "mask_nan" else "bool" if name == "q_nan_masked_row" else None
     case = Case(F16, 64, 1, 2, 1, 70, 70, causal, mask=mask)
     emulator.configure(seed=5)
-    results, (q, k, v, dout, mask_t, scale) = run_emulated(emulator, case, edit=NONFINITE[name])
+    results, (q, k, v, dout, mask_t, scale) = run_emulated(
+        emulator, case, edit=lambda *inputs: poison(NONFINITE[name], *inputs))
     ref64 = _reference(q, k, v, dout, mask_t, scale, causal, F64)
     ref_low = _reference(q, k, v, dout, mask_t, scale, causal, F16)
     for what, x, r64, rlow in zip(("out", "lse", "dq", "dk", "dv"), results, ref64, ref_low):

@@ -419,20 +419,22 @@ def test_gpu_bf16_dropout():
 # NaN / inf inputs (issue 15): propagate as in SDPA, forward and backward
 # ----------------------------------------------------------------------------------------------
 
+NAN, INF = float("nan"), float("inf")
+# (tensor, index, value) for attnkit_testing.poison
 NONFINITE = {
-    "q_nan": lambda q, k, v, m: q[0, 1, 9].__setitem__(3, float("nan")),
-    "k_nan": lambda q, k, v, m: k[0, 0, 20].__setitem__(0, float("nan")),
-    "k_posinf": lambda q, k, v, m: k[0, 0, 5].fill_(float("inf")),
-    "v_nan": lambda q, k, v, m: v[0, 0, 30].__setitem__(2, float("nan")),
-    "mask_nan": lambda q, k, v, m: m[0, 1, 12].__setitem__(4, float("nan")),
-    "q_nan_on_masked_row": lambda q, k, v, m: q[0, 0, 6].__setitem__(0, float("nan")),
+    "q_nan": ("q", (0, 1, 9, 3), NAN),
+    "k_nan": ("k", (0, 0, 20, 0), NAN),
+    "k_posinf": ("k", (0, 0, 5), INF),
+    "v_nan": ("v", (0, 0, 30, 2), NAN),
+    "mask_nan": ("mask", (0, 1, 12, 4), NAN),
+    "q_nan_on_masked_row": ("q", (0, 0, 6, 0), NAN),
 }
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("name", NONFINITE)
 def test_nonfinite_inputs_propagate_like_the_reference(name, causal):
-    from attnkit_testing import assert_nonfinite_like_reference
+    from attnkit_testing import assert_nonfinite_like_reference, poison
 
     b, h, hk, n, d = 1, 2, 1, 40, 16
     q, k, v, go = (t.cpu() for t in make_inputs(b, h, hk, n, n, d, d, F32, seed=3))
@@ -442,7 +444,7 @@ def test_nonfinite_inputs_propagate_like_the_reference(name, causal):
     elif name == "q_nan_on_masked_row":
         mask = torch.ones(b, h, n, n, dtype=torch.bool)
         mask[0, 0, 6] = False  # row 6 of head 0 sees no key: stays 0 despite its NaN query
-    NONFINITE[name](q, k, v, mask)
+    poison(NONFINITE[name], q, k, v, mask)
     q, k, v, go = (t.to(DEVICE) for t in (q, k, v, go))
     mask = None if mask is None else mask.to(DEVICE)
     got = run_kernels(q, k, v, go, mask, causal, fwd_config=cfg(16, 16), bwd_config=cfg(16, 16))
