@@ -72,6 +72,59 @@ constexpr int64_t kBlockQb = 128;     //   backward dK/dV pass: query rows per s
 constexpr int64_t kPad = 16;
 
 // ---------------------------------------------------------------------------------------------
+// NaN and infinities (issue 15).  A NaN or +inf score must poison its row, as SDPA's does: the
+// row's output and lse become NaN.  The arithmetic carries it by itself (exp2 of NaN, or of
+// +inf - +inf, is NaN, so the row's sum l and its P V turn NaN and stay so through later
+// rescalings); three places would drop it and are handled here, off the vector loops:
+//  - the running max: std::max(m, x) returns m when x is NaN, and a row whose other visible
+//    scores are all -inf would then look empty;
+//  - a row whose visible scores are all -inf (an infinite q or k): the reference and SDPA give
+//    it 0 / lse -inf, as a row with no key; exp2(-inf - -inf) would make it NaN;
+//  - finishing the row: l > 0 is false for NaN, which finish_row reads as "no key" (0, -inf).
+// ---------------------------------------------------------------------------------------------
+
+// max(m, x) that keeps a NaN of either operand.
+template <typename acc_t>
+inline acc_t nan_max(acc_t m, acc_t x) {
+  return x != x ? x : std::max(m, x);
+}
+
+// Whether one of n entries is NaN (the rare path of a row whose max came out -inf).
+template <typename acc_t>
+inline bool any_nan(const acc_t* s, int64_t n) {
+  for (int64_t j = 0; j < n; ++j)
+    if (s[j] != s[j]) return true;
+  return false;
+}
+
+// The row's new max mx from its visible raw scores s[0..n) times c.  Returns false when the
+// chunk adds nothing to the row's sums: every score is -inf (the state stays as it was), or
+// the row is poisoned -- a NaN or +inf max, or NaN among -inf scores (a reduction may drop NaN
+// for another operand) -- and its state is set to NaN (sticky: nan_max and the rescaling
+// keep it).  Setting it here does not rely on exp2 of NaN being NaN.  Scalar work per row and
+// chunk; the vector loops are unchanged.
+template <typename acc_t>
+inline bool row_new_max(const acc_t* s, int64_t n, acc_t c, acc_t& m, acc_t& l, acc_t& mx) {
+  mx = nan_max(m, scaled_max(s, n, c));
+  const bool poisoned = mx != mx || mx == -neg_inf<acc_t>() ||
+                        (mx == neg_inf<acc_t>() && any_nan(s, n));
+  if (poisoned) m = l = std::numeric_limits<acc_t>::quiet_NaN();
+  return !poisoned && mx != neg_inf<acc_t>();
+}
+
+// finish_row, with a NaN row written as NaN (output and lse) rather than as a row with no key.
+template <typename scalar_t, typename acc_t>
+inline void finish_row_nan(const acc_t* o, acc_t m, acc_t l, int64_t Dv, scalar_t* dst, acc_t* lse) {
+  if (l != l) {
+    const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
+    for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(nan);
+    *lse = nan;
+    return;
+  }
+  finish_row<scalar_t, acc_t>(o, m, l, Dv, dst, lse);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Tiles.  vlo[r] <= j < vhi[r] are the visible columns of row r (relative to the tile; empty
 // when vlo >= vhi).
 // ---------------------------------------------------------------------------------------------
@@ -91,11 +144,13 @@ void fwd_tile(int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int
       std::fill(s, s + kn, acc_t(0));
       continue;
     }
-#pragma omp simd
-    for (int64_t j = a; j < e; ++j) s[j] *= c;
-    const acc_t mx = std::max(m[r], row_max(s + a, e - a));
+    acc_t mx;
+    if (!row_new_max(s + a, e - a, c, m[r], l[r], mx)) {
+      std::fill(s, s + kn, acc_t(0));
+      continue;
+    }
     const acc_t alpha = std::exp2(m[r] - mx);  // 0 on the row's first visible chunk
-    const acc_t sum = exp2_sub_sum(s + a, e - a, mx);
+    const acc_t sum = exp2_scaled_sum(s + a, e - a, c, mx);
     std::fill(s, s + a, acc_t(0));
     std::fill(s + e, s + kn, acc_t(0));
     if (alpha != acc_t(1)) {
@@ -125,6 +180,11 @@ void bwd_tile(int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int
     const int64_t a = std::clamp<int64_t>(vlo[r], 0, kn), e = std::clamp<int64_t>(vhi[r], 0, kn);
     if (a >= e || l2[r] == neg_inf<acc_t>()) {  // no visible entry, or a row with no key at all
       std::fill(s, s + kn, acc_t(0));
+      continue;
+    }
+    if (l2[r] != l2[r]) {  // a NaN row (issue 15): P is NaN where it sees, whatever exp2 does
+      std::fill(s, s + kn, acc_t(0));
+      std::fill(s + a, s + e, l2[r]);
       continue;
     }
 #pragma omp simd
@@ -325,7 +385,11 @@ void strip_softmax(int64_t hn, int64_t w, const int64_t* a, const int64_t* e, ac
       std::fill(s, s + w, acc_t(0));
       continue;
     }
-    const acc_t mx = std::max(m[r], scaled_max(s + ar, er - ar, c));
+    acc_t mx;
+    if (!row_new_max(s + ar, er - ar, c, m[r], l[r], mx)) {
+      std::fill(s, s + w, acc_t(0));
+      continue;
+    }
     const acc_t alpha = std::exp2(m[r] - mx);  // 0 on the row's first visible keys
     const acc_t sum = exp2_scaled_sum(s + ar, er - ar, c, mx);
     std::fill(s, s + ar, acc_t(0));
@@ -446,7 +510,7 @@ void range_fwd_kernel(const RangeGeom& geo, int64_t BH, int64_t D, int64_t Dv, d
         auto finish_strip = [&](int64_t sx) {
           for (int64_t r = sx * SH; r < std::min(qn, (sx + 1) * SH); ++r) {
             const int64_t row = qrow0 + r * qstep;
-            finish_row<scalar_t, acc_t>(st.o.data() + r * Dv, st.m[r], st.l[r], Dv,
+            finish_row_nan<scalar_t, acc_t>(st.o.data() + r * Dv, st.m[r], st.l[r], Dv,
                                         out + row * Dv, lse + row);
           }
           st.done[sx] = 1;
@@ -869,7 +933,7 @@ void block_fwd_kernel(const BlockLists& L, int64_t BH, int64_t H, int64_t N, int
                                          st.m.data(), st.l.data(), st.o.data(), Dv);
                        });
         for (int64_t x = 0; x < qn; ++x)
-          finish_row<scalar_t, acc_t>(st.o.data() + x * Dv, st.m[x], st.l[x], Dv,
+          finish_row_nan<scalar_t, acc_t>(st.o.data() + x * Dv, st.m[x], st.l[x], Dv,
                                       out + (qrow0 + x) * Dv, lse + qrow0 + x);
       });
 }

@@ -17,6 +17,8 @@ import torch
 
 import attnkit  # noqa: F401  (loads attnkit._C, which registers the ops)
 from attnkit.reference.sparse import (
+    block_lists_mask,
+    range_part_mask,
     block_sparse_bwd_reference,
     block_sparse_reference,
     sparse_range_bwd_reference,
@@ -295,3 +297,236 @@ def test_block_sparse_rejects_bad_lists():
     with pytest.raises(RuntimeError, match="multiple of block"):
         torch.ops.attnkit.block_sparse_fwd(q, q, q, row_ptr, torch.tensor([0, 1], dtype=torch.int32), 15,
                                            False, 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# NaN and infinities (issue 15): never dropped, as SDPA and the reference do it.  A NaN in q
+# poisons exactly its row, a NaN or +inf in k exactly the rows that see that key (an inf in k
+# gives +inf scores to some rows and -inf to others: those others drop the key, like the
+# reference), a NaN in v at least every row that sees it (rows of the same strip also get it
+# through 0 * NaN in the P V product, as SDPA's masked rows do).  A row with no visible key
+# stays 0 / lse -inf, told apart from a NaN row by its lse.  The backward never drops a NaN:
+# every gradient entry that a poisoned row depends on is NaN (within a tile, 0 * NaN in the
+# GEMMs may reach more, as in SDPA, which poisons every key).
+# ----------------------------------------------------------------------------------------------
+
+POISONS = ("q_nan", "k_nan", "k_inf", "q_inf", "v_nan")
+
+
+def _poison(q, k, v, kind, row, col=1):
+    """Copies of q, k, v with one entry set per ``kind`` (row ``row`` of head 0, batch 0)."""
+    q, k, v = q.clone(), k.clone(), v.clone()
+    t = {"q": q, "k": k, "v": v}[kind[0]]
+    t[0, 0, row, col % t.shape[-1]] = float("nan") if kind.endswith("nan") else float("inf")
+    return q, k, v
+
+
+def _nan_rows(x):
+    return torch.isnan(x).flatten(0, -2).any(-1) if x.dim() > 1 else torch.isnan(x)
+
+
+def _check_poisoned_forward(out, lse, ref_out, ref_lse, mask, kind, row, empty_rows):
+    """out/lse of a kernel (or None for lse) against the float64 reference on poisoned inputs.
+    ``mask``: bool [Nq, Nk] of head 0 (for the v case); ``empty_rows``: bool [B, H, Nq] rows
+    with no visible key."""
+    got = torch.isnan(out).any(-1)
+    if kind == "v_nan":
+        sees = torch.zeros_like(got)
+        sees[0, 0] = mask[:, row]
+        assert not (sees & ~got).any(), "a row that sees the NaN value is not NaN"
+        if lse is not None:
+            assert torch.isfinite(lse[~empty_rows]).all() and torch.isneginf(lse[empty_rows]).all()
+        return
+    want = torch.isnan(ref_out).any(-1) | ~torch.isfinite(ref_out).all(-1)
+    assert torch.equal(got, want), (f"NaN rows {got.nonzero().tolist()} != reference's "
+                                    f"{want.nonzero().tolist()}")
+    assert torch.isfinite(out[~got]).all()
+    if lse is not None:
+        assert torch.equal(torch.isnan(lse), want), "lse NaN rows differ from the output's"
+        assert torch.isneginf(lse[~want & torch.isneginf(ref_lse)]).all()
+        assert torch.isfinite(lse[~want & torch.isfinite(ref_lse)]).all()
+    # Fully masked rows: 0, never NaN (and their lse -inf).
+    z = empty_rows & ~want
+    assert (out[z] == 0).all()
+
+
+RANGE_POISON_CASES = [c for c in RANGE_CASES if c[0] in (
+    "strided_causal_s3_n129_part0", "strided_causal_s3_n129_part1", "strided_noncausal_s64_part2",
+    "fixed_own_block", "fixed_summary", "star_band", "wide_chunks", "wide_chunks_causal", "gapped_rows",
+    "strided_long_groups", "uncovered_rows", "own_block_48", "empty_ranges")]
+
+
+@pytest.mark.parametrize("kind", POISONS)
+@pytest.mark.parametrize("dtype", [F32, F64, BF16, F16], ids=str)
+@pytest.mark.parametrize("case", RANGE_POISON_CASES, ids=[c[0] for c in RANGE_POISON_CASES])
+def test_range_nonfinite(case, dtype, kind):
+    name, nq, nk, d, dv, view, lo, hi = case
+    scale = d ** -0.5
+    q, k, v, dout, _ = _inputs(1, 2, nq, nk, d, dv, dtype, 7)
+    mask = range_part_mask(nq, nk, view, lo, hi)
+    # A key / query that some row sees: the middle one of the part's entries.
+    seen_rows, seen_keys = mask.nonzero(as_tuple=True)
+    if seen_rows.numel() == 0:
+        row = nq // 2 if kind[0] == "q" else nk // 2
+    else:
+        mid = seen_rows.numel() // 2
+        row = int(seen_rows[mid] if kind[0] == "q" else seen_keys[mid])
+    q, k, v = _poison(q, k, v, kind, row)
+    out, lse = torch.ops.attnkit.sparse_range_fwd(q, k, v, view, lo, hi, scale)
+    ref_out, ref_lse = sparse_range_reference(q.to(F64), k.to(F64), v.to(F64), view, lo, hi, scale)
+    empty = ~mask.any(-1).expand(1, 2, nq)
+    _check_poisoned_forward(out, lse, ref_out, ref_lse, mask, kind, row, empty)
+    # Unpoisoned rows still match the reference (all rows for a v NaN: the lse).
+    bad = _nan_rows(out).reshape(1, 2, nq)
+    lp = dtype in (BF16, F16)
+    ref_lp = sparse_range_reference(q, k, v, view, lo, hi, scale) if lp else None
+    assert_close_to_reference(lse[~bad], ref_lse[~bad], ref_lp[1].float()[~bad] if lp else None,
+                              name="lse", dtype=dtype)
+    if kind != "v_nan":
+        assert_close_to_reference(out[~bad], ref_out[~bad], ref_lp[0][~bad] if lp else None, name="out")
+    # Backward with the part's own lse and delta = rowsum(dO * O): NaN for the poisoned rows.
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    dq, dk, dv_ = torch.ops.attnkit.sparse_range_bwd(dout, q, k, v, lse, delta, view, lo, hi, scale)
+    _check_poisoned_backward(dq, dk, dv_, lse, delta, mask, view, lo, hi)
+
+
+def _check_poisoned_backward(dq, dk, dv, lse, delta, mask, view=None, lo=None, hi=None):
+    """Every gradient row that a NaN row depends on is NaN: dq of rows with a NaN lse or delta;
+    dk of the keys those rows see; dv of the keys that rows with a NaN lse see (P is NaN there).
+    ``mask`` [Nq, Nk] applies to every head."""
+    lse_bad = torch.isnan(lse)
+    bad = lse_bad | torch.isnan(delta)
+    has_key = mask.any(-1)
+    want_dq = bad & has_key
+    want_dk = (bad.to(F64) @ mask.to(F64)) > 0
+    want_dv = (lse_bad.to(F64) @ mask.to(F64)) > 0
+    for g, want, name in ((dq, want_dq, "dq"), (dk, want_dk, "dk"), (dv, want_dv, "dv")):
+        got = _nan_rows(g).reshape(want.shape)
+        assert not (want & ~got).any(), f"{name}: NaN dropped at {(want & ~got).nonzero().tolist()[:5]}"
+
+
+@pytest.mark.parametrize("kind", POISONS)
+@pytest.mark.parametrize("dtype", [F32, F64, BF16, F16], ids=str)
+@pytest.mark.parametrize("case", [BLOCK_CASES[1], BLOCK_CASES[2], BLOCK_CASES[7]], ids=str)
+def test_block_sparse_nonfinite(case, dtype, kind):
+    block, nb, hl, causal, d, dv = case
+    n = block * nb
+    scale = d ** -0.5
+    lay = _random_layout(hl, nb, 3, causal)
+    row_ptr, col_idx, col_ptr, row_idx = _lists(lay)
+    mask = block_lists_mask(row_ptr, col_idx, block, causal, n)[0]  # head 0's
+    seen_rows, seen_keys = mask.nonzero(as_tuple=True)
+    mid = seen_rows.numel() // 2
+    row = int(seen_rows[mid] if kind[0] == "q" else seen_keys[mid])
+    q, k, v, dout, _ = _inputs(1, 2, n, n, d, dv, dtype, 8)
+    q, k, v = _poison(q, k, v, kind, row)
+    out, lse = torch.ops.attnkit.block_sparse_fwd(q, k, v, row_ptr, col_idx, block, causal, scale)
+    ref_out, ref_lse = block_sparse_reference(q.to(F64), k.to(F64), v.to(F64), row_ptr, col_idx, block,
+                                              causal, scale)
+    full = block_lists_mask(row_ptr, col_idx, block, causal, n)
+    empty = ~full.any(-1).expand(2, n).reshape(1, 2, n) if full.shape[0] == 1 else ~full.any(-1)[None]
+    _check_poisoned_forward(out, lse, ref_out, ref_lse, mask, kind, row, empty)
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    dq, dk, dv_ = torch.ops.attnkit.block_sparse_bwd(dout, q, k, v, lse, delta, row_ptr, col_idx, col_ptr,
+                                                     row_idx, block, causal, scale)
+    # Head 0 only (the poisoned one; head 1 of a two-head layout has another mask).
+    _check_poisoned_backward(dq[:, :1], dk[:, :1], dv_[:, :1], lse[:, :1], delta[:, :1], mask)
+    assert torch.isfinite(dq[:, 1:]).all() and torch.isfinite(dk[:, 1:]).all()
+
+
+def test_range_nan_query_without_keys_stays_zero():
+    # A NaN query row that sees no key: 0 and lse -inf, as the reference (nothing to attend).
+    q, k, v, _, _ = _inputs(1, 1, 20, 20, 8, 8, F32, 9)
+    q[0, 0, 0, 0] = float("nan")
+    view, lo, hi = V1, [-5, 1, 1, 0], [-2, 1, 1, 0]  # row 0 (and 1) see nothing
+    out, lse = torch.ops.attnkit.sparse_range_fwd(q, k, v, view, lo, hi, 0.3)
+    assert (out[0, 0, 0] == 0).all() and torch.isneginf(lse[0, 0, 0])
+    assert torch.isfinite(out).all()
+
+
+def test_range_all_scores_minus_inf_is_empty():
+    # Every visible score -inf (an inf in k against q of the other sign): the row has no
+    # usable key, like the reference and SDPA's safe softmax: 0 / -inf, not NaN.
+    q = torch.ones(1, 1, 4, 2)
+    k = torch.ones(1, 1, 4, 2)
+    v = torch.randn(1, 1, 4, 2)
+    k[0, 0, 0, 0] = -float("inf")  # row 0 sees only key 0 (causal): score -inf
+    out, lse = torch.ops.attnkit.sparse_range_fwd(q, k, v, V1, NONE_LO, [0, 1, 1, 0], 1.0)
+    ref_out, ref_lse = sparse_range_reference(q.double(), k.double(), v.double(), V1, NONE_LO, [0, 1, 1, 0], 1.0)
+    assert (out[0, 0, 0] == 0).all() and torch.isneginf(lse[0, 0, 0]) and torch.isneginf(ref_lse[0, 0, 0])
+    assert torch.isfinite(out).all()
+    assert_close_to_reference(out, ref_out)
+
+
+# End to end: attnkit.sparse_attention (cpu) on every pattern family, against the float64
+# reference (sparse_attention_reference) and SDPA with the pattern's dense mask.
+
+def _families(n):
+    from attnkit import patterns
+
+    lay = _random_layout(2, n // 16, 11, False)
+    return {
+        "strided": patterns.strided(7),
+        "strided_noncausal": patterns.strided(5, causal=False),
+        "fixed": patterns.fixed(8, 2),
+        "fixed_noncausal": patterns.fixed(8, 3, causal=False),
+        "star": patterns.star(n // 2, 2),
+        "star_cyclic_causal": patterns.star(0, 1, cyclic=True, causal=True),
+        "block_layout": patterns.block_layout(lay, 16),
+        "block_layout_causal": patterns.block_layout(lay[:1], 16, causal=True),
+    }
+
+
+@pytest.mark.parametrize("kind", POISONS)
+@pytest.mark.parametrize("dtype", [F32, F64, BF16, F16], ids=str)
+@pytest.mark.parametrize("family", list(_families(64)))
+def test_sparse_attention_nonfinite_end_to_end(family, dtype, kind):
+    import torch.nn.functional as F
+
+    from attnkit import sparse_attention
+    from attnkit.reference.sparse import sparse_attention_reference
+
+    n, d = 96, 16
+    pattern = _families(n)[family]
+    mask = pattern.mask(n)
+    mask = mask if mask.dim() == 2 else mask[0]  # head 0's (the poisoned head)
+    q, k, v, _, _ = _inputs(1, 2, n, n, d, d, dtype, 12)
+    row = 41
+    q, k, v = _poison(q, k, v, kind, row, col=3)
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    out = sparse_attention(q, k, v, pattern, backend="cpu")
+    with torch.no_grad():
+        ref = sparse_attention_reference(q.to(F64), k.to(F64), v.to(F64), pattern)
+        full = pattern.mask(n)
+        sdpa = F.scaled_dot_product_attention(q.to(F64), k.to(F64), v.to(F64),
+                                              attn_mask=full if full.dim() == 2 else full[None])
+    got = torch.isnan(out).any(-1)
+    if kind == "v_nan":
+        assert got[0, 0][mask[:, row]].all(), "a row that sees the NaN value is not NaN"
+    else:
+        want = ~torch.isfinite(ref).all(-1)
+        assert torch.equal(got, want), f"NaN rows {got.nonzero().tolist()} != {want.nonzero().tolist()}"
+        # SDPA with the dense (additive -inf) mask poisons these rows too (and more for k).
+        assert not (got & torch.isfinite(sdpa).all(-1)).any()
+        lp = dtype in (BF16, F16)
+        with torch.no_grad():
+            ref_lp = sparse_attention_reference(q, k, v, pattern) if lp else None
+        assert_close_to_reference(out.detach()[~got], ref[~got], ref_lp[~got] if lp else None, name="out")
+    # Backward (loss = sum(out * w), w finite): no NaN dropped.  What a NaN row r depends on
+    # (an autograd float64 reference would not say: its own GEMMs spread 0 * NaN): dq_r, and dk
+    # of every key r sees; dv of those keys too when r's scores are NaN (q, k), not when only
+    # its output is (v: dv = P^T dO stays finite) and only for NaN (an infinite score makes
+    # P NaN on the +inf scores but 0 on the -inf ones: which keys those are is not this test's).
+    w = torch.randn(out.shape, dtype=F64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    (out * w).sum().backward()
+    full = pattern.mask(n)
+    full = (full if full.dim() == 2 else full[:1]).expand(2, n, n).to(F64)
+    bad = (~torch.isfinite(out.detach()).all(-1))[0].to(F64)  # [H, N]
+    score_bad = bad if kind in ("q_nan", "k_nan") else torch.zeros_like(bad)
+    want = {"dq": (bad > 0) & (full.sum(-1) > 0),
+            "dk": (bad.unsqueeze(1) @ full).squeeze(1) > 0,
+            "dv": (score_bad.unsqueeze(1) @ full).squeeze(1) > 0}
+    for g, name in ((q.grad, "dq"), (k.grad, "dk"), (v.grad, "dv")):
+        missing = want[name] & ~torch.isnan(g[0]).any(-1)
+        assert want[name].any() or name == "dv"
+        assert not missing.any(), f"{name}: NaN dropped at {missing.nonzero().tolist()[:8]}"
