@@ -145,6 +145,39 @@ inline void check_grid_bh(const Op& op, int64_t B, int64_t H) {
   ATTNKIT_CHECK(B <= kMax && H <= kMax, op, ": B and H must be <= ", kMax, " (CUDA grid); got B = ", B, ", H = ", H);
 }
 
+// The flash-style families' q, k, v (softmax, sparse): all three 4-D (`layout` names the shapes
+// the op expects, e.g. "q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,Dv]"), on the target's device type
+// and one device, one dtype, which the backend takes (cuda: float16 / bfloat16; cpu: floating).
+inline void check_flash_qkv_basics(const Op& op, const char* layout, const at::Tensor& q, const at::Tensor& k,
+                                   const at::Tensor& v) {
+  ATTNKIT_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": expected ", layout, "; got ", q.dim(), "-D, ",
+                k.dim(), "-D and ", v.dim(), "-D");
+  check_device_type(op, "q", q);
+  check_same_device(op, "k", k, "q", q);
+  check_same_device(op, "v", v, "q", q);
+  const auto st = q.scalar_type();
+  ATTNKIT_CHECK(k.scalar_type() == st && v.scalar_type() == st, op, ": q, k and v must share a dtype; got ", st, ", ",
+                k.scalar_type(), " and ", v.scalar_type());
+  if (op.target.cuda()) {
+    ATTNKIT_CHECK(st == at::kHalf || st == at::kBFloat16, op, ": the cuda kernels take float16 or bfloat16; got ", st);
+  } else {
+    ATTNKIT_CHECK(at::isFloatingType(st), op, ": expected floating inputs; got ", st);
+  }
+}
+
+// CUDA, the flash-style kernels' limits: D = Dv in {64, 128}, row indices in int (`n_name`,
+// `m_name`: the lengths' names in the message), B and H within the grid, compute capability 8.0.
+inline void check_flash_cuda_limits(const Op& op, int64_t B, int64_t H, const char* n_name, int64_t N,
+                                    const char* m_name, int64_t M, int64_t D, int64_t Dv) {
+  ATTNKIT_CHECK(cuda_limits::flash_head_dim(D) && Dv == D, op,
+                ": the cuda kernels support head dims 64 and 128, with value's head dim equal to query's; got D = ", D,
+                ", Dv = ", Dv);
+  ATTNKIT_CHECK(N < (int64_t{1} << 30) && M < (int64_t{1} << 30), op, ": sequence lengths must be < 2^30; got ",
+                n_name, " = ", N, ", ", m_name, " = ", M);
+  check_grid_bh(op, B, H);
+  check_sm80(op, "the cuda kernels");
+}
+
 #ifdef ATTNKIT_WITH_CUDA
 // The target of a CUDA op whose first tensor is `lead`: q's device's properties.  For a tensor
 // that is not on a CUDA device none are read (the op's check then stops at its device type).

@@ -17,20 +17,7 @@ namespace {
 
 // q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,Dv]: ranks, devices, dtypes, shapes, the backend's limits.
 void check_qkv(const Op& op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  ATTNKIT_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op,
-              ": expected q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,Dv]; got ", q.dim(), "-D, ", k.dim(), "-D and ",
-              v.dim(), "-D");
-  check_device_type(op, "q", q);
-  check_same_device(op, "k", k, "q", q);
-  check_same_device(op, "v", v, "q", q);
-  const auto st = q.scalar_type();
-  ATTNKIT_CHECK(k.scalar_type() == st && v.scalar_type() == st, op, ": q, k and v must share a dtype; got ", st, ", ",
-              k.scalar_type(), " and ", v.scalar_type());
-  if (op.target.cuda()) {
-    ATTNKIT_CHECK(st == at::kHalf || st == at::kBFloat16, op, ": the cuda kernels take float16 or bfloat16; got ", st);
-  } else {
-    ATTNKIT_CHECK(at::isFloatingType(st), op, ": expected floating inputs; got ", st);
-  }
+  check_flash_qkv_basics(op, "q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,Dv]", q, k, v);
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
   const int64_t Hk = k.size(1), M = k.size(2);
   ATTNKIT_CHECK(k.size(0) == B && v.size(0) == B, op, ": batch sizes differ: q ", q.sizes(), ", k ", k.sizes(), ", v ",
@@ -40,16 +27,7 @@ void check_qkv(const Op& op, const at::Tensor& q, const at::Tensor& k, const at:
               v.sizes());
   ATTNKIT_CHECK(Hk > 0 ? H % Hk == 0 : H == 0, op,
               ": the query heads must be a multiple of the key/value heads; got H = ", H, ", Hk = ", Hk);
-  if (op.target.cuda()) {
-    ATTNKIT_CHECK(cuda_limits::flash_head_dim(D) && v.size(3) == D, op,
-                ": the cuda kernels support head dims 64 and 128, with value's head dim equal to query's; got D = ",
-                D, ", Dv = ", v.size(3));
-    // The kernels index rows with int.
-    ATTNKIT_CHECK(N < (int64_t{1} << 30) && M < (int64_t{1} << 30), op, ": sequence lengths must be < 2^30; got N = ",
-                N, ", M = ", M);
-    check_grid_bh(op, B, H);
-    check_sm80(op, "the cuda kernels");
-  }
+  if (op.target.cuda()) check_flash_cuda_limits(op, B, H, "N", N, "M", M, D, v.size(3));
 }
 
 // mask: None, or bool / floating of shape [B,H,N,M] on q's device.

@@ -25,32 +25,13 @@ constexpr int64_t kIntMax = std::numeric_limits<int>::max();
 
 // q [B,H,Nq,D], k [B,H,Nk,D], v [B,H,Nk,Dv].
 void check_qkv(const Op& op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  ATTNKIT_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op,
-              ": expected q [B,H,Nq,D], k [B,H,Nk,D], v [B,H,Nk,Dv]; got ", q.dim(), "-D, ", k.dim(), "-D and ",
-              v.dim(), "-D");
-  check_device_type(op, "q", q);
-  check_same_device(op, "k", k, "q", q);
-  check_same_device(op, "v", v, "q", q);
-  const auto st = q.scalar_type();
-  ATTNKIT_CHECK(k.scalar_type() == st && v.scalar_type() == st, op, ": q, k and v must share a dtype; got ", st, ", ",
-              k.scalar_type(), " and ", v.scalar_type());
-  if (op.target.cuda()) {
-    ATTNKIT_CHECK(st == at::kHalf || st == at::kBFloat16, op, ": the cuda kernels take float16 or bfloat16; got ", st);
-  } else {
-    ATTNKIT_CHECK(at::isFloatingType(st), op, ": expected floating inputs; got ", st);
-  }
+  check_flash_qkv_basics(op, "q [B,H,Nq,D], k [B,H,Nk,D], v [B,H,Nk,Dv]", q, k, v);
   ATTNKIT_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == q.size(1) && v.size(1) == q.size(1),
               op, ": q, k, v must share B and H; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   ATTNKIT_CHECK(k.size(3) == q.size(3), op, ": q and k must share D; got ", q.sizes(), " and ", k.sizes());
   ATTNKIT_CHECK(v.size(2) == k.size(2), op, ": k and v must have the same rows; got ", k.sizes(), " and ", v.sizes());
   if (op.target.cuda()) {
-    ATTNKIT_CHECK(cuda_limits::flash_head_dim(q.size(3)) && v.size(3) == q.size(3), op,
-                ": the cuda kernels support head dims 64 and 128, with value's head dim equal to query's; got D = ",
-                q.size(3), ", Dv = ", v.size(3));
-    ATTNKIT_CHECK(q.size(2) < (int64_t{1} << 30) && k.size(2) < (int64_t{1} << 30), op,
-                ": sequence lengths must be < 2^30; got Nq = ", q.size(2), ", Nk = ", k.size(2));
-    check_grid_bh(op, q.size(0), q.size(1));
-    check_sm80(op, "the cuda kernels");
+    check_flash_cuda_limits(op, q.size(0), q.size(1), "Nq", q.size(2), "Nk", k.size(2), q.size(3), v.size(3));
   }
 }
 
