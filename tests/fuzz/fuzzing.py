@@ -1,0 +1,378 @@
+"""Shared machinery of the differential fuzz tests (issue 15): every public op x every backend
+usable here against the float64 reference, on cases that hypothesis generates.
+
+Budget: each test has a fixed CI example count and runs derandomized (the same cases on every
+run, no example database).  ``ATTNKIT_FUZZ_EXAMPLES=<n>`` gives every test n examples drawn
+at random instead (local runs, the GPU command); a failure prints the blob that replays it
+(``@reproduce_failure``).
+
+Inputs: hypothesis draws the *structure* of a case (sizes, dtype, layout, mask, which special
+value goes where, a seed); the values come from a seeded torch generator (drawing tensors
+element by element through hypothesis would cost most of the budget).  Every input is a view
+of a leaf ``base`` tensor (contiguous, transposed, strided, expanded with stride 0, or sliced
+from one fused qkv tensor), so that gradients are compared on the bases: the float64 ground
+truth applies the same view to the base in float64.
+
+Checks (the semantics of issue 15, DESIGN.md's tolerance rule):
+
+- ``exact`` mode (no special value in V): the result is NaN / ±inf exactly where the float64
+  reference is, and every row that must be poisoned (a NaN in its query, in a key it sees, in
+  its mask entries) is -- checked on the reference too; elsewhere the finite values are within
+  the tolerance.
+- ``v`` mode (NaN / ±inf in values): every entry (row i, column d) whose row sees a non-finite
+  v[j, d] is non-finite; other entries may be non-finite only in a column that holds a special
+  value (SDPA's 0·NaN within a tile); finite entries are within the tolerance of the reference
+  computed with the special values of V replaced by 0.
+- a fully masked row (finite query) is exactly 0.
+- tolerance (tests/attnkit_testing.py, DESIGN.md): float64 1e-10, float32 2e-5 (gradients 1e-4)
+  relative to the largest reference entry; float16 / bfloat16 2x the error of the reference run
+  in that dtype plus 1e-3.  Cases with huge (1e4) entries in q / k make scores of size ~1e5:
+  there the float32 rounding of the scores alone moves the probabilities by ~1e-3, whatever the
+  implementation, so float32 gets the low-precision rule's form on top of its own (2x the error
+  of the reference run in float32).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, reject, settings
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit._dispatch import triton_interpreted
+from attnkit_testing import F64, LOW_PRECISION
+
+ENV_EXAMPLES = "ATTNKIT_FUZZ_EXAMPLES"
+_LOCAL_EXAMPLES = int(os.environ.get(ENV_EXAMPLES, "0") or 0)
+HUGE = 1.0e4
+CUDA = torch.cuda.is_available()
+
+
+def fuzz_settings(ci_examples: int):
+    """``ci_examples`` derandomized examples, or ATTNKIT_FUZZ_EXAMPLES random ones."""
+    return settings(
+        max_examples=_LOCAL_EXAMPLES or ci_examples,
+        derandomize=not _LOCAL_EXAMPLES,
+        database=None,
+        deadline=None,
+        print_blob=True,
+        suppress_health_check=list(HealthCheck),
+    )
+
+
+# (backend, device) columns; the GPU ones carry the gpu mark (`pytest -m gpu`; skipped without
+# CUDA by tests/conftest.py).  Interpreted Triton runs where there is no GPU (conftest sets
+# TRITON_INTERPRET=1 there).
+BACKENDS = [
+    pytest.param("reference", "cpu", id="reference"),
+    pytest.param("cpu", "cpu", id="cpu"),
+    pytest.param("triton", "cpu", id="triton-interpreted"),
+    pytest.param("triton", "cuda", id="triton-gpu", marks=pytest.mark.gpu),
+    pytest.param("cuda", "cuda", id="cuda", marks=pytest.mark.gpu),
+    pytest.param("reference", "cuda", id="reference-gpu", marks=pytest.mark.gpu),
+]
+
+
+def require_backend(family: str, backend: str, device: str) -> None:
+    if device == "cuda" and not CUDA:
+        pytest.skip("needs a CUDA device")
+    if backend == "triton" and device == "cpu" and not triton_interpreted():
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1 (set where there is no GPU)")
+    status = attnkit.backends()[family][backend]
+    if not status.usable:
+        pytest.skip(f"{family} / {backend}: {status.reason}")
+
+
+def interpreted(backend: str, device: str) -> bool:
+    return backend == "triton" and device == "cpu"
+
+
+def dtypes_for(backend: str, device: str, kernel_dtypes=None):
+    """The dtypes a (backend, device) column fuzzes.  The Triton interpreter's bfloat16 tl.dot
+    returns garbage (DESIGN.md): bfloat16 Triton is checked on a GPU."""
+    if backend == "reference" or backend == "cpu":
+        return [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+    if interpreted(backend, device):
+        return [torch.float32, torch.float16]
+    return list(kernel_dtypes or (torch.float32, torch.float16, torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs: views of leaf bases
+# ----------------------------------------------------------------------------------------------
+
+LAYOUTS = ["contiguous", "contiguous", "transposed", "strided", "expanded"]
+
+
+class Input:
+    """A leaf ``base`` and the view that makes the op's input from it."""
+
+    def __init__(self, base: torch.Tensor, view):
+        self.base = base
+        self.view = view
+
+    def tensor(self) -> torch.Tensor:
+        return self.view(self.base)
+
+    def tensor64(self, base64) -> torch.Tensor:
+        return self.view(base64)
+
+
+def make_input(shape, layout: str, gen: torch.Generator, dtype, device) -> Input:
+    """Random N(0, 1) values of ``shape`` (rounded to dtype) presented with ``layout``."""
+    shape = tuple(shape)
+    if layout == "transposed" and len(shape) >= 2:
+        base = torch.randn(shape[:-2] + (shape[-1], shape[-2]), generator=gen, dtype=F64)
+        view = lambda b: b.transpose(-1, -2)  # noqa: E731
+    elif layout == "strided":
+        base = torch.randn(shape[:-1] + (2 * shape[-1] + 1,), generator=gen, dtype=F64)
+        view = lambda b: b[..., 1::2]  # noqa: E731  (inner stride 2, offset 1)
+    elif layout == "expanded" and len(shape) >= 2:
+        base = torch.randn(shape[:-2] + (1, shape[-1]), generator=gen, dtype=F64)
+        view = lambda b: b.expand(*shape)  # noqa: E731  (stride-0 rows)
+    else:
+        base = torch.randn(shape, generator=gen, dtype=F64)
+        view = lambda b: b  # noqa: E731
+    return Input(base.to(device=device, dtype=dtype), view)
+
+
+def fused_qkv(lead, n, heads, d, gen, dtype, device):
+    """q, k, v sliced from one fused projection [*lead, N, 3, H, D] (one base, three views)."""
+    base = torch.randn(*lead, n, 3, heads, d, generator=gen, dtype=F64).to(device=device, dtype=dtype)
+    return [Input(base, (lambda b, i=i: b[..., i, :, :].transpose(-3, -2))) for i in range(3)]
+
+
+SPECIALS = ["none", "none", "none", "nan_q", "nan_k", "inf_k", "nan_v", "inf_v", "huge"]
+
+
+def set_values(inp: Input, kind: str, gen: torch.Generator) -> None:
+    """A special value at a random position of ``inp``'s base: "nan", "inf" (random sign),
+    "pinf", "huge" (±1e4 at a few positions)."""
+    flat = inp.base.view(-1)
+    n = flat.numel()
+    if n == 0:
+        return
+    count = 3 if kind == "huge" else 1
+    idx = torch.randint(n, (count,), generator=gen).tolist()
+    signs = (torch.randint(2, (count,), generator=gen) * 2 - 1).tolist()
+    with torch.no_grad():
+        for i, s in zip(idx, signs):
+            if kind == "nan":
+                flat[i] = float("nan")
+            elif kind == "inf":
+                flat[i] = s * float("inf")
+            elif kind == "pinf":
+                flat[i] = float("inf")
+            elif kind == "huge":
+                flat[i] = s * HUGE
+            else:
+                raise AssertionError(kind)
+
+
+def leaves(inputs, requires_grad: bool):
+    """(leaf bases as given, their float64 copies) -- the same leaf once for shared bases."""
+    ids, out, out64 = {}, [], []
+    for inp in inputs:
+        key = id(inp.base)
+        if key not in ids:
+            b = inp.base.detach().clone().requires_grad_(requires_grad)
+            b64 = inp.base.detach().to(F64).requires_grad_(requires_grad)
+            ids[key] = (b, b64)
+        out.append(ids[key][0])
+        out64.append(ids[key][1])
+    return out, out64
+
+
+# ----------------------------------------------------------------------------------------------
+# checks
+# ----------------------------------------------------------------------------------------------
+
+
+def _finite_err(x64: torch.Tensor, ref64: torch.Tensor, where: torch.Tensor) -> float:
+    if not where.any():
+        return 0.0
+    return (x64[where] - ref64[where]).abs().max().item()
+
+
+def tolerance(dtype, ref64, *, grad=False, naive=None, huge_scores=0.0, size=None) -> float:
+    """DESIGN.md's rule for one tensor.  ``naive``: the same computation by the reference in
+    the inputs' dtype (needed for float16 / bfloat16, and for float32 with huge scores).
+    ``huge_scores``: the largest |scaled score| of a case with 1e4 entries in q / k, else 0.
+    ``size``: the yardstick of the relative rule when it is not max |ref64| -- a gradient that
+    cancels (dq with a single key is exactly 0, computed as p (dp - D) with dp = D) is held to
+    the size of the terms it sums, as in tests/attnkit_testing.linear_dq_term_scale."""
+    finite = torch.isfinite(ref64)
+    largest = ref64[finite].abs().max().item() if finite.any() else 0.0
+    size = largest if size is None else max(size, largest)
+
+    def naive_err():
+        assert naive is not None, "the low-precision rule needs the reference run in that dtype"
+        n64 = naive.detach().to(device=ref64.device, dtype=F64)
+        both = finite & torch.isfinite(n64)
+        if not torch.equal(both, finite):
+            # The naive computation overflowed where the ground truth is finite: the rule has no
+            # number to give (the generators avoid such cases; a rare one is dropped).
+            reject()
+        return _finite_err(n64, ref64, both)
+
+    if dtype == F64:
+        return 1e-10 * size
+    if dtype == torch.float32:
+        tol = (1e-4 if grad else 2e-5) * size
+        if huge_scores:
+            # Scores of size S are themselves rounded to float32 (by any kernel: S eps / 2 at
+            # best), which moves the probabilities -- and the result -- by up to ~S eps: the
+            # unavoidable error, and the naive float32 reference's as a yardstick.
+            eps = torch.finfo(torch.float32).eps
+            tol += max(2.0 * naive_err(), 2.0 * eps * huge_scores * size)
+        return tol
+    if dtype in LOW_PRECISION:
+        return 2.0 * naive_err() + 1e-3
+    raise AssertionError(dtype)
+
+
+def check_exact(name, out, ref64, tol, required=None):
+    """NaN / ±inf exactly where ``ref64`` has them; ``required`` (bool, broadcastable to out):
+    entries that must be non-finite (checked on the reference too); finite entries within
+    ``tol``."""
+    assert out.shape == ref64.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref64.shape)}"
+    x = out.detach().to(device=ref64.device, dtype=F64)
+    r = ref64.detach()
+    if required is not None:
+        required = torch.broadcast_to(required.to(r.device), r.shape)
+        assert not torch.isfinite(r[required]).any(), \
+            f"{name}: the float64 reference drops a NaN / inf that must reach {int(required.sum())} entries"
+        lost = required & torch.isfinite(x)
+        assert not lost.any(), (
+            f"{name}: NaN / inf dropped: {int(lost.sum())} of {int(required.sum())} entries that must "
+            f"be non-finite are finite (first at {lost.nonzero()[0].tolist()})"
+        )
+    for what, fn in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        diff = fn(x) != fn(r)
+        assert not diff.any(), (
+            f"{name}: {what} pattern differs from the float64 reference at {int(diff.sum())} entries "
+            f"(first at {diff.nonzero()[0].tolist()}: got {x[tuple(diff.nonzero()[0])].item()}, "
+            f"reference {r[tuple(diff.nonzero()[0])].item()})"
+        )
+    finite = torch.isfinite(r)
+    err = _finite_err(x, r, finite)
+    assert err <= tol, f"{name}: max error {err:.3e} > tolerance {tol:.3e}"
+
+
+def check_v_mode(name, out, clean64, tol, required, allowed):
+    """``required``: entries that must be non-finite; ``allowed``: entries that may be (both
+    bool, broadcastable to out); finite entries within ``tol`` of ``clean64``."""
+    x = out.detach().to(device=clean64.device, dtype=F64)
+    required = torch.broadcast_to(required.to(x.device), x.shape)
+    allowed = torch.broadcast_to(allowed.to(x.device), x.shape) | required
+    lost = required & torch.isfinite(x)
+    assert not lost.any(), (
+        f"{name}: NaN / inf of V dropped at {int(lost.sum())} of {int(required.sum())} entries "
+        f"(first at {lost.nonzero()[0].tolist()})"
+    )
+    stray = ~torch.isfinite(x) & ~allowed
+    assert not stray.any(), (
+        f"{name}: non-finite entries where no row sees a special value: {int(stray.sum())} "
+        f"(first at {stray.nonzero()[0].tolist()})"
+    )
+    finite = torch.isfinite(x)
+    assert torch.isfinite(clean64[finite]).all(), f"{name}: the cleaned reference is not finite"
+    err = _finite_err(x, clean64, finite)
+    assert err <= tol, f"{name}: max error {err:.3e} > tolerance {tol:.3e}"
+
+
+def grad_term_sizes(inputs, bases64, vis, bias, scale, group, g, g_lse):
+    """Per base, the largest term that its float64 gradient sums: with P the probabilities,
+    dP = g Vᵀ, D = rowsum(g ∘ out) and A = P (|dP| + |D| + |g_lse|) (dS = P (dP - D + g_lse)),
+    dq sums |scale| A |K|, dk |scale| Aᵀ |Q|, dv Pᵀ |g| -- mapped back through the views (sums
+    over broadcast copies, transposes) by autograd.  ``vis``: bool, broadcastable to the
+    scores, which keys each row sees; ``bias``: a float mask added to the scores, or None."""
+    with torch.no_grad():
+        q, k, v = (inp.view(b.detach()) for inp, b in zip(inputs, bases64))
+        squeeze = q.dim() == 2
+        if squeeze:
+            q, k, v, g, g_lse = q[None], k[None], v[None], g[None], g_lse[None]
+        g, g_lse = g.to(q.device), g_lse.to(q.device)
+        kk, vv = (t.repeat_interleave(group, dim=-3) if group > 1 else t for t in (k, v))
+        sc = 1.0 / q.shape[-1] ** 0.5 if scale is None else scale
+        s = (q @ kk.transpose(-2, -1)) * sc
+        vis = vis.to(s.device)
+        if bias is not None:
+            s = s + bias.to(device=s.device, dtype=F64)
+        s = torch.where(vis, s, float("-inf"))
+        lse = torch.logsumexp(s, -1, keepdim=True)
+        p = torch.nan_to_num(torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)), nan=0.0, posinf=0.0)
+        out = p @ torch.nan_to_num(vv, nan=0.0, posinf=0.0, neginf=0.0)
+        gg = g.to(F64)
+        dp = (gg @ vv.transpose(-2, -1)).abs()
+        big_d = (gg * out).sum(-1, keepdim=True).abs()
+        a = torch.nan_to_num(p * (dp + big_d + g_lse.to(F64).abs().unsqueeze(-1)), nan=0.0, posinf=0.0)
+        tq = abs(sc) * a @ torch.nan_to_num(kk.abs(), posinf=0.0, nan=0.0)
+        tk = abs(sc) * a.transpose(-2, -1) @ torch.nan_to_num(q.abs(), posinf=0.0, nan=0.0)
+        tv = p.transpose(-2, -1) @ gg.abs()
+        if group > 1:
+            tk, tv = (t.unflatten(-3, (-1, group)).sum(-3) for t in (tk, tv))
+        # K/V broadcast over batch dims: the gradient sums over the copies.
+        tk, tv = (t.sum_to_size(x.shape) for t, x in ((tk, k), (tv, v)))
+        if squeeze:
+            tq, tk, tv = tq[0], tk[0], tv[0]
+    sizes = []
+    for inp, b64, t in zip(inputs, bases64, (tq, tk, tv)):
+        probe = b64.detach().clone().requires_grad_()
+        (grad,) = torch.autograd.grad(inp.view(probe), probe, t.to(probe.device))
+        sizes.append(grad)
+    # one base shared by several inputs: its gradient sums theirs
+    total = {}
+    for b64, t in zip(bases64, sizes):
+        total[id(b64)] = total.get(id(b64), 0) + t
+    return [total[id(b64)].max().item() if total[id(b64)].numel() else 0.0 for b64 in bases64]
+
+
+def max_score(q64, k64, group, scale) -> float:
+    """The largest finite |scale q·k| (float64) -- the size of the scores."""
+    with torch.no_grad():
+        if group > 1:
+            k64 = k64.repeat_interleave(group, dim=-3)
+        sc = 1.0 / q64.shape[-1] ** 0.5 if scale is None else scale
+        s = (q64 @ k64.transpose(-2, -1)).abs() * abs(sc)
+        s = s[torch.isfinite(s)]
+        return s.max().item() if s.numel() else 0.0
+
+
+def base_support(inputs, bases64, masks):
+    """Per base, the bool tensor of its entries that feed the view-space entries ``masks``
+    (bool, one per input, broadcastable with it -- summed over the dims the input broadcasts):
+    pushed through the views by autograd."""
+    total = {}
+    for inp, b64, m in zip(inputs, bases64, masks):
+        probe = b64.detach().clone().requires_grad_()
+        view = inp.view(probe)
+        m = m.to(view.device, F64)  # broadcast to the view, summed over the view's broadcast dims
+        m = m.expand(torch.broadcast_shapes(m.shape, view.shape)).sum_to_size(view.shape)
+        (grad,) = torch.autograd.grad(view, probe, m.contiguous())
+        total[id(b64)] = total.get(id(b64), 0) + grad
+    return [total[id(b64)] > 0 for b64 in bases64]
+
+
+def check_grad_with_specials(name, got, ref64, tol, allowed):
+    """Gradients of a case with non-finite inputs: non-finite only where the float64 reference
+    is or where ``allowed`` (entries fed by a poisoned row: the reference's own value there can
+    be an artefact, e.g. p = finite / inf = 0 on a row with a +inf score); wherever both are
+    finite, within ``tol`` (None: no value comparison)."""
+    x = got.detach().to(device=ref64.device, dtype=F64)
+    r = ref64.detach()
+    stray = ~torch.isfinite(x) & torch.isfinite(r) & ~allowed.to(r.device)
+    assert not stray.any(), (
+        f"{name}: non-finite at {int(stray.sum())} entries where the float64 reference is finite and "
+        f"no poisoned row reaches (first at {stray.nonzero()[0].tolist()})"
+    )
+    both = torch.isfinite(x) & torch.isfinite(r)
+    if tol is not None and both.any():
+        err = (x[both] - r[both]).abs().max().item()
+        assert err <= tol, f"{name}: max error {err:.3e} > tolerance {tol:.3e}"
+
+
+def draw_special(data, allowed=SPECIALS):
+    return data.draw(st.sampled_from(allowed), label="special")

@@ -1,0 +1,157 @@
+"""Differential fuzzing of attnkit.sparse_attention (issue 15): every pattern family (strided,
+fixed, star, block layouts) with random parameters, every backend usable here, against the
+float64 reference (dense softmax under the pattern's mask), forward and gradients, with the
+layouts and special values of fuzzing.py.  Rows a block layout leaves without keys give 0."""
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import patterns
+from attnkit.reference.sparse import sparse_attention_reference
+from attnkit_testing import F64
+from fuzzing import (
+    BACKENDS, LAYOUTS, SPECIALS, check_exact, check_grad_with_specials, base_support, max_score, check_v_mode, dtypes_for, fused_qkv, fuzz_settings,
+    grad_term_sizes, interpreted, leaves, make_input, require_backend, set_values, tolerance,
+)
+
+SEQ = [1, 2, 3, 5, 7, 16, 17, 33, 63, 65]
+SEQ_INTERPRETED = [1, 2, 3, 5, 7, 17, 33]
+DIMS = [1, 2, 3, 8, 16, 31, 64, 100, 128, 256]
+CUDA_DIMS = [64, 128]
+CUDA_MIN_BLOCK = 16
+
+
+def _draw_pattern(draw, n, h, gen, cuda_kernel, seq):
+    """A pattern of a drawn family with random parameters, and the sequence length it runs at
+    (a block layout's is nb * block)."""
+    family = draw(st.sampled_from(["strided", "fixed", "star", "block"]), label="pattern")
+    causal = draw(st.booleans(), label="causal")
+    if family == "strided":
+        return patterns.strided(draw(st.integers(1, max(1, n + 1)), label="stride"), causal=causal), n
+    if family == "fixed":
+        stride = draw(st.integers(1, max(1, n + 1)), label="stride")
+        return patterns.fixed(stride, draw(st.integers(1, stride), label="summary"), causal=causal), n
+    if family == "star":
+        return patterns.star(draw(st.integers(0, n - 1), label="relay"), draw(st.integers(1, max(1, n)), label="radius"),
+                             cyclic=draw(st.booleans(), label="cyclic"), causal=causal), n
+    blocks = [16, 32] if cuda_kernel else [1, 2, 3, 4, 8, 16]
+    block = draw(st.sampled_from(blocks), label="block")
+    nb = draw(st.integers(1, max(1, max(seq) // block)), label="blocks")
+    heads = draw(st.sampled_from([1, h]), label="layout heads")
+    layout = torch.rand(heads, nb, nb, generator=gen) < draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]), label="density")
+    return patterns.block_layout(layout, block, causal=causal), nb * block
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@fuzz_settings(25)
+@given(data=st.data())
+def test_sparse_attention_matches_float64_reference(backend, device, data):
+    require_backend("sparse", backend, device)
+    draw = data.draw
+    cuda_kernel = backend == "cuda"
+    dtype = draw(st.sampled_from(dtypes_for(backend, device, (torch.float16, torch.bfloat16) if cuda_kernel else None)),
+                 label="dtype")
+    b = draw(st.sampled_from([1, 2, 0]), label="B")
+    h = draw(st.integers(1, 3), label="H")
+    seq = SEQ_INTERPRETED if interpreted(backend, device) else SEQ
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1), label="seed"))
+    pattern, n = _draw_pattern(draw, draw(st.sampled_from(seq), label="N"), h, gen, cuda_kernel, seq)
+    d = draw(st.sampled_from(CUDA_DIMS if cuda_kernel else DIMS), label="D")
+    dv = d if cuda_kernel or draw(st.booleans(), label="Dv = D") else draw(st.sampled_from(DIMS), label="Dv")
+    qkv = draw(st.sampled_from(["separate", "separate", "fused", "shared"]), label="qkv")
+    if d != dv:
+        qkv = "separate"
+    special = draw(st.sampled_from(SPECIALS), label="special")
+    if qkv != "separate" and special not in ("none", "huge"):
+        special = "none"
+    want_grad = draw(st.booleans(), label="gradients")
+    scale = draw(st.one_of(st.none(), st.floats(0.05, 2.0)), label="scale")
+
+    if qkv == "fused":
+        inputs = fused_qkv((b,), n, h, d, gen, dtype, device)
+    elif qkv == "shared":
+        one = make_input((b, h, n, d), draw(st.sampled_from(LAYOUTS), label="layout"), gen, dtype, device)
+        inputs = [one, one, one]
+    else:
+        inputs = [make_input(shape, draw(st.sampled_from(LAYOUTS), label=f"{name} layout"), gen, dtype, device)
+                  for name, shape in (("q", (b, h, n, d)), ("k", (b, h, n, d)), ("v", (b, h, n, dv)))]
+    targets = ""
+    if special == "huge":
+        targets = "v" if dtype == torch.float16 else draw(st.sampled_from(["q", "k", "v", "qk"]), label="huge in")
+        for name in targets:
+            set_values(inputs["qkv".index(name)], "huge", gen)
+    elif special != "none":
+        set_values(inputs["qkv".index(special[-1])], special[:3], gen)
+    huge = special == "huge" and targets != "v"
+    v_mode = special in ("nan_v", "inf_v")
+
+    bases, bases64 = leaves(inputs, want_grad)
+    q, k, v = (inp.view(x) for inp, x in zip(inputs, bases))
+    q64, k64, v64 = (inp.view(x) for inp, x in zip(inputs, bases64))
+    huge_scores = max_score(q64.detach(), k64.detach(), 1, scale) if huge else 0.0
+    out = attnkit.sparse_attention(q, k, v, pattern, scale=scale, backend=backend)
+    assert out.dtype == dtype and out.device.type == device and out.shape == (b, h, n, dv)
+    ref_out = sparse_attention_reference(q64, k64, v64, pattern, scale=scale)
+    ref = ref_out
+    if v_mode:
+        with torch.no_grad():
+            ref = sparse_attention_reference(q64, k64, torch.where(torch.isfinite(v64), v64, 0.0), pattern, scale=scale)
+    needs_naive = dtype in (torch.float16, torch.bfloat16) or huge
+    naive = None
+    if needs_naive:
+        with torch.no_grad():
+            vn = torch.where(torch.isfinite(v), v, torch.zeros_like(v)) if v_mode else v
+            naive = sparse_attention_reference(q.detach(), k.detach(), vn.detach(), pattern, scale=scale)
+
+    vis = torch.broadcast_to(pattern.mask(n) if n else torch.zeros(0, 0, dtype=torch.bool), (b, h, n, n))
+    has_key = vis.any(-1)
+    q_nan = torch.isnan(q64.detach().cpu()).any(-1)
+    required_rows = (q_nan & has_key) | (vis & torch.isnan(k64.detach().cpu()).any(-1).unsqueeze(-2)).any(-1)
+    tol = tolerance(dtype, ref, naive=naive, huge_scores=huge_scores)
+    name = f"{backend} {pattern!r}"
+    if v_mode:
+        v_bad = ~torch.isfinite(v64.detach().cpu())
+        check_v_mode(f"{name} out", out, ref, tol, (vis.unsqueeze(-1) & v_bad.unsqueeze(-3)).any(-2),
+                     v_bad.any(-2, keepdim=True))
+    else:
+        check_exact(f"{name} out", out, ref, tol, required_rows.unsqueeze(-1))
+    empty = (~has_key & ~q_nan).to(out.device)
+    assert v_mode or torch.equal(out.detach()[empty], torch.zeros_like(out.detach()[empty])), f"{name}: a row without keys is not 0"
+
+    if not want_grad:
+        return
+    g = torch.randn(out.shape, generator=gen, dtype=F64).to(device=device, dtype=dtype)
+    out.backward(g)
+    ref_out.backward(g.to(F64))
+    naive_grads = None
+    if needs_naive and not v_mode:
+        nb = [x.detach().clone().requires_grad_() for x in bases]
+        nq, nk, nv = (inp.view(x) for inp, x in zip(inputs, nb))
+        sparse_attention_reference(nq, nk, nv, pattern, scale=scale).backward(g)
+        naive_grads = [x.grad for x in nb]
+    sizes = grad_term_sizes(inputs, bases64, vis, None, scale, 1, g.cpu(), torch.zeros(out.shape[:-1], dtype=F64))
+    poisoned = ~torch.isfinite(ref_out.detach().cpu()).all(-1)
+    fed = (vis & poisoned.unsqueeze(-1)).any(-2).unsqueeze(-1)
+    allowed = base_support(inputs, bases64, [poisoned.unsqueeze(-1), fed, fed])
+    seen = set()
+    for i, (which, x, x64) in enumerate(zip("qkv", bases, bases64)):
+        if id(x) in seen or x64.grad is None or x64.grad.numel() == 0:
+            continue
+        seen.add(id(x))
+        finite = torch.isfinite(x64.grad)
+        gtol = None
+        if not needs_naive:
+            gtol = tolerance(dtype, x64.grad[finite], grad=True, size=sizes[i])
+        elif naive_grads is not None:
+            gtol = tolerance(dtype, x64.grad[finite], grad=True, naive=naive_grads[i][finite.to(naive_grads[i].device)],
+                             huge_scores=huge_scores, size=sizes[i])
+        got = x.grad if x.grad is not None else torch.zeros_like(x)
+        if special in ("none", "huge"):
+            check_exact(f"{name} d{which}", got, x64.grad, gtol)
+            continue
+        check_grad_with_specials(f"{name} d{which}", got, x64.grad, gtol, allowed[i])
+        if which == "q" and q is x and not v_mode:
+            rows = required_rows.to(got.device)
+            assert not torch.isfinite(got.detach()[rows]).all(-1).any(), f"{name} dq: NaN of the forward dropped"
