@@ -317,3 +317,26 @@ def test_mutants_are_caught(builds, mutation):
     split = mutation == "merge_weight"
     with pytest.raises((AssertionError, EmulatorError)):
         check_update(emu, F32, 7, 300, 16, None, 2, None, split, mutant=MUTANT[mutation])
+
+
+# Issue 15: a NaN in a state row poisons that row's retrieval; a NaN in a stored pattern (or its
+# value) every row, since every row attends to every pattern -- as in the float64 reference; the
+# other rows stay finite and correct.  With tol a NaN row must not be taken for converged early
+# with a finite state: its result stays NaN.
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+@pytest.mark.parametrize("where", ["state", "stored", "values"])
+@pytest.mark.parametrize("tol", [None, 1e-3], ids=["steps", "tol"])
+def test_nonfinite_inputs_propagate_like_the_reference(emulator, split, where, tol):
+    dv = 16 if where == "values" else None
+    state, stored, values = make_hopfield_inputs(1, 2, 7, 300 if split else 50, 16, dv, dtype=F32, seed=4)
+    {"state": state[0, 1, 3], "stored": stored[0, 0, 17], "values": None if values is None else values[0, 1, 5]}[
+        where][2] = float("nan")
+    beta, steps = 0.25, 3
+    out = run_update(emulator, state, stored, values, beta, steps, tol, True, split)[0]
+    ref = hopfield_update_reference(state.double(), stored.double(), beta=beta, steps=steps,
+                                    values=None if values is None else values.double(), tol=tol)
+    assert torch.isnan(ref).any()  # the case poisons something
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)), (
+        f"NaN at {int(torch.isnan(out).sum())} entries, the reference at {int(torch.isnan(ref).sum())}")
+    keep = ~torch.isnan(ref)
+    assert_close_to_reference(torch.where(keep, out.double(), 0.0).float(), torch.where(keep, ref, 0.0), name="out")

@@ -201,11 +201,13 @@ def _inputs(case: Case, seed: int):
     return q, k, v, go, state
 
 
-def run_emulated(emu: Emulator, case: Case, seed=0):
+def run_emulated(emu: Emulator, case: Case, seed=0, edit=None):
     """Forward + backward through the emulator; returns ((out, den, S, z), (dq, dk, dv, dS0, dz0))
     and the inputs (q, k, v, grad_out, state), after checking that nothing was written outside
-    the outputs and no input changed."""
+    the outputs and no input changed.  ``edit(q, k, v)`` may change the inputs first."""
     q, k, v, go, state = _inputs(case, seed)
+    if edit is not None:
+        edit(q.tensor, k.tensor, v.tensor)
     b, h, n, m, d, dv, dt = case.b, case.h, case.n, case.m, case.d, case.dv, case.dtype
     kw = case.kwargs()
     s0 = z0 = gden = gs = gz = None
@@ -396,3 +398,43 @@ def test_extraction_refuses_a_changed_ptx_helper():
     assert changed != header
     with pytest.raises(extract.ExtractError, match="ldsm_x4_trans"):
         extract.extract_device_code(source, {**headers, "mma_sm80.cuh": changed}, name="linear.cu")
+
+
+# Issue 15: a NaN in q reaches its own row; in k (causal) the rows at and after it, every row
+# when not causal -- exactly the out rows of the float64 reference.  A NaN in v also reaches
+# earlier rows of its chunk through 0 * NaN in the masked intra-chunk product (P ∘ tril) V, as the
+# reference's masked quadratic form does for every row (SDPA's tiles do the same, which the issue
+# accepts): there out's NaN lies within the reference's and covers the rows at and after it.
+# Gradients: NaN only where the reference has it (its 0 * NaN products reach further), and on
+# every dq row whose out row is all NaN.
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_nonfinite_inputs_reach_the_rows_of_the_reference(emulator, where, causal):
+    case = Case(F16, "elu", causal, True, 150, 150, 32, 48)
+    row, col = {"q": 10, "k": 100, "v": 70}[where], 2  # k: in the second 64-row chunk, as v
+
+    def edit(q, k, v):
+        {"q": q, "k": k, "v": v}[where][0, 1, row, col] = float("nan")
+
+    emulator.configure(seed=2)
+    ((out, _, _, _), grads), (q, k, v, go, _) = run_emulated(emulator, case, edit=edit)
+    ref = _reference(q, k, v, go, case.kwargs(), F64)
+    low = _reference(q, k, v, go, case.kwargs(), F16)
+    seen_from = row if (causal or where == "q") else 0  # the rows that see the NaN: seen_from..
+    seen_to = row + 1 if where == "q" else case.n
+    for name, x, r, rl in zip(("out", "dq", "dk", "dv"), (out, *grads[:3]), ref, low):
+        nan_x, nan_r = torch.isnan(x), torch.isnan(r)
+        if name == "out" and where != "v":
+            assert torch.equal(nan_x, nan_r), f"out: NaN at {int(nan_x.sum())} entries, the reference at {int(nan_r.sum())}"
+            assert nan_x[0, 1, seen_from:seen_to].all() and not nan_x[0, 1, :seen_from].any()
+        else:
+            assert not (nan_x & ~nan_r).any(), f"{name}: NaN where the reference has none"
+        if name == "out" and where == "v":
+            assert nan_x[0, 1, seen_from:, col].all(), "out: a row that sees the NaN value lost it"
+        if name == "dq":
+            poisoned = torch.isnan(ref[0]).all(-1)
+            assert nan_x[poisoned].all(), "dq: a NaN row's gradient lost the NaN"
+        keep = ~(nan_x | nan_r)
+        assert_close_to_reference(torch.where(keep, x.double(), 0.0).to(x.dtype), torch.where(keep, r, 0.0),
+                                  torch.where(keep, rl.double(), 0.0).to(rl.dtype), name=name, dtype=F16,
+                                  grad=name != "out")
