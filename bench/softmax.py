@@ -8,6 +8,11 @@ convention of FlashAttention-2).
 Full sizes (issue 3): B=1, H=8, N=4096, D=64 — float32 forward and forward+backward, causal and
 not, and bfloat16 forward.  ``--quick``: N=1024.
 
+Decoding (issue 14, :func:`make_decode_case`): one query row per head against a KV cache, B=8,
+Hq=32, Hk=8 (GQA), D=128, M in {1024, 4096, 16384}, float32 (target 2x SDPA) and bfloat16
+(3x), and at least 70% of the machine's copy bandwidth (K and V bytes read per call / time);
+N_q = 4 and 16 at M=4096 in float32 without a target.  ``--quick``: float32 M=4096 N_q=1.
+
 CUDA (issue 10, :func:`cuda_cases`): the GPU targets first — bfloat16, D=128, N=8192, B=4, H=8,
 not causal: forward >= 1.0x torch SDPA, forward+backward >= 0.9x (``--quick``: these two only);
 then the same shape causal and bfloat16 D=64 N=4096.  Every distinct (dtype, head dim, causal,
@@ -79,6 +84,57 @@ def make_case(b: int, h: int, n: int, d: int, dtype: torch.dtype, causal: bool, 
                 priority=priority)
 
 
+def _decode_inputs(b, h, hk, n, m, d, dtype, seed):
+    def make(device):
+        return {
+            "q": seeded_randn((b, h, n, d), dtype, device, seed),
+            "k": seeded_randn((b, hk, m, d), dtype, device, seed + 1),
+            "v": seeded_randn((b, hk, m, d), dtype, device, seed + 2),
+        }
+    return make
+
+
+def make_decode_case(b: int, h: int, hk: int, n: int, m: int, d: int, dtype: torch.dtype,
+                     device: torch.device, seed: int = 0, targets: dict | None = None,
+                     copy_fraction: float | None = None) -> Case:
+    """Decoding forward: ``n`` query rows per head against ``m`` cached keys on ``hk`` kv heads.
+    GB/s counts the K and V bytes (each read once: the floor of the call's memory traffic)."""
+    esize = torch.empty((), dtype=dtype).element_size()
+
+    def call(backend):
+        def fn(x):
+            import attnkit
+
+            return attnkit.softmax_attention(x["q"], x["k"], x["v"], enable_gqa=True, backend=backend)
+        return fn
+
+    impls = attnkit_impls(FAMILY, device, call,
+                          reference_skip_reason=reference_skip(b * h * n * m * esize, device))
+    impls.append(Impl("torch SDPA", "peer",
+                      fn=lambda x: F.scaled_dot_product_attention(x["q"], x["k"], x["v"], enable_gqa=True)))
+    name = f"decode-{dtype_name(dtype)}-Nq{n}-M{m}-Hq{h}-Hk{hk}-D{d}"
+    params = {"B": b, "H": h, "Hk": hk, "N": n, "M": m, "D": d, "dtype": dtype_name(dtype), "causal": False}
+    return Case(FAMILY, name, "fwd", params, flops(b, h, n, m, d, d, False, "fwd"),
+                _decode_inputs(b, h, hk, n, m, d, dtype, seed), impls,
+                bytes=2.0 * b * hk * m * d * esize, targets=dict(targets or {}),
+                copy_fraction_target=copy_fraction)
+
+
+def decode_cases(quick: bool, device: torch.device) -> list[Case]:
+    f32, bf16 = torch.float32, torch.bfloat16
+    if quick:
+        return [make_decode_case(8, 32, 8, 1, 4096, 128, f32, device, targets={"torch SDPA": 2.0},
+                                 copy_fraction=0.7)]
+    out = []
+    for dtype, target in ((f32, 2.0), (bf16, 3.0)):
+        for m in (1024, 4096, 16384):
+            out.append(make_decode_case(8, 32, 8, 1, m, 128, dtype, device,
+                                        targets={"torch SDPA": target}, copy_fraction=0.7))
+    for n in (4, 16):
+        out.append(make_decode_case(8, 32, 8, n, 4096, 128, f32, device))
+    return out
+
+
 def cases(quick: bool, device: torch.device) -> list[Case]:
     if device.type == "cuda":
         return cuda_cases(quick, device)
@@ -88,6 +144,7 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
         for causal in (False, True):
             out.append(make_case(1, 8, n, 64, torch.float32, causal, mode, device))
     out.append(make_case(1, 8, n, 64, torch.bfloat16, False, "fwd", device))
+    out += decode_cases(quick, device)
     return out
 
 

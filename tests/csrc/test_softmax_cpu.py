@@ -365,15 +365,19 @@ NAN_CASES = [("q", NAN), ("q", INF), ("k", NAN), ("k", INF), ("k", -INF), ("v", 
              ("mask", NAN), ("mask", INF)]
 
 
-@pytest.mark.parametrize("where,val", NAN_CASES, ids=[f"{w}-{v}" for w, v in NAN_CASES])
-@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+NAN_MASK_CASES = [(w, v, m) for w, v in NAN_CASES for m in (None, "bool", "float")
+                  if w != "mask" or m == "float"]
+
+
+@pytest.mark.parametrize("where,val,mask_kind", NAN_MASK_CASES,
+                         ids=[f"{w}-{v}-{m}" for w, v, m in NAN_MASK_CASES])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [F32, F64, BF16, F16])
-def test_nan_and_inf_propagate(where, val, mask_kind, causal, dtype):
-    if where == "mask" and mask_kind != "float":
-        pytest.skip("a NaN in the mask needs a float mask")
+@pytest.mark.parametrize("N", [70, 12], ids=["flash", "decode"])
+def test_nan_and_inf_propagate(where, val, mask_kind, causal, dtype, N):
     # H = 4 query heads on Hk = 2 kv heads: the poisoned kv head 0 feeds heads 0, 1 only.
-    B, H, Hk, N, M, D = 1, 4, 2, 70, 300, 32
+    # N = 12 takes the decoding path (not for float64).
+    B, H, Hk, M, D = 1, 4, 2, 300, 32
     gen = torch.Generator().manual_seed(15)
     q = torch.randn(B, H, N, D, generator=gen).to(dtype)
     k = torch.randn(B, Hk, M, D, generator=gen).to(dtype)
@@ -388,7 +392,7 @@ def test_nan_and_inf_propagate(where, val, mask_kind, causal, dtype):
     # Keys hidden by causality or a bool mask; an additive -inf does not hide a NaN score
     # (NaN + -inf = NaN, in SDPA too).
     vis = visibility(H, N, M, causal, mask if mask_kind == "bool" else None)
-    i, j = 40, 7                          # the poisoned query row / key
+    i, j = min(40, N - 2), 7              # the poisoned query row / key
     if where == "q":
         q[0, 0, i, 5] = val
     elif where == "k":
@@ -491,3 +495,76 @@ def test_nan_row_is_not_a_fully_masked_row():
     assert torch.isnan(out[0, 0, 1]).all() and torch.isnan(lse[0, 0, 1])
     assert torch.equal(out[0, 0, 2], torch.zeros(8)) and torch.isneginf(lse[0, 0, 2])
     assert torch.isfinite(out[0, 0, [0, 3]]).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# decoding path (issue 14): N <= 16 query rows, G * N <= 64 rows per kv head, float32 / bfloat16
+# / float16.  Keys split over tasks when (b, kv head) pairs are few (each split >= 512 keys),
+# merged by log-sum-exp weights; key tiles of max(64, 4096 / round_up(G N, 16)) keys.
+# ----------------------------------------------------------------------------------------------
+
+# (B, H, Hk, N, M, D, Dv, causal)
+DECODE_SHAPES = [
+    (1, 4, 1, 1, 3001, 64, 64, False),     # MQA, 5 splits
+    (2, 8, 2, 4, 1100, 128, 128, False),   # GQA 4, 16 rows, 2 splits
+    (1, 2, 2, 16, 257, 80, 96, False),     # MHA, 16 rows, Dv != D
+    (1, 16, 1, 4, 1300, 32, 32, False),    # 64 rows per task
+    (1, 6, 3, 7, 1, 16, 16, False),        # a single key
+    (1, 3, 1, 5, 700, 17, 9, False),       # odd head dims (bf16 without the dot path)
+    (2, 4, 2, 16, 600, 64, 64, True),      # causal: rows see keys <= i only
+    (1, 8, 8, 1, 64, 128, 128, True),
+]
+
+
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: "x".join(map(str, s[:7])) + ("c" if s[7] else ""))
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+def test_decode_matches_reference(shape, dtype):
+    *dims, causal = shape
+    check(*dims, dtype, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("mask", ["bool", "additive"])
+def test_decode_masks(dtype, mask):
+    check(2, 8, 2, 4, 1500, 64, 64, dtype, mask=mask, mask_shape=(2, 1, 4, 1500))
+    check(1, 4, 1, 1, 2100, 64, 64, dtype, mask=mask, mask_shape=(1, 4, 1, 2100), causal=True)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_decode_non_contiguous(dtype):
+    for layout in (lambda x: x.transpose(1, 2).contiguous().transpose(1, 2),
+                   lambda x: torch.cat([x, x], dim=-1)[..., ::2]):
+        check(1, 8, 2, 3, 1200, 64, 64, dtype, layout=layout)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_decode_thread_counts(threads):
+    with num_threads(threads):
+        check(1, 4, 2, 2, 2500, 64, 64, F32)
+        check(1, 4, 1, 1, 1100, 64, 64, BF16)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_decode_fully_masked_and_nan_rows_across_splits(dtype):
+    """A row masked in every split stays 0 / -inf; a NaN key in one split poisons the rows that
+    see it after the merge, and only those."""
+    B, H, Hk, N, M, D = 1, 4, 1, 2, 3000, 32
+    q, k, v = torch.randn(B, H, N, D).to(dtype), torch.randn(B, Hk, M, D).to(dtype), torch.randn(B, Hk, M, D).to(dtype)
+    mask = torch.rand(B, H, N, M) > 0.5
+    mask[0, 0, 0] = False           # fully masked
+    mask[0, 1, 1] = False
+    mask[0, 1, 1, 2900] = True      # sees one key, in the last split
+    k[0, 0, 2900, 3] = NAN
+    mask[0, 2:, :, 2900] = False    # heads 2, 3 hide the NaN key
+    out, lse = fwd(q, k, v, mask, 0.2, False)
+    assert torch.equal(out[0, 0, 0], torch.zeros(D, dtype=dtype)) and torch.isneginf(lse[0, 0, 0])
+    sees = mask[0, :, :, 2900]
+    assert torch.equal(torch.isnan(lse[0]), sees)
+    assert torch.equal(nan_rows(out)[0], sees)
+    k[0, 0, 2900, 3] = 0.5
+    out, lse = fwd(q, k, v, mask, 0.2, False)
+    ref, ref_lse = softmax_attention_reference(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.2,
+                                               enable_gqa=True, return_lse=True)
+    assert not torch.isnan(out).any()
+    tol = 2e-5 if dtype == F32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol * ref.abs().max().item())
