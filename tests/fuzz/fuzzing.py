@@ -233,13 +233,20 @@ def tolerance(dtype, ref64, *, grad=False, naive=None, huge_scores=0.0, size=Non
     raise AssertionError(dtype)
 
 
-def check_exact(name, out, ref64, tol, required=None):
+def check_exact(name, out, ref64, tol, required=None, zero_or_nan=None):
     """NaN / ±inf exactly where ``ref64`` has them; ``required`` (bool, broadcastable to out):
     entries that must be non-finite (checked on the reference too); finite entries within
-    ``tol``."""
+    ``tol``.  ``zero_or_nan`` (bool, broadcastable): entries of rows that see no key but hold
+    a NaN query -- 0 (nothing to attend) or NaN (the query's NaN) both stand there, whatever the
+    reference says."""
     assert out.shape == ref64.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref64.shape)}"
     x = out.detach().to(device=ref64.device, dtype=F64)
     r = ref64.detach()
+    if zero_or_nan is not None:
+        loose = torch.broadcast_to(zero_or_nan.to(r.device), r.shape)
+        ok = torch.isnan(x) | (x == 0)
+        assert ok[loose].all(), f"{name}: a row without keys (NaN query) is neither 0 nor NaN"
+        r = torch.where(loose, x, r)
     if required is not None:
         required = torch.broadcast_to(required.to(r.device), r.shape)
         assert not torch.isfinite(r[required]).any(), \
@@ -318,15 +325,21 @@ def grad_term_sizes(inputs, bases64, vis, bias, scale, group, g, g_lse):
         tk, tv = (t.sum_to_size(x.shape) for t, x in ((tk, k), (tv, v)))
         if squeeze:
             tq, tk, tv = tq[0], tk[0], tv[0]
-    sizes = []
-    for inp, b64, t in zip(inputs, bases64, (tq, tk, tv)):
-        probe = b64.detach().clone().requires_grad_()
-        (grad,) = torch.autograd.grad(inp.view(probe), probe, t.to(probe.device))
-        sizes.append(grad)
-    # one base shared by several inputs: its gradient sums theirs
+    return base_term_max(inputs, bases64, (tq, tk, tv))
+
+
+def base_term_max(inputs, bases64, terms):
+    """The largest gradient term per base, from the term sizes ``terms`` of each input (in the
+    input's shape): pushed back through the views (transposes, sums over stride-0 copies, one
+    base shared by several inputs) by autograd."""
     total = {}
-    for b64, t in zip(bases64, sizes):
-        total[id(b64)] = total.get(id(b64), 0) + t
+    for inp, b64, t in zip(inputs, bases64, terms):
+        probe = b64.detach().clone().requires_grad_()
+        view = inp.view(probe)
+        t = t.to(view.device, F64)
+        (grad,) = torch.autograd.grad(view, probe, t.expand(torch.broadcast_shapes(t.shape, view.shape))
+                                      .sum_to_size(view.shape).contiguous())
+        total[id(b64)] = total.get(id(b64), 0) + grad
     return [total[id(b64)].max().item() if total[id(b64)].numel() else 0.0 for b64 in bases64]
 
 

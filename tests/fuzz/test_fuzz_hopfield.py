@@ -1,0 +1,158 @@
+"""Differential fuzzing of attnkit.hopfield_update and hopfield_energy (issue 15): every backend
+usable here against the float64 reference, over steps, beta, tol, values, return_energy, the
+layouts of fuzzing.py and NaN / ±inf / 1e4 entries; forward and gradients.
+
+tol is drawn from None, 0 and 1e6 (never freezes / only exact fixed points / freezes after the
+first update): a tol between those would freeze a row in float32 and not in float64 (or the
+reverse) whenever the row's change lies within rounding of tol -- a legitimate discontinuity,
+not an error."""
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit.reference.hopfield import hopfield_energy_reference, hopfield_update_reference
+from attnkit_testing import F64
+from fuzzing import (
+    BACKENDS, LAYOUTS, check_exact, dtypes_for, fuzz_settings, interpreted, leaves, make_input,
+    require_backend, set_values, tolerance,
+)
+
+SEQ = [0, 1, 2, 3, 5, 7, 16, 17, 33, 65]
+SEQ_INTERPRETED = [0, 1, 2, 3, 5, 7, 17]
+DIMS = [1, 2, 3, 8, 16, 31, 64, 100, 128, 256]
+HOPFIELD_SPECIALS = ["none", "none", "none", "nan_state", "nan_stored", "inf_stored", "nan_values", "huge"]
+
+
+def _draw_case(data, backend, device, want_values=True):
+    draw = data.draw
+    dtype = draw(st.sampled_from(dtypes_for(backend, device)), label="dtype")
+    b, h = draw(st.sampled_from([1, 2, 0]), label="B"), draw(st.integers(1, 3), label="H")
+    seq = SEQ_INTERPRETED if interpreted(backend, device) else SEQ
+    s = draw(st.sampled_from(seq), label="S (states)")
+    n = draw(st.sampled_from([x for x in seq if x >= 1]), label="N (stored)")
+    d = draw(st.sampled_from(DIMS), label="D")
+    dv = draw(st.sampled_from(DIMS), label="Dv") if want_values and draw(st.booleans(), label="values") else None
+    special = draw(st.sampled_from(HOPFIELD_SPECIALS if dv is not None else
+                                   [x for x in HOPFIELD_SPECIALS if x != "nan_values"]), label="special")
+    if special == "huge" and dtype == torch.float16:
+        special = "none"  # float16 scores of 1e4 entries overflow the float16 yardstick
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1), label="seed"))
+    shapes = [(b, h, s, d), (b, h, n, d)] + ([(b, h, n, dv)] if dv is not None else [])
+    inputs = [make_input(shape, draw(st.sampled_from(LAYOUTS), label=f"layout {i}"), gen, dtype, device)
+              for i, shape in enumerate(shapes)]
+    if special == "huge":
+        set_values(inputs[draw(st.integers(0, len(inputs) - 1), label="huge in")], "huge", gen)
+    elif special != "none":
+        kind, where = special.split("_")
+        set_values(inputs[{"state": 0, "stored": 1, "values": 2}[where]], kind, gen)
+    return dtype, inputs, special, gen
+
+
+def _required(state64, stored64, values64):
+    """Entries that must be non-finite: a NaN state row poisons its row; a NaN stored pattern
+    (or value row) every row of its (batch, head) -- every state sees every pattern."""
+    with torch.no_grad():
+        row = torch.isnan(state64).any(-1)  # [B, H, S]
+        head = torch.isnan(stored64).flatten(2).any(-1)  # [B, H]
+        rows = row | head[..., None]
+        if values64 is None:
+            return rows.unsqueeze(-1)
+        col = torch.isnan(values64).any(-2, keepdim=True)  # [B, H, 1, Dv]
+        return rows.unsqueeze(-1) | col
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@fuzz_settings(20)
+@given(data=st.data())
+def test_hopfield_update_matches_float64_reference(backend, device, data):
+    require_backend("hopfield", backend, device)
+    draw = data.draw
+    dtype, inputs, special, gen = _draw_case(data, backend, device)
+    steps = draw(st.integers(1, 3), label="steps")
+    d = inputs[0].tensor().shape[-1]
+    beta = draw(st.one_of(st.none(), st.floats(0.05, 2.0 / math.sqrt(d))), label="beta")
+    tol = draw(st.sampled_from([None, 0.0, 1e6]), label="tol")
+    return_energy = draw(st.booleans(), label="return_energy")
+    want_grad = special == "none" and draw(st.booleans(), label="gradients")
+    bases, bases64 = leaves(inputs, want_grad)
+    args = [inp.view(x) for inp, x in zip(inputs, bases)]
+    args64 = [inp.view(x) for inp, x in zip(inputs, bases64)]
+    values, values64 = (args[2], args64[2]) if len(args) == 3 else (None, None)
+    kwargs = dict(beta=beta, steps=steps, tol=tol)
+    result = attnkit.hopfield_update(args[0], args[1], values=values, return_energy=return_energy,
+                                     backend=backend, **kwargs)
+    out, energy = result if return_energy else (result, None)
+    ref, ref_energy = hopfield_update_reference(args64[0], args64[1], values=values64, return_energy=True, **kwargs)
+    naive = naive_energy = None
+    if dtype in (torch.float16, torch.bfloat16):
+        with torch.no_grad():
+            naive, naive_energy = hopfield_update_reference(args[0].detach(), args[1].detach(),
+                                                            values=None if values is None else values.detach(),
+                                                            return_energy=True, **kwargs)
+    assert out.dtype == dtype and out.device.type == device and out.shape == ref.shape
+    name = f"{backend} hopfield_update(steps={steps}, beta={beta}, tol={tol}, values={values is not None})"
+    required = _required(args64[0].detach(), args64[1].detach(), None if values64 is None else values64.detach())
+    check_exact(f"{name} out", out, ref, tolerance(dtype, ref, naive=naive), required)
+    if return_energy:
+        assert energy.shape == ref_energy.shape and not energy.requires_grad
+        check_exact(f"{name} energy", energy, ref_energy.detach(),
+                    tolerance(dtype, ref_energy.detach(), naive=naive_energy), required.all(-1)[None] if values is None
+                    else _required(args64[0].detach(), args64[1].detach(), None).squeeze(-1)[None])
+    if not want_grad:
+        return
+    g = torch.randn(out.shape, generator=gen, dtype=F64).to(device=device, dtype=dtype)
+    out.backward(g)
+    ref.backward(g.to(F64))
+    naive_grads = [None] * len(bases)
+    if dtype in (torch.float16, torch.bfloat16):
+        nb = [x.detach().clone().requires_grad_() for x in bases]
+        na = [inp.view(x) for inp, x in zip(inputs, nb)]
+        hopfield_update_reference(na[0], na[1], values=na[2] if len(na) == 3 else None, **kwargs).backward(g)
+        naive_grads = [x.grad for x in nb]
+    for i, (x, x64) in enumerate(zip(bases, bases64)):
+        if x64.grad is None or x64.grad.numel() == 0:
+            continue
+        got = x.grad if x.grad is not None else torch.zeros_like(x)
+        check_exact(f"{name} grad {i}", got, x64.grad, tolerance(dtype, x64.grad, grad=True, naive=naive_grads[i]))
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@fuzz_settings(15)
+@given(data=st.data())
+def test_hopfield_energy_matches_float64_reference(backend, device, data):
+    require_backend("hopfield_energy", backend, device)
+    draw = data.draw
+    dtype, inputs, special, gen = _draw_case(data, backend, device, want_values=False)
+    d = inputs[0].tensor().shape[-1]
+    beta = draw(st.floats(0.05, 2.0 / math.sqrt(d)), label="beta")
+    want_grad = special == "none" and draw(st.booleans(), label="gradients")
+    bases, bases64 = leaves(inputs, want_grad)
+    state, stored = (inp.view(x) for inp, x in zip(inputs, bases))
+    state64, stored64 = (inp.view(x) for inp, x in zip(inputs, bases64))
+    energy = attnkit.hopfield_energy(state, stored, beta, backend=backend)
+    ref = hopfield_energy_reference(state64, stored64, beta)
+    naive = hopfield_energy_reference(state.detach(), stored.detach(), beta) \
+        if dtype in (torch.float16, torch.bfloat16) else None
+    assert energy.dtype == dtype and energy.shape == ref.shape
+    required = _required(state64.detach(), stored64.detach(), None).squeeze(-1)
+    check_exact(f"{backend} hopfield_energy(beta={beta})", energy, ref, tolerance(dtype, ref, naive=naive), required)
+    if not want_grad:
+        return
+    g = torch.randn(energy.shape, generator=gen, dtype=F64).to(device=device, dtype=dtype)
+    energy.backward(g)
+    ref.backward(g.to(F64))
+    naive_grads = [None, None]
+    if dtype in (torch.float16, torch.bfloat16):
+        nb = [x.detach().clone().requires_grad_() for x in bases]
+        hopfield_energy_reference(*(inp.view(x) for inp, x in zip(inputs, nb)), beta).backward(g)
+        naive_grads = [x.grad for x in nb]
+    for i, (x, x64) in enumerate(zip(bases, bases64)):
+        if x64.grad is None or x64.grad.numel() == 0:
+            continue
+        got = x.grad if x.grad is not None else torch.zeros_like(x)
+        check_exact(f"{backend} hopfield_energy grad {i}", got, x64.grad,
+                    tolerance(dtype, x64.grad, grad=True, naive=naive_grads[i]))
