@@ -161,6 +161,16 @@ def test_range_batch_and_chunks():
     _check_range_case(("b3", 150, 150, 16, 16, V1, [-40, 1, 1, 0], [0, 1, 1, 0]), F32, b=3, h=1, seed=2)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("n", [60, 150])
+def test_range_strided_view_chunks(n, dtype):
+    # Three groups of a strided view on one head: 3 units, so the backward splits key tiles
+    # into chunks; its dQ rows are gathered into a local buffer and scattered; with n = 60 a
+    # group has one key tile, so the second chunk only zeroes its dQ rows.
+    _check_range_case(("strided_chunks", n, n, 16, 8, [3, 1, 3, 1, 3], [-20, 1, 1, 0], [0, 1, 1, 0]),
+                      dtype, b=1, h=1, seed=5)
+
+
 def test_range_parts_partition_strided_causal():
     # The two parts of the strided causal pattern cover its mask exactly once (what the lead's
     # merge relies on), and merging the kernel's parts by lse gives the pattern's attention.
