@@ -196,10 +196,12 @@ def _finite_err(x64: torch.Tensor, ref64: torch.Tensor, where: torch.Tensor) -> 
     return (x64[where] - ref64[where]).abs().max().item()
 
 
-def tolerance(dtype, ref64, *, grad=False, naive=None, huge_scores=0.0, size=None) -> float:
+def tolerance(dtype, ref64, *, grad=False, naive=None, huge_scores=0.0, unit=None, size=None) -> float:
     """DESIGN.md's rule for one tensor.  ``naive``: the same computation by the reference in
     the inputs' dtype (needed for float16 / bfloat16, and for float32 with huge scores).
-    ``huge_scores``: the largest |scaled score| of a case with 1e4 entries in q / k, else 0.
+    ``huge_scores``: the largest |scaled score| S of a case with 1e4 entries in q / k, else 0;
+    ``unit``: what a relative change of the probabilities is a change of (max |V| for an
+    output, 1 for an lse -- scores' units --, the gradient's term size; default: its size).
     ``size``: the yardstick of the relative rule when it is not max |ref64| -- a gradient that
     cancels (dq with a single key is exactly 0, computed as p (dp - D) with dp = D) is held to
     the size of the terms it sums, as in tests/attnkit_testing.linear_dq_term_scale."""
@@ -226,7 +228,7 @@ def tolerance(dtype, ref64, *, grad=False, naive=None, huge_scores=0.0, size=Non
             # best), which moves the probabilities -- and the result -- by up to ~S eps: the
             # unavoidable error, and the naive float32 reference's as a yardstick.
             eps = torch.finfo(torch.float32).eps
-            tol += max(2.0 * naive_err(), 2.0 * eps * huge_scores * size)
+            tol += max(2.0 * naive_err(), 2.0 * eps * huge_scores * (size if unit is None else unit))
         return tol
     if dtype in LOW_PRECISION:
         return 2.0 * naive_err() + 1e-3
@@ -344,12 +346,13 @@ def base_term_max(inputs, bases64, terms):
 
 
 def max_score(q64, k64, group, scale) -> float:
-    """The largest finite |scale q·k| (float64) -- the size of the scores."""
+    """The largest finite |scale| Σ_d |q_d k_d| (float64) -- the size of the products a score
+    sums, which bounds its rounding (a score that cancels to 0 is still rounded at their size)."""
     with torch.no_grad():
         if group > 1:
             k64 = k64.repeat_interleave(group, dim=-3)
         sc = 1.0 / q64.shape[-1] ** 0.5 if scale is None else scale
-        s = (q64 @ k64.transpose(-2, -1)).abs() * abs(sc)
+        s = (q64.abs() @ k64.abs().transpose(-2, -1)) * abs(sc)
         s = s[torch.isfinite(s)]
         return s.max().item() if s.numel() else 0.0
 

@@ -229,7 +229,8 @@ def test_linear_attention_step_matches_float64_reference(backend, device, data):
     dtype = draw(st.sampled_from(dtypes_for(backend, device, (torch.float32, torch.float16, torch.bfloat16, F64)
                                             if backend == "cuda" else None)), label="dtype")
     b, h = draw(st.sampled_from([1, 2, 0]), label="B"), draw(st.integers(1, 3), label="H")
-    d, dv = draw(st.sampled_from(DIMS), label="D"), draw(st.sampled_from(DIMS), label="Dv")
+    dims = [x for x in DIMS if x <= 64] if interpreted(backend, device) else DIMS  # one token: CI time
+    d, dv = draw(st.sampled_from(dims), label="D"), draw(st.sampled_from(dims), label="Dv")
     feature_map, normalize = draw(st.sampled_from(MODES), label="feature map, normalize")
     scale = 1.0 if normalize else draw(SCALES, label="scale")
     special = draw(st.sampled_from(["none", "nan_q", "nan_k", "nan_v"]), label="special")
