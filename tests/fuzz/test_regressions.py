@@ -1,0 +1,152 @@
+"""Plain regression tests of the failures the differential fuzzer (tests/fuzz) found, one small
+case each (issue 15).  A case whose fix lives outside this test's reach (a kernel, a reference)
+is marked xfail(strict=True) with the reason while it stands: strict, so that the fix turns it
+into a failure until the mark goes."""
+import pytest
+import torch
+
+import attnkit
+from attnkit import patterns
+from attnkit._dispatch import triton_interpreted
+
+NAN = float("nan")
+
+
+def _usable(family, backend):
+    status = attnkit.backends()[family][backend]
+    if not status.usable:
+        pytest.skip(f"{family} / {backend}: {status.reason}")
+    if backend == "triton" and not torch.cuda.is_available() and not triton_interpreted():
+        pytest.skip("triton on CPU tensors needs TRITON_INTERPRET=1")
+
+
+# Known failures outside this file's reach, as they stand (strict: a fix shows as XPASS -> fail).
+TRITON_LINEAR_PHI = pytest.mark.xfail(strict=True, reason=(
+    "kernels/linear.py _phi drops NaN: elu as tl.exp(tl.minimum(x, 0.0)) and relu as "
+    "tl.maximum(x, 0.0) return 1 / 0 for a NaN x (Triton's min/max return the non-NaN operand)"))
+CPU_LINEAR_RELU_DQ = pytest.mark.xfail(strict=True, reason=(
+    "csrc/cpu/linear.cpp backward: relu'(NaN) taken as 0 (x > 0), so a NaN query row's dq is 0"))
+REFERENCE_LINEAR_DQ = pytest.mark.xfail(strict=True, reason=(
+    "pytorch_ext/reference/linear.py: F.elu / F.relu backward at NaN is 1 (torch autograd), so the "
+    "reference backend's dq of a NaN query row is finite"))
+CPU_HIDDEN_DS = pytest.mark.xfail(strict=True, reason=(
+    "csrc/cpu softmax / sparse backward: an entry hidden from a NaN row gets dS = 0 * (dP - NaN) = NaN "
+    "instead of 0, so the dk of keys that row cannot see is NaN in every column"))
+
+
+def _mark(param, marks):
+    return pytest.param(*param, marks=marks) if marks else pytest.param(*param)
+
+
+def _nan_rows(x):
+    return torch.isnan(x).any(-1).flatten().tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# softmax_attention with no (batch, head) pair (H = Hk = 0): the Triton launcher raised; the
+# public function now gives the empty result itself (fixed in attnkit/ops/softmax.py).
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+def test_softmax_without_heads_is_empty(backend):
+    _usable("softmax", backend)
+    q, k, v = torch.randn(2, 0, 7, 16), torch.randn(2, 0, 9, 16), torch.randn(2, 0, 9, 8)
+    out, lse = attnkit.softmax_attention(q, k, v, return_lse=True, backend=backend)
+    assert out.shape == (2, 0, 7, 8) and lse.shape == (2, 0, 7)
+
+
+# ----------------------------------------------------------------------------------------------
+# linear attention, NaN in q or k: found by test_fuzz_linear (triton, interpreted)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend,which,feature_map,normalize", [
+    _mark((backend, which, fm, norm), TRITON_LINEAR_PHI if backend == "triton" and fm != "identity" else None)
+    for backend in ("cpu", "reference", "triton") for which in "qk"
+    for fm, norm in (("elu", True), ("elu", False), ("relu", False), ("identity", False))
+])
+def test_linear_nan_in_q_or_k_poisons_the_rows_that_see_it(backend, which, feature_map, normalize):
+    _usable("linear", backend)
+    g = torch.Generator().manual_seed(0)
+    t = {c: torch.randn(1, 1, 5, 4, generator=g) for c in "qkv"}
+    t[which][0, 0, 2, 1] = NAN
+    out = attnkit.linear_attention(t["q"], t["k"], t["v"], causal=True, feature_map=feature_map,
+                                   normalize=normalize, backend=backend)
+    # q: exactly row 2; k: key 2 is seen by rows 2, 3, 4 (causal).
+    want = [False, False, True, False, False] if which == "q" else [False, False, True, True, True]
+    assert _nan_rows(out) == want
+
+
+@pytest.mark.parametrize("backend,which", [
+    _mark((backend, which), TRITON_LINEAR_PHI if backend == "triton" else None)
+    for backend in ("cpu", "reference", "triton") for which in "qk"
+])
+def test_linear_step_nan_is_not_dropped(backend, which):
+    _usable("linear", backend)
+    g = torch.Generator().manual_seed(1)
+    t = {c: torch.randn(1, 2, 4, generator=g) for c in "qkv"}
+    t[which][0, 1, 0] = NAN
+    out, (s, z) = attnkit.linear_attention_step(t["q"], t["k"], t["v"], backend=backend)
+    assert _nan_rows(out) == [False, True]
+    if which == "k":  # the new state carries the key's NaN
+        assert torch.isnan(z[0, 1]).any() and not torch.isnan(z[0, 0]).any()
+
+
+@pytest.mark.parametrize("backend,feature_map", [
+    ("cpu", "elu"), _mark(("cpu", "relu"), CPU_LINEAR_RELU_DQ),
+    _mark(("reference", "elu"), REFERENCE_LINEAR_DQ), _mark(("reference", "relu"), REFERENCE_LINEAR_DQ),
+])
+def test_linear_nan_query_row_keeps_nan_gradient(backend, feature_map):
+    """dq of a NaN query row is NaN (the lead's rule in attnkit_testing: a NaN row's gradient keeps
+    the NaN); the other rows' dq stay finite."""
+    _usable("linear", backend)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 1, 4, 3, generator=g) for _ in range(3))
+    q[0, 0, 1, 0] = NAN
+    q.requires_grad_()
+    out = attnkit.linear_attention(q, k, v, causal=True, feature_map=feature_map, normalize=False,
+                                   backend=backend)
+    out.backward(torch.ones_like(out))
+    assert _nan_rows(q.grad) == [False, True, False, False]
+
+
+# ----------------------------------------------------------------------------------------------
+# softmax / sparse backward on the cpu backend: entries a NaN row does NOT see got dS = NaN
+# (0 · (dP - NaN)) instead of 0, so the dk of keys hidden from the row became NaN in every
+# column.  Found by test_fuzz_softmax / test_fuzz_sparse [cpu].
+# ----------------------------------------------------------------------------------------------
+
+
+def _hidden_key_dk(backend, call, n, hidden_key, nan_row, nan_col, d=2):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 1, n, d, generator=g) for _ in range(3))
+    q[0, 0, nan_row, nan_col] = NAN
+    for t in (q, k, v):
+        t.requires_grad_()
+    out = call(q, k, v, backend)
+    assert _nan_rows(out) == [i == nan_row for i in range(n)]
+    out.backward(torch.ones_like(out))
+    # dk_hidden = Σ_i dS_i,hidden q_i: the NaN row contributes dS = 0 times its q, NaN only in the
+    # NaN's column (0 · NaN, as the float64 reference has it); every other column stays finite.
+    return k.grad[0, 0, hidden_key]
+
+
+@pytest.mark.parametrize("backend", [_mark(("cpu",), CPU_HIDDEN_DS), "reference"])
+def test_softmax_causal_key_hidden_from_a_nan_row_keeps_finite_dk(backend):
+    _usable("softmax", backend)
+    dk = _hidden_key_dk(backend, lambda q, k, v, b: attnkit.softmax_attention(q, k, v, is_causal=True, backend=b),
+                        n=3, hidden_key=2, nan_row=0, nan_col=1)
+    assert torch.isfinite(dk[0]), f"dk of a key the NaN row cannot see: {dk.tolist()}"
+
+
+@pytest.mark.parametrize("pattern", [patterns.strided(2, causal=False),
+                                     patterns.block_layout(torch.ones(1, 1, 1, dtype=torch.bool), 5, causal=True)],
+                         ids=["strided", "block-causal"])
+@pytest.mark.parametrize("backend", [_mark(("cpu",), CPU_HIDDEN_DS), "reference"])
+def test_sparse_key_hidden_from_a_nan_row_keeps_finite_dk(backend, pattern):
+    _usable("sparse", backend)
+    # strided(2), N = 5: row 1 does not see key 4; block, causal: row 1 does not see key 4.
+    dk = _hidden_key_dk(backend, lambda q, k, v, b: attnkit.sparse_attention(q, k, v, pattern, backend=b),
+                        n=5, hidden_key=4, nan_row=1, nan_col=1)
+    assert torch.isfinite(dk[0]), f"dk of a key the NaN row cannot see: {dk.tolist()}"
