@@ -493,15 +493,74 @@ constexpr bool kHaveBf16Dot = false;
 
 inline uint16_t bf16_bits(at::BFloat16 x) { return x.x; }
 
+#if defined(__AVX512F__)
+// 16 x 16 transpose of 32-bit words in registers: r[i] becomes column i (64 shuffles).
+__attribute__((always_inline)) inline void tile_transpose16(__m512 (&r)[16]) {
+  __m512 t[16], u[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {  // pairs of rows interleaved: t[2i] = a0 b0 a1 b1 | a4 b4 ..
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < 4; ++g) {  // rows 4g..4g+3: u[4g + c] = column c (mod 4) of each 128-bit lane
+    u[4 * g + 0] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+    u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+    u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+    u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {  // gather the 128-bit lanes: columns c, c + 4, c + 8, c + 12
+    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);
+    const __m512 v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    r[c + 8] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+    r[c + 4] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    r[c + 12] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+  }
+}
+
+// 32-bit words: dst[c * ldd + r] = src[r * sn + c] for r < rows <= 16, c < cols <= 16 (strides
+// in bytes); dst's lanes past `rows` are left alone.
+inline void transpose_words(const char* src, int64_t sn, int rows, int cols, char* dst, int64_t ldd) {
+  const __mmask16 cm = static_cast<__mmask16>((1u << cols) - 1u);
+  const __mmask16 rm = static_cast<__mmask16>((1u << rows) - 1u);
+  __m512 r[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i)
+    r[i] = i < rows ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(cm, src + i * sn)) : _mm512_setzero_ps();
+  tile_transpose16(r);
+  for (int c = 0; c < cols; ++c) _mm512_mask_storeu_epi32(dst + c * ldd, rm, _mm512_castps_si512(r[c]));
+}
+
+// Rows of 32-bit words, transposed in 16 x 16 blocks: dst[c * ldd + r] = src[r * sn + c] for
+// r < rows, c < cols (strides in bytes).
+inline void transpose_words_all(const char* src, int64_t sn, int64_t rows, int64_t cols, char* dst,
+                                int64_t ldd) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 16)
+    for (int64_t c0 = 0; c0 < cols; c0 += 16)
+      transpose_words(src + r0 * sn + c0 * 4, sn, static_cast<int>(std::min<int64_t>(16, rows - r0)),
+                      static_cast<int>(std::min<int64_t>(16, cols - c0)), dst + c0 * ldd + r0 * 4, ldd);
+}
+#endif
+
 // dst[d * ldd + jj] = src[jj * sn + d * sd] for jj < kn, d < D: one key block transposed (and
-// converted).  float32: 16 keys at a time with a gather.  Measured on a call that is all
-// packing (B=1 H=32 N=1 M=4096 D=128 float32, 2 threads): 188 ms with the scalar loop (and V
-// copied), 37 ms with the gather (and V read in place).
+// converted).  float32 rows (sd = 1): 16 x 16 blocks transposed in registers; other strides:
+// 16 keys at a time with a gather.  Measured on a call that is all packing (B=1 H=32 N=1
+// M=4096 D=128 float32, 2 threads): 188 ms with the scalar loop (and V copied), 37 ms with the
+// gather (and V read in place).
 template <typename scalar_t, typename acc_t>
 void pack_transposed(const scalar_t* src, int64_t sn, int64_t sd, int64_t kn, int64_t D,
                      acc_t* dst, int64_t ldd) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
+    if (sd == 1) {
+      transpose_words_all(reinterpret_cast<const char*>(src), sn * 4, kn, D,
+                          reinterpret_cast<char*>(dst), ldd * 4);
+      return;
+    }
     if (16 * sn < (int64_t(1) << 31)) {
       const __m512i idx = _mm512_mullo_epi32(
           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -527,19 +586,10 @@ void pack_transposed_pairs(const scalar_t* src, int64_t sn, int64_t sd, int64_t 
                            uint16_t* dst, int64_t ldd) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    if (sd == 1 && D % 2 == 0 && 16 * sn < (int64_t(1) << 30)) {
-      // A pair is one 32-bit word: the same gather as float32, two bf16 at a time.
-      const __m512i idx = _mm512_mullo_epi32(
-          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-          _mm512_set1_epi32(static_cast<int32_t>(sn)));
-      for (int64_t j0 = 0; j0 < kn; j0 += 16) {
-        const __mmask16 m = kn - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (kn - j0)) - 1u);
-        const scalar_t* base = src + j0 * sn;
-        for (int64_t dp = 0; dp < D / 2; ++dp)
-          _mm512_mask_storeu_epi32(
-              dst + (dp * ldd + j0) * 2, m,
-              _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, base + 2 * dp, 2));
-      }
+    if (sd == 1 && D % 2 == 0) {
+      // A pair is one 32-bit word: rows of D / 2 words transposed in registers.
+      transpose_words_all(reinterpret_cast<const char*>(src), sn * 2, kn, D / 2,
+                          reinterpret_cast<char*>(dst), ldd * 4);
       return;
     }
   }

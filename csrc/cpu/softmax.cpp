@@ -334,16 +334,18 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
 // ---------------------------------------------------------------------------------------------
 // Decoding forward (issue 14): few query rows (N <= kDecodeMaxN) against a long KV cache.
 //
-// The flash forward above packs (transposes) all of K per (b, kv head) and multiplies one query
-// head's N rows at a time: for N = 1 that is a 1-row GEMM per key block, and the packing alone
-// costs more than reading the cache.  Here a task is (b, kv head, split of the keys): the
+// The flash forward above packs (transposes) all of K per (b, kv head) into a scratch buffer
+// and multiplies one query head's N rows at a time: for N = 1 that is a 1-row GEMM per key
+// block, with K written out and read back.  Here a task is (b, kv head, split of the keys): the
 // R = G * N rows of every query head of the GQA group are multiplied together, so each K and V
-// row is read once, in place, for all of them (converted per tile when not float32).  Scores
-// are computed transposed, S^T [keys][Rp] = K Q^T (K rows as the GEMM's A, no transposition),
-// so that the online softmax runs across the R rows in vector lanes: per key one max, one
-// exp2, one add per 16 rows.  Then O [R][Dv] += P V with P read transposed from S^T.  Keys
+// row is read from memory once for all of them.  Per tile of 64 keys: K transposed in registers
+// (16 x 16 blocks) into an L1 buffer, S [R][64] = Q K^T by the register-blocked tiles, the
+// online softmax per row, O += P V with V read in place (float32) or converted per tile.  Keys
 // are split over tasks when there are too few (b, kv head) pairs for the threads; the splits'
-// (max, sum, out) are merged with the usual log-sum-exp weights at the end.
+// (max, sum, out) are merged with the usual log-sum-exp weights at the end.  An earlier layout
+// (S^T = K Q^T with K rows as the GEMM's A, softmax across rows in vector lanes) used a quarter
+// of each vector for R = 4 rows; measured (same shape, one thread, inputs cached): the same
+// time, and the transposition kept here is the one the profile could then attack (its K loads).
 // ---------------------------------------------------------------------------------------------
 constexpr int64_t kDecodeMaxN = 16;     // query rows per head
 constexpr int64_t kDecodeMaxRows = 64;  // G * N rows per task
@@ -354,14 +356,14 @@ bool use_decode(const Problem& p, at::ScalarType dtype) {
 }
 
 struct DecodeScratch {
-  std::vector<float> qt;     // [D][Rp]: c * Q^T of the task's rows (zero columns past R)
-  std::vector<uint16_t> qb;  // bf16 dot path: Q^T as pairs of d, [D/2][Rp][2], unscaled
-  std::vector<float> st;     // [T][Rp]: base-2 scores, then probabilities
-  std::vector<float> kf;     // [T][D]:  K tile as float (when not read in place)
-  std::vector<float> vf;     // [T][Dv]: V tile as float
+  std::vector<float> q;      // [R][D]: the task's query rows (float32 path)
+  std::vector<uint16_t> qb;  // [R][D]: the same in bfloat16 (bf16 dot path)
+  std::vector<float> kt;     // [D][T]: K tile transposed (float32 path)
+  std::vector<uint16_t> kb;  // [D/2][T][2]: K tile as pairs of d (bf16 dot path)
+  std::vector<float> vf;     // [T][Dv]: V tile as float32 (when not read in place)
+  std::vector<float> s;      // [R][T]: scores, then probabilities
   std::vector<float> o;      // [R][Dv]
-  std::vector<float> m, l, alpha;  // [Rp]
-  std::vector<float> row;    // [T]: one row of scores (masks)
+  std::vector<float> m, l;   // [R]
 };
 
 // n elements of a row -> float (contiguous or strided).
@@ -397,21 +399,18 @@ template <typename scalar_t>
 void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const scalar_t* k,
                            Strides4 ks, const scalar_t* v, Strides4 vs, scalar_t* out, float* lse) {
   const int64_t B = p.B, H = p.H, Hk = p.Hk, N = p.N, M = p.M, D = p.D, Dv = p.Dv;
-  const int64_t G = H / Hk, R = G * N, Rp = round_up(R, 16), nvec = Rp / 16;
-  // Keys per tile: S^T stays within 16 KiB (L1).
-  const int64_t T = std::max<int64_t>(64, 4096 / Rp);
+  const int64_t G = H / Hk, R = G * N, D2 = round_up(D, 2);
+  // Keys per tile: 64 = four vectors of columns, the micro-kernels' widest panel; the K tile
+  // ([D][64] float32, 32 KiB at D = 128) stays in L1.
+  constexpr int64_t T = 64;
   const float c = static_cast<float>(p.scale * kLog2e);
   // Top-left causal: row i sees keys j <= i, so no row sees a key past N - 1.
   const int64_t Me = p.causal ? std::min(M, N) : M;
-  const bool k_in_place = std::is_same_v<scalar_t, float> && ks.d == 1;
-  // bfloat16 K multiplies in place with vdpbf16ps (pairs of d read from K's rows, Q^T as pairs):
-  // no conversion of K, half the instructions.  Measured on cached inputs (B=1 Hq=32 Hk=8 N=1
-  // M=1024 D=128, one thread): 0.33 ms converting K to float32 first, against 0.23 ms for
-  // float32 inputs.
+  // bfloat16 K multiplies with vdpbf16ps (pairs of d; Q is bfloat16 already, so exact), as in
+  // the flash forward; everything else in float32.
   const bool k_dot = kHaveBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && ks.d == 1 &&
                      D % 2 == 0;
   const bool v_in_place = std::is_same_v<scalar_t, float> && vs.d == 1;
-  const bool masked = p.mask.kind != MaskKind::kNone;
 
   // Splits of the keys: enough tasks for the threads (4 per thread for the dynamic balance),
   // each at least 512 keys (a split's fixed cost -- Q packing, the merge -- stays small).
@@ -434,18 +433,18 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
       pairs * splits,
       [&] {
         DecodeScratch st;
-        if (k_dot)
-          st.qb.assign(static_cast<size_t>(D * Rp), 0);
-        else
-          st.qt.assign(static_cast<size_t>(D * Rp), 0.f);
-        st.st.resize(static_cast<size_t>(T * Rp));
-        if (!k_in_place && !k_dot) st.kf.resize(static_cast<size_t>(T * D));
+        if (k_dot) {
+          st.qb.assign(static_cast<size_t>(R * D2), 0);
+          st.kb.assign(static_cast<size_t>(D2 * T), 0);
+        } else {
+          st.q.resize(static_cast<size_t>(R * D));
+          st.kt.assign(static_cast<size_t>(D * T), 0.f);
+        }
         if (!v_in_place) st.vf.resize(static_cast<size_t>(T * Dv));
+        st.s.resize(static_cast<size_t>(R * T));
         st.o.resize(static_cast<size_t>(R * Dv));
-        st.m.resize(Rp);
-        st.l.resize(Rp);
-        st.alpha.resize(Rp);
-        if (masked || p.causal) st.row.resize(T);
+        st.m.resize(R);
+        st.l.resize(R);
         return st;
       },
       [&](DecodeScratch& st, int64_t t) {
@@ -457,114 +456,82 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
           const scalar_t* src = q + qs.at(b, hk * G + r / N, r % N);
           if (k_dot) {
             if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
-              for (int64_t d = 0; d < D; ++d)
-                st.qb[((d >> 1) * Rp + r) * 2 + (d & 1)] = bf16_bits(src[d * qs.d]);
+              for (int64_t d = 0; d < D; ++d) st.qb[r * D2 + d] = bf16_bits(src[d * qs.d]);
           } else {
-            for (int64_t d = 0; d < D; ++d) st.qt[d * Rp + r] = c * static_cast<float>(src[d * qs.d]);
+            row_to_float(src, qs.d, D, st.q.data() + r * D);
           }
         }
         std::fill(st.o.begin(), st.o.end(), 0.f);
         std::fill(st.m.begin(), st.m.end(), neg_inf<float>());
         std::fill(st.l.begin(), st.l.end(), 0.f);
-        float* S = st.st.data();
+        float* S = st.s.data();
         for (int64_t k0 = j_begin; k0 < j_end; k0 += T) {
           const int64_t kn = std::min(T, j_end - k0);
+#if defined(__AVX512F__)
+          // Software prefetch: this tile's V (read after the scores) into L1, the next tile's K
+          // into L2.  The K rows are otherwise first touched by the transposition, 16 rows
+          // 512 bytes apart, and its loads wait on memory.  Measured (B=8 Hq=32 Hk=8 N=1 M=4096
+          // D=128 float32, one thread, three alternating runs on the loaded machine): 6.0 GB/s
+          // with V only, 7.7 with V and the next K too.
+          for (int64_t jj = 0; jj < kn; ++jj) {
+            const char* row = reinterpret_cast<const char*>(v + vs.at(b, hk, k0 + jj));
+            for (int64_t x = 0; x < Dv * vs.d * int64_t(sizeof(scalar_t)); x += 64)
+              _mm_prefetch(row + x, _MM_HINT_T0);
+          }
+          for (int64_t jj = k0 + T; jj < std::min(j_end, k0 + 2 * T); ++jj) {
+            const char* row = reinterpret_cast<const char*>(k + ks.at(b, hk, jj));
+            for (int64_t x = 0; x < D * ks.d * int64_t(sizeof(scalar_t)); x += 64)
+              _mm_prefetch(row + x, _MM_HINT_T1);
+          }
+#endif
+          // S [R][kn] = Q K^T from the K tile transposed in registers (16 x 16 blocks).
           if (k_dot) {
 #if defined(__AVX512BF16__)
-            // S^T [kn][Rp] = K Q^T, then the scale (base 2).
-            gemm_bf16(kn, Rp, D, reinterpret_cast<const uint16_t*>(k + ks.at(b, hk, k0)), ks.n,
-                      st.qb.data(), Rp * 2, S, Rp, false);
-            const __m512 cv = _mm512_set1_ps(c);
-            for (int64_t x = 0; x < kn * Rp; x += 16)
-              _mm512_storeu_ps(S + x, _mm512_mul_ps(cv, _mm512_loadu_ps(S + x)));
+            if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+              pack_transposed_pairs(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kb.data(), T);
+              gemm_bf16(R, kn, D, st.qb.data(), D2, st.kb.data(), T * 2, S, T, false);
+            }
 #endif
           } else {
-            const float* A;
-            int64_t lda;
-            if (k_in_place) {
-              A = reinterpret_cast<const float*>(k + ks.at(b, hk, k0));
-              lda = ks.n;
-            } else {
-              for (int64_t jj = 0; jj < kn; ++jj)
-                row_to_float(k + ks.at(b, hk, k0 + jj), ks.d, D, st.kf.data() + jj * D);
-              A = st.kf.data();
-              lda = D;
-            }
-            // S^T [kn][Rp] = K Q^T with Q^T pre-scaled (padding columns: 0).
-            gemm<float>(kn, Rp, D, A, lda, 1, st.qt.data(), Rp, S, Rp, false);
+            pack_transposed(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kt.data(), T);
+            gemm<float>(R, kn, D, st.q.data(), D, 1, st.kt.data(), T, S, T, false);
           }
-          if (masked || (p.causal && k0 + kn - 1 > 0)) {
-            // Per row: causality, then the mask, on a contiguous copy of the row's scores.
-            for (int64_t r = 0; r < R; ++r) {
-              const int64_t i = r % N, h = hk * G + r / N;
-              float* row = st.row.data();
-              for (int64_t jj = 0; jj < kn; ++jj) row[jj] = S[jj * Rp + r];
-              const int64_t visible = p.causal ? i - k0 + 1 : kn;
-              prepare_row<float>(row, kn, visible, 1.f, p.mask, b, h, i, k0);
-              for (int64_t jj = 0; jj < kn; ++jj) S[jj * Rp + r] = row[jj];
-            }
-          }
-#if defined(__AVX512F__)
-          for (int64_t vv = 0; vv < nvec; ++vv) {
-            float* s = S + 16 * vv;
-            __m512 mx = _mm512_set1_ps(neg_inf<float>());
-            for (int64_t jj = 0; jj < kn; ++jj) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + jj * Rp));
-            const __m512 m_old = _mm512_loadu_ps(st.m.data() + 16 * vv);
-            const __m512 m_new = _mm512_max_ps(m_old, mx);
-            // Rows with nothing visible yet subtract 0 instead of -inf (-inf - -inf = NaN): their
-            // p = exp2(-inf) = 0, while a NaN score (which a max may drop) still gives NaN.
-            const __mmask16 none = _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(neg_inf<float>()), _CMP_EQ_OQ);
-            const __m512 sub = _mm512_mask_mov_ps(m_new, none, _mm512_setzero_ps());
-            const __m512 alpha = exp2_ps(_mm512_sub_ps(m_old, sub));
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t jj = 0; jj < kn; ++jj) {
-              const __m512 pj = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + jj * Rp), sub));
-              _mm512_storeu_ps(s + jj * Rp, pj);
-              sum = _mm512_add_ps(sum, pj);
-            }
-            const __m512 l_old = _mm512_loadu_ps(st.l.data() + 16 * vv);
-            _mm512_storeu_ps(st.l.data() + 16 * vv, _mm512_fmadd_ps(l_old, alpha, sum));
-            _mm512_storeu_ps(st.m.data() + 16 * vv, m_new);
-            _mm512_storeu_ps(st.alpha.data() + 16 * vv, alpha);
-          }
-#else
-          for (int64_t r = 0; r < Rp; ++r) {
-            float mx = neg_inf<float>();
-            for (int64_t jj = 0; jj < kn; ++jj) mx = std::max(mx, S[jj * Rp + r]);
-            const float m_new = std::max(st.m[r], mx);
-            const float sub = m_new == neg_inf<float>() ? 0.f : m_new;
-            const float alpha = std::exp2(st.m[r] - sub);
-            float sum = 0.f;
-            for (int64_t jj = 0; jj < kn; ++jj) {
-              const float pj = std::exp2(S[jj * Rp + r] - sub);
-              S[jj * Rp + r] = pj;
-              sum += pj;
-            }
-            st.l[r] = st.l[r] * alpha + sum;
-            st.m[r] = m_new;
-            st.alpha[r] = alpha;
-          }
-#endif
+          // Online softmax per row, as in the flash forward (NaN rules in flash_tiles.h).
           for (int64_t r = 0; r < R; ++r) {
-            const float a = st.alpha[r];
-            if (a != 1.f) {  // not NaN and not the common unchanged max
-              float* o = st.o.data() + r * Dv;
-              for (int64_t d = 0; d < Dv; ++d) o[d] *= a;
+            float* s = S + r * T;
+            const int64_t i = r % N, h = hk * G + r / N;
+            prepare_row<float>(s, kn, p.causal ? i - k0 + 1 : kn, c, p.mask, b, h, i, k0);
+            const float mx = max_nan(st.m[r], row_max(s, kn));
+            if (mx == neg_inf<float>()) {
+              if (has_nan(s, kn)) {
+                st.m[r] = st.l[r] = std::numeric_limits<float>::quiet_NaN();
+                std::fill(st.o.data() + r * Dv, st.o.data() + (r + 1) * Dv, st.m[r]);
+              }
+              std::fill(s, s + kn, 0.f);
+            } else {
+              const float alpha = std::exp2(st.m[r] - mx);
+              const float sum = exp2_sub_sum(s, kn, mx);
+              if (alpha != 1.f) {
+                float* o = st.o.data() + r * Dv;
+                for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha;
+              }
+              st.l[r] = st.l[r] * alpha + sum;
+              st.m[r] = mx;
             }
           }
-          const float* Bv;
-          int64_t ldb;
+          // O [R][Dv] += P V.
+          const float* Vt;
+          int64_t ldv;
           if (v_in_place) {
-            Bv = reinterpret_cast<const float*>(v + vs.at(b, hk, k0));
-            ldb = vs.n;
+            Vt = reinterpret_cast<const float*>(v + vs.at(b, hk, k0));
+            ldv = vs.n;
           } else {
             for (int64_t jj = 0; jj < kn; ++jj)
               row_to_float(v + vs.at(b, hk, k0 + jj), vs.d, Dv, st.vf.data() + jj * Dv);
-            Bv = st.vf.data();
-            ldb = Dv;
+            Vt = st.vf.data();
+            ldv = Dv;
           }
-          // O [R][Dv] += P V, P (r, j) = S^T[j][r].
-          gemm<float>(R, Dv, kn, S, 1, Rp, Bv, ldb, st.o.data(), Dv, true);
+          gemm<float>(R, Dv, kn, S, T, 1, Vt, ldv, st.o.data(), Dv, true);
         }
         if (splits == 1) {
           for (int64_t r = 0; r < R; ++r) {
@@ -572,8 +539,8 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
             finish_row(st.o.data() + r * Dv, st.m[r], st.l[r], Dv, out + row * Dv, lse + row);
           }
         } else {
-          std::copy(st.m.begin(), st.m.begin() + R, part_m.begin() + t * R);
-          std::copy(st.l.begin(), st.l.begin() + R, part_l.begin() + t * R);
+          std::copy(st.m.begin(), st.m.end(), part_m.begin() + t * R);
+          std::copy(st.l.begin(), st.l.end(), part_l.begin() + t * R);
           std::copy(st.o.begin(), st.o.end(), part_o.begin() + t * R * Dv);
         }
       });
