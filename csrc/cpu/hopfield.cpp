@@ -51,9 +51,13 @@ constexpr double kCancellation = 32;  // recompute a float32 row above this canc
 // exp(x) for x <= 0 (the argument is always a score minus the running maximum).  float: range
 // reduction x = k ln2 + r, |r| <= ln2/2, then the degree-7 Taylor polynomial of exp(r)
 // (truncation error < 1e-8 relative) times 2^k built in the exponent bits.  Arguments below
-// -87 are clamped there: exp(-87) ~ 1.6e-38 is negligible next to the running sum (>= 1).
+// -87 give exactly 0 (exp(-87) ~ 1.6e-38 is negligible next to the running sum, >= 1): a
+// clamp to exp(-87) instead made exp(-inf) nonzero, so a pattern with an infinite entry and
+// score -inf added 1.6e-38 * inf = inf where the float64 reference adds 0 * inf = NaN (and with
+// tol that row then kept updating where the reference freezes it).  NaN stays NaN.
 inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
+  const bool under = x < -87.0f;
+  x = under ? -87.0f : x;
   const float k = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = (x - k * 0.693145751953125f) - k * 1.42860682030941723212e-6f;
   float p = 1.0f / 5040.0f;
@@ -67,10 +71,20 @@ inline float exp_nonpositive(float x) {
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return under ? 0.0f : p * scale;
 }
 
 inline double exp_nonpositive(double x) { return std::exp(x); }
+
+// The running max to subtract before exp: -inf (every score so far -inf) becomes 0, so that
+// those scores give exp(-inf) = 0 rather than exp(-inf - -inf) = NaN.  A row whose first tile
+// of scores is all -inf (patterns with an infinite entry) and whose later scores are finite is
+// finite in the reference; without this it came out NaN.  A row of only -inf scores still ends
+// with l = 0: lse = -inf, and its update 0 * (1 / 0) = NaN, as the reference's softmax gives.
+template <typename T>
+inline T finite_or_zero(T m) {
+  return m == -std::numeric_limits<T>::infinity() ? T(0) : m;
+}
 
 // log sum_i exp(beta * x_i . q) of one query row, in double throughout (the cancellation
 // fallback; scores: scratch space for the N scores).
@@ -117,7 +131,7 @@ void energy_kernel(const scalar_t* state, const scalar_t* stored, acc_t* energy,
             tile[d * kP + p] = x;
             sq += static_cast<double>(x) * static_cast<double>(x);
           }
-          best = std::max(best, sq);
+          best = (sq > best || std::isnan(sq)) ? sq : best;  // std::max would drop a NaN norm
         }
       }
       max_sq[bh] = best;
@@ -169,14 +183,23 @@ void energy_kernel(const scalar_t* state, const scalar_t* stored, acc_t* energy,
             tile_max = sc[q][p] > tile_max ? sc[q][p] : tile_max;
           }
           if (tile_max > m[q]) {
-            // exp(-inf) (first tile) clamps to ~1e-38, times l = 0.
+            // exp(-inf) (first tile) is 0, times l = 0.
             l[q] *= exp_nonpositive(m[q] - tile_max);
             m[q] = tile_max;
           }
           acc_t sum = 0;
-          const acc_t mq = m[q];
+          const acc_t mq = finite_or_zero(m[q]);
+          if (mq == std::numeric_limits<acc_t>::infinity()) {
+            // A score of +inf: lse is +inf, as torch.logsumexp gives (the backward recomputes
+            // the probabilities from it), unless a score is NaN.  exp(inf - inf) would make it
+            // NaN: count each +inf score as 1 instead (l stays positive and finite, l was
+            // rescaled to 0 when m became +inf), finite scores as exp(-inf) = 0.
+            for (int64_t p = 0; p < valid; ++p)
+              sum += sc[q][p] == mq ? acc_t(1) : exp_nonpositive(sc[q][p] - mq);
+          } else {
 #pragma omp simd reduction(+ : sum)
-          for (int64_t p = 0; p < valid; ++p) sum += exp_nonpositive(sc[q][p] - mq);
+            for (int64_t p = 0; p < valid; ++p) sum += exp_nonpositive(sc[q][p] - mq);
+          }
           l[q] += sum;
         }
       }
@@ -364,9 +387,11 @@ inline T exp_sum_inplace(T* s, int64_t n, T m) {
 }
 
 #if defined(__AVX512F__)
-// exp_nonpositive on 16 lanes (same reduction and polynomial as the scalar version).  max with
-// -87 first as the first operand: vmaxps returns its second operand for NaN, so NaN stays NaN.
+// exp_nonpositive on 16 lanes (same reduction and polynomial as the scalar version; exactly 0
+// below -87).  max with -87 first as the first operand: vmaxps returns its second operand for
+// NaN, so NaN stays NaN (and the ordered compare is false for NaN, so it is not zeroed).
 inline __m512 exp_nonpositive_v(__m512 x) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);
   x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -381,7 +406,7 @@ inline __m512 exp_nonpositive_v(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
 }
 
 template <>
@@ -551,7 +576,7 @@ void stream_range_f32(const float* xi, int64_t S, const float* X, const float* V
       float* xq = xa + qi * W;
       float* lq = lsum + qi * 16;
       if (bmax > mq[qi]) {
-        // exp(-inf) (first block) clamps to ~1e-38, times a zero sum and zero accumulators.
+        // exp(-inf) (first block) is 0, times a zero sum and zero accumulators.
         const float alpha = exp_nonpositive(mq[qi] - bmax);
         const __m512 va = _mm512_set1_ps(alpha);
         _mm512_store_ps(lq, _mm512_mul_ps(_mm512_load_ps(lq), va));
@@ -563,8 +588,9 @@ void stream_range_f32(const float* xi, int64_t S, const float* X, const float* V
         }
         mq[qi] = bmax;
       }
-      // Lanes past the last row: exp(-inf) clamps to ~1e-38, so zero them.
-      const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive_v(_mm512_sub_ps(sc, _mm512_set1_ps(mq[qi]))));
+      // Lanes past the last row hold -inf: zero them (exact 0 already unless m is NaN).
+      const __m512 p = _mm512_maskz_mov_ps(
+          valid, exp_nonpositive_v(_mm512_sub_ps(sc, _mm512_set1_ps(finite_or_zero(mq[qi])))));
       _mm512_store_ps(lq, _mm512_add_ps(_mm512_load_ps(lq), p));
       _mm512_store_ps(pbuf, p);
       if (xsum != nullptr) {
@@ -795,7 +821,7 @@ void retrieve_range(const T* xi, int64_t rows, const T* X, const T* V, int64_t D
       T* s = scores + r * kTileN;
       const T new_m = std::max(m[r], row_max(s, bk));
       if (new_m != m[r]) {
-        // exp(-inf) (first tile) clamps to ~1e-38 (float) times l = 0 and acc = 0.
+        // exp(-inf) (first tile) is 0 times l = 0 and acc = 0.
         const T alpha = exp_nonpositive(m[r] - new_m);
         l[r] *= alpha;
         T* a = acc + r * Dout;
@@ -808,7 +834,7 @@ void retrieve_range(const T* xi, int64_t rows, const T* X, const T* V, int64_t D
         }
         m[r] = new_m;
       }
-      l[r] += exp_sum_inplace(s, bk, m[r]);
+      l[r] += exp_sum_inplace(s, bk, finite_or_zero(m[r]));
     }
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float>) {
@@ -1084,7 +1110,7 @@ void update_split(const UpdateCtx<T>& c) {
           if (axr) std::fill(axr, axr + D, T(0));
           for (int64_t ch = 0; ch < chunks; ++ch) {
             const int64_t t = bh * chunks + ch;
-            const T w = exp_nonpositive(pm[t * S + r] - big);
+            const T w = exp_nonpositive(pm[t * S + r] - finite_or_zero(big));
             sum += w * pl[t * S + r];
             const T* pa = pacc.data() + t * S * W + r * Dout;  // rows of Dout in a slot of S x W
             for (int64_t d = 0; d < Dout; ++d) a[d] += w * pa[d];

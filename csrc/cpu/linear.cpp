@@ -190,6 +190,50 @@ void gemm(Tri tri, int64_t m, int64_t n, int64_t K, const T* A, int64_t sar, int
   }
 }
 
+// The same product summed over exactly the k that the mask keeps, in plain loops, for the
+// triangular modes with the zeros in an operand (kLeftLower, kLeftUpper, kRightLower).  The
+// blocked gemm skips whole blocks past the diagonal, but a micro-tile that straddles it still
+// multiplies the mask's zeros by the other operand, and 0 * NaN = NaN, 0 * inf = NaN: a NaN in
+// v_j reached up to 3 rows i < j of the causal output (a micro-tile has 4 rows), and in the
+// backward a NaN in k, dnum or q reached gradients of rows that cannot see it (up to 15
+// columns past the diagonal for kRightLower).  gemm_tri below runs these loops only for a chunk
+// whose other operand is not all finite.
+template <typename T>
+void gemm_exact(Tri tri, int64_t m, int64_t n, int64_t K, const T* A, int64_t sar, int64_t sak,
+                const T* B, int64_t ldb, T* C, int64_t ldc, bool accumulate) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < n; ++c) {
+      int64_t k0 = 0, k1 = K;
+      if (tri == Tri::kLeftLower) k1 = std::min(K, r + 1);
+      if (tri == Tri::kLeftUpper) k0 = std::min(K, r);
+      if (tri == Tri::kRightLower) k0 = std::min(K, c);
+      T sum = accumulate ? C[r * ldc + c] : T(0);
+      for (int64_t k = k0; k < k1; ++k) sum += A[r * sar + k * sak] * B[k * ldb + c];
+      C[r * ldc + c] = sum;
+    }
+}
+
+// Whether n values are all finite: x - x is 0 for those, NaN for NaN and +-inf.
+template <typename T>
+bool all_finite(const T* x, int64_t n) {
+  T s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += x[i] - x[i];
+  return s == T(0);
+}
+
+// A triangular product (kLeftLower, kLeftUpper: the zeros in A; kRightLower: in B) whose other
+// operand's tile has `finite` all-finite values: the blocked gemm, else gemm_exact.  The check
+// reads the other tile once (L x D values against L x L x D / 2 multiply-adds of the product).
+template <typename T>
+void gemm_tri(bool finite, Tri tri, int64_t m, int64_t n, int64_t K, const T* A, int64_t sar,
+              int64_t sak, const T* B, int64_t ldb, T* C, int64_t ldc, bool accumulate) {
+  if (finite)
+    gemm<T>(tri, m, n, K, A, sar, sak, B, ldb, C, ldc, accumulate);
+  else
+    gemm_exact<T>(tri, m, n, K, A, sar, sak, B, ldb, C, ldc, accumulate);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Feature maps, fused into packing.
 // ---------------------------------------------------------------------------------------------
@@ -205,10 +249,13 @@ FeatureMap parse_feature_map(std::string_view name) {
 
 // exp(x) for x <= 0 in float, written so that loops over it vectorize: x = k ln2 + r with
 // |r| <= ln2/2 (+ rounding), exp(r) by its degree-7 Taylor polynomial (relative error < 2e-8), 2^k built in
-// the exponent bits.  Below -87 the argument is clamped (exp(-87) ~ 1.6e-38: an elu feature of
-// that size is zero next to any other).  NaN stays NaN.
+// the exponent bits.  Below -87 the result is exactly 0 (exp(-87) ~ 1.6e-38: an elu feature of
+// that size is zero next to any other).  A clamp to exp(-87) made elu(-inf) + 1 nonzero, so a
+// key of -inf times an infinite query entry gave inf where the reference's 0 * inf gives NaN,
+// and elu'(-inf) * inf likewise.  NaN stays NaN.
 inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
+  const bool under = x < -87.0f;
+  x = under ? -87.0f : x;
   // k = round(x log2 e) by the 1.5 * 2^23 trick (std::floor would not vectorize).
   const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = (x - k * 0.693145751953125f) - k * 1.42860682030941723212e-6f;
@@ -225,13 +272,16 @@ inline float exp_nonpositive(float x) {
   const int32_t two_k_bits = (static_cast<int32_t>(k) + 127) << 23;
   float two_k;
   std::memcpy(&two_k, &two_k_bits, sizeof two_k);
-  return p * two_k;
+  return under ? 0.0f : p * two_k;
 }
 
 inline double exp_nonpositive(double x) { return std::exp(x); }
 
 // x <- phi(x) (kDerivative false) or x <- phi'(x) (true) on n values.  phi' is the derivative
-// torch's autograd uses: at 0, relu' = 0, elu' = 1.  One body for both so that the two stay
+// torch's autograd uses: at 0, relu' = 0, elu' = 1; at NaN, relu' = 1 (torch's threshold
+// backward selects the gradient unless x <= 0) and elu' = NaN (torch's vectorized elu backward,
+// the path any tensor of 64 or more elements takes, gives NaN there; its scalar tail gives 1).
+// relu' = 0 is applied as a select, not a product (see write_input_grad).  One body for both so that the two stay
 // consistent; kDerivative is a compile-time constant, the loops vectorize as before.
 template <bool kDerivative, typename T>
 void map_phi(T* x, int64_t n, FeatureMap fm) {
@@ -247,7 +297,7 @@ void map_phi(T* x, int64_t n, FeatureMap fm) {
 #pragma omp simd
       for (int64_t d = 0; d < n; ++d) {
         if constexpr (kDerivative)
-          x[d] = x[d] > T(0) ? T(1) : T(0);
+          x[d] = x[d] <= T(0) ? T(0) : T(1);
         else
           x[d] = x[d] < T(0) ? T(0) : x[d];  // NaN stays NaN
       }
@@ -431,12 +481,14 @@ void pack_kv(const Problem<scalar_t, T>& P, int64_t bh, int64_t j0, int64_t L, i
 }
 
 // S += xT y, z += xT ycol over the L rows of a chunk: xT [D][kChunk] (a transposed packed tile),
-// y [L][Dvp], ycol [L] (null: a column of ones, i.e. z += rowsum(xT)).  The state updates of
-// the forward (S += K'^T V, z += colsum(K')) and of the backward (R += P^T dnum, w += P^T dden).
+// y [L][Dvp], ycol [L] (null: a column of ones, i.e. z += rowsum(xT)); z null: S only.  The
+// state updates of the forward (S += K'^T V, z += colsum(K')) and of the backward
+// (R += P^T dnum, w += P^T dden).
 template <typename T>
 void add_outer(int64_t D, int64_t Dvp, int64_t L, const T* xT, const T* y, const T* ycol, T* S,
                T* z) {
   gemm<T>(Tri::kFull, D, Dvp, L, xT, kChunk, 1, y, Dvp, S, Dvp, true);
+  if (z == nullptr) return;
   for (int64_t d = 0; d < D; ++d)
     z[d] += ycol ? dot(xT + d * kChunk, ycol, L) : sum_of(xT + d * kChunk, L);
 }
@@ -509,8 +561,8 @@ void causal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
                 kChunk, false);
         mask_lower(t.a.data(), kChunk, L, Lp);
         // num = A V + P S_prev
-        gemm<T>(Tri::kLeftLower, L, Dvp, L, t.a.data(), kChunk, 1, t.v.data(), Dvp, t.num.data(),
-                Dvp, false);
+        gemm_tri<T>(all_finite(t.v.data(), L * Dvp), Tri::kLeftLower, L, Dvp, L, t.a.data(), kChunk, 1,
+                    t.v.data(), Dvp, t.num.data(), Dvp, false);
         gemm<T>(Tri::kFull, L, Dvp, D, t.pq.data(), Dp, 1, S, Dvp, t.num.data(), Dvp, true);
         for (int64_t i = 0; i < L; ++i) {
           const T* arow = t.a.data() + i * kChunk;
@@ -627,6 +679,11 @@ struct Grads {
   scalar_t* dv = nullptr;
   T* dS0 = nullptr;
   T* dz0 = nullptr;
+  // Whether den reaches anything (normalize, or a gradient for den itself).  Without it dden is
+  // identically 0 and every dden term is skipped rather than multiplied: 0 * NaN would carry a
+  // NaN of z (from a NaN key or z0) or of phi(q) into dq, dk and dz0, which the reference
+  // (whose output does not depend on den then) leaves finite.
+  bool use_den = true;
 };
 
 // dnum [L][Dvp] (zero-padded) and dden [L] of query rows [i0, i0 + L).
@@ -659,14 +716,15 @@ void pack_dnum(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G, int64
   }
 }
 
-// dA = (dnum V^T + dden 1^T) o tril, [L][kChunk] (from vT [Dv][kChunk]).
+// dA = (dnum V^T + dden 1^T) o tril, [L][kChunk] (from vT [Dv][kChunk]; dden null: 0).
 template <typename T>
 void intra_dA(int64_t L, int64_t Lp, int64_t Dv, const T* dnum, int64_t Dvp, const T* vT,
               const T* dden, T* da) {
   gemm<T>(Tri::kOutLower, L, Lp, Dv, dnum, Dvp, 1, vT, kChunk, da, kChunk, false);
   for (int64_t i = 0; i < L; ++i) {
     T* r = da + i * kChunk;
-    for (int64_t j = 0; j <= i; ++j) r[j] += dden[i];
+    if (dden)
+      for (int64_t j = 0; j <= i; ++j) r[j] += dden[i];
   }
   mask_lower(da, kChunk, L, Lp);
 }
@@ -682,7 +740,13 @@ void write_input_grad(const View4<scalar_t>& x, int64_t bh, int64_t i0, int64_t 
     apply_dphi(scratch, X, fm);
     scalar_t* o = dst + (bh * total_rows + i0 + i) * X;
     const T* gr = gphi + i * ld;
-    for (int64_t d = 0; d < X; ++d) o[d] = static_cast<scalar_t>(gr[d] * scratch[d]);
+    if (fm == FeatureMap::kRelu) {
+      // torch's relu backward selects: 0 where x <= 0 even when the incoming gradient is NaN or
+      // inf (a product 0 * NaN here made every such entry NaN: ~2x the reference's NaN count).
+      for (int64_t d = 0; d < X; ++d) o[d] = static_cast<scalar_t>(scratch[d] != T(0) ? gr[d] : T(0));
+    } else {
+      for (int64_t d = 0; d < X; ++d) o[d] = static_cast<scalar_t>(gr[d] * scratch[d]);
+    }
   }
 }
 
@@ -699,12 +763,13 @@ void causal_dq_sweep(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G,
     const int64_t L = std::min(kChunk, P.N - i0), Lp = round_up(L, W);
     pack_kv(P, bh, i0, L, Lp, false, true, t);
     pack_dnum(P, G, bh, i0, L, t.dnum.data(), t.dden.data(), scratch);
-    intra_dA(L, Lp, Dv, t.dnum.data(), Dvp, t.vT.data(), t.dden.data(), t.da.data());
+    intra_dA(L, Lp, Dv, t.dnum.data(), Dvp, t.vT.data(), G.use_den ? t.dden.data() : nullptr, t.da.data());
     // dphi(q) = dA K' + dnum S_prev^T + dden z_prev^T
     T* gq = t.grad.data();
-    gemm<T>(Tri::kLeftLower, L, Dp, L, t.da.data(), kChunk, 1, t.pk.data(), Dp, gq, Dp, false);
+    gemm_tri<T>(all_finite(t.pk.data(), L * Dp), Tri::kLeftLower, L, Dp, L, t.da.data(), kChunk, 1,
+                t.pk.data(), Dp, gq, Dp, false);
     gemm<T>(Tri::kFull, L, Dp, Dv, t.dnum.data(), Dvp, 1, ST, Dp, gq, Dp, true);
-    add_rank1(gq, Dp, L, D, t.dden.data(), z);
+    if (G.use_den) add_rank1(gq, Dp, L, D, t.dden.data(), z);
     write_input_grad(P.q, bh, i0, L, D, P.N, gq, Dp, P.fm, scratch, G.dq);
     // S_prev^T += V^T K',  z_prev += colsum(K')
     gemm<T>(Tri::kFull, Dv, Dp, L, t.vT.data(), kChunk, 1, t.pk.data(), Dp, ST, Dp, true);
@@ -759,21 +824,23 @@ void causal_dkv_sweep(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G
     gemm<T>(Tri::kOutUpper, L, Lp, D, t.pk.data(), Dp, 1, t.pqT.data(), kChunk, t.a.data(),
             kChunk, false);
     mask_upper(t.a.data(), kChunk, L, Lp);
-    intra_dA(L, Lp, Dv, t.dnum.data(), Dvp, t.vT.data(), t.dden.data(), t.da.data());
+    intra_dA(L, Lp, Dv, t.dnum.data(), Dvp, t.vT.data(), G.use_den ? t.dden.data() : nullptr, t.da.data());
     // dv = A^T dnum + K' R_next
     T* gv = t.num.data();
-    gemm<T>(Tri::kLeftUpper, L, Dvp, L, t.a.data(), kChunk, 1, t.dnum.data(), Dvp, gv, Dvp, false);
+    gemm_tri<T>(all_finite(t.dnum.data(), L * Dvp), Tri::kLeftUpper, L, Dvp, L, t.a.data(), kChunk, 1,
+                t.dnum.data(), Dvp, gv, Dvp, false);
     gemm<T>(Tri::kFull, L, Dvp, D, t.pk.data(), Dp, 1, R, Dvp, gv, Dvp, true);
     write_dv(P, G, bh, i0, L, gv);
     // dphi(k)^T = P^T dA + R_next V^T + w_next 1^T
     T* gkT = t.gradT.data();
-    gemm<T>(Tri::kRightLower, D, Lp, L, t.pqT.data(), kChunk, 1, t.da.data(), kChunk, gkT, kChunk,
+    gemm_tri<T>(all_finite(t.pq.data(), L * Dp), Tri::kRightLower, D, Lp, L, t.pqT.data(), kChunk, 1,
+                t.da.data(), kChunk, gkT, kChunk,
             false);
     gemm<T>(Tri::kFull, D, Lp, Dv, R, Dvp, 1, t.vT.data(), kChunk, gkT, kChunk, true);
     add_rank1(gkT, kChunk, D, L, w, static_cast<const T*>(nullptr));
     write_dk_transposed(P, G, bh, i0, L, gkT, t.grad.data(), scratch);
     // R_next += P^T dnum,  w_next += P^T dden
-    add_outer<T>(D, Dvp, L, t.pqT.data(), t.dnum.data(), t.dden.data(), R, w);
+    add_outer<T>(D, Dvp, L, t.pqT.data(), t.dnum.data(), t.dden.data(), R, G.use_den ? w : nullptr);
   }
   store_state_grad(P, G, bh, R, w);
 }
@@ -809,7 +876,7 @@ void noncausal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>&
                            pack_q_t(P, bh, i0, L, Lp, t);
                            pack_dnum(P, G, bh, i0, L, t.dnum.data(), t.dden.data(), scratch);
                            add_outer<T>(D, Dvp, L, t.pqT.data(), t.dnum.data(),
-                                        t.dden.data(), R, w);
+                                        t.dden.data(), R, G.use_den ? w : nullptr);
                          });
   // 2. totals (group 0's slot), S^T for the dq pass, the state gradients
   std::vector<T> ST(static_cast<size_t>(P.BH * Dvp * Dp));
@@ -835,7 +902,7 @@ void noncausal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>&
         gemm<T>(Tri::kFull, L, Dp, Dv, t.dnum.data(), Dvp, 1, ST.data() + bh * Dvp * Dp, Dp, gq,
                 Dp, false);
         const T* z = G.z + bh * D;
-        add_rank1(gq, Dp, L, D, t.dden.data(), z);
+        if (G.use_den) add_rank1(gq, Dp, L, D, t.dden.data(), z);
         write_input_grad(P.q, bh, i0, L, D, P.N, gq, Dp, P.fm, scratch.data(), G.dq);
       } else {
         const int64_t j0 = (c - qchunks) * kChunk, L = std::min(kChunk, P.M - j0),
@@ -992,6 +1059,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_bw
     G.dv = dv.mutable_data_ptr<scalar_t>();
     G.dS0 = dS0.mutable_data_ptr<T>();
     G.dz0 = dz0.mutable_data_ptr<T>();
+    G.use_den = normalize || G.grad_den != nullptr;
     if (causal)
       causal_backward(P, G);
     else

@@ -686,3 +686,112 @@ FAST_GEMM_CASES = [
 @pytest.mark.parametrize("b,h,s,n,d,steps,with_values,tol", FAST_GEMM_CASES)
 def test_update_fused_avx512_gemm_matches_float64_trajectory(b, h, s, n, d, steps, with_values, tol):
     _check_case_against_trajectory((b, h, s, n, d), 11, 1.0, steps, with_values, tol, 1.0 / math.sqrt(d))
+
+
+# --------------------------------------------------------------------------------------------
+# NaN and ±inf (issue 15): the update, the energy and their gradients are non-finite (and NaN)
+# exactly where the float64 reference is, on every decomposition of the cpu kernel.
+
+_NONFINITE_SHAPES = [
+    (3, 40, 16),    # streaming kernel (S <= 64, D <= 128)
+    (5, 37, 33),    # streaming, D not a multiple of 16
+    (70, 100, 32),  # AVX-512 GEMM on packed patterns
+    (70, 90, 33),   # BLAS / portable loops (odd D)
+    (20, 9000, 64),  # split-N over threads, streaming chunks merged through their lse
+]
+
+
+def _poison(kind, state, stored, values):
+    inf = float("inf")
+    if kind == "stored_nan":
+        stored[0, 1, 5, 0] = float("nan")
+    elif kind == "state_nan":
+        state[0, 0, 1, 3] = float("nan")
+    elif kind == "state_inf":
+        state[0, 1, 0, 1] = inf
+    elif kind == "stored_inf_block":
+        # The first 20 patterns of head 0 (a whole first tile of scores) are +inf in column 2: rows
+        # with state[..., 2] < 0 see scores of -inf there and finite scores after.
+        stored[0, 0, 0:20, 2] = inf
+    elif kind == "stored_minus_inf":
+        stored[0, 0, 1, 2] = -inf
+    elif kind == "values_nan":
+        values[0, 0, 3, 1] = float("nan")
+    elif kind == "values_inf":
+        values[0, 1, 7, 0] = -inf
+
+
+def _same_nonfinite(name, got, want):
+    got = got.detach().to(F64)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), name
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want)), name
+
+
+@pytest.mark.parametrize("s,n,d", _NONFINITE_SHAPES)
+@pytest.mark.parametrize("kind", ["stored_nan", "state_nan", "state_inf", "stored_inf_block", "stored_minus_inf",
+                                  "values_nan", "values_inf"])
+@pytest.mark.parametrize("tol", [None, 1e-3])
+def test_update_nonfinite_inputs_reach_what_they_reach_in_float64(s, n, d, kind, tol):
+    from attnkit.reference.hopfield import hopfield_update_reference
+
+    torch.manual_seed(0)
+    with_values = kind.startswith("values") or s == 70
+    state = torch.randn(1, 2, s, d)
+    stored = torch.randn(1, 2, n, d) * 0.3
+    values = torch.randn(1, 2, n, 7) if with_values else None
+    _poison(kind, state, stored, values)
+    leaves = [t.clone().requires_grad_(True) for t in (state, stored, values) if t is not None]
+    out = attnkit.hopfield_update(leaves[0], leaves[1], beta=0.5, steps=2, tol=tol,
+                                  values=leaves[2] if with_values else None, backend="cpu")
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, g)
+    leaves64 = [t.detach().to(F64).requires_grad_(True) for t in leaves]
+    want = hopfield_update_reference(leaves64[0], leaves64[1], beta=0.5, steps=2, tol=tol,
+                                     values=leaves64[2] if with_values else None)
+    want_grads = torch.autograd.grad(want, leaves64, g.to(F64))
+    _same_nonfinite("out", out, want)
+    for name, a, b in zip(["dstate", "dstored", "dvalues"], grads, want_grads):
+        _same_nonfinite(name, a, b)
+
+
+@pytest.mark.parametrize("s,n,d", [(9, 40, 16), (3, 1000, 33)])
+@pytest.mark.parametrize("kind", ["stored_nan", "state_nan", "state_inf", "stored_inf_block", "stored_minus_inf"])
+def test_energy_nonfinite_inputs_reach_what_they_reach_in_float64(s, n, d, kind):
+    torch.manual_seed(0)
+    state, stored = torch.randn(1, 2, s, d), torch.randn(1, 2, n, d) * 0.3
+    _poison(kind, state, stored, None)
+    leaves = [t.clone().requires_grad_(True) for t in (state, stored)]
+    energy = attnkit.hopfield_energy(leaves[0], leaves[1], 0.5, backend="cpu")
+    grads = torch.autograd.grad(energy, leaves, torch.ones_like(energy))
+    leaves64 = [t.detach().to(F64).requires_grad_(True) for t in leaves]
+    want = hopfield_energy_reference(leaves64[0], leaves64[1], 0.5)
+    want_grads = torch.autograd.grad(want, leaves64, torch.ones_like(want))
+    _same_nonfinite("energy", energy, want)
+    for name, a, b in zip(["dstate", "dstored"], grads, want_grads):
+        _same_nonfinite(name, a, b)
+
+
+def test_energy_lse_is_plus_inf_for_an_infinite_score_like_torch_logsumexp():
+    # Regression: a +inf score gave lse = m + log(NaN) (exp(inf - inf)); the backward, which
+    # recomputes the probabilities from lse, then made every pattern's gradient NaN.
+    state, stored = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 40, 16)
+    stored[0, 0, 7, 0] = float("inf")
+    state[0, 0, 0, 0], state[0, 0, 1, 0] = 1.0, -1.0
+    _, lse = _op(state, stored, 0.5)
+    want = torch.logsumexp(0.5 * state.double() @ stored.double().transpose(-1, -2), -1)
+    assert lse[0, 0, 0] == float("inf") and torch.isfinite(lse[0, 0, 1])
+    torch.testing.assert_close(lse[0, 0, 1].double(), want[0, 0, 1], rtol=2e-5, atol=0)
+
+
+def test_update_first_tile_of_minus_inf_scores_is_not_nan():
+    # Regression: with every score of the first tile -inf the running max stayed -inf and
+    # exp(-inf - -inf) = NaN poisoned the row; the reference gives exp(-inf) = 0 weights, and a NaN
+    # only in the column where those patterns are infinite (0·inf).
+    torch.manual_seed(1)
+    for s in (3, 70):  # streaming and GEMM paths
+        state, stored = torch.randn(1, 1, s, 32), torch.randn(1, 1, 600, 32) * 0.3
+        stored[0, 0, :40, 2] = float("inf")
+        state[..., 2] = -state[..., 2].abs()
+        out = attnkit.hopfield_update(state, stored, beta=0.5, backend="cpu")
+        assert torch.isnan(out[..., 2]).all()
+        assert torch.isfinite(out[..., :2]).all() and torch.isfinite(out[..., 3:]).all()

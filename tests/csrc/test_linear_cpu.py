@@ -452,3 +452,132 @@ def test_op_rejects_bad_arguments():
     with pytest.raises(RuntimeError, match="causal needs N == M"):
         torch.ops.attnkit.linear_fwd(q, k[:, :, :5], v[:, :, :5], None, None, True, "elu", True,
                                      1e-6, 1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# NaN and ±inf (issue 15): they reach exactly the outputs and gradients they reach in float64.
+
+
+def _causal_rows64(q, k, v, feature_map, normalize, state):
+    """Causal linear attention in float64, one row at a time over the keys that row sees.
+
+    The reference's masked quadratic form multiplies the mask's zeros by every value row, so a NaN
+    in v_j also reaches the rows i < j there (0·NaN; issue 15 allows it); row by row nothing past
+    row i enters row i, which is the recurrence's (linear_attention_step) answer too."""
+    from attnkit.reference.linear import feature_map_reference
+
+    pq, pk = feature_map_reference(q, feature_map), feature_map_reference(k, feature_map)
+    rows = []
+    for i in range(q.shape[-2]):
+        w = pq[..., i:i + 1, :] @ pk[..., :i + 1, :].transpose(-1, -2)
+        num, den = w @ v[..., :i + 1, :], w.sum(-1, keepdim=True)
+        if state is not None:
+            num = num + pq[..., i:i + 1, :] @ state[0]
+            den = den + pq[..., i:i + 1, :] @ state[1].unsqueeze(-1)
+        rows.append(num / (den + 1e-6) if normalize else num)
+    return torch.cat(rows, -2)
+
+
+def _nonfinite_case(feature_map, causal, normalize, where, value, with_state):
+    """(kernel's out and grads, float64 truth's out and grads, index of the poisoned entry)."""
+    n, d, dv = 150, 19, 17  # 3 chunks of 64, the last partial; odd head dims
+    q, k, v = make(1, 2, n, n, d, dv, seed=5)
+    state = make_state(1, 2, d, dv, seed=6) if with_state else None
+    inputs = {"q": q, "k": k, "v": v}
+    if with_state:
+        inputs.update(S0=state[0], z0=state[1])
+    at = (0, 0, 3) if where == "z0" else (0, 0, 3, 3) if where == "S0" else (0, 0, 70, 3)
+    inputs[where][at] = value  # row 70: chunk 1, the 3rd row of a 4-row micro-tile
+    names = list(inputs)
+    leaves = [inputs[name].clone().requires_grad_(True) for name in names]
+    init = (leaves[3], leaves[4]) if with_state else None
+    out = attnkit.linear_attention(*leaves[:3], causal=causal, feature_map=feature_map, normalize=normalize,
+                                   initial_state=init, backend="cpu")
+    g = torch.randn_like(out)
+    got = [out, *torch.autograd.grad(out, leaves, g)]
+    leaves64 = [t.detach().to(F64).requires_grad_(True) for t in leaves]
+    init64 = (leaves64[3], leaves64[4]) if with_state else None
+    if causal:
+        want_out = _causal_rows64(*leaves64[:3], feature_map, normalize, init64)
+    else:
+        want_out = linear_attention_reference(*leaves64[:3], feature_map=feature_map, normalize=normalize)
+    grads = torch.autograd.grad(want_out, leaves64, g.to(F64), allow_unused=True)
+    want = [want_out, *[torch.zeros_like(t) if gr is None else gr for t, gr in zip(leaves64, grads)]]
+    return names, got, want, at
+
+
+@pytest.mark.parametrize("feature_map,causal,normalize", COMBOS)
+@pytest.mark.parametrize("where", ["q", "k", "v", "S0", "z0"])
+def test_nan_reaches_exactly_the_outputs_and_gradients_it_reaches_in_float64(feature_map, causal, normalize, where):
+    if where in ("S0", "z0") and not causal:
+        pytest.skip("an initial state needs causal=True")
+    names, got, want, at = _nonfinite_case(feature_map, causal, normalize, where, float("nan"), where in ("S0", "z0"))
+    for name, a, b in zip(["out"] + ["d" + n for n in names], got, want):
+        a, b = a.detach().to(F64).clone(), b.detach().clone()
+        if name == "d" + where:
+            # The poisoned entry's own gradient: torch's elu backward gives NaN there on its
+            # vectorized path and the gradient on its scalar tail; the kernel gives NaN (elu),
+            # the gradient (relu, identity).  Every other entry must agree.
+            a[at] = b[at] = 0
+        assert torch.equal(torch.isnan(a), torch.isnan(b)), name
+        finite = torch.isfinite(b)
+        assert torch.isfinite(a[finite]).all(), name
+    if causal and where != "v":
+        # Here the reference's own masked form agrees exactly with the row-by-row truth.
+        ref = linear_attention_reference(*[t.to(F64) for t in _nan_inputs(where)], causal=True,
+                                         feature_map=feature_map, normalize=normalize)
+        out = attnkit.linear_attention(*_nan_inputs(where), causal=True, feature_map=feature_map,
+                                       normalize=normalize, backend="cpu")
+        assert torch.equal(torch.isnan(out), torch.isnan(ref))
+
+
+def _nan_inputs(where):
+    q, k, v = make(1, 2, 150, 150, 19, 17, seed=5)
+    if where in ("q", "k"):
+        {"q": q, "k": k}[where][0, 0, 70, 3] = float("nan")
+    return q, k, v
+
+
+@pytest.mark.parametrize("feature_map,causal,normalize", [c for c in COMBOS if c[0] != "identity"])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
+def test_inf_reaches_exactly_the_outputs_and_gradients_it_reaches_in_float64(feature_map, causal, normalize, where, value):
+    # Non-finite where float64 is non-finite, finite elsewhere.  Inf against NaN may differ: the
+    # state form sums φ(k_j)[d] v_j[e] before the query's weights (0·inf = NaN in φ(k) vᵀ where the
+    # quadratic form has w·inf = inf), as the recurrence does.
+    names, got, want, _ = _nonfinite_case(feature_map, causal, normalize, where, value, False)
+    for name, a, b in zip(["out"] + ["d" + n for n in names], got, want):
+        assert torch.equal(torch.isfinite(a), torch.isfinite(b)), name
+
+
+def test_nan_value_never_reaches_earlier_rows_of_its_causal_chunk():
+    # Regression: the triangular product A·V of a chunk ran on 4-row micro-tiles, multiplying the
+    # mask's zeros by v_{j} for up to 3 rows i < j: out[68] and out[69] came out NaN.
+    q, k, v = make(1, 1, 100, 100, 16, 16)
+    v[0, 0, 71, 0] = float("nan")
+    out = attnkit.linear_attention(q, k, v, causal=True, backend="cpu")
+    assert not torch.isnan(out[0, 0, :71]).any() and torch.isnan(out[0, 0, 71:, 0]).all()
+    assert not torch.isnan(out[0, 0, 71:, 1:]).any()
+
+
+def test_relu_gradient_is_zero_where_the_input_is_not_positive_even_against_nan():
+    # Regression: relu' = 0 was applied as a product, so a NaN gradient of φ(q) made dq NaN where
+    # q <= 0; torch's relu backward selects 0 there.
+    q, k, v = make(1, 1, 40, 40, 8, 8)
+    k[0, 0, 5, 2] = float("nan")  # every query's dφ(q) is NaN in the non-causal case
+    q = q.requires_grad_(True)
+    out = attnkit.linear_attention(q, k, v, feature_map="relu", backend="cpu")
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    assert (dq[q.detach() <= 0] == 0).all() and torch.isnan(dq[q.detach() > 0]).all()
+
+
+def test_unnormalized_gradients_ignore_a_nan_in_z0():
+    # normalize=False: den and z0 do not reach the output, so their NaN must not reach dq (dden = 0
+    # was multiplied into z: 0·NaN).
+    q, k, v = make(1, 1, 70, 70, 8, 8)
+    s0, z0 = make_state(1, 1, 8, 8)
+    z0[0, 0, 1] = float("nan")
+    q = q.requires_grad_(True)
+    out = attnkit.linear_attention(q, k, v, causal=True, normalize=False, initial_state=(s0, z0), backend="cpu")
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    assert torch.isfinite(out).all() and torch.isfinite(dq).all()
