@@ -494,6 +494,8 @@ class _Layout:
 
     def to_kernel(self, t: torch.Tensor, heads: int) -> torch.Tensor:
         """``t`` (one of q, k, v) as ``[B, heads, rows, cols]``."""
+        if t.dim() == 4 and self.rank == 4 and t.shape[0] == self.flat_batch and t.shape[1] == heads:
+            return t  # already the kernels' layout: the common call pays nothing
         rows, cols = t.shape[-2], t.shape[-1]
         t = t.reshape((1,) * (self.rank - t.dim()) + tuple(t.shape))  # a view: leading 1s
         if self.rank == 2:
