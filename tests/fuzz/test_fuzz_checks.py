@@ -2,6 +2,8 @@
 NaN, a stray NaN, an error past the tolerance), raises.  A fuzz test whose checks accept
 anything would pass whatever the kernels do."""
 import pytest
+
+pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (requirements.txt)")
 import torch
 
 from attnkit_testing import F64

@@ -9,6 +9,8 @@ not an error."""
 import math
 
 import pytest
+
+pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (requirements.txt)")
 import torch
 from hypothesis import given
 from hypothesis import strategies as st

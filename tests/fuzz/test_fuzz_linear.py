@@ -6,6 +6,8 @@ and special values of fuzzing.py.
 Normalization is fuzzed with the elu map (positive weights); relu and identity run unnormalized
 (their normalizer can sum to ~0: the docstring calls that ill-conditioned, no tolerance holds)."""
 import pytest
+
+pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (requirements.txt)")
 import torch
 import torch.nn.functional as F
 from hypothesis import given

@@ -4,6 +4,8 @@ odd sizes, 2-D to 5-D, GQA, broadcast K/V batch dims, D up to 256), layouts (tra
 strided, expanded, one fused qkv tensor, q = k = v), masks (bool / float, broadcast, fully
 masked rows, causal) and special values (NaN, ±inf, 1e4).  See fuzzing.py for the checks."""
 import pytest
+
+pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (requirements.txt)")
 import torch
 from hypothesis import given
 from hypothesis import strategies as st

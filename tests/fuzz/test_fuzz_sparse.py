@@ -3,6 +3,8 @@ fixed, star, block layouts) with random parameters, every backend usable here, a
 float64 reference (dense softmax under the pattern's mask), forward and gradients, with the
 layouts and special values of fuzzing.py.  Rows a block layout leaves without keys give 0."""
 import pytest
+
+pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (requirements.txt)")
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
