@@ -186,24 +186,27 @@ def configs_for(kind: str, head_dim: int, value_dim: int) -> list:
 
 @triton.jit
 def _phi(x, FEATURE: tl.constexpr):
-    """φ(x) in float32: 0 = elu(x) + 1, 1 = relu, 2 = identity."""
+    """φ(x) in float32: 0 = elu(x) + 1, 1 = relu, 2 = identity; NaN stays NaN (issue 15).
+    Selects test x <= 0, so that a NaN takes the x branch: on a GPU tl.maximum / tl.minimum drop
+    a NaN operand (relu(NaN) came out 0, elu(NaN) + 1 = exp(min(NaN, 0)) = 1)."""
     if FEATURE == 0:
         # exp only where it is used: exp of a large positive x would be inf (harmless in the
         # unselected branch, but min() keeps the interpreter free of overflow warnings).
-        return tl.where(x > 0, x + 1.0, tl.exp(tl.minimum(x, 0.0)))
+        return tl.where(x <= 0, tl.exp(tl.minimum(x, 0.0)), x + 1.0)
     elif FEATURE == 1:
-        return tl.maximum(x, 0.0)
+        return tl.where(x <= 0, 0.0, x)
     else:
         return x
 
 
 @triton.jit
 def _times_dphi(grad, x, FEATURE: tl.constexpr):
-    """grad · φ'(x) (relu'(0) = 0 as torch has it; elu'(0) = 1 either way)."""
+    """grad · φ'(x) as torch's autograd has it: relu'(0) = 0, elu'(0) = 1, and at NaN both
+    pass grad on unchanged (torch selects on x <= 0)."""
     if FEATURE == 0:
-        return grad * tl.where(x > 0, 1.0, tl.exp(tl.minimum(x, 0.0)))
+        return grad * tl.where(x <= 0, tl.exp(tl.minimum(x, 0.0)), 1.0)
     elif FEATURE == 1:
-        return tl.where(x > 0, grad, 0.0)
+        return tl.where(x <= 0, 0.0, grad)
     else:
         return grad
 

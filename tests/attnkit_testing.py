@@ -299,7 +299,9 @@ def linear_dk_term_scale(q, k, v, grad_out, *, causal, feature_map, normalize, e
     pq = feature_map_reference(q, feature_map)
     n, m = q.shape[-2], k.shape[-2]
     gv = (g @ v.transpose(-1, -2)).abs()  # [B,H,N,M] |g_i·v_j|
-    visible = torch.ones(n, m, dtype=torch.bool).tril() if causal else torch.ones(n, m, dtype=torch.bool)
+    visible = torch.ones(n, m, dtype=torch.bool, device=q.device)
+    if causal:
+        visible = visible.tril()
     if not normalize:
         terms = abs(scale) * gv
     else:

@@ -114,20 +114,23 @@ __device__ __forceinline__ A exp_acc(A x) {
   }
 }
 
-// phi(x): elu(x) + 1 = x + 1 (x > 0) or exp(x); relu; identity.
+// phi(x): elu(x) + 1 = x + 1 (x > 0) or exp(x); relu; identity.  NaN stays NaN (torch.relu(NaN)
+// is NaN; `x > 0 ? x : 0` turned it into 0 -- issue 15, found by tests/fuzz on an H100).
 template <typename A>
 __device__ __forceinline__ A phi(A x, int fm) {
   if (fm == kElu) return x > A(0) ? x + A(1) : exp_acc(x);
-  if (fm == kRelu) return x > A(0) ? x : A(0);
+  if (fm == kRelu) return x <= A(0) ? A(0) : x;
   return x;
 }
 
-// phi'(x) (relu'(0) = 0 as torch has it).
+// grad · phi'(x) as torch's autograd has it: relu'(0) = 0, elu'(0) = 1, at NaN both pass the
+// gradient on unchanged, and relu's zero is a select, not a product (threshold_backward: a NaN
+// gradient of an entry with x <= 0 still gives 0, where 0 · NaN would be NaN).
 template <typename A>
-__device__ __forceinline__ A dphi(A x, int fm) {
-  if (fm == kElu) return x > A(0) ? A(1) : exp_acc(x);
-  if (fm == kRelu) return x > A(0) ? A(1) : A(0);
-  return A(1);
+__device__ __forceinline__ A times_dphi(A grad, A x, int fm) {
+  if (fm == kElu) return x <= A(0) ? grad * exp_acc(x) : grad;
+  if (fm == kRelu) return x <= A(0) ? A(0) : grad;
+  return grad;
 }
 
 // Conversions between an element type T and the accumulation type A.  16-bit values go through
@@ -746,7 +749,7 @@ __global__ void __launch_bounds__(kThreads)
     each<L>([&](int i, int j, int r, int) { acc.v[i][j] += rr[r] * pr.v[i][j] + cc[r] * pc.v[i][j]; });
   }
   store_rows(dq + (at.bh * p.N + row0) * p.D + d0, p.D, rows, dn, acc, [&](A y, int r, int c) {
-    return y * dphi(to_acc<A>(*p.q.at(at.b, at.h, row0 + r, d0 + c)), p.fm);
+    return times_dphi(y, to_acc<A>(*p.q.at(at.b, at.h, row0 + r, d0 + c)), p.fm);
   });
 }
 
@@ -797,7 +800,7 @@ __global__ void __launch_bounds__(kThreads)
     add_scaled(acc, cs, pc);
   }
   store_rows(dk + (at.bh * p.M + row0) * p.D + d0, p.D, rows, dn, acc, [&](A y, int r, int c) {
-    return y * dphi(to_acc<A>(*p.k.at(at.b, at.h, row0 + r, d0 + c)), p.fm);
+    return times_dphi(y, to_acc<A>(*p.k.at(at.b, at.h, row0 + r, d0 + c)), p.fm);
   });
 }
 
