@@ -270,3 +270,15 @@ def test_linear_step_rejects_other_ranks_clearly():
     with pytest.raises(ValueError, match=rf"linear_attention_step: q_t must be a 3-D tensor \[B, H, D\]; "
                                          rf"got 4-D with shape \(2, 3, 1, 16\) \({HINT}"):
         attnkit.linear_attention_step(x3.unsqueeze(2), x3, x3)
+
+
+def test_float_mask_gradient_through_leading_dims():
+    """A floating mask that requires grad (routed to the reference) gets SDPA's gradient in its
+    own broadcast shape."""
+    q, k, v = (torch.randn(*s, dtype=F64) for s in ((2, 2, 3, 5, 8), (2, 2, 3, 6, 8), (2, 2, 3, 6, 4)))
+    mask = torch.randn(2, 1, 1, 5, 6, dtype=F64, requires_grad=True)
+    attnkit.softmax_attention(q, k, v, attn_mask=mask).sum().backward()
+    mask64 = mask.detach().clone().requires_grad_()
+    F.scaled_dot_product_attention(q, k, v, attn_mask=mask64).sum().backward()
+    assert mask.grad.shape == mask.shape
+    assert_close_to_reference(mask.grad, mask64.grad, grad=True, name="d mask")
