@@ -583,9 +583,10 @@ def softmax_attention(
 
     A row with no key to attend to (fully masked, or M = 0) gives output 0 and lse -inf, and
     zero gradients -- never NaN (SDPA gives NaN there).  NaN and ±Inf inputs propagate as in
-    SDPA: a NaN in a query row makes that output row NaN; a NaN or +Inf in a key (or a NaN in
-    a floating mask) makes NaN every row that can see that key; a NaN (or ±Inf) in a value row
-    reaches at least every row that can see it.  A fully masked row stays 0 even then.  Empty N or M give empty / zero results.
+    SDPA: a NaN in a query row makes that output row NaN; a NaN in a key (or an inf that makes a
+    score +inf, or a NaN in a floating mask) makes NaN every row that can see that key (its lse
+    NaN -- or +inf for a +inf score); a NaN (or ±Inf) in a value row reaches at least every row
+    that can see it.  A fully masked row stays 0 (lse -inf).  Empty N or M give empty / zero results.
     Differentiable in query, key, value, a floating ``attn_mask`` (reference only, see below)
     and through ``lse`` too.  The kernel backends are differentiable once (their backward is a
     kernel); double backward needs ``backend="reference"``.
