@@ -364,10 +364,19 @@ def _relay_column(q, k_relay, v_relay, scale, visible):
 
 def _rows_attention(q, k, v, rows, mask, scale):
     """Exact attention of the few query rows ``rows`` over all keys under ``mask`` [R, N]
-    (every row keeps at least one key): [B, H, R, Dv] in q's dtype.  O(R N) memory."""
+    (every row keeps at least one key): [B, H, R, Dv] in q's dtype.  O(R N) memory.
+
+    NaN semantics of the kernels (issue 15): a NaN or +inf score poisons its row (NaN), while a
+    row whose every kept score is -inf (an inf in a key) has nothing to attend and gives 0, as
+    the reference's -inf-masked softmax does -- torch.softmax would give NaN there."""
     acc = _acc_dtype(q.dtype)
     s = (q.index_select(2, rows).to(acc) @ k.to(acc).transpose(-1, -2)) * scale
-    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    s = s.masked_fill(~mask, float("-inf"))
+    top = s.amax(dim=-1, keepdim=True).detach()  # NaN stays NaN; -inf: nothing to attend
+    empty = torch.isneginf(top)
+    p = torch.exp(s - torch.where(empty, torch.zeros_like(top), top))
+    den = p.sum(dim=-1, keepdim=True)
+    p = p / torch.where(empty, torch.ones_like(den), den)
     return (p @ v.to(acc)).to(q.dtype)
 
 

@@ -155,3 +155,27 @@ def test_sparse_key_hidden_from_a_nan_row_keeps_finite_dk(backend, pattern):
     dk = _hidden_key_dk(backend, lambda q, k, v, b: attnkit.sparse_attention(q, k, v, pattern, backend=b),
                         n=5, hidden_key=4, nan_row=1, nan_col=1)
     assert torch.isfinite(dk[0]), f"dk of a key the NaN row cannot see: {dk.tolist()}"
+
+
+# ----------------------------------------------------------------------------------------------
+# star patterns, a row whose only visible keys score -inf (an inf in a key): the rows the star
+# recomputes exactly (attnkit/ops/sparse.py _rows_attention) went through torch.softmax, NaN on
+# an all -inf row, where the reference (and every kernel part) gives 0.  Found by
+# test_fuzz_sparse [cpu, triton]: star(relay=0, radius=1, causal=True), N = 3, inf in key 0.
+# Fixed in attnkit/ops/sparse.py.
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+def test_star_row_whose_keys_all_score_minus_inf_is_zero(backend):
+    _usable("sparse", backend)
+    pattern = patterns.star(relay=0, radius=1, causal=True)  # row 0 (the relay) sees key 0 only
+    q = torch.tensor([[[[1.0, -0.5], [0.3, 0.2], [-0.7, 0.4]]]])
+    k = torch.tensor([[[[-float("inf"), 0.1], [0.5, -0.2], [0.2, 0.9]]]])  # q0 . k0 = -inf
+    v = torch.randn(1, 1, 3, 2, generator=torch.Generator().manual_seed(4))
+    out = attnkit.sparse_attention(q, k, v, pattern, backend=backend)
+    ref = attnkit.sparse_attention(q.double(), k.double(), v.double(), pattern, backend="reference")
+    assert torch.equal(out[0, 0, 0], torch.zeros(2))  # nothing to attend: 0, not NaN
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    both = torch.isfinite(ref)
+    torch.testing.assert_close(out[both].double(), ref[both], rtol=2e-5, atol=1e-6)
