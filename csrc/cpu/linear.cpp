@@ -46,10 +46,15 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <string_view>
 #include <type_traits>
 #include <vector>
@@ -389,6 +394,64 @@ void mask_upper(T* a, int64_t ld, int64_t L, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Threads.  dynamic_for(n, f) calls f(begin, end) on disjoint blocks covering [0, n), like
+// at::parallel_for, but hands the blocks out one at a time from a shared counter (about 8 per
+// thread; one per task when there are fewer), and the caller waits only for blocks a thread has
+// claimed, never for a helper thread to be scheduled.
+//
+// Why (issue 14, stable timings): at::parallel_for splits [0, n) into one static range per
+// thread and ends in an OpenMP barrier, so a call takes as long as its slowest thread.  On the
+// shared 2-core machines the causal forward (B=1 H=8 N=16384 D=64: 8 heads, 4 per thread) then
+// ran at whatever share of a core the other processes left to its second thread: measured
+// process CPU time per call was steady (53-59 ms user in 6 fresh processes, and independent of
+// the inputs' relative alignment: 0 / 64 B / 4 KiB / 256 KiB gaps within 3%), while wall time
+// per call ranged over 58-84 ms (load average ~4) -- the 40 vs 75 ms "bimodal" processes of the
+// issue are the same kernel with its second thread sharing a core or not (with a process of
+// another session busy on one core, wall time equals the process's CPU time: 56 ms static, 49-54
+// ms with this, 5 fresh processes each).  With blocks claimed dynamically, a thread that runs
+// takes the work of one that does not.  The rest of the spread between processes was kernel
+// time faulting in the fresh 32 MiB output of every call (sys 2-44 ms per call, steady within a
+// process: clear_page_erms of the huge-page faults took 11% of the samples in a slow process and
+// 2.5% in a fast one): see bench/harness.py steady_memory.
+// ---------------------------------------------------------------------------------------------
+struct BlockBatch {
+  BlockBatch(int64_t n_, int64_t block_, std::function<void(int64_t, int64_t)> f_)
+      : n(n_), block(block_), blocks((n_ + block_ - 1) / block_), f(std::move(f_)) {}
+  const int64_t n, block, blocks;
+  const std::function<void(int64_t, int64_t)> f;  // only called for claimed blocks, while the caller waits
+  std::atomic<int64_t> next{0}, done{0};
+  std::mutex mu;
+  std::condition_variable finished;
+  void run() {
+    for (int64_t b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) {
+      f(b * block, std::min(n, (b + 1) * block));
+      if (done.fetch_add(1) + 1 == blocks) {
+        std::lock_guard<std::mutex> lock(mu);
+        finished.notify_all();
+      }
+    }
+  }
+};
+
+template <typename F>
+void dynamic_for(int64_t n, const F& f) {
+  if (n <= 0) return;
+  const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(n, at::get_num_threads());
+  if (threads <= 1) {
+    f(0, n);
+    return;
+  }
+  const int64_t block = ceil_div(n, std::min(n, 8 * threads));
+  // Shared with the helpers: one that starts after the caller returned only finds the counter
+  // past the end and drops its reference.  f must not throw (the kernels' bodies do not).
+  auto batch = std::make_shared<BlockBatch>(n, block, std::function<void(int64_t, int64_t)>(std::cref(f)));
+  for (int64_t w = 1; w < threads; ++w) at::launch([batch] { batch->run(); });
+  batch->run();
+  std::unique_lock<std::mutex> lock(batch->mu);
+  batch->finished.wait(lock, [&] { return batch->done.load() == batch->blocks; });
+}
+
+// ---------------------------------------------------------------------------------------------
 // Problem description shared by the kernels.
 // ---------------------------------------------------------------------------------------------
 template <typename scalar_t, typename T>
@@ -545,7 +608,7 @@ template <typename scalar_t, typename T>
 void causal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
   constexpr int64_t W = Simd<T>::W;
   const int64_t D = P.D, Dv = P.Dv, Dp = P.Dp, Dvp = P.Dvp;
-  at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
+  dynamic_for(P.BH, [&](int64_t begin, int64_t end) {
     Tiles<T> t(Dp, Dvp);
     T* S = t.S.data();
     T* z = t.z.data();
@@ -595,7 +658,7 @@ void reduce_chunk_groups(int64_t BH, int64_t rows, int64_t G, int64_t Dp, int64_
                          int64_t state_size, T* partial, const Body& body) {
   constexpr int64_t W = Simd<T>::W;
   const int64_t chunks = ceil_div(rows, kChunk), per_group = ceil_div(chunks, G);
-  at::parallel_for(0, BH * G, 1, [&](int64_t begin, int64_t end) {
+  dynamic_for(BH * G, [&](int64_t begin, int64_t end) {
     Tiles<T> t(Dp, Dvp);
     std::vector<T> scratch(std::max(Dp, Dvp));
     for (int64_t task = begin; task < end; ++task) {
@@ -624,7 +687,7 @@ void noncausal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
                            add_outer<T>(D, Dvp, L, t.pkT.data(), t.v.data(), nullptr, S, z);
                          });
   // 2. S = S0 + sum of the groups (into group 0's slot), z likewise
-  at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
+  dynamic_for(P.BH, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const T* S = sum_partials(partial.data(), bh, G, state_size, P.S0, P.z0, D, Dv, Dp, Dvp);
       store_state(P, bh, S, S + Dp * Dvp, static_cast<T*>(o.S), static_cast<T*>(o.z));
@@ -633,7 +696,7 @@ void noncausal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
   // 3. num = P S, den = P z per query chunk
   const int64_t qchunks = ceil_div(P.N, kChunk);
   const bool no_keys = P.M == 0 && P.S0 == nullptr;
-  at::parallel_for(0, P.BH * qchunks, 1, [&](int64_t begin, int64_t end) {
+  dynamic_for(P.BH * qchunks, [&](int64_t begin, int64_t end) {
     Tiles<T> t(Dp, Dvp);
     T den[kChunk];
     for (int64_t task = begin; task < end; ++task) {
@@ -849,7 +912,7 @@ template <typename scalar_t, typename T>
 void causal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G) {
   // Task 2*bh: the dq sweep of (b, h); task 2*bh + 1: its dk/dv sweep (interleaved so that the
   // threads' contiguous task ranges mix the cheaper and the dearer sweep).
-  at::parallel_for(0, 2 * P.BH, 1, [&](int64_t begin, int64_t end) {
+  dynamic_for(2 * P.BH, [&](int64_t begin, int64_t end) {
     Tiles<T> t(P.Dp, P.Dvp);
     std::vector<T> scratch(std::max(P.Dp, P.Dvp));
     for (int64_t task = begin; task < end; ++task) {
@@ -880,7 +943,7 @@ void noncausal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>&
                          });
   // 2. totals (group 0's slot), S^T for the dq pass, the state gradients
   std::vector<T> ST(static_cast<size_t>(P.BH * Dvp * Dp));
-  at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
+  dynamic_for(P.BH, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const T* R = sum_partials(partial.data(), bh, NG, state_size, G.grad_S, G.grad_z, D, Dv,
                                 Dp, Dvp);
@@ -889,7 +952,7 @@ void noncausal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>&
     }
   });
   // 3. dq per query chunk, dk and dv per key chunk
-  at::parallel_for(0, P.BH * (qchunks + kchunks), 1, [&](int64_t begin, int64_t end) {
+  dynamic_for(P.BH * (qchunks + kchunks), [&](int64_t begin, int64_t end) {
     Tiles<T> t(Dp, Dvp);
     std::vector<T> scratch(std::max(Dp, Dvp));
     for (int64_t task = begin; task < end; ++task) {
