@@ -19,7 +19,7 @@ import attnkit
 from attnkit.reference.hopfield import hopfield_energy_reference, hopfield_update_reference
 from attnkit_testing import F64
 from fuzzing import (
-    BACKENDS, LAYOUTS, base_support, check_exact, check_grad_with_specials, dtypes_for, max_score, fuzz_settings, interpreted, leaves, make_input,
+    BACKENDS, LAYOUTS, base_support, check_exact, check_grad_with_specials, dtypes_for, grad_term_sizes, max_score, fuzz_settings, interpreted, leaves, make_input,
     require_backend, set_values, tolerance,
 )
 
@@ -79,7 +79,10 @@ def test_hopfield_update_matches_float64_reference(backend, device, data):
     draw = data.draw
     want_grad = draw(st.booleans(), label="gradients")
     dtype, inputs, special, gen = _draw_case(data, backend, device, distinct=want_grad)
-    steps = draw(st.integers(1, 3), label="steps")
+    # Gradients over several steps shrink as the states converge (the update contracts), far
+    # below the terms they sum: no relative rule holds there, so gradient cases take one step,
+    # whose terms are those of softmax attention (fuzzing.grad_term_sizes).
+    steps = 1 if want_grad else draw(st.integers(1, 3), label="steps")
     d = inputs[0].tensor().shape[-1]
     beta = draw(st.one_of(st.none(), st.floats(0.05, 2.0 / math.sqrt(d))), label="beta")
     tol = draw(st.sampled_from([None, 0.0, 1e6]), label="tol")
@@ -132,12 +135,17 @@ def test_hopfield_update_matches_float64_reference(backend, device, data):
     poisoned = ~torch.isfinite(ref.detach().cpu()).all(-1, keepdim=True)  # [B, H, S, 1]
     head = poisoned.any(-2, keepdim=True)
     allowed = base_support(inputs, bases64, [poisoned, head, head][:len(inputs)])
+    # One step: softmax attention with q = state, k = stored, v = values (or stored).
+    trio = [inputs[0], inputs[1], inputs[2] if len(inputs) == 3 else inputs[1]]
+    trio64 = [bases64[0], bases64[1], bases64[2] if len(inputs) == 3 else bases64[1]]
+    terms = grad_term_sizes(trio, trio64, torch.ones(out.shape[-2], args[1].shape[-2], dtype=torch.bool),
+                            None, beta_eff, 1, g.cpu(), torch.zeros(out.shape[:-1], dtype=F64))
     for i, (x, x64) in enumerate(zip(bases, bases64)):
         if x64.grad is None or x64.grad.numel() == 0:
             continue
         got = x.grad if x.grad is not None else torch.zeros_like(x)
         finite = torch.isfinite(x64.grad)
-        tol = tolerance(dtype, x64.grad[finite], grad=True, huge_scores=huge_scores,
+        tol = tolerance(dtype, x64.grad[finite], grad=True, huge_scores=huge_scores, size=terms[i],
                         naive=None if naive_grads[i] is None else naive_grads[i][finite.to(naive_grads[i].device)])
         if special in ("none", "huge"):
             check_exact(f"{name} grad {i}", got, x64.grad, tol)
