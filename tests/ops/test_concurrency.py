@@ -32,6 +32,14 @@ def _softmax_causal_5d(backend, seed):
     return lambda q, k, v: attnkit.softmax_attention(q, k, v, is_causal=True, backend=backend), (q, k, v)
 
 
+def _softmax_decode(backend, seed):
+    # N <= 16 query rows against a long GQA cache: the cpu kernel's decoding path, which splits
+    # the keys over tasks when (batch, kv head) pairs are few and merges them by LSE weights.
+    q, k, v = _inputs(seed, (1, 8, 2, 64), (1, 2, 3000, 64), (1, 2, 3000, 64))
+    return lambda q, k, v: attnkit.softmax_attention(q, k, v, enable_gqa=True, return_lse=True,
+                                                     backend=backend), (q, k, v)
+
+
 def _linear(backend, seed):
     q, k, v = _inputs(seed, (2, 3, 70, 16), (2, 3, 70, 16), (2, 3, 70, 8))
     return lambda q, k, v: attnkit.linear_attention(q, k, v, causal=True, return_state=True,
@@ -71,6 +79,7 @@ def _hopfield_energy(backend, seed):
 CASES = {
     "softmax": _softmax,
     "softmax-causal-5d": _softmax_causal_5d,
+    "softmax-decode": _softmax_decode,
     "linear-causal-state": _linear,
     "linear-noncausal": _linear_noncausal,
     "sparse-strided": _sparse(patterns.strided(8)),
