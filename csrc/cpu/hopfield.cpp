@@ -1021,8 +1021,13 @@ bool energy_fast(const float* state, const float* stored, float* energy, float* 
   std::unique_ptr<float[]> packed(new float[BH * stride]);
   // Per group of 16 patterns, the largest squared norm (double, NaN kept); reduced per (b, h).
   std::vector<double> group_max(BH * groups);
-  at::parallel_for(0, BH * groups, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+  // No OpenMP regions here (parallel_tasks_nowait: no BLAS in these bodies).  Under load (another
+  // session busy on one of the two cores) the OpenMP barrier of parallel_tasks made the energy at
+  // S=1024 N=16384 D=64 take 24 ms in 4 of 5 fresh processes against 6 ms in the fifth.
+  constexpr int64_t kPackBlock = 64;  // groups of 16 patterns per packing task
+  const int64_t pack_tasks = (BH * groups + kPackBlock - 1) / kPackBlock;
+  parallel_tasks_nowait(pack_tasks, [&](int64_t pt) {
+    for (int64_t i = pt * kPackBlock; i < std::min(BH * groups, (pt + 1) * kPackBlock); ++i) {
       const int64_t bh = i / groups, g = i % groups;
       const float* X = stored + bh * N * D;
       pack_group(X, N, D, g, packed.get() + bh * stride);
@@ -1041,7 +1046,7 @@ bool energy_fast(const float* state, const float* stored, float* energy, float* 
     best = (group_max[i] > best || std::isnan(group_max[i])) ? group_max[i] : best;
   }
   const int64_t qblocks = (S + kEnergyRows - 1) / kEnergyRows;
-  parallel_tasks(BH * qblocks, [&](int64_t task) {
+  parallel_tasks_nowait(BH * qblocks, [&](int64_t task) {
     thread_local std::vector<float> scores;
     scores.resize(kEnergyRows * kEnergyTile);
     std::vector<double> fallback;  // the cancellation fallback's scratch, allocated on first use
@@ -1126,7 +1131,7 @@ void update_fused(const UpdateCtx<T>& c) {
       });
     }
   }
-  parallel_tasks(c.BH * qblocks, [&](int64_t task) {
+  const auto body = [&](int64_t task) {
     // Thread-local buffers: the block's states, the running softmax and the score tile.
     thread_local std::vector<T> xi, m, l, scores, acc, accx;
     xi.resize(kBlockQ * D); m.resize(kBlockQ); l.resize(kBlockQ); scores.resize(kBlockQ * kTileN);
@@ -1161,7 +1166,14 @@ void update_fused(const UpdateCtx<T>& c) {
           std::memcpy(c.out + (bh * c.S + q0 + r) * D, xi.data() + r * D, sizeof(T) * D);
       }
     }
-  });
+  };
+  // Without BLAS in the body (the AVX-512 kernels on packed patterns, no values), no OpenMP
+  // barrier either: under load (another session busy on one core) the update at S=1024 N=16384
+  // D=64 3 steps took 70-84 ms in 4 of 5 fresh processes against 30 ms in the fifth.
+  if (packed && !c.has_values)
+    parallel_tasks_nowait(c.BH * qblocks, body);
+  else
+    parallel_tasks(c.BH * qblocks, body);
 }
 
 template <typename T>
