@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import datetime
 import gc
 import json
@@ -1208,6 +1209,31 @@ def format_case_list(cases: Sequence[Case], device: torch.device) -> str:
     return "\n".join(lines) + "\n"
 
 
+def steady_memory() -> bool:
+    """Keep freed large blocks in this process (glibc's malloc), so that every implementation's
+    outputs and temporaries are recycled from the heap instead of being mapped and faulted in
+    afresh on every call.  Returns whether it applied (glibc only).
+
+    Why (issue 14, stable timings): glibc serves blocks above its mmap threshold (at most 32 MiB
+    by default) with a fresh mmap per call and unmaps them on free, so a call that returns a
+    32 MiB output (linear attention at B=1 H=8 N=16384 D=64) has the kernel zero ~8200 4 KiB or 16
+    2 MiB pages each time.  What that costs differed from one fresh process to the next and stayed
+    put within a process: 2-44 ms of system time per call (528-656 page faults each), the huge-page
+    clearing (clear_page_erms) 11% of the profile samples in a slow process against 2.5% in a fast
+    one; wall time per call 28 ms against 63 ms (static threads, 2026-11-26).  With large blocks
+    kept: 0 faults per call after the first few, system time ~0.  Every implementation, peers
+    included, is then timed on warm memory, as in a long-running training loop.
+    """
+    if os.environ.get("ATTNKIT_BENCH_FRESH_MEMORY"):  # opt out: time the page faults too
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, (1 << 31) - 1))
+    except (OSError, AttributeError):
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -1234,6 +1260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     warmup = args.warmup if args.warmup is not None else warmup
     device = torch.device(args.device)
     out_dir = Path(args.out) if args.out else default_out_dir()
+    steady = device.type == "cpu" and steady_memory()
 
     t0 = time.perf_counter()
     if args.list:
@@ -1247,6 +1274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory = not args.no_memory
     meta = make_meta(device, quick=args.quick, warmup=warmup, repeats=repeats, families=families,
                      memory=memory, machine=None, max_time=max_time)
+    meta["steady_memory"] = steady  # large freed blocks kept (see steady_memory)
     bar = progress_available() and not args.no_progress
     report = LiveReport(out_dir, device.type, meta, started=t0, deadline=args.deadline, grace=args.grace,
                         announce_cases=not bar, child=args.child)
