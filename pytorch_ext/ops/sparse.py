@@ -377,6 +377,9 @@ def _rows_attention(q, k, v, rows, mask, scale):
     p = torch.exp(s - torch.where(empty, torch.zeros_like(top), top))
     den = p.sum(dim=-1, keepdim=True)
     p = p / torch.where(empty, torch.ones_like(den), den)
+    # Hidden keys weigh exactly 0, also on a poisoned row (0 / NaN would make their P, and so
+    # the gradients of keys the row cannot see, NaN).
+    p = torch.where(mask, p, torch.zeros_like(p))
     return (p @ v.to(acc)).to(q.dtype)
 
 
