@@ -284,8 +284,10 @@ inline double exp_nonpositive(double x) { return std::exp(x); }
 
 // x <- phi(x) (kDerivative false) or x <- phi'(x) (true) on n values.  phi' is the derivative
 // torch's autograd uses: at 0, relu' = 0, elu' = 1; at NaN, relu' = 1 (torch's threshold
-// backward selects the gradient unless x <= 0) and elu' = NaN (torch's vectorized elu backward,
-// the path any tensor of 64 or more elements takes, gives NaN there; its scalar tail gives 1).
+// backward selects the gradient unless x <= 0) and elu' = 1 (torch's scalar elu backward, which
+// the float64 reference runs on small tensors, selects on x <= 0 as well; its vectorized path,
+// taken from 64 elements on, gives NaN -- torch is inconsistent there, and attnkit's CUDA and
+// Triton kernels use 1, so all backends agree).
 // relu' = 0 is applied as a select, not a product (see write_input_grad).  One body for both so that the two stay
 // consistent; kDerivative is a compile-time constant, the loops vectorize as before.
 template <bool kDerivative, typename T>
@@ -295,7 +297,10 @@ void map_phi(T* x, int64_t n, FeatureMap fm) {
 #pragma omp simd
       for (int64_t d = 0; d < n; ++d) {
         const T e = exp_nonpositive(x[d] > T(0) ? T(0) : x[d]);  // NaN stays NaN
-        x[d] = x[d] > T(0) ? (kDerivative ? T(1) : x[d] + T(1)) : e;
+        if constexpr (kDerivative)
+          x[d] = x[d] <= T(0) ? e : T(1);  // elu'(NaN) = 1 (see above)
+        else
+          x[d] = x[d] > T(0) ? x[d] + T(1) : e;
       }
       break;
     case FeatureMap::kRelu:
