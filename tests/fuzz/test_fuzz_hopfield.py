@@ -100,7 +100,8 @@ def test_hopfield_update_matches_float64_reference(backend, device, data):
     beta_eff = 1.0 / math.sqrt(d) if beta is None else beta
     huge_scores = max_score(args64[0].detach(), args64[1].detach(), 1, beta_eff) if special == "huge" else 0.0
     read = (args64[1] if values64 is None else values64).detach()
-    unit = read[torch.isfinite(read)].abs().max().item() if read.numel() else 0.0
+    read = read[torch.isfinite(read)]
+    unit = read.abs().max().item() if read.numel() else 0.0
     needs_naive = dtype in (torch.float16, torch.bfloat16) or huge_scores > 0
     naive = naive_energy = None
     if needs_naive:
