@@ -738,11 +738,13 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
                 const acc_t* pr = S + r * kBKb;
                 acc_t* dpr = dP + r * kBKb;
                 const acc_t di = Di[row0 + r];
-                if (di != di) {
-                  // A NaN delta (the row's out is NaN): dS NaN where the row sees a key (P != 0)
-                  // and exactly 0 where causality or a bool mask hide it (P = 0): 0 * (dP - NaN)
-                  // would carry the NaN to the dK of keys the row cannot see (issue 15).
-                  for (int64_t j = 0; j < kn; ++j) dpr[j] = pr[j] != acc_t(0) ? di : acc_t(0);
+                if (!std::isfinite(di)) {
+                  // A NaN or infinite delta (the row's out is NaN, or sees an inf value): dS as
+                  // usual where the row sees a key (P != 0) and exactly 0 where causality or a
+                  // bool mask hide it (P = 0): 0 * (dP - NaN / inf) would carry a NaN to the dK of
+                  // keys the row cannot see (issue 15).
+                  for (int64_t j = 0; j < kn; ++j)
+                    dpr[j] = pr[j] != acc_t(0) ? pr[j] * (dpr[j] - di) * scale : acc_t(0);
                   continue;
                 }
 #pragma omp simd

@@ -183,12 +183,14 @@ void bwd_tile(int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int
     const acc_t* p = S + r * lds;
     acc_t* dp = dP + r * lds;
     const acc_t d = di[r];
-    if (d != d) {
-      // A NaN delta (the row's out is NaN): dS is NaN on the entries the row sees and exactly 0
-      // on the others -- P = 0 there, but 0 * (dP - NaN) would carry the NaN to the dK of keys
-      // the row cannot see (issue 15; tests/fuzz/test_regressions.py).
+    if (!std::isfinite(d)) {
+      // A NaN or infinite delta (the row's out is NaN, or sees an inf value): dS as usual on the
+      // entries the row sees and exactly 0 on the others -- P = 0 there, but 0 * (dP - NaN / inf)
+      // would carry a NaN to the dK of keys the row cannot see (issue 15; tests/fuzz/
+      // test_regressions.py).
       const int64_t a = std::clamp<int64_t>(vlo[r], 0, kn), e = std::clamp<int64_t>(vhi[r], 0, kn);
-      for (int64_t j = 0; j < kn; ++j) dp[j] = (j >= a && j < e && p[j] != acc_t(0)) ? d : acc_t(0);
+      for (int64_t j = 0; j < kn; ++j)
+        dp[j] = (j >= a && j < e && p[j] != acc_t(0)) ? p[j] * (dp[j] - d) * scale : acc_t(0);
       continue;
     }
 #pragma omp simd

@@ -241,16 +241,13 @@ def test_star_poisoned_row_leaves_hidden_keys_gradients_finite(backend):
 # Found by the last random fuzz runs (ATTNKIT_FUZZ_EXAMPLES=200), open at the time of writing.
 # ----------------------------------------------------------------------------------------------
 
-CPU_INF_DELTA = pytest.mark.xfail(strict=True, reason=(
-    "csrc/cpu/softmax.cpp backward: a row whose delta = rowsum(dO * O) is +-inf (an inf in V it "
-    "sees) gets dS = 0 * (dP - inf) = NaN on the keys it does not see (only a NaN delta is handled)"))
 TRITON_ENERGY_EMPTY_LSE = pytest.mark.xfail(strict=True, reason=(
     "kernels/hopfield.py energy: a state whose every score is -inf (an inf in the stored "
     "patterns) gets lse NaN (m + log l with m = -inf), so its energy is NaN where the reference "
     "has +inf"))
 
 
-@pytest.mark.parametrize("backend", [_mark(("cpu",), CPU_INF_DELTA), "reference"])
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_softmax_inf_value_leaves_hidden_keys_dk_finite(backend):
     _usable("softmax", backend)
     q = torch.tensor([[1.541]]).requires_grad_()
