@@ -383,7 +383,10 @@ def _energy_kernel(
         s = tl.dot(xi, tl.trans(x), input_precision=DOT_PREC) * beta2
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        l = l * tl.math.exp2(m - m_new) + tl.sum(tl.math.exp2(s - m_new[:, None]), 1)
+        # A row whose scores so far are all -inf shifts by 0: exp2(-inf - -inf) would be NaN
+        # where the energy is +inf (issue 15; tests/fuzz/test_regressions.py).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l = l * tl.math.exp2(m - m_use) + tl.sum(tl.math.exp2(s - m_use[:, None]), 1)
         m = m_new
     top = m * _LN2  # the largest score β x_i·ξ
     lse = top + tl.log(l)

@@ -241,10 +241,6 @@ def test_star_poisoned_row_leaves_hidden_keys_gradients_finite(backend):
 # Found by the last random fuzz runs (ATTNKIT_FUZZ_EXAMPLES=200), open at the time of writing.
 # ----------------------------------------------------------------------------------------------
 
-TRITON_ENERGY_EMPTY_LSE = pytest.mark.xfail(strict=True, reason=(
-    "kernels/hopfield.py energy: a state whose every score is -inf (an inf in the stored "
-    "patterns) gets lse NaN (m + log l with m = -inf), so its energy is NaN where the reference "
-    "has +inf"))
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
@@ -259,7 +255,7 @@ def test_softmax_inf_value_leaves_hidden_keys_dk_finite(backend):
     assert torch.isfinite(k.grad[1]).all(), f"dk of the hidden key 1: {k.grad[1].tolist()}"
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference", _mark(("triton",), TRITON_ENERGY_EMPTY_LSE)])
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
 def test_hopfield_energy_of_a_state_whose_scores_are_all_minus_inf(backend):
     _usable("hopfield_energy", backend)
     state = torch.tensor([1.541, -0.2934]).reshape(1, 1, 1, 2)
