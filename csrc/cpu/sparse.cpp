@@ -177,7 +177,35 @@ void bwd_tile(int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int
     std::fill(s, s + a, acc_t(0));
     std::fill(s + e, s + kn, acc_t(0));
   }
-  if (dV) gemm<acc_t>(kn, Dv, qn, S, 1, lds, dO, lddo, dV, lddv, true);
+  if (dV) {
+    // dV += P^T dO.  A row whose dO holds a NaN / inf (a row another part of the pattern poisoned:
+    // the merge passes it NaN) must not reach the keys it does not see through 0 * NaN in the
+    // GEMM (issue 15; tests/fuzz/test_regressions.py): such rows go in as 0 and are added where
+    // P != 0 alone.  Rare, so the check is a scan of dO and the common path is the plain GEMM.
+    bool finite = true;
+    for (int64_t r = 0; r < qn && finite; ++r)
+      for (int64_t c = 0; c < Dv; ++c)
+        if (!std::isfinite(dO[r * lddo + c])) { finite = false; break; }
+    if (finite) {
+      gemm<acc_t>(kn, Dv, qn, S, 1, lds, dO, lddo, dV, lddv, true);
+    } else {
+      std::vector<acc_t> clean(static_cast<size_t>(qn * Dv));
+      std::vector<char> bad(static_cast<size_t>(qn), 0);
+      for (int64_t r = 0; r < qn; ++r) {
+        for (int64_t c = 0; c < Dv; ++c) bad[r] |= !std::isfinite(dO[r * lddo + c]);
+        for (int64_t c = 0; c < Dv; ++c) clean[r * Dv + c] = bad[r] ? acc_t(0) : dO[r * lddo + c];
+      }
+      gemm<acc_t>(kn, Dv, qn, S, 1, lds, clean.data(), Dv, dV, lddv, true);
+      for (int64_t r = 0; r < qn; ++r) {
+        if (!bad[r]) continue;
+        for (int64_t j = 0; j < kn; ++j) {
+          const acc_t pj = S[r * lds + j];
+          if (pj == acc_t(0)) continue;
+          for (int64_t c = 0; c < Dv; ++c) dV[j * lddv + c] += pj * dO[r * lddo + c];
+        }
+      }
+    }
+  }
   gemm<acc_t>(qn, kn, Dv, dO, lddo, 1, VT, ldvt, dP, lds, false);
   for (int64_t r = 0; r < qn; ++r) {
     const acc_t* p = S + r * lds;
