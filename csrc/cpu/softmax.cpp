@@ -337,15 +337,20 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
 // The flash forward above packs (transposes) all of K per (b, kv head) into a scratch buffer
 // and multiplies one query head's N rows at a time: for N = 1 that is a 1-row GEMM per key
 // block, with K written out and read back.  Here a task is (b, kv head, split of the keys): the
-// R = G * N rows of every query head of the GQA group are multiplied together, so each K and V
-// row is read from memory once for all of them.  Per tile of 64 keys: K transposed in registers
-// (16 x 16 blocks) into an L1 buffer, S [R][64] = Q K^T by the register-blocked tiles, the
+// R = G * N rows of every query head of the GQA group are processed together, so each K and V
+// row is read from memory once for all of them.  Per tile of 64 keys: the scores S [R][64] as
+// dot products of each query row with 16 K rows at a time, read in place (decode_dot16: one
+// vector accumulator per key, the 16 horizontal sums folded into one vector at the end), the
 // online softmax per row, O += P V with V read in place (float32) or converted per tile.  Keys
 // are split over tasks when there are too few (b, kv head) pairs for the threads; the splits'
-// (max, sum, out) are merged with the usual log-sum-exp weights at the end.  An earlier layout
-// (S^T = K Q^T with K rows as the GEMM's A, softmax across rows in vector lanes) used a quarter
-// of each vector for R = 4 rows; measured (same shape, one thread, inputs cached): the same
-// time, and the transposition kept here is the one the profile could then attack (its K loads).
+// (max, sum, out) are merged with the usual log-sum-exp weights at the end.
+// Why dot products rather than a GEMM on a transposed K tile (the layout before): the
+// transposition cost as much as the score GEMM itself.  Measured (B=8 Hq=32 Hk=8 M=4096 D=128,
+// one thread, interleaved in one process, scratch build): float32 N=1 20.3 -> 13.7 ms, N=4 13.7
+// -> 10.3 ms (M=2048), N=16 28.0 -> 27.0 ms (M=2048, compute-bound: the same); bfloat16 N=1
+// (vdpbf16ps on K in place) 7.6 -> 4.9 ms (M=2048).  Prefetch: V of the tile into L1 at its
+// start, K of the next tile into L2 (kept from before; K and V two or more tiles ahead into L2,
+// or no prefetch, measured 10-25% slower).
 // ---------------------------------------------------------------------------------------------
 constexpr int64_t kDecodeMaxN = 16;     // query rows per head
 constexpr int64_t kDecodeMaxRows = 64;  // G * N rows per task
@@ -356,15 +361,69 @@ bool use_decode(const Problem& p, at::ScalarType dtype) {
 }
 
 struct DecodeScratch {
-  std::vector<float> q;      // [R][D]: the task's query rows (float32 path)
-  std::vector<uint16_t> qb;  // [R][D]: the same in bfloat16 (bf16 dot path)
-  std::vector<float> kt;     // [D][T]: K tile transposed (float32 path)
-  std::vector<uint16_t> kb;  // [D/2][T][2]: K tile as pairs of d (bf16 dot path)
+  std::vector<float> q;      // [R][D]: the task's query rows (float32 dots)
+  std::vector<uint16_t> qb;  // [R][D]: the same in bfloat16 (bf16 dots)
+  std::vector<float> kf;     // [T][D]: K tile as float32 rows (when not read in place)
+  std::vector<float> kt;     // [D][T]: K tile transposed (builds without AVX-512)
   std::vector<float> vf;     // [T][Dv]: V tile as float32 (when not read in place)
   std::vector<float> s;      // [R][T]: scores, then probabilities
   std::vector<float> o;      // [R][Dv]
   std::vector<float> m, l;   // [R]
 };
+
+#if defined(__AVX512F__)
+// The horizontal sums of 16 vectors, as one vector: lane j = sum of a[j]'s 16 lanes.  Halves
+// are added pairwise (512 -> 256 -> 128 -> 64 -> 32 bits per vector), 15 adds and 30 shuffles
+// for 16 sums, then one permutation puts the sums in order.
+inline __m512 sum16(const __m512 (&a)[16]) {
+  __m512 u[8], z[4], w[2];
+  for (int i = 0; i < 8; ++i)  // u[i] = [a_i lo + hi | a_{i+8} lo + hi] (256-bit halves)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)  // z[i]: 128-bit lanes of a_i, a_{i+8}, a_{i+4}, a_{i+12}
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[i], u[i + 4], 0x88), _mm512_shuffle_f32x4(u[i], u[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(z[i], z[i + 2], 0x44), _mm512_shuffle_ps(z[i], z[i + 2], 0xEE));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+  // r's lanes hold the sums of a[0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15].
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), r);
+}
+
+// s[j] = q . K[j] for j < kn <= 16 (K rows ldk floats apart, D floats each).
+inline void decode_dot16(const float* q, const float* K, int64_t ldk, int64_t D, float* s, int64_t kn) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  const int64_t kmax = kn - 1;  // rows past kn repeat the last one (their sums are not stored)
+  for (int64_t d = 0; d < D; d += 16) {
+    const __mmask16 md = D - d >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (D - d)) - 1u);
+    const __m512 qv = _mm512_maskz_loadu_ps(md, q + d);
+    #pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j)
+      acc[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(md, K + std::min<int64_t>(j, kmax) * ldk + d), acc[j]);
+  }
+  const __mmask16 m = kn >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << kn) - 1u);
+  _mm512_mask_storeu_ps(s, m, sum16(acc));
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// The same for bfloat16 q and K (bits): vdpbf16ps multiplies 32 d at a time, float32 sums.
+inline void decode_dot16_bf16(const uint16_t* q, const uint16_t* K, int64_t ldk, int64_t D, float* s,
+                              int64_t kn) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  const int64_t kmax = kn - 1;
+  for (int64_t d = 0; d < D; d += 32) {
+    const __mmask32 md = D - d >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (D - d)) - 1u);
+    const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(md, q + d);
+    #pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j)
+      acc[j] = _mm512_dpbf16_ps(acc[j], qv,
+                                (__m512bh)_mm512_maskz_loadu_epi16(md, K + std::min<int64_t>(j, kmax) * ldk + d));
+  }
+  const __mmask16 m = kn >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << kn) - 1u);
+  _mm512_mask_storeu_ps(s, m, sum16(acc));
+}
+#endif
 
 // n elements of a row -> float (contiguous or strided).
 template <typename scalar_t>
@@ -399,17 +458,19 @@ template <typename scalar_t>
 void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const scalar_t* k,
                            Strides4 ks, const scalar_t* v, Strides4 vs, scalar_t* out, float* lse) {
   const int64_t B = p.B, H = p.H, Hk = p.Hk, N = p.N, M = p.M, D = p.D, Dv = p.Dv;
-  const int64_t G = H / Hk, R = G * N, D2 = round_up(D, 2);
-  // Keys per tile: 64 = four vectors of columns, the micro-kernels' widest panel; the K tile
-  // ([D][64] float32, 32 KiB at D = 128) stays in L1.
+  const int64_t G = H / Hk, R = G * N;
+  // Keys per tile: 64 = four vectors of columns, the P V micro-kernel's widest panel (32 KiB of
+  // float32 V at D = 128, prefetched into L1 at the tile's start); 32-key tiles measured 5-20%
+  // slower.
   constexpr int64_t T = 64;
   const float c = static_cast<float>(p.scale * kLog2e);
   // Top-left causal: row i sees keys j <= i, so no row sees a key past N - 1.
   const int64_t Me = p.causal ? std::min(M, N) : M;
-  // bfloat16 K multiplies with vdpbf16ps (pairs of d; Q is bfloat16 already, so exact), as in
-  // the flash forward; everything else in float32.
-  const bool k_dot = kHaveBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && ks.d == 1 &&
-                     D % 2 == 0;
+  // bfloat16 K multiplies with vdpbf16ps (Q is bfloat16 already, so exact products, float32
+  // sums), as in the flash forward; everything else in float32, K read in place when it is
+  // float32 with unit stride along d, else converted per tile.
+  const bool k_dot = kHaveBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && ks.d == 1;
+  const bool k_in_place = std::is_same_v<scalar_t, float> && ks.d == 1;
   const bool v_in_place = std::is_same_v<scalar_t, float> && vs.d == 1;
 
   // Splits of the keys: enough tasks for the threads (4 per thread for the dynamic balance),
@@ -434,11 +495,14 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
       [&] {
         DecodeScratch st;
         if (k_dot) {
-          st.qb.assign(static_cast<size_t>(R * D2), 0);
-          st.kb.assign(static_cast<size_t>(D2 * T), 0);
+          st.qb.resize(static_cast<size_t>(R * D));
         } else {
           st.q.resize(static_cast<size_t>(R * D));
+#if defined(__AVX512F__)
+          if (!k_in_place) st.kf.resize(static_cast<size_t>(T * D));
+#else
           st.kt.assign(static_cast<size_t>(D * T), 0.f);
+#endif
         }
         if (!v_in_place) st.vf.resize(static_cast<size_t>(T * Dv));
         st.s.resize(static_cast<size_t>(R * T));
@@ -456,7 +520,7 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
           const scalar_t* src = q + qs.at(b, hk * G + r / N, r % N);
           if (k_dot) {
             if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
-              for (int64_t d = 0; d < D; ++d) st.qb[r * D2 + d] = bf16_bits(src[d * qs.d]);
+              for (int64_t d = 0; d < D; ++d) st.qb[r * D + d] = bf16_bits(src[d * qs.d]);
           } else {
             row_to_float(src, qs.d, D, st.q.data() + r * D);
           }
@@ -469,10 +533,9 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
           const int64_t kn = std::min(T, j_end - k0);
 #if defined(__AVX512F__)
           // Software prefetch: this tile's V (read after the scores) into L1, the next tile's K
-          // into L2.  The K rows are otherwise first touched by the transposition, 16 rows
-          // 512 bytes apart, and its loads wait on memory.  Measured (B=8 Hq=32 Hk=8 N=1 M=4096
-          // D=128 float32, one thread, three alternating runs on the loaded machine): 6.0 GB/s
-          // with V only, 7.7 with V and the next K too.
+          // into L2.  Measured (B=8 Hq=32 Hk=8 N=1 M=4096 D=128 float32, one thread, with the
+          // dot-product scores): 13.3 ms with both, 13.1-18.1 ms with V alone, 18.0 ms with K
+          // alone and with none (V into L2 a tile or more ahead instead: 15-16 ms).
           for (int64_t jj = 0; jj < kn; ++jj) {
             const char* row = reinterpret_cast<const char*>(v + vs.at(b, hk, k0 + jj));
             for (int64_t x = 0; x < Dv * vs.d * int64_t(sizeof(scalar_t)); x += 64)
@@ -484,18 +547,40 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
               _mm_prefetch(row + x, _MM_HINT_T1);
           }
 #endif
-          // S [R][kn] = Q K^T from the K tile transposed in registers (16 x 16 blocks).
+          // S [R][kn] = Q K^T.
+#if defined(__AVX512F__)
           if (k_dot) {
 #if defined(__AVX512BF16__)
             if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-              pack_transposed_pairs(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kb.data(), T);
-              gemm_bf16(R, kn, D, st.qb.data(), D2, st.kb.data(), T * 2, S, T, false);
+              const uint16_t* kt = reinterpret_cast<const uint16_t*>(k + ks.at(b, hk, k0));
+              for (int64_t r = 0; r < R; ++r)
+                for (int64_t j0 = 0; j0 < kn; j0 += 16)
+                  decode_dot16_bf16(st.qb.data() + r * D, kt + j0 * ks.n, ks.n, D, S + r * T + j0,
+                                    std::min<int64_t>(16, kn - j0));
             }
 #endif
           } else {
-            pack_transposed(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kt.data(), T);
-            gemm<float>(R, kn, D, st.q.data(), D, 1, st.kt.data(), T, S, T, false);
+            const float* kt;
+            int64_t ldk;
+            if (k_in_place) {
+              kt = reinterpret_cast<const float*>(k + ks.at(b, hk, k0));
+              ldk = ks.n;
+            } else {
+              for (int64_t jj = 0; jj < kn; ++jj)
+                row_to_float(k + ks.at(b, hk, k0 + jj), ks.d, D, st.kf.data() + jj * D);
+              kt = st.kf.data();
+              ldk = D;
+            }
+            for (int64_t r = 0; r < R; ++r)
+              for (int64_t j0 = 0; j0 < kn; j0 += 16)
+                decode_dot16(st.q.data() + r * D, kt + j0 * ldk, ldk, D, S + r * T + j0,
+                             std::min<int64_t>(16, kn - j0));
           }
+#else
+          // Builds without AVX-512: the K tile transposed, then the portable GEMM.
+          pack_transposed(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kt.data(), T);
+          gemm<float>(R, kn, D, st.q.data(), D, 1, st.kt.data(), T, S, T, false);
+#endif
           // Online softmax per row, as in the flash forward (NaN rules in flash_tiles.h).
           for (int64_t r = 0; r < R; ++r) {
             float* s = S + r * T;

@@ -504,7 +504,8 @@ def test_nan_row_is_not_a_fully_masked_row():
 # ----------------------------------------------------------------------------------------------
 # decoding path (issue 14): N <= 16 query rows, G * N <= 64 rows per kv head, float32 / bfloat16
 # / float16.  Keys split over tasks when (b, kv head) pairs are few (each split >= 512 keys),
-# merged by log-sum-exp weights; key tiles of max(64, 4096 / round_up(G N, 16)) keys.
+# merged by log-sum-exp weights; key tiles of 64 keys, scores as dot products of 16 keys at a
+# time with masked tails along d (D not a multiple of 16 / 32) and along the keys.
 # ----------------------------------------------------------------------------------------------
 
 # (B, H, Hk, N, M, D, Dv, causal)
@@ -514,7 +515,7 @@ DECODE_SHAPES = [
     (1, 2, 2, 16, 257, 80, 96, False),     # MHA, 16 rows, Dv != D
     (1, 16, 1, 4, 1300, 32, 32, False),    # 64 rows per task
     (1, 6, 3, 7, 1, 16, 16, False),        # a single key
-    (1, 3, 1, 5, 700, 17, 9, False),       # odd head dims (bf16 without the dot path)
+    (1, 3, 1, 5, 700, 17, 9, False),       # odd head dims: masked d tails (bf16: 17 of 32)
     (2, 4, 2, 16, 600, 64, 64, True),      # causal: rows see keys <= i only
     (1, 8, 8, 1, 64, 128, 128, True),
 ]
