@@ -142,7 +142,16 @@ void micro_tile(int64_t k0, int64_t k1, const T* A, int64_t sar, int64_t sak, co
   for (int64_t k = k0; k < k1; ++k) {
     V b[NV];
     const T* brow = B + k * ldb;
-    for (int v = 0; v < NV; ++v) b[v] = S::load(brow + v * W);
+    for (int v = 0; v < NV; ++v) {
+      b[v] = S::load(brow + v * W);
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+      // Keep the row of B in registers: without this gcc folds the load into each of the R
+      // FMAs that use it (R loads of B per k instead of 1), and the loop became load-bound:
+      // a 64x64x64 product ran at 211 GF/s against 266 GF/s with the barrier (one thread,
+      // AVX-512, this machine's AMD EPYC; /tmp/s4/overhead/mb/mb.cpp).
+      asm("" : "+v"(b[v]));
+#endif
+    }
     for (int r = 0; r < R; ++r) {
       const V a = S::set1(A[r * sar + k * sak]);
       for (int v = 0; v < NV; ++v) c[r][v] = S::fma(a, b[v], c[r][v]);
@@ -479,7 +488,45 @@ struct Tiles {
       : pq(kChunk * Dp), pqT(Dp * kChunk), pk(kChunk * Dp), pkT(Dp * kChunk), v(kChunk * Dvp),
         vT(Dvp * kChunk), dnum(kChunk * Dvp), dden(kChunk), a(kChunk * kChunk),
         da(kChunk * kChunk), num(kChunk * std::max(Dvp, Dp)), grad(kChunk * std::max(Dvp, Dp)),
-        gradT(Dp * kChunk), S(std::max(Dp * Dvp, Dvp * Dp)), z(Dp) {}
+        gradT(Dp * kChunk), S(std::max(Dp * Dvp, Dvp * Dp)), z(Dp), Dp_(Dp), Dvp_(Dvp) {}
+  int64_t Dp_, Dvp_;
+  size_t bytes() const { return sizeof(T) * (13 * kChunk * std::max(Dp_, Dvp_) + Dp_ * Dvp_); }
+};
+
+// The calling thread's Tiles for (Dp, Dvp), kept from call to call.  dynamic_for calls its body
+// once per block, and with few (b, h) a block is a single head: the causal forward at B=1 H=8
+// N=256 D=64 built (and zero-filled: 13 tiles of 16 KiB) fresh Tiles for every head, ~7% of
+// its time.  Reuse is safe: every pass writes each tile entry it reads for a chunk before
+// reading it (as it must already, since a block of several heads reuses its tiles from head to
+// head).  Tiles over 4 MiB (D or Dv in the thousands) are not kept.
+template <typename T>
+struct TilesLease {
+  std::unique_ptr<Tiles<T>> own;
+  Tiles<T>* t;
+  TilesLease(int64_t Dp, int64_t Dvp) {
+    thread_local std::unique_ptr<Tiles<T>> cached;
+    thread_local bool busy = false;  // a nested lease on the same thread gets its own tiles
+    if (!busy && cached && cached->Dp_ == Dp && cached->Dvp_ == Dvp) {
+      t = cached.get();
+    } else {
+      own = std::make_unique<Tiles<T>>(Dp, Dvp);
+      t = own.get();
+      if (!busy && own->bytes() <= (size_t(4) << 20)) {
+        cached = std::move(own);
+        t = cached.get();
+      }
+    }
+    if (!own) busy = true, held = &busy;
+  }
+  ~TilesLease() {
+    if (held) *held = false;
+  }
+  TilesLease(const TilesLease&) = delete;
+  TilesLease& operator=(const TilesLease&) = delete;
+  Tiles<T>& operator*() { return *t; }
+
+ private:
+  bool* held = nullptr;
 };
 
 // A [D][Dv] state (optional, contiguous) into a zeroed, padded [rows][ld] tile, transposed if asked.
@@ -614,7 +661,8 @@ void causal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
   constexpr int64_t W = Simd<T>::W;
   const int64_t D = P.D, Dv = P.Dv, Dp = P.Dp, Dvp = P.Dvp;
   dynamic_for(P.BH, [&](int64_t begin, int64_t end) {
-    Tiles<T> t(Dp, Dvp);
+    TilesLease<T> lease(Dp, Dvp);
+    Tiles<T>& t = *lease;
     T* S = t.S.data();
     T* z = t.z.data();
     T den[kChunk];
@@ -628,14 +676,18 @@ void causal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
         gemm<T>(Tri::kOutLower, L, Lp, D, t.pq.data(), Dp, 1, t.pkT.data(), kChunk, t.a.data(),
                 kChunk, false);
         mask_lower(t.a.data(), kChunk, L, Lp);
-        // num = A V + P S_prev
+        // num = A V + P S_prev (the first chunk without an initial state: S_prev = 0, no
+        // product -- 8% of the work at N = 256 -- and no 0 * inf = NaN from it either, as in
+        // the reference, which has no such term)
+        const bool has_prev = i0 > 0 || P.S0 != nullptr;
         gemm_tri<T>(all_finite(t.v.data(), L * Dvp), Tri::kLeftLower, L, Dvp, L, t.a.data(), kChunk, 1,
                     t.v.data(), Dvp, t.num.data(), Dvp, false);
-        gemm<T>(Tri::kFull, L, Dvp, D, t.pq.data(), Dp, 1, S, Dvp, t.num.data(), Dvp, true);
+        if (has_prev)
+          gemm<T>(Tri::kFull, L, Dvp, D, t.pq.data(), Dp, 1, S, Dvp, t.num.data(), Dvp, true);
         for (int64_t i = 0; i < L; ++i) {
           const T* arow = t.a.data() + i * kChunk;
           const T* prow = t.pq.data() + i * Dp;
-          den[i] = sum_of(arow, i + 1) + dot(prow, z, D);
+          den[i] = sum_of(arow, i + 1) + (has_prev ? dot(prow, z, D) : T(0));
         }
         write_out(P, bh, i0, L, t.num.data(), den, static_cast<scalar_t*>(o.out),
                   static_cast<T*>(o.den));
@@ -664,7 +716,8 @@ void reduce_chunk_groups(int64_t BH, int64_t rows, int64_t G, int64_t Dp, int64_
   constexpr int64_t W = Simd<T>::W;
   const int64_t chunks = ceil_div(rows, kChunk), per_group = ceil_div(chunks, G);
   dynamic_for(BH * G, [&](int64_t begin, int64_t end) {
-    Tiles<T> t(Dp, Dvp);
+    TilesLease<T> lease(Dp, Dvp);
+    Tiles<T>& t = *lease;
     std::vector<T> scratch(std::max(Dp, Dvp));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / G, g = task % G;
@@ -702,7 +755,8 @@ void noncausal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
   const int64_t qchunks = ceil_div(P.N, kChunk);
   const bool no_keys = P.M == 0 && P.S0 == nullptr;
   dynamic_for(P.BH * qchunks, [&](int64_t begin, int64_t end) {
-    Tiles<T> t(Dp, Dvp);
+    TilesLease<T> lease(Dp, Dvp);
+    Tiles<T>& t = *lease;
     T den[kChunk];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / qchunks, i0 = (task % qchunks) * kChunk;
@@ -918,7 +972,8 @@ void causal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G)
   // Task 2*bh: the dq sweep of (b, h); task 2*bh + 1: its dk/dv sweep (interleaved so that the
   // threads' contiguous task ranges mix the cheaper and the dearer sweep).
   dynamic_for(2 * P.BH, [&](int64_t begin, int64_t end) {
-    Tiles<T> t(P.Dp, P.Dvp);
+    TilesLease<T> lease(P.Dp, P.Dvp);
+    Tiles<T>& t = *lease;
     std::vector<T> scratch(std::max(P.Dp, P.Dvp));
     for (int64_t task = begin; task < end; ++task) {
       if (task % 2 == 0)
@@ -958,7 +1013,8 @@ void noncausal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>&
   });
   // 3. dq per query chunk, dk and dv per key chunk
   dynamic_for(P.BH * (qchunks + kchunks), [&](int64_t begin, int64_t end) {
-    Tiles<T> t(Dp, Dvp);
+    TilesLease<T> lease(Dp, Dvp);
+    Tiles<T>& t = *lease;
     std::vector<T> scratch(std::max(Dp, Dvp));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / (qchunks + kchunks), c = task % (qchunks + kchunks);
