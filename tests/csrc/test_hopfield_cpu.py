@@ -688,6 +688,56 @@ def test_update_fused_avx512_gemm_matches_float64_trajectory(b, h, s, n, d, step
     _check_case_against_trajectory((b, h, s, n, d), 11, 1.0, steps, with_values, tol, 1.0 / math.sqrt(d))
 
 
+# S > 64 float32 without values (D <= 128, any D) runs the states-in-lanes kernel: groups of up to
+# 64 states in the vector lanes (the last group 16, 32, 48 or 64 lanes wide), chunks of 64 stored
+# rows, score micro-tiles of 6 / 8 / 12 stored rows (by the group's width) with tails of 4, 2, 1,
+# P.X micro-tiles of as many dims with the same tails.  The cases leave each remainder: S = 65,
+# 79, 100, 127, 130 (last group 1, 15, 36, 63, 2 states), N = 1, 5, 63, 64, 65, 1000, D = 1, 7, 13,
+# 33, 63, 64, 128; beta = 1 with spread 3 makes the running maximum grow chunk after chunk.
+LANES_CASES = [
+    (1, 1, 65, 1, 16, 2, None, 0.25, 1.0),
+    (1, 2, 79, 5, 7, 3, None, 0.4, 1.0),
+    (2, 1, 100, 63, 13, 3, 1e-3, 0.3, 1.0),
+    (1, 1, 127, 64, 33, 2, None, 0.17, 1.0),
+    (1, 1, 130, 65, 63, 3, None, 0.125, 1.0),
+    (1, 1, 200, 1000, 64, 3, None, 0.125, 1.0),
+    (1, 1, 70, 1000, 128, 2, None, 0.088, 1.0),
+    (1, 1, 90, 1000, 64, 1, None, 1.0, 3.0),
+    (1, 1, 66, 300, 1, 3, None, 1.0, 1.0),
+]
+
+
+@pytest.mark.parametrize("b,h,s,n,d,steps,tol,beta,spread", LANES_CASES)
+def test_update_lanes_kernel_matches_float64_trajectory(b, h, s, n, d, steps, tol, beta, spread):
+    _check_case_against_trajectory((b, h, s, n, d), 11, spread, steps, False, tol, beta)
+
+
+def test_update_lanes_kernel_all_rows_frozen_skip_with_infinite_lse():
+    # 70 states on stored patterns far apart: all freeze after the first update, so both groups
+    # (64 + 6 states) skip steps 2 and 3.
+    torch.manual_seed(1)
+    stored = torch.randn(1, 1, 500, 64) * 5
+    state = stored[:, :, 100:170].clone()
+    got = _upd(state, stored, beta=1.0, steps=3, tol=1e-4, final_state=True)
+    want = _trajectory64(state, stored, None, 1.0, 3, 1e-4, True)
+    assert want[3][0].all() and not want[3][1:].any() and torch.isinf(want[2][1:]).all()
+    _check_against_trajectory(got, want, 1e-4)
+
+
+def test_update_lanes_kernel_result_does_not_depend_on_the_thread_count():
+    torch.manual_seed(2)
+    state, stored = torch.randn(2, 1, 150, 64), torch.randn(2, 1, 700, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attnkit.hopfield_update(state, stored, beta=0.2, steps=3, backend="cpu")
+        torch.set_num_threads(max(2, threads))
+        many = attnkit.hopfield_update(state, stored, beta=0.2, steps=3, backend="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
 # --------------------------------------------------------------------------------------------
 # NaN and ±inf (issue 15): the update, the energy and their gradients are non-finite (and NaN)
 # exactly where the float64 reference is, on every decomposition of the cpu kernel.
@@ -695,8 +745,10 @@ def test_update_fused_avx512_gemm_matches_float64_trajectory(b, h, s, n, d, step
 _NONFINITE_SHAPES = [
     (3, 40, 16),    # streaming kernel (S <= 64, D <= 128)
     (5, 37, 33),    # streaming, D not a multiple of 16
-    (70, 100, 32),  # AVX-512 GEMM on packed patterns
+    (70, 100, 32),  # AVX-512 GEMM on packed patterns (with values)
     (70, 90, 33),   # BLAS / portable loops (odd D)
+    (67, 100, 32),  # states-in-lanes kernel (S > 64 without values; s == 70 always takes values)
+    (67, 90, 33),   # states-in-lanes kernel, odd D
     (20, 9000, 64),  # split-N over threads, streaming chunks merged through their lse
 ]
 
