@@ -157,7 +157,10 @@ def _native_backward(ctx, grad_out, grad_lse):
     saved = ctx.saved_tensors
     if torch.is_grad_enabled():  # create_graph=True: a double backward will follow
         return (*_differentiable_gradients(ctx, saved, grad_out, grad_lse), None, None, None)
-    q, k, _, _, lse, mask = saved
+    q, k, v, out, lse, mask = saved
+    if grad_lse is None and grad_out is not None:
+        # The usual call (the lse unused): one kernel call, as _gradients would make it.
+        return (*_BWD_OP(grad_out, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal), None, None, None)
     # The CUDA kernels need V's head dim equal to the query's.
     probe = q.shape[-1] if q.is_cuda else None
 
