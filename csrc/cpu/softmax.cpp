@@ -388,10 +388,22 @@ inline __m512 sum16(const __m512 (&a)[16]) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), r);
 }
 
-// s[j] = q . K[j] for j < kn <= 16 (K rows ldk floats apart, D floats each).
+// s[j] = q . K[j] for j < kn <= 16 (K rows ldk floats apart, D floats each).  Full blocks
+// (16 keys, D a multiple of 16) take unmasked loads: the masked loop below (masks along d, the
+// key index clamped to kn - 1) measured 8.0 vs 6.7 ms on the whole decode (N=1 M=1024, one
+// thread).
 inline void decode_dot16(const float* q, const float* K, int64_t ldk, int64_t D, float* s, int64_t kn) {
   __m512 acc[16];
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  if (kn == 16 && D % 16 == 0) {
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 qv = _mm512_loadu_ps(q + d);
+      #pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(K + j * ldk + d), acc[j]);
+    }
+    _mm512_storeu_ps(s, sum16(acc));
+    return;
+  }
   const int64_t kmax = kn - 1;  // rows past kn repeat the last one (their sums are not stored)
   for (int64_t d = 0; d < D; d += 16) {
     const __mmask16 md = D - d >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (D - d)) - 1u);
@@ -400,8 +412,7 @@ inline void decode_dot16(const float* q, const float* K, int64_t ldk, int64_t D,
     for (int j = 0; j < 16; ++j)
       acc[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(md, K + std::min<int64_t>(j, kmax) * ldk + d), acc[j]);
   }
-  const __mmask16 m = kn >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << kn) - 1u);
-  _mm512_mask_storeu_ps(s, m, sum16(acc));
+  _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << kn) - 1u), sum16(acc));
 }
 #endif
 
@@ -411,6 +422,16 @@ inline void decode_dot16_bf16(const uint16_t* q, const uint16_t* K, int64_t ldk,
                               int64_t kn) {
   __m512 acc[16];
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  if (kn == 16 && D % 32 == 0) {
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+      #pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j)
+        acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_loadu_si512(K + j * ldk + d));
+    }
+    _mm512_storeu_ps(s, sum16(acc));
+    return;
+  }
   const int64_t kmax = kn - 1;
   for (int64_t d = 0; d < D; d += 32) {
     const __mmask32 md = D - d >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (D - d)) - 1u);
@@ -420,8 +441,7 @@ inline void decode_dot16_bf16(const uint16_t* q, const uint16_t* K, int64_t ldk,
       acc[j] = _mm512_dpbf16_ps(acc[j], qv,
                                 (__m512bh)_mm512_maskz_loadu_epi16(md, K + std::min<int64_t>(j, kmax) * ldk + d));
   }
-  const __mmask16 m = kn >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << kn) - 1u);
-  _mm512_mask_storeu_ps(s, m, sum16(acc));
+  _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << kn) - 1u), sum16(acc));
 }
 #endif
 
