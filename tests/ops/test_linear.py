@@ -702,3 +702,56 @@ def test_cuda_backend_forward_grads_and_state(causal):
     if causal:
         _, ws, wz = state_loop(q, k, v, torch.zeros(2, 2, 16, 8), torch.zeros(2, 2, 16))
         assert rel_err(res[1][0].cpu(), ws) <= 2e-5 and rel_err(res[1][1].cpu(), wz) <= 2e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# the eager fast path (issue 14): plain calls skip _validate and torch.library's Python autograd
+# wrapper -- same kernels, so results bit for bit those of the registered op
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_eager_path_matches_the_registered_op_bit_for_bit(causal):
+    if "cpu" not in BACKENDS:
+        pytest.skip("no cpu backend here")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 13, d, requires_grad=True) for d in (8, 8, 5))
+    g = torch.randn(2, 3, 13, 5)
+    out = attnkit.linear_attention(q, k, v, causal=causal)
+    assert out.grad_fn is not None
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    out_op = torch.ops.attnkit.linear_fwd(q, k, v, None, None, causal, "elu", True, 1e-6, 1.0)[0]
+    grads_op = torch.autograd.grad(out_op, (q, k, v), g)
+    for got, want in zip((out, *grads), (out_op, *grads_op)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with torch.no_grad():
+        assert attnkit.linear_attention(q, k, v, causal=causal).grad_fn is None
+
+
+def test_eager_path_state_gradients_match_the_registered_op():
+    if "cpu" not in BACKENDS:
+        pytest.skip("no cpu backend here")
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 9, 4, requires_grad=True) for _ in range(3))
+    S0 = torch.randn(1, 2, 4, 4, requires_grad=True)
+    z0 = torch.rand(1, 2, 4, requires_grad=True)
+    out, (S, z) = attnkit.linear_attention(q, k, v, causal=True, initial_state=(S0, z0), return_state=True)
+    loss = out.sum() + S.square().sum() + z.sum()
+    grads = torch.autograd.grad(loss, (q, k, v, S0, z0))
+    out_op, _, S_op, z_op = torch.ops.attnkit.linear_fwd(q, k, v, S0, z0, True, "elu", True, 1e-6, 1.0)
+    grads_op = torch.autograd.grad(out_op.sum() + S_op.square().sum() + z_op.sum(), (q, k, v, S0, z0))
+    for got, want in zip(grads, grads_op):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("changes,exc,match", [
+    # Arguments a plain [B, H, N, D] call could carry that are still not what the API takes.
+    (dict(eps=True), TypeError, "eps must be a finite real number; got True"),
+    (dict(scale=False), TypeError, "scale must be a finite real number; got False"),
+    (dict(causal=1), TypeError, "causal must be a bool; got 1"),
+    (dict(return_state=True), ValueError, "return_state=True needs causal=True"),
+    (dict(feature_map=["elu"]), ValueError, "unknown feature_map"),
+])
+def test_plain_shaped_calls_still_checked(changes, exc, match):
+    with pytest.raises(exc, match=f"attnkit.linear_attention: {match}"):
+        attnkit.linear_attention(*_qkv(), **changes)

@@ -582,3 +582,64 @@ def test_validation_happens_before_computation(monkeypatch):
         _call(dropout_p=1.5, backend="reference")
     with pytest.raises(AssertionError, match="computation ran"):
         _call(backend="reference")
+
+
+# ----------------------------------------------------------------------------------------------
+# the eager fast path (issue 14): plain calls skip the per-argument checks and torch.library's
+# Python autograd wrapper -- same kernels, so results bit for bit those of the registered op
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_eager_path_matches_the_registered_op_bit_for_bit(is_causal):
+    if not attnkit.backends()["softmax"]["cpu"].usable:
+        pytest.skip("no cpu backend here")
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 3, 3, 13, 11, 8, 5, dtype=torch.float32))
+    g, g_lse = torch.randn(2, 3, 13, 5), torch.randn(2, 3, 13)
+    out, lse = attnkit.softmax_attention(q, k, v, is_causal=is_causal, return_lse=True)
+    assert out.grad_fn is not None
+    grads = torch.autograd.grad((out, lse), (q, k, v), (g, g_lse))
+    # The op as registered (torch.library's autograd wrapper around the same setup/backward).
+    out_op, lse_op = torch.ops.attnkit.softmax_fwd(q, k, v, None, 8 ** -0.5, is_causal)
+    grads_op = torch.autograd.grad((out_op, lse_op), (q, k, v), (g, g_lse))
+    for got, want in zip((out, lse, *grads), (out_op, lse_op, *grads_op)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # Only out used: the lse's gradient is not materialized, same gradients as the op's.
+    grads = torch.autograd.grad(attnkit.softmax_attention(q, k, v, is_causal=is_causal), (q, k, v), g)
+    grads_op = torch.autograd.grad(torch.ops.attnkit.softmax_fwd(q, k, v, None, 8 ** -0.5, is_causal)[0],
+                                   (q, k, v), g)
+    for got, want in zip(grads, grads_op):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # No grad wanted: no graph.
+    with torch.no_grad():
+        assert attnkit.softmax_attention(q, k, v, is_causal=is_causal).grad_fn is None
+    assert attnkit.softmax_attention(q.detach(), k.detach(), v.detach()).grad_fn is None
+
+
+@pytest.mark.parametrize("changes,exc,match", [
+    # Arguments a plain [B, H, N, D] call could carry that are still not what the API takes.
+    (dict(dropout_p=False), TypeError, "dropout_p must be a finite real number; got False"),
+    (dict(scale=True), TypeError, "scale must be a finite real number; got True"),
+    (dict(scale=-float("inf")), TypeError, "scale must be a finite real number"),
+    (dict(is_causal=torch.tensor(True)), TypeError, "is_causal must be a bool"),
+    (dict(return_lse=0), TypeError, "return_lse must be a bool; got 0"),
+    (dict(dropout_p=torch.tensor([0.0, 0.0])), TypeError, "dropout_p must be a finite real number"),
+])
+def test_plain_shaped_calls_still_checked(changes, exc, match):
+    with pytest.raises(exc, match=f"^{re.escape(OP)}: .*{match}"):
+        _call(**changes)
+
+
+def test_plain_call_still_routes_through_the_dispatcher(monkeypatch):
+    # ATTNKIT_BACKEND is read on every call, also by the fast path.
+    import attnkit.ops.softmax as ops_softmax
+
+    ran = []
+    original = ops_softmax._IMPLEMENTATIONS["reference"]
+    monkeypatch.setitem(ops_softmax._IMPLEMENTATIONS, "reference",
+                        lambda *a: ran.append("reference") or original(*a))
+    monkeypatch.setenv("ATTNKIT_BACKEND", "reference")
+    _call()
+    monkeypatch.delenv("ATTNKIT_BACKEND")
+    _call(backend="reference")
+    assert ran == ["reference", "reference"]
