@@ -289,6 +289,11 @@ std::tuple<at::Tensor, at::Tensor> hopfield_energy_fwd_cpu(const at::Tensor& sta
 //   patterns packed once per call;
 // - MKL SGEMM / DGEMM (everything else: float64, other D), portable loops without MKL.
 //
+// A fourth, the states-in-lanes kernel (lane_retrieval: float32, AVX-512, no values, S >
+// kStreamMaxS, D <= 128), runs every step of the fused decomposition when it applies (update_lanes):
+// groups of up to 64 states in the vector lanes, each chunk of stored rows read in place as key
+// and value; no packed copy of X.
+//
 // Two decompositions of the work:
 // - fused (the default): one task per (b, h, block of kBlockQ queries); the task keeps its block
 //   of states in a thread-local buffer across all steps and writes each step's state out only
