@@ -7,6 +7,8 @@
 //   block_sparse_fwd(q, k, v, row_ptr, col_idx, block, causal, scale) -> (out, lse)
 //   block_sparse_bwd(dout, q, k, v, lse, delta, row_ptr, col_idx, col_ptr, row_idx, block,
 //                    causal, scale) -> (dq, dk, dv)
+//   sparse_strided_fwd(q, k, v, stride, causal, scale) -> (out, lse) of strided(stride) whole
+//       (CPU only, declared here; its backward is the range parts' sparse_range_bwd).
 // Exact semantics: the comments in csrc/ops.cpp and pytorch_ext/reference/sparse.py.
 //
 // Same scheme as csrc/cpu/softmax.cpp (and its micro-kernels, csrc/cpu/flash_tiles.h): scores
@@ -235,11 +237,10 @@ inline void copy_rows(const scalar_t* src, int64_t lds, int64_t rows, int64_t n,
   for (int64_t r = 0; r < rows; ++r) {
     const scalar_t* s = src + r * lds;
     acc_t* d = dst + r * ldd;
-    if constexpr (std::is_same_v<scalar_t, acc_t>) {
-      std::memcpy(d, s, static_cast<size_t>(n) * sizeof(acc_t));
-    } else {
-      for (int64_t x = 0; x < n; ++x) d[x] = static_cast<acc_t>(s[x]);
-    }
+    // An inline vector loop, not memcpy: the rows are short (a head dim) and many (the strided
+    // forward gathers every Q and V row once), and the call to memcpy was 11% of its time.
+#pragma omp simd
+    for (int64_t x = 0; x < n; ++x) d[x] = static_cast<acc_t>(s[x]);
   }
 }
 
@@ -610,6 +611,237 @@ void range_fwd_kernel(const RangeGeom& geo, int64_t BH, int64_t D, int64_t Dv, d
         }
         for (int64_t sx = 0; sx < ns; ++sx)
           if (!st.done[sx]) finish_strip(sx);
+      });
+}
+// ---------------------------------------------------------------------------------------------
+// strided(s), fused forward (issue 14): all parts of a row in one online softmax.
+// ---------------------------------------------------------------------------------------------
+// Row i = s u + r (block u, residue r) sees the band [i - s, i] (non-causal: [i - s, i + s])
+// and the columns i - j = k s, |k| >= 2: the keys (t', r) of its residue with t' <= u - 2
+// (non-causal also t' >= u + 2).  Run as range parts, that is two or three kernel calls, whose
+// (out, lse) pairs were then merged in PyTorch (~14 of 53 ms of a forward+backward at N=4096,
+// H=8), each part reading q, k, v again.  Here one task is (b, h, segment of super-blocks of U
+// blocks), and per super-block
+//   A. for each residue r: its U query rows (gathered) against its columns -- K^T and V of
+//      each residue packed once per task (incrementally, as the causal prefix grows) into
+//      contiguous per-residue tiles, so the GEMMs run on packed data; the online-softmax state
+//      (m, l, unnormalized O) of each row is kept, residue-major, in the task's scratch;
+//   B. strips of consecutive rows over their band, starting from that state, and finished
+//      (out, lse) -- nothing of a part's result leaves the task, and there is no merge.
+// The union is exact: band and columns partition the row's keys (k = 0, +-1 are the band's).
+// NaN / inf: the state carries them as the range kernel's does (row_new_max); a row poisoned
+// in A stays NaN through B.
+// Sweep (B=1 H=8 D=64 float32 strided(64), one thread, CPU time, min of 9, load ~4): rows per
+// super-block 256 / 512 / 1024 / 2048 with 8-row A strips: 10.0 / 8.5 / 9.2 / 10.4 ms at
+// N=4096; at N=16384 512 / 2048 / 4096: 75 / 83 / 92 ms.  16-row strips: 9.1 ms at 512 (N=4096),
+// the same at N=16384 (the causal corner of each strip is computed and thrown away).
+constexpr int64_t kStridedSB = 512;  // rows per super-block (U = kStridedSB / s blocks, >= 1)
+constexpr int64_t kStripA = 8;       // A: query rows (of one residue) per GEMM strip
+
+// Asks for n rows (width elements, `stride` apart) ahead of their use.  The gathers of the
+// strided forward read rows s * D apart, a new page each: the hardware prefetchers do not
+// follow, and without this the gathers were a third of its time (perf, N=4096).
+template <typename T>
+inline void prefetch_rows(const T* src, int64_t stride, int64_t n, int64_t width) {
+  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < width; d += kLine) __builtin_prefetch(src + j * stride + d, 0, 3);
+}
+
+template <typename acc_t>
+struct StridedFwdScratch {
+  std::vector<acc_t> ktr, vr;  // per residue: K^T [D][ldt], V [T][Dv]
+  std::vector<acc_t> qa;       // [kStripA][D] gathered Q rows of one residue
+  std::vector<acc_t> oa, ma, la;  // A's state, residue-major: [s][U][Dv], [s][U]
+  std::vector<acc_t> kt;       // B: band K^T [D][ldb]
+  std::vector<acc_t> qb, vb;   // B: Q rows, V rows converted (non-float32 inputs)
+  std::vector<acc_t> s;        // scores [strip][lds]
+  std::vector<acc_t> o, m, l;  // B: strip state
+  std::vector<int64_t> a, e;
+};
+
+template <typename scalar_t, typename acc_t>
+void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s, bool causal,
+                        double scale, const scalar_t* q, const scalar_t* k, const scalar_t* v,
+                        scalar_t* out, acc_t* lse) {
+  constexpr bool kInPlace = std::is_same_v<scalar_t, acc_t>;
+  const int64_t T = ceil_div(N, s);  // blocks (rows of residue 0)
+  const int64_t U = std::max<int64_t>(1, std::min(T, kStridedSB / s));
+  const int64_t nsb = ceil_div(T, U);
+  const int64_t SBR = U * s;  // rows per super-block
+  const int64_t sN = std::min(s, N);  // residues that have rows
+  const int64_t ldt = T + (T >= 64 ? kPad : 0);
+  const int64_t bandw = causal ? s : 2 * s;  // extra keys of a strip's band window
+  const int64_t SHB = range_strip(bandw + kStripNarrow);
+  const int64_t bandk = std::min(N, SBR + bandw);  // band keys of a super-block, at most
+  const int64_t ldb = bandk + kPad;
+  const int64_t lds = std::max<int64_t>(kChunkK, SHB + bandw) + kPad;
+  const acc_t c = static_cast<acc_t>(scale * kLog2e);
+  auto Tr = [&](int64_t r) { return r < N ? ceil_div(N - r, s) : int64_t(0); };
+  // Segments per head: enough tasks for the threads; each segment packs the columns it needs.
+  const int64_t threads = at::get_num_threads();
+  const int64_t segs = std::clamp<int64_t>(ceil_div(2 * threads, BH), 1, nsb);
+
+  run_tasks(
+      BH * segs,
+      [&] {
+        StridedFwdScratch<acc_t> st;
+        st.ktr.resize(static_cast<size_t>(sN * D * ldt));
+        st.vr.resize(static_cast<size_t>(sN * T * Dv));
+        st.qa.resize(static_cast<size_t>(kStripA * D));
+        st.oa.resize(static_cast<size_t>(sN * U * Dv));
+        st.ma.resize(sN * U);
+        st.la.resize(sN * U);
+        st.kt.resize(static_cast<size_t>(D * ldb));
+        if (!kInPlace) {
+          st.qb.resize(static_cast<size_t>(std::min(N, SBR) * D));
+          st.vb.resize(static_cast<size_t>(bandk * Dv));
+        }
+        st.s.resize(static_cast<size_t>(std::max(SHB, kStripA) * lds));
+        st.o.resize(static_cast<size_t>(SHB * Dv));
+        st.m.resize(std::max(SHB, kStripA));
+        st.l.resize(std::max(SHB, kStripA));
+        st.a.resize(std::max(SHB, kStripA));
+        st.e.resize(std::max(SHB, kStripA));
+        return st;
+      },
+      [&](StridedFwdScratch<acc_t>& st, int64_t task) {
+        const int64_t bh = task / segs, seg = task % segs;
+        const int64_t sb0 = seg * nsb / segs, sb1 = (seg + 1) * nsb / segs;
+        const scalar_t* qh = q + bh * N * D;
+        const scalar_t* kh = k + bh * N * D;
+        const scalar_t* vh = v + bh * N * Dv;
+        scalar_t* oh = out + bh * N * Dv;
+        acc_t* lh = lse + bh * N;
+        int64_t packed = 0;  // blocks t' < packed of every residue are packed
+        // Packed 32 blocks ahead at least: a pack of a few keys per residue wastes most of the
+        // 16 x 16 register transposes.
+        auto pack_to = [&](int64_t upto) {
+          if (upto <= packed) return;
+          upto = std::min(T, std::max(upto, packed + 32));
+          for (int64_t r = 0; r < sN; ++r) {
+            const int64_t n = std::min(upto, Tr(r)) - packed;
+            if (n <= 0) continue;
+            const int64_t row = packed * s + r;
+            if (r + 1 < sN) {  // the next residue's rows, while this one is packed
+              prefetch_rows(kh + (row + 1) * D, s * D, n, D);
+              prefetch_rows(vh + (row + 1) * Dv, s * Dv, n, Dv);
+            }
+            pack_kt(kh + row * D, s * D, n, D, st.ktr.data() + r * D * ldt + packed, ldt);
+            copy_rows(vh + row * Dv, s * Dv, n, Dv, st.vr.data() + (r * T + packed) * Dv, Dv);
+          }
+          packed = upto;
+        };
+        for (int64_t sb = sb0; sb < sb1; ++sb) {
+          const int64_t u0 = sb * U, u1 = std::min(T, u0 + U);
+          const int64_t i0 = u0 * s, i1 = std::min(N, u1 * s);  // rows of the super-block
+          const int64_t nb = u1 - u0;
+          // ---- A: the columns, per residue ----
+          pack_to(causal ? u1 - 2 : T);
+          for (int64_t r = 0; r < sN; ++r) {
+            const int64_t tr = Tr(r);
+            const int64_t ta = u0, tb = std::min(u1, tr);  // query blocks of residue r here
+            if (r + 1 < sN)  // the next residue's query rows
+              prefetch_rows(qh + (u0 * s + r + 1) * D, s * D, std::min(u1, Tr(r + 1)) - u0, D);
+            acc_t* m = st.ma.data() + r * U;
+            acc_t* l = st.la.data() + r * U;
+            acc_t* O = st.oa.data() + r * U * Dv;
+            std::fill(m, m + nb, neg_inf<acc_t>());
+            std::fill(l, l + nb, acc_t(0));
+            const acc_t* KT = st.ktr.data() + r * D * ldt;
+            const acc_t* V = st.vr.data() + r * T * Dv;
+            for (int64_t t0 = ta; t0 < tb; t0 += kStripA) {
+              const int64_t hn = std::min(kStripA, tb - t0);
+              bool gathered = false, fresh = true;
+              // Two key ranges: t' <= t - 2, then (non-causal) t' >= t + 2.
+              for (int side = 0; side < (causal ? 1 : 2); ++side) {
+                const int64_t ka = side == 0 ? 0 : t0 + 2;
+                const int64_t kb = side == 0 ? std::min(tr, t0 + hn - 2) : tr;  // exclusive
+                for (int64_t k0 = ka; k0 < kb; k0 += kChunkK) {
+                  const int64_t w = std::min(kChunkK, kb - k0);
+                  if (!gathered) {
+                    copy_rows(qh + (t0 * s + r) * D, s * D, hn, D, st.qa.data(), D);
+                    gathered = true;
+                  }
+                  for (int64_t x = 0; x < hn; ++x) {
+                    const int64_t t = t0 + x;
+                    st.a[x] = (side == 0 ? 0 : t + 2) - k0;
+                    st.e[x] = (side == 0 ? t - 1 : tr) - k0;
+                  }
+                  gemm<acc_t>(hn, w, D, st.qa.data(), D, 1, KT + k0, ldt, st.s.data(), lds, false);
+                  strip_softmax<acc_t>(hn, w, st.a.data(), st.e.data(), c, st.s.data(), lds,
+                                       m + (t0 - u0), l + (t0 - u0), O + (t0 - u0) * Dv, Dv, Dv,
+                                       fresh);
+                  gemm<acc_t>(hn, Dv, w, st.s.data(), lds, 1, V + k0 * Dv, Dv,
+                              O + (t0 - u0) * Dv, Dv, !fresh);
+                  fresh = false;
+                }
+              }
+              if (fresh)  // no column at all: B starts these rows empty
+                std::fill(O + (t0 - u0) * Dv, O + (t0 - u0 + hn) * Dv, acc_t(0));
+            }
+          }
+          // ---- B: the band, on consecutive rows, from A's state ----
+          const int64_t ka = std::max<int64_t>(0, i0 - s);
+          const int64_t kb = std::min(N, i1 + (causal ? 0 : s));  // exclusive
+          const int64_t kn = kb - ka;
+          pack_kt(kh + ka * D, D, kn, D, st.kt.data(), ldb);
+          const acc_t* Q;
+          const acc_t* V;
+          if constexpr (kInPlace) {
+            Q = qh + i0 * D;
+            V = vh + ka * Dv;
+          } else {
+            copy_rows(qh + i0 * D, D, i1 - i0, D, st.qb.data(), D);
+            copy_rows(vh + ka * Dv, Dv, kn, Dv, st.vb.data(), Dv);
+            Q = st.qb.data();
+            V = st.vb.data();
+          }
+          // A strip inside one block (s >= the strip height) works on A's state rows in place:
+          // consecutive rows are consecutive residues, U * Dv apart there.  Else (small
+          // strides) the state is copied into the strip's own rows.
+          for (int64_t r0 = i0; r0 < i1;) {
+            const int64_t u = r0 / s;
+            const bool direct = s >= SHB;
+            const int64_t hn = std::min({SHB, i1 - r0, direct ? (u + 1) * s - r0 : SHB});
+            const int64_t wa = std::max<int64_t>(0, r0 - s);
+            const int64_t wb = std::min(N, r0 + hn + (causal ? 0 : s));  // exclusive
+            acc_t* O;
+            int64_t ldo;
+            if (direct) {
+              O = st.oa.data() + ((r0 - u * s) * U + (u - u0)) * Dv;
+              ldo = U * Dv;
+            } else {
+              O = st.o.data();
+              ldo = Dv;
+            }
+            for (int64_t x = 0; x < hn; ++x) {
+              const int64_t i = r0 + x;
+              const int64_t at = (i % s) * U + (i / s - u0);
+              st.m[x] = st.ma[at];
+              st.l[x] = st.la[at];
+              // A row that A left empty starts from 0, not from A's 0 * V (which is NaN where
+              // the window held an inf value the row does not see).
+              acc_t* o = O + x * ldo;
+              if (st.m[x] == neg_inf<acc_t>())
+                std::fill(o, o + Dv, acc_t(0));
+              else if (!direct)
+                std::copy(st.oa.data() + at * Dv, st.oa.data() + (at + 1) * Dv, o);
+              st.a[x] = std::max<int64_t>(0, i - s) - wa;
+              st.e[x] = std::min(N, i + 1 + (causal ? 0 : s)) - wa;
+            }
+            const int64_t w = wb - wa;
+            gemm<acc_t>(hn, w, D, Q + (r0 - i0) * D, D, 1, st.kt.data() + (wa - ka), ldb,
+                        st.s.data(), lds, false);
+            strip_softmax<acc_t>(hn, w, st.a.data(), st.e.data(), c, st.s.data(), lds,
+                                 st.m.data(), st.l.data(), O, ldo, Dv, false);
+            gemm<acc_t>(hn, Dv, w, st.s.data(), lds, 1, V + (wa - ka) * Dv, Dv, O, ldo, true);
+            for (int64_t x = 0; x < hn; ++x)
+              finish_row<scalar_t, acc_t>(O + x * ldo, st.m[x], st.l[x], Dv,
+                                          oh + (r0 + x) * Dv, lh + r0 + x);
+            r0 += hn;
+          }
+        }
       });
 }
 // ---------------------------------------------------------------------------------------------
@@ -1131,6 +1363,32 @@ std::tuple<at::Tensor, at::Tensor> sparse_range_fwd_cpu(const at::Tensor& q_, co
   return {out, lse};
 }
 
+// strided(stride) in one call: (out, lse) of the whole pattern (see strided_fwd_kernel).
+std::tuple<at::Tensor, at::Tensor> sparse_strided_fwd_cpu(const at::Tensor& q_, const at::Tensor& k_,
+                                                          const at::Tensor& v_, int64_t stride,
+                                                          bool causal, double scale) {
+  // The checks of its band part (q, k, v as for any range part), then what the pattern adds.
+  const std::vector<int64_t> plain{1, 0, 1, 0, 1}, lo{0, 1, 1, 0}, hi{0, 1, 1, 0};
+  checks::sparse_range_fwd(checks::cpu_target(), q_, k_, v_, plain, lo, hi, scale);
+  ATTNKIT_CHECK(stride >= 1, "attnkit::sparse_strided_fwd (cpu): stride must be >= 1; got ", stride);
+  ATTNKIT_CHECK(k_.size(2) == q_.size(2), "attnkit::sparse_strided_fwd (cpu): self-attention: q and k ",
+                "must have the same length; got ", q_.sizes(), " and ", k_.sizes());
+  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Dv = v.size(3);
+  const auto acc = acc_type_of(q.scalar_type());
+  at::Tensor out = at::empty({B, H, N, Dv}, q.options());
+  at::Tensor lse = at::empty({B, H, N}, q.options().dtype(acc));
+  if (B * H * N == 0) return {out, lse};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "sparse_strided_fwd", [&] {
+    using acc_t = acc_of<scalar_t>;
+    strided_fwd_kernel<scalar_t, acc_t>(B * H, N, D, Dv, stride, causal, scale,
+                                        q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(),
+                                        v.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
+                                        lse.mutable_data_ptr<acc_t>());
+  });
+  return {out, lse};
+}
+
 // Per-chunk float buffers -> the result in the input dtype (chunks summed in order: deterministic).
 at::Tensor reduce_chunks(const at::Tensor& buf, at::ScalarType dtype) {
   at::Tensor sum = buf[0].clone();
@@ -1256,8 +1514,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu(
 
 }  // namespace
 
+// The fused strided op is CPU-only and has no CUDA / Triton twin: its schema is declared here
+// rather than in csrc/ops.cpp (whose ops every backend implements); pytorch_ext/ops/sparse.py
+// registers its fake and autograd (the backward runs the range parts' backward kernels).
+TORCH_LIBRARY_FRAGMENT(attnkit, m) {
+  m.def("sparse_strided_fwd(Tensor q, Tensor k, Tensor v, int stride, bool causal, float scale) -> (Tensor, Tensor)");
+}
+
 TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
   m.impl("sparse_range_fwd", &sparse_range_fwd_cpu);
+  m.impl("sparse_strided_fwd", &sparse_strided_fwd_cpu);
   m.impl("sparse_range_bwd", &sparse_range_bwd_cpu);
   m.impl("block_sparse_fwd", &block_sparse_fwd_cpu);
   m.impl("block_sparse_bwd", &block_sparse_bwd_cpu);
