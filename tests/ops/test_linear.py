@@ -755,3 +755,22 @@ def test_eager_path_state_gradients_match_the_registered_op():
 def test_plain_shaped_calls_still_checked(changes, exc, match):
     with pytest.raises(exc, match=f"attnkit.linear_attention: {match}"):
         attnkit.linear_attention(*_qkv(), **changes)
+
+
+def test_step_plain_shaped_calls_still_checked():
+    fn = "attnkit.linear_attention_step"
+    q, k, v = (torch.randn(2, 3, 4) for _ in range(3))
+    S, z = torch.zeros(2, 3, 4, 4), torch.zeros(2, 3, 4)
+    with pytest.raises(TypeError, match=rf"{fn}: eps must be a finite real number; got True"):
+        attnkit.linear_attention_step(q, k, v, (S, z), eps=True)
+    with pytest.raises(TypeError, match=rf"{fn}: normalize must be a bool; got 1"):
+        attnkit.linear_attention_step(q, k, v, (S, z), normalize=1)
+    with pytest.raises(ValueError, match=rf"{fn}: state\[0\] \(S\) must have shape \[2, 3, 4, 4\]"):
+        attnkit.linear_attention_step(q, k, v, (S[:, :, :3], z))
+    with pytest.raises(ValueError, match=rf"{fn}: state\[1\] \(z\) must be float32"):
+        attnkit.linear_attention_step(q, k, v, (S, z.double()))
+    with pytest.raises(TypeError, match=rf"{fn}: state must be a pair \(S, z\)"):
+        attnkit.linear_attention_step(q, k, v, (S, z, z))
+    # A list is a pair too; the new state is a tuple.
+    out, state = attnkit.linear_attention_step(q, k, v, [S, z])
+    assert isinstance(state, tuple) and out.shape == (2, 3, 4)
