@@ -364,7 +364,8 @@ struct DecodeScratch {
   std::vector<float> q;      // [R][D]: the task's query rows (float32 dots)
   std::vector<uint16_t> qb;  // [R][D]: the same in bfloat16 (bf16 dots)
   std::vector<float> kf;     // [T][D]: K tile as float32 rows (when not read in place)
-  std::vector<float> kt;     // [D][T]: K tile transposed (builds without AVX-512)
+  std::vector<float> kt;     // [D][T]: K tile transposed (float32 GEMM scores)
+  std::vector<uint16_t> kb;  // [D/2][T][2]: K tile as pairs of d (bf16 GEMM scores)
   std::vector<float> vf;     // [T][Dv]: V tile as float32 (when not read in place)
   std::vector<uint16_t> pb;  // [R][T]: probabilities in bfloat16 (bf16 P V)
   std::vector<uint16_t> vb;  // [T/2][Dvp][2]: V tile as pairs of keys (bf16 P V)
@@ -525,6 +526,18 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
   // thread): with K/V in cache, P V took 8.5 ns and V's float32 conversion 3.7 ns of 22 ns per
   // key in float32; the whole decode at M=2048 went 5.8-6.3 -> 4.6 ms.
   const bool v_pairs = k_dot && vs.d == 1;
+  // Scores by dot products (K rows in place) for few rows; for many, the K tile transposed once
+  // and shared by a GEMM over all R rows (its cost per key is then spread over the rows, while
+  // each dot product pays its horizontal sums).  Measured, dots against GEMM (B=2 Hq=32 Hk=8
+  // M=4096 D=128, one thread, interleaved in one process, R = 4 N): float32 1.34-1.39x at R=4,
+  // 1.17-1.25x at 8, 1.07-1.10x at 16, 0.94x at 32, 0.85x at 64; bfloat16 1.31-1.36x at 4,
+  // 1.23x at 8, 0.96-1.03x at 16, 0.87x at 32, 0.75x at 64.
+  const int64_t dot_max_rows = std::is_same_v<scalar_t, float> ? 16 : 8;
+  bool direct = R <= dot_max_rows;
+#if !defined(__AVX512F__)
+  direct = false;
+#endif
+  const int64_t D2 = round_up(D, 2);
   const int64_t Dvp = round_up(Dv, 16);
 
   // Splits of the keys: enough tasks for the threads (4 per thread for the dynamic balance),
@@ -549,14 +562,12 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
       [&] {
         DecodeScratch st;
         if (k_dot) {
-          st.qb.resize(static_cast<size_t>(R * D));
+          st.qb.assign(static_cast<size_t>(R * D2), 0);  // an odd D's pad stays zero
+          if (!direct) st.kb.assign(static_cast<size_t>(D2 * T), 0);
         } else {
           st.q.resize(static_cast<size_t>(R * D));
-#if defined(__AVX512F__)
-          if (!k_in_place) st.kf.resize(static_cast<size_t>(T * D));
-#else
-          st.kt.assign(static_cast<size_t>(D * T), 0.f);
-#endif
+          if (!direct) st.kt.assign(static_cast<size_t>(D * T), 0.f);
+          else if (!k_in_place) st.kf.resize(static_cast<size_t>(T * D));
         }
         if (v_pairs) {
           st.pb.resize(static_cast<size_t>(R * T));
@@ -579,7 +590,7 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
           const scalar_t* src = q + qs.at(b, hk * G + r / N, r % N);
           if (k_dot) {
             if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
-              for (int64_t d = 0; d < D; ++d) st.qb[r * D + d] = bf16_bits(src[d * qs.d]);
+              for (int64_t d = 0; d < D; ++d) st.qb[r * D2 + d] = bf16_bits(src[d * qs.d]);
           } else {
             row_to_float(src, qs.d, D, st.q.data() + r * D);
           }
@@ -607,14 +618,27 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
           }
 #endif
           // S [R][kn] = Q K^T.
+          if (!direct) {
+            if (k_dot) {
+#if defined(__AVX512BF16__)
+              if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+                pack_transposed_pairs(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kb.data(), T);
+                gemm_bf16(R, kn, D, st.qb.data(), D2, st.kb.data(), T * 2, S, T, false);
+              }
+#endif
+            } else {
+              pack_transposed(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kt.data(), T);
+              gemm<float>(R, kn, D, st.q.data(), D, 1, st.kt.data(), T, S, T, false);
+            }
+          }
 #if defined(__AVX512F__)
-          if (k_dot) {
+          else if (k_dot) {
 #if defined(__AVX512BF16__)
             if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
               const uint16_t* kt = reinterpret_cast<const uint16_t*>(k + ks.at(b, hk, k0));
               for (int64_t r = 0; r < R; ++r)
                 for (int64_t j0 = 0; j0 < kn; j0 += 16)
-                  decode_dot16_bf16(st.qb.data() + r * D, kt + j0 * ks.n, ks.n, D, S + r * T + j0,
+                  decode_dot16_bf16(st.qb.data() + r * D2, kt + j0 * ks.n, ks.n, D, S + r * T + j0,
                                     std::min<int64_t>(16, kn - j0));
             }
 #endif
@@ -635,10 +659,6 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
                 decode_dot16(st.q.data() + r * D, kt + j0 * ldk, ldk, D, S + r * T + j0,
                              std::min<int64_t>(16, kn - j0));
           }
-#else
-          // Builds without AVX-512: the K tile transposed, then the portable GEMM.
-          pack_transposed(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kt.data(), T);
-          gemm<float>(R, kn, D, st.q.data(), D, 1, st.kt.data(), T, S, T, false);
 #endif
           // Online softmax per row, as in the flash forward (NaN rules in flash_tiles.h).
           for (int64_t r = 0; r < R; ++r) {

@@ -515,7 +515,9 @@ DECODE_SHAPES = [
     (1, 2, 2, 16, 257, 80, 96, False),     # MHA, 16 rows, Dv != D
     (1, 16, 1, 4, 1300, 32, 32, False),    # 64 rows per task
     (1, 6, 3, 7, 1, 16, 16, False),        # a single key
-    (1, 3, 1, 5, 700, 17, 9, False),       # odd head dims: masked d tails (bf16: 17 of 32)
+    (1, 3, 1, 5, 700, 17, 9, False),       # odd head dims, 15 rows: the GEMM scores (bf16)
+    (1, 2, 1, 3, 301, 17, 9, False),       # odd head dims, 6 rows: dot-product scores with masked
+                                           # d tails (bf16: 17 of 32), odd key count, Dv pad
     (2, 4, 2, 16, 600, 64, 64, True),      # causal: rows see keys <= i only
     (1, 8, 8, 1, 64, 128, 128, True),
 ]
