@@ -8,7 +8,8 @@
 //   block_sparse_bwd(dout, q, k, v, lse, delta, row_ptr, col_idx, col_ptr, row_idx, block,
 //                    causal, scale) -> (dq, dk, dv)
 //   sparse_strided_fwd(q, k, v, stride, causal, scale) -> (out, lse) of strided(stride) whole
-//       (CPU only, declared here; its backward is the range parts' sparse_range_bwd).
+//   sparse_strided_bwd(dout, q, k, v, lse, delta, stride, causal, scale) -> (dq, dk, dv)
+//       (CPU only, declared here).
 // Exact semantics: the comments in csrc/ops.cpp and pytorch_ext/reference/sparse.py.
 //
 // Same scheme as csrc/cpu/softmax.cpp (and its micro-kernels, csrc/cpu/flash_tiles.h): scores
@@ -650,13 +651,13 @@ inline void prefetch_rows(const T* src, int64_t stride, int64_t n, int64_t width
 
 template <typename acc_t>
 struct StridedFwdScratch {
-  std::vector<acc_t> ktr, vr;  // per residue: K^T [D][ldt], V [T][Dv]
-  std::vector<acc_t> qa;       // [kStripA][D] gathered Q rows of one residue
-  std::vector<acc_t> oa, ma, la;  // A's state, residue-major: [s][U][Dv], [s][U]
-  std::vector<acc_t> kt;       // B: band K^T [D][ldb]
-  std::vector<acc_t> qb, vb;   // B: Q rows, V rows converted (non-float32 inputs)
-  std::vector<acc_t> s;        // scores [strip][lds]
-  std::vector<acc_t> o, m, l;  // B: strip state
+  std::vector<acc_t> ktr, vr;     // per residue: K^T [D][ldt], V [T][Dv]
+  std::vector<acc_t> qa;          // [kStripA][D] gathered Q rows of one residue
+  std::vector<acc_t> oa, ma, la;  // the rows' state, residue-major: [s][U][Dv], [s][U]
+  std::vector<acc_t> kt;          // band K^T [D][ldb]
+  std::vector<acc_t> qb, vb;      // band Q rows, V rows converted (non-float32 inputs)
+  std::vector<acc_t> s;           // scores [strip][lds]
+  std::vector<acc_t> o, m, l;     // a band strip's state (strides below the strip height)
   std::vector<int64_t> a, e;
 };
 
@@ -676,6 +677,7 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
   const int64_t bandk = std::min(N, SBR + bandw);  // band keys of a super-block, at most
   const int64_t ldb = bandk + kPad;
   const int64_t lds = std::max<int64_t>(kChunkK, SHB + bandw) + kPad;
+  const int64_t SR = std::max(SHB, kStripA);
   const acc_t c = static_cast<acc_t>(scale * kLog2e);
   auto Tr = [&](int64_t r) { return r < N ? ceil_div(N - r, s) : int64_t(0); };
   // Segments per head: enough tasks for the threads; each segment packs the columns it needs.
@@ -697,12 +699,10 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
           st.qb.resize(static_cast<size_t>(std::min(N, SBR) * D));
           st.vb.resize(static_cast<size_t>(bandk * Dv));
         }
-        st.s.resize(static_cast<size_t>(std::max(SHB, kStripA) * lds));
+        st.s.resize(static_cast<size_t>(SR * lds));
         st.o.resize(static_cast<size_t>(SHB * Dv));
-        st.m.resize(std::max(SHB, kStripA));
-        st.l.resize(std::max(SHB, kStripA));
-        st.a.resize(std::max(SHB, kStripA));
-        st.e.resize(std::max(SHB, kStripA));
+        for (auto* x : {&st.m, &st.l}) x->resize(SR);
+        for (auto* x : {&st.a, &st.e}) x->resize(SR);
         return st;
       },
       [&](StridedFwdScratch<acc_t>& st, int64_t task) {
@@ -714,11 +714,9 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
         scalar_t* oh = out + bh * N * Dv;
         acc_t* lh = lse + bh * N;
         int64_t packed = 0;  // blocks t' < packed of every residue are packed
-        // Packed 32 blocks ahead at least: a pack of a few keys per residue wastes most of the
-        // 16 x 16 register transposes.
         auto pack_to = [&](int64_t upto) {
+          upto = std::min(upto, T);
           if (upto <= packed) return;
-          upto = std::min(T, std::max(upto, packed + 32));
           for (int64_t r = 0; r < sN; ++r) {
             const int64_t n = std::min(upto, Tr(r)) - packed;
             if (n <= 0) continue;
@@ -735,53 +733,7 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
         for (int64_t sb = sb0; sb < sb1; ++sb) {
           const int64_t u0 = sb * U, u1 = std::min(T, u0 + U);
           const int64_t i0 = u0 * s, i1 = std::min(N, u1 * s);  // rows of the super-block
-          const int64_t nb = u1 - u0;
-          // ---- A: the columns, per residue ----
-          pack_to(causal ? u1 - 2 : T);
-          for (int64_t r = 0; r < sN; ++r) {
-            const int64_t tr = Tr(r);
-            const int64_t ta = u0, tb = std::min(u1, tr);  // query blocks of residue r here
-            if (r + 1 < sN)  // the next residue's query rows
-              prefetch_rows(qh + (u0 * s + r + 1) * D, s * D, std::min(u1, Tr(r + 1)) - u0, D);
-            acc_t* m = st.ma.data() + r * U;
-            acc_t* l = st.la.data() + r * U;
-            acc_t* O = st.oa.data() + r * U * Dv;
-            std::fill(m, m + nb, neg_inf<acc_t>());
-            std::fill(l, l + nb, acc_t(0));
-            const acc_t* KT = st.ktr.data() + r * D * ldt;
-            const acc_t* V = st.vr.data() + r * T * Dv;
-            for (int64_t t0 = ta; t0 < tb; t0 += kStripA) {
-              const int64_t hn = std::min(kStripA, tb - t0);
-              bool gathered = false, fresh = true;
-              // Two key ranges: t' <= t - 2, then (non-causal) t' >= t + 2.
-              for (int side = 0; side < (causal ? 1 : 2); ++side) {
-                const int64_t ka = side == 0 ? 0 : t0 + 2;
-                const int64_t kb = side == 0 ? std::min(tr, t0 + hn - 2) : tr;  // exclusive
-                for (int64_t k0 = ka; k0 < kb; k0 += kChunkK) {
-                  const int64_t w = std::min(kChunkK, kb - k0);
-                  if (!gathered) {
-                    copy_rows(qh + (t0 * s + r) * D, s * D, hn, D, st.qa.data(), D);
-                    gathered = true;
-                  }
-                  for (int64_t x = 0; x < hn; ++x) {
-                    const int64_t t = t0 + x;
-                    st.a[x] = (side == 0 ? 0 : t + 2) - k0;
-                    st.e[x] = (side == 0 ? t - 1 : tr) - k0;
-                  }
-                  gemm<acc_t>(hn, w, D, st.qa.data(), D, 1, KT + k0, ldt, st.s.data(), lds, false);
-                  strip_softmax<acc_t>(hn, w, st.a.data(), st.e.data(), c, st.s.data(), lds,
-                                       m + (t0 - u0), l + (t0 - u0), O + (t0 - u0) * Dv, Dv, Dv,
-                                       fresh);
-                  gemm<acc_t>(hn, Dv, w, st.s.data(), lds, 1, V + k0 * Dv, Dv,
-                              O + (t0 - u0) * Dv, Dv, !fresh);
-                  fresh = false;
-                }
-              }
-              if (fresh)  // no column at all: B starts these rows empty
-                std::fill(O + (t0 - u0) * Dv, O + (t0 - u0 + hn) * Dv, acc_t(0));
-            }
-          }
-          // ---- B: the band, on consecutive rows, from A's state ----
+          // ---- B: the band, on consecutive rows: reads q, k, v in order (the first touch) ----
           const int64_t ka = std::max<int64_t>(0, i0 - s);
           const int64_t kb = std::min(N, i1 + (causal ? 0 : s));  // exclusive
           const int64_t kn = kb - ka;
@@ -797,36 +749,21 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
             Q = st.qb.data();
             V = st.vb.data();
           }
-          // A strip inside one block (s >= the strip height) works on A's state rows in place:
+          // A strip inside one block (s >= the strip height) writes its state in place:
           // consecutive rows are consecutive residues, U * Dv apart there.  Else (small
-          // strides) the state is copied into the strip's own rows.
+          // strides) the strip's state is copied there.
           for (int64_t r0 = i0; r0 < i1;) {
             const int64_t u = r0 / s;
             const bool direct = s >= SHB;
             const int64_t hn = std::min({SHB, i1 - r0, direct ? (u + 1) * s - r0 : SHB});
             const int64_t wa = std::max<int64_t>(0, r0 - s);
             const int64_t wb = std::min(N, r0 + hn + (causal ? 0 : s));  // exclusive
-            acc_t* O;
-            int64_t ldo;
-            if (direct) {
-              O = st.oa.data() + ((r0 - u * s) * U + (u - u0)) * Dv;
-              ldo = U * Dv;
-            } else {
-              O = st.o.data();
-              ldo = Dv;
-            }
+            acc_t* O = direct ? st.oa.data() + ((r0 - u * s) * U + (u - u0)) * Dv : st.o.data();
+            const int64_t ldo = direct ? U * Dv : Dv;
             for (int64_t x = 0; x < hn; ++x) {
               const int64_t i = r0 + x;
-              const int64_t at = (i % s) * U + (i / s - u0);
-              st.m[x] = st.ma[at];
-              st.l[x] = st.la[at];
-              // A row that A left empty starts from 0, not from A's 0 * V (which is NaN where
-              // the window held an inf value the row does not see).
-              acc_t* o = O + x * ldo;
-              if (st.m[x] == neg_inf<acc_t>())
-                std::fill(o, o + Dv, acc_t(0));
-              else if (!direct)
-                std::copy(st.oa.data() + at * Dv, st.oa.data() + (at + 1) * Dv, o);
+              st.m[x] = neg_inf<acc_t>();
+              st.l[x] = acc_t(0);
               st.a[x] = std::max<int64_t>(0, i - s) - wa;
               st.e[x] = std::min(N, i + 1 + (causal ? 0 : s)) - wa;
             }
@@ -834,12 +771,248 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
             gemm<acc_t>(hn, w, D, Q + (r0 - i0) * D, D, 1, st.kt.data() + (wa - ka), ldb,
                         st.s.data(), lds, false);
             strip_softmax<acc_t>(hn, w, st.a.data(), st.e.data(), c, st.s.data(), lds,
-                                 st.m.data(), st.l.data(), O, ldo, Dv, false);
-            gemm<acc_t>(hn, Dv, w, st.s.data(), lds, 1, V + (wa - ka) * Dv, Dv, O, ldo, true);
-            for (int64_t x = 0; x < hn; ++x)
-              finish_row<scalar_t, acc_t>(O + x * ldo, st.m[x], st.l[x], Dv,
-                                          oh + (r0 + x) * Dv, lh + r0 + x);
+                                 st.m.data(), st.l.data(), O, ldo, Dv, true);
+            gemm<acc_t>(hn, Dv, w, st.s.data(), lds, 1, V + (wa - ka) * Dv, Dv, O, ldo, false);
+            for (int64_t x = 0; x < hn; ++x) {
+              const int64_t i = r0 + x;
+              const int64_t at = (i % s) * U + (i / s - u0);
+              st.ma[at] = st.m[x];
+              st.la[at] = st.l[x];
+              acc_t* dst = st.oa.data() + at * Dv;
+              // A row with nothing to attend yet holds 0, not the GEMM's 0 * V (NaN where the
+              // window has an inf value the row does not see).
+              if (st.m[x] == neg_inf<acc_t>())
+                std::fill(dst, dst + Dv, acc_t(0));
+              else if (!direct)
+                std::copy(O + x * ldo, O + x * ldo + Dv, dst);
+            }
             r0 += hn;
+          }
+          // ---- A: the columns, per residue, from the band's state; finishes the rows ----
+          // The blocks packed here were band keys of this super-block or the one before:
+          // gathered from cache, not memory.
+          pack_to(causal ? u1 - 2 : T);
+          for (int64_t r = 0; r < sN; ++r) {
+            const int64_t tr = Tr(r);
+            const int64_t ta = u0, tb = std::min(u1, tr);  // query blocks of residue r here
+            acc_t* m = st.ma.data() + r * U;
+            acc_t* l = st.la.data() + r * U;
+            acc_t* O = st.oa.data() + r * U * Dv;
+            const acc_t* KT = st.ktr.data() + r * D * ldt;
+            const acc_t* Vr = st.vr.data() + r * T * Dv;
+            for (int64_t t0 = ta; t0 < tb; t0 += kStripA) {
+              const int64_t hn = std::min(kStripA, tb - t0);
+              bool gathered = false;
+              // Two key ranges: t' <= t - 2, then (non-causal) t' >= t + 2.
+              for (int side = 0; side < (causal ? 1 : 2); ++side) {
+                const int64_t ka2 = side == 0 ? 0 : t0 + 2;
+                const int64_t kb2 = side == 0 ? std::min(tr, t0 + hn - 2) : tr;  // exclusive
+                for (int64_t k0 = ka2; k0 < kb2; k0 += kChunkK) {
+                  const int64_t w = std::min(kChunkK, kb2 - k0);
+                  if (!gathered) {
+                    copy_rows(qh + (t0 * s + r) * D, s * D, hn, D, st.qa.data(), D);
+                    gathered = true;
+                  }
+                  for (int64_t x = 0; x < hn; ++x) {
+                    const int64_t t = t0 + x;
+                    st.a[x] = (side == 0 ? 0 : t + 2) - k0;
+                    st.e[x] = (side == 0 ? t - 1 : tr) - k0;
+                  }
+                  gemm<acc_t>(hn, w, D, st.qa.data(), D, 1, KT + k0, ldt, st.s.data(), lds, false);
+                  strip_softmax<acc_t>(hn, w, st.a.data(), st.e.data(), c, st.s.data(), lds,
+                                       m + (t0 - u0), l + (t0 - u0), O + (t0 - u0) * Dv, Dv, Dv,
+                                       false);
+                  gemm<acc_t>(hn, Dv, w, st.s.data(), lds, 1, Vr + k0 * Dv, Dv,
+                              O + (t0 - u0) * Dv, Dv, true);
+                }
+              }
+              for (int64_t x = 0; x < hn; ++x) {
+                const int64_t t = t0 + x, row = t * s + r;
+                finish_row<scalar_t, acc_t>(O + (t - u0) * Dv, m[t - u0], l[t - u0], Dv,
+                                            oh + row * Dv, lh + row);
+              }
+            }
+          }
+        }
+      });
+}
+// ---------------------------------------------------------------------------------------------
+// strided(s), fused backward (issue 14): both parts' gradients in one call, into one set of
+// outputs (the range parts' backward calls returned three tensors each, then summed).
+// ---------------------------------------------------------------------------------------------
+// One task per (b, h): it owns the head's dK / dV rows, so nothing races.  Band: strips of
+// consecutive query rows (16) over their key window (80 keys for s = 64: 1.23 computed entries
+// per kept one, against 1.48 in the range kernel's 32-key x 97-row tiles), K^T / V^T packed per
+// super-block of rows.  Columns: per residue, its rows, keys, dO, lse and delta gathered once,
+// dQ / dK / dV accumulated there and added to the outputs at the residue's end.  Gradients of
+// a tile: bwd_tile (NaN / inf rules there).
+constexpr int64_t kStripBwdA = 16;  // columns: query rows (of one residue) per tile
+
+template <typename acc_t>
+struct StridedBwdScratch {
+  std::vector<acc_t> kt, vt;          // band: K^T, V^T [D][ldb] of a super-block's keys
+  std::vector<acc_t> qb, gb, kb;      // band: Q, dO, K rows converted (non-float32 inputs)
+  std::vector<acc_t> l2, di;          // [N] lse in base 2, delta of the head (band), or residue
+  std::vector<acc_t> ktr, vtr;        // columns: K^T, V^T [D][ldt] of one residue
+  std::vector<acc_t> kr, qr, gr;      // columns: K, Q, dO rows of one residue
+  std::vector<acc_t> dqr, dkr, dvr;   // columns: the residue's gradients
+  std::vector<acc_t> s, dp;           // [rows][lds]
+  std::vector<int64_t> vlo, vhi;
+};
+
+template <typename scalar_t, typename acc_t>
+void strided_bwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s, bool causal,
+                        double scale, const scalar_t* dout, const scalar_t* q,
+                        const scalar_t* k, const scalar_t* v, const acc_t* lse,
+                        const acc_t* delta, acc_t* dq, acc_t* dk, acc_t* dv) {
+  constexpr bool kInPlace = std::is_same_v<scalar_t, acc_t>;
+  const int64_t T = ceil_div(N, s);
+  const int64_t U = std::max<int64_t>(1, std::min(T, kStridedSB / s));
+  const int64_t SBR = U * s;
+  const int64_t sN = std::min(s, N);
+  const int64_t ldt = T + (T >= 64 ? kPad : 0);
+  const int64_t bandw = causal ? s : 2 * s;
+  const int64_t SH = kStripNarrow;
+  const int64_t bandk = std::min(N, SBR + bandw);
+  const int64_t ldb = bandk + kPad;
+  const int64_t lds = std::max<int64_t>(kChunkK, SH + bandw) + kPad;
+  const int64_t SR = std::max(SH, kStripBwdA);
+  const acc_t c = static_cast<acc_t>(scale * kLog2e);
+  const acc_t sc = static_cast<acc_t>(scale);
+  auto Tr = [&](int64_t r) { return r < N ? ceil_div(N - r, s) : int64_t(0); };
+
+  run_tasks(
+      BH,
+      [&] {
+        StridedBwdScratch<acc_t> st;
+        st.kt.resize(static_cast<size_t>(D * ldb));
+        st.vt.resize(static_cast<size_t>(Dv * ldb));
+        if (!kInPlace) {
+          st.qb.resize(static_cast<size_t>(std::min(N, SBR) * D));
+          st.gb.resize(static_cast<size_t>(std::min(N, SBR) * Dv));
+          st.kb.resize(static_cast<size_t>(bandk * D));
+        }
+        st.l2.resize(N);
+        st.di.resize(N);
+        st.ktr.resize(static_cast<size_t>(D * ldt));
+        st.vtr.resize(static_cast<size_t>(Dv * ldt));
+        st.kr.resize(static_cast<size_t>(T * D));
+        st.qr.resize(static_cast<size_t>(T * D));
+        st.gr.resize(static_cast<size_t>(T * Dv));
+        st.dqr.resize(static_cast<size_t>(T * D));
+        st.dkr.resize(static_cast<size_t>(T * D));
+        st.dvr.resize(static_cast<size_t>(T * Dv));
+        st.s.resize(static_cast<size_t>(SR * lds));
+        st.dp.resize(static_cast<size_t>(SR * lds));
+        st.vlo.resize(SR);
+        st.vhi.resize(SR);
+        return st;
+      },
+      [&](StridedBwdScratch<acc_t>& st, int64_t bh) {
+        const scalar_t* qh = q + bh * N * D;
+        const scalar_t* kh = k + bh * N * D;
+        const scalar_t* vh = v + bh * N * Dv;
+        const scalar_t* gh = dout + bh * N * Dv;
+        acc_t* dqh = dq + bh * N * D;
+        acc_t* dkh = dk + bh * N * D;
+        acc_t* dvh = dv + bh * N * Dv;
+        std::fill(dqh, dqh + N * D, acc_t(0));
+        std::fill(dkh, dkh + N * D, acc_t(0));
+        std::fill(dvh, dvh + N * Dv, acc_t(0));
+        for (int64_t i = 0; i < N; ++i) {
+          st.l2[i] = lse[bh * N + i] * static_cast<acc_t>(kLog2e);
+          st.di[i] = delta[bh * N + i];
+        }
+        // ---- the band, per super-block of rows ----
+        for (int64_t i0 = 0; i0 < N; i0 += SBR) {
+          const int64_t i1 = std::min(N, i0 + SBR);
+          const int64_t ka = std::max<int64_t>(0, i0 - s);
+          const int64_t kb = std::min(N, i1 + (causal ? 0 : s));
+          const int64_t kn = kb - ka;
+          pack_kt(kh + ka * D, D, kn, D, st.kt.data(), ldb);
+          pack_kt(vh + ka * Dv, Dv, kn, Dv, st.vt.data(), ldb);
+          const acc_t *Q, *G, *K;
+          if constexpr (kInPlace) {
+            Q = qh + i0 * D;
+            G = gh + i0 * Dv;
+            K = kh + ka * D;
+          } else {
+            copy_rows(qh + i0 * D, D, i1 - i0, D, st.qb.data(), D);
+            copy_rows(gh + i0 * Dv, Dv, i1 - i0, Dv, st.gb.data(), Dv);
+            copy_rows(kh + ka * D, D, kn, D, st.kb.data(), D);
+            Q = st.qb.data();
+            G = st.gb.data();
+            K = st.kb.data();
+          }
+          for (int64_t r0 = i0; r0 < i1; r0 += SH) {
+            const int64_t hn = std::min(SH, i1 - r0);
+            const int64_t wa = std::max<int64_t>(0, r0 - s);
+            const int64_t wb = std::min(N, r0 + hn + (causal ? 0 : s));
+            for (int64_t x = 0; x < hn; ++x) {
+              const int64_t i = r0 + x;
+              st.vlo[x] = std::max<int64_t>(0, i - s) - wa;
+              st.vhi[x] = std::min(N, i + 1 + (causal ? 0 : s)) - wa;
+            }
+            bwd_tile<acc_t>(hn, wb - wa, D, Dv, Q + (r0 - i0) * D, D, G + (r0 - i0) * Dv, Dv,
+                            st.l2.data() + r0, st.di.data() + r0, st.kt.data() + (wa - ka), ldb,
+                            K + (wa - ka) * D, D, st.vt.data() + (wa - ka), ldb, st.vlo.data(),
+                            st.vhi.data(), c, sc, st.s.data(), st.dp.data(), lds, dqh + r0 * D, D,
+                            dkh + wa * D, D, dvh + wa * Dv, Dv);
+          }
+        }
+        // ---- the columns, per residue ----
+        std::vector<acc_t> l2r(static_cast<size_t>(T)), dir(static_cast<size_t>(T));
+        for (int64_t r = 0; r < sN; ++r) {
+          const int64_t tr = Tr(r);
+          if (tr <= 2) continue;  // no row of this residue has a column
+          if (r + 1 < sN) {  // the next residue's rows (a page apart each: see prefetch_rows)
+            const int64_t tn = Tr(r + 1);
+            prefetch_rows(kh + (r + 1) * D, s * D, tn, D);
+            prefetch_rows(vh + (r + 1) * Dv, s * Dv, tn, Dv);
+            prefetch_rows(qh + (r + 1) * D, s * D, tn, D);
+            prefetch_rows(gh + (r + 1) * Dv, s * Dv, tn, Dv);
+          }
+          pack_kt(kh + r * D, s * D, tr, D, st.ktr.data(), ldt);
+          pack_kt(vh + r * Dv, s * Dv, tr, Dv, st.vtr.data(), ldt);
+          copy_rows(kh + r * D, s * D, tr, D, st.kr.data(), D);
+          copy_rows(qh + r * D, s * D, tr, D, st.qr.data(), D);
+          copy_rows(gh + r * Dv, s * Dv, tr, Dv, st.gr.data(), Dv);
+          for (int64_t t = 0; t < tr; ++t) {
+            l2r[t] = st.l2[t * s + r];
+            dir[t] = st.di[t * s + r];
+          }
+          std::fill(st.dqr.begin(), st.dqr.begin() + tr * D, acc_t(0));
+          std::fill(st.dkr.begin(), st.dkr.begin() + tr * D, acc_t(0));
+          std::fill(st.dvr.begin(), st.dvr.begin() + tr * Dv, acc_t(0));
+          for (int64_t t0 = 0; t0 < tr; t0 += kStripBwdA) {
+            const int64_t hn = std::min(kStripBwdA, tr - t0);
+            for (int side = 0; side < (causal ? 1 : 2); ++side) {
+              const int64_t ka = side == 0 ? 0 : t0 + 2;
+              const int64_t kb = side == 0 ? std::min(tr, t0 + hn - 2) : tr;  // exclusive
+              for (int64_t k0 = ka; k0 < kb; k0 += kChunkK) {
+                const int64_t w = std::min(kChunkK, kb - k0);
+                for (int64_t x = 0; x < hn; ++x) {
+                  const int64_t t = t0 + x;
+                  st.vlo[x] = (side == 0 ? 0 : t + 2) - k0;
+                  st.vhi[x] = (side == 0 ? t - 1 : tr) - k0;
+                }
+                bwd_tile<acc_t>(hn, w, D, Dv, st.qr.data() + t0 * D, D, st.gr.data() + t0 * Dv, Dv,
+                                l2r.data() + t0, dir.data() + t0, st.ktr.data() + k0, ldt,
+                                st.kr.data() + k0 * D, D, st.vtr.data() + k0, ldt, st.vlo.data(),
+                                st.vhi.data(), c, sc, st.s.data(), st.dp.data(), lds,
+                                st.dqr.data() + t0 * D, D, st.dkr.data() + k0 * D, D,
+                                st.dvr.data() + k0 * Dv, Dv);
+              }
+            }
+          }
+          for (int64_t t = 0; t < tr; ++t) {
+            const int64_t row = t * s + r;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) dqh[row * D + d] += st.dqr[t * D + d];
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) dkh[row * D + d] += st.dkr[t * D + d];
+#pragma omp simd
+            for (int64_t d = 0; d < Dv; ++d) dvh[row * Dv + d] += st.dvr[t * Dv + d];
           }
         }
       });
@@ -1389,6 +1562,38 @@ std::tuple<at::Tensor, at::Tensor> sparse_strided_fwd_cpu(const at::Tensor& q_, 
   return {out, lse};
 }
 
+// Gradients of sparse_strided_fwd given its lse and delta (as sparse_range_bwd's).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_strided_bwd_cpu(
+    const at::Tensor& dout_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+    const at::Tensor& lse_, const at::Tensor& delta_, int64_t stride, bool causal, double scale) {
+  const std::vector<int64_t> plain{1, 0, 1, 0, 1}, lo{0, 1, 1, 0}, hi{0, 1, 1, 0};
+  checks::sparse_range_bwd(checks::cpu_target(), dout_, q_, k_, v_, lse_, delta_, plain, lo, hi, scale);
+  ATTNKIT_CHECK(stride >= 1, "attnkit::sparse_strided_bwd (cpu): stride must be >= 1; got ", stride);
+  ATTNKIT_CHECK(k_.size(2) == q_.size(2), "attnkit::sparse_strided_bwd (cpu): self-attention: q and k ",
+                "must have the same length; got ", q_.sizes(), " and ", k_.sizes());
+  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
+  const at::Tensor dout = dout_.contiguous(), lse = lse_.contiguous(), delta = delta_.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Dv = v.size(3);
+  const auto dtype = q.scalar_type();
+  const auto acc = acc_type_of(dtype);
+  // Written whole by the kernel (each task zeroes its head first, in parallel).
+  at::Tensor dq = at::empty({B, H, N, D}, q.options().dtype(acc));
+  at::Tensor dk = at::empty({B, H, N, D}, q.options().dtype(acc));
+  at::Tensor dv = at::empty({B, H, N, Dv}, q.options().dtype(acc));
+  if (B * H * N > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "sparse_strided_bwd", [&] {
+      using acc_t = acc_of<scalar_t>;
+      strided_bwd_kernel<scalar_t, acc_t>(
+          B * H, N, D, Dv, stride, causal, scale, dout.const_data_ptr<scalar_t>(),
+          q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
+          lse.const_data_ptr<acc_t>(), delta.const_data_ptr<acc_t>(), dq.mutable_data_ptr<acc_t>(),
+          dk.mutable_data_ptr<acc_t>(), dv.mutable_data_ptr<acc_t>());
+    });
+  }
+  if (acc != dtype) return {dq.to(dtype), dk.to(dtype), dv.to(dtype)};
+  return {dq, dk, dv};
+}
+
 // Per-chunk float buffers -> the result in the input dtype (chunks summed in order: deterministic).
 at::Tensor reduce_chunks(const at::Tensor& buf, at::ScalarType dtype) {
   at::Tensor sum = buf[0].clone();
@@ -1519,11 +1724,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu(
 // registers its fake and autograd (the backward runs the range parts' backward kernels).
 TORCH_LIBRARY_FRAGMENT(attnkit, m) {
   m.def("sparse_strided_fwd(Tensor q, Tensor k, Tensor v, int stride, bool causal, float scale) -> (Tensor, Tensor)");
+  m.def("sparse_strided_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor lse, Tensor delta, int stride, bool causal, float scale) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
   m.impl("sparse_range_fwd", &sparse_range_fwd_cpu);
   m.impl("sparse_strided_fwd", &sparse_strided_fwd_cpu);
+  m.impl("sparse_strided_bwd", &sparse_strided_bwd_cpu);
   m.impl("sparse_range_bwd", &sparse_range_bwd_cpu);
   m.impl("block_sparse_fwd", &block_sparse_fwd_cpu);
   m.impl("block_sparse_bwd", &block_sparse_bwd_cpu);

@@ -204,10 +204,11 @@ register_kernel(FAMILY, "cuda")
 
 # --- strided(s) in one C++ call (cpu backend): attnkit::sparse_strided_fwd ---
 #
-# Declared in csrc/cpu/sparse.cpp (a CPU-only op: no CUDA / Triton twin).  The forward runs all
+# Declared in csrc/cpu/sparse.cpp (CPU-only ops: no CUDA / Triton twin).  The forward runs all
 # parts of each row in one online softmax (no merge, no per-part out / lse tensors); the
-# backward is the range parts' own backward kernels, each given the pattern's lse and delta --
-# what they compute anyway (csrc/ops.cpp: "given the merged lse") -- summed.  Measured at
+# backward (attnkit::sparse_strided_bwd) computes both parts' gradients from the pattern's lse
+# and delta into one set of outputs -- or, with fewer heads than threads, the range parts' own
+# backward kernels do, each given that lse and delta (csrc/ops.cpp: "given the merged lse").  Measured at
 # B=1 H=8 N=4096 D=64 float32 strided(64), one thread, CPU time: forward 12.5 -> 8.5-9 ms
 # (parts + merge -> fused), forward + backward: see bench/sparse_targets.py --efficiency.
 
@@ -241,6 +242,11 @@ def _strided_backward(ctx, grad_out, grad_lse):
     stride, causal, scale = ctx.args
     g, delta = _delta(grad_out, grad_lse, out, lse)
     g, delta = g.contiguous(), delta.contiguous()
+    # One call (one task per head: it owns the head's dK / dV) when the heads keep the threads
+    # busy; else the range parts' kernels, which split a head's key tiles over the threads.
+    if _STRIDED_BWD and q.shape[0] * q.shape[1] >= torch.get_num_threads():
+        dq, dk, dv = torch.ops.attnkit.sparse_strided_bwd(g, q, k, v, lse, delta, stride, causal, scale)
+        return dq, dk, dv, None, None, None
     dq = dk = dv = None
     for view, lo, hi in strided_parts(q.shape[2], stride, causal):
         grads = torch.ops.attnkit.sparse_range_bwd(g, q, k, v, lse, delta, list(view), list(lo), list(hi), scale)
@@ -254,6 +260,7 @@ def _strided_backward(ctx, grad_out, grad_lse):
 
 
 _STRIDED_OP = native_ops_declared("sparse_strided_fwd")
+_STRIDED_BWD = native_ops_declared("sparse_strided_bwd")
 if _STRIDED_OP:
     torch.library.register_fake("attnkit::sparse_strided_fwd", _strided_fwd_fake)
     torch.library.register_autograd("attnkit::sparse_strided_fwd", _strided_backward,

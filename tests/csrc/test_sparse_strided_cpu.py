@@ -1,0 +1,126 @@
+"""The fused strided ops of the CPU backend (csrc/cpu/sparse.cpp, issue 14), called directly:
+attnkit::sparse_strided_fwd (the whole strided(s) pattern in one online softmax: the columns of
+each residue on packed keys, then the band from their state) and attnkit::sparse_strided_bwd
+(both parts' gradients from the pattern's lse and delta, one task per head).
+
+Ground truth: the float64 masked reference (pytorch_ext/reference/sparse.py) on the same rounded
+inputs; tolerances from DESIGN.md via assert_close_to_reference.  Sizes straddle the kernel's
+edges: super-blocks of 512 rows (U = 512 // s blocks), 8-row column strips in the forward,
+16-row ones in the backward, key chunks of 256, 16-row band strips (48 when s > 176), strides
+below the band strip height (state copied, not in place), s >= N (no columns) and s = 1.
+"""
+import pytest
+import torch
+
+import attnkit  # noqa: F401  (loads attnkit._C, which registers the ops)
+from attnkit import patterns
+from attnkit.reference.sparse import _masked_attention_bwd, _masked_attention_with_lse
+from attnkit_testing import F64, assert_close_to_reference, has_cpu_kernel
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+pytestmark = pytest.mark.skipif(not has_cpu_kernel("sparse_strided_fwd"),
+                                reason="attnkit._C without the fused strided ops")
+
+CASES = [  # (n, stride, causal)
+    (1, 1, True), (7, 2, True), (63, 4, False), (129, 8, True), (257, 16, False),
+    (300, 7, True), (1000, 64, True), (1000, 1, True), (130, 200, True), (600, 100, False),
+    (2100, 64, True), (1100, 300, False),
+]
+
+
+def _inputs(b, h, n, d, dv, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(b, h, n, x, generator=g, dtype=F64).to(dtype) for x in (d, d, dv, dv))
+    return q, k, v, dout
+
+
+def _reference(q, k, v, s, causal, scale):
+    mask = patterns.strided(s, causal).mask(q.shape[2])
+    return mask, _masked_attention_with_lse(q, k, v, mask, scale)
+
+
+@pytest.mark.parametrize("n,s,causal", CASES)
+@pytest.mark.parametrize("dtype", [F32, F64, BF16])
+def test_fused_strided_forward_matches_reference(n, s, causal, dtype):
+    d, dv = (64, 64) if n >= 1000 else (17, 9)
+    q, k, v, _ = _inputs(2, 3, n, d, dv, dtype, seed=n + s)
+    scale = d ** -0.5
+    out, lse = torch.ops.attnkit.sparse_strided_fwd(q, k, v, s, causal, scale)
+    _, (ref, ref_lse) = _reference(q.to(F64), k.to(F64), v.to(F64), s, causal, scale)
+    low = _reference(q, k, v, s, causal, scale)[1] if dtype == BF16 else (None, None)
+    assert out.dtype == dtype and lse.dtype == (F64 if dtype == F64 else F32)
+    assert_close_to_reference(out, ref, low[0])
+    assert_close_to_reference(lse, ref_lse, None if dtype != BF16 else low[1].float(), name="lse", dtype=dtype)
+
+
+@pytest.mark.parametrize("n,s,causal", CASES)
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_fused_strided_backward_matches_reference(n, s, causal, dtype):
+    d, dv = (64, 64) if n >= 1000 else (17, 9)
+    q, k, v, dout = _inputs(2, 3, n, d, dv, dtype, seed=7 * n + s)
+    scale = d ** -0.5
+    _, lse = torch.ops.attnkit.sparse_strided_fwd(q, k, v, s, causal, scale)
+    # A random delta (as tests/csrc/test_sparse_cpu.py does): with rowsum(dO * O) the gradients
+    # of short rows are rounding noise (n = 1: exactly 0 in exact arithmetic), no test of scale.
+    delta = torch.randn(lse.shape, generator=torch.Generator().manual_seed(n), dtype=F64).to(lse.dtype)
+    grads = torch.ops.attnkit.sparse_strided_bwd(dout, q, k, v, lse, delta, s, causal, scale)
+    mask = patterns.strided(s, causal).mask(n)
+    ref = _masked_attention_bwd(dout.to(F64), q.to(F64), k.to(F64), v.to(F64), lse.to(F64), delta.to(F64),
+                                mask, scale)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+        assert got.dtype == dtype
+        assert_close_to_reference(got, want, grad=True, name=name)
+
+
+def test_fused_strided_poisoned_row():
+    """A NaN in one query row: that row's out and lse are NaN, every other row is finite.  The
+    backward: NaN on the keys the row sees and on its dq; beyond them, 0 * NaN reaches keys in
+    the row's GEMM tiles (the reference's dense GEMM reaches every key), no further than in the
+    range parts' kernels (the route the fused backward replaces), equal where finite."""
+    from attnkit.ops.sparse import strided_parts
+
+    n, s = 300, 16
+    q, k, v, dout = _inputs(1, 2, n, 16, 16, F32, seed=3)
+    q[0, 1, 200, 3] = float("nan")
+    out, lse = torch.ops.attnkit.sparse_strided_fwd(q, k, v, s, True, 0.25)
+    assert torch.isnan(out[0, 1, 200]).all() and torch.isnan(lse[0, 1, 200])
+    rest = torch.ones(n, dtype=torch.bool)
+    rest[200] = False
+    assert torch.isfinite(out[0, 1, rest]).all() and torch.isfinite(out[0, 0]).all()
+    delta = (dout * out).sum(-1)
+    fused = torch.ops.attnkit.sparse_strided_bwd(dout, q, k, v, lse, delta, s, True, 0.25)
+    parts = [torch.ops.attnkit.sparse_range_bwd(dout, q, k, v, lse, delta, list(a), list(b), list(c), 0.25)
+             for a, b, c in strided_parts(n, s, True)]
+    seen = patterns.strided(s).mask(n)[200]
+    for x, name in enumerate(("dq", "dk", "dv")):
+        want = sum(p[x] for p in parts)
+        bad = ~torch.isfinite(fused[x])
+        assert not (bad & torch.isfinite(want)).any(), name
+        ok = ~bad & torch.isfinite(want)
+        assert torch.allclose(fused[x][ok], want[ok], rtol=1e-4, atol=1e-5), name
+        if x:
+            assert bad[0, 1, seen].all(), name
+    assert torch.isfinite(fused[0][0, 1, rest]).all() and torch.isnan(fused[0][0, 1, 200]).any()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sparse_attention_strided_cpu_both_backward_routes(threads):
+    """sparse_attention's cpu route: the fused backward (heads >= threads) and the range parts'
+    (fewer heads than threads) give the reference's gradients."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b, h in ((1, 1), (2, 3)):
+            q, k, v, dout = _inputs(b, h, 333, 16, 16, F64, seed=b * h)
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            p = patterns.strided(10)
+            out = attnkit.sparse_attention(q, k, v, p, backend="cpu")
+            got = torch.autograd.grad(out, (q, k, v), dout)
+            ref = attnkit.sparse_attention(q, k, v, p, backend="reference")
+            want = torch.autograd.grad(ref, (q, k, v), dout)
+            assert_close_to_reference(out.detach(), ref.detach())
+            for x, y in zip(got, want):
+                assert_close_to_reference(x, y, grad=True)
+    finally:
+        torch.set_num_threads(old)
