@@ -185,10 +185,16 @@ void bwd_tile(int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int
     // the merge passes it NaN) must not reach the keys it does not see through 0 * NaN in the
     // GEMM (issue 15; tests/fuzz/test_regressions.py): such rows go in as 0 and are added where
     // P != 0 alone.  Rare, so the check is a scan of dO and the common path is the plain GEMM.
-    bool finite = true;
-    for (int64_t r = 0; r < qn && finite; ++r)
-      for (int64_t c = 0; c < Dv; ++c)
-        if (!std::isfinite(dO[r * lddo + c])) { finite = false; break; }
+    // 0 * x is 0 for finite x and NaN for NaN / inf: a branch-free (vectorized) scan instead of
+    // a scalar isfinite loop with an early exit; it runs for every tile (measured: fused strided
+    // backward N=4096 H=8, one thread, 25.6 -> 24.9 ms median, within this machine's noise).
+    acc_t probe = 0;
+    for (int64_t r = 0; r < qn; ++r) {
+      const acc_t* g = dO + r * lddo;
+#pragma omp simd reduction(+ : probe)
+      for (int64_t c = 0; c < Dv; ++c) probe += g[c] * acc_t(0);
+    }
+    const bool finite = probe == acc_t(0);
     if (finite) {
       gemm<acc_t>(kn, Dv, qn, S, 1, lds, dO, lddo, dV, lddv, true);
     } else {
