@@ -24,6 +24,11 @@ The parts of a pattern partition its mask (no entry counted twice; for a star, o
 recomputed rows), so softmax over the union equals the LSE-merge of the parts
 (tests/ops/test_sparse_parts.py checks the partition, tests/ops/test_sparse_backends.py the result).
 
+On the ``cpu`` backend ``strided`` skips the merge (issue 14): ``attnkit::sparse_strided_fwd``
+/ ``_bwd`` (csrc/cpu/sparse.cpp; CPU-only ops declared there) run both parts of a row in one
+online softmax -- the band on consecutive rows, then each residue's columns on keys packed
+once per head -- and their gradients into one set of outputs (tests/csrc/test_sparse_strided_cpu.py).
+
 Layers (DESIGN.md):
 
 - **op**: ``attnkit::sparse_range_fwd`` / ``_bwd`` and ``attnkit::block_sparse_fwd`` / ``_bwd``
