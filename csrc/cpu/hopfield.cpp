@@ -28,12 +28,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <condition_variable>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -485,6 +482,7 @@ constexpr int64_t kStreamMaxRows = 16;  // queries handled by one streaming pass
 // 16 (S=17 against S=16, N=262144, D=64: 121-211 ms against 20-27 ms, same runs).
 constexpr int64_t kStreamMaxS = 64;
 constexpr int kStreamMaxDC = 8;         // D <= 8 * 16 = 128
+constexpr int64_t kStreamBlock = 64;    // stored rows per online-softmax step of the stream
 constexpr int64_t kStreamAhead = 2;     // blocks of 16 rows prefetched ahead (1, 2, 4, 8 measured)
 
 // Whether retrieve_range runs the streaming kernel for blocks of `rows` states of width D.
@@ -550,7 +548,7 @@ void stream_range_f32(const float* xi, int64_t S, const float* X, const float* V
   const __mmask16 vtail = lanes_below(Dv - (vchunks - 1) * 16);
   alignas(64) float q[kStreamMaxRows * W];   // the states, zero-padded to W
   alignas(64) float xa[kStreamMaxRows * W];  // the X-weighted sums, padded
-  alignas(64) float pbuf[16];
+  alignas(64) float pbuf[kStreamBlock];
   alignas(64) float lsum[kStreamMaxRows * 16];
   float mq[kStreamMaxRows];
   for (int64_t r = 0; r < S; ++r) {
@@ -563,39 +561,57 @@ void stream_range_f32(const float* xi, int64_t S, const float* X, const float* V
   }
   const __m512 vbeta = _mm512_set1_ps(beta);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t i0 = n0; i0 < n1; i0 += 16) {
-    const int64_t nr = std::min<int64_t>(16, n1 - i0);
-    const __mmask16 valid = lanes_below(nr);
+  // Blocks of kStreamBlock stored rows (sub-blocks of 16 for the scores): one max, one rescale
+  // and one exp pass per 64 rows instead of per 16.  Not timed on its own: S=1 N=65536 D=64 in
+  // bench --quick went 0.90 -> 0.93x of attnkit softmax per step, within the noise.  (Prefetch
+  // distance, same session, S=1 N=262144, 2 threads: 2, 4, 8, 16 blocks of 16 rows ahead gave
+  // 1.60, 1.54, 1.68, 1.63 ms; 2 kept.)
+  for (int64_t i0 = n0; i0 < n1; i0 += kStreamBlock) {
+    const int64_t nr = std::min<int64_t>(kStreamBlock, n1 - i0);
     const float* rows = X + i0 * D;
-    // Software prefetch kStreamAhead blocks ahead: the hardware prefetcher alone left one
-    // thread at ~16 GB/s from DRAM (S=1, N=262144, D=64: 4.0 ms), with it ~34 GB/s (2.0 ms).
-    if (i0 + (kStreamAhead + 1) * 16 <= n1) {
-      prefetch_bytes(rows + kStreamAhead * 16 * D, 16 * D * sizeof(float));
-      if (values) prefetch_bytes(V + (i0 + kStreamAhead * 16) * Dv, 16 * Dv * sizeof(float));
+    // Software prefetch kStreamAhead blocks of 16 rows ahead of each sub-block: the hardware
+    // prefetcher alone left one thread at ~16 GB/s from DRAM (S=1, N=262144, D=64: 4.0 ms),
+    // with it ~34 GB/s (2.0 ms).
+    for (int64_t r0 = 0; r0 < nr; r0 += 16) {
+      const int64_t a = i0 + r0 + kStreamAhead * 16;
+      if (a + 16 <= n1) {
+        prefetch_bytes(X + a * D, 16 * D * sizeof(float));
+        if (values) prefetch_bytes(V + a * Dv, 16 * Dv * sizeof(float));
+      }
     }
     for (int64_t qi = 0; qi < S; ++qi) {
       const float* qp = q + qi * W;
-      __m512 v[16];
-      if (nr == 16) {
+      __m512 sc[kStreamBlock / 16];
+      __m512 bm = neg_inf;
+      for (int64_t r0 = 0, sb = 0; r0 < nr; r0 += 16, ++sb) {
+        const int64_t nb = std::min<int64_t>(16, nr - r0);
+        const float* rb = rows + r0 * D;
+        __m512 v[16];
+        if (nb == 16) {
 #pragma GCC unroll 16
-        for (int r = 0; r < 16; ++r) {
-          __m512 s = _mm512_mul_ps(load_chunk<DC, TAIL>(rows + r * D, 0, dtail), _mm512_load_ps(qp));
+          for (int r = 0; r < 16; ++r) {
+            __m512 t = _mm512_mul_ps(load_chunk<DC, TAIL>(rb + r * D, 0, dtail), _mm512_load_ps(qp));
 #pragma GCC unroll 8
-          for (int c = 1; c < DC; ++c)
-            s = _mm512_fmadd_ps(load_chunk<DC, TAIL>(rows + r * D, c, dtail), _mm512_load_ps(qp + c * 16), s);
-          v[r] = s;
+            for (int c = 1; c < DC; ++c)
+              t = _mm512_fmadd_ps(load_chunk<DC, TAIL>(rb + r * D, c, dtail), _mm512_load_ps(qp + c * 16), t);
+            v[r] = t;
+          }
+        } else {
+          for (int r = 0; r < 16; ++r) {
+            __m512 t = _mm512_setzero_ps();
+            if (r < nb)
+              for (int c = 0; c < DC; ++c)
+                t = _mm512_fmadd_ps(load_chunk<DC, TAIL>(rb + r * D, c, dtail), _mm512_load_ps(qp + c * 16), t);
+            v[r] = t;
+          }
         }
-      } else {
-        for (int r = 0; r < 16; ++r) {
-          __m512 s = _mm512_setzero_ps();
-          if (r < nr)
-            for (int c = 0; c < DC; ++c)
-              s = _mm512_fmadd_ps(load_chunk<DC, TAIL>(rows + r * D, c, dtail), _mm512_load_ps(qp + c * 16), s);
-          v[r] = s;
-        }
+        sc[sb] = _mm512_mask_mov_ps(neg_inf, lanes_below(nb), _mm512_mul_ps(reduce16(v), vbeta));
+        // NaN scores: vmaxps returns its second operand when either is NaN, so a NaN may be
+        // dropped here; exp(NaN - m) below keeps it in the sum either way.
+        bm = _mm512_max_ps(bm, sc[sb]);
       }
-      const __m512 sc = _mm512_mask_mov_ps(neg_inf, valid, _mm512_mul_ps(reduce16(v), vbeta));
-      const float bmax = _mm512_reduce_max_ps(sc);
+      const int64_t nsb = (nr + 15) / 16;
+      const float bmax = _mm512_reduce_max_ps(bm);
       float* xq = xa + qi * W;
       float* lq = lsum + qi * 16;
       if (bmax > mq[qi]) {
@@ -611,31 +627,34 @@ void stream_range_f32(const float* xi, int64_t S, const float* X, const float* V
         }
         mq[qi] = bmax;
       }
-      // Lanes past the last row hold -inf: zero them (exact 0 already unless m is NaN).
-      const __m512 p = _mm512_maskz_mov_ps(
-          valid, exp_nonpositive_v(_mm512_sub_ps(sc, _mm512_set1_ps(finite_or_zero(mq[qi])))));
-      _mm512_store_ps(lq, _mm512_add_ps(_mm512_load_ps(lq), p));
-      _mm512_store_ps(pbuf, p);
+      const __m512 mv = _mm512_set1_ps(finite_or_zero(mq[qi]));
+      __m512 psum = _mm512_setzero_ps();
+      for (int64_t sb = 0; sb < nsb; ++sb) {
+        // Lanes past the last row hold -inf: zero them (exact 0 already unless m is NaN).
+        const __m512 pv = _mm512_maskz_mov_ps(lanes_below(nr - sb * 16),
+                                              exp_nonpositive_v(_mm512_sub_ps(sc[sb], mv)));
+        psum = _mm512_add_ps(psum, pv);
+        _mm512_store_ps(pbuf + sb * 16, pv);
+      }
+      _mm512_store_ps(lq, _mm512_add_ps(_mm512_load_ps(lq), psum));
       if (xsum != nullptr) {
         // The block's sum from zero, added to the running sum once (as in pv_tile).
         __m512 even[DC], odd[DC];
         for (int c = 0; c < DC; ++c) even[c] = odd[c] = _mm512_setzero_ps();
-        if (nr == 16) {
+        int64_t r = 0;
+#pragma GCC unroll 2
+        for (; r + 2 <= nr; r += 2) {
+          const __m512 p0 = _mm512_set1_ps(pbuf[r]), p1 = _mm512_set1_ps(pbuf[r + 1]);
 #pragma GCC unroll 8
-          for (int r = 0; r < 16; r += 2) {
-            const __m512 p0 = _mm512_set1_ps(pbuf[r]), p1 = _mm512_set1_ps(pbuf[r + 1]);
-#pragma GCC unroll 8
-            for (int c = 0; c < DC; ++c) {
-              even[c] = _mm512_fmadd_ps(p0, load_chunk<DC, TAIL>(rows + r * D, c, dtail), even[c]);
-              odd[c] = _mm512_fmadd_ps(p1, load_chunk<DC, TAIL>(rows + (r + 1) * D, c, dtail), odd[c]);
-            }
+          for (int c = 0; c < DC; ++c) {
+            even[c] = _mm512_fmadd_ps(p0, load_chunk<DC, TAIL>(rows + r * D, c, dtail), even[c]);
+            odd[c] = _mm512_fmadd_ps(p1, load_chunk<DC, TAIL>(rows + (r + 1) * D, c, dtail), odd[c]);
           }
-        } else {
-          for (int64_t r = 0; r < nr; ++r) {
-            const __m512 p0 = _mm512_set1_ps(pbuf[r]);
-            for (int c = 0; c < DC; ++c)
-              even[c] = _mm512_fmadd_ps(p0, load_chunk<DC, TAIL>(rows + r * D, c, dtail), even[c]);
-          }
+        }
+        for (; r < nr; ++r) {
+          const __m512 p0 = _mm512_set1_ps(pbuf[r]);
+          for (int c = 0; c < DC; ++c)
+            even[c] = _mm512_fmadd_ps(p0, load_chunk<DC, TAIL>(rows + r * D, c, dtail), even[c]);
         }
         for (int c = 0; c < DC; ++c)
           _mm512_store_ps(xq + c * 16, _mm512_add_ps(_mm512_load_ps(xq + c * 16), _mm512_add_ps(even[c], odd[c])));
@@ -645,10 +664,10 @@ void stream_range_f32(const float* xi, int64_t S, const float* X, const float* V
         const float* vrows = V + i0 * Dv;
         for (int64_t c = 0; c < vchunks; ++c) {
           const __mmask16 mk = c == vchunks - 1 ? vtail : static_cast<__mmask16>(0xFFFF);
-          __m512 s = _mm512_maskz_loadu_ps(mk, a + c * 16);
+          __m512 t = _mm512_maskz_loadu_ps(mk, a + c * 16);
           for (int64_t r = 0; r < nr; ++r)
-            s = _mm512_fmadd_ps(_mm512_set1_ps(pbuf[r]), _mm512_maskz_loadu_ps(mk, vrows + r * Dv + c * 16), s);
-          _mm512_mask_storeu_ps(a + c * 16, mk, s);
+            t = _mm512_fmadd_ps(_mm512_set1_ps(pbuf[r]), _mm512_maskz_loadu_ps(mk, vrows + r * Dv + c * 16), t);
+          _mm512_mask_storeu_ps(a + c * 16, mk, t);
         }
       }
     }
@@ -1188,6 +1207,13 @@ bool all_frozen(const UpdateCtx<T>& c, const bool* active, int64_t rows) {
 // time from a shared counter rather than in fixed contiguous ranges: on the shared 2-core
 // machines a descheduled thread otherwise holds up the whole call (S=1, N=262144: 2 threads
 // with static ranges ran 2x slower than 1 thread while the load average was ~7; see use_split).
+// Every parallel part of this file runs here.  An earlier variant handed the tasks to helper
+// jobs on torch's inter-op pool (no OpenMP barrier: steadier when other processes load the
+// cores), but inside a program that also runs other torch ops the OpenMP workers they leave
+// spinning kept that helper off the second core.  Measured (2 threads, load ~1, interleaved
+// in one process with attnkit softmax per step; inter-op helper -> OpenMP): update S=256
+// N=4096 3 steps 2.91 -> 1.91 ms, S=1 N=65536 0.317 -> 0.197 ms, S=1024 N=16384 28.0 -> 27.9 ms,
+// energy S=256 N=4096 0.96 -> 0.52 ms, S=1024 N=16384 7.4 -> 6.5 ms.
 template <typename F>
 void parallel_tasks(int64_t tasks, const F& body) {
   if (tasks <= 0) return;
@@ -1196,47 +1222,6 @@ void parallel_tasks(int64_t tasks, const F& body) {
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) body(t);
   });
-}
-
-// Like parallel_tasks, for task bodies that call no BLAS (the streaming kernel): the helpers
-// are jobs on torch's inter-op pool, and the caller waits only for the tasks a helper actually
-// claimed, never for a helper to be scheduled.  On the shared 2-core machines under load (~8
-// runnable processes) parallel_tasks' OpenMP region spent most of its time in the barrier:
-// S=1 N=262144 D=64 took 8.6 ms of CPU (26 ms wall) with 2 threads against 2.9 ms (9 ms wall)
-// with one.  A helper that wakes after the caller returned finds the counter past the end and
-// only drops its reference to the batch (so the batch lives on the heap, shared).  body must
-// not throw.
-struct TaskBatch {
-  explicit TaskBatch(int64_t n, std::function<void(int64_t)> f) : tasks(n), body(std::move(f)) {}
-  const int64_t tasks;
-  const std::function<void(int64_t)> body;  // called only for claimed tasks, while the caller waits
-  std::atomic<int64_t> next{0}, done{0};
-  std::mutex mu;
-  std::condition_variable finished;
-  void run() {
-    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
-      body(t);
-      if (done.fetch_add(1) + 1 == tasks) {
-        std::lock_guard<std::mutex> lock(mu);
-        finished.notify_all();
-      }
-    }
-  }
-};
-
-template <typename F>
-void parallel_tasks_nowait(int64_t tasks, const F& body) {
-  if (tasks <= 0) return;
-  const int64_t workers = at::in_parallel_region() ? 1 : std::min<int64_t>(tasks, at::get_num_threads());
-  if (workers <= 1) {
-    for (int64_t t = 0; t < tasks; ++t) body(t);
-    return;
-  }
-  auto batch = std::make_shared<TaskBatch>(tasks, std::function<void(int64_t)>(std::cref(body)));
-  for (int64_t w = 1; w < workers; ++w) at::launch([batch] { batch->run(); });
-  batch->run();
-  std::unique_lock<std::mutex> lock(batch->mu);
-  batch->finished.wait(lock, [&] { return batch->done.load() == tasks; });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1262,12 +1247,10 @@ bool energy_fast(const float* state, const float* stored, float* energy, float* 
   std::unique_ptr<float[]> packed(new float[BH * stride]);
   // Per group of 16 patterns, the largest squared norm (double, NaN kept); reduced per (b, h).
   std::vector<double> group_max(BH * groups);
-  // No OpenMP regions here (parallel_tasks_nowait: no BLAS in these bodies).  Under load (another
-  // session busy on one of the two cores) the OpenMP barrier of parallel_tasks made the energy at
-  // S=1024 N=16384 D=64 take 24 ms in 4 of 5 fresh processes against 6 ms in the fifth.
+  // (Tasks on OpenMP threads: see parallel_tasks for why not on inter-op helpers.)
   constexpr int64_t kPackBlock = 64;  // groups of 16 patterns per packing task
   const int64_t pack_tasks = (BH * groups + kPackBlock - 1) / kPackBlock;
-  parallel_tasks_nowait(pack_tasks, [&](int64_t pt) {
+  parallel_tasks(pack_tasks, [&](int64_t pt) {
     for (int64_t i = pt * kPackBlock; i < std::min(BH * groups, (pt + 1) * kPackBlock); ++i) {
       const int64_t bh = i / groups, g = i % groups;
       const float* X = stored + bh * N * D;
@@ -1287,7 +1270,7 @@ bool energy_fast(const float* state, const float* stored, float* energy, float* 
     best = (group_max[i] > best || std::isnan(group_max[i])) ? group_max[i] : best;
   }
   const int64_t qblocks = (S + kEnergyRows - 1) / kEnergyRows;
-  parallel_tasks_nowait(BH * qblocks, [&](int64_t task) {
+  parallel_tasks(BH * qblocks, [&](int64_t task) {
     thread_local std::vector<float> scores;
     scores.resize(kEnergyRows * kEnergyTile);
     std::vector<double> fallback;  // the cancellation fallback's scratch, allocated on first use
@@ -1400,8 +1383,7 @@ void update_lanes(const UpdateCtx<T>& c) {
       for (int64_t r = 0; r < rows; ++r)
         std::memcpy(c.out + (bh * c.S + q0 + r) * D, xi.data() + r * D, sizeof(float) * D);
     };
-    // No BLAS in the body: no OpenMP barrier either (see update_fused).
-    parallel_tasks_nowait(c.BH * qblocks, body);
+    parallel_tasks(c.BH * qblocks, body);
   }
 #endif
 }
@@ -1470,13 +1452,7 @@ void update_fused(const UpdateCtx<T>& c) {
       }
     }
   };
-  // Without BLAS in the body (the AVX-512 kernels on packed patterns, no values), no OpenMP
-  // barrier either: under load (another session busy on one core) the update at S=1024 N=16384
-  // D=64 3 steps took 70-84 ms in 4 of 5 fresh processes against 30 ms in the fifth.
-  if (packed && !c.has_values)
-    parallel_tasks_nowait(c.BH * qblocks, body);
-  else
-    parallel_tasks(c.BH * qblocks, body);
+  parallel_tasks(c.BH * qblocks, body);
 }
 
 template <typename T>
@@ -1518,10 +1494,7 @@ void update_split(const UpdateCtx<T>& c) {
                           std::min(c.N, (ch + 1) * kSplitRows), c.beta, m, l, acc, ax, scores.data());
       }
     };
-    if (streams)
-      parallel_tasks_nowait(c.BH * chunks, chunk_task);
-    else
-      parallel_tasks(c.BH * chunks, chunk_task);
+    parallel_tasks(c.BH * chunks, chunk_task);
     // Merge the chunks through their log-sum-exps: M = max_c m_c, weights exp(m_c - M).  On the
     // calling thread: split-N runs only for BH < 2 threads, and the merge reads chunks x S x W
     // values (S=1 N=262144: 64 x 64), far less than a parallel region costs under load.
