@@ -60,6 +60,7 @@
 #include <vector>
 
 #include "../checks/checks.h"
+#include "simd_f32.h"
 
 namespace attnkit {
 namespace {
@@ -302,27 +303,9 @@ inline double exp_nonpositive(double x) { return std::exp(x); }
 #if defined(__AVX512F__)
 inline __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
 
-// exp_nonpositive on 16 floats with AVX-512: the same reduction and polynomial, 2^k by vscalefps,
-// and the x < -87 lanes (-inf included) zeroed by a mask afterwards (NaN compares false: stays
-// NaN).  The loop gcc vectorized from the scalar version ran ~25 instructions a vector (the
-// selects and the exponent-bit tricks, all masked); the elu passes were ~10% of the causal
-// forward at N=256 (perf, one thread).
-inline __m512 exp_nonpositive_ps(__m512 x) {
-  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), _mm512_scalef_ps(p, k));
-}
+// exp(x) for x <= 0 on 16 lanes: exp_nonpositive_v (simd_f32.h).  The loop gcc vectorized from
+// the scalar version ran ~25 instructions a vector (the selects and the exponent-bit tricks, all
+// masked); the elu passes were ~10% of the causal forward at N=256 (perf, one thread).
 
 // elu(x) + 1 (kDerivative false) or elu'(x) (true) on n floats, as map_phi's scalar loop.
 template <bool kDerivative>
@@ -332,7 +315,7 @@ void map_elu_ps(float* x, int64_t n) {
     const __mmask16 m = n - d >= 16 ? static_cast<__mmask16>(0xffff) : tail_mask(n - d);
     const __m512 v = _mm512_maskz_loadu_ps(m, x + d);
     const __mmask16 pos = _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ);  // NaN: false
-    const __m512 e = exp_nonpositive_ps(_mm512_mask_mov_ps(v, pos, zero));  // NaN stays NaN
+    const __m512 e = exp_nonpositive_v(_mm512_mask_mov_ps(v, pos, zero));  // NaN stays NaN
     __m512 y;
     if constexpr (kDerivative)
       y = _mm512_mask_mov_ps(one, _mm512_cmp_ps_mask(v, zero, _CMP_LE_OQ), e);  // elu'(NaN) = 1

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "flash_tiles.h"
+#include "simd_f32.h"
 #include "../checks/checks.h"
 
 namespace attnkit {
@@ -375,22 +376,6 @@ struct DecodeScratch {
 };
 
 #if defined(__AVX512F__)
-// The horizontal sums of 16 vectors, as one vector: lane j = sum of a[j]'s 16 lanes.  Halves
-// are added pairwise (512 -> 256 -> 128 -> 64 -> 32 bits per vector), 15 adds and 30 shuffles
-// for 16 sums, then one permutation puts the sums in order.
-inline __m512 sum16(const __m512 (&a)[16]) {
-  __m512 u[8], z[4], w[2];
-  for (int i = 0; i < 8; ++i)  // u[i] = [a_i lo + hi | a_{i+8} lo + hi] (256-bit halves)
-    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
-  for (int i = 0; i < 4; ++i)  // z[i]: 128-bit lanes of a_i, a_{i+8}, a_{i+4}, a_{i+12}
-    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[i], u[i + 4], 0x88), _mm512_shuffle_f32x4(u[i], u[i + 4], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_ps(z[i], z[i + 2], 0x44), _mm512_shuffle_ps(z[i], z[i + 2], 0xEE));
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
-  // r's lanes hold the sums of a[0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15].
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), r);
-}
-
 // s[j] = q . K[j] for j < kn <= 16 (K rows ldk floats apart, D floats each).  Full blocks
 // (16 keys, D a multiple of 16) take unmasked loads: the masked loop below (masks along d, the
 // key index clamped to kn - 1) measured 8.0 vs 6.7 ms on the whole decode (N=1 M=1024, one
@@ -404,7 +389,7 @@ inline void decode_dot16(const float* q, const float* K, int64_t ldk, int64_t D,
       #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(K + j * ldk + d), acc[j]);
     }
-    _mm512_storeu_ps(s, sum16(acc));
+    _mm512_storeu_ps(s, reduce16(acc));
     return;
   }
   const int64_t kmax = kn - 1;  // rows past kn repeat the last one (their sums are not stored)
@@ -415,7 +400,7 @@ inline void decode_dot16(const float* q, const float* K, int64_t ldk, int64_t D,
     for (int j = 0; j < 16; ++j)
       acc[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(md, K + std::min<int64_t>(j, kmax) * ldk + d), acc[j]);
   }
-  _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << kn) - 1u), sum16(acc));
+  _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << kn) - 1u), reduce16(acc));
 }
 #endif
 
@@ -432,7 +417,7 @@ inline void decode_dot16_bf16(const uint16_t* q, const uint16_t* K, int64_t ldk,
       for (int j = 0; j < 16; ++j)
         acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_loadu_si512(K + j * ldk + d));
     }
-    _mm512_storeu_ps(s, sum16(acc));
+    _mm512_storeu_ps(s, reduce16(acc));
     return;
   }
   const int64_t kmax = kn - 1;
@@ -444,7 +429,7 @@ inline void decode_dot16_bf16(const uint16_t* q, const uint16_t* K, int64_t ldk,
       acc[j] = _mm512_dpbf16_ps(acc[j], qv,
                                 (__m512bh)_mm512_maskz_loadu_epi16(md, K + std::min<int64_t>(j, kmax) * ldk + d));
   }
-  _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << kn) - 1u), sum16(acc));
+  _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << kn) - 1u), reduce16(acc));
 }
 
 // V tile rows as pairs of keys for vdpbf16ps: dst[(jp * ldd + d) * 2 + e] = V[2 jp + e][d] (rows
