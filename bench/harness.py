@@ -47,6 +47,7 @@ import ctypes
 import datetime
 import gc
 import json
+import math
 import os
 import platform
 import re
@@ -286,6 +287,14 @@ def prepare(case: Case, impl: Impl, inputs: dict, device: torch.device) -> Calla
     return step
 
 
+# With an automatic repeat count (``max_time`` given): warm up for at least this share of
+# ``max_time`` and time at least this share of it, within SHORT_CALL_MAX_REPEATS calls (CPU
+# defaults: 0.05 s warm, 0.1 s timed with --quick; 0.375 s and 0.75 s in the full sweep).
+SHORT_CALL_WARMUP_SHARE = 1 / 40
+SHORT_CALL_TIME_SHARE = 1 / 20
+SHORT_CALL_MAX_REPEATS = 400
+
+
 def time_calls(step: Callable[[], Any], device: torch.device, *, warmup: int, repeats: int,
                timer: Callable[[], float] = time.perf_counter, max_time: float | None = None,
                min_repeats: int = 3, info: dict | None = None) -> tuple[list[float], Any]:
@@ -294,14 +303,18 @@ def time_calls(step: Callable[[], Any], device: torch.device, *, warmup: int, re
 
     ``repeats`` timed calls; with ``max_time`` fewer when the last warmup call says ``repeats``
     would take longer than that, but never fewer than ``min(repeats, min_repeats)`` — and a
-    single warmup call when that one already took over a third of ``max_time``.
+    single warmup call when that one already took over a third of ``max_time``.  With
+    ``max_time``, short calls also get more: warmup calls until ``max_time / 40`` has passed and
+    timed calls filling ``max_time / 20`` (at most ``SHORT_CALL_MAX_REPEATS`` each).
     On CUDA with the default timer: :func:`cuda_time_calls` (which fills ``info``).
     """
     if device.type == "cuda" and timer is time.perf_counter:
         return cuda_time_calls(step, device, warmup=warmup, repeats=repeats, max_time=max_time,
                                min_repeats=min_repeats, info=info)
-    out, last = None, 0.0
-    for i in range(max(1, warmup)):
+    out, last, warm = None, 0.0, 0.0
+    i = 0
+    while i < max(1, warmup) or (max_time is not None and warm < max_time * SHORT_CALL_WARMUP_SHARE
+                                 and i < SHORT_CALL_MAX_REPEATS):
         if i and max_time is not None and last > max_time / 3:
             break
         _sync(device)
@@ -309,9 +322,15 @@ def time_calls(step: Callable[[], Any], device: torch.device, *, warmup: int, re
         out = step()
         _sync(device)
         last = timer() - t0
+        warm += last
+        i += 1
     count = repeats
     if max_time is not None and last > 0:
         count = max(min(repeats, min_repeats), min(repeats, int(max_time / last)))
+        # Short calls: more of them, so that the median rests on a fixed stretch of time rather
+        # than on 10 calls of a millisecond (measured: sub-2 ms cases spread 15-35% over 5 fresh
+        # processes with 10 calls each, session 4).
+        count = max(count, min(SHORT_CALL_MAX_REPEATS, math.ceil(max_time * SHORT_CALL_TIME_SHARE / last)))
     times = []
     for _ in range(count):
         _sync(device)
@@ -941,7 +960,8 @@ def format_header(meta: dict) -> list[str]:
     machine = meta.get("machine") or {}
     repeats = f"{meta.get('repeats')}"
     if meta.get("max_time_s"):
-        repeats = f"up to {repeats} (3+ within ~{meta['max_time_s']:g} s)"
+        repeats = (f"up to {repeats} (3+ within ~{meta['max_time_s']:g} s; short calls more, "
+                   f"filling ~{meta['max_time_s'] * SHORT_CALL_TIME_SHARE:g} s)")
     head = f"attnkit bench — {meta.get('device')} ({meta.get('device_name')}), torch {meta.get('torch')}, " \
            f"{meta.get('threads')} threads, median of {repeats} calls after {meta.get('warmup')} warmup"
     lines.append(head + (" [quick]" if meta.get("quick") else ""))
@@ -1130,7 +1150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the cases and their implementations; run nothing")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed calls per implementation, exactly (default: up to 10, at least 3, fewer when "
-                        "they would take over ~15 s; --quick: up to 5, within ~2 s; CUDA: up to 20 within ~1 s)")
+                        "they would take over ~15 s; --quick: up to 5, within ~2 s; CUDA: up to 20 within ~1 s; "
+                        "short calls get more, filling 1/20 of that time, at most 400)")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed calls first (default: 2; 1 with --quick on a CPU); the first one compiles and "
                         "autotunes the Triton kernels")

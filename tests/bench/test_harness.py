@@ -92,6 +92,21 @@ def test_max_time_caps_the_repeats_but_not_below_three():
     assert len(times) == 10 and clock.now - start == pytest.approx(0.5 * 13)
 
 
+def test_short_calls_fill_a_share_of_max_time():
+    clock = FakeClock()
+    step = lambda: clock.runner([0.001])({"a": torch.ones(1)})  # noqa: E731
+    start = clock.now
+    times, _ = harness.time_calls(step, CPU, warmup=1, repeats=10, timer=clock, max_time=2.0)
+    # warm up for 2.0 / 40 = 50 ms (50 calls), then time 2.0 / 20 = 100 ms (100 calls)
+    assert len(times) == 100
+    assert clock.now - start == pytest.approx(0.001 * 150, abs=0.0011)
+    # never past the cap, and an exact --repeats (no max_time) stays exact
+    times, _ = harness.time_calls(step, CPU, warmup=1, repeats=10, timer=clock, max_time=60.0)
+    assert len(times) == harness.SHORT_CALL_MAX_REPEATS
+    times, _ = harness.time_calls(step, CPU, warmup=1, repeats=10, timer=clock)
+    assert len(times) == 10
+
+
 def test_skipped_unavailable_and_failing_impls_are_reported_not_raised():
     clock = FakeClock()
 
