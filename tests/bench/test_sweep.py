@@ -1,0 +1,44 @@
+"""The CPU sweep (bench/sweep.py): its grid, which implementations it times, the interleaved
+timing and the table."""
+import time
+
+import pytest
+import torch
+
+from attnkit.bench import sweep
+
+CPU = torch.device("cpu")
+
+
+def test_grid_covers_every_family_and_times_attnkit_against_peers_only():
+    cases = sweep.grid(sweep.FAMILIES, CPU)
+    assert {c.family for c in cases} == {"softmax", "linear", "sparse", "hopfield"}
+    assert any("decode" in c.name for c in cases)
+    for case in cases:
+        names = [impl.name for impl in sweep.contenders(case)]
+        assert names.count(sweep.ATTNKIT) == 1, case.label
+        assert "attnkit[reference]" not in names
+        assert len(names) >= 2, case.label  # at least one peer to compare with
+    with pytest.raises(ValueError, match="unknown family 'nope'"):
+        sweep.grid(["nope"], CPU)
+
+
+def test_interleaved_medians_follow_each_steps_own_cost():
+    def sleeper(s):
+        return lambda: time.sleep(s)
+    med = sweep.interleaved({"fast": sleeper(0.001), "slow": sleeper(0.004)}, seconds=0.05)
+    assert med["fast"] == pytest.approx(0.001, abs=0.002)
+    assert med["slow"] == pytest.approx(0.004, abs=0.002)
+    assert med["slow"] > med["fast"]
+
+
+def test_run_reports_the_strongest_peer_and_the_losers():
+    cases = [c for c in sweep.grid(["linear"], CPU) if c.mode == "fwd" and c.params["N"] == 256]
+    recs = sweep.run(cases, CPU, seconds=0.02, log=lambda s: None)
+    (rec,) = recs
+    peers = {k: v for k, v in rec["medians_s"].items() if k != sweep.ATTNKIT}
+    assert rec["peer"] == min(peers, key=peers.get)
+    assert rec["ratio"] == pytest.approx(peers[rec["peer"]] / rec["medians_s"][sweep.ATTNKIT])
+    fake = dict(rec, ratio=0.5)
+    text = sweep.table([rec, fake])
+    assert "slower than the strongest peer: " + fake["case"] in text
