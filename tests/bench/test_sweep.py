@@ -42,3 +42,26 @@ def test_run_reports_the_strongest_peer_and_the_losers():
     fake = dict(rec, ratio=0.5)
     text = sweep.table([rec, fake])
     assert "slower than the strongest peer: " + fake["case"] in text
+
+
+def test_spread_table_reads_the_bench_json_and_flags_cases_over_the_limit(tmp_path):
+    import json
+
+    from attnkit.bench import spread
+
+    def bench_json(path, ms_a, ms_b):
+        rows = lambda ms: [{"impl": "attnkit[cpu]", "status": "ok", "median_s": ms / 1e3},  # noqa: E731
+                           {"impl": "torch SDPA", "status": "ok", "median_s": 1.0}]
+        path.write_text(json.dumps({"cases": [
+            {"label": "softmax/a", "mode": "fwd", "results": rows(ms_a)},
+            {"label": "softmax/b", "mode": "fwd+bwd", "results": rows(ms_b)},
+        ]}))
+        return path
+
+    runs = [spread.medians(bench_json(tmp_path / f"{i}.json", a, b))
+            for i, (a, b) in enumerate([(10.0, 2.0), (11.0, 2.6), (10.5, 2.2)])]
+    assert runs[0] == {"softmax/a [fwd]": 0.010, "softmax/b [fwd+bwd]": 0.002}
+    text = spread.table(runs)
+    assert "| softmax/a [fwd] | 10 11 10.5 | 10% |" in text
+    assert "| softmax/b [fwd+bwd] | 2 2.6 2.2 | 30% |" in text
+    assert text.endswith("over 15%: softmax/b [fwd+bwd]")
