@@ -725,6 +725,32 @@ def test_update_lanes_kernel_all_rows_frozen_skip_with_infinite_lse():
     _check_against_trajectory(got, want, 1e-4)
 
 
+def test_update_lanes_kernel_some_lanes_frozen_others_go_on():
+    # The lanes kernel keeps the states in the lanes layout across the steps and freezes lane by
+    # lane: in each group of 64, the even states sit on stored patterns far apart (they freeze
+    # after the first update) and the odd ones are random (they go on), so every vector of lanes
+    # mixes frozen and active states for steps 2 and 3; one NaN state freezes on its NaN change.
+    torch.manual_seed(3)
+    stored = torch.randn(1, 1, 700, 48) * 4
+    state = torch.randn(1, 1, 150, 48) * 0.05
+    state[:, :, 0::2] = stored[:, :, 200:275]
+    state[0, 0, 77, 5] = float("nan")
+    got = _upd(state, stored, beta=1.0, steps=3, tol=1e-4, final_state=False)
+    want = _trajectory64(state, stored, None, 1.0, 3, 1e-4, False)
+    applied = want[3]
+    assert applied[0].all() and applied[1:, 0, 0, 0::2].logical_not().all() and applied[1:, 0, 0, 1::2].sum() > 0
+    assert not applied[1:, 0, 0, 77].any()  # the NaN row froze after its first update
+    finite = ~torch.isnan(want[1]).any(-1, keepdim=True).expand_as(want[1])
+    out, states, lse, app = got
+    assert torch.equal(app, applied)
+    assert torch.isnan(states[1:, 0, 0, 77]).all() and torch.isnan(out[0, 0, 77]).all()
+    keep = torch.ones(150, dtype=torch.bool)
+    keep[77] = False
+    _scale_close(out[:, :, keep], want[0][:, :, keep], 2e-5)
+    _scale_close(states[:, :, :, keep], want[1][:, :, :, keep], 2e-5)
+    assert finite[:, :, :, keep].all()
+
+
 @pytest.mark.parametrize("b,s", [(2, 150), (1, 100)])
 def test_update_lanes_kernel_result_does_not_depend_on_the_thread_count(b, s):
     # Each state's arithmetic is its lane's alone, in the same order whatever the group width:
