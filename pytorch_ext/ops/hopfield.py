@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from .._dispatch import ENV_VAR, BackendUnavailableError, native, register_kernel, resolve
-from .._validation import RANK_HINT, check_int, check_real, check_same_dtype_device, check_size_match, check_tensor
+from .._validation import FLOATING, RANK_HINT, check_int, check_real, check_same_dtype_device, check_size_match, check_tensor
 from ..reference.hopfield import hopfield_energy_reference, hopfield_update_reference
 
 __all__ = ["hopfield_update", "hopfield_energy"]
@@ -260,6 +260,34 @@ def _update_backward(ctx, grad_out, grad_states, grad_lse, grad_applied):
 if _update_op is not None:
     torch.library.register_fake(_UPDATE_OP_NAME, _update_fake)
     torch.library.register_autograd(_UPDATE_OP_NAME, _update_backward, setup_context=_update_setup_context)
+
+    class _NativeUpdate(torch.autograd.Function):
+        """The eager path of ``attnkit::hopfield_update_fwd`` with its registered autograd (the
+        same setup_context and backward) without torch.library's generic wrapper, which
+        re-fills the schema's defaults and redispatches on every call (as softmax's
+        _NativeAttention; see there)."""
+
+        @staticmethod
+        def forward(ctx, state, stored, values, beta, steps, tol, final_state):
+            with torch._C._AutoDispatchBelowAutograd():
+                output = _update_op(state, stored, values, beta, steps, tol, final_state)
+            _update_setup_context(ctx, (state, stored, values, beta, steps, tol, final_state), output)
+            return output
+
+        backward = staticmethod(_update_backward)
+
+
+def _call_update(state, stored, values, beta, steps, tol, final_state):
+    """attnkit::hopfield_update_fwd, differentiable.  Eager calls skip the Python autograd
+    kernel that register_autograd installs: straight to the kernel below autograd when no
+    gradient is wanted (B=H=1 S=1 N=64 D=64, one thread, CPU time: 8.0 -> 4.8 us a call), else
+    through _NativeUpdate (the same formula).  Under torch.compile the op itself, as registered."""
+    if _update_op is None or torch.compiler.is_compiling():
+        return torch.ops.attnkit.hopfield_update_fwd(state, stored, values, beta, steps, tol, final_state)
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(state, stored, values):
+        return _NativeUpdate.apply(state, stored, values, beta, steps, tol, final_state)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _update_op(state, stored, values, beta, steps, tol, final_state)
 # Unconditionally: without attnkit._C the dispatcher reports the extension's import error.
 register_kernel("hopfield", "cpu")
 register_kernel("hopfield", "cuda")
@@ -433,6 +461,39 @@ def hopfield_update(
         (torch.Size([4, 1, 1, 5]), True)
     """
     fn = "attnkit.hopfield_update"
+    # --- fast path: the plain call (two 4-D tensors of one floating dtype and device with
+    # matching B, H, D and N, D >= 1; no values, no tol, no energy; an int steps >= 1 and a
+    # finite beta > 0 or None) passes every check below by construction and goes straight to
+    # routing.  Anything else, valid or not, takes the full path, which raises the documented
+    # errors.  Measured with the C++ op below autograd (B=H=1 S=1 N=64 D=64, one thread, CPU
+    # time): 14.6 -> ~6 us a call.
+    if (
+        values is None
+        and tol is None
+        and return_energy is False
+        and type(steps) is int
+        and steps >= 1
+        and isinstance(state, torch.Tensor)
+        and isinstance(stored, torch.Tensor)
+        and state.ndim == 4
+        and stored.ndim == 4
+        and (beta is None or (type(beta) in (float, int) and 0 < beta < math.inf))
+    ):
+        dtype, (b, h, s, d), (bx, hx, n, dx) = state.dtype, state.shape, stored.shape
+        if (
+            dtype in FLOATING
+            and stored.dtype is dtype
+            and b == bx
+            and h == hx
+            and d == dx
+            and d >= 1
+            and n >= 1
+            and state.device == stored.device
+        ):
+            chosen = _route("hopfield", backend, state, None, fn)
+            if chosen == "cpu" or chosen == "cuda":
+                beta = 1.0 / math.sqrt(d) if beta is None else float(beta)
+                return _call_update(state, stored, None, beta, steps, None, False)[0].to(dtype)
     _check_common(fn, state, stored)
     if values is not None:
         check_tensor(fn, "values", values, "[B, H, N, Dv]", RANK_HINT)
@@ -455,8 +516,11 @@ def hopfield_update(
         return result
     beta = 1.0 / math.sqrt(state.shape[-1]) if beta is None else float(beta)
     tol = None if tol is None else float(tol)
-    op = torch.ops.attnkit.hopfield_triton_update_fwd if chosen == "triton" else torch.ops.attnkit.hopfield_update_fwd
-    out, states, _, _ = op(state, stored, values, beta, steps, tol, return_energy)
+    if chosen == "triton":
+        out, states, _, _ = torch.ops.attnkit.hopfield_triton_update_fwd(state, stored, values, beta, steps, tol,
+                                                                         return_energy)
+    else:
+        out, states, _, _ = _call_update(state, stored, values, beta, steps, tol, return_energy)
     out = out.to(state.dtype)
     if not return_energy:
         return out
