@@ -245,13 +245,21 @@ def _strided_backward(ctx, grad_out, grad_lse):
         return (*grads, None, None, None)
     q, k, v, out, lse = ctx.saved_tensors
     stride, causal, scale = ctx.args
-    g, delta = _delta(grad_out, grad_lse, out, lse)
-    g, delta = g.contiguous(), delta.contiguous()
     # One call (one task per head: it owns the head's dK / dV) when the heads keep the threads
     # busy; else the range parts' kernels, which split a head's key tiles over the threads.
     if _STRIDED_BWD and q.shape[0] * q.shape[1] >= torch.get_num_threads():
-        dq, dk, dv = torch.ops.attnkit.sparse_strided_bwd(g, q, k, v, lse, delta, stride, causal, scale)
+        if grad_out is not None and grad_lse is None:
+            # delta = rowsum(dO * O) per head inside the kernel: _delta's [B, H, N, Dv] product
+            # is a fresh tensor whose page faults cost ~12 ms at B=1 H=8 N=16384 D=64 (one thread).
+            dq, dk, dv = torch.ops.attnkit.sparse_strided_bwd(grad_out.contiguous(), q, k, v, lse, None, stride,
+                                                              causal, scale, out)
+        else:
+            g, delta = _delta(grad_out, grad_lse, out, lse)
+            dq, dk, dv = torch.ops.attnkit.sparse_strided_bwd(g.contiguous(), q, k, v, lse, delta.contiguous(),
+                                                              stride, causal, scale)
         return dq, dk, dv, None, None, None
+    g, delta = _delta(grad_out, grad_lse, out, lse)
+    g, delta = g.contiguous(), delta.contiguous()
     dq = dk = dv = None
     for view, lo, hi in strided_parts(q.shape[2], stride, causal):
         grads = torch.ops.attnkit.sparse_range_bwd(g, q, k, v, lse, delta, list(view), list(lo), list(hi), scale)

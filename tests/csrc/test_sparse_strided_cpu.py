@@ -73,6 +73,31 @@ def test_fused_strided_backward_matches_reference(n, s, causal, dtype):
         assert_close_to_reference(got, want, grad=True, name=name)
 
 
+@pytest.mark.parametrize("n,s,causal", [(7, 2, True), (300, 7, True), (600, 100, False), (2100, 64, True)])
+@pytest.mark.parametrize("dtype", [F32, F64, BF16])
+def test_fused_strided_backward_delta_from_out(n, s, causal, dtype):
+    """Without delta the kernel computes it from out (rowsum(grad_out * out), what
+    attnkit.ops.sparse._delta gives for a call with no lse gradient): gradients of the reference."""
+    d, dv = (64, 64) if n >= 1000 else (17, 9)
+    q, k, v, dout = _inputs(1, 2, n, d, dv, dtype, seed=3 * n + s)
+    scale = d ** -0.5
+    out, lse = torch.ops.attnkit.sparse_strided_fwd(q, k, v, s, causal, scale)
+    grads = torch.ops.attnkit.sparse_strided_bwd(dout, q, k, v, lse, None, s, causal, scale, out)
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    given = torch.ops.attnkit.sparse_strided_bwd(dout, q, k, v, lse, delta, s, causal, scale)
+    mask = patterns.strided(s, causal).mask(n)
+    ref = _masked_attention_bwd(dout.to(F64), q.to(F64), k.to(F64), v.to(F64), lse.to(F64), delta.to(F64),
+                                mask, scale)
+    for name, got, same, want in zip(("dq", "dk", "dv"), grads, given, ref):
+        assert got.dtype == dtype
+        if dtype == BF16:  # the same float32 sums up to delta's summation order: one bf16 rounding step apart
+            torch.testing.assert_close(got.float(), same.float(), rtol=2 ** -7, atol=1e-5)
+        else:
+            assert_close_to_reference(got, want, grad=True, name=name)
+    with pytest.raises(RuntimeError, match="give delta, or out"):
+        torch.ops.attnkit.sparse_strided_bwd(dout, q, k, v, lse, None, s, causal, scale)
+
+
 def test_fused_strided_poisoned_row():
     """A NaN in one query row: that row's out and lse are NaN, every other row is finite.  The
     backward: NaN on the keys the row sees and on its dq; beyond them, 0 * NaN reaches keys in
