@@ -957,9 +957,6 @@ void strided_bwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
         acc_t* dqh = dq + bh * N * D;
         acc_t* dkh = dk + bh * N * D;
         acc_t* dvh = dv + bh * N * Dv;
-        std::fill(dqh, dqh + N * D, acc_t(0));
-        std::fill(dkh, dkh + N * D, acc_t(0));
-        std::fill(dvh, dvh + N * Dv, acc_t(0));
         for (int64_t i = 0; i < N; ++i) st.l2[i] = lse[bh * N + i] * static_cast<acc_t>(kLog2e);
         if (delta) {
           std::copy(delta + bh * N, delta + (bh + 1) * N, st.di.begin());
@@ -976,48 +973,23 @@ void strided_bwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
             st.di[i] = sum;
           }
         }
-        // ---- the band, per super-block of rows ----
-        for (int64_t i0 = 0; i0 < N; i0 += SBR) {
-          const int64_t i1 = std::min(N, i0 + SBR);
-          const int64_t ka = std::max<int64_t>(0, i0 - s);
-          const int64_t kb = std::min(N, i1 + (causal ? 0 : s));
-          const int64_t kn = kb - ka;
-          pack_kt(kh + ka * D, D, kn, D, st.kt.data(), ldb);
-          pack_kt(vh + ka * Dv, Dv, kn, Dv, st.vt.data(), ldb);
-          const acc_t *Q, *G, *K;
-          if constexpr (kInPlace) {
-            Q = qh + i0 * D;
-            G = gh + i0 * Dv;
-            K = kh + ka * D;
-          } else {
-            copy_rows(qh + i0 * D, D, i1 - i0, D, st.qb.data(), D);
-            copy_rows(gh + i0 * Dv, Dv, i1 - i0, Dv, st.gb.data(), Dv);
-            copy_rows(kh + ka * D, D, kn, D, st.kb.data(), D);
-            Q = st.qb.data();
-            G = st.gb.data();
-            K = st.kb.data();
-          }
-          for (int64_t r0 = i0; r0 < i1; r0 += SH) {
-            const int64_t hn = std::min(SH, i1 - r0);
-            const int64_t wa = std::max<int64_t>(0, r0 - s);
-            const int64_t wb = std::min(N, r0 + hn + (causal ? 0 : s));
-            for (int64_t x = 0; x < hn; ++x) {
-              const int64_t i = r0 + x;
-              st.vlo[x] = std::max<int64_t>(0, i - s) - wa;
-              st.vhi[x] = std::min(N, i + 1 + (causal ? 0 : s)) - wa;
-            }
-            bwd_tile<acc_t>(hn, wb - wa, D, Dv, Q + (r0 - i0) * D, D, G + (r0 - i0) * Dv, Dv,
-                            st.l2.data() + r0, st.di.data() + r0, st.kt.data() + (wa - ka), ldb,
-                            K + (wa - ka) * D, D, st.vt.data() + (wa - ka), ldb, st.vlo.data(),
-                            st.vhi.data(), c, sc, st.s.data(), st.dp.data(), lds, dqh + r0 * D, D,
-                            dkh + wa * D, D, dvh + wa * Dv, Dv);
-          }
-        }
-        // ---- the columns, per residue ----
+        // ---- the columns, per residue: they store every row of dq, dk, dv (0 where a residue
+        // has no column), and the band adds to them ----
+        // Columns first: the rows of a residue are s * D apart, a page each, and the band before
+        // them left scattered read-modify-writes of three outputs (plus a zero fill of the three)
+        // to this pass; now its rows are plain (streaming) stores, and the band's additions run
+        // over rows in order.
         std::vector<acc_t> l2r(static_cast<size_t>(T)), dir(static_cast<size_t>(T));
         for (int64_t r = 0; r < sN; ++r) {
           const int64_t tr = Tr(r);
-          if (tr <= 2) continue;  // no row of this residue has a column
+          if (tr <= 2) {  // no row of this residue has a column
+            for (int64_t t = 0; t < tr; ++t) {
+              std::fill(dqh + (t * s + r) * D, dqh + (t * s + r + 1) * D, acc_t(0));
+              std::fill(dkh + (t * s + r) * D, dkh + (t * s + r + 1) * D, acc_t(0));
+              std::fill(dvh + (t * s + r) * Dv, dvh + (t * s + r + 1) * Dv, acc_t(0));
+            }
+            continue;
+          }
           if (r + 1 < sN) {  // the next residue's rows (a page apart each: see prefetch_rows)
             const int64_t tn = Tr(r + 1);
             prefetch_rows(kh + (r + 1) * D, s * D, tn, D);
@@ -1061,11 +1033,48 @@ void strided_bwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
           for (int64_t t = 0; t < tr; ++t) {
             const int64_t row = t * s + r;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) dqh[row * D + d] += st.dqr[t * D + d];
+            for (int64_t d = 0; d < D; ++d) dqh[row * D + d] = st.dqr[t * D + d];
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) dkh[row * D + d] += st.dkr[t * D + d];
+            for (int64_t d = 0; d < D; ++d) dkh[row * D + d] = st.dkr[t * D + d];
 #pragma omp simd
-            for (int64_t d = 0; d < Dv; ++d) dvh[row * Dv + d] += st.dvr[t * Dv + d];
+            for (int64_t d = 0; d < Dv; ++d) dvh[row * Dv + d] = st.dvr[t * Dv + d];
+          }
+        }
+        // ---- the band, per super-block of rows ----
+        for (int64_t i0 = 0; i0 < N; i0 += SBR) {
+          const int64_t i1 = std::min(N, i0 + SBR);
+          const int64_t ka = std::max<int64_t>(0, i0 - s);
+          const int64_t kb = std::min(N, i1 + (causal ? 0 : s));
+          const int64_t kn = kb - ka;
+          pack_kt(kh + ka * D, D, kn, D, st.kt.data(), ldb);
+          pack_kt(vh + ka * Dv, Dv, kn, Dv, st.vt.data(), ldb);
+          const acc_t *Q, *G, *K;
+          if constexpr (kInPlace) {
+            Q = qh + i0 * D;
+            G = gh + i0 * Dv;
+            K = kh + ka * D;
+          } else {
+            copy_rows(qh + i0 * D, D, i1 - i0, D, st.qb.data(), D);
+            copy_rows(gh + i0 * Dv, Dv, i1 - i0, Dv, st.gb.data(), Dv);
+            copy_rows(kh + ka * D, D, kn, D, st.kb.data(), D);
+            Q = st.qb.data();
+            G = st.gb.data();
+            K = st.kb.data();
+          }
+          for (int64_t r0 = i0; r0 < i1; r0 += SH) {
+            const int64_t hn = std::min(SH, i1 - r0);
+            const int64_t wa = std::max<int64_t>(0, r0 - s);
+            const int64_t wb = std::min(N, r0 + hn + (causal ? 0 : s));
+            for (int64_t x = 0; x < hn; ++x) {
+              const int64_t i = r0 + x;
+              st.vlo[x] = std::max<int64_t>(0, i - s) - wa;
+              st.vhi[x] = std::min(N, i + 1 + (causal ? 0 : s)) - wa;
+            }
+            bwd_tile<acc_t>(hn, wb - wa, D, Dv, Q + (r0 - i0) * D, D, G + (r0 - i0) * Dv, Dv,
+                            st.l2.data() + r0, st.di.data() + r0, st.kt.data() + (wa - ka), ldb,
+                            K + (wa - ka) * D, D, st.vt.data() + (wa - ka), ldb, st.vlo.data(),
+                            st.vhi.data(), c, sc, st.s.data(), st.dp.data(), lds, dqh + r0 * D, D,
+                            dkh + wa * D, D, dvh + wa * Dv, Dv);
           }
         }
       });
