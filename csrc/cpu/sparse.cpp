@@ -59,11 +59,11 @@
 // Extra memory: per thread O(Nk (D + Dv)) packed keys plus O(tile) scratch; never N x N.
 #include <torch/extension.h>
 
+#include <cstdlib>
 #include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
-#include <unistd.h>
 #endif
 
 #include "flash_tiles.h"
@@ -315,22 +315,30 @@ void pack_kt(const scalar_t* src, int64_t sn, int64_t kn, int64_t D, acc_t* dst,
   pack_transposed(src, sn, 1, kn, D, dst, ldd);
 }
 
-// Asks the kernel for transparent huge pages on a fresh output of >= 4 MiB, before its first
-// write.  The outputs of the fused strided ops are large and written once, and the first touch
-// of each 4 KiB page is a page fault: here (a VM) about 1.5 us each, so allocating and filling
-// an [8, 4096, 64] float32 tensor took 3.0 ms, [8, 16384, 64] 12 ms, against 0.14 / 2.2 ms
-// after madvise(MADV_HUGEPAGE) (THP "madvise" mode; one thread, median of 7).  Measured on
-// strided(64) B=1 H=8 D=64, one thread, CPU time: N = 16384 forward 75.8 -> 66 ms, backward
-// 181 -> 143 ms.  Advisory: where THP is off nothing changes.
-inline void advise_huge_pages(const at::Tensor& t) {
+// An uninitialized CPU tensor like at::empty, on transparent huge pages when >= 4 MiB (for the
+// outputs of the fused strided ops: large, written once).  The first touch of each 4 KiB page is
+// a page fault, here (a VM) about 1.5 us: allocating and filling an [8, 4096, 64] float32
+// tensor took 3.0 ms, [8, 16384, 64] 12 ms, against 0.14 / 2.2 ms after madvise(MADV_HUGEPAGE)
+// (THP "madvise" mode; one thread, median of 7).  2 MiB-aligned: at::empty's page-aligned
+// block kept up to 2 MiB at each end on 4 KiB pages (~1500 faults, ~2 ms, per forward +
+// backward at N = 4096, H = 8).  Measured on strided(64) B=1 H=8 D=64, one thread, CPU time:
+// N = 16384 forward 75.8 -> 66 ms, backward 181 -> 143 ms.  Advisory: without THP nothing
+// changes but the alignment.
+at::Tensor empty_huge(at::IntArrayRef sizes, const at::TensorOptions& options) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  const size_t n = t.nbytes();
-  if (n < (size_t(4) << 20)) return;
-  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  const uintptr_t p = reinterpret_cast<uintptr_t>(t.const_data_ptr());
-  const uintptr_t a = (p + page - 1) & ~(page - 1), e = (p + n) & ~(page - 1);
-  if (e > a) (void)madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE);
+  constexpr size_t kHuge = size_t(2) << 20;
+  size_t n = c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+  for (const int64_t x : sizes) n *= static_cast<size_t>(x);
+  if (n >= (size_t(4) << 20) && options.device().is_cpu()) {
+    const size_t bytes = (n + kHuge - 1) / kHuge * kHuge;
+    void* p = std::aligned_alloc(kHuge, bytes);
+    if (p != nullptr) {
+      (void)madvise(p, bytes, MADV_HUGEPAGE);
+      return at::from_blob(p, sizes, [](void* q) { std::free(q); }, options);
+    }
+  }
 #endif
+  return at::empty(sizes, options);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1611,10 +1619,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_strided_fwd_cpu(const at::Tensor& q_, 
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Dv = v.size(3);
   const auto acc = acc_type_of(q.scalar_type());
-  at::Tensor out = at::empty({B, H, N, Dv}, q.options());
+  at::Tensor out = empty_huge({B, H, N, Dv}, q.options());
   at::Tensor lse = at::empty({B, H, N}, q.options().dtype(acc));
   if (B * H * N == 0) return {out, lse};
-  advise_huge_pages(out);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "sparse_strided_fwd", [&] {
     using acc_t = acc_of<scalar_t>;
     strided_fwd_kernel<scalar_t, acc_t>(B * H, N, D, Dv, stride, causal, scale,
@@ -1656,11 +1663,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_strided_bwd_cpu(
   const auto dtype = q.scalar_type();
   const auto acc = acc_type_of(dtype);
   // Written whole by the kernel (each task zeroes its head first, in parallel).
-  at::Tensor dq = at::empty({B, H, N, D}, q.options().dtype(acc));
-  at::Tensor dk = at::empty({B, H, N, D}, q.options().dtype(acc));
-  at::Tensor dv = at::empty({B, H, N, Dv}, q.options().dtype(acc));
+  at::Tensor dq = empty_huge({B, H, N, D}, q.options().dtype(acc));
+  at::Tensor dk = empty_huge({B, H, N, D}, q.options().dtype(acc));
+  at::Tensor dv = empty_huge({B, H, N, Dv}, q.options().dtype(acc));
   if (B * H * N > 0) {
-    for (const at::Tensor* t : {&dq, &dk, &dv}) advise_huge_pages(*t);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "sparse_strided_bwd", [&] {
       using acc_t = acc_of<scalar_t>;
       strided_bwd_kernel<scalar_t, acc_t>(

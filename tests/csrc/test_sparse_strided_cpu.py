@@ -98,6 +98,29 @@ def test_fused_strided_backward_delta_from_out(n, s, causal, dtype):
         torch.ops.attnkit.sparse_strided_bwd(dout, q, k, v, lse, None, s, causal, scale)
 
 
+def test_fused_strided_large_outputs_per_head():
+    """Outputs of 4 MiB and more are allocated 2 MiB-aligned on huge pages (empty_huge in
+    csrc/cpu/sparse.cpp): the same values as each head run alone (small outputs, at::empty), and
+    they behave as ordinary tensors under autograd (gradients accumulated twice)."""
+    n, s, h = 2048, 64, 8  # [1, 8, 2048, 64] float32: 4 MiB
+    q, k, v, dout = _inputs(1, h, n, 64, 64, F32, seed=11)
+    out, lse = torch.ops.attnkit.sparse_strided_fwd(q, k, v, s, True, 0.125)
+    grads = torch.ops.attnkit.sparse_strided_bwd(dout, q, k, v, lse, None, s, True, 0.125, out)
+    assert out.data_ptr() % (2 << 20) == 0 and all(g.data_ptr() % (2 << 20) == 0 for g in grads)
+    for x in range(h):
+        one = [t[:, x:x + 1].contiguous() for t in (q, k, v, dout)]
+        o1, l1 = torch.ops.attnkit.sparse_strided_fwd(*one[:3], s, True, 0.125)
+        assert torch.equal(out[:, x:x + 1], o1) and torch.equal(lse[:, x:x + 1], l1)
+        g1 = torch.ops.attnkit.sparse_strided_bwd(one[3], *one[:3], l1, None, s, True, 0.125, o1)
+        for got, want in zip(grads, g1):
+            assert torch.equal(got[:, x:x + 1], want)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    for _ in range(2):
+        attnkit.sparse_attention(*leaves, patterns.strided(s), scale=0.125, backend="cpu").backward(dout)
+    for leaf, g in zip(leaves, grads):
+        torch.testing.assert_close(leaf.grad, 2 * g, rtol=1e-6, atol=1e-6)
+
+
 def test_fused_strided_poisoned_row():
     """A NaN in one query row: that row's out and lse are NaN, every other row is finite.  The
     backward: NaN on the keys the row sees and on its dq; beyond them, 0 * NaN reaches keys in
