@@ -172,6 +172,56 @@ def test_update_cpu_and_reference_backends_agree_with_grads():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+@needs_native
+@pytest.mark.parametrize("steps", [1, 3])
+def test_update_eager_path_matches_the_registered_op_bit_for_bit(steps):
+    # The plain call skips the per-argument checks and torch.library's autograd wrapper (issue
+    # 14): the same kernel and backward, so the same bits as the op called as registered.
+    state, stored, _ = (t.requires_grad_() for t in _inputs(s=9, n=41, d=12))
+    out = attnkit.hopfield_update(state, stored, beta=0.3, steps=steps)
+    assert out.grad_fn is not None
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (state, stored), g)
+    op_out = torch.ops.attnkit.hopfield_update_fwd(state, stored, None, 0.3, steps, None, False)[0]
+    op_grads = torch.autograd.grad(op_out, (state, stored), g)
+    for got, want in zip((out, *grads), (op_out, *op_grads)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # default beta = 1/sqrt(D) on the fast path too; no gradient wanted: no graph
+    torch.testing.assert_close(attnkit.hopfield_update(state, stored, steps=steps),
+                               attnkit.hopfield_update(state, stored, beta=12 ** -0.5, steps=steps), rtol=0, atol=0)
+    with torch.no_grad():
+        assert attnkit.hopfield_update(state, stored, steps=steps).grad_fn is None
+    assert attnkit.hopfield_update(state.detach(), stored.detach(), steps=steps).grad_fn is None
+
+
+@pytest.mark.parametrize("changes,exc,match", [
+    # plain-shaped calls whose other arguments are still not what the API takes
+    (dict(beta=float("nan")), TypeError, "beta must be a finite real number"),
+    (dict(beta=0.0), ValueError, "beta"),
+    (dict(beta=True), TypeError, "beta"),
+    (dict(steps=0), ValueError, "steps"),
+    (dict(steps=True), TypeError, "steps"),
+    (dict(steps=2.0), TypeError, "steps"),
+    (dict(backend="nope"), ValueError, "nope"),
+])
+def test_update_plain_shaped_calls_still_checked(changes, exc, match):
+    state, stored, _ = _inputs()
+    with pytest.raises(exc, match=match):
+        attnkit.hopfield_update(state, stored, **changes)
+
+
+def test_update_plain_shaped_mismatches_still_raise():
+    state, stored, _ = _inputs()
+    with pytest.raises(ValueError, match="head dim"):
+        attnkit.hopfield_update(state, stored[..., :-1])
+    with pytest.raises(ValueError, match="dtype"):
+        attnkit.hopfield_update(state, stored.double())
+    with pytest.raises(ValueError, match="at least one pattern"):
+        attnkit.hopfield_update(state, stored[:, :, :0])
+    with pytest.raises(TypeError, match="floating point"):
+        attnkit.hopfield_update(state.int(), stored.int())
+
+
 # ----------------------------------------------------------------------------- energy
 
 
