@@ -9,7 +9,7 @@ per-call times, so a load that comes and goes hits all of them alike.
 
 Run: ``python -m attnkit.bench.sweep [--family softmax,decode,linear,sparse,hopfield]
 [--match REGEX] [--seconds S] [--out DIR]``.  CPU only (the GPU has the family benches, timed
-with CUDA events).  The whole sweep takes ~6 minutes on 2 cores; ``--seconds`` is the timing
+with CUDA events).  The whole sweep takes ~4 minutes on 2 cores (236 s, session 5); ``--seconds`` is the timing
 budget of each contender in a case (default 0.6 s, at least 3 rounds whatever the budget).
 Writes ``DIR/sweep-cpu.json`` (default DIR: bench/out/).
 
