@@ -629,20 +629,23 @@ void range_fwd_kernel(const RangeGeom& geo, int64_t BH, int64_t D, int64_t Dv, d
 // (non-causal also t' >= u + 2).  Run as range parts, that is two or three kernel calls, whose
 // (out, lse) pairs were then merged in PyTorch (~14 of 53 ms of a forward+backward at N=4096,
 // H=8), each part reading q, k, v again.  Here one task is (b, h, segment of super-blocks of U
-// blocks), and per super-block
-//   A. for each residue r: its U query rows (gathered) against its columns -- K^T and V of
-//      each residue packed once per task (incrementally, as the causal prefix grows) into
-//      contiguous per-residue tiles, so the GEMMs run on packed data; the online-softmax state
-//      (m, l, unnormalized O) of each row is kept, residue-major, in the task's scratch;
-//   B. strips of consecutive rows over their band, starting from that state, and finished
-//      (out, lse) -- nothing of a part's result leaves the task, and there is no merge.
+// blocks: the whole head unless there are fewer heads than 2 x threads), and
+//   B. per super-block, strips of consecutive rows over their band (K^T of the super-block's
+//      keys packed once): the online-softmax state (m, l, unnormalized O) of each row is kept,
+//      residue-major, in the task's scratch;
+//   A. per residue r: its query rows of the segment against its columns, from that state, as one
+//      small causal problem (rows t, keys t' <= t - 2): its K^T, V and Q rows gathered once into
+//      contiguous tiles, so the GEMMs run on packed data; the rows are finished (out, lse) --
+//      nothing of a part's result leaves the task, and there is no merge.
 // The union is exact: band and columns partition the row's keys (k = 0, +-1 are the band's).
 // NaN / inf: the state carries them as the range kernel's does (row_new_max); a row poisoned
-// in A stays NaN through B.
-// Sweep (B=1 H=8 D=64 float32 strided(64), one thread, CPU time, min of 9, load ~4): rows per
-// super-block 256 / 512 / 1024 / 2048 with 8-row A strips: 10.0 / 8.5 / 9.2 / 10.4 ms at
-// N=4096; at N=16384 512 / 2048 / 4096: 75 / 83 / 92 ms.  16-row strips: 9.1 ms at 512 (N=4096),
-// the same at N=16384 (the causal corner of each strip is computed and thrown away).
+// in B stays NaN through A.
+// Session 6 (B=1 H=8 D=64 float32 strided(64), one thread, CPU time, variants interleaved in one
+// process): A ran per super-block before, on every residue's columns packed for the task, and
+// so read all the packed columns (2.3 MiB at N=4096: past L2) again for every 8 rows of a
+// residue; per residue over the whole segment: 9.1 -> 8.5 ms at N=4096, 65 -> 63 ms at 16384.
+// Super-blocks of 256 / 512 / 1024 rows: 8.79 / 8.80 / 8.88 ms; A strips of 4 / 8 / 16 rows:
+// 9.82 / 8.80 / 8.81 ms (N=4096).
 constexpr int64_t kStridedSB = 512;  // rows per super-block (U = kStridedSB / s blocks, >= 1)
 constexpr int64_t kStripA = 8;       // A: query rows (of one residue) per GEMM strip
 
@@ -658,13 +661,12 @@ inline void prefetch_rows(const T* src, int64_t stride, int64_t n, int64_t width
 
 template <typename acc_t>
 struct StridedFwdScratch {
-  std::vector<acc_t> ktr, vr;     // per residue: K^T [D][ldt], V [T][Dv]
-  std::vector<acc_t> qa;          // [kStripA][D] gathered Q rows of one residue
-  std::vector<acc_t> oa, ma, la;  // the rows' state, residue-major: [s][U][Dv], [s][U]
-  std::vector<acc_t> kt;          // band K^T [D][ldb]
-  std::vector<acc_t> qb, vb;      // band Q rows, V rows converted (non-float32 inputs)
-  std::vector<acc_t> s;           // scores [strip][lds]
-  std::vector<acc_t> o, m, l;     // a band strip's state (strides below the strip height)
+  std::vector<acc_t> ktr, vr, qr;  // one residue: K^T [D][ldt], V [T][Dv], Q rows [T][D]
+  std::vector<acc_t> oa, ma, la;   // the segment's row state, residue-major: [s][ldr], [s][Useg]
+  std::vector<acc_t> kt;           // band K^T [D][ldb]
+  std::vector<acc_t> qb, vb;       // band Q rows, V rows converted (non-float32 inputs)
+  std::vector<acc_t> s;            // scores [strip][lds]
+  std::vector<acc_t> o, m, l;      // a band strip's state (strides below the strip height)
   std::vector<int64_t> a, e;
 };
 
@@ -687,20 +689,25 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
   const int64_t SR = std::max(SHB, kStripA);
   const acc_t c = static_cast<acc_t>(scale * kLog2e);
   auto Tr = [&](int64_t r) { return r < N ? ceil_div(N - r, s) : int64_t(0); };
-  // Segments per head: enough tasks for the threads; each segment packs the columns it needs.
+  // Segments per head: enough tasks for the threads; each segment gathers the columns it needs.
   const int64_t threads = at::get_num_threads();
   const int64_t segs = std::clamp<int64_t>(ceil_div(2 * threads, BH), 1, nsb);
+  const int64_t Umax = ceil_div(nsb, segs) * U;  // blocks of the longest segment
+  // A residue's state rows are Umax * Dv apart plus one cache line: a band strip writes 16
+  // consecutive rows, one per residue, and at a multiple of 4 KiB apart (16 KiB at N = 4096)
+  // they would all fall into the same few L1 sets.
+  const int64_t ldr = Umax * Dv + kPad;
 
   run_tasks(
       BH * segs,
       [&] {
         StridedFwdScratch<acc_t> st;
-        st.ktr.resize(static_cast<size_t>(sN * D * ldt));
-        st.vr.resize(static_cast<size_t>(sN * T * Dv));
-        st.qa.resize(static_cast<size_t>(kStripA * D));
-        st.oa.resize(static_cast<size_t>(sN * U * Dv));
-        st.ma.resize(sN * U);
-        st.la.resize(sN * U);
+        st.ktr.resize(static_cast<size_t>(D * ldt));
+        st.vr.resize(static_cast<size_t>(T * Dv));
+        st.qr.resize(static_cast<size_t>(Umax * D));
+        st.oa.resize(static_cast<size_t>(sN * ldr));
+        st.ma.resize(sN * Umax);
+        st.la.resize(sN * Umax);
         st.kt.resize(static_cast<size_t>(D * ldb));
         if (!kInPlace) {
           st.qb.resize(static_cast<size_t>(std::min(N, SBR) * D));
@@ -714,33 +721,18 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
       },
       [&](StridedFwdScratch<acc_t>& st, int64_t task) {
         const int64_t bh = task / segs, seg = task % segs;
-        const int64_t sb0 = seg * nsb / segs, sb1 = (seg + 1) * nsb / segs;
+        const int64_t ub0 = (seg * nsb / segs) * U, ub1 = std::min(T, ((seg + 1) * nsb / segs) * U);
+        const int64_t is0 = ub0 * s, is1 = std::min(N, ub1 * s);  // rows of the segment
         const scalar_t* qh = q + bh * N * D;
         const scalar_t* kh = k + bh * N * D;
         const scalar_t* vh = v + bh * N * Dv;
         scalar_t* oh = out + bh * N * Dv;
         acc_t* lh = lse + bh * N;
-        int64_t packed = 0;  // blocks t' < packed of every residue are packed
-        auto pack_to = [&](int64_t upto) {
-          upto = std::min(upto, T);
-          if (upto <= packed) return;
-          for (int64_t r = 0; r < sN; ++r) {
-            const int64_t n = std::min(upto, Tr(r)) - packed;
-            if (n <= 0) continue;
-            const int64_t row = packed * s + r;
-            if (r + 1 < sN) {  // the next residue's rows, while this one is packed
-              prefetch_rows(kh + (row + 1) * D, s * D, n, D);
-              prefetch_rows(vh + (row + 1) * Dv, s * Dv, n, Dv);
-            }
-            pack_kt(kh + row * D, s * D, n, D, st.ktr.data() + r * D * ldt + packed, ldt);
-            copy_rows(vh + row * Dv, s * Dv, n, Dv, st.vr.data() + (r * T + packed) * Dv, Dv);
-          }
-          packed = upto;
-        };
-        for (int64_t sb = sb0; sb < sb1; ++sb) {
-          const int64_t u0 = sb * U, u1 = std::min(T, u0 + U);
-          const int64_t i0 = u0 * s, i1 = std::min(N, u1 * s);  // rows of the super-block
-          // ---- B: the band, on consecutive rows: reads q, k, v in order (the first touch) ----
+        auto state_at = [&](int64_t i) { return (i % s) * Umax + (i / s - ub0); };
+        // ---- B: the band, per super-block, strips of consecutive rows: reads q, k, v in
+        // order (their first touch); leaves each row's state (m, l, unnormalized O) ----
+        for (int64_t i0 = is0; i0 < is1; i0 += SBR) {
+          const int64_t i1 = std::min(is1, i0 + SBR);
           const int64_t ka = std::max<int64_t>(0, i0 - s);
           const int64_t kb = std::min(N, i1 + (causal ? 0 : s));  // exclusive
           const int64_t kn = kb - ka;
@@ -757,16 +749,16 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
             V = st.vb.data();
           }
           // A strip inside one block (s >= the strip height) writes its state in place:
-          // consecutive rows are consecutive residues, U * Dv apart there.  Else (small
-          // strides) the strip's state is copied there.
+          // consecutive rows are consecutive residues, ldr apart there.  Else (small strides)
+          // the strip's state is copied there.
           for (int64_t r0 = i0; r0 < i1;) {
             const int64_t u = r0 / s;
             const bool direct = s >= SHB;
             const int64_t hn = std::min({SHB, i1 - r0, direct ? (u + 1) * s - r0 : SHB});
             const int64_t wa = std::max<int64_t>(0, r0 - s);
             const int64_t wb = std::min(N, r0 + hn + (causal ? 0 : s));  // exclusive
-            acc_t* O = direct ? st.oa.data() + ((r0 - u * s) * U + (u - u0)) * Dv : st.o.data();
-            const int64_t ldo = direct ? U * Dv : Dv;
+            acc_t* O = direct ? st.oa.data() + (r0 % s) * ldr + (u - ub0) * Dv : st.o.data();
+            const int64_t ldo = direct ? ldr : Dv;
             for (int64_t x = 0; x < hn; ++x) {
               const int64_t i = r0 + x;
               st.m[x] = neg_inf<acc_t>();
@@ -774,6 +766,12 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
               st.a[x] = std::max<int64_t>(0, i - s) - wa;
               st.e[x] = std::min(N, i + 1 + (causal ? 0 : s)) - wa;
             }
+            // The next strip's new Q and V rows, read here for the first time: without this
+            // the band's GEMMs waited on them (B=1 H=8 N=4096 D=64 strided(64), one thread,
+            // CPU time, interleaved: forward 10.3 -> 9.1 ms; two or three strips ahead, or
+            // the K^T columns too, no better).
+            if (r0 + hn < N) prefetch_rows(qh + (r0 + hn) * D, D, std::min(hn, N - r0 - hn), D);
+            if (wb < N) prefetch_rows(vh + wb * Dv, Dv, std::min(hn, N - wb), Dv);
             const int64_t w = wb - wa;
             gemm<acc_t>(hn, w, D, Q + (r0 - i0) * D, D, 1, st.kt.data() + (wa - ka), ldb,
                         st.s.data(), lds, false);
@@ -782,10 +780,10 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
             gemm<acc_t>(hn, Dv, w, st.s.data(), lds, 1, V + (wa - ka) * Dv, Dv, O, ldo, false);
             for (int64_t x = 0; x < hn; ++x) {
               const int64_t i = r0 + x;
-              const int64_t at = (i % s) * U + (i / s - u0);
+              const int64_t at = state_at(i);
               st.ma[at] = st.m[x];
               st.la[at] = st.l[x];
-              acc_t* dst = st.oa.data() + at * Dv;
+              acc_t* dst = st.oa.data() + (i % s) * ldr + (i / s - ub0) * Dv;
               // A row with nothing to attend yet holds 0, not the GEMM's 0 * V (NaN where the
               // window has an inf value the row does not see).
               if (st.m[x] == neg_inf<acc_t>())
@@ -795,63 +793,73 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
             }
             r0 += hn;
           }
-          // ---- A: the columns, per residue, from the band's state; finishes the rows ----
-          // The blocks packed here were band keys of this super-block or the one before:
-          // gathered from cache, not memory.
-          pack_to(causal ? u1 - 2 : T);
-          for (int64_t r = 0; r < sN; ++r) {
-            const int64_t tr = Tr(r);
-            const int64_t ta = u0, tb = std::min(u1, tr);  // query blocks of residue r here
-            acc_t* m = st.ma.data() + r * U;
-            acc_t* l = st.la.data() + r * U;
-            acc_t* O = st.oa.data() + r * U * Dv;
-            const acc_t* KT = st.ktr.data() + r * D * ldt;
-            const acc_t* Vr = st.vr.data() + r * T * Dv;
-            for (int64_t t0 = ta; t0 < tb; t0 += kStripA) {
-              const int64_t hn = std::min(kStripA, tb - t0);
-              bool gathered = false;
-              // Two key ranges: t' <= t - 2, then (non-causal) t' >= t + 2.
-              for (int side = 0; side < (causal ? 1 : 2); ++side) {
-                const int64_t ka2 = side == 0 ? 0 : t0 + 2;
-                const int64_t kb2 = side == 0 ? std::min(tr, t0 + hn - 2) : tr;  // exclusive
-                for (int64_t k0 = ka2; k0 < kb2; k0 += kChunkK) {
-                  const int64_t w = std::min(kChunkK, kb2 - k0);
-                  if (!gathered) {
-                    copy_rows(qh + (t0 * s + r) * D, s * D, hn, D, st.qa.data(), D);
-                    gathered = true;
-                  }
-                  for (int64_t x = 0; x < hn; ++x) {
-                    const int64_t t = t0 + x;
-                    st.a[x] = (side == 0 ? 0 : t + 2) - k0;
-                    st.e[x] = (side == 0 ? t - 1 : tr) - k0;
-                  }
-                  gemm<acc_t>(hn, w, D, st.qa.data(), D, 1, KT + k0, ldt, st.s.data(), lds, false);
-                  strip_softmax<acc_t>(hn, w, st.a.data(), st.e.data(), c, st.s.data(), lds,
-                                       m + (t0 - u0), l + (t0 - u0), O + (t0 - u0) * Dv, Dv, Dv,
-                                       false);
-                  gemm<acc_t>(hn, Dv, w, st.s.data(), lds, 1, Vr + k0 * Dv, Dv,
-                              O + (t0 - u0) * Dv, Dv, true);
+        }
+        // ---- A: the columns, one residue at a time over all the segment's rows (a small
+        // causal problem: rows t, keys t' <= t - 2), from the band's state; finishes the rows.
+        // Its K, V and Q rows are gathered once per segment (rows s * D apart: prefetched one
+        // residue ahead; see the section comment for what this replaced). ----
+        auto keys_of = [&](int64_t r) {  // keys t' < keys_of(r) of residue r the segment needs
+          const int64_t tr = Tr(r), tb = std::min(ub1, tr);
+          return causal ? std::clamp<int64_t>(tb - 2, 0, tr) : (tb > ub0 ? tr : int64_t(0));
+        };
+        for (int64_t r = 0; r < sN; ++r) {
+          const int64_t tr = Tr(r);
+          const int64_t ta = ub0, tb = std::min(ub1, tr);  // query blocks of residue r here
+          if (ta >= tb) continue;
+          const int64_t nk = keys_of(r);
+          if (r + 1 < sN) {  // the next residue's rows, while this one is computed
+            const int64_t nk1 = keys_of(r + 1), tb1 = std::min(ub1, Tr(r + 1));
+            prefetch_rows(kh + (r + 1) * D, s * D, nk1, D);
+            prefetch_rows(vh + (r + 1) * Dv, s * Dv, nk1, Dv);
+            if (nk1 > 0 && tb1 > ta) prefetch_rows(qh + (ta * s + r + 1) * D, s * D, tb1 - ta, D);
+          }
+          acc_t* m = st.ma.data() + r * Umax;
+          acc_t* l = st.la.data() + r * Umax;
+          acc_t* O = st.oa.data() + r * ldr;
+          if (nk > 0) {
+            pack_kt(kh + r * D, s * D, nk, D, st.ktr.data(), ldt);
+            copy_rows(vh + r * Dv, s * Dv, nk, Dv, st.vr.data(), Dv);
+            copy_rows(qh + (ta * s + r) * D, s * D, tb - ta, D, st.qr.data(), D);
+          }
+          for (int64_t t0 = ta; t0 < tb; t0 += kStripA) {
+            const int64_t hn = std::min(kStripA, tb - t0);
+            // Two key ranges: t' <= t - 2, then (non-causal) t' >= t + 2.
+            for (int side = 0; side < (causal ? 1 : 2); ++side) {
+              const int64_t ka2 = side == 0 ? 0 : t0 + 2;
+              const int64_t kb2 = side == 0 ? std::min(tr, t0 + hn - 2) : tr;  // exclusive
+              for (int64_t k0 = ka2; k0 < kb2; k0 += kChunkK) {
+                const int64_t w = std::min(kChunkK, kb2 - k0);
+                for (int64_t x = 0; x < hn; ++x) {
+                  const int64_t t = t0 + x;
+                  st.a[x] = (side == 0 ? 0 : t + 2) - k0;
+                  st.e[x] = (side == 0 ? t - 1 : tr) - k0;
                 }
-              }
-              // Finished in place (normalized, lse in ma): the super-block's rows are written
-              // to out below, in order.
-              for (int64_t x = 0; x < hn; ++x) {
-                acc_t* o = O + (t0 + x - u0) * Dv;
-                finish_row<acc_t, acc_t>(o, m[t0 + x - u0], l[t0 + x - u0], Dv, o, &m[t0 + x - u0]);
+                gemm<acc_t>(hn, w, D, st.qr.data() + (t0 - ta) * D, D, 1, st.ktr.data() + k0, ldt,
+                            st.s.data(), lds, false);
+                strip_softmax<acc_t>(hn, w, st.a.data(), st.e.data(), c, st.s.data(), lds,
+                                     m + (t0 - ub0), l + (t0 - ub0), O + (t0 - ub0) * Dv, Dv, Dv,
+                                     false);
+                gemm<acc_t>(hn, Dv, w, st.s.data(), lds, 1, st.vr.data() + k0 * Dv, Dv,
+                            O + (t0 - ub0) * Dv, Dv, true);
               }
             }
+            // Finished in place (normalized, lse in ma): the rows are written to out below,
+            // in order.
+            for (int64_t x = 0; x < hn; ++x) {
+              acc_t* o = O + (t0 + x - ub0) * Dv;
+              finish_row<acc_t, acc_t>(o, m[t0 + x - ub0], l[t0 + x - ub0], Dv, o, &m[t0 + x - ub0]);
+            }
           }
-          // Written row by row from the residue-major state: out in order.  Finishing straight
-          // into out wrote rows s * Dv apart, a page each: 0.8 of 10 ms of the forward (B=1 H=8
-          // N=4096 D=64 strided(64), one thread) went to those stores' misses.
-          for (int64_t i = i0; i < i1; ++i) {
-            const int64_t at = (i % s) * U + (i / s - u0);
-            const acc_t* src = st.oa.data() + at * Dv;
-            scalar_t* dst = oh + i * Dv;
+        }
+        // Written row by row from the residue-major state: out in order.  Finishing straight
+        // into out wrote rows s * Dv apart, a page each: 0.8 of 10 ms of the forward (B=1 H=8
+        // N=4096 D=64 strided(64), one thread) went to those stores' misses.
+        for (int64_t i = is0; i < is1; ++i) {
+          const acc_t* src = st.oa.data() + (i % s) * ldr + (i / s - ub0) * Dv;
+          scalar_t* dst = oh + i * Dv;
 #pragma omp simd
-            for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(src[d]);
-            lh[i] = st.ma[at];
-          }
+          for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(src[d]);
+          lh[i] = st.ma[state_at(i)];
         }
       });
 }

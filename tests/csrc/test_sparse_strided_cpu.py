@@ -1,11 +1,12 @@
 """The fused strided ops of the CPU backend (csrc/cpu/sparse.cpp, issue 14), called directly:
-attnkit::sparse_strided_fwd (the whole strided(s) pattern in one online softmax: the columns of
-each residue on packed keys, then the band from their state) and attnkit::sparse_strided_bwd
+attnkit::sparse_strided_fwd (the whole strided(s) pattern in one online softmax: the band on
+consecutive rows, then each residue's columns, on its keys packed once, from the band's state) and attnkit::sparse_strided_bwd
 (both parts' gradients from the pattern's lse and delta, one task per head).
 
 Ground truth: the float64 masked reference (pytorch_ext/reference/sparse.py) on the same rounded
 inputs; tolerances from DESIGN.md via assert_close_to_reference.  Sizes straddle the kernel's
-edges: super-blocks of 512 rows (U = 512 // s blocks), 8-row column strips in the forward,
+edges: super-blocks of 512 rows (U = 512 // s blocks), segments of super-blocks when heads are
+fewer than 2 x threads, 8-row column strips in the forward,
 16-row ones in the backward, key chunks of 256, 16-row band strips (48 when s > 176), strides
 below the band strip height (state copied, not in place), s >= N (no columns) and s = 1.
 """
@@ -52,6 +53,28 @@ def test_fused_strided_forward_matches_reference(n, s, causal, dtype):
     assert out.dtype == dtype and lse.dtype == (F64 if dtype == F64 else F32)
     assert_close_to_reference(out, ref, low[0])
     assert_close_to_reference(lse, ref_lse, None if dtype != BF16 else low[1].float(), name="lse", dtype=dtype)
+
+
+@pytest.mark.parametrize("n,s,causal", [(2100, 64, True), (1000, 7, True), (600, 100, False), (1100, 30, False)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_fused_strided_forward_segments(n, s, causal, threads):
+    """Fewer heads than 2 x threads: each head's rows are split into segments of super-blocks
+    (each gathering the columns its rows need).  The result is the reference's, and bit for bit
+    the one-segment run of the same head (every row's sums run in the same order)."""
+    old = torch.get_num_threads()
+    try:
+        q, k, v, _ = _inputs(1, 8, n, 32, 16, F32, seed=n + threads)
+        torch.set_num_threads(1)
+        whole = torch.ops.attnkit.sparse_strided_fwd(q, k, v, s, causal, 0.2)  # 8 heads: one segment
+        torch.set_num_threads(threads)
+        one = [t[:, 2:3].contiguous() for t in (q, k, v)]
+        out, lse = torch.ops.attnkit.sparse_strided_fwd(*one, s, causal, 0.2)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(out, whole[0][:, 2:3]) and torch.equal(lse, whole[1][:, 2:3])
+    _, (ref, ref_lse) = _reference(*(t.to(F64) for t in one), s, causal, 0.2)
+    assert_close_to_reference(out, ref)
+    assert_close_to_reference(lse, ref_lse, name="lse", dtype=F32)
 
 
 @pytest.mark.parametrize("n,s,causal", CASES)
