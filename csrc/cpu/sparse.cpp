@@ -648,6 +648,10 @@ void range_fwd_kernel(const RangeGeom& geo, int64_t BH, int64_t D, int64_t Dv, d
 // 9.82 / 8.80 / 8.81 ms (N=4096).
 constexpr int64_t kStridedSB = 512;  // rows per super-block (U = kStridedSB / s blocks, >= 1)
 constexpr int64_t kStripA = 8;       // A: query rows (of one residue) per GEMM strip
+// B: query rows per band strip (ranges up to kWide; kStripWide beyond).  8 rows (72-key window
+// for s = 64) against 16 (80 keys): 9.7 -> 9.3 ms at N=4096 (with a dense call between calls,
+// as in bench/sparse_targets.py), 62.0 -> 60.2 ms at N=16384; 4 rows 10.4, 12 rows 9.5.
+constexpr int64_t kStripBandFwd = 8;
 
 // Asks for n rows (width elements, `stride` apart) ahead of their use.  The gathers of the
 // strided forward read rows s * D apart, a new page each: the hardware prefetchers do not
@@ -682,7 +686,7 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
   const int64_t sN = std::min(s, N);  // residues that have rows
   const int64_t ldt = T + (T >= 64 ? kPad : 0);
   const int64_t bandw = causal ? s : 2 * s;  // extra keys of a strip's band window
-  const int64_t SHB = range_strip(bandw + kStripNarrow);
+  const int64_t SHB = bandw + kStripNarrow > kWide ? kStripWide : kStripBandFwd;
   const int64_t bandk = std::min(N, SBR + bandw);  // band keys of a super-block, at most
   const int64_t ldb = bandk + kPad;
   const int64_t lds = std::max<int64_t>(kChunkK, SHB + bandw) + kPad;

@@ -7,7 +7,7 @@ Ground truth: the float64 masked reference (pytorch_ext/reference/sparse.py) on 
 inputs; tolerances from DESIGN.md via assert_close_to_reference.  Sizes straddle the kernel's
 edges: super-blocks of 512 rows (U = 512 // s blocks), segments of super-blocks when heads are
 fewer than 2 x threads, column strips of 8 rows (forward) and 16 rows (backward), key chunks of
-256, band strips of 16 rows (forward; 48 when s > 176) and 8 rows (backward), strides below the
+256, band strips of 8 rows (48 in the forward when s > 176), strides below the
 band strip height (state copied, not in place), s >= N (no columns) and s = 1.
 """
 import pytest
