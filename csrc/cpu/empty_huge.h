@@ -9,6 +9,10 @@
 #include <ATen/ATen.h>
 
 #include <cstdlib>
+#include <deque>
+#include <iterator>
+#include <mutex>
+#include <utility>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -25,9 +29,66 @@ namespace {
 // block kept up to 2 MiB at each end on 4 KiB pages (~1500 faults, ~2 ms, per forward +
 // backward at N = 4096, H = 8).  Measured on strided(64) B=1 H=8 D=64, one thread, CPU time:
 // N = 16384 forward 75.8 -> 66 ms, backward 181 -> 143 ms.  Advisory: without THP nothing
-// changes but the alignment.  Not kept (session 6): a cache of freed blocks reused for the next
-// call (no kernel zeroing): the forward went from 10.8 to 11.6-11.9 ms at N = 4096 (the zeroed
-// pages arrive in cache, reused ones are read for ownership from DRAM), the backward unchanged.
+// changes but the alignment.
+//
+// Freed blocks are kept for the next output of the same size (HugeBlockCache), as glibc keeps
+// freed heap memory for at::empty: a fresh block's pages are zeroed by the kernel at first touch
+// (clear_page_erms in perf).  Session 6, B=1 H=8 D=64 strided(64), one thread, CPU time, cache
+// on / off alternating in one process: N = 4096 forward 9.20 -> 8.60 ms, backward 21.07 ->
+// 19.62 ms; with a dense causal call between the calls (as bench/sparse_targets.py does) 9.14
+// -> 8.66 and 19.93 -> 19.19 ms; N = 16384 forward 63.4 -> 61.1 ms.  Bounded: at most
+// kCacheBlocks blocks and ATTNKIT_CPU_CACHE_MB MiB in all (default 256; 0 turns it off), the
+// oldest freed first.  (Measured once in separate processes on the session-5 kernel, the
+// forward looked slower with it, 10.8 -> 11.6 ms: not reproduced interleaved.)
+class HugeBlockCache {
+ public:
+  static HugeBlockCache& get() {
+    static HugeBlockCache* cache = new HugeBlockCache();  // never destroyed: deleters may run at exit
+    return *cache;
+  }
+  // The most recently kept block of exactly `bytes` (the likeliest still in cache), or nullptr.
+  void* take(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it)
+      if (it->second == bytes) {
+        void* p = it->first;
+        held_ -= bytes;
+        blocks_.erase(std::next(it).base());
+        return p;
+      }
+    return nullptr;
+  }
+  // Keeps the block, or frees it when it does not fit the bounds (evicting older ones first).
+  void give(void* p, size_t bytes) {
+    std::deque<void*> drop;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (bytes > cap_) {
+        drop.push_back(p);
+      } else {
+        while (!blocks_.empty() && (held_ + bytes > cap_ || blocks_.size() >= kCacheBlocks)) {
+          drop.push_back(blocks_.front().first);
+          held_ -= blocks_.front().second;
+          blocks_.pop_front();
+        }
+        blocks_.emplace_back(p, bytes);
+        held_ += bytes;
+      }
+    }
+    for (void* q : drop) std::free(q);
+  }
+
+ private:
+  static constexpr size_t kCacheBlocks = 8;
+  HugeBlockCache() {
+    const char* env = std::getenv("ATTNKIT_CPU_CACHE_MB");
+    cap_ = (env != nullptr && *env != '\0' ? static_cast<size_t>(std::strtoull(env, nullptr, 10)) : size_t(256)) << 20;
+  }
+  std::mutex mu_;
+  std::deque<std::pair<void*, size_t>> blocks_;  // oldest first
+  size_t held_ = 0, cap_ = 0;
+};
+
 at::Tensor empty_huge(at::IntArrayRef sizes, const at::TensorOptions& options) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr size_t kHuge = size_t(2) << 20;
@@ -35,11 +96,13 @@ at::Tensor empty_huge(at::IntArrayRef sizes, const at::TensorOptions& options) {
   for (const int64_t x : sizes) n *= static_cast<size_t>(x);
   if (n >= (size_t(4) << 20) && options.device().is_cpu()) {
     const size_t bytes = (n + kHuge - 1) / kHuge * kHuge;
-    void* p = std::aligned_alloc(kHuge, bytes);
-    if (p != nullptr) {
-      (void)madvise(p, bytes, MADV_HUGEPAGE);
-      return at::from_blob(p, sizes, [](void* q) { std::free(q); }, options);
+    void* p = HugeBlockCache::get().take(bytes);
+    if (p == nullptr) {
+      p = std::aligned_alloc(kHuge, bytes);
+      if (p != nullptr) (void)madvise(p, bytes, MADV_HUGEPAGE);
     }
+    if (p != nullptr)
+      return at::from_blob(p, sizes, [bytes](void* q) { HugeBlockCache::get().give(q, bytes); }, options);
   }
 #endif
   return at::empty(sizes, options);

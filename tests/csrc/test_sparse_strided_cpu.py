@@ -146,6 +146,27 @@ def test_fused_strided_large_outputs_per_head():
         assert torch.equal(leaf.grad, 2 * g)  # the same kernel twice: g + g, exactly
 
 
+def test_fused_strided_outputs_reuse_freed_blocks():
+    """Freed huge-page outputs are kept and handed to the next output of the same size
+    (HugeBlockCache in csrc/cpu/empty_huge.h): a reused block holds the old tensor's contents,
+    here NaN, and every element of the new result must still be written by the kernel."""
+    n, s = 2048, 64  # [1, 8, 2048, 64] float32: 4 MiB, on huge pages
+    q, k, v, dout = _inputs(1, 8, n, 64, 64, F32, seed=5)
+    out, lse = torch.ops.attnkit.sparse_strided_fwd(q, k, v, s, True, 0.125)
+    grads = torch.ops.attnkit.sparse_strided_bwd(dout, q, k, v, lse, None, s, True, 0.125, out)
+    want = [out.clone(), *(g.clone() for g in grads)]
+    ptrs = {t.data_ptr() for t in (out, *grads)}
+    for t in (out, *grads):
+        t.fill_(float("nan"))
+    del t, grads
+    out, lse = torch.ops.attnkit.sparse_strided_fwd(q, k, v, s, True, 0.125)
+    assert out.data_ptr() in ptrs  # the NaN-filled block came back
+    del ptrs
+    grads = torch.ops.attnkit.sparse_strided_bwd(dout, q, k, v, lse, None, s, True, 0.125, out)
+    for got, expected in zip((out, *grads), want):
+        assert torch.equal(got, expected)
+
+
 def test_fused_strided_poisoned_row():
     """A NaN in one query row: that row's out and lse are NaN, every other row is finite.  The
     backward: NaN on the keys the row sees and on its dq; beyond them, 0 * NaN reaches keys in
