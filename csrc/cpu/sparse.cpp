@@ -175,9 +175,7 @@ void bwd_tile(int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int
       std::fill(s + a, s + e, l2[r]);
       continue;
     }
-#pragma omp simd
-    for (int64_t j = a; j < e; ++j) s[j] *= c;
-    exp2_sub_sum(s + a, e - a, l2[r]);
+    exp2_scaled_sum(s + a, e - a, c, l2[r]);  // the scale folded into the exponent's FMA
     std::fill(s, s + a, acc_t(0));
     std::fill(s + e, s + kn, acc_t(0));
   }
