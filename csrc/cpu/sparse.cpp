@@ -665,6 +665,28 @@ inline void prefetch_rows(const T* src, int64_t stride, int64_t n, int64_t width
     for (int64_t d = 0; d < width; d += kLine) __builtin_prefetch(src + j * stride + d, 0, 3);
 }
 
+// The column keys of query rows t0 .. t0 + hn - 1 of one residue (tr rows): t' <= t - 2, then
+// (non-causal) t' >= t + 2, in chunks of at most kChunkK.  For each chunk [k0, k0 + w): lo[x],
+// hi[x] are row x's visible columns relative to k0, then visit(k0, w) runs.  Shared by the
+// fused strided forward and backward.
+template <typename Visit>
+inline void column_chunks(int64_t t0, int64_t hn, int64_t tr, bool causal, int64_t* lo, int64_t* hi,
+                          Visit&& visit) {
+  for (int side = 0; side < (causal ? 1 : 2); ++side) {
+    const int64_t ka = side == 0 ? 0 : t0 + 2;
+    const int64_t kb = side == 0 ? std::min(tr, t0 + hn - 2) : tr;  // exclusive
+    for (int64_t k0 = ka; k0 < kb; k0 += kChunkK) {
+      const int64_t w = std::min(kChunkK, kb - k0);
+      for (int64_t x = 0; x < hn; ++x) {
+        const int64_t t = t0 + x;
+        lo[x] = (side == 0 ? 0 : t + 2) - k0;
+        hi[x] = (side == 0 ? t - 1 : tr) - k0;
+      }
+      visit(k0, w);
+    }
+  }
+}
+
 template <typename acc_t>
 struct StridedFwdScratch {
   std::vector<acc_t> ktr, vr, qr;  // one residue: K^T [D][ldt], V [T][Dv], Q rows [T][D] (converted)
@@ -833,35 +855,23 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
           }
           for (int64_t t0 = ta; t0 < tb; t0 += kStripA) {
             const int64_t hn = std::min(kStripA, tb - t0);
-            // Two key ranges: t' <= t - 2, then (non-causal) t' >= t + 2.
-            for (int side = 0; side < (causal ? 1 : 2); ++side) {
-              const int64_t ka2 = side == 0 ? 0 : t0 + 2;
-              const int64_t kb2 = side == 0 ? std::min(tr, t0 + hn - 2) : tr;  // exclusive
-              for (int64_t k0 = ka2; k0 < kb2; k0 += kChunkK) {
-                const int64_t w = std::min(kChunkK, kb2 - k0);
-                for (int64_t x = 0; x < hn; ++x) {
-                  const int64_t t = t0 + x;
-                  st.a[x] = (side == 0 ? 0 : t + 2) - k0;
-                  st.e[x] = (side == 0 ? t - 1 : tr) - k0;
-                }
-                const acc_t* Qa;
-                int64_t sqa;
-                if constexpr (kInPlace) {
-                  Qa = qh + (t0 * s + r) * D;
-                  sqa = s * D;
-                } else {
-                  Qa = st.qr.data() + (t0 - ta) * D;
-                  sqa = D;
-                }
-                gemm<acc_t>(hn, w, D, Qa, sqa, 1, st.ktr.data() + k0, ldt,
-                            st.s.data(), lds, false);
-                strip_softmax<acc_t>(hn, w, st.a.data(), st.e.data(), c, st.s.data(), lds,
-                                     m + (t0 - ub0), l + (t0 - ub0), O + (t0 - ub0) * Dv, Dv, Dv,
-                                     false);
-                gemm<acc_t>(hn, Dv, w, st.s.data(), lds, 1, st.vr.data() + k0 * Dv, Dv,
-                            O + (t0 - ub0) * Dv, Dv, true);
-              }
+            const acc_t* Qa;  // the strip's Q rows
+            int64_t sqa;
+            if constexpr (kInPlace) {
+              Qa = qh + (t0 * s + r) * D;
+              sqa = s * D;
+            } else {
+              Qa = st.qr.data() + (t0 - ta) * D;
+              sqa = D;
             }
+            column_chunks(t0, hn, tr, causal, st.a.data(), st.e.data(), [&](int64_t k0, int64_t w) {
+              gemm<acc_t>(hn, w, D, Qa, sqa, 1, st.ktr.data() + k0, ldt, st.s.data(), lds, false);
+              strip_softmax<acc_t>(hn, w, st.a.data(), st.e.data(), c, st.s.data(), lds,
+                                   m + (t0 - ub0), l + (t0 - ub0), O + (t0 - ub0) * Dv, Dv, Dv,
+                                   false);
+              gemm<acc_t>(hn, Dv, w, st.s.data(), lds, 1, st.vr.data() + k0 * Dv, Dv,
+                          O + (t0 - ub0) * Dv, Dv, true);
+            });
             // Finished in place (normalized, lse in ma): the rows are written to out below,
             // in order.
             for (int64_t x = 0; x < hn; ++x) {
@@ -1025,23 +1035,13 @@ void strided_bwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
           }
           for (int64_t t0 = 0; t0 < tr; t0 += kStripBwdA) {
             const int64_t hn = std::min(kStripBwdA, tr - t0);
-            for (int side = 0; side < (causal ? 1 : 2); ++side) {
-              const int64_t ka = side == 0 ? 0 : t0 + 2;
-              const int64_t kb = side == 0 ? std::min(tr, t0 + hn - 2) : tr;  // exclusive
-              for (int64_t k0 = ka; k0 < kb; k0 += kChunkK) {
-                const int64_t w = std::min(kChunkK, kb - k0);
-                for (int64_t x = 0; x < hn; ++x) {
-                  const int64_t t = t0 + x;
-                  st.vlo[x] = (side == 0 ? 0 : t + 2) - k0;
-                  st.vhi[x] = (side == 0 ? t - 1 : tr) - k0;
-                }
-                bwd_tile<acc_t>(hn, w, D, Dv, st.qr.data() + t0 * D, D, st.gr.data() + t0 * Dv, Dv,
-                                l2r.data() + t0, dir.data() + t0, st.ktr.data() + k0, ldt,
-                                st.kr.data() + k0 * D, D, st.vtr.data() + k0, ldt, st.vlo.data(),
-                                st.vhi.data(), c, sc, st.s.data(), st.dp.data(), lds,
-                                dqr + t0 * D, D, dkr + k0 * D, D, dvr + k0 * Dv, Dv);
-              }
-            }
+            column_chunks(t0, hn, tr, causal, st.vlo.data(), st.vhi.data(), [&](int64_t k0, int64_t w) {
+              bwd_tile<acc_t>(hn, w, D, Dv, st.qr.data() + t0 * D, D, st.gr.data() + t0 * Dv, Dv,
+                              l2r.data() + t0, dir.data() + t0, st.ktr.data() + k0, ldt,
+                              st.kr.data() + k0 * D, D, st.vtr.data() + k0, ldt, st.vlo.data(),
+                              st.vhi.data(), c, sc, st.s.data(), st.dp.data(), lds,
+                              dqr + t0 * D, D, dkr + k0 * D, D, dvr + k0 * Dv, Dv);
+            });
           }
         }
         // ---- the band, per super-block of rows: the outputs' rows are first written here, in
