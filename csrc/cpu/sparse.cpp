@@ -637,8 +637,7 @@ void range_fwd_kernel(const RangeGeom& geo, int64_t BH, int64_t D, int64_t Dv, d
 //   A. per residue r: its query rows of the segment against its columns, from that state, as one
 //      small causal problem (rows t, keys t' <= t - 2): its K^T and V gathered once into
 //      contiguous tiles (Q rows read in place), so the GEMMs run on packed keys; the rows are
-//      finished (out, lse) --
-//      nothing of a part's result leaves the task, and there is no merge.
+//      finished (out, lse) -- nothing of a part's result leaves the task, and there is no merge.
 // The union is exact: band and columns partition the row's keys (k = 0, +-1 are the band's).
 // NaN / inf: the state carries them as the range kernel's does (row_new_max); a row poisoned
 // in B stays NaN through A.
