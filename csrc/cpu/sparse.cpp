@@ -720,7 +720,7 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
   const int64_t threads = at::get_num_threads();
   const int64_t segs = std::clamp<int64_t>(ceil_div(2 * threads, BH), 1, nsb);
   const int64_t Umax = ceil_div(nsb, segs) * U;  // blocks of the longest segment
-  // A residue's state rows are Umax * Dv apart plus one cache line: a band strip writes 16
+  // A residue's state rows are Umax * Dv apart plus one cache line: a band strip writes its
   // consecutive rows, one per residue, and at a multiple of 4 KiB apart (16 KiB at N = 4096)
   // they would all fall into the same few L1 sets.
   const int64_t ldr = Umax * Dv + kPad;
@@ -1000,12 +1000,8 @@ void strided_bwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
             st.di[i] = sum;
           }
         }
-        // ---- the columns, per residue: they store every row of dq, dk, dv (0 where a residue
-        // has no column), and the band adds to them ----
-        // Columns first: the rows of a residue are s * D apart, a page each, and the band before
-        // them left scattered read-modify-writes of three outputs (plus a zero fill of the three)
-        // to this pass; now its rows are plain (streaming) stores, and the band's additions run
-        // over rows in order.
+        // ---- the columns, per residue, into the residue-major copy (every row of it written:
+        // 0 where a residue has no column); the outputs are untouched until the band ----
         std::vector<acc_t> l2r(static_cast<size_t>(T)), dir(static_cast<size_t>(T));
         for (int64_t r = 0; r < sN; ++r) {
           const int64_t tr = Tr(r);
@@ -1023,9 +1019,10 @@ void strided_bwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
             prefetch_rows(qh + (r + 1) * D, s * D, tn, D);
             prefetch_rows(gh + (r + 1) * Dv, s * Dv, tn, Dv);
           }
-          pack_kt(kh + r * D, s * D, tr, D, st.ktr.data(), ldt);
-          pack_kt(vh + r * Dv, s * Dv, tr, Dv, st.vtr.data(), ldt);
+          // K rows gathered once (s * D apart), K^T packed from the gathered copy.
           copy_rows(kh + r * D, s * D, tr, D, st.kr.data(), D);
+          pack_kt(st.kr.data(), D, tr, D, st.ktr.data(), ldt);
+          pack_kt(vh + r * Dv, s * Dv, tr, Dv, st.vtr.data(), ldt);
           copy_rows(qh + r * D, s * D, tr, D, st.qr.data(), D);
           copy_rows(gh + r * Dv, s * Dv, tr, Dv, st.gr.data(), Dv);
           for (int64_t t = 0; t < tr; ++t) {
@@ -1670,7 +1667,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_strided_bwd_cpu(
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Dv = v.size(3);
   const auto dtype = q.scalar_type();
   const auto acc = acc_type_of(dtype);
-  // Written whole by the kernel (each task zeroes its head first, in parallel).
+  // Written whole by the kernel (each task writes its head's rows in order, from its columns'
+  // gradients, before its band adds to them).
   at::Tensor dq = empty_huge({B, H, N, D}, q.options().dtype(acc));
   at::Tensor dk = empty_huge({B, H, N, D}, q.options().dtype(acc));
   at::Tensor dv = empty_huge({B, H, N, Dv}, q.options().dtype(acc));

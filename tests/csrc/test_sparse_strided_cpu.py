@@ -125,7 +125,7 @@ def test_fused_strided_backward_delta_from_out(n, s, causal, dtype):
 
 def test_fused_strided_large_outputs_per_head():
     """Outputs of 4 MiB and more are allocated 2 MiB-aligned on huge pages (empty_huge in
-    csrc/cpu/sparse.cpp): the same values as each head run alone (small outputs, at::empty), and
+    csrc/cpu/empty_huge.h): the same values as each head run alone (small outputs, at::empty), and
     they behave as ordinary tensors under autograd (gradients accumulated twice)."""
     n, s, h = 2048, 64, 8  # [1, 8, 2048, 64] float32: 4 MiB
     q, k, v, dout = _inputs(1, h, n, 64, 64, F32, seed=11)
