@@ -48,13 +48,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <string_view>
 #include <type_traits>
 #include <vector>
@@ -468,45 +465,32 @@ void mask_upper(T* a, int64_t ld, int64_t L, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Threads.  dynamic_for(n, f) calls f(begin, end) on disjoint blocks covering [0, n), like
-// at::parallel_for, but hands the blocks out one at a time from a shared counter (about 8 per
-// thread; one per task when there are fewer), and the caller waits only for blocks a thread has
-// claimed, never for a helper thread to be scheduled.
+// Threads.  dynamic_for(n, f) calls f(begin, end) on disjoint blocks covering [0, n) on torch's
+// intra-op (OpenMP) threads, like at::parallel_for, but hands the blocks out one at a time from
+// a shared counter (about 8 per thread; one per task when there are fewer), so a thread that runs
+// takes the work of one that does not.
 //
-// Why (issue 14, stable timings): at::parallel_for splits [0, n) into one static range per
-// thread and ends in an OpenMP barrier, so a call takes as long as its slowest thread.  On the
-// shared 2-core machines the causal forward (B=1 H=8 N=16384 D=64: 8 heads, 4 per thread) then
-// ran at whatever share of a core the other processes left to its second thread: measured
-// process CPU time per call was steady (53-59 ms user in 6 fresh processes, and independent of
-// the inputs' relative alignment: 0 / 64 B / 4 KiB / 256 KiB gaps within 3%), while wall time
-// per call ranged over 58-84 ms (load average ~4) -- the 40 vs 75 ms "bimodal" processes of the
-// issue are the same kernel with its second thread sharing a core or not (with a process of
-// another session busy on one core, wall time equals the process's CPU time: 56 ms static, 49-54
-// ms with this, 5 fresh processes each).  With blocks claimed dynamically, a thread that runs
-// takes the work of one that does not.  The rest of the spread between processes was kernel
-// time faulting in the fresh 32 MiB output of every call (sys 2-44 ms per call, steady within a
-// process: clear_page_erms of the huge-page faults took 11% of the samples in a slow process and
-// 2.5% in a fast one): see bench/harness.py steady_memory.
+// Why dynamic (issue 14, stable timings): at::parallel_for splits [0, n) into one static range
+// per thread, so a call takes as long as its slowest thread.  On the shared 2-core machines the
+// causal forward (B=1 H=8 N=16384 D=64: 8 heads, 4 per thread) then ran at whatever share of a
+// core the other processes left to its second thread: process CPU time per call was steady
+// (53-59 ms user in 6 fresh processes, and independent of the inputs' relative alignment: 0 /
+// 64 B / 4 KiB / 256 KiB gaps within 3%), while wall time per call ranged over 58-84 ms -- the
+// 40 vs 75 ms "bimodal" processes of the issue.  The rest of the spread between processes was
+// kernel time faulting in the fresh 32 MiB output of every call: see bench/harness.py
+// steady_memory.
+//
+// Why the OpenMP threads and not helper jobs on torch's inter-op pool (the first version of
+// this, which also avoided the OpenMP barrier): in a program that runs other torch ops the
+// OpenMP workers they leave spinning kept the inter-op helper off the second core, as
+// hopfield.cpp's parallel_tasks found.  Measured (session 7, 2 threads, B=1 H=8 D=64 causal
+// elu, interleaved in one process, each call after an attnkit softmax call at the same N;
+// inter-op -> OpenMP): forward N=16 0.039 -> 0.019 ms, N=128 0.168 -> 0.090, N=512 0.733 ->
+// 0.370, N=2048 4.36 -> 2.22, N=4096 8.22 -> 4.20, N=16384 23.1 -> 22.6; forward+backward
+// N=128 0.752 -> 0.462, N=2048 12.5 -> 9.6, N=16384 87.0 -> 84.8.  Linear calls alone, back to
+// back: equal from N=2048 up (forward+backward N=2048 9.08 / 9.02 ms, N=4096 19.14 / 19.22 ms),
+// and at N=16 0.050 -> 0.019 ms (no job to enqueue, no helper to wake).
 // ---------------------------------------------------------------------------------------------
-struct BlockBatch {
-  BlockBatch(int64_t n_, int64_t block_, std::function<void(int64_t, int64_t)> f_)
-      : n(n_), block(block_), blocks((n_ + block_ - 1) / block_), f(std::move(f_)) {}
-  const int64_t n, block, blocks;
-  const std::function<void(int64_t, int64_t)> f;  // only called for claimed blocks, while the caller waits
-  std::atomic<int64_t> next{0}, done{0};
-  std::mutex mu;
-  std::condition_variable finished;
-  void run() {
-    for (int64_t b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) {
-      f(b * block, std::min(n, (b + 1) * block));
-      if (done.fetch_add(1) + 1 == blocks) {
-        std::lock_guard<std::mutex> lock(mu);
-        finished.notify_all();
-      }
-    }
-  }
-};
-
 template <typename F>
 void dynamic_for(int64_t n, const F& f) {
   if (n <= 0) return;
@@ -516,13 +500,11 @@ void dynamic_for(int64_t n, const F& f) {
     return;
   }
   const int64_t block = ceil_div(n, std::min(n, 8 * threads));
-  // Shared with the helpers: one that starts after the caller returned only finds the counter
-  // past the end and drops its reference.  f must not throw (the kernels' bodies do not).
-  auto batch = std::make_shared<BlockBatch>(n, block, std::function<void(int64_t, int64_t)>(std::cref(f)));
-  for (int64_t w = 1; w < threads; ++w) at::launch([batch] { batch->run(); });
-  batch->run();
-  std::unique_lock<std::mutex> lock(batch->mu);
-  batch->finished.wait(lock, [&] { return batch->done.load() == batch->blocks; });
+  const int64_t blocks = ceil_div(n, block);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) f(b * block, std::min(n, (b + 1) * block));
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
