@@ -1587,9 +1587,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hopfield_update_fwd_c
     c.applied = applied.mutable_data_ptr<bool>();
     c.init = st.const_data_ptr<scalar_t>();
     // states[0] = the initial states.  The lanes kernel's tasks copy their own rows: a separate
-    // copy_ runs an OpenMP region (S * D above torch's grain size) whose worker then spins on the
-    // second core while the kernel's helper thread (torch's inter-op pool) needs it: S=1024
-    // N=16384 D=64 3 steps on 2 threads took 64-66 ms (median of 30 calls) against 55 ms on one.
+    // copy_ is one more parallel region per call.  (Measured when the tasks still ran on a helper
+    // thread of torch's inter-op pool, before parallel_tasks: copy_'s OpenMP worker then spun on
+    // the second core while the helper needed it, S=1024 N=16384 D=64 3 steps on 2 threads
+    // 64-66 ms against 55 ms on one.)
     if (!lanes_apply(c)) states.select(0, 0).copy_(st);
     if (use_split(B * H, S, N, streaming_applies<scalar_t>(S, D)))
       update_split<scalar_t>(c);
