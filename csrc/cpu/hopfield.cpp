@@ -464,6 +464,15 @@ constexpr int64_t kStreamMaxS = 64;
 constexpr int kStreamMaxDC = 8;         // D <= 8 * 16 = 128
 constexpr int64_t kStreamBlock = 64;    // stored rows per online-softmax step of the stream
 constexpr int64_t kStreamAhead = 2;     // blocks of 16 rows prefetched ahead (1, 2, 4, 8 measured)
+// When a step streams more stored bytes than this (all (b, h) together), they come from DRAM,
+// not L3, and the stream also prefetches kStreamFarAhead blocks of 16 rows ahead into L2.
+// Measured (session 7, S=1 D=64 float32, 2 threads, interleaved in one process): N=262144 (64
+// MiB) 1.409 -> 1.312 ms (4, 16, 32 blocks: 1.326, 1.326, 1.341), 1 thread 2.53 -> 2.46 ms;
+// N=131072 (32 MiB) 0.633 -> 0.624 ms; but N=65536 (16 MiB, in L3) 0.155 -> 0.172 ms and
+// 0.164 -> 0.172 ms, so not below.  (The L3 size sysconf reports in these VMs is the host's,
+// 384 MiB, so the bound is a constant: the 32 MiB L3 of one Zen CCX.)
+constexpr int64_t kStreamFarBytes = int64_t(32) << 20;
+constexpr int64_t kStreamFarAhead = 8;
 
 // Whether retrieve_range runs the streaming kernel for blocks of `rows` states of width D.
 template <typename T>
@@ -485,6 +494,11 @@ inline void prefetch_bytes(const float* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
 }
 
+inline void prefetch_bytes_l2(const float* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
+}
+
 // Chunk c of a row: a plain load, masked for the last chunk when D is not a multiple of 16.
 template <int DC, bool TAIL>
 inline __m512 load_chunk(const float* p, int c, __mmask16 tail) {
@@ -499,7 +513,7 @@ inline __m512 load_chunk(const float* p, int c, __mmask16 tail) {
 template <int DC, bool TAIL>
 void stream_range_f32(const float* xi, int64_t S, const float* X, const float* V, bool values, int64_t D_in,
                       int64_t Dv, int64_t n0, int64_t n1, float beta, float* m, float* l, float* acc,
-                      float* accx) {
+                      float* accx, bool far) {
   constexpr int W = DC * 16;
   const int64_t D = TAIL ? D_in : W;
   const __mmask16 dtail = lanes_below(D - (DC - 1) * 16);
@@ -538,6 +552,11 @@ void stream_range_f32(const float* xi, int64_t S, const float* X, const float* V
       if (a + 16 <= n1) {
         prefetch_bytes(X + a * D, 16 * D * sizeof(float));
         if (values) prefetch_bytes(V + a * Dv, 16 * Dv * sizeof(float));
+      }
+      const int64_t f = i0 + r0 + kStreamFarAhead * 16;
+      if (far && f + 16 <= n1) {
+        prefetch_bytes_l2(X + f * D, 16 * D * sizeof(float));
+        if (values) prefetch_bytes_l2(V + f * Dv, 16 * Dv * sizeof(float));
       }
     }
     for (int64_t qi = 0; qi < S; ++qi) {
@@ -641,14 +660,15 @@ void stream_range_f32(const float* xi, int64_t S, const float* X, const float* V
 }
 
 // Runs the streaming kernel when it applies (few queries, D <= 128); false otherwise.
+// far: the step's stored rows come from DRAM (see kStreamFarBytes).
 bool stream_range(const float* xi, int64_t rows, const float* X, const float* V, int64_t D, int64_t Dout,
-                         int64_t n0, int64_t n1, float beta, float* m, float* l, float* acc, float* accx) {
+                         int64_t n0, int64_t n1, float beta, float* m, float* l, float* acc, float* accx, bool far) {
   if (!streaming_applies<float>(rows, D)) return false;
   // A read-out through values: a value step passes accx, or values that are not X itself.
   const bool values = V != X || accx != nullptr;
   const bool tail = D % 16 != 0;
   using Kernel = void (*)(const float*, int64_t, const float*, const float*, bool, int64_t, int64_t, int64_t,
-                          int64_t, float, float*, float*, float*, float*);
+                          int64_t, float, float*, float*, float*, float*, bool);
   Kernel kernel = nullptr;
   switch ((D + 15) / 16) {
 #define ATTNKIT_STREAM_CASE(dc) \
@@ -661,7 +681,7 @@ bool stream_range(const float* xi, int64_t rows, const float* X, const float* V,
   // Groups of kStreamMaxRows states, each with its own (m, l, acc, accx) rows.
   for (int64_t g = 0; g < rows; g += kStreamMaxRows)
     kernel(xi + g * D, std::min(kStreamMaxRows, rows - g), X, V, values, D, Dout, n0, n1, beta, m + g, l + g,
-           acc + g * Dout, accx ? accx + g * D : nullptr);
+           acc + g * Dout, accx ? accx + g * D : nullptr, far);
   return true;
 }
 #endif  // __AVX512F__
@@ -1038,10 +1058,11 @@ inline void lanes_to_rows(const float* src, int64_t rows, int64_t D, int64_t G, 
 // scores: scratch of rows x kTileN.
 template <typename T>
 void retrieve_range(const T* xi, int64_t rows, const T* X, const T* V, int64_t D, int64_t Dout, int64_t n0,
-                    int64_t n1, T beta, T* m, T* l, T* acc, T* accx, T* scores, const T* Xp = nullptr) {
+                    int64_t n1, T beta, T* m, T* l, T* acc, T* accx, T* scores, const T* Xp = nullptr,
+                    bool far = false) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
-    if (stream_range(xi, rows, X, V, D, Dout, n0, n1, beta, m, l, acc, accx)) return;
+    if (stream_range(xi, rows, X, V, D, Dout, n0, n1, beta, m, l, acc, accx, far)) return;
   }
 #endif
   // The AVX-512 kernels run on the packed patterns (tiles start at multiples of kPackRows).
@@ -1105,6 +1126,14 @@ struct UpdateCtx {
   bool* applied;    // [U, BH, S]
   const T* init;    // [BH, S, D]: the initial states (states[0] before the kernel fills it, see below)
 };
+
+// Whether a step streams more stored bytes (X, and V on a value step, over every (b, h)) than
+// kStreamFarBytes: then they come from DRAM and the stream prefetches further ahead into L2.
+template <typename T>
+bool streams_from_dram(const UpdateCtx<T>& c, bool value_step) {
+  const int64_t row_bytes = (c.D + (value_step ? c.Dv : 0)) * int64_t(sizeof(T));
+  return c.BH * c.N * row_bytes > kStreamFarBytes;
+}
 
 // Finish retrieval k for rows [q0, q0 + rows) of (b, h) bh from the merged (m, l, acc, accx):
 // writes lse, applies the update (with tol) to xi and active, writes states[k + 1] / out.
@@ -1447,7 +1476,8 @@ void update_fused(const UpdateCtx<T>& c) {
         std::fill(acc.begin(), acc.begin() + rows * Dout, T(0));
         if (ax) std::fill(accx.begin(), accx.end(), T(0));
         retrieve_range<T>(xi.data(), rows, X, V, D, Dout, 0, c.N, c.beta, m.data(), l.data(), acc.data(), ax,
-                          scores.data(), packed ? packed.get() + bh * pack_stride : nullptr);
+                          scores.data(), packed ? packed.get() + bh * pack_stride : nullptr,
+                          streams_from_dram(c, value_step));
         finish_step<T>(c, bh, q0, rows, k, m.data(), l.data(), acc.data(), ax, xi.data(), active);
       }
       if (!c.has_values) {
@@ -1477,6 +1507,7 @@ void update_split(const UpdateCtx<T>& c) {
     const bool value_step = c.has_values && k == c.R - 1;
     const int64_t Dout = value_step ? c.Dv : D;
     const bool want_x = value_step && c.final_state;
+    const bool far = streams_from_dram(c, value_step);
     for (int64_t bh = 0; bh < c.BH; ++bh) skip[bh] = !value_step && all_frozen(c, active + bh * S, S);
     auto chunk_task = [&](int64_t task) {
       thread_local std::vector<T> scores;
@@ -1495,7 +1526,8 @@ void update_split(const UpdateCtx<T>& c) {
         const T* X = c.X + bh * c.N * D;
         const T* V = value_step ? c.V + bh * c.N * c.Dv : X;
         retrieve_range<T>(xi.data() + bh * S * D, S, X, V, D, Dout, ch * kSplitRows,
-                          std::min(c.N, (ch + 1) * kSplitRows), c.beta, m, l, acc, ax, scores.data());
+                          std::min(c.N, (ch + 1) * kSplitRows), c.beta, m, l, acc, ax, scores.data(), nullptr,
+                          far);
       }
     };
     parallel_tasks(c.BH * chunks, chunk_task);
