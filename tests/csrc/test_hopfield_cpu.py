@@ -348,6 +348,23 @@ def test_update_all_frozen_block_skips_with_infinite_lse_and_zero_gradient_there
     assert torch.isfinite(g).all()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("with_values", [False, True])
+def test_update_streaming_from_dram_matches_float64_reference(threads, with_values):
+    """Steps that stream more than 32 MiB of stored rows (here 2 x 70000 x 64 float32, 34 MiB)
+    also prefetch far ahead into L2 (kStreamFarBytes).  At 2 threads B*H = 2 heads take the
+    split path, at 1 thread the fused path; 70000 rows is no multiple of the 4096-row chunks or
+    16-row blocks, so the far prefetch's stop before the end of a range is exercised."""
+    torch.manual_seed(0)
+    state = torch.randn(1, 2, 1, 64)
+    stored = torch.randn(1, 2, 70000, 64)
+    values = torch.randn(1, 2, 70000, 3) if with_values else None
+    with num_threads(threads):
+        out = attnkit.hopfield_update(state, stored, beta=0.125, steps=2, values=values, backend="cpu")
+    want = _ref64(state, stored, values, 0.125, 2, None)
+    _scale_close(out, want, 2e-5)
+
+
 def test_update_split_path_equals_the_fused_path():
     # S = 1 against N = 20000 splits the stored patterns into 5 chunks merged by log-sum-exp;
     # S = 17 (> 16) runs the fused path: the first row must agree to rounding.
