@@ -1,4 +1,5 @@
-// Output tensors on transparent huge pages (csrc/cpu/sparse.cpp's fused strided ops).  Tried on
+// Output tensors on transparent huge pages (csrc/cpu/sparse.cpp's fused strided ops and
+// csrc/cpu/sparse_star.cpp's star forward).  Tried on
 // the dense softmax outputs too (session 5, B=1 H=8 N=4096 D=64 causal, one thread, CPU time,
 // old and new build alternating in fresh processes): minor faults per forward+backward went from
 // 228-3627 (depending on what glibc had kept from earlier calls) to 24, but the forward's CPU
@@ -19,8 +20,10 @@
 #endif
 
 namespace attnkit {
-namespace {
 
+// Not in an anonymous namespace (unlike flash_tiles.h): every kernel file that includes this
+// shares the one cache, so its bounds hold for the whole library.
+//
 // An uninitialized CPU tensor like at::empty, on transparent huge pages when >= 4 MiB (for large
 // outputs, written once).  The first touch of each 4 KiB page is
 // a page fault, here (a VM) about 1.5 us: allocating and filling an [8, 4096, 64] float32
@@ -89,7 +92,7 @@ class HugeBlockCache {
   size_t held_ = 0, cap_ = 0;
 };
 
-at::Tensor empty_huge(at::IntArrayRef sizes, const at::TensorOptions& options) {
+inline at::Tensor empty_huge(at::IntArrayRef sizes, const at::TensorOptions& options) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr size_t kHuge = size_t(2) << 20;
   size_t n = c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
@@ -108,5 +111,4 @@ at::Tensor empty_huge(at::IntArrayRef sizes, const at::TensorOptions& options) {
   return at::empty(sizes, options);
 }
 
-}  // namespace
 }  // namespace attnkit

@@ -28,6 +28,9 @@ On the ``cpu`` backend ``strided`` skips the merge (issue 14): ``attnkit::sparse
 / ``_bwd`` (csrc/cpu/sparse.cpp; CPU-only ops declared there) run both parts of a row in one
 online softmax -- the band on consecutive rows, then each residue's columns on keys packed
 once per head -- and their gradients into one set of outputs (tests/csrc/test_sparse_strided_cpu.py).
+Its ``star`` forward, when no gradient is wanted, is one call too: ``attnkit::sparse_star_fwd``
+(csrc/cpu/sparse_star.cpp) lists each row's keys and folds them in one softmax
+(tests/csrc/test_sparse_star_cpu.py).
 
 Layers (DESIGN.md):
 
@@ -280,6 +283,28 @@ if _STRIDED_OP:
                                     setup_context=_strided_setup)
 
 
+# --- star in one C++ call, forward only (cpu backend): attnkit::sparse_star_fwd ---
+#
+# Declared in csrc/cpu/sparse_star.cpp.  Every row's keys in one softmax: one read of q, k, v and
+# one write of the output, where the composed path below makes five passes over [B, H, N, Dv]
+# tensors for ~4 keys a row.  No backward: sparse_attention takes it only when no gradient is
+# wanted, and training keeps the composed path, whose parts have backward kernels.
+
+
+def _star_fwd_fake(q, k, v, relay, radius, cyclic, causal, scale):
+    b, h, n, _ = q.shape
+    return q.new_empty((b, h, n, v.shape[-1])), q.new_empty((b, h, n), dtype=_lse_dtype(q.dtype))
+
+
+_STAR_OP = native_ops_declared("sparse_star_fwd")
+if _STAR_OP:
+    torch.library.register_fake("attnkit::sparse_star_fwd", _star_fwd_fake)
+
+
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 # --- the Triton kernels as custom ops ---
 
 
@@ -495,6 +520,9 @@ def _run_kernels(backend, q, k, v, pattern, scale):
             results += ops.run(q, ks, vs, summary, scale)
         return _merge(results)[0]
     if isinstance(pattern, Star):
+        if backend == "cpu" and _STAR_KERNEL and not _wants_grad(q, k, v):
+            return torch.ops.attnkit.sparse_star_fwd(q, k, v, pattern.relay, pattern.radius, pattern.cyclic,
+                                                     pattern.causal, scale)[0]
         # Band (positions) merged with the relay's key for every row, then the rows where that
         # is not the star's neighbourhood (relay, its neighbours, the ring's ends) recomputed.
         r = pattern.relay
@@ -531,6 +559,7 @@ def _native_kernels(key: str) -> bool:
 # Looked up once (attnkit._C registers its kernels when it loads; dynamo cannot trace the query).
 _NATIVE_KERNELS = {"cpu": _native_kernels("CPU"), "cuda": _native_kernels("CUDA")}
 _STRIDED_KERNEL = _STRIDED_OP and torch._C._dispatch_has_kernel_for_dispatch_key("attnkit::sparse_strided_fwd", "CPU")
+_STAR_KERNEL = _STAR_OP and torch._C._dispatch_has_kernel_for_dispatch_key("attnkit::sparse_star_fwd", "CPU")
 
 
 def _kernel_limitation(backend: str, query, value, pattern) -> str:
