@@ -25,7 +25,6 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -37,6 +36,7 @@
 #include <vector>
 
 #include "../checks/checks.h"
+#include "parallel_tasks.h"
 #include "simd_f32.h"
 
 namespace attnkit {
@@ -489,14 +489,11 @@ inline __mmask16 lanes_below(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
 }
 
+// Every cache line of [p, p + bytes) into L1 (_MM_HINT_T0) or L2 (_MM_HINT_T1).
+template <int kHint = _MM_HINT_T0>
 inline void prefetch_bytes(const float* p, int64_t bytes) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
-}
-
-inline void prefetch_bytes_l2(const float* p, int64_t bytes) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, static_cast<_mm_hint>(kHint));
 }
 
 // Chunk c of a row: a plain load, masked for the last chunk when D is not a multiple of 16.
@@ -555,8 +552,8 @@ void stream_range_f32(const float* xi, int64_t S, const float* X, const float* V
       }
       const int64_t f = i0 + r0 + kStreamFarAhead * 16;
       if (far && f + 16 <= n1) {
-        prefetch_bytes_l2(X + f * D, 16 * D * sizeof(float));
-        if (values) prefetch_bytes_l2(V + f * Dv, 16 * Dv * sizeof(float));
+        prefetch_bytes<_MM_HINT_T1>(X + f * D, 16 * D * sizeof(float));
+        if (values) prefetch_bytes<_MM_HINT_T1>(V + f * Dv, 16 * Dv * sizeof(float));
       }
     }
     for (int64_t qi = 0; qi < S; ++qi) {
@@ -1192,26 +1189,7 @@ bool all_frozen(const UpdateCtx<T>& c, const bool* active, int64_t rows) {
   return true;
 }
 
-// Runs body(task) for task in [0, tasks) on torch's intra-op threads, handing tasks out one at a
-// time from a shared counter rather than in fixed contiguous ranges: on the shared 2-core
-// machines a descheduled thread otherwise holds up the whole call (S=1, N=262144: 2 threads
-// with static ranges ran 2x slower than 1 thread while the load average was ~7; see use_split).
-// Every parallel part of this file runs here.  An earlier variant handed the tasks to helper
-// jobs on torch's inter-op pool (no OpenMP barrier: steadier when other processes load the
-// cores), but inside a program that also runs other torch ops the OpenMP workers they leave
-// spinning kept that helper off the second core.  Measured (2 threads, load ~1, interleaved
-// in one process with attnkit softmax per step; inter-op helper -> OpenMP): update S=256
-// N=4096 3 steps 2.91 -> 1.91 ms, S=1 N=65536 0.317 -> 0.197 ms, S=1024 N=16384 28.0 -> 27.9 ms,
-// energy S=256 N=4096 0.96 -> 0.52 ms, S=1024 N=16384 7.4 -> 6.5 ms.
-template <typename F>
-void parallel_tasks(int64_t tasks, const F& body) {
-  if (tasks <= 0) return;
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(tasks, at::get_num_threads());
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) body(t);
-  });
-}
+// parallel_tasks (parallel_tasks.h) runs every parallel part of this file.
 
 // ---------------------------------------------------------------------------------------------
 // The energy on the update's AVX-512 GEMM kernels (float32, fast_gemm_applies(D)).

@@ -46,7 +46,6 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -57,6 +56,7 @@
 #include <vector>
 
 #include "../checks/checks.h"
+#include "parallel_tasks.h"
 #include "simd_f32.h"
 
 namespace attnkit {
@@ -465,14 +465,13 @@ void mask_upper(T* a, int64_t ld, int64_t L, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Threads.  dynamic_for(n, f) calls f(begin, end) on disjoint blocks covering [0, n) on torch's
-// intra-op (OpenMP) threads, like at::parallel_for, but hands the blocks out one at a time from
-// a shared counter (about 8 per thread; one per task when there are fewer), so a thread that runs
-// takes the work of one that does not.
+// Threads.  dynamic_for(n, f) calls f(begin, end) on disjoint blocks covering [0, n): about 8
+// blocks per thread (one per task when there are fewer), handed out by parallel_tasks
+// (parallel_tasks.h: one at a time, on torch's OpenMP threads), so a thread that runs takes the
+// work of one that does not.
 //
-// Why dynamic (issue 14, stable timings): at::parallel_for splits [0, n) into one static range
-// per thread, so a call takes as long as its slowest thread.  On the shared 2-core machines the
-// causal forward (B=1 H=8 N=16384 D=64: 8 heads, 4 per thread) then ran at whatever share of a
+// Why dynamic (issue 14, stable timings): with at::parallel_for's one static range per thread,
+// the causal forward (B=1 H=8 N=16384 D=64: 8 heads, 4 per thread) ran at whatever share of a
 // core the other processes left to its second thread: process CPU time per call was steady
 // (53-59 ms user in 6 fresh processes, and independent of the inputs' relative alignment: 0 /
 // 64 B / 4 KiB / 256 KiB gaps within 3%), while wall time per call ranged over 58-84 ms -- the
@@ -480,31 +479,20 @@ void mask_upper(T* a, int64_t ld, int64_t L, int64_t n) {
 // kernel time faulting in the fresh 32 MiB output of every call: see bench/harness.py
 // steady_memory.
 //
-// Why the OpenMP threads and not helper jobs on torch's inter-op pool (the first version of
-// this, which also avoided the OpenMP barrier): in a program that runs other torch ops the
-// OpenMP workers they leave spinning kept the inter-op helper off the second core, as
-// hopfield.cpp's parallel_tasks found.  Measured (session 7, 2 threads, B=1 H=8 D=64 causal
-// elu, interleaved in one process, each call after an attnkit softmax call at the same N;
-// inter-op -> OpenMP): forward N=16 0.039 -> 0.019 ms, N=128 0.168 -> 0.090, N=512 0.733 ->
-// 0.370, N=2048 4.36 -> 2.22, N=4096 8.22 -> 4.20, N=16384 23.1 -> 22.6; forward+backward
-// N=128 0.752 -> 0.462, N=2048 12.5 -> 9.6, N=16384 87.0 -> 84.8.  Linear calls alone, back to
-// back: equal from N=2048 up (forward+backward N=2048 9.08 / 9.02 ms, N=4096 19.14 / 19.22 ms),
-// and at N=16 0.050 -> 0.019 ms (no job to enqueue, no helper to wake).
+// Until session 7 the blocks went to helper jobs on torch's inter-op pool, which the OpenMP
+// workers of other ops kept off the second core.  Measured (2 threads, B=1 H=8 D=64 causal elu,
+// interleaved in one process, each call after an attnkit softmax call at the same N; inter-op ->
+// OpenMP): forward N=16 0.039 -> 0.019 ms, N=128 0.168 -> 0.090, N=512 0.733 -> 0.370, N=2048
+// 4.36 -> 2.22, N=4096 8.22 -> 4.20, N=16384 23.1 -> 22.6; forward+backward N=128 0.752 ->
+// 0.462, N=2048 12.5 -> 9.6, N=16384 87.0 -> 84.8.  Linear calls alone, back to back: equal
+// from N=2048 up (forward+backward N=2048 9.08 / 9.02 ms, N=4096 19.14 / 19.22 ms), and at N=16
+// 0.050 -> 0.019 ms (no job to enqueue, no helper to wake).
 // ---------------------------------------------------------------------------------------------
 template <typename F>
 void dynamic_for(int64_t n, const F& f) {
   if (n <= 0) return;
-  const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(n, at::get_num_threads());
-  if (threads <= 1) {
-    f(0, n);
-    return;
-  }
-  const int64_t block = ceil_div(n, std::min(n, 8 * threads));
-  const int64_t blocks = ceil_div(n, block);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) f(b * block, std::min(n, (b + 1) * block));
-  });
+  const int64_t block = ceil_div(n, std::min<int64_t>(n, 8 * at::get_num_threads()));
+  parallel_tasks(ceil_div(n, block), [&](int64_t b) { f(b * block, std::min(n, (b + 1) * block)); });
 }
 
 // ---------------------------------------------------------------------------------------------
