@@ -14,10 +14,23 @@
 // their scores in the accumulation type, and folds them in one softmax: one read of Q, K and V
 // (neighbouring rows hit in cache) and one write of the output.
 //
-// Forward only: attnkit.sparse_attention calls it when no gradient is wanted; training keeps the
-// composed path, whose parts have backward kernels.  NaN and infinities as every sparse kernel
-// (issue 15): a NaN or +inf score among a row's keys makes its out and lse NaN; a row whose
-// scores are all -inf gets out 0 and lse -inf.
+//   sparse_star_bwd(grad_out, q, k, v, lse, delta?, relay, radius, cyclic, causal, scale, out?)
+//       -> (dq, dk, dv), given the forward's lse and delta_i = rowsum(dO_i * O_i) - dlse_i (as
+//       sparse_range_bwd's), or, without delta, out to compute rowsum(dO * O) from.
+//
+// The backward recomputes each visible pair's P_ij = exp(s_ij - lse_i) twice: once per row
+// (dq_i = scale sum_j P_ij (dO_i . v_j - delta_i) k_j, over the row's keys) and once per key
+// (dv_j = sum_i P_ij dO_i, dk_j = scale sum_i dS_ij q_i, over the rows that see key j, which
+// star_rows lists: the star's neighbourhood is symmetric), so each output row is written by one
+// task: no atomics, no per-thread copies, and the result does not depend on the thread count.
+// The composed path's backward (range parts, relay column, patched rows, each a backward of
+// its own) took 36.7 ms at B=1 H=8 N=4096 D=64 float32 (2 threads) for ~5 keys a row; see
+// bench/RESULTS.md (session 8) for this one.
+//
+// attnkit.sparse_attention calls the pair whenever the cpu backend has them.  NaN and
+// infinities as every sparse kernel (issue 15): a NaN or +inf score among a row's keys makes its
+// out and lse NaN (and, backward, the gradients of that row and of the keys it sees); a row
+// whose scores are all -inf gets out 0 and lse -inf, and passes no gradient.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -56,6 +69,36 @@ int64_t star_keys(int64_t i, int64_t N, int64_t relay, int64_t radius, bool cycl
   if (!cyclic) {
     for (int64_t t = std::max<int64_t>(0, s - r); t <= std::min(m - 1, s + r); ++t) add(t);
   } else if (2 * r + 1 >= m) {  // the ring is no longer than the neighbourhood: every satellite
+    for (int64_t t = 0; t < m; ++t) add(t);
+  } else {
+    for (int64_t o = -r; o <= r; ++o) add(((s + o) % m + m) % m);
+  }
+  return c;
+}
+
+// The rows that see key j (those i with j among star_keys(i, ...)), written to rows (room for
+// N); returns how many.  Every row sees the relay's key (if causal, the rows from the relay on);
+// the relay's row sees every key (if causal, j <= relay); satellite rows see each other within
+// `radius` on the line or ring, a symmetric relation, so j's rows are its own neighbourhood
+// (if causal, the rows from j on).
+int64_t star_rows(int64_t j, int64_t N, int64_t relay, int64_t radius, bool cyclic, bool causal,
+                  int64_t* rows) {
+  int64_t c = 0;
+  if (j == relay) {
+    for (int64_t i = causal ? relay : 0; i < N; ++i) rows[c++] = i;
+    return c;
+  }
+  if (!causal || j <= relay) rows[c++] = relay;
+  const int64_t m = N - 1;
+  const int64_t s = j - (j > relay ? 1 : 0);
+  const int64_t r = std::min(radius, N);
+  const auto add = [&](int64_t t) {
+    const int64_t p = t + (t >= relay ? 1 : 0);
+    if (!causal || p >= j) rows[c++] = p;
+  };
+  if (!cyclic) {
+    for (int64_t t = std::max<int64_t>(0, s - r); t <= std::min(m - 1, s + r); ++t) add(t);
+  } else if (2 * r + 1 >= m) {
     for (int64_t t = 0; t < m; ++t) add(t);
   } else {
     for (int64_t o = -r; o <= r; ++o) add(((s + o) % m + m) % m);
@@ -145,15 +188,171 @@ std::tuple<at::Tensor, at::Tensor> sparse_star_fwd_cpu(const at::Tensor& q_, con
   return {out, lse};
 }
 
+template <typename scalar_t, typename acc_t>
+inline acc_t dot_acc(const acc_t* a, const scalar_t* b, int64_t n) {
+  acc_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < n; ++d) sum += a[d] * static_cast<acc_t>(b[d]);
+  return sum;
+}
+
+template <typename scalar_t, typename acc_t>
+inline void load_acc_row(const scalar_t* src, int64_t n, acc_t* dst) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<acc_t>(src[d]);
+}
+
+// delta (BH * N, computed here from out when not given), then the row pass (dq) and the key
+// pass (dk, dv); see the top.  dq, dk, dv are written whole.
+template <typename scalar_t, typename acc_t>
+void star_bwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t relay, int64_t radius, bool cyclic,
+                     bool causal, double scale_in, const scalar_t* dout, const scalar_t* q, const scalar_t* k,
+                     const scalar_t* v, const acc_t* lse, const acc_t* delta_in, const scalar_t* out, acc_t* dq,
+                     acc_t* dk, acc_t* dv) {
+  const acc_t scale = static_cast<acc_t>(scale_in);
+  const acc_t inf = std::numeric_limits<acc_t>::infinity();
+  const int64_t blocks = (N + kStarRows - 1) / kStarRows;
+  std::vector<acc_t> delta_buf;
+  const acc_t* delta = delta_in;
+  if (delta == nullptr) {
+    delta_buf.resize(static_cast<size_t>(BH * N));
+    at::parallel_for(0, BH * N, 1024, [&](int64_t r0, int64_t r1) {
+      std::vector<acc_t> o(static_cast<size_t>(Dv));
+      for (int64_t r = r0; r < r1; ++r) {
+        load_acc_row(out + r * Dv, Dv, o.data());
+        delta_buf[r] = dot_acc(o.data(), dout + r * Dv, Dv);
+      }
+    });
+    delta = delta_buf.data();
+  }
+  // Row pass: dq_i over the keys of row i.
+  at::parallel_for(0, BH * blocks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> keys(static_cast<size_t>(N));
+    std::vector<acc_t> qi(static_cast<size_t>(D)), gi(static_cast<size_t>(Dv)), acc(static_cast<size_t>(D));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t bh = t / blocks, i0 = (t % blocks) * kStarRows, i1 = std::min(N, i0 + kStarRows);
+      const scalar_t* K = k + bh * N * D;
+      const scalar_t* V = v + bh * N * Dv;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t row = bh * N + i;
+        acc_t* dqi = dq + row * D;
+        const acc_t li = lse[row];
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        if (li != -inf) {  // a row with no visible score passes no gradient
+          load_acc_row(q + row * D, D, qi.data());
+          load_acc_row(dout + row * Dv, Dv, gi.data());
+          const acc_t di = delta[row];
+          const int64_t c = star_keys(i, N, relay, radius, cyclic, causal, keys.data());
+          for (int64_t x = 0; x < c; ++x) {
+            const scalar_t* kr = K + keys[x] * D;
+            const acc_t p = std::exp(dot_acc(qi.data(), kr, D) * scale - li);
+            const acc_t ds = p * (dot_acc(gi.data(), V + keys[x] * Dv, Dv) - di) * scale;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) acc[d] += ds * static_cast<acc_t>(kr[d]);
+          }
+        }
+        std::copy(acc.begin(), acc.end(), dqi);
+      }
+    }
+  });
+  // Key pass: dk_j, dv_j over the rows that see key j.
+  at::parallel_for(0, BH * blocks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> rows(static_cast<size_t>(N));
+    std::vector<acc_t> kj(static_cast<size_t>(D)), vj(static_cast<size_t>(Dv)), ak(static_cast<size_t>(D)),
+        av(static_cast<size_t>(Dv));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t bh = t / blocks, j0 = (t % blocks) * kStarRows, j1 = std::min(N, j0 + kStarRows);
+      const scalar_t* Q = q + bh * N * D;
+      const scalar_t* G = dout + bh * N * Dv;
+      const acc_t* L = lse + bh * N;
+      const acc_t* De = delta + bh * N;
+      for (int64_t j = j0; j < j1; ++j) {
+        load_acc_row(k + (bh * N + j) * D, D, kj.data());
+        load_acc_row(v + (bh * N + j) * Dv, Dv, vj.data());
+        std::fill(ak.begin(), ak.end(), acc_t(0));
+        std::fill(av.begin(), av.end(), acc_t(0));
+        const int64_t c = star_rows(j, N, relay, radius, cyclic, causal, rows.data());
+        for (int64_t x = 0; x < c; ++x) {
+          const int64_t i = rows[x];
+          if (L[i] == -inf) continue;
+          const scalar_t* qr = Q + i * D;
+          const scalar_t* gr = G + i * Dv;
+          const acc_t p = std::exp(dot_acc(kj.data(), qr, D) * scale - L[i]);
+          const acc_t ds = p * (dot_acc(vj.data(), gr, Dv) - De[i]) * scale;
+#pragma omp simd
+          for (int64_t e = 0; e < Dv; ++e) av[e] += p * static_cast<acc_t>(gr[e]);
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ak[d] += ds * static_cast<acc_t>(qr[d]);
+        }
+        std::copy(ak.begin(), ak.end(), dk + (bh * N + j) * D);
+        std::copy(av.begin(), av.end(), dv + (bh * N + j) * Dv);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_star_bwd_cpu(
+    const at::Tensor& dout_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+    const at::Tensor& lse_, const c10::optional<at::Tensor>& delta_opt, int64_t relay, int64_t radius,
+    bool cyclic, bool causal, double scale, const c10::optional<at::Tensor>& out_opt) {
+  const std::vector<int64_t> plain{1, 0, 1, 0, 1}, lo{0, 1, 1, 0}, hi{0, 1, 1, 0};
+  const bool has_delta = delta_opt.has_value() && delta_opt->defined();
+  const bool has_out = out_opt.has_value() && out_opt->defined();
+  ATTNKIT_CHECK(has_delta || has_out, "attnkit::sparse_star_bwd (cpu): give delta, or out to compute it from");
+  // Without delta, lse stands in for it in the shared checks (same shape, dtype and device).
+  checks::sparse_range_bwd(checks::cpu_target(), dout_, q_, k_, v_, lse_, has_delta ? *delta_opt : lse_, plain,
+                           lo, hi, scale);
+  if (!has_delta) {
+    ATTNKIT_CHECK(out_opt->sizes() == dout_.sizes() && out_opt->scalar_type() == dout_.scalar_type() &&
+                      out_opt->device() == dout_.device(),
+                  "attnkit::sparse_star_bwd (cpu): out must be like grad_out (", dout_.sizes(), ", ",
+                  dout_.scalar_type(), ", ", dout_.device(), "); got ", out_opt->sizes(), ", ",
+                  out_opt->scalar_type(), ", ", out_opt->device());
+  }
+  ATTNKIT_CHECK(k_.size(2) == q_.size(2), "attnkit::sparse_star_bwd (cpu): self-attention: q and k must have ",
+                "the same length; got ", q_.sizes(), " and ", k_.sizes());
+  ATTNKIT_CHECK(radius >= 1, "attnkit::sparse_star_bwd (cpu): radius must be >= 1; got ", radius);
+  const int64_t N = q_.size(2);
+  ATTNKIT_CHECK(relay >= 0 && (N == 0 || relay < N), "attnkit::sparse_star_bwd (cpu): relay must be a position ",
+                "of the sequence (0..N-1 for N=", N, "); got ", relay);
+  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
+  const at::Tensor dout = dout_.contiguous(), lse = lse_.contiguous();
+  const at::Tensor delta = has_delta ? delta_opt->contiguous() : at::Tensor();
+  const at::Tensor out = has_delta ? at::Tensor() : out_opt->contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Dv = v.size(3);
+  const auto dtype = q.scalar_type();
+  const auto acc = acc_type_of(dtype);
+  at::Tensor dq = empty_huge({B, H, N, D}, q.options().dtype(acc));
+  at::Tensor dk = empty_huge({B, H, N, D}, q.options().dtype(acc));
+  at::Tensor dv = empty_huge({B, H, N, Dv}, q.options().dtype(acc));
+  if (B * H * N > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "sparse_star_bwd", [&] {
+      using acc_t = acc_of<scalar_t>;
+      star_bwd_kernel<scalar_t, acc_t>(
+          B * H, N, D, Dv, relay, radius, cyclic, causal, scale, dout.const_data_ptr<scalar_t>(),
+          q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
+          lse.const_data_ptr<acc_t>(), has_delta ? delta.const_data_ptr<acc_t>() : nullptr,
+          has_delta ? nullptr : out.const_data_ptr<scalar_t>(), dq.mutable_data_ptr<acc_t>(),
+          dk.mutable_data_ptr<acc_t>(), dv.mutable_data_ptr<acc_t>());
+    });
+  }
+  if (acc != dtype) return {dq.to(dtype), dk.to(dtype), dv.to(dtype)};
+  return {dq, dk, dv};
+}
+
 }  // namespace
 
-// CPU-only, forward-only (see the top): declared here, not in csrc/ops.cpp, as the fused
+// CPU-only (see the top): declared here, not in csrc/ops.cpp, as the fused
 // strided ops are; pytorch_ext/ops/sparse.py registers its fake.
 TORCH_LIBRARY_FRAGMENT(attnkit, m) {
   m.def("sparse_star_fwd(Tensor q, Tensor k, Tensor v, int relay, int radius, bool cyclic, bool causal, "
         "float scale) -> (Tensor, Tensor)");
+  m.def("sparse_star_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor lse, Tensor? delta, int relay, "
+        "int radius, bool cyclic, bool causal, float scale, Tensor? out=None) -> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(attnkit, CPU, m) { m.impl("sparse_star_fwd", &sparse_star_fwd_cpu); }
+TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
+  m.impl("sparse_star_fwd", &sparse_star_fwd_cpu);
+  m.impl("sparse_star_bwd", &sparse_star_bwd_cpu);
+}
 
 }  // namespace attnkit

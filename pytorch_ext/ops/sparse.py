@@ -28,9 +28,9 @@ On the ``cpu`` backend ``strided`` skips the merge (issue 14): ``attnkit::sparse
 / ``_bwd`` (csrc/cpu/sparse.cpp; CPU-only ops declared there) run both parts of a row in one
 online softmax -- the band on consecutive rows, then each residue's columns on keys packed
 once per head -- and their gradients into one set of outputs (tests/csrc/test_sparse_strided_cpu.py).
-Its ``star`` forward, when no gradient is wanted, is one call too: ``attnkit::sparse_star_fwd``
-(csrc/cpu/sparse_star.cpp) lists each row's keys and folds them in one softmax
-(tests/csrc/test_sparse_star_cpu.py).
+Its ``star`` is one call each way too: ``attnkit::sparse_star_fwd`` / ``_bwd``
+(csrc/cpu/sparse_star.cpp) list each row's keys (and each key's rows) and fold them in one
+softmax (tests/csrc/test_sparse_star_cpu.py).
 
 Layers (DESIGN.md):
 
@@ -283,12 +283,13 @@ if _STRIDED_OP:
                                     setup_context=_strided_setup)
 
 
-# --- star in one C++ call, forward only (cpu backend): attnkit::sparse_star_fwd ---
+# --- star in one C++ call (cpu backend): attnkit::sparse_star_fwd / _bwd ---
 #
 # Declared in csrc/cpu/sparse_star.cpp.  Every row's keys in one softmax: one read of q, k, v and
 # one write of the output, where the composed path below makes five passes over [B, H, N, Dv]
-# tensors for ~4 keys a row.  No backward: sparse_attention takes it only when no gradient is
-# wanted, and training keeps the composed path, whose parts have backward kernels.
+# tensors for ~4 keys a row.  The backward recomputes each visible pair's probability once per
+# row (dq) and once per key (dk, dv): the composed path's backward ran every part's own kernel,
+# 36.7 ms at B=1 H=8 N=4096 D=64 float32 on 2 threads (bench/RESULTS.md, session 8).
 
 
 def _star_fwd_fake(q, k, v, relay, radius, cyclic, causal, scale):
@@ -296,9 +297,46 @@ def _star_fwd_fake(q, k, v, relay, radius, cyclic, causal, scale):
     return q.new_empty((b, h, n, v.shape[-1])), q.new_empty((b, h, n), dtype=_lse_dtype(q.dtype))
 
 
+def _star_bwd_fake(grad_out, q, k, v, lse, delta, relay, radius, cyclic, causal, scale, out=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _star_reference(q, k, v, relay, radius, cyclic, causal, scale):
+    """(out, lse) of star(relay, radius, cyclic, causal) in plain PyTorch (double backward)."""
+    from ..reference.sparse import _masked_attention_with_lse
+
+    mask = Star(relay, radius, cyclic, causal).mask(q.shape[2], device=q.device)
+    return _masked_attention_with_lse(q, k, v, mask, scale)
+
+
+def _star_setup(ctx, inputs, output):
+    q, k, v, relay, radius, cyclic, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = (relay, radius, cyclic, causal, scale)
+    ctx.set_materialize_grads(False)
+
+
+def _star_backward(ctx, grad_out, grad_lse):
+    nones = (None,) * 5
+    if torch.is_grad_enabled():  # double backward: through the reference
+        return (*_double_backward(_star_reference, ctx, grad_out, grad_lse, ctx.args), *nones)
+    q, k, v, out, lse = ctx.saved_tensors
+    if grad_out is not None and grad_lse is None:  # delta = rowsum(dO * O) inside the kernel
+        grads = torch.ops.attnkit.sparse_star_bwd(grad_out.contiguous(), q, k, v, lse, None, *ctx.args, out)
+    else:
+        g, delta = _delta(grad_out, grad_lse, out, lse)
+        grads = torch.ops.attnkit.sparse_star_bwd(g.contiguous(), q, k, v, lse, delta.contiguous(), *ctx.args)
+    return (*grads, *nones)
+
+
 _STAR_OP = native_ops_declared("sparse_star_fwd")
+_STAR_BWD = native_ops_declared("sparse_star_bwd")
 if _STAR_OP:
     torch.library.register_fake("attnkit::sparse_star_fwd", _star_fwd_fake)
+if _STAR_OP and _STAR_BWD:
+    torch.library.register_fake("attnkit::sparse_star_bwd", _star_bwd_fake)
+    torch.library.register_autograd("attnkit::sparse_star_fwd", _star_backward, setup_context=_star_setup)
 
 
 def _wants_grad(*tensors) -> bool:
@@ -520,7 +558,7 @@ def _run_kernels(backend, q, k, v, pattern, scale):
             results += ops.run(q, ks, vs, summary, scale)
         return _merge(results)[0]
     if isinstance(pattern, Star):
-        if backend == "cpu" and _STAR_KERNEL and not _wants_grad(q, k, v):
+        if backend == "cpu" and _STAR_KERNEL and (_STAR_BWD_KERNEL or not _wants_grad(q, k, v)):
             return torch.ops.attnkit.sparse_star_fwd(q, k, v, pattern.relay, pattern.radius, pattern.cyclic,
                                                      pattern.causal, scale)[0]
         # Band (positions) merged with the relay's key for every row, then the rows where that
@@ -560,6 +598,7 @@ def _native_kernels(key: str) -> bool:
 _NATIVE_KERNELS = {"cpu": _native_kernels("CPU"), "cuda": _native_kernels("CUDA")}
 _STRIDED_KERNEL = _STRIDED_OP and torch._C._dispatch_has_kernel_for_dispatch_key("attnkit::sparse_strided_fwd", "CPU")
 _STAR_KERNEL = _STAR_OP and torch._C._dispatch_has_kernel_for_dispatch_key("attnkit::sparse_star_fwd", "CPU")
+_STAR_BWD_KERNEL = _STAR_BWD and torch._C._dispatch_has_kernel_for_dispatch_key("attnkit::sparse_star_bwd", "CPU")
 
 
 def _kernel_limitation(backend: str, query, value, pattern) -> str:
