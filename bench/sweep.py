@@ -21,8 +21,8 @@ The grid (B=batch, H=query heads, Hk=kv heads):
 - linear: causal elu, B=1 H=8 D=64, forward at N in {256, 1024, 4096} (with attnkit's softmax as a
   peer: the crossover) and forward+backward at N in {1024, 4096, 16384}.  Peers: the masked
   quadratic form and the cumsum of outer products (where they fit in memory).
-- sparse: strided(64), fixed(64, 8), star at N=4096, strided(64) forward+backward, and strided(32)
-  at N=1024.  Peers: FlexAttention, SDPA with the dense mask, dense causal SDPA and attnkit.
+- sparse: strided(64), fixed(64, 8), star at N=4096, strided(64) and star forward+backward, and
+  strided(32) at N=1024.  Peers: FlexAttention, SDPA with the dense mask, dense causal SDPA and attnkit.
 - hopfield: update S in {1, 16, 256, 1024} against N stored patterns, 1 and 3 steps, energy.
   Peers: the plain PyTorch loop, SDPA per step, attnkit's softmax per step.
 """
@@ -81,6 +81,7 @@ def grid(families, device: torch.device) -> list[Case]:
                                        f32, "fwd", device),
                 sparse_bench.make_case("star", {"relay": 0, "radius": 1}, 1, 8, 4096, 64, f32, "fwd", device),
                 sparse_bench.make_case("strided", strided64, 1, 8, 4096, 64, f32, "fwd+bwd", device),
+                sparse_bench.make_case("star", {"relay": 0, "radius": 1}, 1, 8, 4096, 64, f32, "fwd+bwd", device),
                 sparse_bench.make_case("strided", {"stride": 32, "causal": True}, 1, 8, 1024, 64, f32, "fwd",
                                        device),
             ]

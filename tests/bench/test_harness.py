@@ -324,6 +324,7 @@ def test_full_cases_match_the_issues():
     assert all(p["causal"] and p["feature_map"] == "elu" and p["D"] == 64 for p in lin)
     sp = _params(sparse.cases(quick=False, device=CPU))
     assert any(p["pattern"] == "strided(stride=64,causal=True)" and p["N"] == 4096 for _, p in sp)
+    assert ("fwd+bwd", "star(relay=0,radius=1)") in {(m, p["pattern"]) for m, p in sp}
     hf = [p for _, p in _params(hopfield.cases(quick=False, device=CPU))]
     assert {"B": 1, "H": 1, "S": 1024, "N": 16384, "D": 64, "steps": 3, "dtype": "float32"} in hf
     assert any(p["S"] == 1 and p["N"] == 262144 for p in hf)
