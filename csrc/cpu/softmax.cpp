@@ -89,7 +89,23 @@ inline void apply_mask(T* s, int64_t n, const MaskView& mv, int64_t b, int64_t h
       const bool* m = reinterpret_cast<const bool*>(row);
       const T ninf = neg_inf<T>();
       if (mv.sm == 1) {
-        for (int64_t j = 0; j < n; ++j) s[j] = m[j] ? s[j] : ninf;
+        // Branch-free: the select on each byte compiled to a branch, mispredicted on a random
+        // mask (B=2 H=8 N=M=1024 D=64 float32, 70% True, 2 threads: forward 31.8 ms against
+        // 13.1 ms with a float mask of the same shape, 0.87x SDPA).
+        const uint8_t* mb = reinterpret_cast<const uint8_t*>(m);
+        int64_t j = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+        if constexpr (std::is_same_v<T, float>) {
+          const __m512 ninf_v = _mm512_set1_ps(ninf);
+          for (; j + 16 <= n; j += 16) {
+            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mb + j));
+            const __mmask16 keep = _mm_test_epi8_mask(bytes, bytes);
+            _mm512_storeu_ps(s + j, _mm512_mask_blend_ps(keep, ninf_v, _mm512_loadu_ps(s + j)));
+          }
+        }
+#endif
+#pragma omp simd
+        for (int64_t x = j; x < n; ++x) s[x] = mb[x] != 0 ? s[x] : ninf;
       } else {
         for (int64_t j = 0; j < n; ++j) s[j] = m[j * mv.sm] ? s[j] : ninf;
       }
