@@ -6,7 +6,9 @@ counts 3.5× the forward (the backward's five matrix products against the forwar
 convention of FlashAttention-2).
 
 Full sizes (issue 3): B=1, H=8, N=4096, D=64 — float32 forward and forward+backward, causal and
-not, and bfloat16 forward.  ``--quick``: N=1024.
+not, and bfloat16 forward.  ``--quick``: N=1024.  Masks (:func:`make_mask_case`, full runs only):
+B=4, H=8, N=1024, D=64 float32 with a key-padding, a random bool and an additive mask, forward
+and forward+backward.
 
 Decoding (issue 14, :func:`make_decode_case`): one query row per head against a KV cache, B=8,
 Hq=32, Hk=8 (GQA), D=128, M in {1024, 4096, 16384}, float32 (target 2x SDPA) and bfloat16
@@ -84,6 +86,51 @@ def make_case(b: int, h: int, n: int, d: int, dtype: torch.dtype, causal: bool, 
                 priority=priority)
 
 
+MASK_KINDS = ("padding", "bool", "additive")
+
+
+def _mask_inputs(b, h, n, d, dtype, seed, kind):
+    """q, k, v and the mask: ``padding`` a key-padding mask [B, 1, 1, N] (batch element i keeps
+    its first N - i N / (2 B) keys, as a padded batch of a language model), ``bool`` a random [N,
+    N] mask keeping ~70% of the entries, ``additive`` a float [N, N] bias."""
+    base = _inputs(b, h, n, d, dtype, seed)
+
+    def make(device):
+        x = base(device)
+        gen = torch.Generator().manual_seed(seed + 3)
+        if kind == "padding":
+            lengths = torch.tensor([n - i * n // (2 * b) for i in range(b)])
+            mask = (torch.arange(n)[None, :] < lengths[:, None])[:, None, None, :]
+        elif kind == "bool":
+            mask = torch.rand(n, n, generator=gen) > 0.3
+        else:
+            mask = torch.randn(n, n, generator=gen).to(dtype)
+        x["mask"] = mask.to(device)
+        return x
+    return make
+
+
+def make_mask_case(b: int, h: int, n: int, d: int, dtype: torch.dtype, kind: str, mode: str,
+                   device: torch.device, seed: int = 0) -> Case:
+    """SDPA with ``attn_mask`` (see :func:`_mask_inputs` for the kinds), as model code calls it."""
+    def call(backend):
+        def fn(x):
+            import attnkit
+
+            return attnkit.softmax_attention(x["q"], x["k"], x["v"], attn_mask=x["mask"], backend=backend)
+        return fn
+
+    score_bytes = b * h * n * n * torch.empty((), dtype=dtype).element_size()
+    impls = attnkit_impls(FAMILY, device, call, reference_skip_reason=reference_skip(score_bytes, device))
+    impls.append(Impl("torch SDPA", "peer",
+                      fn=lambda x: F.scaled_dot_product_attention(x["q"], x["k"], x["v"], attn_mask=x["mask"])))
+    name = f"mask-{kind}-{dtype_name(dtype)}-N{n}-D{d}"
+    params = {"B": b, "H": h, "N": n, "D": d, "dtype": dtype_name(dtype), "causal": False, "mask": kind}
+    return Case(FAMILY, name, mode, params, flops(b, h, n, n, d, d, False, mode),
+                _mask_inputs(b, h, n, d, dtype, seed, kind), impls,
+                grad_inputs=("q", "k", "v") if mode == "fwd+bwd" else ())
+
+
 def _decode_inputs(b, h, hk, n, m, d, dtype, seed):
     def make(device):
         return {
@@ -147,6 +194,10 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
         for causal in (False, True):
             out.append(make_case(1, 8, n, 64, torch.float32, causal, mode, device))
     out.append(make_case(1, 8, n, 64, torch.bfloat16, False, "fwd", device))
+    if not quick:  # masks as model code passes them (B=4, N=1024: a padded batch)
+        for kind in MASK_KINDS:
+            for mode in ("fwd", "fwd+bwd"):
+                out.append(make_mask_case(4, 8, 1024, 64, torch.float32, kind, mode, device))
     out += decode_cases(quick, device)
     return out
 

@@ -319,6 +319,8 @@ def test_full_cases_match_the_issues():
         for causal in (False, True):
             assert (mode, {**base, "dtype": "float32", "causal": causal}) in sm
     assert ("fwd", {**base, "dtype": "bfloat16", "causal": False}) in sm
+    masked = {(m, p["mask"]) for m, p in sm if "mask" in p}
+    assert masked == {(m, k) for m in ("fwd", "fwd+bwd") for k in ("padding", "bool", "additive")}
     lin = [p for m, p in _params(linear.cases(quick=False, device=CPU)) if m == "fwd+bwd"]
     assert sorted(p["N"] for p in lin) == [4096, 16384]
     assert all(p["causal"] and p["feature_map"] == "elu" and p["D"] == 64 for p in lin)
