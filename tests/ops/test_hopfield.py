@@ -11,6 +11,7 @@ import torch
 import attnkit
 from attnkit import BackendUnavailableError
 from attnkit.reference.hopfield import hopfield_energy_reference, hopfield_update_reference
+from attnkit_testing import assert_close_to_reference
 
 hop_ops = importlib.import_module("attnkit.ops.hopfield")
 F64 = torch.float64
@@ -159,6 +160,62 @@ def test_update_defaults_to_the_cpu_kernel_on_cpu(monkeypatch):
     assert attnkit.hopfield_update(state, stored, steps=2).shape == (2, 3, 7, 16)
     with pytest.raises(AssertionError, match="the reference ran"):
         attnkit.hopfield_update(state, stored, backend="reference")
+
+
+UPDATE_GRAD_CASES = [  # (s, n, d, dv, steps, with_values, tol)
+    (1, 1, 5, 3, 1, False, None), (1, 3000, 64, 64, 1, False, None), (7, 129, 63, 5, 3, True, 1e-2),
+    (16, 700, 17, 9, 2, False, 1e-3), (40, 257, 32, 32, 3, True, None), (300, 513, 64, 64, 3, False, None),
+]
+
+
+@needs_native
+@pytest.mark.parametrize("s,n,d,dv,steps,with_values,tol", UPDATE_GRAD_CASES)
+def test_update_float32_gradients_match_float64_reference(s, n, d, dv, steps, with_values, tol):
+    """On CPU each retrieval's backward is the C++ softmax backward kernel (attnkit::softmax_bwd,
+    from the step's lse and output): gradients of state, stored and values against the float64
+    reference's autograd, frozen rows (tol) included."""
+    gen = torch.Generator().manual_seed(s + n)
+    # Rows of norm ~2: scores of a few units, so the softmax is not one-hot.  (Randn rows of norm
+    # sqrt(D) give scores ~40 at D=64: dstate then cancels to ~1e-5 of its terms, and the float32
+    # rounding of those scores, amplified over three near-argmax steps, is all that is left.)
+    state, stored, values = (2 * torch.randn(2, 2, r, c, generator=gen) / c ** 0.5
+                             for r, c in ((s, d), (n, d), (n, dv)))
+    values = values if with_values else None
+    g = torch.randn(2, 2, s, dv if with_values else d, generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (state, stored) + ((values,) if with_values else ())]
+    out = attnkit.hopfield_update(leaves[0], leaves[1], beta=0.7, steps=steps, tol=tol,
+                                  values=leaves[2] if with_values else None, backend="cpu")
+    grads = torch.autograd.grad(out, leaves, g)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = hopfield_update_reference(ref_leaves[0], ref_leaves[1], beta=0.7, steps=steps, tol=tol,
+                                    values=ref_leaves[2] if with_values else None)
+    want = torch.autograd.grad(ref, ref_leaves, g.double())
+    for name, got, w in zip(("state", "stored", "values"), grads, want):
+        assert_close_to_reference(got, w, grad=True, name=f"d{name}")
+
+
+@needs_native
+def test_update_backward_runs_the_softmax_kernel_and_double_backward_the_reference(monkeypatch):
+    calls = []
+    real = torch.ops.attnkit.softmax_bwd
+
+    def spy(*args):
+        calls.append(args[1].shape)
+        return real(*args)
+
+    monkeypatch.setattr(hop_ops, "_SOFTMAX_BWD", spy)
+    state, stored, _ = (t.double().requires_grad_() for t in _inputs(b=1, h=1, s=3, n=6, d=4))
+    out = attnkit.hopfield_update(state, stored, beta=0.5, steps=2, backend="cpu")
+    torch.autograd.grad(out.sum(), (state, stored))
+    assert calls == [(1, 1, 3, 4)] * 2  # one kernel call per retrieval
+    calls.clear()
+    assert torch.autograd.gradgradcheck(
+        lambda a, x: attnkit.hopfield_update(a, x, beta=0.5, steps=2, backend="cpu"), (state, stored))
+    assert not calls  # create_graph: through the differentiable reference
+    state, stored, values = (t.double().requires_grad_() for t in _inputs(b=1, h=1, s=2, n=5, d=3, dv=2))
+    assert torch.autograd.gradgradcheck(
+        lambda a, x, v: attnkit.hopfield_update(a, x, beta=0.8, steps=3, values=v, tol=1e-2, backend="cpu"),
+        (state, stored, values))
 
 
 @needs_native
