@@ -7,7 +7,8 @@ Energy E(ξ) = −β⁻¹ lse(β ξ Xᵀ) + ½ ξᵀξ + β⁻¹ log N + ½ M²;
 FLOPs: update 4·B·H·S·N·D per step (ξ Xᵀ and P X); energy 2·B·H·S·N·D.
 
 Full sizes (issue 6): B=H=1, S=1024, N=16384, D=64, 3 steps; one query S=1, N=262144, D=64, one
-step; energy at S=1024, N=16384.  ``--quick``: S=256, N=4096 and S=1, N=65536.
+step; energy at S=1024, N=16384; and forward+backward (state and stored patterns) at S=256,
+N=4096, 3 steps.  ``--quick``: S=256, N=4096 and S=1, N=65536.
 
 CUDA (issue 10, :func:`cuda_cases`): one query at N = 2²⁰, D=64, bfloat16 (``--quick``: this case
 only) and float32 — bound by reading the stored patterns once, so reported in GB/s against the
@@ -69,7 +70,10 @@ def _inputs(b, h, s, n, d, dtype, seed):
 
 
 def update_case(b: int, h: int, s: int, n: int, d: int, steps: int, dtype: torch.dtype, device: torch.device,
-                seed: int = 0, copy_fraction_target: float | None = None, priority: int = 0) -> Case:
+                seed: int = 0, copy_fraction_target: float | None = None, priority: int = 0,
+                mode: str = "fwd") -> Case:
+    """``mode`` "fwd+bwd": gradients of the state and the stored patterns (training a Hopfield
+    layer), FLOPs counted as 3.5x the forward's (the softmax cases' convention)."""
     beta = 1.0 / math.sqrt(d)
 
     def call(backend):
@@ -98,10 +102,12 @@ def update_case(b: int, h: int, s: int, n: int, d: int, steps: int, dtype: torch
     name = f"update-S{s}-N{n}-D{d}-steps{steps}"
     if torch.device(device).type == "cuda":
         name += f"-{dtype_name(dtype)}"  # the GPU sweep has one shape in two dtypes
-    return Case(FAMILY, name, "fwd", params, 4.0 * b * h * s * n * d * steps,
-                _inputs(b, h, s, n, d, dtype, seed), impls, notes=notes,
-                bytes=stored_bytes if s <= SPLIT_QUERIES else 0.0, copy_fraction_target=copy_fraction_target,
-                priority=priority)
+    train = mode == "fwd+bwd"
+    return Case(FAMILY, name, mode, params, 4.0 * b * h * s * n * d * steps * (3.5 if train else 1.0),
+                _inputs(b, h, s, n, d, dtype, seed), impls, notes=[] if train else notes,
+                bytes=stored_bytes if s <= SPLIT_QUERIES and not train else 0.0,
+                copy_fraction_target=copy_fraction_target, priority=priority,
+                grad_inputs=("state", "stored") if train else ())
 
 
 def energy_case(b: int, h: int, s: int, n: int, d: int, dtype: torch.dtype, device: torch.device,
@@ -140,6 +146,8 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
         update_case(1, 1, 1024, 16384, 64, 3, f32, device),
         update_case(1, 1, 1, 262144, 64, 1, f32, device),
         energy_case(1, 1, 1024, 16384, 64, f32, device),
+        # training: the update's backward (each step through the softmax backward kernel)
+        update_case(1, 1, 256, 4096, 64, 3, f32, device, mode="fwd+bwd"),
     ]
     return out
 

@@ -330,6 +330,7 @@ def test_full_cases_match_the_issues():
     hf = [p for _, p in _params(hopfield.cases(quick=False, device=CPU))]
     assert {"B": 1, "H": 1, "S": 1024, "N": 16384, "D": 64, "steps": 3, "dtype": "float32"} in hf
     assert any(p["S"] == 1 and p["N"] == 262144 for p in hf)
+    assert ("fwd+bwd", 256) in {(c.mode, c.params["S"]) for c in hopfield.cases(quick=False, device=CPU)}
 
 
 def test_reference_is_skipped_for_big_cases_and_says_so():
