@@ -113,24 +113,45 @@ def _energy_backward(ctx, grad_energy, grad_lse):
     want_state, want_stored = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
 
     chunk = _bwd_chunk(b * h, s, n)
-    weighted = torch.zeros_like(xi) if want_state else None  # Σ_i p_i x_i
+    weighted = None  # Σ_i p_i x_i
     stored_parts = []
-    for start in range(0, n, chunk):
-        x_chunk = x[:, :, start:start + chunk]
-        probs = _chunk_probs(xi, x_chunk, lse, beta)
+    bwd = _softmax_bwd_op() if xi.device.type == "cpu" and not torch.is_grad_enabled() else False
+    if bwd:
+        # The two sums are softmax attention's (queries ξ, keys = values = X, scale β): Σ_i p_i x_i
+        # its output, Σ_rows c p_i ξ the dV of a backward with dO = c ξ (its dq, dk unused).
+        # B=H=1 D=64 float32, 2 threads, forward + backward (session 8): S=256 N=4096 7.7 -> 3.8
+        # ms, S=1024 N=16384 86 -> 46 ms; the slices below (three [S, N] products, exp, scaling)
+        # were 6 ms of the first.
+        xi_c, x_c = xi.contiguous(), x.contiguous()
+        out = torch.ops.attnkit.softmax_fwd(xi_c, x_c, x_c, None, float(beta), False)[0]
         if want_state:
-            weighted = weighted + torch.matmul(probs, x_chunk)
+            weighted = out
         if want_stored:
-            stored_parts.append(torch.matmul((probs * coef).transpose(-2, -1), xi))
+            stored_parts.append(bwd((coef * xi_c).contiguous(), xi_c, x_c, x_c, out, lse.contiguous(), None,
+                                    float(beta), False)[2])
+    else:
+        weighted = torch.zeros_like(xi) if want_state else None
+        for start in range(0, n, chunk):
+            x_chunk = x[:, :, start:start + chunk]
+            probs = _chunk_probs(xi, x_chunk, lse, beta)
+            if want_state:
+                weighted = weighted + torch.matmul(probs, x_chunk)
+            if want_stored:
+                stored_parts.append(torch.matmul((probs * coef).transpose(-2, -1), xi))
 
     grad_state = grad_stored = None
     if want_state:
         grad_state = (g_e.unsqueeze(-1) * xi + coef * weighted).to(state.dtype)
     if want_stored:
-        grad_x = torch.cat(stored_parts, dim=-2) if stored_parts else torch.zeros_like(x)
-        top = x.pow(2).sum(dim=-1).argmax(dim=-1)  # [B, H]
-        onehot = torch.nn.functional.one_hot(top, n).to(acc)  # [B, H, N]
-        grad_x = grad_x + (onehot * g_e.sum(dim=-1, keepdim=True)).unsqueeze(-1) * x
+        # One slice: its product is the whole gradient (torch.cat would copy it).
+        grad_x = stored_parts[0] if len(stored_parts) == 1 else torch.cat(stored_parts, dim=-2)
+        # The ½M² term touches one row per (b, h): added to that row alone.  (A one-hot [B, H, N]
+        # times x made two more [B, H, N, D] tensors: at S=1 N=65536 D=64 the backward's
+        # fresh 16 MiB allocations cost more than its products.)
+        top = x.pow(2).sum(dim=-1).argmax(dim=-1, keepdim=True)  # [B, H, 1]
+        idx = top.unsqueeze(-1).expand(*top.shape, x.shape[-1])  # [B, H, 1, D]
+        term = g_e.sum(dim=-1, keepdim=True).unsqueeze(-1) * x.gather(-2, idx)
+        grad_x = grad_x.scatter_add(-2, idx, term) if torch.is_grad_enabled() else grad_x.scatter_add_(-2, idx, term)
         grad_stored = grad_x.to(stored.dtype)
     return grad_state, grad_stored, None
 

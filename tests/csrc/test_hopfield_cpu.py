@@ -149,9 +149,17 @@ def _explicit_grads(state, stored, beta, g_energy, g_lse):
     return g_state, g_stored
 
 
-@pytest.mark.parametrize("budget", [1, 40, 1 << 22])
+@pytest.mark.parametrize("budget", [1, 40, 1 << 22, "kernel"])
 def test_backward_slices_the_probabilities_and_matches_explicit_gradients(monkeypatch, budget):
+    """The backward's formula in slices of the stored patterns (what the GPU backends run; on
+    CPU the C++ softmax kernels compute the same sums: budget "kernel") against explicit
+    gradients."""
     b_, h_, s_, n_, d_ = 2, 2, 5, 37, 8
+    kernel = budget == "kernel"
+    if kernel:
+        budget = 1 << 22
+    else:
+        monkeypatch.setattr(hop_ops, "_SOFTMAX_BWD", False)  # no kernel: the slices
     monkeypatch.setattr(hop_ops, "_BWD_PROBS_BUDGET", budget)
     seen = []
     real = hop_ops._chunk_probs
@@ -177,6 +185,9 @@ def test_backward_slices_the_probabilities_and_matches_explicit_gradients(monkey
     want = _explicit_grads(state.detach(), stored.detach(), 0.4, g_energy, g_lse)
     torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got[1], want[1], rtol=1e-12, atol=1e-12)
+    if kernel:
+        assert not seen
+        return
     chunk = max(1, min(n_, budget // (b_ * h_ * s_)))
     assert seen and all(shape == (b_, h_, s_, min(chunk, n_ - i * chunk)) for i, shape in enumerate(seen))
     assert sum(shape[-1] for shape in seen) == n_

@@ -219,6 +219,24 @@ def test_update_backward_runs_the_softmax_kernel_and_double_backward_the_referen
 
 
 @needs_native
+@pytest.mark.parametrize("with_values", [False, True])
+def test_update_backward_formula_without_the_kernel(monkeypatch, with_values):
+    """The chunked PyTorch formula (what the GPU backends run) against the reference in float64,
+    frozen rows included."""
+    monkeypatch.setattr(hop_ops, "_SOFTMAX_BWD", False)
+    monkeypatch.setattr(hop_ops, "_BWD_PROBS_BUDGET", 40)  # several slices
+    state, stored, values = (t.double().requires_grad_() for t in _inputs(b=1, h=2, s=4, n=23, d=6, dv=3))
+    values = values if with_values else None
+    leaves = [t for t in (state, stored, values) if t is not None]
+    got = torch.autograd.grad(attnkit.hopfield_update(state, stored, beta=0.6, steps=3, values=values, tol=1e-2,
+                                                      backend="cpu").sum(), leaves)
+    want = torch.autograd.grad(hopfield_update_reference(state, stored, beta=0.6, steps=3, values=values,
+                                                         tol=1e-2).sum(), leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@needs_native
 def test_update_cpu_and_reference_backends_agree_with_grads():
     state, stored, values = (t.double().requires_grad_() for t in _inputs(s=9, n=50, d=16))
     grads = []
