@@ -111,7 +111,8 @@ def update_case(b: int, h: int, s: int, n: int, d: int, steps: int, dtype: torch
 
 
 def energy_case(b: int, h: int, s: int, n: int, d: int, dtype: torch.dtype, device: torch.device,
-                seed: int = 0, priority: int = 0) -> Case:
+                seed: int = 0, priority: int = 0, mode: str = "fwd") -> Case:
+    """``mode`` "fwd+bwd": gradients of the state and the stored patterns (FLOPs 3.5x)."""
     beta = 1.0 / math.sqrt(d)
 
     def call(backend):
@@ -128,8 +129,10 @@ def energy_case(b: int, h: int, s: int, n: int, d: int, dtype: torch.dtype, devi
     impls.append(Impl("plain PyTorch", "peer", fn=lambda x: plain_energy(x["state"], x["stored"], beta)))
     params = {"B": b, "H": h, "S": s, "N": n, "D": d, "dtype": dtype_name(dtype)}
     name = f"energy-S{s}-N{n}-D{d}" + (f"-{dtype_name(dtype)}" if torch.device(device).type == "cuda" else "")
-    return Case(FAMILY, name, "fwd", params, 2.0 * b * h * s * n * d, _inputs(b, h, s, n, d, dtype, seed), impls,
-                priority=priority)
+    train = mode == "fwd+bwd"
+    return Case(FAMILY, name, mode, params, 2.0 * b * h * s * n * d * (3.5 if train else 1.0),
+                _inputs(b, h, s, n, d, dtype, seed), impls, priority=priority,
+                grad_inputs=("state", "stored") if train else ())
 
 
 def cases(quick: bool, device: torch.device) -> list[Case]:

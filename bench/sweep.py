@@ -25,7 +25,7 @@ The grid (B=batch, H=query heads, Hk=kv heads):
 - sparse: strided(64), fixed(64, 8), star at N=4096, strided(64) and star forward+backward, and
   strided(32) at N=1024.  Peers: FlexAttention, SDPA with the dense mask, dense causal SDPA and attnkit.
 - hopfield: update S in {1, 16, 256, 1024} against N stored patterns, 1 and 3 steps, energy;
-  forward+backward at S in {1, 16, 256}.
+  forward+backward of the update at S in {1, 16, 256} and of the energy at S in {1, 256, 1024}.
   Peers: the plain PyTorch loop, SDPA per step, attnkit's softmax per step.
 """
 from __future__ import annotations
@@ -98,6 +98,8 @@ def grid(families, device: torch.device) -> list[Case]:
                 out.append(hopfield_bench.energy_case(1, 1, s, n, 64, f32, device))
             for s, n, steps in ((1, 65536, 1), (16, 16384, 3), (256, 4096, 3)):
                 out.append(hopfield_bench.update_case(1, 1, s, n, 64, steps, f32, device, mode="fwd+bwd"))
+            for s, n in ((1, 65536), (256, 4096), (1024, 16384)):
+                out.append(hopfield_bench.energy_case(1, 1, s, n, 64, f32, device, mode="fwd+bwd"))
         else:
             raise ValueError(f"unknown family {family!r}; expected some of {', '.join(FAMILIES)}")
     return out
