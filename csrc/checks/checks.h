@@ -97,6 +97,13 @@ void sparse_range_bwd(const Target& t, const at::Tensor& grad_out, const at::Ten
 // The lists' entries (offsets in range, block indices increasing and in range) are checked where
 // the host can read them: CPU tensors.  CUDA lists are not read back (that would synchronize
 // every call): they must come from a valid layout (attnkit.patterns.BlockLayout.index_lists).
+// The backward of a whole-pattern op over one sequence (sparse_strided_bwd, sparse_star_bwd;
+// CPU-only): sparse_range_bwd's checks on a plain view, with lse standing in for delta when only
+// out is given (then out must be like grad_out), and q, k of the same length.  `name` is the op's
+// ("sparse_strided_bwd").  Returns whether delta was given.
+bool sparse_pattern_bwd(const Target& t, const char* name, const at::Tensor& grad_out, const at::Tensor& q,
+                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse,
+                        const c10::optional<at::Tensor>& delta, const c10::optional<at::Tensor>& out, double scale);
 void block_sparse_fwd(const Target& t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& row_ptr, const at::Tensor& col_idx, int64_t block, bool causal, double scale);
 void block_sparse_bwd(const Target& t, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,

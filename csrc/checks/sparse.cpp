@@ -199,6 +199,26 @@ void sparse_range_bwd(const Target& t, const at::Tensor& grad_out, const at::Ten
   check_range(op, q, k, view, lo, hi, /*keys_disjoint=*/true);
 }
 
+bool sparse_pattern_bwd(const Target& t, const char* name, const at::Tensor& grad_out, const at::Tensor& q,
+                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse,
+                        const c10::optional<at::Tensor>& delta, const c10::optional<at::Tensor>& out, double scale) {
+  const Op op{name, t};
+  const std::vector<int64_t> plain{1, 0, 1, 0, 1}, lo{0, 1, 1, 0}, hi{0, 1, 1, 0};
+  const bool has_delta = delta.has_value() && delta->defined();
+  const bool has_out = out.has_value() && out->defined();
+  ATTNKIT_CHECK(has_delta || has_out, op, ": give delta, or out to compute it from");
+  sparse_range_bwd(t, grad_out, q, k, v, lse, has_delta ? *delta : lse, plain, lo, hi, scale);
+  if (!has_delta) {
+    ATTNKIT_CHECK(out->sizes() == grad_out.sizes() && out->scalar_type() == grad_out.scalar_type() &&
+                      out->device() == grad_out.device(),
+                  op, ": out must be like grad_out (", grad_out.sizes(), ", ", grad_out.scalar_type(), ", ",
+                  grad_out.device(), "); got ", out->sizes(), ", ", out->scalar_type(), ", ", out->device());
+  }
+  ATTNKIT_CHECK(k.size(2) == q.size(2), op, ": self-attention: q and k must have the same length; got ", q.sizes(),
+                " and ", k.sizes());
+  return has_delta;
+}
+
 void block_sparse_fwd(const Target& t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& row_ptr, const at::Tensor& col_idx, int64_t block, bool /*causal*/,
                       double /*scale*/) {

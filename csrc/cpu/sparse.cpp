@@ -62,6 +62,7 @@
 #include <vector>
 
 #include "empty_huge.h"
+#include "pattern_bwd.h"
 #include "flash_tiles.h"
 #include "../checks/checks.h"
 
@@ -1643,48 +1644,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_strided_bwd_cpu(
     const at::Tensor& dout_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
     const at::Tensor& lse_, const c10::optional<at::Tensor>& delta_opt, int64_t stride, bool causal,
     double scale, const c10::optional<at::Tensor>& out_opt) {
-  const std::vector<int64_t> plain{1, 0, 1, 0, 1}, lo{0, 1, 1, 0}, hi{0, 1, 1, 0};
-  const bool has_delta = delta_opt.has_value() && delta_opt->defined();
-  const bool has_out = out_opt.has_value() && out_opt->defined();
-  ATTNKIT_CHECK(has_delta || has_out, "attnkit::sparse_strided_bwd (cpu): give delta, or out to compute it from");
-  // Without delta, lse stands in for it in the shared checks (same shape, dtype and device).
-  checks::sparse_range_bwd(checks::cpu_target(), dout_, q_, k_, v_, lse_, has_delta ? *delta_opt : lse_, plain,
-                           lo, hi, scale);
-  if (!has_delta) {
-    ATTNKIT_CHECK(out_opt->sizes() == dout_.sizes() && out_opt->scalar_type() == dout_.scalar_type() &&
-                      out_opt->device() == dout_.device(),
-                  "attnkit::sparse_strided_bwd (cpu): out must be like grad_out (", dout_.sizes(), ", ",
-                  dout_.scalar_type(), ", ", dout_.device(), "); got ", out_opt->sizes(), ", ",
-                  out_opt->scalar_type(), ", ", out_opt->device());
-  }
+  const bool has_delta = checks::sparse_pattern_bwd(checks::cpu_target(), "sparse_strided_bwd", dout_, q_, k_, v_,
+                                                    lse_, delta_opt, out_opt, scale);
   ATTNKIT_CHECK(stride >= 1, "attnkit::sparse_strided_bwd (cpu): stride must be >= 1; got ", stride);
-  ATTNKIT_CHECK(k_.size(2) == q_.size(2), "attnkit::sparse_strided_bwd (cpu): self-attention: q and k ",
-                "must have the same length; got ", q_.sizes(), " and ", k_.sizes());
-  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
-  const at::Tensor dout = dout_.contiguous(), lse = lse_.contiguous();
-  const at::Tensor delta = has_delta ? delta_opt->contiguous() : at::Tensor();
-  const at::Tensor out = has_delta ? at::Tensor() : out_opt->contiguous();
-  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Dv = v.size(3);
-  const auto dtype = q.scalar_type();
-  const auto acc = acc_type_of(dtype);
-  // Written whole by the kernel (each task writes its head's rows in order, from its columns'
+  // The kernel writes every output row (each task its head's rows in order, from its columns'
   // gradients, before its band adds to them).
-  at::Tensor dq = empty_huge({B, H, N, D}, q.options().dtype(acc));
-  at::Tensor dk = empty_huge({B, H, N, D}, q.options().dtype(acc));
-  at::Tensor dv = empty_huge({B, H, N, Dv}, q.options().dtype(acc));
-  if (B * H * N > 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "sparse_strided_bwd", [&] {
-      using acc_t = acc_of<scalar_t>;
-      strided_bwd_kernel<scalar_t, acc_t>(
-          B * H, N, D, Dv, stride, causal, scale, dout.const_data_ptr<scalar_t>(),
-          q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
-          lse.const_data_ptr<acc_t>(), has_delta ? delta.const_data_ptr<acc_t>() : nullptr,
-          has_delta ? nullptr : out.const_data_ptr<scalar_t>(), dq.mutable_data_ptr<acc_t>(),
-          dk.mutable_data_ptr<acc_t>(), dv.mutable_data_ptr<acc_t>());
-    });
-  }
-  if (acc != dtype) return {dq.to(dtype), dk.to(dtype), dv.to(dtype)};
-  return {dq, dk, dv};
+  return run_pattern_bwd(
+      dout_.contiguous(), q_.contiguous(), k_.contiguous(), v_.contiguous(),
+      lse_.contiguous(), has_delta ? delta_opt->contiguous() : at::Tensor(),
+      has_delta ? at::Tensor() : out_opt->contiguous(),
+      [&](int64_t BH, int64_t N, int64_t D, int64_t Dv, const auto* dout, const auto* q, const auto* k,
+          const auto* v, const auto* lse, const auto* delta, const auto* out, auto* dq, auto* dk, auto* dv) {
+        strided_bwd_kernel(BH, N, D, Dv, stride, causal, scale, dout, q, k, v, lse, delta, out, dq, dk, dv);
+      });
 }
 
 // Per-chunk float buffers -> the result in the input dtype (chunks summed in order: deterministic).

@@ -41,6 +41,7 @@
 
 #include "empty_huge.h"
 #include "flash_tiles.h"
+#include "pattern_bwd.h"
 #include "../checks/checks.h"
 
 namespace attnkit {
@@ -106,6 +107,43 @@ int64_t star_rows(int64_t j, int64_t N, int64_t relay, int64_t radius, bool cycl
   return c;
 }
 
+// A thread's scratch: position lists (room for N) and rows in the accumulation type.
+template <typename acc_t>
+struct StarScratch {
+  std::vector<int64_t> list;
+  std::vector<acc_t> s, a, b, acc, acc2;
+  StarScratch(int64_t N, int64_t D, int64_t Dv)
+      : list(static_cast<size_t>(N)), s(static_cast<size_t>(N)), a(static_cast<size_t>(std::max(D, Dv))),
+        b(static_cast<size_t>(Dv)), acc(static_cast<size_t>(std::max(D, Dv))), acc2(static_cast<size_t>(Dv)) {}
+};
+
+// Runs body(scratch, bh, i0, i1) for every block of kStarRows rows of every head on torch's
+// threads, with one StarScratch per chunk of blocks.
+template <typename acc_t, typename Body>
+void for_row_blocks(int64_t BH, int64_t N, int64_t D, int64_t Dv, Body body) {
+  const int64_t blocks = (N + kStarRows - 1) / kStarRows;
+  at::parallel_for(0, BH * blocks, 1, [&](int64_t t0, int64_t t1) {
+    StarScratch<acc_t> scratch(N, D, Dv);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i0 = (t % blocks) * kStarRows;
+      body(scratch, t / blocks, i0, std::min(N, i0 + kStarRows));
+    }
+  });
+}
+
+template <typename scalar_t, typename acc_t>
+inline acc_t dot_acc(const acc_t* a, const scalar_t* b, int64_t n) {
+  acc_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < n; ++d) sum += a[d] * static_cast<acc_t>(b[d]);
+  return sum;
+}
+
+template <typename scalar_t, typename acc_t>
+inline void load_acc_row(const scalar_t* src, int64_t n, acc_t* dst) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<acc_t>(src[d]);
+}
+
 template <typename scalar_t, typename acc_t>
 void star_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t relay, int64_t radius, bool cyclic,
                      bool causal, double scale_in, const scalar_t* q, const scalar_t* k, const scalar_t* v,
@@ -113,50 +151,41 @@ void star_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t relay
   const acc_t scale = static_cast<acc_t>(scale_in);
   const acc_t inf = std::numeric_limits<acc_t>::infinity();
   const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
-  const int64_t blocks = (N + kStarRows - 1) / kStarRows;
-  at::parallel_for(0, BH * blocks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int64_t> keys(static_cast<size_t>(N));
-    std::vector<acc_t> s(static_cast<size_t>(N)), qi(static_cast<size_t>(D)), o(static_cast<size_t>(Dv));
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t bh = t / blocks, i0 = (t % blocks) * kStarRows, i1 = std::min(N, i0 + kStarRows);
-      const scalar_t* K = k + bh * N * D;
-      const scalar_t* V = v + bh * N * Dv;
-      for (int64_t i = i0; i < i1; ++i) {
-        const scalar_t* qrow = q + (bh * N + i) * D;
-        for (int64_t d = 0; d < D; ++d) qi[d] = static_cast<acc_t>(qrow[d]);
-        const int64_t c = star_keys(i, N, relay, radius, cyclic, causal, keys.data());
-        acc_t mx = -inf;
-        bool poisoned = false;
-        for (int64_t x = 0; x < c; ++x) {
-          const scalar_t* kr = K + keys[x] * D;
-          acc_t dot = 0;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qi[d] * static_cast<acc_t>(kr[d]);
-          const acc_t sc = dot * scale;
-          s[x] = sc;
-          poisoned |= sc != sc || sc == inf;
-          mx = sc > mx ? sc : mx;
-        }
-        scalar_t* orow = out + (bh * N + i) * Dv;
-        if (poisoned || mx == -inf) {  // NaN everywhere, or nothing to attend: 0 and -inf
-          const acc_t fill = poisoned ? nan : acc_t(0);
-          for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<scalar_t>(fill);
-          lse[bh * N + i] = poisoned ? nan : -inf;
-          continue;
-        }
-        std::fill(o.begin(), o.end(), acc_t(0));
-        acc_t l = 0;
-        for (int64_t x = 0; x < c; ++x) {
-          const acc_t p = std::exp(s[x] - mx);
-          l += p;
-          const scalar_t* vr = V + keys[x] * Dv;
-#pragma omp simd
-          for (int64_t e = 0; e < Dv; ++e) o[e] += p * static_cast<acc_t>(vr[e]);
-        }
-        const acc_t inv = acc_t(1) / l;
-        for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<scalar_t>(o[e] * inv);
-        lse[bh * N + i] = mx + std::log(l);
+  for_row_blocks<acc_t>(BH, N, D, Dv, [&](StarScratch<acc_t>& st, int64_t bh, int64_t i0, int64_t i1) {
+    const scalar_t* K = k + bh * N * D;
+    const scalar_t* V = v + bh * N * Dv;
+    acc_t* qi = st.a.data();
+    acc_t* o = st.acc.data();
+    for (int64_t i = i0; i < i1; ++i) {
+      load_acc_row(q + (bh * N + i) * D, D, qi);
+      const int64_t c = star_keys(i, N, relay, radius, cyclic, causal, st.list.data());
+      acc_t mx = -inf;
+      bool poisoned = false;
+      for (int64_t x = 0; x < c; ++x) {
+        const acc_t sc = dot_acc(qi, K + st.list[x] * D, D) * scale;
+        st.s[x] = sc;
+        poisoned |= sc != sc || sc == inf;
+        mx = sc > mx ? sc : mx;
       }
+      scalar_t* orow = out + (bh * N + i) * Dv;
+      if (poisoned || mx == -inf) {  // NaN everywhere, or nothing to attend: 0 and -inf
+        const acc_t fill = poisoned ? nan : acc_t(0);
+        for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<scalar_t>(fill);
+        lse[bh * N + i] = poisoned ? nan : -inf;
+        continue;
+      }
+      std::fill(o, o + Dv, acc_t(0));
+      acc_t l = 0;
+      for (int64_t x = 0; x < c; ++x) {
+        const acc_t p = std::exp(st.s[x] - mx);
+        l += p;
+        const scalar_t* vr = V + st.list[x] * Dv;
+#pragma omp simd
+        for (int64_t e = 0; e < Dv; ++e) o[e] += p * static_cast<acc_t>(vr[e]);
+      }
+      const acc_t inv = acc_t(1) / l;
+      for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<scalar_t>(o[e] * inv);
+      lse[bh * N + i] = mx + std::log(l);
     }
   });
 }
@@ -188,19 +217,6 @@ std::tuple<at::Tensor, at::Tensor> sparse_star_fwd_cpu(const at::Tensor& q_, con
   return {out, lse};
 }
 
-template <typename scalar_t, typename acc_t>
-inline acc_t dot_acc(const acc_t* a, const scalar_t* b, int64_t n) {
-  acc_t sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t d = 0; d < n; ++d) sum += a[d] * static_cast<acc_t>(b[d]);
-  return sum;
-}
-
-template <typename scalar_t, typename acc_t>
-inline void load_acc_row(const scalar_t* src, int64_t n, acc_t* dst) {
-  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<acc_t>(src[d]);
-}
-
 // delta (BH * N, computed here from out when not given), then the row pass (dq) and the key
 // pass (dk, dv); see the top.  dq, dk, dv are written whole.
 template <typename scalar_t, typename acc_t>
@@ -210,7 +226,6 @@ void star_bwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t relay
                      acc_t* dk, acc_t* dv) {
   const acc_t scale = static_cast<acc_t>(scale_in);
   const acc_t inf = std::numeric_limits<acc_t>::infinity();
-  const int64_t blocks = (N + kStarRows - 1) / kStarRows;
   std::vector<acc_t> delta_buf;
   const acc_t* delta = delta_in;
   if (delta == nullptr) {
@@ -225,67 +240,57 @@ void star_bwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t relay
     delta = delta_buf.data();
   }
   // Row pass: dq_i over the keys of row i.
-  at::parallel_for(0, BH * blocks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int64_t> keys(static_cast<size_t>(N));
-    std::vector<acc_t> qi(static_cast<size_t>(D)), gi(static_cast<size_t>(Dv)), acc(static_cast<size_t>(D));
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t bh = t / blocks, i0 = (t % blocks) * kStarRows, i1 = std::min(N, i0 + kStarRows);
-      const scalar_t* K = k + bh * N * D;
-      const scalar_t* V = v + bh * N * Dv;
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t row = bh * N + i;
-        acc_t* dqi = dq + row * D;
-        const acc_t li = lse[row];
-        std::fill(acc.begin(), acc.end(), acc_t(0));
-        if (li != -inf) {  // a row with no visible score passes no gradient
-          load_acc_row(q + row * D, D, qi.data());
-          load_acc_row(dout + row * Dv, Dv, gi.data());
-          const acc_t di = delta[row];
-          const int64_t c = star_keys(i, N, relay, radius, cyclic, causal, keys.data());
-          for (int64_t x = 0; x < c; ++x) {
-            const scalar_t* kr = K + keys[x] * D;
-            const acc_t p = std::exp(dot_acc(qi.data(), kr, D) * scale - li);
-            const acc_t ds = p * (dot_acc(gi.data(), V + keys[x] * Dv, Dv) - di) * scale;
+  for_row_blocks<acc_t>(BH, N, D, Dv, [&](StarScratch<acc_t>& st, int64_t bh, int64_t i0, int64_t i1) {
+    const scalar_t* K = k + bh * N * D;
+    const scalar_t* V = v + bh * N * Dv;
+    acc_t *qi = st.a.data(), *gi = st.b.data(), *acc = st.acc.data();
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t row = bh * N + i;
+      const acc_t li = lse[row];
+      std::fill(acc, acc + D, acc_t(0));
+      if (li != -inf) {  // a row with no visible score passes no gradient
+        load_acc_row(q + row * D, D, qi);
+        load_acc_row(dout + row * Dv, Dv, gi);
+        const acc_t di = delta[row];
+        const int64_t c = star_keys(i, N, relay, radius, cyclic, causal, st.list.data());
+        for (int64_t x = 0; x < c; ++x) {
+          const scalar_t* kr = K + st.list[x] * D;
+          const acc_t p = std::exp(dot_acc(qi, kr, D) * scale - li);
+          const acc_t ds = p * (dot_acc(gi, V + st.list[x] * Dv, Dv) - di) * scale;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) acc[d] += ds * static_cast<acc_t>(kr[d]);
-          }
+          for (int64_t d = 0; d < D; ++d) acc[d] += ds * static_cast<acc_t>(kr[d]);
         }
-        std::copy(acc.begin(), acc.end(), dqi);
       }
+      std::copy(acc, acc + D, dq + row * D);
     }
   });
   // Key pass: dk_j, dv_j over the rows that see key j.
-  at::parallel_for(0, BH * blocks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int64_t> rows(static_cast<size_t>(N));
-    std::vector<acc_t> kj(static_cast<size_t>(D)), vj(static_cast<size_t>(Dv)), ak(static_cast<size_t>(D)),
-        av(static_cast<size_t>(Dv));
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t bh = t / blocks, j0 = (t % blocks) * kStarRows, j1 = std::min(N, j0 + kStarRows);
-      const scalar_t* Q = q + bh * N * D;
-      const scalar_t* G = dout + bh * N * Dv;
-      const acc_t* L = lse + bh * N;
-      const acc_t* De = delta + bh * N;
-      for (int64_t j = j0; j < j1; ++j) {
-        load_acc_row(k + (bh * N + j) * D, D, kj.data());
-        load_acc_row(v + (bh * N + j) * Dv, Dv, vj.data());
-        std::fill(ak.begin(), ak.end(), acc_t(0));
-        std::fill(av.begin(), av.end(), acc_t(0));
-        const int64_t c = star_rows(j, N, relay, radius, cyclic, causal, rows.data());
-        for (int64_t x = 0; x < c; ++x) {
-          const int64_t i = rows[x];
-          if (L[i] == -inf) continue;
-          const scalar_t* qr = Q + i * D;
-          const scalar_t* gr = G + i * Dv;
-          const acc_t p = std::exp(dot_acc(kj.data(), qr, D) * scale - L[i]);
-          const acc_t ds = p * (dot_acc(vj.data(), gr, Dv) - De[i]) * scale;
+  for_row_blocks<acc_t>(BH, N, D, Dv, [&](StarScratch<acc_t>& st, int64_t bh, int64_t j0, int64_t j1) {
+    const scalar_t* Q = q + bh * N * D;
+    const scalar_t* G = dout + bh * N * Dv;
+    const acc_t* L = lse + bh * N;
+    const acc_t* De = delta + bh * N;
+    acc_t *kj = st.a.data(), *vj = st.b.data(), *ak = st.acc.data(), *av = st.acc2.data();
+    for (int64_t j = j0; j < j1; ++j) {
+      load_acc_row(k + (bh * N + j) * D, D, kj);
+      load_acc_row(v + (bh * N + j) * Dv, Dv, vj);
+      std::fill(ak, ak + D, acc_t(0));
+      std::fill(av, av + Dv, acc_t(0));
+      const int64_t c = star_rows(j, N, relay, radius, cyclic, causal, st.list.data());
+      for (int64_t x = 0; x < c; ++x) {
+        const int64_t i = st.list[x];
+        if (L[i] == -inf) continue;
+        const scalar_t* qr = Q + i * D;
+        const scalar_t* gr = G + i * Dv;
+        const acc_t p = std::exp(dot_acc(kj, qr, D) * scale - L[i]);
+        const acc_t ds = p * (dot_acc(vj, gr, Dv) - De[i]) * scale;
 #pragma omp simd
-          for (int64_t e = 0; e < Dv; ++e) av[e] += p * static_cast<acc_t>(gr[e]);
+        for (int64_t e = 0; e < Dv; ++e) av[e] += p * static_cast<acc_t>(gr[e]);
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ak[d] += ds * static_cast<acc_t>(qr[d]);
-        }
-        std::copy(ak.begin(), ak.end(), dk + (bh * N + j) * D);
-        std::copy(av.begin(), av.end(), dv + (bh * N + j) * Dv);
+        for (int64_t d = 0; d < D; ++d) ak[d] += ds * static_cast<acc_t>(qr[d]);
       }
+      std::copy(ak, ak + D, dk + (bh * N + j) * D);
+      std::copy(av, av + Dv, dv + (bh * N + j) * Dv);
     }
   });
 }
@@ -294,49 +299,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_star_bwd_cpu(
     const at::Tensor& dout_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
     const at::Tensor& lse_, const c10::optional<at::Tensor>& delta_opt, int64_t relay, int64_t radius,
     bool cyclic, bool causal, double scale, const c10::optional<at::Tensor>& out_opt) {
-  const std::vector<int64_t> plain{1, 0, 1, 0, 1}, lo{0, 1, 1, 0}, hi{0, 1, 1, 0};
-  const bool has_delta = delta_opt.has_value() && delta_opt->defined();
-  const bool has_out = out_opt.has_value() && out_opt->defined();
-  ATTNKIT_CHECK(has_delta || has_out, "attnkit::sparse_star_bwd (cpu): give delta, or out to compute it from");
-  // Without delta, lse stands in for it in the shared checks (same shape, dtype and device).
-  checks::sparse_range_bwd(checks::cpu_target(), dout_, q_, k_, v_, lse_, has_delta ? *delta_opt : lse_, plain,
-                           lo, hi, scale);
-  if (!has_delta) {
-    ATTNKIT_CHECK(out_opt->sizes() == dout_.sizes() && out_opt->scalar_type() == dout_.scalar_type() &&
-                      out_opt->device() == dout_.device(),
-                  "attnkit::sparse_star_bwd (cpu): out must be like grad_out (", dout_.sizes(), ", ",
-                  dout_.scalar_type(), ", ", dout_.device(), "); got ", out_opt->sizes(), ", ",
-                  out_opt->scalar_type(), ", ", out_opt->device());
-  }
-  ATTNKIT_CHECK(k_.size(2) == q_.size(2), "attnkit::sparse_star_bwd (cpu): self-attention: q and k must have ",
-                "the same length; got ", q_.sizes(), " and ", k_.sizes());
+  const bool has_delta = checks::sparse_pattern_bwd(checks::cpu_target(), "sparse_star_bwd", dout_, q_, k_, v_,
+                                                    lse_, delta_opt, out_opt, scale);
   ATTNKIT_CHECK(radius >= 1, "attnkit::sparse_star_bwd (cpu): radius must be >= 1; got ", radius);
   const int64_t N = q_.size(2);
   ATTNKIT_CHECK(relay >= 0 && (N == 0 || relay < N), "attnkit::sparse_star_bwd (cpu): relay must be a position ",
                 "of the sequence (0..N-1 for N=", N, "); got ", relay);
-  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
-  const at::Tensor dout = dout_.contiguous(), lse = lse_.contiguous();
-  const at::Tensor delta = has_delta ? delta_opt->contiguous() : at::Tensor();
-  const at::Tensor out = has_delta ? at::Tensor() : out_opt->contiguous();
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Dv = v.size(3);
-  const auto dtype = q.scalar_type();
-  const auto acc = acc_type_of(dtype);
-  at::Tensor dq = empty_huge({B, H, N, D}, q.options().dtype(acc));
-  at::Tensor dk = empty_huge({B, H, N, D}, q.options().dtype(acc));
-  at::Tensor dv = empty_huge({B, H, N, Dv}, q.options().dtype(acc));
-  if (B * H * N > 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "sparse_star_bwd", [&] {
-      using acc_t = acc_of<scalar_t>;
-      star_bwd_kernel<scalar_t, acc_t>(
-          B * H, N, D, Dv, relay, radius, cyclic, causal, scale, dout.const_data_ptr<scalar_t>(),
-          q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
-          lse.const_data_ptr<acc_t>(), has_delta ? delta.const_data_ptr<acc_t>() : nullptr,
-          has_delta ? nullptr : out.const_data_ptr<scalar_t>(), dq.mutable_data_ptr<acc_t>(),
-          dk.mutable_data_ptr<acc_t>(), dv.mutable_data_ptr<acc_t>());
-    });
-  }
-  if (acc != dtype) return {dq.to(dtype), dk.to(dtype), dv.to(dtype)};
-  return {dq, dk, dv};
+  return run_pattern_bwd(
+      dout_.contiguous(), q_.contiguous(), k_.contiguous(), v_.contiguous(), lse_.contiguous(),
+      has_delta ? delta_opt->contiguous() : at::Tensor(), has_delta ? at::Tensor() : out_opt->contiguous(),
+      [&](int64_t BH, int64_t n, int64_t D, int64_t Dv, const auto* dout, const auto* q, const auto* k,
+          const auto* v, const auto* lse, const auto* delta, const auto* out, auto* dq, auto* dk, auto* dv) {
+        star_bwd_kernel(BH, n, D, Dv, relay, radius, cyclic, causal, scale, dout, q, k, v, lse, delta, out, dq, dk,
+                        dv);
+      });
 }
 
 }  // namespace

@@ -101,15 +101,19 @@ def test_star_forward_nonfinite_inputs_poison_exactly_the_rows_that_see_them(kin
     assert_close_to_reference(out[0, 0][keep], ref[0, 0][keep])
 
 
-def test_star_forward_row_of_minus_inf_scores_is_empty():
-    """Every score of a row -inf (an inf in the keys against a query of the other sign): out 0
-    and lse -inf, as the reference's -inf-masked softmax, not NaN."""
-    n = 6
+def _minus_inf_scores(n):
+    """q, k, v whose every score is -inf: an inf in the keys against a query of the other sign."""
     q = torch.zeros(1, 1, n, 2)
     q[..., 0] = 1.0
     k = torch.zeros(1, 1, n, 2)
     k[..., 0] = -float("inf")
-    v = torch.randn(1, 1, n, 3)
+    return q, k, torch.randn(1, 1, n, 3)
+
+
+def test_star_forward_row_of_minus_inf_scores_is_empty():
+    """Every score of a row -inf: out 0 and lse -inf, as the reference's -inf-masked softmax,
+    not NaN."""
+    q, k, v = _minus_inf_scores(6)
     out, lse = torch.ops.attnkit.sparse_star_fwd(q, k, v, 0, 1, False, False, 1.0)
     assert (out == 0).all() and torch.isneginf(lse).all()
 
@@ -284,14 +288,9 @@ def test_star_backward_nan_query_poisons_its_row_and_the_keys_it_sees():
 def test_star_backward_row_of_minus_inf_scores_passes_no_gradient():
     """A row whose scores are all -inf (lse -inf, out 0) contributes nothing: its dq is 0 and
     no key's dk / dv depends on it (here every row is such a row)."""
-    n = 6
-    q = torch.zeros(1, 1, n, 2)
-    q[..., 0] = 1.0
-    k = torch.zeros(1, 1, n, 2)
-    k[..., 0] = -float("inf")
-    v = torch.randn(1, 1, n, 3)
+    q, k, v = _minus_inf_scores(6)
     out, lse = torch.ops.attnkit.sparse_star_fwd(q, k, v, 0, 1, False, False, 1.0)
-    dq, dk, dv = torch.ops.attnkit.sparse_star_bwd(torch.randn(1, 1, n, 3), q, k, v, lse, None, 0, 1, False,
+    dq, dk, dv = torch.ops.attnkit.sparse_star_bwd(torch.randn_like(v), q, k, v, lse, None, 0, 1, False,
                                                    False, 1.0, out)
     assert (dq == 0).all() and (dk == 0).all() and (dv == 0).all()
 
