@@ -226,6 +226,30 @@ def _softmax_bwd_op():
     return _SOFTMAX_BWD
 
 
+# At most this many queries: the stored-space retrieval's backward in three products that read X
+# twice and write its gradient once (_few_queries_backward), where the kernel reads X, writes
+# dK and dV, and their sum reads both again.  hopfield_update forward + backward, B=H=1 N=65536
+# D=64, 2 threads, float32, the two interleaved in one process (session 8): S=1 one step 4.19
+# -> 3.30 ms, three steps 27.7 -> 19.6 ms; S=2 14.5 -> 14.1 ms, S=4 14.7 -> 15.2 ms (S=16
+# N=16384, one retrieval alone: 0.84 -> 1.45 ms), so one query only.
+_LEAN_MAX_S = 1
+
+
+def _few_queries_backward(xi, x, lse, o, g, beta, want_x):
+    """_retrieval_backward for V = X and a few queries: scores and dP from one product with
+    [ξ; g], then grad ξ = β dSᵀ X and grad X = β dS ξ + P g from one more each."""
+    s = xi.shape[-2]
+    both = torch.cat([xi, g], dim=-2)                                    # [B, H, 2S, D]
+    sd = torch.matmul(x, both.transpose(-1, -2))                         # [B, H, N, 2S]
+    # lse = +inf (a block frozen by tol) gives P = 0; -inf (no finite score) must too.
+    lse_t = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse).unsqueeze(-2)
+    p = torch.exp(sd[..., :s] * beta - lse_t)                            # [B, H, N, S]
+    ds = p * (sd[..., s:] - (g * o).sum(-1).unsqueeze(-2))
+    grad_xi = beta * torch.matmul(ds.transpose(-1, -2), x)
+    grad_x = torch.matmul(torch.cat([beta * ds, p], dim=-1), both) if want_x else None
+    return grad_xi, grad_x, None
+
+
 def _retrieval_backward(xi, x, v, lse, o, g, beta, want_x, want_v):
     """Backward of one retrieval o = softmax(β ξ Xᵀ) V (V = X when ``v`` is None), chunked over N.
 
@@ -236,6 +260,8 @@ def _retrieval_backward(xi, x, v, lse, o, g, beta, want_x, want_v):
     same three sums in one call.  First derivatives only (see _update_double_backward).
     """
     op = _softmax_bwd_op() if xi.device.type == "cpu" else False
+    if op and v is None and xi.shape[-2] <= _LEAN_MAX_S:
+        return _few_queries_backward(xi, x, lse, o, g, beta, want_x)
     if op:
         vals = x if v is None else v
         dq, dk, dv = op(g.contiguous(), xi.contiguous(), x.contiguous(), vals.contiguous(), o.contiguous(),

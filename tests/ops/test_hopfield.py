@@ -162,8 +162,9 @@ def test_update_defaults_to_the_cpu_kernel_on_cpu(monkeypatch):
         attnkit.hopfield_update(state, stored, backend="reference")
 
 
-UPDATE_GRAD_CASES = [  # (s, n, d, dv, steps, with_values, tol)
-    (1, 1, 5, 3, 1, False, None), (1, 3000, 64, 64, 1, False, None), (7, 129, 63, 5, 3, True, 1e-2),
+UPDATE_GRAD_CASES = [  # (s, n, d, dv, steps, with_values, tol); S = 1: _few_queries_backward
+    (1, 1, 5, 3, 1, False, None), (1, 3000, 64, 64, 1, False, None), (1, 200, 16, 4, 3, True, 1e-2),
+    (1, 513, 33, 33, 3, False, 10.0), (7, 129, 63, 5, 3, True, 1e-2),
     (16, 700, 17, 9, 2, False, 1e-3), (40, 257, 32, 32, 3, True, None), (300, 513, 64, 64, 3, False, None),
 ]
 
@@ -191,6 +192,12 @@ def test_update_float32_gradients_match_float64_reference(s, n, d, dv, steps, wi
                                     values=ref_leaves[2] if with_values else None)
     want = torch.autograd.grad(ref, ref_leaves, g.double())
     for name, got, w in zip(("state", "stored", "values"), grads, want):
+        if name == "state" and n == 1:
+            # One stored pattern: P = 1 and dP = Δ = g·x, so dstate = β P (dP − Δ) x is exactly 0;
+            # the float32 rounding scales with the terms that cancel, β ‖g‖ ‖x‖ max|x|.
+            terms = 0.7 * g.norm(dim=-1).max() * stored.norm(dim=-1).max() * stored.abs().max()
+            assert w.abs().max() == 0 and got.abs().max() <= 1e-4 * terms
+            continue
         assert_close_to_reference(got, w, grad=True, name=f"d{name}")
 
 
