@@ -123,12 +123,13 @@ def _energy_backward(ctx, grad_energy, grad_lse):
         # ms, S=1024 N=16384 86 -> 46 ms; the slices below (three [S, N] products, exp, scaling)
         # were 6 ms of the first.
         xi_c, x_c = xi.contiguous(), x.contiguous()
-        out = torch.ops.attnkit.softmax_fwd(xi_c, x_c, x_c, None, float(beta), False)[0]
         if want_state:
-            weighted = out
+            weighted = torch.ops.attnkit.softmax_fwd(xi_c, x_c, x_c, None, float(beta), False)[0]
         if want_stored:
-            stored_parts.append(bwd((coef * xi_c).contiguous(), xi_c, x_c, x_c, out, lse.contiguous(), None,
-                                    float(beta), False)[2])
+            g_rows = (coef * xi_c).contiguous()
+            # `out` only enters the kernel's delta, hence only dq / dk: any [B, H, S, D] serves.
+            stored_parts.append(bwd(g_rows, xi_c, x_c, x_c, weighted if want_state else g_rows,
+                                    lse.contiguous(), None, float(beta), False)[2])
     else:
         weighted = torch.zeros_like(xi) if want_state else None
         for start in range(0, n, chunk):
@@ -336,11 +337,9 @@ def _update_backward(ctx, grad_out, grad_states, grad_lse, grad_applied):
     def add_x(total, gx):
         # Each step's gx is a fresh tensor: the first is the running sum, later ones are added in
         # place (no zero-filled start, no new [B, H, N, D] tensor a step: at S=1 N=65536 those
-        # page-faulting allocations cost more than the kernel).  Out of place under double
-        # backward, where the sums are part of the graph.
-        if total is None:
-            return gx
-        return total + gx if torch.is_grad_enabled() else total.add_(gx)
+        # page-faulting allocations cost more than the kernel).  No graph here: double backward
+        # went to _update_double_backward.
+        return gx if total is None else total.add_(gx)
 
     updates = steps
     if v is not None:

@@ -226,19 +226,26 @@ def _strided_fwd_fake(q, k, v, stride, causal, scale):
     return q.new_empty((b, h, n, v.shape[-1])), q.new_empty((b, h, n), dtype=_lse_dtype(q.dtype))
 
 
-def _strided_reference(q, k, v, stride, causal, scale):
-    """(out, lse) of strided(stride, causal) in plain PyTorch (double backward)."""
-    from ..reference.sparse import _masked_attention_with_lse
+def _pattern_reference(pattern_cls):
+    """(q, k, v, *pattern args, scale) -> (out, lse) of that whole pattern in plain PyTorch (the
+    fused ops' double backward)."""
+    def reference(q, k, v, *args):
+        from ..reference.sparse import _masked_attention_with_lse
 
-    mask = Strided(stride, causal).mask(q.shape[2], device=q.device)
-    return _masked_attention_with_lse(q, k, v, mask, scale)
+        mask = pattern_cls(*args[:-1]).mask(q.shape[2], device=q.device)
+        return _masked_attention_with_lse(q, k, v, mask, args[-1])
+    return reference
 
 
-def _strided_setup(ctx, inputs, output):
-    q, k, v, stride, causal, scale = inputs
+_strided_reference = _pattern_reference(Strided)
+
+
+def _pattern_setup(ctx, inputs, output):
+    """setup_context of the fused whole-pattern ops: inputs (q, k, v, *pattern args, scale)."""
+    q, k, v = inputs[:3]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (stride, causal, scale)
+    ctx.args = tuple(inputs[3:])
     ctx.set_materialize_grads(False)
 
 
@@ -280,7 +287,7 @@ _STRIDED_BWD = native_ops_declared("sparse_strided_bwd")
 if _STRIDED_OP:
     torch.library.register_fake("attnkit::sparse_strided_fwd", _strided_fwd_fake)
     torch.library.register_autograd("attnkit::sparse_strided_fwd", _strided_backward,
-                                    setup_context=_strided_setup)
+                                    setup_context=_pattern_setup)
 
 
 # --- star in one C++ call (cpu backend): attnkit::sparse_star_fwd / _bwd ---
@@ -301,20 +308,7 @@ def _star_bwd_fake(grad_out, q, k, v, lse, delta, relay, radius, cyclic, causal,
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _star_reference(q, k, v, relay, radius, cyclic, causal, scale):
-    """(out, lse) of star(relay, radius, cyclic, causal) in plain PyTorch (double backward)."""
-    from ..reference.sparse import _masked_attention_with_lse
-
-    mask = Star(relay, radius, cyclic, causal).mask(q.shape[2], device=q.device)
-    return _masked_attention_with_lse(q, k, v, mask, scale)
-
-
-def _star_setup(ctx, inputs, output):
-    q, k, v, relay, radius, cyclic, causal, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (relay, radius, cyclic, causal, scale)
-    ctx.set_materialize_grads(False)
+_star_reference = _pattern_reference(Star)
 
 
 def _star_backward(ctx, grad_out, grad_lse):
@@ -336,7 +330,7 @@ if _STAR_OP:
     torch.library.register_fake("attnkit::sparse_star_fwd", _star_fwd_fake)
 if _STAR_OP and _STAR_BWD:
     torch.library.register_fake("attnkit::sparse_star_bwd", _star_bwd_fake)
-    torch.library.register_autograd("attnkit::sparse_star_fwd", _star_backward, setup_context=_star_setup)
+    torch.library.register_autograd("attnkit::sparse_star_fwd", _star_backward, setup_context=_pattern_setup)
 
 
 def _wants_grad(*tensors) -> bool:

@@ -205,6 +205,14 @@ def test_backward_only_for_the_inputs_that_need_it(monkeypatch):
     energy, _ = _op(state2, stored2, 0.5)
     energy.sum().backward()
     assert stored2.grad is not None and state2.grad is None
+    # Each alone equals its part of the gradient of both (on CPU the kernels skip the forward
+    # product when only the stored patterns want a gradient).
+    both = [state.detach().clone().requires_grad_(), stored.clone().requires_grad_()]
+    _op(*both, 0.5)[0].sum().backward()
+    torch.testing.assert_close(state.grad, both[0].grad)
+    stored3 = stored.clone().requires_grad_()
+    _op(state.detach(), stored3, 0.5)[0].sum().backward()
+    torch.testing.assert_close(stored3.grad, both[1].grad)
 
 
 def test_low_precision_gradients_have_the_input_dtype():

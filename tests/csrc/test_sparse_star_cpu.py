@@ -36,6 +36,12 @@ def _inputs(b, h, n, d, dv, dtype, seed):
     return tuple(torch.randn(b, h, n, x, generator=g, dtype=F64).to(dtype) for x in (d, d, dv))
 
 
+def _case_inputs(n, relay, radius, dtype):
+    """q, k, v of a CASES row (D = Dv = 64 from 300 rows, else 17 and 9) and the scale 1/sqrt(D)."""
+    d, dv = (64, 64) if n >= 300 else (17, 9)
+    return (*_inputs(2, 3, n, d, dv, dtype, seed=n + relay + radius), d ** -0.5)
+
+
 def _reference(q, k, v, pattern, scale):
     return _masked_attention_with_lse(q, k, v, pattern.mask(q.shape[2]), scale)
 
@@ -43,9 +49,7 @@ def _reference(q, k, v, pattern, scale):
 @pytest.mark.parametrize("n,relay,radius,cyclic,causal", CASES)
 @pytest.mark.parametrize("dtype", [F32, F64, BF16, F16], ids=str)
 def test_star_forward_matches_reference(n, relay, radius, cyclic, causal, dtype):
-    d, dv = (64, 64) if n >= 300 else (17, 9)
-    q, k, v = _inputs(2, 3, n, d, dv, dtype, seed=n + relay + radius)
-    scale = d ** -0.5
+    q, k, v, scale = _case_inputs(n, relay, radius, dtype)
     pattern = patterns.star(relay, radius, cyclic, causal)
     out, lse = torch.ops.attnkit.sparse_star_fwd(q, k, v, relay, radius, cyclic, causal, scale)
     ref, ref_lse = _reference(q.to(F64), k.to(F64), v.to(F64), pattern, scale)
@@ -193,9 +197,8 @@ def _delta_and_dout(lse, n, dv, dtype, seed):
 @pytest.mark.parametrize("n,relay,radius,cyclic,causal", CASES)
 @pytest.mark.parametrize("dtype", [F32, F64, BF16, F16], ids=str)
 def test_star_backward_matches_reference(n, relay, radius, cyclic, causal, dtype):
-    d, dv = (64, 64) if n >= 300 else (17, 9)
-    q, k, v = _inputs(2, 3, n, d, dv, dtype, seed=n + relay + radius)
-    scale = d ** -0.5
+    q, k, v, scale = _case_inputs(n, relay, radius, dtype)
+    dv = v.shape[-1]
     _, lse = torch.ops.attnkit.sparse_star_fwd(q, k, v, relay, radius, cyclic, causal, scale)
     dout, delta = _delta_and_dout(lse, n, dv, dtype, seed=n)
     grads = torch.ops.attnkit.sparse_star_bwd(dout, q, k, v, lse, delta, relay, radius, cyclic, causal, scale)
