@@ -45,9 +45,15 @@ Choices, named:
   per ring step instead of two.  dK/dV travel as one float32 buffer (float64 for float64): the
   accumulator crosses W ranks, and rounding it to bfloat16 at every hop would make the error grow
   with W.
-- Partial outputs come out of the block kernel in the inputs' dtype (the kernels return that);
-  they are rounded once each and merged into the float32 running output, so the error of the
-  result is a weighted mean of single roundings and does not grow with W.
+- Partial outputs are merged into the float32 running output.  On the GPU backends they come
+  out of the block kernel in the inputs' dtype (the kernels return that), rounded once each:
+  their kernels round P to bfloat16 / float16 for P V anyway, which dominates the error.  On the
+  ``cpu`` backend the blocks of float16 / bfloat16 inputs run on float32 copies, so the partial
+  outputs are not rounded at all: a partial over few keys is larger than the final output (less
+  averaging), and its rounding alone made the ring's bfloat16 error 2.3x that of the
+  single-process kernel (3.7e-3 against 1.6e-3, W = 4, on a CPU without AVX-512 BF16, whose
+  kernel keeps P in float32; issue 24).  The backward's blocks likewise (each block's dq, dk,
+  dv unrounded before they are summed).  The cost is float32 copies of each block's inputs.
 - The backward of each block is the kernels' own backward fed with the *global* output and LSE
   (the probabilities it recomputes, exp(s - lse), are then the global ones): no second pass.
 - Causal zig-zag step schedule (rank r, K/V from rank j): j == r: causal over both own chunks;
@@ -480,6 +486,7 @@ def _ring_forward(plan: _RingPlan, q, k, v, scale: float, backend: str):
     lse = q.new_full((b, h, n), -math.inf, dtype=acc)
     kv = torch.cat([k, v], dim=-1)  # the packed shard that travels: [B, Hk, n_src, D + Dv]
     nxt, prv = (r + 1) % w, (r - 1) % w
+    unrounded_partials = backend == "cpu" and acc != q.dtype  # see the module docstring
     for step in range(w):
         src = (r - step) % w
         pending = recv = None
@@ -491,6 +498,8 @@ def _ring_forward(plan: _RingPlan, q, k, v, scale: float, backend: str):
         k_b, v_b = kv[:, :, keys, :d], kv[:, :, keys, d:]
         if q_b.shape[2] > 0 and k_b.shape[2] > 0:
             _record("forward", step, "block", "kernel", -1)
+            if unrounded_partials:
+                q_b, k_b, v_b = q_b.to(acc), k_b.to(acc), v_b.to(acc)
             out_b, lse_b = _softmax_ops.softmax_attention(
                 q_b, k_b, v_b, is_causal=block_causal, scale=scale, enable_gqa=True,
                 return_lse=True, backend=backend)
@@ -514,6 +523,7 @@ def _ring_backward(plan: _RingPlan, dout, dlse, q, k, v, out, lse, scale: float,
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = torch.cat([k, v], dim=-1)
     nxt, prv = (r + 1) % w, (r - 1) % w
+    unrounded_partials = backend == "cpu" and acc != q.dtype  # see the module docstring
     dkv_pending = dkv_in = None
     for step in range(w):
         src = (r - step) % w
@@ -526,12 +536,13 @@ def _ring_backward(plan: _RingPlan, dout, dlse, q, k, v, out, lse, scale: float,
         grads = None
         if (rows.stop - rows.start) > 0 and (keys.stop - keys.start) > 0:
             _record("backward", step, "block", "kernel", -1)
-            grads = _block_backward(
-                backend,
-                None if dout is None else dout[:, :, rows],
-                None if dlse is None else dlse[:, :, rows],
-                q[:, :, rows], kv[:, :, keys, :d], kv[:, :, keys, d:], out[:, :, rows],
-                lse[:, :, rows], scale, block_causal)
+            block = [None if dout is None else dout[:, :, rows], q[:, :, rows], kv[:, :, keys, :d],
+                     kv[:, :, keys, d:], out[:, :, rows]]
+            if unrounded_partials:  # float32 copies: each block's gradients unrounded (as forward)
+                block = [None if t is None else t.to(acc) for t in block]
+            g_out, q_b, k_b, v_b, out_b = block
+            grads = _block_backward(backend, g_out, None if dlse is None else dlse[:, :, rows],
+                                    q_b, k_b, v_b, out_b, lse[:, :, rows], scale, block_causal)
         # The dK/dV accumulator of shard `src`: started here at step 0, else received from the
         # previous rank (which added its share one step earlier).
         if step == 0:

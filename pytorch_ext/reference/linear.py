@@ -26,10 +26,33 @@ import torch.nn.functional as F
 FEATURE_MAPS = ("elu", "relu", "identity")
 
 
+class _EluPlusOne(torch.autograd.Function):
+    """elu(x) + 1 whose derivative at a NaN is 1 on every CPU (the kernels' convention).
+
+    torch's own elu backward gives 1 there in its scalar loop but NaN in its vectorized one, so
+    a ground truth built on it changed with the tensor's size and the CPU's vector width
+    (measured, torch 2.13 on an AMD EPYC with AVX2, float64: 3 elements -> 1, 40 -> NaN; a
+    regression test of the linear kernels failed on that CPU and passed on AVX-512 ones).  The
+    forward is torch's (same rounding); the backward is written with differentiable ops, so a
+    double backward still works.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return F.elu(x) + 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        slope = torch.where((x > 0) | torch.isnan(x), torch.ones_like(x), torch.exp(x))
+        return grad * slope
+
+
 def feature_map_reference(x: torch.Tensor, name: str) -> torch.Tensor:
     """φ(x) applied element-wise: "elu" -> elu(x) + 1 (positive), "relu" -> max(x, 0), "identity" -> x."""
     if name == "elu":
-        return F.elu(x) + 1.0
+        return _EluPlusOne.apply(x)
     if name == "relu":
         return F.relu(x)
     if name == "identity":

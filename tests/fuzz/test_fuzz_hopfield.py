@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit.reference.hopfield import hopfield_energy_reference, hopfield_update_reference
-from attnkit_testing import F64
+from attnkit_testing import F64, spread_free_run
 from fuzzing import (
     BACKENDS, LAYOUTS, base_support, check_exact, check_grad_with_specials, dtypes_for, grad_term_sizes, max_score, fuzz_settings, interpreted, leaves, make_input,
     require_backend, set_values, tolerance,
@@ -106,9 +106,9 @@ def test_hopfield_update_matches_float64_reference(backend, device, data):
     naive = naive_energy = None
     if needs_naive:
         with torch.no_grad():
-            naive, naive_energy = hopfield_update_reference(args[0].detach(), args[1].detach(),
-                                                            values=None if values is None else values.detach(),
-                                                            return_energy=True, **kwargs)
+            naive, naive_energy = spread_free_run(  # issue 24
+                lambda s_, x_, v_: hopfield_update_reference(s_, x_, values=v_, return_energy=True, **kwargs),
+                args[0].detach(), args[1].detach(), None if values is None else values.detach())
     assert out.dtype == dtype and out.device.type == device and out.shape == ref.shape
     name = f"{backend} hopfield_update(steps={steps}, beta={beta}, tol={tol}, values={values is not None})"
     required = _required(args64[0].detach(), args64[1].detach(), None if values64 is None else values64.detach())
@@ -127,10 +127,13 @@ def test_hopfield_update_matches_float64_reference(backend, device, data):
     ref.backward(g.to(F64))
     naive_grads = [None] * len(bases)
     if needs_naive:
-        nb = [x.detach().clone().requires_grad_() for x in bases]
-        na = [inp.view(x) for inp, x in zip(inputs, nb)]
-        hopfield_update_reference(na[0], na[1], values=na[2] if len(na) == 3 else None, **kwargs).backward(g)
-        naive_grads = [x.grad for x in nb]
+        def naive_gradients(*naive_bases):
+            nb = [x.detach().clone().requires_grad_() for x in naive_bases]
+            na = [inp.view(x) for inp, x in zip(inputs, nb)]
+            hopfield_update_reference(na[0], na[1], values=na[2] if len(na) == 3 else None, **kwargs).backward(g)
+            return [x.grad for x in nb]
+
+        naive_grads = spread_free_run(naive_gradients, *bases)  # issue 24
     # Every state row sees every pattern: a poisoned row (non-finite out in the reference) may
     # poison its own state gradient and every stored / value gradient of its (batch, head).
     poisoned = ~torch.isfinite(ref.detach().cpu()).all(-1, keepdim=True)  # [B, H, S, 1]
@@ -174,8 +177,8 @@ def test_hopfield_energy_matches_float64_reference(backend, device, data):
     state64, stored64 = (inp.view(x) for inp, x in zip(inputs, bases64))
     energy = attnkit.hopfield_energy(state, stored, beta, backend=backend)
     ref = hopfield_energy_reference(state64, stored64, beta)
-    naive = hopfield_energy_reference(state.detach(), stored.detach(), beta) \
-        if dtype in (torch.float16, torch.bfloat16) else None
+    naive = spread_free_run(lambda s_, x_: hopfield_energy_reference(s_, x_, beta), state.detach(), stored.detach()) \
+        if dtype in (torch.float16, torch.bfloat16) else None  # issue 24
     assert energy.dtype == dtype and energy.shape == ref.shape
     required = _required(state64.detach(), stored64.detach(), None).squeeze(-1)
     check_exact(f"{backend} hopfield_energy(beta={beta})", energy, ref, tolerance(dtype, ref, naive=naive), required)
@@ -186,9 +189,12 @@ def test_hopfield_energy_matches_float64_reference(backend, device, data):
     ref.backward(g.to(F64))
     naive_grads = [None, None]
     if dtype in (torch.float16, torch.bfloat16):
-        nb = [x.detach().clone().requires_grad_() for x in bases]
-        hopfield_energy_reference(*(inp.view(x) for inp, x in zip(inputs, nb)), beta).backward(g)
-        naive_grads = [x.grad for x in nb]
+        def naive_gradients(*naive_bases):
+            nb = [x.detach().clone().requires_grad_() for x in naive_bases]
+            hopfield_energy_reference(*(inp.view(x) for inp, x in zip(inputs, nb)), beta).backward(g)
+            return [x.grad for x in nb]
+
+        naive_grads = spread_free_run(naive_gradients, *bases)  # issue 24
     for i, (x, x64) in enumerate(zip(bases, bases64)):
         if x64.grad is None or x64.grad.numel() == 0:
             continue

@@ -17,7 +17,7 @@ import attnkit
 from attnkit.reference.linear import (
     feature_map_reference, linear_attention_reference, linear_attention_step_reference, state_dtype,
 )
-from attnkit_testing import F64
+from attnkit_testing import F64, spread_free_run
 from fuzzing import (
     BACKENDS, LAYOUTS, SPECIALS, base_support, base_term_max, check_exact, check_grad_with_specials,
     check_v_mode, dtypes_for, fused_qkv, fuzz_settings, interpreted, leaves, make_input,
@@ -157,8 +157,10 @@ def test_linear_attention_matches_float64_reference(backend, device, data):
     if needs_naive:
         with torch.no_grad():
             vn = torch.where(torch.isfinite(v), v, torch.zeros_like(v)) if v_mode else v
-            naive, (naive_s, naive_z) = linear_attention_reference(q.detach(), k.detach(), vn.detach(), initial_state=state,
-                                                                   return_state=True, **kwargs)
+            naive, (naive_s, naive_z) = spread_free_run(  # issue 24
+                lambda q_, k_, v_: linear_attention_reference(q_, k_, v_, initial_state=state, return_state=True,
+                                                              **kwargs),
+                q.detach(), k.detach(), vn.detach())
 
     vis = torch.ones(n, m, dtype=torch.bool)
     if causal:
@@ -192,10 +194,13 @@ def test_linear_attention_matches_float64_reference(backend, device, data):
     ref_out.backward(g.to(F64))
     naive_grads = None
     if needs_naive and not v_mode:
-        nb = [x.detach().clone().requires_grad_() for x in bases]
-        nq, nk, nv = (inp.view(x) for inp, x in zip(inputs, nb))
-        linear_attention_reference(nq, nk, nv, initial_state=state, **kwargs).backward(g)
-        naive_grads = [x.grad for x in nb]
+        def naive_gradients(*naive_bases):
+            nb = [x.detach().clone().requires_grad_() for x in naive_bases]
+            nq, nk, nv = (inp.view(x) for inp, x in zip(inputs, nb))
+            linear_attention_reference(nq, nk, nv, initial_state=state, **kwargs).backward(g)
+            return [x.grad for x in nb]
+
+        naive_grads = spread_free_run(naive_gradients, *bases)  # issue 24
     sizes = _term_sizes(inputs, bases64, causal, feature_map, normalize, eps, scale, g, state64)
     poisoned = ~torch.isfinite(ref_out.detach().cpu()).all(-1)
     fed = (vis & poisoned.unsqueeze(-1)).any(-2).unsqueeze(-1)
@@ -248,8 +253,9 @@ def test_linear_attention_step_matches_float64_reference(backend, device, data):
                                                           feature_map=feature_map, normalize=normalize, scale=scale)
     naive = [None] * 3
     if dtype in (torch.float16, torch.bfloat16):
-        o_n, (s_n, z_n) = linear_attention_step_reference(q, k, v, state, feature_map=feature_map,
-                                                          normalize=normalize, scale=scale)
+        o_n, (s_n, z_n) = spread_free_run(  # issue 24
+            lambda q_, k_, v_: linear_attention_step_reference(q_, k_, v_, state, feature_map=feature_map,
+                                                               normalize=normalize, scale=scale), q, k, v)
         naive = [o_n, s_n, z_n]
     name = f"{backend} step({feature_map}, normalize={normalize})"
     for what, got, r, nv in (("out", out, ref, naive[0]), ("S", s, ref_s, naive[1]), ("z", z, ref_z, naive[2])):

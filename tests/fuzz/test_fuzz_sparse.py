@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import patterns
 from attnkit.reference.sparse import sparse_attention_reference
-from attnkit_testing import F64
+from attnkit_testing import F64, spread_free_run
 from fuzzing import (
     BACKENDS, LAYOUTS, SPECIALS, check_exact, check_grad_with_specials, base_support, max_score, check_v_mode, dtypes_for, fused_qkv, fuzz_settings,
     grad_term_sizes, interpreted, leaves, make_input, require_backend, set_values, tolerance,
@@ -105,7 +105,8 @@ def test_sparse_attention_matches_float64_reference(backend, device, data):
     if needs_naive:
         with torch.no_grad():
             vn = torch.where(torch.isfinite(v), v, torch.zeros_like(v)) if v_mode else v
-            naive = sparse_attention_reference(q.detach(), k.detach(), vn.detach(), pattern, scale=scale)
+            naive = spread_free_run(lambda q_, k_, v_: sparse_attention_reference(q_, k_, v_, pattern, scale=scale),
+                                    q.detach(), k.detach(), vn.detach())  # issue 24
 
     vis = torch.broadcast_to(pattern.mask(n) if n else torch.zeros(0, 0, dtype=torch.bool), (b, h, n, n))
     has_key = vis.any(-1)
@@ -131,10 +132,13 @@ def test_sparse_attention_matches_float64_reference(backend, device, data):
     ref_out.backward(g.to(F64))
     naive_grads = None
     if needs_naive and not v_mode:
-        nb = [x.detach().clone().requires_grad_() for x in bases]
-        nq, nk, nv = (inp.view(x) for inp, x in zip(inputs, nb))
-        sparse_attention_reference(nq, nk, nv, pattern, scale=scale).backward(g)
-        naive_grads = [x.grad for x in nb]
+        def naive_gradients(*naive_bases):
+            nb = [x.detach().clone().requires_grad_() for x in naive_bases]
+            nq, nk, nv = (inp.view(x) for inp, x in zip(inputs, nb))
+            sparse_attention_reference(nq, nk, nv, pattern, scale=scale).backward(g)
+            return [x.grad for x in nb]
+
+        naive_grads = spread_free_run(naive_gradients, *bases)  # issue 24
     sizes = grad_term_sizes(inputs, bases64, vis, None, scale, 1, g.cpu(), torch.zeros(out.shape[:-1], dtype=F64))
     poisoned = ~torch.isfinite(ref_out.detach().cpu()).all(-1)
     fed = (vis & poisoned.unsqueeze(-1)).any(-2).unsqueeze(-1)

@@ -292,3 +292,20 @@ def test_state_is_differentiable():
         return out, s, z
 
     assert torch.autograd.gradcheck(fn, leaves)
+
+
+@pytest.mark.parametrize("n", [3, 40, 1000])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_elu_feature_map_derivative_at_nan_is_one_whatever_the_size(n, dtype):
+    # torch's elu backward gives 1 at a NaN in its scalar loop and NaN in its vectorized one
+    # (AVX2: n = 40 gave NaN, n = 3 gave 1), so the reference fixes the kernels' convention itself.
+    from attnkit.reference.linear import feature_map_reference
+
+    x = torch.randn(n, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    x[::7] = float("nan")
+    x.requires_grad_()
+    feature_map_reference(x, "elu").backward(torch.full((n,), 2.0, dtype=dtype))
+    nan = torch.isnan(x.detach())
+    assert torch.equal(x.grad[nan], torch.full_like(x.grad[nan], 2.0))
+    want = 2.0 * torch.where(x.detach() > 0, torch.ones_like(x.detach()), torch.exp(x.detach()))
+    torch.testing.assert_close(x.grad[~nan], want[~nan], rtol=0, atol=0)
