@@ -3,7 +3,8 @@ host helpers also serve kernels/hopfield.py and kernels/linear.py).
 
 Device side: ``@triton.jit`` helpers for one step of the tile loop -- row-tile loads and stores,
 base-2 scores, the online-softmax update, the forward's finish, the backward's row statistics
-and its dQ / dK accumulations.  Triton inlines them into the calling kernel, so splitting a
+and its dQ / dK accumulations, and tanh from exp2 (:func:`tanh_exp2`, :func:`tanh_and_grad`,
+for the softmax kernels' softcap).  Triton inlines them into the calling kernel, so splitting a
 kernel into these costs nothing at run time.  Host side: the plain-Python launcher plumbing
 (config lists, strides, dot precision, autotune-or-fixed-config launch).
 
@@ -160,6 +161,40 @@ def dk_step(dk, p_t, dp_t, delta, q, visible_t, DOT_PREC: tl.constexpr):
     queries] tiles; see dq_step)."""
     ds_t = tl.where(visible_t, p_t * (dp_t - delta[None, :]), 0.0)
     return tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+
+
+_M2LOG2E = tl.constexpr(-2.0 * 1.4426950408889634)  # exp(-2|x|) = exp2(|x| * _M2LOG2E)
+
+
+@triton.jit
+def _tanh_parts(x):
+    """(tanh(x), e = exp(-2|x|)) in float32 from exp2: tanh|x| = (1 - e) / (1 + e) with e in
+    [0, 1] (never overflows), and below |x| = 0.1, where 1 - e cancels, the series
+    x - x^3/3 + 2x^5/15 (relative error < 6e-8).  tanh(+-inf) = +-1; NaN stays NaN."""
+    ax = tl.abs(x)
+    # exp(-2 * 64) is 0 in float32 already; the cap keeps ax * _M2LOG2E finite (NaN stays NaN)
+    e = tl.math.exp2(tl.where(ax > 64.0, 64.0, ax) * _M2LOG2E)
+    xs = tl.minimum(ax, 0.1)  # the series is only used below 0.1 (and x * x may overflow)
+    x2 = xs * xs
+    small = xs * (1.0 + x2 * (-0.3333333333333333 + x2 * 0.13333333333333333))
+    t = tl.where(ax < 0.1, small, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t), e
+
+
+@triton.jit
+def tanh_exp2(x):
+    """tanh(x) (float32) for Triton versions without ``tl.tanh``; see _tanh_parts."""
+    t, e = _tanh_parts(x)
+    return t
+
+
+@triton.jit
+def tanh_and_grad(x):
+    """(tanh(x), 1 - tanh(x)^2), the derivative as 4e / (1 + e)^2 with e = exp(-2|x|), which
+    does not cancel where tanh is near +-1 (0 at +-inf, NaN for NaN)."""
+    t, e = _tanh_parts(x)
+    one_e = 1.0 + e
+    return t, (4.0 * e) / (one_e * one_e)
 
 
 # Under TRITON_INTERPRET=1, @triton.jit gives an interpreted function instead of a JITFunction;

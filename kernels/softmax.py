@@ -6,10 +6,12 @@ a ``torch.library`` op and wires :func:`softmax_bwd` in as its backward.
 
 Launchers
 ---------
-``softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=0, config=None)``
+``softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=0, config=None, *,
+window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None)``
     -> ``(out [B, H, N, Dv] in q.dtype, lse [B, H, N] float32)``
 ``softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal, dropout_p=0.0, seed=0,
-config=None)`` -> ``(dq, dk, dv)`` shaped and typed like ``q, k, v``
+config=None, *, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None)``
+    -> ``(dq, dk, dv)`` shaped and typed like ``q, k, v``
 ``dropout_keep_mask(B, H, N, M, dropout_p, seed, device)`` -> bool ``[B, H, N, M]``, True = kept
 
 Shapes: q ``[B, H, N, D]``, k ``[B, Hk, M, D]``, v ``[B, Hk, M, Dv]`` with ``H % Hk == 0``;
@@ -21,6 +23,18 @@ never densified.  ``is_causal``: top-left aligned, key j visible to query i iff 
 allowed).  Head dims up to 256, any value (the tile is padded to a power of two with masked
 loads); float16, bfloat16, float32 with float32 accumulation.  A row with no visible key gives
 out = 0, lse = -inf and zero gradients.
+
+Score options (FlashAttention's semantics; keyword-only, the backward takes the forward's):
+``s = scale * q.k``; ``softcap > 0``: ``s = softcap * tanh(s / softcap)``; ``alibi_slopes``
+(float32 ``[B, H]``, or ``[H]`` / any view broadcast to it, read through its strides): ``s -=
+slope[b, h] * |i + M - N - j|``; then the user mask, causal and the window.  Window
+(``window_left`` / ``window_right``, -1 = unbounded side; bottom-right aligned): query i sees key
+j iff ``i + M - N - left <= j <= i + M - N + right``, on top of ``is_causal``'s top-left
+``j <= i``.  The kernels skip whole key tiles (forward, dQ) and query tiles (dK/dV) outside the
+band, so their cost follows the band; only the tiles that cross a band edge are masked element
+by element.  In the backward, ``dS_raw = dS_capped * (1 - tanh^2)`` (tanh from exp2, see
+kernels/_flash.py); the slopes get no gradient.  Each option is a constexpr flag (HAS_WINDOW,
+HAS_SOFTCAP, HAS_ALIBI, in the autotune key): with none set the kernels compile as before.
 
 Numerics: scores are kept in base 2 (``s * scale * log2(e)``) so the kernels use ``exp2``; the
 stored lse is in natural log.  The backward recomputes the probabilities from the lse
@@ -36,15 +50,18 @@ The tile steps and the launch plumbing shared with kernels/sparse.py live in ker
 
 Tuning: ``FWD_CONFIGS``, ``BWD_DKDV_CONFIGS`` and ``BWD_DQ_CONFIGS`` are the ``triton.autotune``
 search spaces (BLOCK_M = query tile, BLOCK_N = key tile, num_warps, num_stages), chosen for
-sm_80 / sm_90 and keyed on the head dims, causality, mask kind, dropout and the dtypes.  Each
-list is first filtered by the padded head dim (:func:`configs_for`) so that no config that
-cannot fit the register file is tried.  ``config=`` (a ``triton.Config``) skips autotuning; under
-the Triton interpreter (no GPU) the first eligible config is used instead of benchmarking.
+sm_80 / sm_90 and keyed on the head dims, causality, mask kind, dropout, the score options and
+the dtypes.  Each list is first filtered by the padded head dim (:func:`configs_for`) so that no
+config that cannot fit the register file is tried.  ``config=`` (a ``triton.Config``) skips
+autotuning; under the Triton interpreter (no GPU) the first eligible config is used instead of
+benchmarking.
 """
 from __future__ import annotations
 
 import functools
 import math
+import numbers
+import operator
 
 import torch
 import triton
@@ -54,7 +71,8 @@ from torch.library import wrap_triton
 from ._flash import (INTERPRETED, _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, accumulate_pv,
                      config_list, dk_step, dot_precision, dq_step, finish_rows, fitting, launch,
                      load_bwd_rows, load_row_pair, load_rows, online_softmax_update, pow2, scores,
-                     split_config, store_rows, strides)
+                     split_config, store_rows, strides, tanh_and_grad,
+                     tanh_exp2)
 
 __all__ = [
     "softmax_fwd",
@@ -86,7 +104,8 @@ _CONFIG_LISTS = {"fwd": FWD_CONFIGS, "dkdv": BWD_DKDV_CONFIGS, "dq": BWD_DQ_CONF
 # BLOCK_M * BLOCK_N * (padded head dim) above which a config spills registers on sm_80/sm_90
 # (the forward keeps one [BLOCK_M, Dv] accumulator; each backward kernel keeps two).
 _TILE_LIMIT = {"fwd": 128 * 128 * 128, "dkdv": 32 * 128 * 128, "dq": 32 * 128 * 128}
-_TUNE_KEY = ["HEAD_D", "HEAD_DV", "IS_CAUSAL", "MASK_KIND", "HAS_DROPOUT"]  # + dtypes (automatic)
+_TUNE_KEY = ["HEAD_D", "HEAD_DV", "IS_CAUSAL", "MASK_KIND", "HAS_DROPOUT", "HAS_WINDOW",
+             "HAS_SOFTCAP", "HAS_ALIBI"]  # + dtypes (automatic)
 
 
 def configs_for(kernel: str, head_dim: int, value_dim: int | None = None) -> list:
@@ -144,17 +163,106 @@ def _dropout_keep(seed, dropout_p, row_base, rows, cols, M):
     return tl.rand(seed, offsets) >= dropout_p
 
 
+@triton.jit
+def _option_scores(a, b, rows, cols, qk_scale, cap_in, cap_out, slope2, off,
+                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, WANT_GRAD: tl.constexpr,
+                   DOT_PREC: tl.constexpr):
+    """Base-2 scores of a @ b^T with the score options, before any mask: ``(s, dcap)``.
+
+    HAS_SOFTCAP: s = cap_out * tanh(raw * cap_in) with cap_in = scale / softcap and cap_out =
+    softcap * log2(e) (the tanh acts on the natural-unit score scale * raw / softcap).  With
+    WANT_GRAD, dcap = 1 - tanh^2 (d capped / d uncapped); otherwise dcap is s (never read).
+    HAS_ALIBI: s -= slope2 * |cols - rows - off| (slope2 = slope * log2(e), off = M - N), i.e.
+    the bias -slope * |i + M - N - j| in base 2.  ``rows`` / ``cols`` are query / key indices
+    shaped to broadcast to the tile ([BM, 1] x [1, BN] or transposed)."""
+    if HAS_SOFTCAP:
+        raw = tl.dot(a, tl.trans(b), input_precision=DOT_PREC) * cap_in
+        if WANT_GRAD:
+            t, dcap = tanh_and_grad(raw)
+        else:
+            t = tanh_exp2(raw)
+            dcap = t
+        s = t * cap_out
+    else:
+        s = scores(a, b, qk_scale, DOT_PREC)
+        dcap = s
+    if HAS_ALIBI:
+        s = s - slope2 * tl.abs(cols - rows - off).to(tl.float32)
+    return s, dcap
+
+
+@triton.jit
+def _load_slope2(Alibi, b, h, stride_ab, stride_ah, HAS_ALIBI: tl.constexpr):
+    """The ALiBi slope of (batch b, head h) times log2(e) (0.0 without ALiBi)."""
+    if HAS_ALIBI:
+        slope2 = tl.load(Alibi + b * stride_ab + h * stride_ah).to(tl.float32) * _LOG2E
+    else:
+        slope2 = 0.0
+    return slope2
+
+
+@triton.jit
+def _key_band(i0, N, M, win_lo, win_hi, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """Key range of the query tile starting at i0 under a window (query i sees key j iff
+    win_lo <= j - i <= win_hi, and j <= i when causal): ``(lo, a, b, hi)`` with the key tiles
+    [lo, a) and [b, hi) to be masked and [a, b) seen whole by every row of the tile; no row sees
+    a key before lo or at / past hi.  lo, a, b are multiples of BLOCK_N (a or b may equal hi)."""
+    i_last = tl.minimum(i0 + BLOCK_M, N) - 1
+    first = tl.maximum(i0 + win_lo, 0)  # the first key any row of the tile sees
+    hi = tl.minimum(M, i_last + win_hi + 1)  # past the last key any row sees
+    full_first = tl.maximum(i_last + win_lo, 0)  # every row sees keys from here ...
+    full_end = tl.minimum(M, i0 + win_hi + 1)  # ... to before here
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, i_last + 1)
+        full_end = tl.minimum(full_end, i0 + 1)
+    full_end = tl.maximum(full_end, 0)  # (no negative operand of //: it truncates)
+    lo = (first // BLOCK_N) * BLOCK_N
+    # hi < lo (no row sees a key; hi may be negative) leaves all three ranges empty.
+    a = tl.minimum(tl.maximum(tl.cdiv(full_first, BLOCK_N) * BLOCK_N, lo), hi)
+    b = tl.maximum(a, tl.minimum((full_end // BLOCK_N) * BLOCK_N, hi))
+    return lo, a, b, hi
+
+
+@triton.jit
+def _query_band(j0, N, M, win_lo, win_hi, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The dK/dV kernel's query range for the key tile starting at j0 under a window (see
+    _key_band): ``(lo, a, b, hi)``, query tiles [lo, a) and [b, hi) masked, [a, b) seeing every
+    key of the tile; no query before lo or at / past hi sees any of them."""
+    j_last = tl.minimum(j0 + BLOCK_N, M) - 1
+    first = tl.maximum(j0 - win_hi, 0)  # the first query that sees any key of the tile
+    hi = tl.minimum(N, j_last - win_lo + 1)  # past the last query that sees any
+    full_first = tl.maximum(j_last - win_hi, 0)  # queries from here see every key ...
+    if IS_CAUSAL:
+        first = tl.maximum(first, j0)
+        full_first = tl.maximum(full_first, j_last)
+    full_end = tl.maximum(j0 - win_lo + 1, 0)  # ... up to before here
+    lo = (first // BLOCK_M) * BLOCK_M
+    # hi < lo (no query sees the tile; hi may be negative) leaves all three ranges empty.
+    a = tl.minimum(tl.maximum(tl.cdiv(full_first, BLOCK_M) * BLOCK_M, lo), hi)
+    # b = N (hi = N then): the last, partial query tile needs no mask (rows past N read
+    # lse = +inf, so p = 0).
+    b = tl.maximum(a, tl.minimum((full_end // BLOCK_M) * BLOCK_M, hi))
+    return lo, a, b, hi
+
+
 # ----------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _mask_tail_and_diagonal(s, offs_m, offs_n, M, IS_CAUSAL: tl.constexpr):
-    """-inf for the key columns past M and, when causal, above the diagonal ([queries, keys])."""
+def _mask_tail_and_diagonal(s, offs_m, offs_n, M, win_lo, win_hi, IS_CAUSAL: tl.constexpr,
+                            HAS_WINDOW: tl.constexpr):
+    """-inf for the key columns past M and, when causal, above the diagonal, and with a window
+    outside win_lo <= j - i <= win_hi ([queries, keys])."""
     valid = offs_n[None, :] < M
     if IS_CAUSAL:
         valid = valid & (offs_n[None, :] <= offs_m[:, None])
+    if HAS_WINDOW:
+        rel = offs_n[None, :] - offs_m[:, None]
+        valid = valid & (rel >= win_lo) & (rel <= win_hi)
     return tl.where(valid, s, float("-inf"))
 
 
@@ -173,23 +281,27 @@ def _key_bounds(i0, M, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: 
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, lo, hi,
-               qk_scale, dropout_p, seed, drop_row,
+               qk_scale, dropout_p, seed, drop_row, win_lo, win_hi, cap_in, cap_out, slope2,
                stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    # MASKED=False: every key tile in [lo, hi) lies inside M and (causal) wholly at or left of
-    # the diagonal of every row of this query tile, so no per-element bounds/causal test.
+    # MASKED=False: every key tile in [lo, hi) lies inside M and is seen whole by every row of
+    # this query tile (causal: at or left of the diagonal; window: inside every row's band), so
+    # no per-element bounds / causal / window test.
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = load_rows(k_base, offs_n, stride_kn, offs_d, stride_kd, offs_n < M, HEAD_D, BLOCK_D,
                       MASKED)
-        s = scores(q, k, qk_scale, DOT_PREC)
+        s, _ = _option_scores(q, k, offs_m[:, None], offs_n[None, :], qk_scale, cap_in, cap_out,
+                              slope2, M - N, HAS_SOFTCAP, HAS_ALIBI, False, DOT_PREC)
         s = _apply_user_mask(s, mask_base, offs_m[:, None], offs_n[None, :], stride_mn,
                              stride_mm, N, M, MASK_KIND)
         if MASKED:
-            s = _mask_tail_and_diagonal(s, offs_m, offs_n, M, IS_CAUSAL)
+            s = _mask_tail_and_diagonal(s, offs_m, offs_n, M, win_lo, win_hi, IS_CAUSAL,
+                                        HAS_WINDOW)
         # The normalizer l_i sums the undropped probabilities (dropout acts after the softmax).
         p, alpha, l_i, m_i = online_softmax_update(s, m_i, l_i)
         if HAS_DROPOUT:
@@ -203,16 +315,18 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Mask, Out, Lse,
-    sm_scale, dropout_p, seed,
+    Q, K, V, Mask, Alibi, Out, Lse,
+    sm_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mn, stride_mm,
+    stride_ab, stride_ah,
     stride_ob, stride_oh, stride_on, stride_od,
     H, N, M, GROUP,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -222,6 +336,7 @@ def _attn_fwd_kernel(
     v_base = V + b * stride_vb + hk * stride_vh
     mask_base = Mask + b * stride_mb + h * stride_mh
     drop_row = (b * H + h) * N
+    slope2 = _load_slope2(Alibi, b, h, stride_ab, stride_ah, HAS_ALIBI)
 
     i0 = pid_m * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
@@ -235,19 +350,31 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    full_hi, hi = _key_bounds(i0, M, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    if HAS_WINDOW:
+        # Only the key tiles of the band: masked on its two edges, whole in between.
+        lo, full_lo, full_hi, hi = _key_band(i0, N, M, win_lo, win_hi, IS_CAUSAL, BLOCK_M,
+                                             BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, lo, full_lo,
+            qk_scale, dropout_p, seed, drop_row, win_lo, win_hi, cap_in, cap_out, slope2,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
+            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, HAS_WINDOW,
+            HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, True)
+    else:
+        full_lo = 0
+        full_hi, hi = _key_bounds(i0, M, IS_CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, 0, full_hi,
-        qk_scale, dropout_p, seed, drop_row,
+        acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, full_lo, full_hi,
+        qk_scale, dropout_p, seed, drop_row, win_lo, win_hi, cap_in, cap_out, slope2,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
-        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, DOT_PREC,
-        BLOCK_N, False)
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, HAS_WINDOW,
+        HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, False)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, full_hi, hi,
-        qk_scale, dropout_p, seed, drop_row,
+        qk_scale, dropout_p, seed, drop_row, win_lo, win_hi, cap_in, cap_out, slope2,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
-        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, DOT_PREC,
-        BLOCK_N, True)
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, HAS_WINDOW,
+        HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, True)
 
     out, lse = finish_rows(acc, l_i, m_i)
     if HAS_DROPOUT:
@@ -286,27 +413,35 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, drop_row,
-                offs_n, lo, hi, qk_scale, dropout_p, seed,
+                offs_n, lo, hi, qk_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out,
+                slope2,
                 stride_qn, stride_qd, stride_gn, stride_gd, stride_mn, stride_mm, N, M,
                 HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-                BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+                IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
     # Works on transposed tiles ([keys, queries]) so that dk and dv come out of plain dots.
     # Query rows past N need no mask: they load lse = +inf (so p = 0) and dO = 0, delta = 0.
     # Key rows past M give garbage rows of dk/dv that are never stored (dots are row-wise).
-    # MASKED=True (causal only): the tiles that straddle the diagonal.
+    # MASKED=True: the query tiles that cross the diagonal (causal) or a window edge.
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < N
         q, do, lse2, delta = load_bwd_rows(q_base, do_base, lse_base, delta_base, offs_m, row_ok,
                                            stride_qn, stride_qd, stride_gn, stride_gd, HEAD_D,
                                            HEAD_DV, BLOCK_D, BLOCK_DV)
-        s_t = scores(k, q, qk_scale, DOT_PREC)
+        s_t, dcap_t = _option_scores(k, q, offs_m[None, :], offs_n[:, None], qk_scale, cap_in,
+                                     cap_out, slope2, M - N, HAS_SOFTCAP, HAS_ALIBI, True,
+                                     DOT_PREC)
         s_t = _apply_user_mask(s_t, mask_base, offs_m[None, :], offs_n[:, None], stride_mn,
                                stride_mm, N, M, MASK_KIND)
         if MASKED:
-            s_t = tl.where(offs_n[:, None] <= offs_m[None, :], s_t, float("-inf"))
+            if IS_CAUSAL:
+                s_t = tl.where(offs_n[:, None] <= offs_m[None, :], s_t, float("-inf"))
+            if HAS_WINDOW:
+                rel_t = offs_n[:, None] - offs_m[None, :]
+                s_t = tl.where((rel_t >= win_lo) & (rel_t <= win_hi), s_t, float("-inf"))
         # Hidden entries (s = -inf) get p = 0 exactly: a NaN row's lse would make exp2 NaN there.
         visible_t = s_t != float("-inf")
         p_t = tl.where(visible_t, tl.math.exp2(s_t - lse2[None, :]), 0.0)
@@ -319,24 +454,29 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, 
         else:
             pd_t = p_t
         dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        dk = dk_step(dk, p_t, dp_t, delta, q, visible_t, DOT_PREC)
+        if HAS_SOFTCAP:  # dS of the uncapped score: dS_capped * (1 - tanh^2)
+            dk = dk_step(dk, p_t * dcap_t, dp_t, delta, q, visible_t, DOT_PREC)
+        else:
+            dk = dk_step(dk, p_t, dp_t, delta, q, visible_t, DOT_PREC)
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, Mask, dO, Lse, Delta, dK, dV,
-    sm_scale, dropout_p, seed,
+    Q, K, V, Mask, Alibi, dO, Lse, Delta, dK, dV,
+    sm_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mn, stride_mm,
+    stride_ab, stride_ah,
     stride_gb, stride_gh, stride_gn, stride_gd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H, N, M, GROUP,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -355,14 +495,22 @@ def _attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     qk_scale = sm_scale * _LOG2E
 
-    if IS_CAUSAL:
+    if HAS_WINDOW:
+        # Only the query tiles of the band: masked on its two edges, whole in between.
+        lo, mid, full_hi, hi = _query_band(j0, N, M, win_lo, win_hi, IS_CAUSAL, BLOCK_M,
+                                           BLOCK_N)
+    elif IS_CAUSAL:
         # Queries before j0 see none of these keys; query tiles that start at or after the
         # tile's last key (j0 + BLOCK_N - 1) see all of them.
         lo = (j0 // BLOCK_M) * BLOCK_M
         mid = tl.minimum(tl.cdiv(j0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, N)
+        full_hi = N
+        hi = N
     else:
         lo = 0
         mid = 0
+        full_hi = N
+        hi = N
 
     # GQA: the query heads of the group all read this key/value head; sum their contributions
     # here rather than materializing per-query-head dK/dV and reducing afterwards.
@@ -374,19 +522,27 @@ def _attn_bwd_dkdv_kernel(
         drop_row = (b * H + h) * N
         lse_base = Lse + drop_row
         delta_base = Delta + drop_row
-        if IS_CAUSAL:
+        slope2 = _load_slope2(Alibi, b, h, stride_ab, stride_ah, HAS_ALIBI)
+        if IS_CAUSAL or HAS_WINDOW:
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, drop_row,
-                offs_n, lo, mid, qk_scale, dropout_p, seed,
-                stride_qn, stride_qd, stride_gn, stride_gd, stride_mn, stride_mm, N, M,
-                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC,
-                BLOCK_M, True)
+                offs_n, lo, mid, qk_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out,
+                slope2, stride_qn, stride_qd, stride_gn, stride_gd, stride_mn, stride_mm, N, M,
+                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
+                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_M, True)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, drop_row,
-            offs_n, mid, N, qk_scale, dropout_p, seed,
-            stride_qn, stride_qd, stride_gn, stride_gd, stride_mn, stride_mm, N, M,
-            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC,
-            BLOCK_M, False)
+            offs_n, mid, full_hi, qk_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out,
+            slope2, stride_qn, stride_qd, stride_gn, stride_gd, stride_mn, stride_mm, N, M,
+            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_M, False)
+        if HAS_WINDOW:
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, drop_row,
+                offs_n, full_hi, hi, qk_scale, dropout_p, seed, win_lo, win_hi, cap_in,
+                cap_out, slope2, stride_qn, stride_qd, stride_gn, stride_gd, stride_mn,
+                stride_mm, N, M, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND,
+                HAS_DROPOUT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_M, True)
 
     store_rows(dK + b * stride_dkb + hk * stride_dkh, offs_n, stride_dkn, offs_d, stride_dkd,
                col_ok, dk * sm_scale, HEAD_D)
@@ -397,46 +553,56 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
               offs_m, offs_d, offs_dv, lo, hi, qk_scale, dropout_p, seed,
+              win_lo, win_hi, cap_in, cap_out, slope2,
               stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
               DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    # Same tile split as the forward (MASKED: key tiles past M or across the diagonal).  Key
-    # columns past M must be masked here: they would otherwise get p = exp2(-lse) != 0.
+    # Same tile split as the forward (MASKED: key tiles past M or across the diagonal or a
+    # window edge).  Key columns past M must be masked here: they would otherwise get
+    # p = exp2(-lse) != 0.
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = load_row_pair(k_base, v_base, offs_n, offs_n < M, stride_kn, stride_kd, stride_vn,
                              stride_vd, offs_d, offs_dv, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV,
                              MASKED)
-        s = scores(q, k, qk_scale, DOT_PREC)
+        s, dcap = _option_scores(q, k, offs_m[:, None], offs_n[None, :], qk_scale, cap_in,
+                                 cap_out, slope2, M - N, HAS_SOFTCAP, HAS_ALIBI, True, DOT_PREC)
         s = _apply_user_mask(s, mask_base, offs_m[:, None], offs_n[None, :], stride_mn,
                              stride_mm, N, M, MASK_KIND)
         if MASKED:
-            s = _mask_tail_and_diagonal(s, offs_m, offs_n, M, IS_CAUSAL)
+            s = _mask_tail_and_diagonal(s, offs_m, offs_n, M, win_lo, win_hi, IS_CAUSAL,
+                                        HAS_WINDOW)
         visible = s != float("-inf")  # hidden: p = 0 exactly (see the dK/dV loop)
         p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         if HAS_DROPOUT:
             keep = _dropout_keep(seed, dropout_p, drop_row, offs_m[:, None], offs_n[None, :], M)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-        dq = dq_step(dq, p, dp, delta, k, visible, DOT_PREC)
+        if HAS_SOFTCAP:  # dS of the uncapped score: dS_capped * (1 - tanh^2)
+            dq = dq_step(dq, p * dcap, dp, delta, k, visible, DOT_PREC)
+        else:
+            dq = dq_step(dq, p, dp, delta, k, visible, DOT_PREC)
     return dq
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, Mask, dO, Lse, Delta, dQ,
-    sm_scale, dropout_p, seed,
+    Q, K, V, Mask, Alibi, dO, Lse, Delta, dQ,
+    sm_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mn, stride_mm,
+    stride_ab, stride_ah,
     stride_gb, stride_gh, stride_gn, stride_gd,
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
     H, N, M, GROUP,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -454,21 +620,35 @@ def _attn_bwd_dq_kernel(
                                        stride_gn, stride_gd, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * _LOG2E
+    slope2 = _load_slope2(Alibi, b, h, stride_ab, stride_ah, HAS_ALIBI)
 
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     mask_base = Mask + b * stride_mb + h * stride_mh
-    full_hi, hi = _key_bounds(i0, M, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    if HAS_WINDOW:
+        lo, full_lo, full_hi, hi = _key_band(i0, N, M, win_lo, win_hi, IS_CAUSAL, BLOCK_M,
+                                             BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
+                       offs_m, offs_d, offs_dv, lo, full_lo, qk_scale, dropout_p, seed,
+                       win_lo, win_hi, cap_in, cap_out, slope2,
+                       stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
+                       HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
+                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, True)
+    else:
+        full_lo = 0
+        full_hi, hi = _key_bounds(i0, M, IS_CAUSAL, BLOCK_M, BLOCK_N)
     dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
-                   offs_m, offs_d, offs_dv, 0, full_hi, qk_scale, dropout_p, seed,
+                   offs_m, offs_d, offs_dv, full_lo, full_hi, qk_scale, dropout_p, seed,
+                   win_lo, win_hi, cap_in, cap_out, slope2,
                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
                    HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
-                   DOT_PREC, BLOCK_N, False)
+                   HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, False)
     dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
                    offs_m, offs_d, offs_dv, full_hi, hi, qk_scale, dropout_p, seed,
+                   win_lo, win_hi, cap_in, cap_out, slope2,
                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
                    HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
-                   DOT_PREC, BLOCK_N, True)
+                   HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, True)
     store_rows(dQ + b * stride_dqb + h * stride_dqh, offs_m, stride_dqn, offs_d, stride_dqd,
                row_ok, dq * sm_scale, HEAD_D)
 
@@ -552,6 +732,69 @@ def _prepare_mask(fn, mask, q, B, H, N, M):
     raise TypeError(f"{fn}: mask must be bool or floating; got {mask.dtype}")
 
 
+def _window_side(fn, name, x):
+    if isinstance(x, bool):
+        raise TypeError(f"{fn}: {name} must be an int >= -1 (-1 = unbounded); got {x!r}")
+    try:
+        x = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{fn}: {name} must be an int >= -1 (-1 = unbounded); got "
+                        f"{type(x).__name__} {x!r}") from None
+    if x < -1:
+        raise ValueError(f"{fn}: {name} must be >= -1 (-1 = unbounded); got {x}")
+    return x
+
+
+def _prepare_options(fn, q, B, H, N, M, scale, window_left, window_right, softcap,
+                     alibi_slopes):
+    """The score options as kernel arguments: ``(scalars, alibi, alibi_strides, consts)`` with
+    scalars = (win_lo, win_hi, cap_in, cap_out) and consts the HAS_* flags.
+
+    The window becomes win_lo <= j - i <= win_hi (win_lo = M - N - left, win_hi = M - N + right);
+    an unbounded side (-1) or one wider than the sequences is clamped to a bound that hides
+    nothing (left to M, right to N), so the kernels never test the sign of a side."""
+    left = _window_side(fn, "window_left", window_left)
+    right = _window_side(fn, "window_right", window_right)
+    has_window = left >= 0 or right >= 0
+    left = M if left < 0 else min(left, M)
+    right = N if right < 0 else min(right, N)
+    win_lo, win_hi = (M - N) - left, (M - N) + right
+
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"{fn}: softcap must be a real number (0.0 = off); got "
+                        f"{type(softcap).__name__} {softcap!r}")
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0.0):
+        raise ValueError(f"{fn}: softcap must be a finite number >= 0 (0.0 = off); got {softcap}")
+    has_softcap = softcap > 0.0
+    # s = softcap * tanh(scale * q.k / softcap), in base 2: tanh(raw * cap_in) * cap_out
+    cap_in = scale / softcap if has_softcap else 0.0
+    cap_out = softcap / math.log(2.0) if has_softcap else 0.0
+
+    if alibi_slopes is None:
+        alibi, alibi_strides = q, (0, 0)  # q is a stand-in pointer; HAS_ALIBI=0 never reads it
+    else:
+        if not torch.is_tensor(alibi_slopes):
+            raise TypeError(f"{fn}: alibi_slopes must be a float32 tensor [B, H] or [H]; got "
+                            f"{type(alibi_slopes).__name__}")
+        if alibi_slopes.dtype != torch.float32:
+            raise TypeError(f"{fn}: alibi_slopes must be float32; got {alibi_slopes.dtype}")
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"{fn}: alibi_slopes must be on q's device ({q.device}); got "
+                             f"{alibi_slopes.device}")
+        try:
+            if alibi_slopes.dim() > 2:
+                raise RuntimeError
+            alibi = alibi_slopes.expand(B, H)  # a view: [H] or [1, H] get stride 0 over B
+        except RuntimeError:
+            raise ValueError(f"{fn}: alibi_slopes of shape {tuple(alibi_slopes.shape)} does "
+                             f"not broadcast to [B, H] = {[B, H]}") from None
+        alibi_strides = alibi.stride()
+    consts = dict(HAS_WINDOW=has_window, HAS_SOFTCAP=has_softcap,
+                  HAS_ALIBI=alibi_slopes is not None)
+    return (win_lo, win_hi, cap_in, cap_out), alibi, alibi_strides, consts
+
+
 def _launch(name, dmax, grid, args, consts, config):
     """Run kernel ``name`` with ``config`` or, when None, autotuned (first candidate when
     interpreted).  ``grid(BLOCK_M, BLOCK_N)`` gives the launch grid."""
@@ -559,11 +802,14 @@ def _launch(name, dmax, grid, args, consts, config):
            args, consts, config)
 
 
-def softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=0, config=None):
+def softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=0, config=None, *,
+                window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
     """Flash-attention forward.  Returns ``(out [B, H, N, Dv] in q.dtype, lse [B, H, N] f32)``.
 
     ``scale`` None means 1/sqrt(D).  ``config``: a ``triton.Config`` with BLOCK_M / BLOCK_N
-    (and num_warps / num_stages) to skip autotuning; see ``FWD_CONFIGS``.
+    (and num_warps / num_stages) to skip autotuning; see ``FWD_CONFIGS``.  ``window_left`` /
+    ``window_right`` (-1 = unbounded), ``softcap`` (0.0 = off), ``alibi_slopes`` (float32
+    [B, H] or [H], None = off): the score options of the module docstring.
     """
     fn = "softmax_fwd"
     _check_inputs(fn, q, k, v, dropout_p)
@@ -573,6 +819,8 @@ def softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=0, config=N
     out = torch.empty((B, H, N, Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     mask_kind, mask_t, mask_strides = _prepare_mask(fn, mask, q, B, H, N, M)
+    opt_args, alibi, alibi_strides, opt_consts = _prepare_options(
+        fn, q, B, H, N, M, scale, window_left, window_right, softcap, alibi_slopes)
     if B * H * N == 0:
         return out, lse
     if M == 0:  # no key at all: every row is fully masked
@@ -581,26 +829,27 @@ def softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=0, config=N
         return out, lse
     has_dropout = dropout_p > 0.0
     block_d, block_dv = pow2(D), pow2(Dv)
-    args = (q, k, v, mask_t, out, lse,
+    args = (q, k, v, mask_t, alibi, out, lse,
             scale, float(dropout_p) if has_dropout else 0.0, int(seed) if has_dropout else 0,
-            *strides(q), *strides(k), *strides(v), *mask_strides, *strides(out),
-            H, N, M, H // Hk)
+            *opt_args, *strides(q), *strides(k), *strides(v), *mask_strides, *alibi_strides,
+            *strides(out), H, N, M, H // Hk)
     consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
                   IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout,
-                  DOT_PREC=dot_precision(q.dtype))
+                  **opt_consts, DOT_PREC=dot_precision(q.dtype))
     _launch("fwd", max(block_d, block_dv), lambda bm, bn: (triton.cdiv(N, bm), H, B), args,
             consts, config)
     return out, lse
 
 
 def softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal, dropout_p=0.0, seed=0,
-                config=None):
+                config=None, *, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
     """Flash-attention backward from the forward's ``out`` and ``lse``; returns (dq, dk, dv).
 
     ``dropout_p`` / ``seed`` must be those of the forward (the mask is regenerated).  ``config``:
     None (autotune), one ``triton.Config`` for both the dK/dV and the dQ kernel, or a pair
     ``(dkdv_config, dq_config)``; see ``BWD_DKDV_CONFIGS`` and ``BWD_DQ_CONFIGS``.  No gradient
-    is returned for an additive mask.
+    is returned for an additive mask.  The score options (``window_left``, ``window_right``,
+    ``softcap``, ``alibi_slopes``) must be those of the forward; the slopes get no gradient.
     """
     fn = "softmax_bwd"
     _check_inputs(fn, q, k, v, dropout_p)
@@ -614,6 +863,8 @@ def softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal, dropout_p=0
                          f"{lse.dtype} {tuple(lse.shape)}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     mask_kind, mask_t, mask_strides = _prepare_mask(fn, mask, q, B, H, N, M)
+    opt_args, alibi, alibi_strides, opt_consts = _prepare_options(
+        fn, q, B, H, N, M, scale, window_left, window_right, softcap, alibi_slopes)
     cfg_dkdv, cfg_dq = split_config(config)
 
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -634,16 +885,17 @@ def softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal, dropout_p=0
 
     has_dropout = dropout_p > 0.0
     common = (scale, float(dropout_p) if has_dropout else 0.0, int(seed) if has_dropout else 0,
-              *strides(q), *strides(k), *strides(v), *mask_strides, *strides(grad_out))
+              *opt_args, *strides(q), *strides(k), *strides(v), *mask_strides, *alibi_strides,
+              *strides(grad_out))
     consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
                   IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout,
-                  DOT_PREC=dot_precision(q.dtype))
+                  **opt_consts, DOT_PREC=dot_precision(q.dtype))
     dmax = max(block_d, block_dv)
     _launch("dkdv", dmax, lambda bm, bn: (triton.cdiv(M, bn), Hk, B),
-            (q, k, v, mask_t, grad_out, lse, delta, dk, dv, *common, *strides(dk),
+            (q, k, v, mask_t, alibi, grad_out, lse, delta, dk, dv, *common, *strides(dk),
              *strides(dv), H, N, M, H // Hk), consts, cfg_dkdv)
     _launch("dq", dmax, lambda bm, bn: (triton.cdiv(N, bm), H, B),
-            (q, k, v, mask_t, grad_out, lse, delta, dq, *common, *strides(dq), H, N, M,
+            (q, k, v, mask_t, alibi, grad_out, lse, delta, dq, *common, *strides(dq), H, N, M,
              H // Hk), consts, cfg_dq)
     return dq, dk, dv
 
