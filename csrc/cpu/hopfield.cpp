@@ -1289,9 +1289,17 @@ bool energy_fast(const float* state, const float* stored, float* energy, float* 
 // as large as the thread count allows.  Not below 128: blocks of <= kStreamMaxS = 64 rows take
 // the streaming kernel, which at 64 rows ran 0.6x of the softmax peer (S=256 N=4096 D=64 3
 // steps, one thread, two runs: 13.1 / 14.0 ms against 128-row blocks' 8.4 / 8.3 ms).
+// row_exact: each state's arithmetic is the same whatever block it is in (the AVX-512 kernels
+// of this file).  Otherwise MKL's SGEMM / DGEMM multiply the blocks, and their summation order
+// can change with a block's row count: an Intel Xeon build for x86-64-v3 gave results that
+// differed between 1 and 2 threads (S=150: one block of 150 rows, or 128 + 22; issue 24).  The
+// blocks then have a size that does not depend on the thread count, kMinBlockQ (two tasks for
+// S=256 on one (b, h), as the halving gives on two threads; a single thread reads X once more
+// per step for S > 128).
 constexpr int64_t kMinBlockQ = 128;
 
-int64_t fused_block_rows(int64_t BH, int64_t S) {
+int64_t fused_block_rows(int64_t BH, int64_t S, bool row_exact) {
+  if (!row_exact) return kMinBlockQ;
   int64_t rows = kBlockQ;
   const int64_t want = 2 * static_cast<int64_t>(at::get_num_threads());
   while (rows > kMinBlockQ && BH * ((S + rows - 1) / rows) < want) rows /= 2;
@@ -1405,7 +1413,8 @@ void update_fused(const UpdateCtx<T>& c) {
     update_lanes(c);
     return;
   }
-  const int64_t block = fused_block_rows(c.BH, c.S);
+  // Row-exact: the AVX-512 kernels throughout (no values: their read-out goes through BLAS).
+  const int64_t block = fused_block_rows(c.BH, c.S, fast_gemm_applies<T>(c.D) && !c.has_values);
   const int64_t qblocks = (c.S + block - 1) / block;
   const int64_t D = c.D;
   // The stored patterns packed for the AVX-512 kernels, once for all steps and query blocks

@@ -787,18 +787,23 @@ def test_update_lanes_kernel_some_lanes_frozen_others_go_on():
     assert finite[:, :, :, keep].all()
 
 
-@pytest.mark.parametrize("b,s", [(2, 150), (1, 100)])
-def test_update_lanes_kernel_result_does_not_depend_on_the_thread_count(b, s):
+@pytest.mark.parametrize("b,s,d,values", [(2, 150, 64, False), (1, 100, 64, False), (2, 150, 33, False),
+                                          (2, 150, 64, True), (1, 300, 64, True)])
+def test_update_lanes_kernel_result_does_not_depend_on_the_thread_count(b, s, d, values):
     # Each state's arithmetic is its lane's alone, in the same order whatever the group width:
     # (1, 100) runs as groups of 64 on one thread and of 32 on two (two tasks per thread).
+    # Odd D, values, and builds without AVX-512 go through MKL, whose result can depend on a
+    # block's row count: their blocks do not depend on the thread count (issue 24: an x86-64-v3
+    # build on an Intel Xeon differed between 1 and 2 threads at (2, 150)).
     torch.manual_seed(2)
-    state, stored = torch.randn(b, 1, s, 64), torch.randn(b, 1, 700, 64)
+    state, stored = torch.randn(b, 1, s, d), torch.randn(b, 1, 700, d)
+    kw = {"values": torch.randn(b, 1, 700, 24)} if values else {}
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = attnkit.hopfield_update(state, stored, beta=0.2, steps=3, backend="cpu")
+        one = attnkit.hopfield_update(state, stored, beta=0.2, steps=3, backend="cpu", **kw)
         torch.set_num_threads(max(2, threads))
-        many = attnkit.hopfield_update(state, stored, beta=0.2, steps=3, backend="cpu")
+        many = attnkit.hopfield_update(state, stored, beta=0.2, steps=3, backend="cpu", **kw)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
