@@ -80,7 +80,7 @@ def _compare_job(rank, world, b, h, n, d, rounds, threads_total, device_kind, si
         lq, lk, lv, lgo = (t.index_select(2, idx) for t in (q, k, v, go))
 
         def ring(q_, k_, v_, causal=causal):
-            return cp.ring_attention(q_, k_, v_, causal=causal, seq_len=n)[0]
+            return cp.ring_attention(q_, k_, v_, causal=causal, seq_len=n)
 
         def whole(q_, k_, v_, causal=causal):
             return attnkit.softmax_attention(q_, k_, v_, is_causal=causal)

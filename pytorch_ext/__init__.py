@@ -10,6 +10,7 @@ silently dropped); a fully masked row gives 0.
 - :func:`linear_attention` — kernelized attention φ(q)·Σφ(k)vᵀ, causal or not
 - :func:`sparse_attention` with :mod:`attnkit.patterns` — strided, fixed, star, block layouts
 - :func:`hopfield_update`, :func:`hopfield_energy` — the modern Hopfield update and its energy
+- :func:`merge_attention_states` — exact merge of two partial results by their log-sum-exps
 - :func:`backends` — which backends (reference, cpu, triton, cuda) are usable here, per family
 """
 import torch  # noqa: F401  (loads libtorch before the native extension)
@@ -18,6 +19,7 @@ from . import hopfield, nn, patterns
 from ._dispatch import BackendStatus, BackendUnavailableError, backends
 from .ops.hopfield import hopfield_energy, hopfield_update
 from .ops.linear import linear_attention, linear_attention_step
+from .ops.merge import merge_attention_states
 from .ops.softmax import softmax_attention
 from .ops.sparse import sparse_attention
 
@@ -28,6 +30,7 @@ __all__ = [
     "linear_attention",
     "linear_attention_step",
     "sparse_attention",
+    "merge_attention_states",
     "hopfield_update",
     "hopfield_energy",
     "patterns",

@@ -100,6 +100,7 @@ from ._validation import (
 )
 from .ops import linear as _linear_ops
 from .ops import softmax as _softmax_ops
+from .ops.merge import merge_weights
 from .reference.linear import feature_map_reference, state_dtype
 
 __all__ = [
@@ -246,7 +247,7 @@ def count_p2p():
     this rank inside the block::
 
         with attnkit.distributed.count_p2p() as log:
-            out, lse = ring_attention(q, k, v, causal=True)
+            out, lse = ring_attention(q, k, v, causal=True, return_lse=True)
             (out.sum() + lse.sum()).backward()
         log.count("forward", "send")       # W - 1
     """
@@ -413,15 +414,11 @@ def _plan(comm: _Comm, causal: bool, n_local: int, meta: list[int] | None, local
 
 def _merge_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
     """In place: (out, lse) <- the softmax over the union of the two key sets, from each part's
-    (output, log-sum-exp).  Overflow-free: with d = lse_b - lse,
-
-        out <- lerp(out, out_b, sigmoid(d)),   lse <- max(lse, lse_b) - logsigmoid(|d|)
-
-    (no exp of a large number anywhere).  A part with lse -inf (no keys) has weight 0."""
-    inf = torch.tensor(math.inf, dtype=lse.dtype, device=lse.device)
-    d = torch.where(torch.isneginf(lse_b), -inf, torch.where(torch.isneginf(lse), inf, lse_b - lse))
-    out.lerp_(out_b.to(out.dtype), torch.sigmoid(d).unsqueeze(-1))
-    lse.copy_(torch.maximum(lse, lse_b) - F.logsigmoid(d.abs()))
+    (output, log-sum-exp): attnkit.merge_attention_states's overflow-free merge
+    (:func:`attnkit.ops.merge.merge_weights`).  A part with lse -inf (no keys) has weight 0."""
+    w_b, merged = merge_weights(lse, lse_b)
+    out.lerp_(out_b.to(out.dtype), w_b.unsqueeze(-1))
+    lse.copy_(merged)
 
 
 def _reference_block_backward(dout, dlse, q, k, v, out, lse, scale, causal):
@@ -623,16 +620,19 @@ def ring_attention(
     scale: float | None = None,
     seq_len: int | None = None,
     backend: str | None = None,
+    return_lse: bool = False,
 ):
     """Softmax attention over a sequence sharded across the ranks of a process group
-    (context parallelism, "ring attention").  Returns ``(out, lse)`` on every rank.
+    (context parallelism, "ring attention").  Returns ``out`` (with ``return_lse``,
+    ``(out, lse)``) on every rank, like :func:`attnkit.softmax_attention`.
 
     Rank r passes the rows ``idx = shard_indices(N, r, W, causal)`` of the full sequence's
     tensors and gets back the same rows of ``softmax_attention(Q, K, V, is_causal=causal,
     scale=scale, enable_gqa=True, return_lse=True)`` computed on the whole sequence::
 
         out_full[:, :, idx], lse_full[:, :, idx]  ==  ring_attention(Q[:, :, idx], K[:, :, idx],
-                                                                     V[:, :, idx], causal=causal)
+                                                                     V[:, :, idx], causal=causal,
+                                                                     return_lse=True)
 
     Args:
         query: ``[B, H, n_r, D]`` -- this rank's queries (n_r = ``len(idx)``).
@@ -649,11 +649,13 @@ def ring_attention(
         backend: the attnkit backend of every block (as in ``softmax_attention``; None picks
             ``cpu`` for CPU tensors, ``triton`` for CUDA tensors, routing what a kernel cannot
             run to the reference).
+        return_lse: also return the log-sum-exp of each local row over the global keys.
 
     Returns:
-        ``(out, lse)``: out ``[B, H, n_r, Dv]`` in the inputs' dtype, lse ``[B, H, n_r]`` in
-        float32 (float64 for float64 inputs).  Both differentiable (once) with respect to q, k,
-        v; every rank must run the backward (it is a ring too).
+        ``out`` ``[B, H, n_r, Dv]`` in the inputs' dtype; with ``return_lse`` the tuple
+        ``(out, lse)``, lse ``[B, H, n_r]`` in float32 (float64 for float64 inputs).
+        Differentiable (once) with respect to q, k, v; every rank must run the backward (it is
+        a ring too).
 
     Algorithm: W steps; at step s rank r holds the K/V shard of rank (r - s) mod W, posts its
     transfer to r + 1 (and the receive of the next one from r - 1) as one
@@ -665,10 +667,11 @@ def ring_attention(
     Example (in every rank of an initialized group)::
 
         >>> idx = shard_indices(N, dist.get_rank(), dist.get_world_size(), causal=True)
-        >>> out, lse = ring_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], causal=True)
+        >>> out = ring_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], causal=True)
     """
     comm = _Comm(group)
     check_bool(RING_OP, "causal", causal)
+    check_bool(RING_OP, "return_lse", return_lse)
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)
                                 or seq_len < 0):
         raise ValueError(f"{RING_OP}: seq_len must be None or an int >= 0; got {seq_len!r}")
@@ -686,7 +689,8 @@ def ring_attention(
     except (TypeError, ValueError, RuntimeError) as error:  # joins the handshake, then raises
         local_error = error
     plan = _plan(comm, causal, n_local, meta, local_error, seq_len)
-    return _RingAttentionFn.apply(query, key, value, plan, scale, chosen)
+    out, lse = _RingAttentionFn.apply(query, key, value, plan, scale, chosen)
+    return (out, lse) if return_lse else out
 
 
 # ==============================================================================================

@@ -59,7 +59,7 @@ def _single(q, k, v, causal, go, gl):
 def _ring(q, k, v, causal, go, gl, idx, **kw):
     """ring_attention on this rank's shard: out, lse, dq, dk, dv (of the shard)."""
     q, k, v = (t[:, :, idx].detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = cp.ring_attention(q, k, v, causal=causal, **kw)
+    out, lse = cp.ring_attention(q, k, v, causal=causal, return_lse=True, **kw)
     loss = (out.double() * go[:, :, idx]).sum() + (lse.double() * gl[:, :, idx]).sum()
     loss.backward()
     return [out.detach(), lse.detach(), q.grad, k.grad, v.grad]
@@ -446,7 +446,7 @@ def _raise_on_rank_one(rank: int, world: int):
     q = torch.randn(1, 2, cp.shard_lengths(20, world, True)[rank], 8)
     if rank == 1:
         raise RuntimeError("rank 1 fails on purpose")
-    return cp.ring_attention(q, q, q, causal=True)[0].shape
+    return cp.ring_attention(q, q, q, causal=True).shape
 
 
 def test_a_rank_that_raises_is_reported():
@@ -461,3 +461,17 @@ def test_a_rank_that_raises_is_reported():
     assert "rank 1 fails on purpose" in errors[1]
     assert 0 in errors and "ring_attention" in errors[0], errors  # its traceback
     assert elapsed < 60, elapsed
+
+
+def test_ring_returns_the_lse_only_when_asked():
+    # Like softmax_attention: out alone by default, (out, lse) with return_lse=True (one process).
+    (q, k, v), _, _ = _inputs(4, 13, torch.float32, HK)
+    out = cp.ring_attention(q, k, v, causal=True)
+    assert isinstance(out, torch.Tensor)
+    out2, lse = cp.ring_attention(q, k, v, causal=True, return_lse=True)
+    want, want_lse = attnkit.softmax_attention(q, k, v, is_causal=True, enable_gqa=True, return_lse=True)
+    assert torch.equal(out, out2)
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=2e-5, atol=2e-6)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        cp.ring_attention(q, k, v, return_lse=1)
