@@ -61,6 +61,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from .._cpuinfo import cpu_info
+from .._cpuinfo import describe as describe_cpu
+
 FAMILIES = ("softmax", "linear", "sparse", "hopfield")
 KINDS = ("attnkit", "peer")
 SCHEMA = "attnkit-bench/1"
@@ -919,6 +922,7 @@ def make_meta(device: torch.device, *, quick: bool, warmup: int, repeats: int, f
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_info(),  # model, vendor, AVX2 / AVX-512 / AMX flags (also for a CUDA run's host)
         "quick": quick,
         "warmup": warmup,
         "repeats": repeats,
@@ -965,6 +969,8 @@ def format_header(meta: dict) -> list[str]:
     head = f"attnkit bench — {meta.get('device')} ({meta.get('device_name')}), torch {meta.get('torch')}, " \
            f"{meta.get('threads')} threads, median of {repeats} calls after {meta.get('warmup')} warmup"
     lines.append(head + (" [quick]" if meta.get("quick") else ""))
+    if meta.get("cpu"):
+        lines.append(("cpu: " if meta.get("device") == "cpu" else "host cpu: ") + describe_cpu(meta["cpu"]))
     if machine:
         lines.append(format_machine(machine))
     lines.extend(format_legend(meta))

@@ -441,3 +441,21 @@ def test_flex_failure_is_reported_as_unavailable(monkeypatch):
     assert rows["torch SDPA (dense mask)"]["status"] == "ok"
     assert rows["torch SDPA (dense causal)"]["status"] == "ok"
     assert "max_rel_diff" not in rows["torch SDPA (dense causal)"]
+
+
+def test_the_cpu_is_recorded_with_its_vendor_and_isa():
+    # Issue 25: the JSON's meta and the printed header say which CPU (vendor, AVX-512, AMX) ran.
+    from attnkit._cpuinfo import parse_cpuinfo
+
+    xeon = ("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum 8488C\n"
+            "flags\t\t: fpu avx2 fma avx512f avx512bw avx512_bf16 avx512_fp16 amx_bf16 amx_tile\n\n"
+            "processor\t: 1\nmodel name\t: another\n")
+    assert parse_cpuinfo(xeon) == {"model": "Intel(R) Xeon(R) Platinum 8488C", "vendor": "Intel",
+                                   "isa": ["AVX2", "FMA", "AVX-512F", "AVX-512BW", "AVX-512 BF16",
+                                           "AVX-512 FP16", "AMX tile", "AMX BF16"]}
+    epyc = "vendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R45\nflags\t\t: fpu avx2 fma\n"
+    assert parse_cpuinfo(epyc)["vendor"] == "AMD" and parse_cpuinfo(epyc)["isa"] == ["AVX2", "FMA"]
+    meta = harness.make_meta(torch.device("cpu"), quick=True, warmup=1, repeats=1, families=["softmax"],
+                             memory=False, machine=None)
+    assert set(meta["cpu"]) == {"model", "vendor", "isa"}
+    assert any(line.startswith("cpu: ") and meta["cpu"]["model"] in line for line in harness.format_header(meta))
