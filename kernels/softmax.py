@@ -785,7 +785,7 @@ def _prepare_options(fn, q, B, H, N, M, scale, window_left, window_right, softca
         try:
             if alibi_slopes.dim() > 2:
                 raise RuntimeError
-            alibi = alibi_slopes.expand(B, H)  # a view: [H] or [1, H] get stride 0 over B
+            alibi = alibi_slopes.detach().expand(B, H)  # a view: [H] -> stride 0 over B
         except RuntimeError:
             raise ValueError(f"{fn}: alibi_slopes of shape {tuple(alibi_slopes.shape)} does "
                              f"not broadcast to [B, H] = {[B, H]}") from None
