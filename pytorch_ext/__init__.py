@@ -18,10 +18,12 @@ import torch  # noqa: F401  (loads libtorch before the native extension)
 from . import hopfield, nn, patterns
 from ._dispatch import BackendStatus, BackendUnavailableError, backends
 from .ops.hopfield import hopfield_energy, hopfield_update
+from .ops.kvcache import attention_with_kvcache
 from .ops.linear import linear_attention, linear_attention_step
 from .ops.merge import merge_attention_states
 from .ops.softmax import softmax_attention
 from .ops.sparse import sparse_attention
+from .ops.varlen import linear_attention_varlen, softmax_attention_varlen
 
 __version__ = "0.1.0"
 
@@ -31,6 +33,9 @@ __all__ = [
     "linear_attention_step",
     "sparse_attention",
     "merge_attention_states",
+    "softmax_attention_varlen",
+    "linear_attention_varlen",
+    "attention_with_kvcache",
     "hopfield_update",
     "hopfield_energy",
     "patterns",

@@ -1,0 +1,362 @@
+"""Attention against a KV cache, for decoding and chunked prefill:
+``attnkit.attention_with_kvcache`` (issue 28), in the spirit of FlashAttention's
+``flash_attn_with_kvcache``.
+
+One call appends the new keys / values to the cache (in place) and attends each batch element's
+queries to its cached keys plus the new ones, causally aligned bottom-right (the new queries are
+the last positions of the sequence).  No new kernel: plain Python over
+:func:`attnkit.softmax_attention` (so every backend, dtype and score option it has), whose CPU
+backend sends few-query calls (N <= 16) to its split-KV decode kernel.
+
+How a call becomes kernel calls:
+
+- **lengths**: batch element b sees L_b = cache_seqlens[b] + Nk keys.  A contiguous cache is read
+  through views ``k_cache[b0:b1, :, :L]`` -- one kernel call per run of adjacent batch elements
+  of equal L_b, no copy (a decode step's batch usually has one run per distinct length).  A
+  paged cache is gathered: the blocks of each batch element (block_table) into one contiguous
+  copy per group of equal L_b (no paged kernel yet).
+- **bottom-right causality** (query j of Nq sees keys < L - Nq + j + 1): Nq = 1 needs no mask
+  at all.  For Nq > 1 the visible keys split into the prefix ``[0, L - Nq)``, which every query
+  sees, and the last Nq keys, which the queries see causally *top-left* -- so two calls of
+  softmax_attention (the prefix unmasked, the last Nq keys with ``is_causal=True``) merged by
+  their log-sum-exps (:func:`attnkit.merge_attention_states`), exact, with no mask and on every
+  backend.  With the alignment-dependent score options (``window``, ``alibi_slopes``: their
+  positions are relative to the last key) the causal bound is folded into the window instead,
+  ``window=(left, 0)``: one call.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .._dispatch import resolve
+from .._validation import check_bool, check_real, check_same_dtype_device, check_tensor
+from .merge import merge_attention_states
+from .softmax import softmax_attention
+from .varlen import SCORE_OPTIONS, check_score_options, options_for
+
+OP_NAME = "attnkit.attention_with_kvcache"
+
+# Score options whose positions are relative to the last key (bottom-right): a split of the keys
+# would move them; with these the causal bound goes into the window.
+_ALIGNED_OPTIONS = ("window", "alibi_slopes")
+# Applied once per row (a sink is one more logit of the softmax): in only one part of a split.
+_ONCE_OPTIONS = ("sinks",)
+
+
+def _lengths(fn: str, cache_seqlens, batch: int) -> list[int]:
+    if isinstance(cache_seqlens, bool):
+        raise TypeError(f"{fn}: cache_seqlens must be an int or an int32 / int64 tensor [B]; got {cache_seqlens!r}")
+    if isinstance(cache_seqlens, int):
+        if cache_seqlens < 0:
+            raise ValueError(f"{fn}: cache_seqlens must be >= 0; got {cache_seqlens}")
+        return [cache_seqlens] * batch
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"{fn}: cache_seqlens must be an int or an int32 / int64 tensor [B]; got "
+                        f"{type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{fn}: cache_seqlens must be int32 or int64; got "
+                        f"{str(cache_seqlens.dtype).replace('torch.', '')}")
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise ValueError(f"{fn}: cache_seqlens must have shape [B] = [{batch}]; got {list(cache_seqlens.shape)}")
+    lengths = cache_seqlens.tolist()
+    for b, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"{fn}: cache_seqlens must be >= 0; got cache_seqlens[{b}] = {n}")
+    return lengths
+
+
+def _runs(lengths: list[int]) -> list[tuple[int, int]]:
+    """[b0, b1) ranges of adjacent batch elements with equal lengths."""
+    runs, start = [], 0
+    for b in range(1, len(lengths) + 1):
+        if b == len(lengths) or lengths[b] != lengths[start]:
+            runs.append((start, b))
+            start = b
+    return runs
+
+
+def _attend(q, k, v, is_causal, scale, enable_gqa, backend, options):
+    """(out, lse) of queries q [g, H, Nq, D] against all keys k / v [g, Hk, L, D] they may see,
+    causally aligned bottom-right when ``is_causal``."""
+    nq, length = q.shape[2], k.shape[2]
+
+    def call(q_, k_, v_, causal, opts):
+        return softmax_attention(q_, k_, v_, None, 0.0, causal, scale, enable_gqa, return_lse=True,
+                                 backend=backend, **opts)
+
+    if not is_causal or nq <= 1:
+        return call(q, k, v, False, options)
+    if any(name in options for name in _ALIGNED_OPTIONS):
+        if "window" not in SCORE_OPTIONS:  # cannot happen: they came together into softmax_attention
+            raise TypeError(f"{OP_NAME}: is_causal with alibi_slopes needs softmax_attention's window")
+        left, _ = options.get("window", (-1, -1))
+        return call(q, k, v, False, {**options, "window": (left, 0)})
+    prefix = length - nq
+    if prefix == 0:  # top-left and bottom-right agree
+        return call(q, k, v, True, options)
+    once_free = {name: value for name, value in options.items() if name not in _ONCE_OPTIONS}
+    if prefix > 0:
+        out_a, lse_a = call(q, k[:, :, :prefix], v[:, :, :prefix], False, options)
+        out_b, lse_b = call(q, k[:, :, prefix:], v[:, :, prefix:], True, once_free)
+        return merge_attention_states(out_a, lse_a, out_b, lse_b)
+    # Fewer keys than queries: the first -prefix queries see none (out 0, lse -inf -- or the
+    # sink), the others the keys top-left causally.
+    empty = -prefix
+    out_a, lse_a = call(q[:, :, :empty], k[:, :, :0], v[:, :, :0], False, options)
+    out_b, lse_b = call(q[:, :, empty:], k, v, True, options)
+    return torch.cat([out_a, out_b], dim=2), torch.cat([lse_a, lse_b], dim=2)
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    *,
+    cache_seqlens: Union[int, torch.Tensor],
+    block_table: Optional[torch.Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    backend: Optional[str] = None,
+    **score_options,
+):
+    """Attention of new queries against a KV cache, appending the new keys / values to it in
+    place -- a decoding step (Nq = 1) or a chunk of a prefill (Nq > 1) -- like FlashAttention's
+    ``flash_attn_with_kvcache``, in attnkit's ``[B, H, N, D]`` layout.
+
+    For each batch element b: ``k`` / ``v`` (Nk new rows) are written into the cache at
+    positions ``cache_seqlens[b] .. cache_seqlens[b] + Nk - 1``, then the queries attend to the
+    first ``L_b = cache_seqlens[b] + Nk`` cache positions.  ``cache_seqlens`` is not updated:
+    advance it by Nk yourself.
+
+    Layout: attnkit's ``[B, H, N, D]`` everywhere (heads before positions), **not**
+    FlashAttention's ``[B, N, H, D]``: coming from ``flash_attn_with_kvcache`` transpose q, k, v
+    and the cache (``x.transpose(1, 2)``; a paged cache ``[num_blocks, block_size, Hk, D]`` too).
+
+    Args:
+        q: ``[B, H, Nq, D]`` the new queries.
+        k_cache: ``[B, Hk, max_len, D]`` -- or, with ``block_table``, a paged cache
+            ``[num_blocks, Hk, block_size, D]``.  Written in place.
+        v_cache: ``[B, Hk, max_len, Dv]`` (paged: ``[num_blocks, Hk, block_size, Dv]``).
+        k, v: None (nothing to append: Nk = 0), or the new keys ``[B, Hk, Nk, D]`` and values
+            ``[B, Hk, Nk, Dv]`` (both or neither).  All tensors share q's dtype and device.
+        cache_seqlens: int32 / int64 ``[B]`` (or one int for all): the number of valid
+            positions in each cache row before this call.  Read to the host once.
+        block_table: None, or int32 / int64 ``[B, max_blocks]``: position p of batch element b
+            lives in block ``block_table[b, p // block_size]`` at offset ``p % block_size``.
+            Only the entries covering ``[0, L_b)`` are read (they must be valid block indices);
+            blocks may be shared between batch elements for reading, but two batch elements may
+            not write the same slot.
+        is_causal: query j (of Nq) sees the keys ``< L_b - Nq + j + 1``: causal **bottom-right**
+            -- the new queries are the last Nq positions of the sequence, so the last one sees
+            every key and earlier ones one key fewer each (what decoding and chunked prefill
+            need; with Nk = Nq, query j sees the cache and the new keys up to its own).  This
+            differs from :func:`attnkit.softmax_attention`'s ``is_causal`` (top-left, SDPA's: row
+            i sees keys ``<= i``), which would let the first new query see only the first cached
+            key.  A query that sees no key (L_b < Nq) gives out 0, lse -inf.  With Nq = 1 it
+            makes no difference.  ``False``: every query sees all L_b keys.
+        scale, enable_gqa, backend: as in :func:`attnkit.softmax_attention` (``enable_gqa``
+            lets H be a multiple of Hk; default False like SDPA).
+        return_lse: also return the log-sum-exp of each row.
+        **score_options: the score options of :func:`attnkit.softmax_attention` (``window``,
+            ``softcap``, ``alibi_slopes``, ``sinks``, where this version of it has them), passed
+            through per batch element -- ``window`` and ALiBi positions are bottom-right aligned,
+            relative to key L_b - 1, as in FlashAttention.  ``alibi_slopes`` may be ``[H]`` or
+            ``[B, H]``.
+
+    Returns:
+        ``out`` ``[B, H, Nq, Dv]`` in q's dtype; with ``return_lse`` the tuple ``(out, lse)``,
+        lse ``[B, H, Nq]`` float32 (float64 for float64 inputs).
+
+    An inference API: **no gradient**.  The call runs under ``torch.no_grad()`` (the cache is
+    written in place, which autograd could not differentiate through anyway); its results never
+    require grad, whatever the inputs do.  Train with :func:`attnkit.softmax_attention`.
+
+    Cost: see the module docstring -- views of a contiguous cache (one kernel call per run of
+    adjacent batch elements with equal L_b), a gathered copy of a paged cache; Nq = 1 takes
+    softmax_attention's decode kernel on CPU; causal Nq > 1 is two calls and a merge.
+
+    Raises:
+        TypeError: non-tensors, non-floating q / k / v / caches, cache_seqlens or block_table of
+            a non-integer dtype, non-bool flags, an unknown score option.
+        ValueError: wrong ranks or sizes, mismatched dtypes / devices, k without v, heads that do
+            not fit (GQA), negative cache_seqlens, new rows that do not fit in the cache
+            (``cache_seqlens[b] + Nk > max_len``, or beyond ``max_blocks * block_size``), block
+            indices out of range, two batch elements writing one paged slot.  All before the
+            cache is written.
+
+    Example::
+
+        >>> B, H, Hk, D, max_len = 2, 8, 2, 64, 1024
+        >>> k_cache = torch.zeros(B, Hk, max_len, D); v_cache = torch.zeros(B, Hk, max_len, D)
+        >>> lengths = torch.tensor([0, 0], dtype=torch.int32)
+        >>> # prefill a chunk of 100 tokens, then decode one token at a time
+        >>> q, k, v = torch.randn(B, H, 100, D), torch.randn(B, Hk, 100, D), torch.randn(B, Hk, 100, D)
+        >>> out = attnkit.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
+        ...                                      enable_gqa=True)
+        >>> lengths += 100
+        >>> q, k, v = torch.randn(B, H, 1, D), torch.randn(B, Hk, 1, D), torch.randn(B, Hk, 1, D)
+        >>> out = attnkit.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
+        ...                                      enable_gqa=True)          # [2, 8, 1, 64]
+        >>> lengths += 1
+    """
+    fn = OP_NAME
+    paged = block_table is not None
+    cache_layout = "[num_blocks, Hk, block_size, {}]" if paged else "[B, Hk, max_len, {}]"
+    check_tensor(fn, "q", q, "[B, H, Nq, D]")
+    check_tensor(fn, "k_cache", k_cache, cache_layout.format("D"))
+    check_tensor(fn, "v_cache", v_cache, cache_layout.format("Dv"))
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if (k is None) != (v is None):
+        raise ValueError(f"{fn}: pass both k and v (new rows to append) or neither")
+    if k is not None:
+        check_tensor(fn, "k", k, "[B, Hk, Nk, D]")
+        check_tensor(fn, "v", v, "[B, Hk, Nk, Dv]")
+        tensors.update(k=k, v=v)
+    check_same_dtype_device(fn, tensors)
+    check_bool(fn, "is_causal", is_causal)
+    check_bool(fn, "enable_gqa", enable_gqa)
+    check_bool(fn, "return_lse", return_lse)
+    check_real(fn, "scale", scale, allow_none=True)
+    check_score_options(fn, score_options)
+
+    batch, heads, nq, head_dim = q.shape
+    cache_rows, kv_heads, cache_len, _ = k_cache.shape
+    value_dim = v_cache.shape[3]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"{fn}: k_cache must have q's head dim D = {head_dim}; got {list(k_cache.shape)}")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"{fn}: v_cache must match k_cache in all but the last dim; got k_cache "
+                         f"{list(k_cache.shape)}, v_cache {list(v_cache.shape)}")
+    if not paged and cache_rows != batch:
+        raise ValueError(f"{fn}: k_cache must have q's batch size B = {batch}; got {list(k_cache.shape)}")
+    if heads != kv_heads:
+        if not enable_gqa:
+            raise ValueError(f"{fn}: q has {heads} heads and the cache {kv_heads}: pass enable_gqa=True for "
+                             "grouped-query attention (otherwise the head counts must be equal)")
+        if kv_heads == 0 or heads % kv_heads != 0:
+            raise ValueError(f"{fn}: with enable_gqa the number of query heads ({heads}) must be a multiple "
+                             f"of the cache's heads ({kv_heads})")
+    new = 0
+    if k is not None:
+        new = k.shape[2]
+        want_k, want_v = (batch, kv_heads, new, head_dim), (batch, kv_heads, new, value_dim)
+        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
+            raise ValueError(f"{fn}: k and v must be [B, Hk, Nk, D] = {list(want_k)} and [B, Hk, Nk, Dv] = "
+                             f"{list(want_v)} (from q and the cache); got k {list(k.shape)}, v {list(v.shape)}")
+    seqlens = _lengths(fn, cache_seqlens, batch)
+    visible = [n + new for n in seqlens]
+
+    if paged:
+        if not isinstance(block_table, torch.Tensor):
+            raise TypeError(f"{fn}: block_table must be an int32 tensor [B, max_blocks]; got "
+                            f"{type(block_table).__name__}")
+        if block_table.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{fn}: block_table must be int32 (or int64); got "
+                            f"{str(block_table.dtype).replace('torch.', '')}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"{fn}: block_table must be [B, max_blocks] with B = {batch}; got "
+                             f"{list(block_table.shape)}")
+        block_size = cache_len
+        capacity = block_table.shape[1] * block_size
+        where = f"max_blocks * block_size = {block_table.shape[1]} * {block_size}"
+    else:
+        capacity, where = cache_len, f"max_len = {cache_len}"
+    for b, length in enumerate(visible):
+        if length > capacity:
+            raise ValueError(f"{fn}: batch element {b} does not fit in the cache: cache_seqlens[{b}] + Nk = "
+                             f"{seqlens[b]} + {new} = {length} > {where}")
+    tables = None
+    if paged:
+        table_rows = block_table.tolist()
+        tables = [row[:-(-length // block_size)] for row, length in zip(table_rows, visible)]
+        for b, row in enumerate(tables):
+            for i, block in enumerate(row):
+                if not 0 <= block < cache_rows:
+                    raise ValueError(f"{fn}: block_table[{b}, {i}] = {block} is not a block of the cache "
+                                     f"(num_blocks = {cache_rows})")
+        if new:
+            slots = {}
+            for b in range(batch):
+                for p in range(seqlens[b], visible[b]):
+                    slot = (tables[b][p // block_size], p % block_size)
+                    if slots.setdefault(slot, b) != b:
+                        raise ValueError(f"{fn}: batch elements {slots[slot]} and {b} both write block "
+                                         f"{slot[0]} offset {slot[1]} of the paged cache")
+    resolve("softmax", backend, q.device, fn)
+    for b0, b1 in _runs(visible):  # per-batch options of the wrong size: before the cache is written
+        options_for(fn, score_options, slice(b0, b1), batch)
+
+    with torch.no_grad():
+        if new:
+            _append(k_cache, v_cache, k, v, seqlens, tables, paged)
+        out = q.new_empty((batch, heads, nq, value_dim))
+        lse = q.new_empty((batch, heads, nq), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        if paged:
+            groups: dict[int, list[int]] = {}
+            for b, length in enumerate(visible):
+                groups.setdefault(length, []).append(b)
+            for length, members in groups.items():
+                index = torch.tensor(members, dtype=torch.int64, device=q.device)
+                kg, vg = _gather_pages(k_cache, v_cache, [tables[b] for b in members], length)
+                qg = q if len(members) == batch else q.index_select(0, index)
+                rows = index.cpu() if len(members) < batch else slice(0, batch)
+                o, l = _attend(qg, kg, vg, is_causal, scale, enable_gqa, backend,
+                               options_for(fn, score_options, rows, batch))
+                if len(members) == batch:
+                    out.copy_(o)
+                    lse.copy_(l)
+                else:
+                    out.index_copy_(0, index, o)
+                    lse.index_copy_(0, index, l.to(lse.dtype))
+        else:
+            for b0, b1 in _runs(visible):
+                length = visible[b0]
+                o, l = _attend(q[b0:b1], k_cache[b0:b1, :, :length], v_cache[b0:b1, :, :length], is_causal,
+                               scale, enable_gqa, backend, options_for(fn, score_options, slice(b0, b1), batch))
+                out[b0:b1].copy_(o)
+                lse[b0:b1].copy_(l)
+    return (out, lse) if return_lse else out
+
+
+def _append(k_cache, v_cache, k, v, seqlens, tables, paged):
+    """Write the new rows k / v [B, Hk, Nk, D] into the cache at positions seqlens[b] + t."""
+    batch, _, new, _ = k.shape
+    if not paged and len(set(seqlens)) == 1:
+        start = seqlens[0]
+        k_cache[:, :, start:start + new].copy_(k)
+        v_cache[:, :, start:start + new].copy_(v)
+        return
+    device = k_cache.device
+    positions = [(b, seqlens[b] + t) for b in range(batch) for t in range(new)]
+    if paged:
+        block_size = k_cache.shape[2]
+        first = torch.tensor([tables[b][p // block_size] for b, p in positions], dtype=torch.int64, device=device)
+        second = torch.tensor([p % block_size for _, p in positions], dtype=torch.int64, device=device)
+    else:
+        first = torch.tensor([b for b, _ in positions], dtype=torch.int64, device=device)
+        second = torch.tensor([p for _, p in positions], dtype=torch.int64, device=device)
+    # cache[first[i], :, second[i]] = row i of the new rows [B * Nk, Hk, D] (b major, t minor).
+    k_cache[first, :, second] = k.transpose(1, 2).reshape(batch * new, k.shape[1], k.shape[3])
+    v_cache[first, :, second] = v.transpose(1, 2).reshape(batch * new, v.shape[1], v.shape[3])
+
+
+def _gather_pages(k_cache, v_cache, tables, length):
+    """The first ``length`` positions of each batch element's blocks as contiguous
+    [g, Hk, length, D] / [g, Hk, length, Dv] (one copy each)."""
+    g, blocks = len(tables), len(tables[0]) if tables else 0
+    index = torch.tensor([block for row in tables for block in row], dtype=torch.int64, device=k_cache.device)
+
+    def gather(cache):
+        _, hk, block_size, dim = cache.shape
+        # [Hk, g * blocks, block_size, dim] (one copy) viewed as [g, Hk, blocks * block_size, dim].
+        picked = cache.transpose(0, 1).index_select(1, index)
+        picked = picked.view(hk, g, blocks * block_size, dim).transpose(0, 1)
+        return picked[:, :, :length]
+
+    return gather(k_cache), gather(v_cache)

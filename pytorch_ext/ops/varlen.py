@@ -1,0 +1,413 @@
+"""Packed sequences (varlen): ``attnkit.softmax_attention_varlen`` and
+``attnkit.linear_attention_varlen`` (issue 28).
+
+FlashAttention's ``flash_attn_varlen_func`` layout: the sequences of a batch are concatenated
+along one token axis, ``q [total_q, H, D]``, ``k / v [total_k, Hk, D / Dv]``, and
+``cu_seqlens [batch + 1]`` holds the cumulative offsets (sequence i is rows
+``cu_seqlens[i]:cu_seqlens[i + 1]``).  Each sequence attends within itself only.
+
+No new kernel: these are plain Python over the existing ops (:func:`attnkit.softmax_attention`,
+:func:`attnkit.linear_attention`), which keeps their backends, autograd, NaN semantics and score
+options.  How the sequences become kernel calls (no work across sequence boundaries, no dense
+block-diagonal mask):
+
+- the sequences are grouped by their (query length, key length); a group is one kernel call on
+  ``[g, H, n, D]`` tensors;
+- a group whose sequences sit next to each other in the pack (a run of equal lengths; every
+  group of one sequence) is a *view* of the packed tensors (``unflatten`` + ``transpose``: no
+  copy);
+- a group of several sequences that are not adjacent is gathered (``index_select`` of its rows,
+  a copy of O(rows · H · D) -- against the O(rows · n · H · D) of the attention itself), so
+  that many short sequences of few distinct lengths cost few calls instead of one call each;
+- the groups' outputs are concatenated and, when the groups do not come in pack order, put back
+  in place by one ``index_select``.
+
+Measured on the machine this was written on (AMD EPYC, AVX2, 2 cores; ``bench/varlen.py``,
+figures in its docstring): one call per distinct length beat both the per-sequence loop (for
+many short sequences) and torch SDPA with a dense block-diagonal mask (which does all the
+cross-sequence work and then masks it).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+
+from .._dispatch import resolve
+from .._validation import check_bool, check_real, check_same_dtype_device, check_size_match, check_tensor
+from .linear import _check_options as _check_linear_options
+from .linear import linear_attention
+from .softmax import softmax_attention
+
+OP_NAME = "attnkit.softmax_attention_varlen"
+LINEAR_OP_NAME = "attnkit.linear_attention_varlen"
+
+# The score options of softmax_attention (its keyword-only arguments other than these): window,
+# softcap, alibi_slopes, sinks once they exist there.  Read from its signature, so that the
+# functions built on it pass through exactly what it takes.
+_NOT_SCORE_OPTIONS = ("return_lse", "backend")
+SCORE_OPTIONS = tuple(
+    name for name, p in inspect.signature(softmax_attention).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in _NOT_SCORE_OPTIONS
+)
+# A per-batch-element option: [H] (every call takes it unchanged) or [batch, H] (one row per
+# sequence / batch element: each call takes the rows of its own).
+PER_BATCH_OPTIONS = ("alibi_slopes",)
+
+
+def check_score_options(fn: str, options: dict) -> None:
+    """``options`` (the ``**score_options`` of a call) are keyword arguments softmax_attention
+    takes (their values are checked by softmax_attention itself, before its kernel runs)."""
+    unknown = [name for name in options if name not in SCORE_OPTIONS]
+    if unknown:
+        known = ", ".join(SCORE_OPTIONS) if SCORE_OPTIONS else "none in this version"
+        raise TypeError(
+            f"{fn}: unexpected keyword argument{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, unknown))} (the score options of softmax_attention: {known})"
+        )
+
+
+def options_for(fn: str, options: dict, rows, batch: int) -> dict:
+    """The score options of one kernel call covering the sequences / batch elements ``rows``
+    (a slice or an index tensor): per-batch options given as ``[batch, H]`` are cut to those
+    rows, everything else passes unchanged.  None values are dropped (= the default)."""
+    result = {}
+    for name, value in options.items():
+        if value is None:
+            continue
+        if name in PER_BATCH_OPTIONS and isinstance(value, torch.Tensor) and value.dim() == 2:
+            if value.shape[0] != batch:
+                raise ValueError(
+                    f"{fn}: {name} must be [H] or [batch, H] with batch = {batch}; got shape "
+                    f"{list(value.shape)}"
+                )
+            value = value[rows]
+        result[name] = value
+    return result
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_cu_seqlens(fn: str, name: str, cu, total: int, what: str) -> list[int]:
+    """``cu`` is a valid offsets tensor for ``total`` rows; returns it as a list of ints (read to
+    the host: one synchronization when it lives on a GPU)."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be an int32 or int64 torch.Tensor [batch + 1]; got "
+                        f"{type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{fn}: {name} must be int32 or int64; got {str(cu.dtype).replace('torch.', '')}")
+    if cu.dim() != 1 or cu.numel() == 0:
+        raise ValueError(f"{fn}: {name} must be a 1-D tensor [batch + 1] of cumulative offsets; got shape "
+                         f"{list(cu.shape)}")
+    offsets = cu.tolist()
+    if offsets[0] != 0:
+        raise ValueError(f"{fn}: {name} must start at 0; got {name}[0] = {offsets[0]}")
+    for i in range(len(offsets) - 1):
+        if offsets[i + 1] < offsets[i]:
+            raise ValueError(
+                f"{fn}: {name} must be non-decreasing (cumulative offsets); got {name}[{i}] = "
+                f"{offsets[i]} > {name}[{i + 1}] = {offsets[i + 1]}"
+            )
+    if offsets[-1] != total:
+        raise ValueError(
+            f"{fn}: {name} must end at the number of packed rows of {what} ({total}); got "
+            f"{name}[-1] = {offsets[-1]}"
+        )
+    return offsets
+
+
+def _check_max_seqlen(fn: str, name: str, value, lengths: list[int], cu_name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{fn}: {name} must be an int; got {value!r}")
+    longest = max(lengths, default=0)
+    if value < longest:
+        i = lengths.index(longest)
+        raise ValueError(
+            f"{fn}: {name} = {value} is below the length of sequence {i} ({longest}, from {cu_name})"
+        )
+
+
+class _Group:
+    """Sequences of one (query length n, key length m): their indices and how to read them."""
+
+    def __init__(self, n: int, m: int, seqs: list[int]):
+        self.n, self.m, self.seqs = n, m, seqs
+        # Adjacent in the pack (then every sequence of the group is a view).
+        self.run = seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+
+    def rows(self, offsets: list[int], length: int, device) -> torch.Tensor:
+        """The packed row indices of the group's sequences, in group order."""
+        starts = torch.tensor([offsets[s] for s in self.seqs], dtype=torch.int64, device=device)
+        return (starts.unsqueeze(1) + torch.arange(length, device=device)).reshape(-1)
+
+    def take(self, x: torch.Tensor, offsets: list[int], length: int) -> torch.Tensor:
+        """``[g, heads, length, dim]`` of the packed ``x [total, heads, dim]`` (a view for a run)."""
+        g = len(self.seqs)
+        if self.run:
+            start = offsets[self.seqs[0]]
+            part = x.narrow(0, start, g * length)
+        else:
+            part = x.index_select(0, self.rows(offsets, length, x.device))
+        return part.unflatten(0, (g, length)).transpose(1, 2)
+
+    def batch_rows(self):
+        """The group's sequence indices, as a per-batch option takes them."""
+        if self.run:
+            return slice(self.seqs[0], self.seqs[0] + len(self.seqs))
+        return torch.tensor(self.seqs, dtype=torch.int64)
+
+
+def _groups(lengths_q: list[int], lengths_k: list[int]) -> list[_Group]:
+    """The sequences with at least one query row, grouped by (query length, key length) in the
+    order of their first sequence."""
+    by_length: dict[tuple[int, int], list[int]] = {}
+    for i, (n, m) in enumerate(zip(lengths_q, lengths_k)):
+        if n > 0:
+            by_length.setdefault((n, m), []).append(i)
+    return [_Group(n, m, seqs) for (n, m), seqs in by_length.items()]
+
+
+def _unpack(pieces: list[torch.Tensor], groups: list[_Group], offsets: list[int], device) -> torch.Tensor:
+    """The groups' results ``[g, H, n, ...]`` back in the packed layout ``[total, H, ...]``."""
+    flat = [p.transpose(1, 2).flatten(0, 1) for p in pieces]  # [g * n, H, ...] each
+    result = flat[0] if len(flat) == 1 else torch.cat(flat)
+    in_order = [s for group in groups for s in group.seqs]
+    if in_order != sorted(in_order):
+        # Group order is not pack order: row r of ``result`` belongs at packed row order[r].
+        order = torch.cat([group.rows(offsets, group.n, device) for group in groups])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=device)
+        result = result.index_select(0, inverse)
+    return result
+
+
+def _attached_empty(shape, like: torch.Tensor, dtype, *inputs) -> torch.Tensor:
+    """An empty result that is still part of the autograd graph of ``inputs`` (so that a
+    backward through an empty pack gives zero gradients, not an error)."""
+    out = like.new_zeros(shape, dtype=dtype)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        out = out + sum(t.sum() for t in inputs).to(dtype) * 0
+    return out
+
+
+def softmax_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    backend: Optional[str] = None,
+    **score_options,
+):
+    """Softmax attention over packed sequences of different lengths (FlashAttention's
+    ``flash_attn_varlen_func`` layout), each sequence attending within itself only.
+
+    Sequence i is query rows ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` against key / value rows
+    ``cu_seqlens_k[i]:cu_seqlens_k[i + 1]``; its result is exactly
+    ``softmax_attention(q_i, k_i, v_i, ...)`` on ``[1, H, n_i, D]`` (with the same options).
+
+    Args:
+        q: ``[total_q, H, D]`` the packed queries (tokens first, like FlashAttention; not
+            attnkit's ``[B, H, N, D]``).
+        k: ``[total_k, Hk, D]``.
+        v: ``[total_k, Hk, Dv]``.  q, k, v share one floating dtype and device; any strides.
+        cu_seqlens_q, cu_seqlens_k: int32 or int64 ``[batch + 1]`` cumulative offsets: start at
+            0, non-decreasing, last entry = total_q (resp. total_k); one length for both.  On
+            any device (they are read to the host once).  A sequence may be empty: 0 query rows
+            give no rows; 0 key rows give rows with no key (out 0, lse -inf).
+        max_seqlen_q, max_seqlen_k: ints >= every query (key) length, as FlashAttention takes
+            them; checked, otherwise unused (the grouping reads the lengths themselves).
+        dropout_p, scale, enable_gqa, backend: as in :func:`attnkit.softmax_attention`
+            (``enable_gqa``: H a multiple of Hk, query head h uses key head ``h // (H // Hk)``).
+        is_causal: per sequence, **top-left** aligned like :func:`attnkit.softmax_attention`:
+            query row t of a sequence sees its key rows ``<= t``.  FlashAttention's varlen
+            ``causal=True`` is bottom-right aligned (the last query row sees the last key row);
+            the two agree when a sequence has as many query rows as key rows (self-attention,
+            the usual packed-training case).  For bottom-right with n_i != m_i, pass
+            ``window=(-1, 0)`` (a score option) instead.
+        return_lse: also return the log-sum-exp of each row.
+        **score_options: the score options of :func:`attnkit.softmax_attention` (``window``,
+            ``softcap``, ``alibi_slopes``, ``sinks``, where this version of it has them), passed
+            through unchanged to every per-sequence call -- so ``window`` is bottom-right aligned
+            per sequence, as in FlashAttention's varlen.  ``alibi_slopes`` may also be
+            ``[batch, H]``: one row of slopes per sequence.
+
+    Returns:
+        ``out`` ``[total_q, H, Dv]`` in the inputs' dtype; with ``return_lse`` the tuple
+        ``(out, lse)``, lse ``[total_q, H]`` in float32 (float64 for float64 inputs).
+        The lse is token-major like ``out`` (FlashAttention returns ``[H, total_q]``, its
+        kernel's layout): row r of ``lse`` belongs to row r of ``out``, so that
+        :func:`attnkit.merge_attention_states` takes the pair as it comes
+        (``lse.shape == out.shape[:-1]``); ``lse.T`` is FlashAttention's layout.
+
+    Differentiable in q, k, v (and what softmax_attention differentiates among the score
+    options) through softmax_attention's autograd: the gradients land in the packed tensors.
+    NaN / empty-row semantics are softmax_attention's, per sequence.
+
+    Cost: no work across sequence boundaries and no block-diagonal mask.  Sequences of equal
+    (query, key) lengths form one kernel call ``[g, H, n, D]``: a view of the packed tensors when
+    they are adjacent in the pack, a gathered copy of their rows otherwise; so a pack of all
+    distinct lengths is one call per sequence (about 10-30 us of Python and dispatch each on a
+    CPU), many short sequences of few lengths are few calls.
+
+    Raises:
+        TypeError: non-tensors, non-floating q / k / v, cu_seqlens that are not int32 / int64,
+            a non-int max_seqlen, an unknown score option (and what softmax_attention raises).
+        ValueError: q / k / v not 3-D or of mismatched sizes / dtypes / devices, heads that do
+            not fit (GQA), cu_seqlens not 1-D, not starting at 0, decreasing, not ending at
+            total_q / total_k or of different lengths, a max_seqlen below a length.  All of
+            these before any kernel runs.
+
+    Example::
+
+        >>> lengths = [5, 0, 17, 1]
+        >>> cu = torch.tensor([0, 5, 5, 22, 23], dtype=torch.int32)
+        >>> q, k, v = (torch.randn(23, 8, 64) for _ in range(3))
+        >>> out, lse = attnkit.softmax_attention_varlen(q, k, v, cu, cu, 17, 17, is_causal=True,
+        ...                                             return_lse=True)
+        >>> out.shape, lse.shape
+        (torch.Size([23, 8, 64]), torch.Size([23, 8]))
+    """
+    fn = OP_NAME
+    check_tensor(fn, "q", q, "[total_q, H, D]")
+    check_tensor(fn, "k", k, "[total_k, Hk, D]")
+    check_tensor(fn, "v", v, "[total_k, Hk, Dv]")
+    check_same_dtype_device(fn, {"q": q, "k": k, "v": v})
+    total_q, heads, head_dim = q.shape
+    total_k, kv_heads, _ = k.shape
+    check_size_match(fn, "head dim D", {"q": head_dim, "k": k.shape[2]})
+    check_size_match(fn, "number of packed rows total_k", {"k": total_k, "v": v.shape[0]})
+    check_size_match(fn, "number of heads Hk", {"k": kv_heads, "v": v.shape[1]})
+    check_bool(fn, "is_causal", is_causal)
+    check_bool(fn, "enable_gqa", enable_gqa)
+    check_bool(fn, "return_lse", return_lse)
+    if heads != kv_heads:
+        if not enable_gqa:
+            raise ValueError(
+                f"{fn}: q has {heads} heads and k / v {kv_heads}: pass enable_gqa=True for "
+                "grouped-query attention (otherwise the head counts must be equal)"
+            )
+        if kv_heads == 0 or heads % kv_heads != 0:
+            raise ValueError(f"{fn}: with enable_gqa the number of query heads ({heads}) must be a "
+                             f"multiple of the key / value heads ({kv_heads})")
+    check_real(fn, "dropout_p", dropout_p, low=0.0)
+    check_real(fn, "scale", scale, allow_none=True)
+    check_score_options(fn, score_options)
+    cu_q = _check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, total_q, "q")
+    cu_k = _check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, total_k, "k / v")
+    if len(cu_q) != len(cu_k):
+        raise ValueError(
+            f"{fn}: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); got "
+            f"{len(cu_q)} and {len(cu_k)}"
+        )
+    batch = len(cu_q) - 1
+    lengths_q = [cu_q[i + 1] - cu_q[i] for i in range(batch)]
+    lengths_k = [cu_k[i + 1] - cu_k[i] for i in range(batch)]
+    _check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, lengths_q, "cu_seqlens_q")
+    _check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k, lengths_k, "cu_seqlens_k")
+    resolve("softmax", backend, q.device, fn)  # an unknown / unusable backend: before any kernel
+
+    value_dim = v.shape[2]
+    groups = _groups(lengths_q, lengths_k)
+    for group in groups:  # per-batch options of the wrong size: before any kernel
+        options_for(fn, score_options, group.batch_rows(), batch)
+    outs, lses = [], []
+    for group in groups:
+        result = softmax_attention(
+            group.take(q, cu_q, group.n), group.take(k, cu_k, group.m), group.take(v, cu_k, group.m),
+            None, dropout_p, is_causal, scale, enable_gqa, return_lse=return_lse, backend=backend,
+            **options_for(fn, score_options, group.batch_rows(), batch),
+        )
+        out, lse = result if return_lse else (result, None)
+        outs.append(out)
+        lses.append(lse)
+
+    if not groups:  # no query row at all
+        out = _attached_empty((total_q, heads, value_dim), q, q.dtype, q, k, v)
+        lse = q.new_empty((total_q, heads), dtype=_lse_dtype(q.dtype))
+    else:
+        out = _unpack(outs, groups, cu_q, q.device)
+        lse = _unpack([x.unsqueeze(-1) for x in lses], groups, cu_q, q.device).squeeze(-1) if return_lse else None
+    return (out, lse) if return_lse else out
+
+
+def linear_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    causal: bool = False,
+    feature_map: str = "elu",
+    normalize: bool = True,
+    eps: float = 1e-6,
+    scale: float = 1.0,
+    backend: Optional[str] = None,
+):
+    """Linear attention over packed sequences (the layout of :func:`softmax_attention_varlen`),
+    each sequence on its own: the sums -- the causal state (S, z) -- start from zero at every
+    sequence start.
+
+    Sequence i is rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` of q, k and v alike (linear
+    attention's causal form needs as many keys as queries, so one ``cu_seqlens``); its result is
+    exactly ``linear_attention(q_i, k_i, v_i, ...)`` on ``[1, H, n_i, D]``.
+
+    Args:
+        q, k: ``[total, H, D]``; v: ``[total, H, Dv]`` (one floating dtype and device, equal H:
+            linear attention has no GQA).
+        cu_seqlens: int32 or int64 ``[batch + 1]`` cumulative offsets (start at 0,
+            non-decreasing, end at total); empty sequences are allowed.
+        causal, feature_map, normalize, eps, scale, backend: as in
+            :func:`attnkit.linear_attention`.
+
+    Returns:
+        ``out`` ``[total, H, Dv]`` in the inputs' dtype.  Differentiable in q, k, v through
+        linear_attention's autograd.  Sequences of equal length form one call (a view when they
+        are adjacent in the pack, a gathered copy otherwise), as in
+        :func:`softmax_attention_varlen`.
+
+    Raises:
+        TypeError / ValueError: as :func:`softmax_attention_varlen` for the packed inputs and
+            cu_seqlens, and as :func:`attnkit.linear_attention` for the options -- all before any
+            kernel runs.
+
+    Example::
+
+        >>> cu = torch.tensor([0, 100, 350], dtype=torch.int32)
+        >>> q, k, v = (torch.randn(350, 4, 32) for _ in range(3))
+        >>> out = attnkit.linear_attention_varlen(q, k, v, cu, causal=True)   # [350, 4, 32]
+    """
+    fn = LINEAR_OP_NAME
+    check_tensor(fn, "q", q, "[total, H, D]")
+    check_tensor(fn, "k", k, "[total, H, D]")
+    check_tensor(fn, "v", v, "[total, H, Dv]")
+    check_same_dtype_device(fn, {"q": q, "k": k, "v": v})
+    check_size_match(fn, "number of packed rows total", {"q": q.shape[0], "k": k.shape[0], "v": v.shape[0]})
+    check_size_match(fn, "number of heads H", {"q": q.shape[1], "k": k.shape[1], "v": v.shape[1]})
+    check_size_match(fn, "head dim D", {"q": q.shape[2], "k": k.shape[2]})
+    check_bool(fn, "causal", causal)
+    _check_linear_options(fn, feature_map, normalize, eps, scale)
+    offsets = _check_cu_seqlens(fn, "cu_seqlens", cu_seqlens, q.shape[0], "q, k and v")
+    resolve("linear", backend, q.device, fn)
+    lengths = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
+    groups = _groups(lengths, lengths)
+    outs = [
+        linear_attention(group.take(q, offsets, group.n), group.take(k, offsets, group.n),
+                         group.take(v, offsets, group.n), causal=causal, feature_map=feature_map,
+                         normalize=normalize, eps=eps, scale=scale, backend=backend)
+        for group in groups
+    ]
+    if not groups:
+        return _attached_empty((q.shape[0], q.shape[1], v.shape[2]), q, q.dtype, q, k, v)
+    return _unpack(outs, groups, offsets, q.device)
