@@ -32,11 +32,17 @@ TORCH_LIBRARY(attnkit, m) {
   // key/value head h / (H/Hk)).  mask: None, or bool (True = attend) / floating (added to the
   // scaled scores) of shape [B,H,N,M], usually a stride-0 broadcast view of a smaller mask.
   // is_causal: key j visible to query i iff j <= i (top-left).  Fully masked rows: out 0, lse -inf.
+  // Score options (issue 28; defaults: none): window_left / window_right: key j visible to query i
+  // iff i + M - N - window_left <= j <= i + M - N + window_right (bottom-right aligned; -1 =
+  // unbounded), intersected with is_causal and the mask; softcap > 0: s = softcap tanh(s / softcap)
+  // on s = scale q.k, first; alibi_slopes: None or float32 [B,H] (a stride-0 view of [H] is fine),
+  // s -= slope_bh |i + M - N - j| after the cap, before the masks.  (Sinks are applied around
+  // these ops: attnkit/score_options.py.)  The cuda kernels take the defaults only.
   // Returns out [B,H,N,Dv] (q's dtype) and lse [B,H,N] (float32; float64 for float64 inputs).
-  m.def("softmax_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal) -> (Tensor, Tensor)");
+  m.def("softmax_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal, int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor, Tensor)");
   // Gradients recomputed from lse (no N x M tensor stored): returns (dq, dk, dv) shaped like
-  // q, k, v (dk, dv summed over the query heads of each GQA group).
-  m.def("softmax_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, float scale, bool is_causal) -> (Tensor, Tensor, Tensor)");
+  // q, k, v (dk, dv summed over the query heads of each GQA group).  No gradient for alibi_slopes.
+  m.def("softmax_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, float scale, bool is_causal, int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)");
 
   // Linear attention, chunked (csrc/cpu/linear.cpp).  q [B,H,N,D], k [B,H,M,D], v [B,H,M,Dv]
   // (causal: M == N); feature_map "elu" (elu+1) | "relu" | "identity"; optional initial state
@@ -134,8 +140,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   py::class_<checks::Target>(c, "Target")
       .def(py::init(&make_target), py::arg("backend"), py::kw_only(), py::arg("device") = py::none(),
            py::arg("cc") = std::make_tuple(9, 0), py::arg("smem_optin") = int64_t{227 * 1024});
-  c.def("softmax_fwd", &checks::softmax_fwd);
-  c.def("softmax_bwd", &checks::softmax_bwd);
+  // softmax: the score options default as in the schema.
+  c.def("softmax_fwd", &checks::softmax_fwd, py::arg("target"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("mask"), py::arg("scale"), py::arg("is_causal"), py::arg("window_left") = -1,
+        py::arg("window_right") = -1, py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none());
+  c.def("softmax_bwd", &checks::softmax_bwd, py::arg("target"), py::arg("grad_out"), py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("mask"), py::arg("scale"), py::arg("is_causal"),
+        py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.0,
+        py::arg("alibi_slopes") = py::none());
   c.def("linear_fwd", &linear_fwd_check);
   c.def("linear_bwd", &linear_bwd_check);
   c.def("sparse_range_fwd", &checks::sparse_range_fwd);

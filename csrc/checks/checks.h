@@ -73,11 +73,17 @@ inline void put(std::string& s, const Op& op) {
 
 // ---- one check function per op (csrc/checks/<family>.cpp) -----------------------------------
 
+// The trailing four: the score options (issue 28) -- window (-1 or >= 0 each), softcap (finite,
+// >= 0), alibi_slopes (None or float32 [B, H] on q's device); the cuda kernels take none of them.
 void softmax_fwd(const Target& t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const std::optional<at::Tensor>& mask, double scale, bool is_causal);
+                 const std::optional<at::Tensor>& mask, double scale, bool is_causal, int64_t window_left = -1,
+                 int64_t window_right = -1, double softcap = 0.0,
+                 const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
 void softmax_bwd(const Target& t, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                 const std::optional<at::Tensor>& mask, double scale, bool is_causal);
+                 const std::optional<at::Tensor>& mask, double scale, bool is_causal, int64_t window_left = -1,
+                 int64_t window_right = -1, double softcap = 0.0,
+                 const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
 
 void linear_fwd(const Target& t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const std::optional<at::Tensor>& S0, const std::optional<at::Tensor>& z0, bool causal,

@@ -9,6 +9,7 @@
 
 #include <torch/library.h>
 
+#include <cmath>
 #include <vector>
 
 namespace attnkit {
@@ -48,21 +49,55 @@ void check_mask(const Op& op, const std::optional<at::Tensor>& mask, const at::T
               ": mask must be bool or floating point (float16, bfloat16, float32, float64); got ", st);
 }
 
+// The score options (issue 28): window bounds -1 (unbounded) or >= 0; softcap finite and >= 0 (0 =
+// off); alibi_slopes float32 [B, H] on q's device (a stride-0 expand of [H] is fine).  The cuda
+// kernels compute none of them yet: any non-default option is refused there (attnkit's Python
+// layer routes such calls to the cpu kernel or the reference before they get here).
+void check_score_options(const Op& op, const at::Tensor& q, int64_t window_left, int64_t window_right,
+                         double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  ATTNKIT_CHECK(window_left >= -1 && window_right >= -1, op,
+                ": window bounds must be -1 (unbounded) or >= 0; got window_left = ", window_left,
+                ", window_right = ", window_right);
+  ATTNKIT_CHECK(std::isfinite(softcap) && softcap >= 0.0, op, ": softcap must be finite and >= 0 (0 = off); got ",
+                softcap);
+  if (defined(alibi_slopes)) {
+    const at::Tensor& a = *alibi_slopes;
+    const int64_t B = q.size(0), H = q.size(1);
+    ATTNKIT_CHECK(a.dim() == 2 && a.size(0) == B && a.size(1) == H, op,
+                  ": alibi_slopes must have shape [B, H] = [", B, ", ", H, "] (a broadcast view is fine); got ",
+                  a.sizes());
+    ATTNKIT_CHECK(a.scalar_type() == at::kFloat, op, ": alibi_slopes must be Float; got ", a.scalar_type());
+    check_same_device(op, "alibi_slopes", a, "q", q);
+  }
+  if (op.target.cuda()) {
+    const bool window = window_left != -1 || window_right != -1;
+    const bool alibi = defined(alibi_slopes);
+    ATTNKIT_CHECK(!window && softcap == 0.0 && !alibi, op,
+                  ": the cuda kernels do not implement the score options window, softcap and alibi_slopes yet; got",
+                  (window ? " window" : ""), (softcap != 0.0 ? " softcap" : ""), (alibi ? " alibi_slopes" : ""),
+                  " (run them on the cpu backend or the reference)");
+  }
+}
+
 }  // namespace
 
 void softmax_fwd(const Target& t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const std::optional<at::Tensor>& mask, double /*scale*/, bool /*is_causal*/) {
+                 const std::optional<at::Tensor>& mask, double /*scale*/, bool /*is_causal*/, int64_t window_left,
+                 int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const Op op{"softmax_fwd", t};
   check_qkv(op, q, k, v);
   check_mask(op, mask, q, k);
+  check_score_options(op, q, window_left, window_right, softcap, alibi_slopes);
 }
 
 void softmax_bwd(const Target& t, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                 const std::optional<at::Tensor>& mask, double /*scale*/, bool /*is_causal*/) {
+                 const std::optional<at::Tensor>& mask, double /*scale*/, bool /*is_causal*/, int64_t window_left,
+                 int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const Op op{"softmax_bwd", t};
   check_qkv(op, q, k, v);
   check_mask(op, mask, q, k);
+  check_score_options(op, q, window_left, window_right, softcap, alibi_slopes);
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), Dv = v.size(3);
   const std::vector<int64_t> want_out{B, H, N, Dv};
   ATTNKIT_CHECK(grad_out.sizes() == want_out && out.sizes() == want_out, op,
@@ -88,10 +123,15 @@ void softmax_bwd(const Target& t, const at::Tensor& grad_out, const at::Tensor& 
 namespace attnkit {
 namespace {
 
+// The score options pass the check only with their defaults (check_score_options): the CUDA
+// kernels (csrc/cuda/softmax.cu) take none of them yet.
 std::tuple<at::Tensor, at::Tensor> softmax_fwd_cuda_checked(const at::Tensor& q, const at::Tensor& k,
                                                             const at::Tensor& v, const std::optional<at::Tensor>& mask,
-                                                            double scale, bool is_causal) {
-  checks::softmax_fwd(checks::cuda_target(q), q, k, v, mask, scale, is_causal);
+                                                            double scale, bool is_causal, int64_t window_left,
+                                                            int64_t window_right, double softcap,
+                                                            const std::optional<at::Tensor>& alibi_slopes) {
+  checks::softmax_fwd(checks::cuda_target(q), q, k, v, mask, scale, is_causal, window_left, window_right, softcap,
+                      alibi_slopes);
   auto result = softmax_fwd_cuda(q, k, v, mask, scale, is_causal);
   checks::raise_cuda_error("softmax_fwd");
   return result;
@@ -99,8 +139,10 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cuda_checked(const at::Tensor& q,
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cuda_checked(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const std::optional<at::Tensor>& mask, double scale, bool is_causal) {
-  checks::softmax_bwd(checks::cuda_target(q), grad_out, q, k, v, out, lse, mask, scale, is_causal);
+    const at::Tensor& lse, const std::optional<at::Tensor>& mask, double scale, bool is_causal, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  checks::softmax_bwd(checks::cuda_target(q), grad_out, q, k, v, out, lse, mask, scale, is_causal, window_left,
+                      window_right, softcap, alibi_slopes);
   auto result = softmax_bwd_cuda(grad_out, q, k, v, out, lse, mask, scale, is_causal);
   checks::raise_cuda_error("softmax_bwd");
   return result;

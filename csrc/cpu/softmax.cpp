@@ -1,8 +1,18 @@
 // CPU kernels of softmax attention (FlashAttention-2 style), forward and backward.
 //
-//   softmax_fwd(q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,Dv], mask?, scale, is_causal)
+//   softmax_fwd(q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,Dv], mask?, scale, is_causal,
+//               window_left, window_right, softcap, alibi_slopes?)
 //       -> out [B,H,N,Dv] (q's dtype), lse [B,H,N] (float32; float64 for float64 inputs)
-//   softmax_bwd(dout, q, k, v, out, lse, mask?, scale, is_causal) -> (dq, dk, dv)
+//   softmax_bwd(dout, q, k, v, out, lse, mask?, scale, is_causal, <the same four>) -> (dq, dk, dv)
+//
+// Score options (issue 28, csrc/ops.cpp): a score s = scale q.k is capped (softcap tanh(s /
+// softcap)), gets ALiBi's -slope |i + M - N - j|, then the masks (bool / additive, causal, the
+// window's band).  All of it happens in prepare_row, on each row's scores of a tile; a row's
+// visible keys [key_lo(i), key_hi(i)) (Problem) bound the tiles walked: the forward skips key
+// blocks that no row of a query block sees, the backward query rows that see no key of a key
+// block, so a window's cost tracks its band.  Softcap's backward multiplies dS by 1 - tanh^2,
+// recomputed with the scores.  Sinks are not here: attnkit/score_options.py applies them to
+// (out, lse) around these ops.
 //
 // Forward.  A task is (b, h, block of kBQ query rows).  It walks the key blocks (kBK keys),
 // computes the scores S = Q K^T of the tile with a register-blocked micro-kernel, folds them
@@ -121,18 +131,6 @@ inline void apply_mask(T* s, int64_t n, const MaskView& mv, int64_t b, int64_t h
   }
 }
 
-// Base-2 scores of one row: s[j] <- s[j] * c for j < visible (keys past `visible` are hidden by
-// causality), -inf beyond; then the mask.
-template <typename T>
-inline void prepare_row(T* s, int64_t n, int64_t visible, T c, const MaskView& mv, int64_t b,
-                        int64_t h, int64_t i, int64_t j0) {
-  const int64_t v = std::min(n, std::max<int64_t>(visible, 0));
-#pragma omp simd
-  for (int64_t j = 0; j < v; ++j) s[j] *= c;
-  for (int64_t j = v; j < n; ++j) s[j] = neg_inf<T>();
-  if (v > 0) apply_mask(s, v, mv, b, h, i, j0);
-}
-
 // ---------------------------------------------------------------------------------------------
 // Problem description shared by forward and backward.
 // ---------------------------------------------------------------------------------------------
@@ -147,7 +145,124 @@ struct Problem {
   double scale;
   bool causal;
   MaskView mask;
+  // Score options (issue 28).  window: key j visible to query i iff i + M - N - wl <= j <=
+  // i + M - N + wr (bottom-right aligned; -1 = unbounded, stored clamped to N + M so the index
+  // arithmetic cannot overflow).  softcap > 0: s = softcap tanh(s / softcap) on s = scale q.k.
+  // alibi: slopes float32 [B, H] read through strides (nullptr: none), s -= slope |i + M - N - j|.
+  int64_t wl = -1, wr = -1;
+  double softcap = 0.0;
+  const float* alibi = nullptr;
+  int64_t alibi_sb = 0, alibi_sh = 0;
+
+  // The keys query row i sees, [key_lo(i), key_hi(i)), before the masks: causality and the
+  // window (empty when key_lo >= key_hi).  Both are nondecreasing in i.
+  int64_t key_lo(int64_t i) const { return wl >= 0 ? std::max<int64_t>(0, i + M - N - wl) : 0; }
+  int64_t key_hi(int64_t i) const {
+    int64_t hi = M;
+    if (causal) hi = std::min(hi, i + 1);
+    if (wr >= 0) hi = std::min(hi, i + M - N + wr + 1);
+    return std::max<int64_t>(hi, 0);
+  }
+  // The query rows that see some key of [j0, j1): [row_lo(j0), row_hi(j1)) (j0 < j1).
+  int64_t row_lo(int64_t j0) const {
+    int64_t lo = 0;
+    if (causal) lo = std::max(lo, j0);
+    if (wr >= 0) lo = std::max(lo, j0 - (M - N) - wr);
+    return std::min(lo, N);
+  }
+  int64_t row_hi(int64_t j1) const {
+    return wl >= 0 ? std::clamp<int64_t>(j1 - (M - N) + wl, 0, N) : N;
+  }
+  bool has_window() const { return wl >= 0 || wr >= 0; }
+  // Row i's visible keys within the tile [j0, j0 + n), as offsets [lo, hi) into it (lo == hi: none).
+  void tile_range(int64_t i, int64_t j0, int64_t n, int64_t& lo, int64_t& hi) const {
+    lo = std::clamp<int64_t>(key_lo(i) - j0, 0, n);
+    hi = std::clamp<int64_t>(key_hi(i) - j0, lo, n);
+  }
+  float slope(int64_t b, int64_t h) const { return alibi[b * alibi_sb + h * alibi_sh]; }
 };
+
+// Logit soft-capping (issue 28): s[j] <- cap2 * tanh(s[j] * inv) for raw scores s = q.k, with
+// inv = scale / softcap and cap2 = softcap * log2(e) (base-2 scores).  dcap (the backward's, or
+// nullptr): 1 - tanh^2, the derivative of the cap.  float32: a rational approximation of tanh
+// (Eigen's, numerator of degree 13 over degree 6 on [-7.9053, 7.9053], max error 4e-7 measured
+// against std::tanh), written so that the loop vectorizes on every target (AVX2 and AVX-512
+// alike; std::tanh does not); the clamp keeps a NaN (x > c and x < -c are false for NaN) and
+// maps +-inf to +-1.  float64: std::tanh.
+template <typename T>
+inline T tanh_fast(T x) {
+  if constexpr (std::is_same_v<T, float>) {
+    constexpr float c = 7.90531110763549805f;
+    const float y = x > c ? c : (x < -c ? -c : x);
+    const float y2 = y * y;
+    float p = -2.76076847742355e-16f;
+    p = p * y2 + 2.00018790482477e-13f;
+    p = p * y2 + -8.60467152213735e-11f;
+    p = p * y2 + 5.12229709037114e-08f;
+    p = p * y2 + 1.48572235717979e-05f;
+    p = p * y2 + 6.37261928875436e-04f;
+    p = p * y2 + 4.89352455891786e-03f;
+    float q = 1.19825839466702e-06f;
+    q = q * y2 + 1.18534705686654e-04f;
+    q = q * y2 + 2.26843463243900e-03f;
+    q = q * y2 + 4.89352518554385e-03f;
+    return std::fabs(y) < 0.0004f ? y : p * y / q;
+  } else {
+    return std::tanh(x);
+  }
+}
+
+template <typename T>
+inline void softcap_row(T* s, int64_t n, T inv, T cap2, T* dcap) {
+  if (dcap == nullptr) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) s[j] = cap2 * tanh_fast(s[j] * inv);
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      const T t = tanh_fast(s[j] * inv);
+      s[j] = cap2 * t;
+      dcap[j] = (T(1) - t) * (T(1) + t);
+    }
+  }
+}
+
+// Base-2 scores of query row (b, h, i) for the keys [j0, j0 + n): s[j] <- c s[j] (or the capped
+// score, see softcap_row) plus ALiBi's -slope |i + M - N - j| log2(e), then the mask, for the
+// keys j in [lo, hi) (clamped to [0, n)) -- the row's visible range, from causality and the
+// window -- and -inf outside it.  dcap (softcap's backward only): 1 - tanh^2 per key, 0 outside
+// [lo, hi) (so that a stale value never meets a hidden key's zero probability).
+template <typename T>
+inline void prepare_row(T* s, int64_t n, int64_t lo, int64_t hi, T c, const Problem& p, int64_t b,
+                        int64_t h, int64_t i, int64_t j0, T* dcap = nullptr) {
+  lo = std::clamp<int64_t>(lo, 0, n);
+  hi = std::clamp<int64_t>(hi, lo, n);
+  for (int64_t j = 0; j < lo; ++j) s[j] = neg_inf<T>();
+  for (int64_t j = hi; j < n; ++j) s[j] = neg_inf<T>();
+  if (dcap != nullptr) {
+    std::fill(dcap, dcap + lo, T(0));
+    std::fill(dcap + hi, dcap + n, T(0));
+  }
+  const int64_t nv = hi - lo;
+  if (nv <= 0) return;
+  T* sv = s + lo;
+  if (p.softcap > 0.0) {
+    softcap_row(sv, nv, static_cast<T>(p.scale / p.softcap), static_cast<T>(p.softcap * kLog2e),
+                dcap == nullptr ? nullptr : dcap + lo);
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < nv; ++j) sv[j] *= c;
+  }
+  if (p.alibi != nullptr) {
+    // |i + M - N - j| for j = j0 + lo + x: |d0 - x|; int32 (rows and keys number < 2^31) so
+    // that the conversion vectorizes.
+    const T a = static_cast<T>(-static_cast<double>(p.slope(b, h)) * kLog2e);
+    const int32_t d0 = static_cast<int32_t>(i + p.M - p.N - j0 - lo);
+#pragma omp simd
+    for (int32_t x = 0; x < static_cast<int32_t>(nv); ++x) sv[x] += a * static_cast<T>(std::abs(d0 - x));
+  }
+  apply_mask(sv, nv, p.mask, b, h, i, j0 + lo);
+}
 
 MaskView make_mask_view(const c10::optional<at::Tensor>& mask) {
   MaskView mv;
@@ -287,38 +402,47 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
         std::fill(st.o.begin(), st.o.begin() + qn * Dv, acc_t(0));
         std::fill(st.m.begin(), st.m.begin() + qn, neg_inf<acc_t>());
         std::fill(st.l.begin(), st.l.begin() + qn, acc_t(0));
-        // Causal: row i sees keys j <= i, so this block needs keys < q0 + qn only.
-        const int64_t kv_end = p.causal ? std::min(M, q0 + qn) : M;
-        for (int64_t k0 = 0; k0 < kv_end; k0 += kBK) {
-          const int64_t kn = std::min(kBK, kv_end - k0);
+        // The keys some row of the block sees (causality, window): [kv_begin, kv_end), the
+        // start rounded down to 16 keys (the bf16 tiles read whole 16-column vectors of the
+        // packed block).  Key blocks outside it are skipped: a window's cost tracks its band.
+        const int64_t kv_end = p.key_hi(q0 + qn - 1);
+        const int64_t kv_begin = std::min(p.key_lo(q0), kv_end) / 16 * 16;
+        for (int64_t k0 = kv_begin; k0 < kv_end;) {
+          // Keys [k0, k0 + kn) of packed block kb, from its column col (a multiple of 16).
+          const int64_t kb = k0 / kBK, col = k0 - kb * kBK;
+          const int64_t kn = std::min((kb + 1) * kBK, kv_end) - k0;
           acc_t* S = st.s.data();
           if constexpr (kDot) {
 #if defined(__AVX512BF16__)
-            gemm_bf16(qn, kn, D, st.qb16.data(), D2, st.kb16.data() + (k0 / kBK) * D2 * kBK,
+            gemm_bf16(qn, kn, D, st.qb16.data(), D2, st.kb16.data() + kb * D2 * kBK + col * 2,
                       kBK * 2, S, kBK, false);
 #endif
           } else {
-            gemm<acc_t>(qn, kn, D, st.q.data(), D, 1, st.kt.data() + (k0 / kBK) * D * kBK, kBK,
+            gemm<acc_t>(qn, kn, D, st.q.data(), D, 1, st.kt.data() + kb * D * kBK + col, kBK,
                         S, kBK, false);
           }
-          // Only tiles that cross the diagonal need the causal cut.
-          const bool cut = p.causal && k0 + kn - 1 > q0;
           for (int64_t r = 0; r < qn; ++r) {
             acc_t* s = S + r * kBK;
             const int64_t i = q0 + r;
-            prepare_row<acc_t>(s, kn, cut ? i - k0 + 1 : kn, c, p.mask, b, h, i, k0);
-            const acc_t mx = max_nan(st.m[r], row_max(s, kn));
-            if (mx == neg_inf<acc_t>()) {
+            // Max and exponentials over the row's visible keys [lo, hi) of the tile only (the
+            // edges of a causal diagonal or a window's band are skipped); P = 0 elsewhere.
+            int64_t lo, hi;
+            p.tile_range(i, k0, kn, lo, hi);
+            prepare_row<acc_t>(s, kn, lo, hi, c, p, b, h, i, k0);
+            const acc_t mx = hi > lo ? max_nan(st.m[r], row_max(s + lo, hi - lo)) : st.m[r];
+            if (mx == neg_inf<acc_t>() || hi == lo) {
               // Nothing visible yet in this row: contributes nothing -- unless the max dropped a
               // NaN (flash_tiles.h): then the row is NaN from here on (m, l NaN are sticky).
-              if (has_nan(s, kn)) {
+              if (hi > lo && has_nan(s + lo, hi - lo)) {
                 st.m[r] = st.l[r] = std::numeric_limits<acc_t>::quiet_NaN();
                 std::fill(st.o.data() + r * Dv, st.o.data() + (r + 1) * Dv, st.m[r]);
               }
               std::fill(s, s + kn, acc_t(0));
             } else {
               const acc_t alpha = std::exp2(st.m[r] - mx);  // 0 on the row's first visible block
-              const acc_t sum = exp2_sub_sum(s, kn, mx);
+              const acc_t sum = exp2_sub_sum(s + lo, hi - lo, mx);
+              std::fill(s, s + lo, acc_t(0));
+              std::fill(s + hi, s + kn, acc_t(0));
               if (alpha != acc_t(1)) {
                 acc_t* o = st.o.data() + r * Dv;
                 for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha;
@@ -340,6 +464,7 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
           } else {
             gemm<acc_t>(qn, Dv, kn, S, kBK, 1, vrows + k0 * ldv, ldv, st.o.data(), Dv, true);
           }
+          k0 += kn;
         }
         for (int64_t r = 0; r < qn; ++r) {
           const int64_t row = (b * H + h) * N + q0 + r;
@@ -507,15 +632,24 @@ inline void row_to_float(const scalar_t* src, int64_t sd, int64_t n, float* dst)
 template <typename scalar_t>
 void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const scalar_t* k,
                            Strides4 ks, const scalar_t* v, Strides4 vs, scalar_t* out, float* lse) {
-  const int64_t B = p.B, H = p.H, Hk = p.Hk, N = p.N, M = p.M, D = p.D, Dv = p.Dv;
+  const int64_t B = p.B, H = p.H, Hk = p.Hk, N = p.N, D = p.D, Dv = p.Dv;
   const int64_t G = H / Hk, R = G * N;
   // Keys per tile: 64 = four vectors of columns, the P V micro-kernel's widest panel (32 KiB of
   // float32 V at D = 128, prefetched into L1 at the tile's start); 32-key tiles measured 5-20%
   // slower.
   constexpr int64_t T = 64;
   const float c = static_cast<float>(p.scale * kLog2e);
-  // Top-left causal: row i sees keys j <= i, so no row sees a key past N - 1.
-  const int64_t Me = p.causal ? std::min(M, N) : M;
+  // The keys some row sees (causality: j <= i < N; a window: its band), [Mb, Mb + Me): the
+  // splits below cover those only.  None at all: every row is empty (out 0, lse -inf).
+  const int64_t Mb = p.key_lo(0);
+  const int64_t Me = p.key_hi(N - 1) - Mb;
+  if (Me <= 0) {
+    for (int64_t row = 0; row < B * H * N; ++row) {
+      std::fill(out + row * Dv, out + (row + 1) * Dv, static_cast<scalar_t>(0));
+      lse[row] = neg_inf<float>();
+    }
+    return;
+  }
   // bfloat16 K multiplies with vdpbf16ps (Q is bfloat16 already, so exact products, float32
   // sums), as in the flash forward; everything else in float32, K read in place when it is
   // float32 with unit stride along d, else converted per tile.
@@ -585,7 +719,7 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
       [&](DecodeScratch& st, int64_t t) {
         const int64_t split = t % splits, pair = t / splits;
         const int64_t b = pair / Hk, hk = pair % Hk;
-        const int64_t j_begin = split * span, j_end = std::min(Me, j_begin + span);
+        const int64_t j_begin = Mb + split * span, j_end = Mb + std::min(Me, split * span + span);
         // Row r = g * N + i is query row i of head hk * G + g.
         for (int64_t r = 0; r < R; ++r) {
           const scalar_t* src = q + qs.at(b, hk * G + r / N, r % N);
@@ -665,17 +799,21 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
           for (int64_t r = 0; r < R; ++r) {
             float* s = S + r * T;
             const int64_t i = r % N, h = hk * G + r / N;
-            prepare_row<float>(s, kn, p.causal ? i - k0 + 1 : kn, c, p.mask, b, h, i, k0);
-            const float mx = max_nan(st.m[r], row_max(s, kn));
-            if (mx == neg_inf<float>()) {
-              if (has_nan(s, kn)) {
+            int64_t lo, hi;
+            p.tile_range(i, k0, kn, lo, hi);
+            prepare_row<float>(s, kn, lo, hi, c, p, b, h, i, k0);
+            const float mx = hi > lo ? max_nan(st.m[r], row_max(s + lo, hi - lo)) : st.m[r];
+            if (mx == neg_inf<float>() || hi == lo) {
+              if (hi > lo && has_nan(s + lo, hi - lo)) {
                 st.m[r] = st.l[r] = std::numeric_limits<float>::quiet_NaN();
                 std::fill(st.o.data() + r * Dv, st.o.data() + (r + 1) * Dv, st.m[r]);
               }
               std::fill(s, s + kn, 0.f);
             } else {
               const float alpha = std::exp2(st.m[r] - mx);
-              const float sum = exp2_sub_sum(s, kn, mx);
+              const float sum = exp2_sub_sum(s + lo, hi - lo, mx);
+              std::fill(s, s + lo, 0.f);
+              std::fill(s + hi, s + kn, 0.f);
               if (alpha != 1.f) {
                 float* o = st.o.data() + r * Dv;
                 for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha;
@@ -762,6 +900,7 @@ struct BwdScratch {
   std::vector<acc_t> dk, dv;   // [kBKb][D], [kBKb][Dv]
   std::vector<acc_t> q, dout;  // [kBQb][D], [kBQb][Dv]
   std::vector<acc_t> s, dp;    // [kBQb][kBKb]
+  std::vector<acc_t> dcap;     // [kBQb][kBKb]: softcap's 1 - tanh^2 (softcap only)
 };
 
 template <typename scalar_t, typename acc_t>
@@ -773,6 +912,7 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
   const int64_t G = H / Hk;
   const acc_t c = static_cast<acc_t>(p.scale * kLog2e);
   const acc_t scale = static_cast<acc_t>(p.scale);
+  const bool softcap = p.softcap > 0.0;
 
   // Di = rowsum(dO o O), and lse in base 2 (-inf kept), both [B*H*N].
   std::vector<acc_t> Di(static_cast<size_t>(B * H * N)), L2(static_cast<size_t>(B * H * N));
@@ -823,6 +963,7 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
         st.dout.resize(static_cast<size_t>(kBQb * Dv));
         st.s.resize(static_cast<size_t>(kBQb * kBKb));
         st.dp.resize(static_cast<size_t>(kBQb * kBKb));
+        if (softcap) st.dcap.resize(static_cast<size_t>(kBQb * kBKb));
         return st;
       },
       [&](BwdScratch<acc_t>& st, int64_t t) {
@@ -833,6 +974,16 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
         for (int64_t kb = chunk; kb < nkb; kb += chunks) {
           const int64_t k0 = kb * kBKb;
           const int64_t kn = std::min(kBKb, M - k0);
+          // The query rows that see a key of this block (causality: i >= k0; a window: its band).
+          const int64_t i_begin = p.row_lo(k0), i_end = p.row_hi(k0 + kn);
+          if (i_begin >= i_end) {  // none: zero gradients
+            for (int64_t jj = 0; jj < kn; ++jj) {
+              const int64_t row = (b * Hk + hk) * M + k0 + jj;
+              std::fill(dk + row * D, dk + (row + 1) * D, static_cast<scalar_t>(0));
+              std::fill(dv + row * Dv, dv + (row + 1) * Dv, static_cast<scalar_t>(0));
+            }
+            continue;
+          }
           // Pack this key block: K^T, V^T (16 x 16 register transposes for float32 rows; the
           // GEMMs read kn columns, so the padding is never touched), and K rows unless float32
           // K is read in place.  Measured at B=4 H=8 N=16 D=64 (one thread), backward op: the
@@ -851,12 +1002,10 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
           }
           std::fill(st.dk.begin(), st.dk.begin() + kn * D, acc_t(0));
           std::fill(st.dv.begin(), st.dv.begin() + kn * Dv, acc_t(0));
-          // Causal: rows i < k0 see none of these keys.
-          const int64_t qb_start = p.causal ? k0 / kBQb : 0;
           for (int64_t g = 0; g < G; ++g) {
             const int64_t h = hk * G + g;
-            for (int64_t q0 = qb_start * kBQb; q0 < N; q0 += kBQb) {
-              const int64_t qn = std::min(kBQb, N - q0);
+            for (int64_t q0 = i_begin; q0 < i_end; q0 += kBQb) {
+              const int64_t qn = std::min(kBQb, i_end - q0);
               const int64_t row0 = (b * H + h) * N + q0;
               // Q and dO rows: read in place (float32, unit stride along D) or converted.
               const acc_t* Qr = st.q.data();
@@ -884,13 +1033,16 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
               acc_t* S = st.s.data();
               acc_t* dP = st.dp.data();
               gemm<acc_t>(qn, kn, D, Qr, ldq, 1, st.kt.data(), kBKb, S, kBKb, false);
-              const bool cut = p.causal && k0 + kn - 1 > q0;
               for (int64_t r = 0; r < qn; ++r) {
                 acc_t* s = S + r * kBKb;
                 const int64_t i = q0 + r;
+                int64_t lo, hi;
+                p.tile_range(i, k0, kn, lo, hi);
+                acc_t* dcap = softcap ? st.dcap.data() + r * kBKb : nullptr;
                 const acc_t l2 = L2[row0 + r];
                 if (l2 == neg_inf<acc_t>()) {  // fully masked row: no gradient
                   std::fill(s, s + kn, acc_t(0));
+                  if (dcap != nullptr) std::fill(dcap, dcap + kn, acc_t(0));
                   continue;
                 }
                 if (l2 != l2) {
@@ -899,13 +1051,15 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
                   // causality or a bool mask hide, as in torch SDPA's backward, so that dK, dV
                   // of hidden keys stay clean (exp2(s - NaN) would make every P NaN).
                   std::fill(s, s + kn, l2);
-                  prepare_row<acc_t>(s, kn, cut ? i - k0 + 1 : kn, c, p.mask, b, h, i, k0);
+                  prepare_row<acc_t>(s, kn, lo, hi, c, p, b, h, i, k0, dcap);
                   for (int64_t j = 0; j < kn; ++j)
                     s[j] = s[j] == neg_inf<acc_t>() ? acc_t(0) : l2;
                   continue;
                 }
-                prepare_row<acc_t>(s, kn, cut ? i - k0 + 1 : kn, c, p.mask, b, h, i, k0);
-                exp2_sub_sum(s, kn, l2);
+                prepare_row<acc_t>(s, kn, lo, hi, c, p, b, h, i, k0, dcap);
+                exp2_sub_sum(s + lo, hi - lo, l2);  // P over the visible keys only, 0 elsewhere
+                std::fill(s, s + lo, acc_t(0));
+                std::fill(s + hi, s + kn, acc_t(0));
               }
               // dV += P^T dO
               gemm<acc_t>(kn, Dv, qn, S, 1, kBKb, dOr, lddo, st.dv.data(), Dv, true);
@@ -922,10 +1076,16 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
                   // keys the row cannot see (issue 15).
                   for (int64_t j = 0; j < kn; ++j)
                     dpr[j] = pr[j] != acc_t(0) ? pr[j] * (dpr[j] - di) * scale : acc_t(0);
-                  continue;
-                }
+                } else {
 #pragma omp simd
-                for (int64_t j = 0; j < kn; ++j) dpr[j] = pr[j] * (dpr[j] - di) * scale;
+                  for (int64_t j = 0; j < kn; ++j) dpr[j] = pr[j] * (dpr[j] - di) * scale;
+                }
+                if (softcap) {
+                  // Through the cap: dS_raw = dS_capped (1 - tanh^2) (0 on hidden keys).
+                  const acc_t* dc = st.dcap.data() + r * kBKb;
+#pragma omp simd
+                  for (int64_t j = 0; j < kn; ++j) dpr[j] *= dc[j];
+                }
               }
               // dK += dS^T Q;  dQ += dS K
               gemm<acc_t>(kn, D, qn, dP, 1, kBKb, Qr, ldq, st.dk.data(), D, true);
@@ -958,7 +1118,9 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
 // ---------------------------------------------------------------------------------------------
 // The Problem of inputs that passed checks::softmax_fwd / softmax_bwd (csrc/checks/softmax.cpp).
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const c10::optional<at::Tensor>& mask, double scale, bool is_causal) {
+                     const c10::optional<at::Tensor>& mask, double scale, bool is_causal,
+                     int64_t window_left, int64_t window_right, double softcap,
+                     const c10::optional<at::Tensor>& alibi_slopes) {
   Problem p;
   p.B = q.size(0);
   p.H = q.size(1);
@@ -970,15 +1132,29 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   p.scale = scale;
   p.causal = is_causal;
   p.mask = make_mask_view(mask);
+  // A bound of N + M or more hides nothing: clamped there, so that i + M - N -+ w cannot overflow.
+  const int64_t wmax = p.N + p.M;
+  p.wl = window_left < 0 ? -1 : std::min(window_left, wmax);
+  p.wr = window_right < 0 ? -1 : std::min(window_right, wmax);
+  p.softcap = softcap;
+  if (alibi_slopes.has_value() && alibi_slopes->defined()) {
+    p.alibi = alibi_slopes->const_data_ptr<float>();
+    p.alibi_sb = alibi_slopes->stride(0);
+    p.alibi_sh = alibi_slopes->stride(1);
+  }
   return p;
 }
 
 std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& v,
                                                    const c10::optional<at::Tensor>& mask,
-                                                   double scale, bool is_causal) {
-  checks::softmax_fwd(checks::cpu_target(), q, k, v, mask, scale, is_causal);
-  const Problem p = make_problem(q, k, v, mask, scale, is_causal);
+                                                   double scale, bool is_causal, int64_t window_left,
+                                                   int64_t window_right, double softcap,
+                                                   const c10::optional<at::Tensor>& alibi_slopes) {
+  checks::softmax_fwd(checks::cpu_target(), q, k, v, mask, scale, is_causal, window_left, window_right,
+                      softcap, alibi_slopes);
+  const Problem p = make_problem(q, k, v, mask, scale, is_causal, window_left, window_right, softcap,
+                                 alibi_slopes);
   auto out = at::empty({p.B, p.H, p.N, p.Dv}, q.options());
   auto lse = at::empty({p.B, p.H, p.N}, q.options().dtype(acc_type_of(q.scalar_type())));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
@@ -1012,9 +1188,12 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
 std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& mask,
-    double scale, bool is_causal) {
-  checks::softmax_bwd(checks::cpu_target(), grad_out, q, k, v, out, lse, mask, scale, is_causal);
-  const Problem p = make_problem(q, k, v, mask, scale, is_causal);
+    double scale, bool is_causal, int64_t window_left, int64_t window_right, double softcap,
+    const c10::optional<at::Tensor>& alibi_slopes) {
+  checks::softmax_bwd(checks::cpu_target(), grad_out, q, k, v, out, lse, mask, scale, is_causal, window_left,
+                      window_right, softcap, alibi_slopes);
+  const Problem p = make_problem(q, k, v, mask, scale, is_causal, window_left, window_right, softcap,
+                                 alibi_slopes);
   auto dq = at::empty({p.B, p.H, p.N, p.D}, q.options());
   auto dk = at::empty({p.B, p.Hk, p.M, p.D}, q.options());
   auto dv = at::empty({p.B, p.Hk, p.M, p.Dv}, q.options());

@@ -20,6 +20,14 @@ Layers (DESIGN.md):
 - **public function** :func:`softmax_attention` -- validates every input, picks the backend
   (:func:`attnkit._dispatch.resolve`, then the routing rules of its docstring for what a
   kernel cannot do) and calls that backend's entry of :data:`_IMPLEMENTATIONS`.
+
+The score options (issue 28: ``window``, ``softcap``, ``alibi_slopes``, ``sinks``) live in
+:mod:`attnkit.score_options`: the public function validates them once into a
+:class:`~attnkit.score_options.ScoreOptions` (None when all are default: the calls without them
+take exactly the paths they took before), the layout maps it onto the kernels' [B, H, N, D], the
+routing reads which backend runs which (``BACKEND_OPTIONS``) and each implementation receives
+it.  The C++ ops take window / softcap / ALiBi as trailing arguments; sinks run on every kernel
+backend around the kernel (:class:`_WithSinks`), with no kernel change.
 """
 from __future__ import annotations
 
@@ -46,6 +54,8 @@ from .._validation import (
     check_tensor,
 )
 from ..reference.softmax import softmax_attention_reference
+from .. import score_options
+from ..score_options import BACKEND_OPTIONS, ScoreOptions
 
 FAMILY = "softmax"
 OP_NAME = "attnkit.softmax_attention"
@@ -120,16 +130,19 @@ def _gradients(run_bwd, saved, grad_out, grad_lse, probe_dim=None):
     return dq, dk, dv
 
 
-def _differentiable_gradients(ctx, saved, grad_out, grad_lse, dropout_mask=None):
-    """(dq, dk, dv) that are themselves differentiable, for a double backward
-    (``create_graph=True``): the kernels' backward has no autograd of its own, so these come
-    from the reference recomputed on the saved inputs (it materializes the N × M scores).
-    ``dropout_mask``: the kept entries the kernel's forward used."""
-    q, k, v, _, _, mask = saved[:6]
-    dropout_p = getattr(ctx, "dropout_p", 0.0) if dropout_mask is not None else 0.0
+def _differentiable_gradients(q, k, v, mask, is_causal, scale, options, grad_out, grad_lse,
+                              dropout_p=0.0, dropout_mask=None):
+    """(dq, dk, dv) -- and d sinks after them when ``options`` has sinks -- that are themselves
+    differentiable, for a double backward (``create_graph=True``): the kernels' backward has no
+    autograd of its own, so these come from the reference recomputed on the saved inputs (it
+    materializes the N × M scores).  ``options``: the call's ScoreOptions (or None);
+    ``dropout_mask``: the kept entries the kernel's forward used (with its ``dropout_p``)."""
+    extra = {} if options is None else options.reference_kwargs()
+    if dropout_mask is None:
+        dropout_p = 0.0
     out, lse = softmax_attention_reference(
-        q, k, v, mask, dropout_p, ctx.is_causal, ctx.scale, q.shape[1] != k.shape[1],
-        return_lse=True, dropout_mask=dropout_mask,
+        q, k, v, mask, dropout_p, is_causal, scale, q.shape[1] != k.shape[1],
+        return_lse=True, dropout_mask=dropout_mask, **extra,
     )
     outputs, grads = [], []
     for tensor, grad in ((out, grad_out), (lse, grad_lse)):
@@ -137,17 +150,39 @@ def _differentiable_gradients(ctx, saved, grad_out, grad_lse, dropout_mask=None)
             finite = torch.isfinite(tensor)  # fully masked rows: lse = -inf, no gradient
             outputs.append(torch.where(finite, tensor, 0.0) if tensor is lse else tensor)
             grads.append(grad.to(tensor.dtype))
-    wanted = (q, k, v)
+    wanted = (q, k, v) if extra.get("sinks") is None else (q, k, v, extra["sinks"])
     if not outputs:
         return tuple(torch.zeros_like(t) for t in wanted)
     found = torch.autograd.grad(outputs, wanted, grads, create_graph=True, allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(wanted, found))
 
 
+def _kernel_score_options(kernel_args) -> ScoreOptions | None:
+    """The ScoreOptions of the C++ ops' trailing arguments (window_left, window_right, softcap,
+    alibi_slopes), or None for the defaults."""
+    if not kernel_args:
+        return None
+    left, right, softcap, alibi = kernel_args
+    return ScoreOptions((left, right), softcap, alibi)
+
+
 def _native_setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, is_causal = inputs
+    # inputs: (q, k, v, mask, scale, is_causal), then -- from the registered op, or a call with
+    # score options -- (window_left, window_right, softcap, alibi_slopes).
+    q, k, v, mask, scale, is_causal = inputs[:6]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask)
+    ctx.num_inputs = len(inputs)
+    # The kernels' score-option arguments, () for the defaults (the backward then calls the op
+    # exactly as without them).
+    kernel_args = tuple(inputs[6:])
+    if kernel_args and kernel_args[:3] == (-1, -1, 0.0) and kernel_args[3] is None:
+        kernel_args = ()
+    if kernel_args:
+        ctx.save_for_backward(q, k, v, out, lse, mask, kernel_args[3])
+        ctx.kernel_args = kernel_args[:3]
+    else:
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.kernel_args = ()
     ctx.scale, ctx.is_causal = scale, is_causal
     # An unused lse (return_lse=False) then gets grad None, not zeros: no second kernel call.
     ctx.set_materialize_grads(False)
@@ -155,22 +190,26 @@ def _native_setup_context(ctx, inputs, output):
 
 def _native_backward(ctx, grad_out, grad_lse):
     saved = ctx.saved_tensors
+    q, k, v, out, lse, mask = saved[:6]
+    kernel_args = ctx.kernel_args + saved[6:]  # (window_left, window_right, softcap, alibi) or ()
+    # No gradient for the mask (a mask that requires grad is routed to the reference), scale,
+    # is_causal or the score options (alibi_slopes that require grad go to the reference too).
+    rest = (None,) * (ctx.num_inputs - 3)
     if torch.is_grad_enabled():  # create_graph=True: a double backward will follow
-        return (*_differentiable_gradients(ctx, saved, grad_out, grad_lse), None, None, None)
-    q, k, v, out, lse, mask = saved
+        grads = _differentiable_gradients(q, k, v, mask, ctx.is_causal, ctx.scale,
+                                          _kernel_score_options(kernel_args), grad_out, grad_lse)
+        return (*grads, *rest)
     if grad_lse is None and grad_out is not None:
         # The usual call (the lse unused): one kernel call, as _gradients would make it.
-        return (*_BWD_OP(grad_out, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal), None, None, None)
+        return (*_BWD_OP(grad_out, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal, *kernel_args), *rest)
     # The CUDA kernels need V's head dim equal to the query's.
     probe = q.shape[-1] if q.is_cuda else None
 
     def run_bwd(g, v, out, _with_dropout):  # no dropout in the C++ kernels
-        return _BWD_OP(g, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal)
+        return _BWD_OP(g, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal, *kernel_args)
 
     dq, dk, dv = _gradients(run_bwd, saved, grad_out, grad_lse, probe)
-    # No gradient for the mask (a mask that requires grad is routed to the reference), scale
-    # or is_causal.
-    return dq, dk, dv, None, None, None
+    return (dq, dk, dv, *rest)
 
 
 if _NATIVE_OPS:
@@ -193,10 +232,11 @@ if _NATIVE_OPS:
         """
 
         @staticmethod
-        def forward(ctx, q, k, v, mask, scale, is_causal):
+        def forward(ctx, q, k, v, mask, scale, is_causal, *kernel_args):
+            # kernel_args: () or the score options (window_left, window_right, softcap, alibi).
             with _BELOW_AUTOGRAD():
-                output = _FWD_OP(q, k, v, mask, scale, is_causal)
-            _native_setup_context(ctx, (q, k, v, mask, scale, is_causal), output)
+                output = _FWD_OP(q, k, v, mask, scale, is_causal, *kernel_args)
+            _native_setup_context(ctx, (q, k, v, mask, scale, is_causal, *kernel_args), output)
             return output
 
         backward = staticmethod(_native_backward)
@@ -216,6 +256,18 @@ def _call_native(q, k, v, mask, scale, is_causal):
         return _NativeAttention.apply(q, k, v, mask, scale, is_causal)
     with _BELOW_AUTOGRAD():
         return _FWD_OP(q, k, v, mask, scale, is_causal)
+
+
+def _call_native_options(q, k, v, mask, scale, is_causal, kernel_args):
+    """:func:`_call_native` with the score options' trailing arguments (window_left,
+    window_right, softcap, alibi_slopes).  Apart from it so that calls without options pay
+    nothing for them (that path is timed per call: issue 14)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.attnkit.softmax_fwd(q, k, v, mask, scale, is_causal, *kernel_args)
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(q, k, v, mask):
+        return _NativeAttention.apply(q, k, v, mask, scale, is_causal, *kernel_args)
+    with _BELOW_AUTOGRAD():
+        return _FWD_OP(q, k, v, mask, scale, is_causal, *kernel_args)
 
 # Unconditionally: when attnkit._C is missing, the dispatcher reports the cpu / cuda backends
 # unusable with the reason.
@@ -290,7 +342,8 @@ def _triton_backward(ctx, grad_out, grad_lse):
 
             b, h, n, _ = q.shape
             keep = kernels.dropout_keep_mask(b, h, n, k.shape[2], ctx.dropout_p, int(seed), q.device)
-        grads = _differentiable_gradients(ctx, saved, grad_out, grad_lse, keep)
+        grads = _differentiable_gradients(q, k, saved[2], mask, ctx.is_causal, ctx.scale, None,
+                                          grad_out, grad_lse, ctx.dropout_p, keep)
         return (*grads, None, None, None, None, None)
 
     def run_bwd(g, v, out, with_dropout):
@@ -323,23 +376,154 @@ def _kernel_mask(attn_mask, query, key):
     return attn_mask.expand(b, h, n, key.shape[2])
 
 
-def _run_reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+# ---- sinks around a kernel (issue 28): no kernel change ----------------------------------------
+
+
+class _NativeKernel:
+    """The C++ ops of one call (mask, scale, is_causal and the score options the kernel computes
+    fixed), as :class:`_WithSinks` runs them."""
+
+    dropout_p = 0.0
+
+    def __init__(self, mask, scale, is_causal, kernel_args):
+        self.mask, self.scale, self.is_causal, self.kernel_args = mask, scale, is_causal, kernel_args
+
+    def forward(self, q, k, v):
+        with _BELOW_AUTOGRAD():
+            return _FWD_OP(q, k, v, self.mask, self.scale, self.is_causal, *self.kernel_args)
+
+    def backward(self, g, q, k, v, out, lse, _with_dropout):  # no dropout in the C++ kernels
+        return _BWD_OP(g, q, k, v, out, lse, self.mask, self.scale, self.is_causal, *self.kernel_args)
+
+    def differentiable(self, q, k, v):
+        return _call_native_options(q, k, v, self.mask, self.scale, self.is_causal, self.kernel_args)
+
+    def probe_dim(self, q):
+        return q.shape[-1] if q.is_cuda else None  # the CUDA kernels need Dv == D
+
+    def dropout_mask(self, q, k):
+        return None
+
+
+class _TritonKernel:
+    """The Triton ops of one call (with its dropout seed), as :class:`_WithSinks` runs them."""
+
+    def __init__(self, mask, scale, is_causal, dropout_p, seed):
+        self.mask, self.scale, self.is_causal = mask, scale, is_causal
+        self.dropout_p, self.seed = dropout_p, seed
+        self.kernel_args = ()
+
+    def forward(self, q, k, v):
+        return torch.ops.attnkit.softmax_triton_fwd(q, k, v, self.mask, self.scale, self.is_causal,
+                                                    self.dropout_p, self.seed)
+
+    def backward(self, g, q, k, v, out, lse, with_dropout):
+        p = self.dropout_p if with_dropout else 0.0
+        return torch.ops.attnkit.softmax_triton_bwd(g, q, k, v, out, lse, self.mask, self.scale,
+                                                    self.is_causal, p, self.seed)
+
+    differentiable = forward  # the custom op carries its registered autograd
+
+    def probe_dim(self, q):
+        return None
+
+    def dropout_mask(self, q, k):
+        if self.dropout_p == 0.0:
+            return None
+        from ..kernels import softmax as kernels
+
+        b, h, n, _ = q.shape
+        return kernels.dropout_keep_mask(b, h, n, k.shape[2], self.dropout_p, int(self.seed), q.device)
+
+
+class _WithSinks(torch.autograd.Function):
+    """Attention with learned sinks on a kernel backend, without a kernel change (issue 28).
+
+    Forward: the kernel without the sink, then lse' = logaddexp(lse, sink) and out' = out ·
+    exp(lse - lse') (:func:`attnkit.score_options.add_sinks`).  Backward: the kernel's own
+    backward given out' and lse' -- the probabilities it recomputes, exp(s - lse'), carry the sink
+    in their denominator and D_i = rowsum(dO ∘ out') is the sink softmax's, so dq, dk, dv are
+    exact; the lse's gradient through :func:`_gradients`' probe call, as without sinks -- and
+    d sinks from :func:`attnkit.score_options.sink_gradient`.  ``kernel``: a _NativeKernel or
+    _TritonKernel (non-tensor, no gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, kernel):
+        out, lse = score_options.add_sinks(*kernel.forward(q, k, v), sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.kernel = kernel
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        kernel = ctx.kernel
+        if torch.is_grad_enabled():  # create_graph=True: a double backward will follow
+            options = ScoreOptions(sinks=sinks)
+            if kernel.kernel_args:
+                options = _kernel_score_options(kernel.kernel_args)
+                options = ScoreOptions(options.window, options.softcap, options.alibi_slopes, sinks)
+            grads = _differentiable_gradients(q, k, v, kernel.mask, kernel.is_causal, kernel.scale, options,
+                                              grad_out, grad_lse, kernel.dropout_p, kernel.dropout_mask(q, k))
+            return (*grads, None)
+        dq = dk = dv = dsinks = None
+        if any(ctx.needs_input_grad[:3]):
+            def run_bwd(g, v_, out_, with_dropout):
+                return kernel.backward(g, q, k, v_, out_, lse, with_dropout)
+
+            dq, dk, dv = _gradients(run_bwd, (q, k, v, out, lse), grad_out, grad_lse, kernel.probe_dim(q))
+        if ctx.needs_input_grad[3]:
+            dsinks = score_options.sink_gradient(sinks, out, lse, grad_out, grad_lse)
+        return dq, dk, dv, dsinks, None
+
+
+def _with_sinks(kernel, q, k, v, sinks):
+    """(out', lse') of ``kernel`` with ``sinks`` folded in, differentiable in q, k, v and sinks."""
+    if torch.compiler.is_compiling():
+        # Traced: the op with its registered autograd, and the sinks as differentiable torch ops
+        # (the lse's gradient then takes the backward's probe call: exact, one more kernel call).
+        return score_options.add_sinks(*kernel.differentiable(q, k, v), sinks)
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(q, k, v, sinks):
+        return _WithSinks.apply(q, k, v, sinks, kernel)
+    with torch.no_grad():
+        return score_options.add_sinks(*kernel.forward(q, k, v), sinks)
+
+
+# ---- the implementations --------------------------------------------------------------------
+
+
+def _run_reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                   options=None):
     # The reference computes in the inputs' dtype; it draws its dropout mask with torch.rand, so
     # results are reproducible under torch.manual_seed.
+    extra = {} if options is None else options.reference_kwargs()
     return softmax_attention_reference(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse=return_lse
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse=return_lse, **extra
     )
 
 
-def _run_native(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+def _run_native(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                options=None):
     # cpu and cuda: the same op, dispatched on the tensors' device.  GQA is native (H % Hk);
-    # dropout_p is 0 here (routing).
+    # dropout_p is 0 here (routing).  Score options: the kernel computes window, softcap and
+    # ALiBi (the cuda kernels none: routing), the sinks are applied around it.
     if not _NATIVE_OPS:
         raise BackendUnavailableError(
             f"{OP_NAME}: attnkit._C was built without the softmax ops; rebuild it "
             "(pip install --no-build-isolation -e .)"
         )
-    out, lse = _call_native(query, key, value, _kernel_mask(attn_mask, query, key), scale, is_causal)
+    mask = _kernel_mask(attn_mask, query, key)
+    if options is None:
+        out, lse = _call_native(query, key, value, mask, scale, is_causal)
+    else:
+        kernel_args = options.kernel_args() if options.in_scores else ()
+        if options.sinks is None:
+            out, lse = _call_native_options(query, key, value, mask, scale, is_causal, kernel_args)
+        else:
+            kernel = _NativeKernel(mask, scale, is_causal, kernel_args)
+            out, lse = _with_sinks(kernel, query, key, value, options.sinks)
     return (out, lse) if return_lse else out
 
 
@@ -351,11 +535,20 @@ def _draw_seed(dropout_p: float) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
-def _run_triton(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
-    out, lse = torch.ops.attnkit.softmax_triton_fwd(
-        query, key, value, _kernel_mask(attn_mask, query, key), scale, is_causal, dropout_p,
-        _draw_seed(dropout_p),
-    )
+def _run_triton(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                options=None):
+    # Score options: sinks only (routing, BACKEND_OPTIONS), applied around the kernel.
+    mask = _kernel_mask(attn_mask, query, key)
+    seed = _draw_seed(dropout_p)
+    if options is None:
+        out, lse = torch.ops.attnkit.softmax_triton_fwd(query, key, value, mask, scale, is_causal, dropout_p, seed)
+    else:
+        if options.in_scores:  # routing keeps these away (BACKEND_OPTIONS["triton"])
+            raise BackendUnavailableError(
+                f"{OP_NAME}: the triton kernels do not compute {', '.join(options.without_sinks().names)}"
+            )
+        kernel = _TritonKernel(mask, scale, is_causal, dropout_p, seed)
+        out, lse = _with_sinks(kernel, query, key, value, options.sinks)
     return (out, lse) if return_lse else out
 
 
@@ -372,7 +565,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _kernel_limitation(backend, query, key, value, attn_mask, dropout_p) -> str:
+def _kernel_limitation(backend, query, key, value, attn_mask, dropout_p, options=None) -> str:
     """'' when ``backend`` can run this call, else what it cannot do (routing rules)."""
     if backend == "reference":
         return ""
@@ -383,6 +576,16 @@ def _kernel_limitation(backend, query, key, value, attn_mask, dropout_p) -> str:
         and torch.is_grad_enabled()
     ):
         return "a floating attn_mask that requires grad (the kernels compute no mask gradient)"
+    if options is not None:
+        missing = [name for name in options.names if name not in BACKEND_OPTIONS[backend]]
+        if missing:
+            return (
+                f"the score option{'s' if len(missing) > 1 else ''} {', '.join(missing)} (the "
+                f"{backend} kernels run {', '.join(sorted(BACKEND_OPTIONS[backend])) or 'none of them'})"
+            )
+        slopes = options.alibi_slopes
+        if slopes is not None and slopes.requires_grad and torch.is_grad_enabled():
+            return "alibi_slopes that require grad (the kernels compute no gradient for the slopes)"
     dtype = query.dtype
     head_dim, value_dim = query.shape[-1], value.shape[-1]
     if backend == "cpu":
@@ -409,11 +612,12 @@ def _kernel_limitation(backend, query, key, value, attn_mask, dropout_p) -> str:
     return ""
 
 
-def _route(backend, query, key, value, attn_mask, dropout_p) -> str:
+def _route(backend, query, key, value, attn_mask, dropout_p, options=None) -> str:
     """The backend that runs this call: ``resolve``'s pick, unless that kernel cannot run the
-    call -- then the reference when the backend was the default, an error when it was named."""
+    call -- then the reference when the backend was the default, an error when it was named.
+    ``options``: the call's ScoreOptions, or None."""
     chosen = resolve(FAMILY, backend, query.device, OP_NAME)
-    why_not = _kernel_limitation(chosen, query, key, value, attn_mask, dropout_p)
+    why_not = _kernel_limitation(chosen, query, key, value, attn_mask, dropout_p, options)
     if not why_not:
         return chosen
     named = backend is not None or bool(os.environ.get(ENV_VAR))
@@ -557,6 +761,10 @@ class _Layout:
             return mask.reshape(1, *tail)  # batch-broadcast mask: stays one batch
         return mask.expand(*self.batch, *tail).reshape(self.flat_batch, *tail)
 
+    def options_to_kernel(self, options: ScoreOptions | None) -> ScoreOptions | None:
+        """The score options on the kernels' layout (ALiBi slopes as [B, H] views)."""
+        return None if options is None else options.to_kernel(self.flat_batch, self.heads)
+
     def restore(self, out: torch.Tensor, lse: torch.Tensor | None):
         out = out.reshape(*self.out_lead, *out.shape[-2:])
         if lse is not None:
@@ -575,6 +783,10 @@ def softmax_attention(
     enable_gqa: bool = False,
     *,
     return_lse: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     backend: str | None = None,
 ):
     """Scaled dot-product (softmax) attention with the semantics of
@@ -616,7 +828,28 @@ def softmax_attention(
         enable_gqa: grouped-query attention: when ``H != Hk`` (H must be a multiple of Hk),
             query head h uses key/value head ``h // (H // Hk)``.  Without it ``H == Hk``.
             The kernels never repeat K / V in memory.
-        return_lse: also return the log-sum-exp of each row's (scaled, masked) scores.
+        return_lse: also return the log-sum-exp of each row's (scaled, masked) scores (with
+            ``sinks``: of the keys' scores *and* the sink, log Z_i below).
+        window: ``(left, right)`` sliding window (FlashAttention's ``window_size``): key j is
+            visible to query i iff ``i + M - N - left <= j <= i + M - N + right`` (aligned
+            bottom-right like FlashAttention: the last query sits at the last key); a bound of
+            -1 leaves that side unbounded.  Default None = ``(-1, -1)``.  ``window=(w, 0)``
+            with ``M == N`` is causal attention to the last w + 1 keys.  Intersected with
+            ``is_causal`` (top-left) and ``attn_mask``: a row left with no key is empty.
+        softcap: logit soft-capping (FlashAttention's ``softcap``, Gemma 2): when > 0 each score
+            s = scale · q·k becomes ``softcap · tanh(s / softcap)`` before ALiBi and the masks.
+            0 (default) = off.  It maps a ±inf score to ±softcap.
+        alibi_slopes: ALiBi (FlashAttention's ``alibi_slopes``): float32 ``[H]`` or ``[*batch,
+            H]`` (the result's batch dims, e.g. ``[B, H]``); adds ``-slope_h · |i + M - N - j|``
+            to the (capped) scores, before the masks.
+        sinks: learned attention sinks (gpt-oss's ``s_aux``, FlashAttention-4's
+            ``learnable_sink``): float32 ``[H]``, one extra logit per head in each row's softmax
+            denominator, with no value: ``Z_i = Σ_j exp(s_ij) + exp(sink_h)``,
+            ``out_i = Σ_j exp(s_ij) / Z_i · v_j``, ``lse_i = log Z_i``.  A row with no visible
+            key then gives out 0 and lse = sink.  Differentiable (sinks get a gradient).  On the
+            kernel backends the kernel runs without the sink and its (out, lse) are rescaled
+            after it (lse' = logaddexp(lse, sink), out' = out · exp(lse - lse'), in float32), its
+            backward given those: exact, no kernel change (``attnkit.score_options``).
         backend: ``"reference" | "cpu" | "triton" | "cuda"`` or None; see *Backends*.
 
     Returns:
@@ -630,8 +863,8 @@ def softmax_attention(
     score +inf, or a NaN in a floating mask) makes NaN every row that can see that key (its lse
     NaN -- or +inf for a +inf score); a NaN (or ±Inf) in a value row reaches at least every row
     that can see it.  A fully masked row stays 0 (lse -inf).  Empty N or M give empty / zero results.
-    Differentiable in query, key, value, a floating ``attn_mask`` (reference only, see below)
-    and through ``lse`` too.  The kernel backends are differentiable once (their backward is a
+    Differentiable in query, key, value, a floating ``attn_mask`` and ``alibi_slopes`` (reference
+    only, see below), ``sinks``, and through ``lse`` too.  The kernel backends are differentiable once (their backward is a
     kernel); double backward needs ``backend="reference"``.
 
     Backends:
@@ -645,11 +878,15 @@ def softmax_attention(
         usable here), then routes a call the picked kernel cannot run to the reference:
 
         - ``cpu``: ``dropout_p > 0`` (the C++ kernel has no dropout);
-        - ``triton``: float64 inputs; a head dim D or Dv above 256;
+        - ``triton``: float64 inputs; a head dim D or Dv above 256; ``window``, ``softcap``,
+          ``alibi_slopes`` (not in the Triton kernels yet);
         - ``cuda``: dtypes other than float16 / bfloat16; head dims other than D = Dv ∈ {64, 128};
-          ``dropout_p > 0``;
-        - every kernel: a floating ``attn_mask`` that requires grad while grad mode is on (the
-          kernels compute no mask gradient).
+          ``dropout_p > 0``; ``window``, ``softcap``, ``alibi_slopes``;
+        - every kernel: a floating ``attn_mask``, or ``alibi_slopes``, that requires grad while
+          grad mode is on (the kernels compute no gradient for them).
+
+        ``sinks`` run on every backend.  Which score options each backend runs:
+        ``attnkit.score_options.BACKEND_OPTIONS``.
 
         A backend named explicitly (``backend=`` or ``ATTNKIT_BACKEND``) is never replaced: such
         a call raises :class:`attnkit.BackendUnavailableError` naming the limitation, as does a
@@ -657,12 +894,15 @@ def softmax_attention(
 
     Raises:
         TypeError: a non-tensor, non-floating q/k/v, a mask that is neither bool nor floating,
-            a non-bool flag, a non-finite or non-numeric ``scale`` / ``dropout_p``.
+            a non-bool flag, a non-finite or non-numeric ``scale`` / ``dropout_p`` /
+            ``softcap``, a ``window`` that is not a pair of ints, ``alibi_slopes`` / ``sinks``
+            that are not float32 tensors.
         ValueError: fewer than 2 dims, mismatched sizes / dtypes / devices, batch dims that do
             not broadcast, head counts that do not fit (GQA), a mask that does not broadcast to
             the scores ``[..., H, N, M]`` or lies on another
-            device, ``attn_mask`` with ``is_causal``, ``dropout_p`` outside ``[0, 1)``, an
-            unknown backend.
+            device, ``attn_mask`` with ``is_causal``, ``dropout_p`` outside ``[0, 1)``, a window
+            bound below -1, a negative ``softcap``, ``alibi_slopes`` / ``sinks`` of another
+            shape or device, an unknown backend.
         attnkit.BackendUnavailableError: the backend asked for cannot run here, or cannot run
             this call (see *Backends*).
 
@@ -674,6 +914,9 @@ def softmax_attention(
         ...                                      return_lse=True)
         >>> out.shape, lse.shape, lse.dtype
         (torch.Size([2, 8, 128, 64]), torch.Size([2, 8, 128]), torch.float32)
+        >>> # Mistral-style sliding window of 4096 keys, Gemma-2 softcap, gpt-oss sinks
+        >>> out = attnkit.softmax_attention(q, k, v, enable_gqa=True, window=(4095, 0), softcap=50.0,
+        ...                                 sinks=torch.zeros(8))
     """
     # --- fast path: the common call (three 4-D [B, H, N, D] tensors of one floating dtype and
     # device, equal heads, no mask, no dropout, plain bool flags) passes every check below by
@@ -694,6 +937,14 @@ def softmax_attention(
         and type(dropout_p) in (float, int)
         and dropout_p == 0
         and (scale is None or (type(scale) in (float, int) and -math.inf < scale < math.inf))
+        # no score option (issue 28).  `softcap.__class__ is float` rather than `type(softcap) in
+        # (float, int)`: measured 0.15 against 0.33 us a call over the old signature's (timeit,
+        # loaded 2-core AMD EPYC).  softcap=0 as an int takes the full path (no options either).
+        and window is None
+        and alibi_slopes is None
+        and sinks is None
+        and softcap.__class__ is float
+        and softcap == 0.0
     ):
         dtype, (b, h, n, d), (bk, hk, m, dk), (bv, hv, mv, _) = query.dtype, query.shape, key.shape, value.shape
         if (
@@ -740,22 +991,25 @@ def softmax_attention(
         # p = 1 would drop every probability and then divide by 1 - p = 0.
         raise ValueError(f"{OP_NAME}: dropout_p must be < 1; got {dropout_p!r}")
     check_real(OP_NAME, "scale", scale, allow_none=True)
+    # The score options (issue 28), validated once; None when all are default.
+    options = score_options.build(OP_NAME, window, softcap, alibi_slopes, sinks, heads=layout.heads,
+                                  batch=layout.batch, device=query.device)
 
     # --- the kernels' layout [B, H, N, D]: views of the inputs where strides allow ---
     q4 = layout.to_kernel(query, layout.heads)
     k4 = layout.to_kernel(key, layout.kv_heads)
     v4 = layout.to_kernel(value, layout.kv_heads)
     mask4 = None if attn_mask is None else layout.mask_to_kernel(attn_mask)
+    options4 = layout.options_to_kernel(options)
 
-    chosen = _route(backend, q4, k4, v4, mask4, dropout_p)
+    chosen = _route(backend, q4, k4, v4, mask4, dropout_p, options4)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     # No (batch, head) pair at all: the reference's empty result, attached to the graph (as
     # sparse_attention does; the Triton launcher rejects H = Hk = 0).
     implementation = _IMPLEMENTATIONS["reference" if q4.shape[0] * q4.shape[1] == 0 else chosen]
-    result = implementation(
-        q4, k4, v4, mask4, float(dropout_p), is_causal, float(scale), layout.gqa, return_lse
-    )
+    args = (q4, k4, v4, mask4, float(dropout_p), is_causal, float(scale), layout.gqa, return_lse)
+    result = implementation(*args) if options4 is None else implementation(*args, options4)
     if layout.rank == 4:
         return result  # already in the caller's shape
     out, lse = result if return_lse else (result, None)
