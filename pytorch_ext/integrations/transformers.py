@@ -31,10 +31,20 @@ is ``"attnkit"`` calls :func:`attention_forward`, i.e. :func:`attnkit.softmax_at
 - ``position_bias`` (T5-style additive biases) is folded into a floating mask, as SDPA's
   integration does.
 
-Not supported (raise ``NotImplementedError`` instead of computing something else):
-attention sinks (``s_aux``, gpt-oss) and logit soft-capping (``softcap``, Gemma 2).  Attention
-weights are never returned (``output_attentions=True`` gives ``None`` weights, with a warning,
-like SDPA).  Paged attention (``"paged|attnkit"``, continuous batching) is not registered.
+- **Sliding window** (Mistral, Qwen2/3, Gemma 2/3, gpt-oss: the ``sliding_window`` kwarg, a
+  layer's key i - sliding_window < j <= i) runs in the kernel as ``window=(sliding_window - 1,
+  0)``: the registered mask function (:func:`attnkit_mask`) skips a sliding layer's mask in the
+  cases where a full causal layer's is skipped (no padding; prefill or one query), so no dense
+  N x M window mask is built there.  Where a mask is built anyway (padding, static caches) it
+  already holds the window, and the kernel gets the mask alone (the window's bottom-right
+  alignment would not fit a static cache's empty slots).
+- **Logit soft-capping** (Gemma 2: the ``softcap`` kwarg) -> ``softcap=``.
+- **Attention sinks** (gpt-oss: the ``s_aux`` kwarg, one learned logit per head) -> ``sinks=``
+  (cast to float32; the gradient reaches the model's parameter).
+
+Not supported: attention weights are never returned (``output_attentions=True`` gives ``None``
+weights, with a warning, like SDPA).  Paged attention (``"paged|attnkit"``, continuous batching)
+is not registered.  Bidirectional sliding windows (encoders) keep transformers' dense mask.
 
 Tested with transformers 5.17.0 (:data:`TESTED_TRANSFORMERS_VERSIONS`; CI pins it in
 ``requirements.txt``, and the GPU image ships it): Llama (GQA), GPT-2 and BERT built from small
@@ -62,6 +72,7 @@ __all__ = [
     "register",
     "is_registered",
     "attention_forward",
+    "attnkit_mask",
     "make_attention_forward",
 ]
 
@@ -76,10 +87,6 @@ TESTED_TRANSFORMERS_VERSIONS = ("5.17.0",)
 
 _log = logging.getLogger(__name__)
 _warned: list = []  # the output_attentions warning is given once per process
-_UNSUPPORTED = {
-    "s_aux": "attention sinks (s_aux)",
-    "softcap": "attention logit soft-capping (softcap)",
-}
 
 
 def _missing_transformers(exc: Exception) -> ImportError:
@@ -125,12 +132,11 @@ def make_attention_forward(backend: Optional[str] = None) -> Callable:
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         """transformers' attention signature (see :func:`attention_forward`)."""
-        for name, what in _UNSUPPORTED.items():
-            if kwargs.get(name) is not None:
-                raise NotImplementedError(
-                    f"attn_implementation='attnkit' does not support {what}: this model needs "
-                    "attn_implementation='eager' (or 'sdpa' where that supports it)"
-                )
+        options = {}
+        if kwargs.get("softcap") is not None:
+            options["softcap"] = float(kwargs["softcap"])
+        if kwargs.get("s_aux") is not None:
+            options["sinks"] = kwargs["s_aux"].float()
         if kwargs.get("output_attentions", False) and not _warned:
             _warned.append(True)
             _log.warning("attn_implementation='attnkit' does not return attention weights "
@@ -138,6 +144,11 @@ def make_attention_forward(backend: Optional[str] = None) -> Callable:
         n, m = query.shape[2], key.shape[2]
         if is_causal is None:
             is_causal = getattr(module, "is_causal", True)
+        sliding_window = kwargs.get("sliding_window")
+        if sliding_window is not None and attention_mask is None and is_causal and position_bias is None:
+            # A causal sliding layer whose mask attnkit_mask skipped: the keys end at the last
+            # query (prefill or decoding), so the bottom-right window is transformers' window.
+            options["window"] = (int(sliding_window) - 1, 0)
         # transformers' mask function returns None exactly when is_causal may stand in for the
         # causal mask; one query with no mask sees every cached key (bottom-right alignment:
         # is_causal=False), as in transformers' SDPA integration.
@@ -164,6 +175,7 @@ def make_attention_forward(backend: Optional[str] = None) -> Callable:
             scale=scaling,
             enable_gqa=query.shape[1] != key.shape[1],
             backend=backend,
+            **options,
         )
         return out.transpose(1, 2).contiguous(), None
 
@@ -187,13 +199,31 @@ Args:
     scaling: the score scale (None: ``1 / sqrt(D)``).
     is_causal: overrides ``module.is_causal``; only used when there is no mask and N > 1.
     position_bias: optional additive bias broadcastable to ``[B, H, N, M]`` (T5-style).
-    **kwargs: the rest of the model's attention kwargs; ``s_aux`` / ``softcap`` (when not
-        None) raise NotImplementedError, everything else is ignored.
+    **kwargs: the rest of the model's attention kwargs: ``sliding_window`` (int: a causal
+        window of that many keys, applied in the kernel when there is no mask), ``softcap``
+        (float), ``s_aux`` (sinks ``[H]``); everything else is ignored.
 
 Returns:
     ``(out, None)``: ``out`` ``[B, N, H, Dv]`` contiguous, in the inputs' dtype; no attention
     weights.
 """
+
+
+def attnkit_mask(*args, local_size=None, config=None, **kwargs):
+    """The mask function registered with attnkit: transformers' ``sdpa_mask``, except that a
+    *sliding-window* layer's mask is skipped (None) exactly where a full causal layer's is (no
+    padding; prefill, or one query against the cache) -- attnkit applies that window in the
+    kernel (:func:`attention_forward` reads the layer's ``sliding_window``) instead of reading
+    a dense N x M window mask.  Other local patterns (chunked attention: ``local_size`` is the
+    config's ``attention_chunk_size``) keep sdpa_mask's rule.  Wherever a mask is built it is
+    sdpa_mask's own (the window included)."""
+    from transformers.masking_utils import sdpa_mask
+
+    sliding = getattr(config, "sliding_window", None) if config is not None else None
+    chunk = getattr(config, "attention_chunk_size", None) if config is not None else None
+    if local_size is not None and local_size == sliding and local_size != chunk:
+        local_size = None  # the window is attnkit's: skip the mask as for a full causal layer
+    return sdpa_mask(*args, local_size=local_size, config=config, **kwargs)
 
 
 def _interfaces():
@@ -210,9 +240,10 @@ def register(name: str = NAME, *, backend: Optional[str] = None) -> str:
     """Add attnkit to transformers as the attention implementation ``name``.
 
     Registers :func:`attention_forward` (or, with ``backend``, one bound to that attnkit
-    backend) in ``transformers.AttentionInterface`` and transformers' ``sdpa_mask`` (boolean
-    masks, ``None`` where ``is_causal`` suffices) in ``transformers.masking_utils.
-    AttentionMaskInterface`` under ``name``, for every model in this process.  Calling it
+    backend) in ``transformers.AttentionInterface`` and :func:`attnkit_mask` (transformers'
+    ``sdpa_mask``: boolean masks, ``None`` where ``is_causal`` -- and, for sliding layers, the
+    kernel's window -- suffices) in ``transformers.masking_utils.AttentionMaskInterface`` under
+    ``name``, for every model in this process.  Calling it
     again is harmless (the entries are replaced).
 
     Args:
@@ -242,7 +273,7 @@ def register(name: str = NAME, *, backend: Optional[str] = None) -> str:
     attention_interface, mask_interface, sdpa_mask = _interfaces()
     fn = attention_forward if backend is None else make_attention_forward(backend)
     attention_interface.register(name, fn)
-    mask_interface.register(name, sdpa_mask)
+    mask_interface.register(name, attnkit_mask)
     return name
 
 

@@ -116,7 +116,22 @@ def test_register_adds_attention_and_mask_functions():
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     assert AttentionInterface._global_mapping["attnkit"] is attnkit_hf.attention_forward
-    assert AttentionMaskInterface._global_mapping["attnkit"] is sdpa_mask
+    assert AttentionMaskInterface._global_mapping["attnkit"] is attnkit_hf.attnkit_mask
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    # A sliding layer without padding: sdpa_mask builds the window, attnkit_mask leaves it to
+    # the kernel; a chunked layer (local_size = the chunk) and padding keep sdpa_mask's mask.
+    window = dict(batch_size=1, q_length=8, kv_length=8, local_size=3,
+                  mask_function=sliding_window_causal_mask_function(3))
+    assert sdpa_mask(**window) is not None
+    assert attnkit_hf.attnkit_mask(**window, config=SimpleNamespace(sliding_window=3)) is None
+    chunked = SimpleNamespace(sliding_window=3, attention_chunk_size=3)
+    assert torch.equal(attnkit_hf.attnkit_mask(**window, config=chunked), sdpa_mask(**window))
+    padded = dict(window, attention_mask=torch.tensor([[False] + [True] * 7]))
+    assert torch.equal(attnkit_hf.attnkit_mask(**padded, config=SimpleNamespace(sliding_window=3)),
+                       sdpa_mask(**padded))
     assert attnkit_hf.is_registered()
 
 
@@ -162,15 +177,6 @@ def test_package_imports_and_register_names_the_extra_without_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert 'pip install "attnkit[transformers]"' in out.stdout
-
-
-def test_unsupported_features_raise():
-    q = torch.randn(1, 2, 3, 8)
-    module = torch.nn.Module()
-    with pytest.raises(NotImplementedError, match="sinks"):
-        attnkit_hf.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
-    with pytest.raises(NotImplementedError, match="soft-capping"):
-        attnkit_hf.attention_forward(module, q, q, q, None, softcap=30.0)
 
 
 # ----------------------------------------------------------------------------------------------
