@@ -1,0 +1,500 @@
+"""Triton split-KV ("flash-decoding") kernels for softmax attention with few query rows (issue 26).
+
+Layer 1 of the softmax family (see DESIGN.md): ``@triton.jit`` kernels and their launcher, no
+autograd.  The op layer's CUDA dispatch sends decoding calls (N <= 16 query rows) here.
+
+Launcher
+--------
+``softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, config=None)``
+    -> ``(out [B, H, N, Dv] in q.dtype, lse [B, H, N] float32)``
+
+Shapes: q ``[B, H, N, D]`` with ``1 <= N <= 16`` (N = 0 gives empty results), k ``[B, Hk, M, D]``,
+v ``[B, Hk, M, Dv]``, ``H % Hk == 0`` (GQA / MQA; query head h reads kv head ``h // (H // Hk)``),
+any strides (read as given, never copied).  float16, bfloat16, float32 (float32 accumulation);
+head dims up to 256, any value.
+
+Semantics (FlashAttention's ``flash_attn_with_kvcache`` decoding alignment): batch element b has
+``L_b = kv_lens[b]`` valid keys (``kv_lens``: optional int32 / int64 ``[B]`` on q's device,
+default M; values are clamped to ``[0, M]`` on the device -- no host synchronization checks
+them), and the N query rows are the *last* N positions of that sequence, causally aligned
+bottom-right: query i sees key j iff ``j <= L_b - N + i`` (so query N - 1 sees all L_b keys; for
+N = 1 this is just ``j < L_b``).  A row that sees no key (``L_b - N + i < 0``, e.g. L_b = 0)
+gives out = 0 and lse = -inf, never NaN.  NaN (README, "Shapes and NaN semantics"): a NaN key --
+or one that makes a score +inf -- makes NaN exactly the rows that see it (out and lse); a NaN
+value reaches at least the rows that see it.  ``scale`` None means ``1 / sqrt(D)``.
+
+How it runs
+-----------
+Decoding is bound by reading K and V once.  A program of the split kernel handles one
+(row block, key split, kv head, batch): the ``G * N`` query rows that share kv head ``hk``
+(``G = H // Hk``, row ``r`` = query head ``hk * G + r // N``, query ``r % N``) are stacked into
+one ``[BLOCK_M, D]`` tile (BLOCK_M >= 16 so that ``tl.dot`` has M >= 16; padded rows are masked),
+so each K / V tile is loaded once for the whole group.  Groups of more than BLOCK_M rows (MQA
+with many heads) take several row blocks; those are adjacent in the grid (the fastest axis), so
+the later ones read the same K / V tile from L2.  The keys ``[0, L_b)`` are cut into
+``num_splits`` splits of ``chunk_b = roundup(cdiv(L_b, S), BLOCK_N)`` keys (tile aligned; splits
+past the end are empty): every K / V row is read by exactly one program per row block.  Tiles
+that every row sees whole (``j < L_b - N + 1``) run without element masks; only the last one or
+two tiles of a sequence are masked.
+
+With one split the kernel writes out and lse directly.  Otherwise each program writes its
+float32 partial (out_s normalized by its own sum, lse_s) to scratch ``[B, H, N, S, Dv]`` /
+``[B, H, N, S]``, and the merge kernel combines them per row, exactly and overflow-free:
+``m = max_s lse_s``, ``w_s = exp(lse_s - m)``, ``out = sum_s w_s out_s / sum_s w_s``,
+``lse = m + log(sum_s w_s)``; empty splits (lse_s = -inf) weigh 0, a NaN lse_s poisons the row.
+
+Splits (``num_splits`` None): :func:`default_num_splits` -- enough splits that
+``B * Hk * row_blocks * S`` fills the GPU about twice (SM count from
+``torch.cuda.get_device_properties``; 132, an H100's, off CUDA), each split >= 256 keys.
+
+Tuning: ``DECODE_CONFIGS`` (BLOCK_N in {64, 128, 256} x num_warps {2, 4, 8} x num_stages
+{2, 3, 4}); :func:`configs_for` fills in the row tile BLOCK_M for a group size and drops the
+configs whose tiles would not fit the registers or the shared memory.  ``config=`` (a
+``triton.Config`` with BLOCK_N, optionally BLOCK_M) skips autotuning; under the Triton
+interpreter the first eligible config is used.  The autotuner is keyed on the head dims, the
+group size and the number of splits (plus the dtypes); ``M`` and the split count are not
+specialized on, so one compiled kernel serves a growing cache.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from ._flash import (INTERPRETED, _LN2, _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, accumulate_pv,
+                     finish_rows, launch, load_rows, online_softmax_update, pow2, scores)
+
+__all__ = [
+    "softmax_decode_fwd",
+    "default_num_splits",
+    "configs_for",
+    "DECODE_CONFIGS",
+    "MAX_QUERY_ROWS",
+    "MIN_SPLIT_KEYS",
+    "MAX_HEAD_DIM",
+    "SUPPORTED_DTYPES",
+]
+
+MAX_QUERY_ROWS = 16  # N above this is prefill: use kernels.softmax.softmax_fwd
+MIN_SPLIT_KEYS = 256  # the heuristic never cuts a split shorter than this
+DEFAULT_SM_COUNT = 132  # an H100 SXM's, for the heuristic off CUDA
+MAX_BLOCK_M = 128  # the largest row tile (a group of more rows takes several row blocks)
+
+# ----------------------------------------------------------------------------------------------
+# autotune search space
+# ----------------------------------------------------------------------------------------------
+
+_BLOCK_NS = (64, 128, 256)
+_WARPS = (2, 4, 8)
+_STAGES = (2, 3, 4)
+# Key tile x warps x pipeline depth; BLOCK_M (the row tile) is filled in per call by configs_for.
+# The first entry is what the interpreter runs when no config is given.
+DECODE_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+                  for bn, w, s in itertools.product(_BLOCK_NS, _WARPS, _STAGES)]
+# BLOCK_M * BLOCK_N * (padded head dim) above which the score tile, the accumulator and q spill
+# registers (the softmax forward's limit: a 128 x 128 tile at D = 128 with 8 warps).
+_TILE_LIMIT = 128 * 128 * 128
+# Shared memory that a config's pipelined K and V tiles may take, counted as (num_stages - 1)
+# buffered tiles of each (H100 / H200: 227 KiB per block).  An estimate that only drops the
+# configs that cannot fit; one that still runs out of resources fails to compile, and the
+# autotuner skips it.
+_SMEM_LIMIT = 224 * 1024
+_TUNE_KEY = ["HEAD_D", "HEAD_DV", "GROUP", "N", "NUM_SPLITS"]  # + dtypes (automatic)
+
+
+def _row_tile(rows: int, block_n: int, dmax: int) -> int:
+    """The row tile for ``rows`` stacked query rows with a BLOCK_N key tile: the power of two
+    covering them (at least 16, at most MAX_BLOCK_M), halved until the tile fits _TILE_LIMIT."""
+    bm = max(16, min(triton.next_power_of_2(max(int(rows), 1)), MAX_BLOCK_M))
+    while bm > 16 and bm * block_n * dmax > _TILE_LIMIT:
+        bm //= 2
+    return bm
+
+
+def _fits(config, block_m, block_d, block_dv, esize):
+    bn = config.kwargs["BLOCK_N"]
+    smem = max(config.num_stages - 1, 1) * bn * (block_d + block_dv) * esize
+    return block_m * bn * max(block_d, block_dv) <= _TILE_LIMIT and smem <= _SMEM_LIMIT
+
+
+def configs_for(head_dim: int, value_dim: int | None = None, rows: int = 16,
+                dtype: torch.dtype = torch.float16) -> list:
+    """The autotune candidates for these head dims, ``rows`` = G * N stacked query rows per
+    kv head and the input ``dtype``: the entries of ``DECODE_CONFIGS`` whose tiles fit (registers:
+    BLOCK_M * BLOCK_N * padded head dim; shared memory: num_stages K / V tiles), each with its
+    BLOCK_M filled in.  Never empty (the smallest tile when nothing fits)."""
+    block_d = pow2(head_dim)
+    block_dv = pow2(head_dim if value_dim is None else value_dim)
+    dmax = max(block_d, block_dv)
+    esize = torch.empty((), dtype=dtype).element_size()
+    out = []
+    for c in DECODE_CONFIGS:
+        bm = _row_tile(rows, c.kwargs["BLOCK_N"], dmax)
+        if _fits(c, bm, block_d, block_dv, esize):
+            out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": c.kwargs["BLOCK_N"]},
+                                     num_warps=c.num_warps, num_stages=c.num_stages))
+    if not out:
+        c = min(DECODE_CONFIGS, key=lambda c: (c.kwargs["BLOCK_N"], c.num_stages, c.num_warps))
+        out.append(triton.Config({"BLOCK_M": 16, "BLOCK_N": c.kwargs["BLOCK_N"]},
+                                 num_warps=c.num_warps, num_stages=c.num_stages))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _autotuned(head_dim: int, value_dim: int, rows: int, dtype: torch.dtype):
+    return triton.autotune(configs=configs_for(head_dim, value_dim, rows, dtype),
+                           key=_TUNE_KEY)(_decode_split_kernel)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, bound, qk_scale,
+                  stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
+                  HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """The key tiles [lo, hi) (lo a multiple of BLOCK_N) folded into (acc, l_i, m_i).
+    MASKED=False: every key of every tile is in range and seen by every row.  MASKED: keys at or
+    past ``hi`` are not loaded, and row r sees key j iff j <= bound[r]."""
+    offs = tl.arange(0, BLOCK_N)
+    # Tile pointers advanced from an int64 start: lo * stride can pass 2**31 elements on long
+    # caches (offsets inside a tile stay small).
+    k_tile = k_base + lo.to(tl.int64) * stride_kn
+    v_tile = v_base + lo.to(tl.int64) * stride_vn
+    for start_n in range(lo, hi, BLOCK_N):
+        in_range = offs < hi - start_n
+        k = load_rows(k_tile, offs, stride_kn, offs_d, stride_kd, in_range, HEAD_D, BLOCK_D,
+                      MASKED)
+        s = scores(q, k, qk_scale, DOT_PREC)
+        if MASKED:
+            s = tl.where((start_n + offs)[None, :] <= bound[:, None], s, float("-inf"))
+        p, alpha, l_i, m_i = online_softmax_update(s, m_i, l_i)
+        v = load_rows(v_tile, offs, stride_vn, offs_dv, stride_vd, in_range, HEAD_DV, BLOCK_DV,
+                      MASKED)
+        acc = accumulate_pv(acc, alpha, p, v, DOT_PREC)
+        k_tile += BLOCK_N * stride_kn
+        v_tile += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["M", "NUM_SPLITS"])
+def _decode_split_kernel(
+    Q, K, V, KvLens, Out, Lse, PartO, PartL,
+    qk_scale,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_lens,
+    H, N, M, GROUP, NUM_SPLITS,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LENS: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One (row block, split) x kv head x batch program: the group's stacked query rows against
+    the split's keys.  Grid: (row_blocks * NUM_SPLITS, Hk, B), row block fastest."""
+    rows_total = GROUP * N
+    row_blocks = tl.cdiv(rows_total, BLOCK_M)
+    pid = tl.program_id(0)
+    rb = pid % row_blocks
+    split = pid // row_blocks
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+
+    if HAS_LENS:
+        kv_len = tl.load(KvLens + b * stride_lens).to(tl.int32)
+        kv_len = tl.minimum(tl.maximum(kv_len, 0), M)
+    else:
+        kv_len = M
+    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_len)
+    hi = tl.maximum(hi, lo)  # an empty split past the end
+    # Keys before full_end are seen by every row (query i sees j <= kv_len - N + i).
+    full_end = tl.maximum(kv_len - N + 1, 0)
+    full_hi = tl.maximum(tl.minimum(hi, (full_end // BLOCK_N) * BLOCK_N), lo)
+
+    rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < rows_total
+    g = rows // N
+    qi = rows - g * N  # the query index of the row
+    h = hk * GROUP + g  # its query head (int64)
+    bound = kv_len - N + qi  # row r sees key j iff j <= bound[r]
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ptrs = (Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qn
+              + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
+
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, full_hi, bound, qk_scale,
+                                  stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, False)
+    acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, k_base, v_base, full_hi, hi, bound, qk_scale,
+                                  stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, True)
+    out, lse = finish_rows(acc, l_i, m_i)
+
+    row = (b * H + h) * N + qi  # flat (b, h, i) index: lse [B, H, N] and the partials
+    dv_ok = offs_dv[None, :] < HEAD_DV
+    if DIRECT:
+        o_ptrs = (Out + b * stride_ob + h[:, None] * stride_oh + qi[:, None] * stride_on
+                  + offs_dv[None, :] * stride_od)
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
+        tl.store(Lse + row, lse, mask=row_ok)
+    else:
+        part = row * NUM_SPLITS + split  # [B, H, N, S] flat
+        tl.store(PartO + part[:, None] * HEAD_DV + offs_dv[None, :], out,
+                 mask=row_ok[:, None] & dv_ok)
+        tl.store(PartL + part, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
+def _decode_merge_kernel(
+    PartO, PartL, Out, Lse,
+    stride_ob, stride_oh, stride_on, stride_od,
+    H, N, ROWS, NUM_SPLITS,
+    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """out, lse of BLOCK_R flat (b, h, i) rows from their NUM_SPLITS partials each (grid:
+    cdiv(B * H * N, BLOCK_R)); BLOCK_S splits at a time, merged online."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < ROWS
+    qi = rows % N
+    bh = rows // N
+    h = bh % H
+    b = bh // H
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DV
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
+    poisoned = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        part = rows[:, None] * NUM_SPLITS + (s0 + offs_s)[None, :]  # [BLOCK_R, BLOCK_S]
+        ok = row_ok[:, None] & ((s0 + offs_s) < NUM_SPLITS)[None, :]
+        lse_s = tl.load(PartL + part, mask=ok, other=float("-inf"))
+        # A NaN lse_s (the split saw a NaN score) poisons the row; the running max skips it.
+        is_nan = lse_s != lse_s
+        poisoned += tl.sum(is_nan.to(tl.int32), 1)
+        lse_c = tl.where(is_nan, float("-inf"), lse_s)
+        m_new = tl.maximum(m, tl.max(lse_c, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2((m - m_use) * _LOG2E)
+        w = tl.math.exp2((lse_c - m_use[:, None]) * _LOG2E)  # empty splits (-inf): 0
+        o_s = tl.load(PartO + part[:, :, None] * HEAD_DV + offs_dv[None, None, :],
+                      mask=ok[:, :, None] & dv_ok[None, None, :], other=0.0)
+        # w = 0 adds exactly 0 (not 0 * NaN from a split that saw no key)
+        contrib = tl.where(w[:, :, None] > 0.0, w[:, :, None] * o_s, 0.0)
+        acc = acc * alpha[:, None] + tl.sum(contrib, 1)
+        l = l * alpha + tl.sum(w, 1)
+        m = m_new
+    attended = l != 0.0
+    l_safe = tl.where(attended, l, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(attended, m + tl.math.log2(l_safe) * _LN2, float("-inf"))
+    nan = poisoned > 0
+    out = tl.where(nan[:, None], float("nan"), out)
+    lse = tl.where(nan, float("nan"), lse)
+    o_ptrs = (Out + b[:, None] * stride_ob + h[:, None] * stride_oh + qi[:, None] * stride_on
+              + offs_dv[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+    tl.store(Lse + rows, lse, mask=row_ok)
+
+
+def _merge_tiles(splits: int, block_dv: int) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_R) of the merge: up to 8192 float32 partial elements a step."""
+    block_s = min(triton.next_power_of_2(splits), 16)
+    block_r = max(1, min(32, 8192 // (block_s * block_dv)))
+    return block_s, block_r
+
+
+# ----------------------------------------------------------------------------------------------
+# launcher
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (DEFAULT_SM_COUNT off CUDA)."""
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index)
+
+
+def default_num_splits(batch: int, kv_heads: int, rows: int, kv_len: int,
+                       sms: int = DEFAULT_SM_COUNT) -> int:
+    """Key splits so that ``batch * kv_heads * row_blocks * splits`` programs fill ``sms``
+    multiprocessors about twice, each split keeping >= MIN_SPLIT_KEYS keys.  ``rows`` = G * N
+    stacked query rows per kv head (row blocks counted at the largest row tile, MAX_BLOCK_M)."""
+    programs = max(1, batch * kv_heads * triton.cdiv(max(rows, 1), MAX_BLOCK_M))
+    wanted = triton.cdiv(2 * sms, programs)
+    return max(1, min(wanted, kv_len // MIN_SPLIT_KEYS))
+
+
+def _check_device(fn: str, t: torch.Tensor) -> None:
+    if not (t.is_cuda or INTERPRETED):
+        raise RuntimeError(
+            f"{fn}: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before "
+            f"attnkit.kernels.decode is imported, for CPU tensors); got a {t.device.type} tensor")
+
+
+def _check_inputs(fn, q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a tensor; got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{fn}: {name} must be 4-D [B, H, L, D]; got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{fn}: {name} must be float16, bfloat16 or float32; got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{fn}: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{fn}: q, k, v must be on one device; got {q.device}, {k.device}, "
+                         f"{v.device}")
+    B, H, N, D = q.shape
+    if N > MAX_QUERY_ROWS:
+        raise ValueError(f"{fn}: at most {MAX_QUERY_ROWS} query rows (decoding); got N = {N} "
+                         f"(use attnkit.kernels.softmax.softmax_fwd for prefill)")
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"{fn}: batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"{fn}: k and v must have the same heads and length; got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[3] != D:
+        raise ValueError(f"{fn}: k head dim must equal q's ({D}); got {k.shape[3]}")
+    if k.shape[1] == 0 or H % k.shape[1] != 0:
+        raise ValueError(f"{fn}: query heads ({H}) must be a multiple of key/value heads "
+                         f"({k.shape[1]})")
+    for name, d in (("q/k head dim", D), ("v head dim", v.shape[3])):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{fn}: {name} must be in 1..{MAX_HEAD_DIM}; got {d}")
+    _check_device(fn, q)
+
+
+def _check_kv_lens(fn, kv_lens, q, B):
+    if kv_lens is None:
+        return None
+    if not isinstance(kv_lens, torch.Tensor):
+        raise TypeError(f"{fn}: kv_lens must be an int32 tensor [B] (or None); got "
+                        f"{type(kv_lens).__name__}")
+    if kv_lens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{fn}: kv_lens must be int32 (or int64); got {kv_lens.dtype}")
+    if tuple(kv_lens.shape) != (B,):
+        raise ValueError(f"{fn}: kv_lens must have shape [B] = [{B}]; got {tuple(kv_lens.shape)}")
+    if kv_lens.device != q.device:
+        raise ValueError(f"{fn}: kv_lens must be on q's device ({q.device}); got "
+                         f"{kv_lens.device}")
+    return kv_lens
+
+
+def _check_num_splits(fn, num_splits):
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"{fn}: num_splits must be a positive int or None; got "
+                        f"{type(num_splits).__name__} {num_splits!r}")
+    if num_splits < 1:
+        raise ValueError(f"{fn}: num_splits must be >= 1; got {num_splits}")
+    return int(num_splits)
+
+
+def _check_config(fn, config, rows, dmax):
+    """``config`` with BLOCK_M filled in (None stays None)."""
+    if config is None:
+        return None
+    if not isinstance(config, triton.Config) or "BLOCK_N" not in config.kwargs:
+        raise TypeError(f"{fn}: config must be a triton.Config with BLOCK_N (and optionally "
+                        f"BLOCK_M); got {config!r}")
+    kw = dict(config.kwargs)
+    kw.setdefault("BLOCK_M", _row_tile(rows, kw["BLOCK_N"], dmax))
+    for name in ("BLOCK_M", "BLOCK_N"):
+        x = kw[name]
+        if not isinstance(x, int) or x < 16 or x & (x - 1):
+            raise ValueError(f"{fn}: config {name} must be a power of two >= 16; got {x!r}")
+    return triton.Config(kw, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, config=None):
+    """Split-KV decoding forward.  Returns ``(out [B, H, N, Dv] in q.dtype, lse [B, H, N]
+    float32)``; see the module docstring for the semantics (bottom-right causal alignment,
+    ``kv_lens``, dead rows, NaN).
+
+    ``scale``: None = 1 / sqrt(D).  ``kv_lens``: None or an int32 [B] tensor of valid key
+    counts per batch element (clamped to [0, M]).  ``num_splits``: None (the
+    :func:`default_num_splits` heuristic) or an int >= 1 (more splits than key tiles is allowed:
+    the extra ones are empty).  ``config``: a ``triton.Config`` with BLOCK_N (and optionally
+    BLOCK_M, num_warps, num_stages) to skip autotuning; see ``DECODE_CONFIGS``.
+    """
+    fn = "softmax_decode_fwd"
+    _check_inputs(fn, q, k, v)
+    B, H, N, D = q.shape
+    Hk, M, Dv = k.shape[1], k.shape[2], v.shape[3]
+    kv_lens = _check_kv_lens(fn, kv_lens, q, B)
+    num_splits = _check_num_splits(fn, num_splits)
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{fn}: scale must be a real number or None; got {scale!r}")
+    scale = float(scale)
+    group = H // Hk
+    rows = group * N
+    block_d, block_dv = pow2(D), pow2(Dv)
+    config = _check_config(fn, config, rows, max(block_d, block_dv))
+
+    out = torch.empty((B, H, N, Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    if B * H * N == 0:
+        return out, lse
+    if M == 0:  # no key at all: every row is dead
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+
+    splits = num_splits if num_splits is not None else default_num_splits(
+        B, Hk, rows, M, sm_count(q.device))
+    direct = splits == 1
+    if direct:
+        part_o = part_l = lse  # stand-in pointers: DIRECT never touches them
+    else:
+        part_o = torch.empty((B, H, N, splits, Dv), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((B, H, N, splits), dtype=torch.float32, device=q.device)
+    lens_t, lens_stride = (q, 0) if kv_lens is None else (kv_lens, kv_lens.stride(0))
+
+    args = (q, k, v, lens_t, out, lse, part_o, part_l, scale * 1.4426950408889634,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), lens_stride,
+            H, N, M, group, splits)
+    consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                  HAS_LENS=kv_lens is not None, DIRECT=direct,
+                  DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
+    launch(_decode_split_kernel, lambda: _autotuned(D, Dv, rows, q.dtype),
+           lambda: configs_for(D, Dv, rows, q.dtype),
+           lambda bm, bn: (triton.cdiv(rows, bm) * splits, Hk, B), args, consts, config)
+    if not direct:
+        block_s, block_r = _merge_tiles(splits, block_dv)
+        wrap_triton(_decode_merge_kernel)[(triton.cdiv(B * H * N, block_r),)](
+            part_o, part_l, out, lse, *out.stride(), H, N, B * H * N, splits,
+            HEAD_DV=Dv, BLOCK_DV=block_dv, BLOCK_S=block_s, BLOCK_R=block_r)
+    return out, lse
