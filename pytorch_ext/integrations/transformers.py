@@ -41,6 +41,11 @@ is ``"attnkit"`` calls :func:`attention_forward`, i.e. :func:`attnkit.softmax_at
 - **Logit soft-capping** (Gemma 2: the ``softcap`` kwarg) -> ``softcap=``.
 - **Attention sinks** (gpt-oss: the ``s_aux`` kwarg, one learned logit per head) -> ``sinks=``
   (cast to float32; the gradient reaches the model's parameter).
+- **Packed sequences** (padding-free training: documents packed into one row, with the
+  ``cu_seq_lens_q/k`` and ``max_length_q/k`` kwargs of transformers' flash-attention path) ->
+  :func:`attnkit.softmax_attention_varlen`, no work across documents.  transformers still builds
+  its block-diagonal mask from the position ids (its mask function cannot tell the packing
+  apart from other patterns); attnkit does not read it.
 
 Not supported: attention weights are never returned (``output_attentions=True`` gives ``None``
 weights, with a warning, like SDPA).  Paged attention (``"paged|attnkit"``, continuous batching)
@@ -112,6 +117,26 @@ def _position_bias_mask(position_bias, attention_mask, is_causal, n, m, dtype):
     return position_bias + attention_mask
 
 
+def _packed_forward(query, key, value, dropout, scaling, is_causal, options, kwargs, backend):
+    """Padding-free training: one row of documents packed end to end, with transformers'
+    ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k`` (what its
+    flash-attention path reads; DataCollatorWithFlattening(return_flash_attn_kwargs=True) makes
+    them).  Runs :func:`attnkit.softmax_attention_varlen`: no work across documents, and the
+    block-diagonal mask transformers built from the position ids is not read."""
+    from ..ops.varlen import softmax_attention_varlen
+
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [total, H, D]
+    if kwargs.get("sliding_window") is not None and is_causal:
+        options["window"] = (int(kwargs["sliding_window"]) - 1, 0)  # within each document
+    cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs.get("cu_seq_lens_k", kwargs["cu_seq_lens_q"])
+    max_q = int(kwargs.get("max_length_q") or int((cu_q[1:] - cu_q[:-1]).max()))
+    max_k = int(kwargs.get("max_length_k") or int((cu_k[1:] - cu_k[:-1]).max()))
+    out = softmax_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=float(dropout),
+                                   is_causal=is_causal, scale=scaling, enable_gqa=q.shape[1] != k.shape[1],
+                                   backend=backend, **options)
+    return out.unsqueeze(0).contiguous(), None  # [1, total, H, Dv]
+
+
 def make_attention_forward(backend: Optional[str] = None) -> Callable:
     """An attention function for transformers' ``AttentionInterface`` on
     :func:`attnkit.softmax_attention` with ``backend`` (None: attnkit's default dispatch, or
@@ -144,6 +169,9 @@ def make_attention_forward(backend: Optional[str] = None) -> Callable:
         n, m = query.shape[2], key.shape[2]
         if is_causal is None:
             is_causal = getattr(module, "is_causal", True)
+        if kwargs.get("cu_seq_lens_q") is not None and query.shape[0] == 1:
+            return _packed_forward(query, key, value, dropout, scaling, bool(is_causal), options, kwargs,
+                                   backend)
         sliding_window = kwargs.get("sliding_window")
         if sliding_window is not None and attention_mask is None and is_causal and position_bias is None:
             # A causal sliding layer whose mask attnkit_mask skipped: the keys end at the last
