@@ -22,6 +22,12 @@
 // Optional mask [B,H,N,M] (any strides, stride-0 broadcast welcome; each dim may also be 1):
 // bool (True = attend) or float16/bfloat16/float32/float64 (added to the scaled scores).
 // is_causal: key j is visible to query i iff j <= i (top-left; N != M allowed).
+// The score options of the schema (issue 28: window_left / window_right, softcap, alibi_slopes)
+// are not computed here yet: the registered CUDA implementation (csrc/checks/softmax.cpp) takes
+// them and its check refuses any non-default one with a message naming it, before the entry
+// points below -- whose signatures (csrc/cuda/launch.h) stay without them until the kernels
+// compute them -- are reached.  (Learned sinks need no kernel: attnkit/score_options.py applies
+// them around these ops.)
 // Forward -> out [B,H,N,D] (input dtype), lse [B,H,N] float32; a row with no visible key gives
 // out 0 and lse -inf.  Backward -> dq, dk, dv (contiguous, input dtype); dk/dv summed over the
 // query heads of each GQA group.

@@ -1,0 +1,161 @@
+"""The score-option arguments of the C++ ops attnkit::softmax_fwd / softmax_bwd (issue 28):
+``window_left``, ``window_right``, ``softcap``, ``alibi_slopes`` (float32 [B, H]), called directly
+through torch.ops: schema defaults, opcheck, the input checks of both backends (the CUDA branch
+on meta tensors), and what the public function's tests cannot reach (huge window bounds, slopes
+read through their strides, the backward's NaN-row path with a window).  The numbers of every
+option against the float64 reference: tests/ops/test_softmax_score_options.py.
+"""
+import math
+
+import pytest
+import torch
+
+import attnkit  # noqa: F401  (loads attnkit._C, which registers the ops)
+from attnkit.reference.softmax import softmax_attention_reference
+from attnkit_testing import assert_close_to_reference, has_cpu_kernel
+
+F16, F32, F64 = torch.float16, torch.float32, torch.float64
+
+pytestmark = pytest.mark.skipif(not has_cpu_kernel("softmax_fwd"), reason="attnkit._C is not built")
+
+
+def ops():
+    return torch.ops.attnkit.softmax_fwd.default, torch.ops.attnkit.softmax_bwd.default
+
+
+def inputs(b=1, h=4, hk=2, n=7, m=9, d=16, dv=8, dtype=F32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g, dtype=F64).to(dtype) for shape in
+            ((b, h, n, d), (b, hk, m, d), (b, hk, m, dv), (b, h, n, dv))]
+
+
+def test_schema_defaults_are_the_plain_call():
+    fwd, bwd = ops()
+    q, k, v, g = inputs(n=33, m=40)
+    plain = fwd(q, k, v, None, 0.25, True)
+    for out, ref in zip(fwd(q, k, v, None, 0.25, True, -1, -1, 0.0, None), plain):
+        assert torch.equal(out, ref)
+    out, lse = plain
+    a = bwd(g, q, k, v, out, lse, None, 0.25, True)
+    for x, y in zip(a, bwd(g, q, k, v, out, lse, None, 0.25, True, window_left=-1, softcap=0.0)):
+        assert torch.equal(x, y)
+
+
+def test_opcheck_with_options():
+    fwd, bwd = ops()
+    q, k, v, g = inputs()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    slopes = torch.rand(4).expand(1, 4)  # stride 0 over B
+    mask = torch.rand(1, 1, 7, 9).expand(1, 4, 7, 9) > 0.3
+    torch.library.opcheck(fwd, (q, k, v, None, 0.3, True, 3, 1, 2.0, slopes))
+    torch.library.opcheck(fwd, (q, k, v, mask, 0.3, False, -1, 0, 0.0, torch.rand(1, 4)))
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    out, lse = fwd(qd, kd, vd, mask, 0.3, False, 2, 2, 1.5, slopes)
+    torch.library.opcheck(bwd, (g, qd, kd, vd, out, lse, mask, 0.3, False, 2, 2, 1.5, slopes))
+
+
+def test_slopes_through_their_strides():
+    # [H] expanded (stride 0 over B), a transposed [H, B] view, and a dense copy: the same result.
+    fwd, _ = ops()
+    q, k, v, _ = inputs(b=3, n=20, m=20)
+    dense = torch.rand(3, 4)
+    views = (dense, dense.t().contiguous().t(), dense.clone())
+    outs = [fwd(q, k, v, None, 0.25, False, 4, 4, 0.0, s)[0] for s in views]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    row = torch.rand(4)
+    a = fwd(q, k, v, None, 0.25, False, -1, -1, 0.0, row.expand(3, 4))[0]
+    b = fwd(q, k, v, None, 0.25, False, -1, -1, 0.0, row.repeat(3, 1))[0]
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bound", [2**62, 2**63 - 1])
+def test_huge_window_bounds_hide_nothing(bound):
+    fwd, bwd = ops()
+    q, k, v, g = inputs(n=70, m=50)
+    plain = fwd(q, k, v, None, 0.25, False)
+    wide = fwd(q, k, v, None, 0.25, False, bound, bound, 0.0, None)
+    assert torch.equal(plain[0], wide[0]) and torch.equal(plain[1], wide[1])
+    for x, y in zip(bwd(g, q, k, v, *plain, None, 0.25, False), bwd(g, q, k, v, *plain, None, 0.25, False, bound, bound)):
+        assert torch.equal(x, y)
+    # one side huge, the other a real bound: the band of the bounded side
+    left = fwd(q, k, v, None, 0.25, False, bound, 0, 0.0, None)[0]
+    ref = softmax_attention_reference(q.double(), k.double(), v.double(), scale=0.25, enable_gqa=True, window=(-1, 0))
+    assert_close_to_reference(left, ref)
+
+
+def test_backward_of_a_nan_row_with_a_window_and_softcap():
+    """A row the forward found NaN (a NaN in a key it sees) keeps NaN gradients on the keys it sees
+    and clean ones on the keys its window hides (the backward's NaN-row path recomputes which)."""
+    fwd, bwd = ops()
+    n = m = 80
+    q, k, v, g = inputs(h=2, hk=1, n=n, m=m)
+    k[0, 0, 30, 3] = math.nan  # seen by rows 30..35 with window (5, 0)
+    out, lse = fwd(q, k, v, None, 0.25, False, 5, 0, 3.0, None)
+    nan_rows = torch.isnan(lse[0, 0]).nonzero().flatten().tolist()
+    assert nan_rows == list(range(30, 36))
+    dq, dk, dv = bwd(g, q, k, v, out, lse, None, 0.25, False, 5, 0, 3.0, None)
+    assert torch.isnan(dq[0, :, 30:36]).all()
+    # Other rows: clean but for the NaN's own column, which dQ += dS K reaches through 0 * NaN in
+    # the tiles that hold key 30 (the reference's dense dS @ K has that column NaN on every row).
+    others = torch.cat([dq[0, :, :30], dq[0, :, 36:]], dim=1)
+    assert not torch.isnan(others[..., [c for c in range(16) if c != 3]]).any()
+    seen = torch.zeros(m, dtype=torch.bool)
+    seen[25:36] = True  # the keys rows 30..35 see
+    assert torch.isnan(dv[0, 0, seen]).all() and not torch.isnan(dv[0, 0, ~seen]).any()
+    assert not torch.isnan(dk[0, 0, ~seen]).any()
+
+
+# ----------------------------------------------------------------------------------------------
+# input checks (csrc/checks/softmax.cpp): the CPU kernel and the check alone, and the CUDA branch
+# ----------------------------------------------------------------------------------------------
+
+_checks = attnkit._C._checks
+CPU = _checks.Target("cpu")
+CUDA = _checks.Target("cuda", device="meta")
+
+
+@pytest.mark.parametrize("args,match", [
+    ((-2, -1, 0.0, None), r"window bounds must be -1 \(unbounded\) or >= 0; got window_left = -2, window_right = -1"),
+    ((0, -5, 0.0, None), r"got window_left = 0, window_right = -5"),
+    ((-1, -1, -1.0, None), r"softcap must be finite and >= 0 \(0 = off\); got -1"),
+    ((-1, -1, math.inf, None), r"softcap must be finite and >= 0 \(0 = off\); got inf"),
+    ((-1, -1, math.nan, None), r"softcap must be finite and >= 0"),
+    ((-1, -1, 0.0, torch.ones(4)), r"alibi_slopes must have shape \[B, H\] = \[1, 4\] \(a broadcast view is fine\); "
+                                   r"got \[4\]"),
+    ((-1, -1, 0.0, torch.ones(2, 4)), r"alibi_slopes must have shape \[B, H\] = \[1, 4\]"),
+    ((-1, -1, 0.0, torch.ones(1, 4, dtype=F64)), r"alibi_slopes must be Float; got Double"),
+])
+def test_cpu_rejects_bad_options(args, match):
+    fwd, bwd = ops()
+    q, k, v, g = inputs()
+    out, lse = fwd(q, k, v, None, 0.25, False)
+    for name, op, head in (("softmax_fwd", fwd, (q, k, v)), ("softmax_bwd", bwd, (g, q, k, v, out, lse))):
+        full = rf"attnkit::{name} \(cpu\): .*{match}"
+        with pytest.raises(RuntimeError, match=full):
+            op(*head, None, 0.25, False, *args)
+        with pytest.raises(RuntimeError, match=full):
+            getattr(_checks, name)(CPU, *head, None, 0.25, False, *args)
+
+
+def test_cpu_check_rejects_slopes_on_another_device():
+    q, k, v, _ = inputs()
+    with pytest.raises(RuntimeError, match=r"attnkit::softmax_fwd \(cpu\): alibi_slopes must be on q's device \(cpu\); "
+                                           r"got meta"):
+        _checks.softmax_fwd(CPU, q, k, v, None, 0.25, False, -1, -1, 0.0, torch.empty(1, 4, device="meta"))
+
+
+def test_cuda_branch_refuses_every_option():
+    q = torch.empty(1, 2, 4, 64, dtype=F16, device="meta")
+    out = torch.empty(1, 2, 4, 64, dtype=F16, device="meta")
+    lse = torch.empty(1, 2, 4, dtype=F32, device="meta")
+    slopes = torch.empty(1, 2, dtype=F32, device="meta")
+    _checks.softmax_fwd(CUDA, q, q, q, None, 1.0, False)  # the defaults pass
+    _checks.softmax_fwd(CUDA, q, q, q, None, 1.0, False, -1, -1, 0.0, None)
+    cases = (((3, 0, 0.0, None), r"got window \("), ((-1, -1, 2.0, None), r"got softcap \("),
+             ((-1, -1, 0.0, slopes), r"got alibi_slopes \("), ((-1, 7, 1.0, slopes), r"got window softcap alibi_slopes \("))
+    for args, got in cases:
+        for name, head in (("softmax_fwd", (q, q, q)), ("softmax_bwd", (out, q, q, q, out, lse))):
+            with pytest.raises(RuntimeError, match=rf"attnkit::{name} \(cuda\): the cuda kernels do not implement the "
+                                                   rf"score options window, softcap and alibi_slopes yet; {got}run "
+                                                   rf"them on the cpu backend or the reference\)"):
+                getattr(_checks, name)(CUDA, *head, None, 1.0, False, *args)
