@@ -10,11 +10,18 @@ backend sends few-query calls (N <= 16) to its split-KV decode kernel.
 
 How a call becomes kernel calls:
 
-- **lengths**: batch element b sees L_b = cache_seqlens[b] + Nk keys.  A contiguous cache is read
-  through views ``k_cache[b0:b1, :, :L]`` -- one kernel call per run of adjacent batch elements
-  of equal L_b, no copy (a decode step's batch usually has one run per distinct length).  A
-  paged cache is gathered: the blocks of each batch element (block_table) into one contiguous
-  copy per group of equal L_b (no paged kernel yet).
+- **lengths**: batch element b sees L_b = cache_seqlens[b] + Nk keys, and nothing past them is
+  ever read (a cache allocated with ``torch.empty`` may hold anything there, NaN included).  A
+  contiguous cache is read through views ``k_cache[b0:b1, :, :L]`` -- one kernel call per run of
+  adjacent batch elements of equal L_b, no copy.  Not one call over the whole cache with a
+  key-padding mask: that reads the unused tail (a NaN there can reach the output through
+  0 · NaN within a kernel tile) and computes it; it only wins where the per-call overhead
+  (~0.1-0.2 ms a call measured at B=1, Hq=32, Hk=8, D=128, one thread) outweighs the padding.
+  Measured (AMD EPYC, AVX2, one thread -- the 2-core machine was oversubscribed, see
+  bench/varlen.py): B=8, max_len 4096, lengths in [2048, 4096): 8 calls 77-82 ms, one padded
+  call 97-107 ms.  A paged cache is gathered: the blocks of each batch element (block_table)
+  into one contiguous copy per group of equal L_b (no paged kernel yet), one ``cat`` of block
+  views each.
 - **bottom-right causality** (query j of Nq sees keys < L - Nq + j + 1): Nq = 1 needs no mask
   at all.  For Nq > 1 the visible keys split into the prefix ``[0, L - Nq)``, which every query
   sees, and the last Nq keys, which the queries see causally *top-left* -- so two calls of
@@ -151,7 +158,8 @@ def attention_with_kvcache(
             lives in block ``block_table[b, p // block_size]`` at offset ``p % block_size``.
             Only the entries covering ``[0, L_b)`` are read (they must be valid block indices);
             blocks may be shared between batch elements for reading, but two batch elements may
-            not write the same slot.
+            not write the same slot.  The blocks are gathered into a contiguous copy (one
+            kernel call per group of equal L_b): a paged decode step costs that copy on top.
         is_causal: query j (of Nq) sees the keys ``< L_b - Nq + j + 1``: causal **bottom-right**
             -- the new queries are the last Nq positions of the sequence, so the last one sees
             every key and earlier ones one key fewer each (what decoding and chunked prefill
@@ -177,8 +185,10 @@ def attention_with_kvcache(
     written in place, which autograd could not differentiate through anyway); its results never
     require grad, whatever the inputs do.  Train with :func:`attnkit.softmax_attention`.
 
+    Cache positions at or past ``L_b`` are never read: they may hold anything (NaN included).
+
     Cost: see the module docstring -- views of a contiguous cache (one kernel call per run of
-    adjacent batch elements with equal L_b), a gathered copy of a paged cache; Nq = 1 takes
+    adjacent batch elements with equal L_b), a gathered copy of a paged cache; Nq <= 16 takes
     softmax_attention's decode kernel on CPU; causal Nq > 1 is two calls and a merge.
 
     Raises:
@@ -348,15 +358,16 @@ def _append(k_cache, v_cache, k, v, seqlens, tables, paged):
 
 def _gather_pages(k_cache, v_cache, tables, length):
     """The first ``length`` positions of each batch element's blocks as contiguous
-    [g, Hk, length, D] / [g, Hk, length, Dv] (one copy each)."""
-    g, blocks = len(tables), len(tables[0]) if tables else 0
-    index = torch.tensor([block for row in tables for block in row], dtype=torch.int64, device=k_cache.device)
+    [g, Hk, length, D] / [g, Hk, length, Dv]: one ``cat`` of the block views per batch element,
+    into the result (one copy; torch's CPU ``index_select`` of the blocks measured ~5x slower)."""
 
     def gather(cache):
         _, hk, block_size, dim = cache.shape
-        # [Hk, g * blocks, block_size, dim] (one copy) viewed as [g, Hk, blocks * block_size, dim].
-        picked = cache.transpose(0, 1).index_select(1, index)
-        picked = picked.view(hk, g, blocks * block_size, dim).transpose(0, 1)
-        return picked[:, :, :length]
+        out = cache.new_empty((len(tables), hk, length, dim))
+        for j, row in enumerate(tables):
+            views = [cache[block, :, :min(block_size, length - i * block_size)] for i, block in enumerate(row)]
+            if views:
+                torch.cat(views, dim=1, out=out[j])
+        return out
 
     return gather(k_cache), gather(v_cache)

@@ -133,6 +133,20 @@ def test_paged_cache_with_shuffled_blocks_equals_contiguous(nq, nk, is_causal):
     assert torch.isnan(k_pages[spare]).all() and torch.isnan(v_pages[spare]).all()
 
 
+@pytest.mark.parametrize("nq,nk", [(1, 1), (6, 2)])
+def test_positions_past_the_visible_length_are_never_read(nq, nk):
+    # A cache from torch.empty may hold NaN past each batch element's length: no effect.
+    q, k, v, k_cache, v_cache, seqlens = _inputs(F32, nq, nk, seed=70)
+    clean = [x.clone() for x in (k_cache, v_cache)]
+    for cache in (k_cache, v_cache):
+        for b, n in enumerate(SEQLENS):
+            cache[b, :, n:] = float("nan")
+    out = attnkit.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, enable_gqa=True)
+    want = attnkit.attention_with_kvcache(q, *clean, k, v, cache_seqlens=seqlens, enable_gqa=True)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
 def test_paged_cache_reads_only_the_blocks_it_needs():
     # Unused table entries hold garbage (-1); block 0 is a shared prefix both batch elements read.
     q, k, v, _, _, _ = _inputs(F32, 1, 1, seqlens=[5, 4])
