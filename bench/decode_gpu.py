@@ -12,9 +12,9 @@ M=8192, N in {1, 4}).  For each shape, on the same inputs:
 - ``SDPA``: ``F.scaled_dot_product_attention(q, k, v, enable_gqa=True)``, with the decoding
   (bottom-right) alignment as a bool ``[N, M]`` mask only when N > 1.
 - ``decode ...``: ``softmax_decode_fwd`` with the heuristic split count
-  (``default_num_splits``) for every config of ``configs_for`` (DECODE_CONFIGS with BLOCK_M
-  filled in; those that cannot fit are not in it), then the fastest config with half, twice and
-  four times the heuristic's splits.  Each output is checked against SDPA's (``max_err`` =
+  (``default_num_splits``) for every config of ``configs_for`` (the entries of DECODE_CONFIGS
+  with BLOCK_M filled in; the entries it drops as not fitting are listed as skipped), then the
+  fastest config with half, twice and four times the heuristic's splits.  Each output is checked against SDPA's (``max_err`` =
   max|out - sdpa| / max|sdpa|; above ERR_LIMIT the row is flagged ``BAD``).
 
 GB/s of SDPA and the kernel = K/V bytes / time (the least traffic of the call); ``%copy`` = that
@@ -417,6 +417,9 @@ def run_shape(entry: dict, device, args, compiled: dict, deadline: float) -> lis
 
     for config in entry["configs"]:
         rows.append(decode_row(config, splits))
+    for bn, w, st in entry.get("dropped", ()):
+        rows.append({"impl": f"S={splits} BN={bn} w{w} s{st}", "kind": "decode",
+                     "skipped": "not in configs_for (registers / shared memory estimate)"})
     timed = [r for r in rows if r["kind"] == "decode" and r.get("seconds")]
     if timed:
         best = min(timed, key=lambda r: r["seconds"])
@@ -447,7 +450,11 @@ def make_plan(shape_list: list[dict], sms: int) -> list[dict]:
                    for c in decode.configs_for(s["D"], s["D"], rows, dt)]
         variants = sorted({x for x in (max(1, splits // 2), 2 * splits, 4 * splits)
                            if x != splits and x <= max(1, s["M"] // 64)})
-        plan.append({"shape": s, "S": splits, "configs": configs, "split_variants": variants})
+        kept = {(bn, w, st) for _, bn, w, st in configs}
+        dropped = [(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in decode.DECODE_CONFIGS
+                   if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) not in kept]
+        plan.append({"shape": s, "S": splits, "configs": configs, "split_variants": variants,
+                     "dropped": dropped})
     return plan
 
 

@@ -49,7 +49,9 @@ Splits (``num_splits`` None): :func:`default_num_splits` -- enough splits that
 
 Tuning: ``DECODE_CONFIGS`` (BLOCK_N in {64, 128, 256} x num_warps {2, 4, 8} x num_stages
 {2, 3, 4}); :func:`configs_for` fills in the row tile BLOCK_M for a group size and drops the
-configs whose tiles would not fit the registers or the shared memory.  ``config=`` (a
+configs whose tiles would not fit the registers or the shared memory (an estimate,
+:func:`_smem_estimate`; a config that still runs out fails to compile and the autotuner skips
+it).  ``config=`` (a
 ``triton.Config`` with BLOCK_N, optionally BLOCK_M) skips autotuning; under the Triton
 interpreter the first eligible config is used.  The autotuner is keyed on the head dims, the
 group size and the number of splits (plus the dtypes); ``M`` and the split count are not
@@ -97,45 +99,66 @@ _STAGES = (2, 3, 4)
 # The first entry is what the interpreter runs when no config is given.
 DECODE_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
                   for bn, w, s in itertools.product(_BLOCK_NS, _WARPS, _STAGES)]
-# BLOCK_M * BLOCK_N * (padded head dim) above which the score tile, the accumulator and q spill
-# registers (the softmax forward's limit: a 128 x 128 tile at D = 128 with 8 warps).
-_TILE_LIMIT = 128 * 128 * 128
-# Shared memory that a config's pipelined K and V tiles may take, counted as (num_stages - 1)
-# buffered tiles of each (H100 / H200: 227 KiB per block).  An estimate that only drops the
-# configs that cannot fit; one that still runs out of resources fails to compile, and the
-# autotuner skips it.
-_SMEM_LIMIT = 224 * 1024
+# Registers: score-tile x head-dim elements per thread, BLOCK_M * BLOCK_N * (padded head dim) /
+# (32 * num_warps), above which the split kernel spilled (Triton 3.9 for sm_90, compiled on the
+# CPU, 2026-11-27): the mma.sync path (row tiles < 64, or 2 warps) spilled 0-600 bytes at 4096 and
+# 0.7-2.7 KB at 8192; the wgmma path (row tiles >= 64, >= 4 warps) none or 40-470 bytes at 8192,
+# 1.1 KB at 16384.
+_PER_THREAD_LIMIT = {"mma": 4096, "wgmma": 8192}
+# Shared memory per block on an H100 / H200 (227 KiB); see _smem_estimate.
+_SMEM_LIMIT = 232448
 _TUNE_KEY = ["HEAD_D", "HEAD_DV", "GROUP", "N", "NUM_SPLITS"]  # + dtypes (automatic)
 
 
-def _row_tile(rows: int, block_n: int, dmax: int) -> int:
-    """The row tile for ``rows`` stacked query rows with a BLOCK_N key tile: the power of two
-    covering them (at least 16, at most MAX_BLOCK_M), halved until the tile fits _TILE_LIMIT."""
+def _row_tile(rows: int, config, block_d: int, block_dv: int, esize: int) -> int:
+    """The row tile for ``rows`` stacked query rows under ``config``: the power of two covering
+    them (at least 16, at most MAX_BLOCK_M), halved until the tiles fit (:func:`_fits`; a group
+    too big for one tile takes several row blocks)."""
     bm = max(16, min(triton.next_power_of_2(max(int(rows), 1)), MAX_BLOCK_M))
-    while bm > 16 and bm * block_n * dmax > _TILE_LIMIT:
+    while bm > 16 and not _fits(config, bm, block_d, block_dv, esize):
         bm //= 2
     return bm
 
 
+def _wgmma(block_m, num_warps, esize):
+    """Whether Triton takes Hopper's wgmma path for the split kernel's products (16-bit inputs,
+    row tiles of 64+ rows and a whole warpgroup); otherwise mma.sync (or FMA for float32)."""
+    return block_m >= 64 and num_warps >= 4 and esize == 2
+
+
+def _smem_estimate(block_m, block_n, block_d, block_dv, num_stages, esize, num_warps=4):
+    """Shared memory of the split kernel as Triton 3.9 laid it out for sm_90 (compiled ahead of
+    time on the CPU, 2026-11-27, bf16 D = 128: exact for every wgmma config and every mma.sync
+    one with BLOCK_M <= 32, an overestimate for 128-row tiles on 2 warps): wgmma keeps
+    ``num_stages`` K / V buffers plus q; mma.sync ``num_stages - 1`` buffers plus q and p."""
+    kv = block_n * (block_d + block_dv) * esize
+    if _wgmma(block_m, num_warps, esize):
+        return num_stages * kv + block_m * block_d * esize
+    return max(num_stages - 1, 1) * kv + block_m * (block_d + block_n) * esize
+
+
 def _fits(config, block_m, block_d, block_dv, esize):
-    bn = config.kwargs["BLOCK_N"]
-    smem = max(config.num_stages - 1, 1) * bn * (block_d + block_dv) * esize
-    return block_m * bn * max(block_d, block_dv) <= _TILE_LIMIT and smem <= _SMEM_LIMIT
+    """Whether ``config`` with row tile ``block_m`` fits the registers (without heavy spills)
+    and the shared memory."""
+    bn, warps, stages = config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+    per_thread = block_m * bn * max(block_d, block_dv) // (32 * warps)
+    limit = _PER_THREAD_LIMIT["wgmma" if _wgmma(block_m, warps, esize) else "mma"]
+    smem = _smem_estimate(block_m, bn, block_d, block_dv, stages, esize, warps)
+    return per_thread <= limit and smem <= _SMEM_LIMIT
 
 
 def configs_for(head_dim: int, value_dim: int | None = None, rows: int = 16,
                 dtype: torch.dtype = torch.float16) -> list:
     """The autotune candidates for these head dims, ``rows`` = G * N stacked query rows per
-    kv head and the input ``dtype``: the entries of ``DECODE_CONFIGS`` whose tiles fit (registers:
-    BLOCK_M * BLOCK_N * padded head dim; shared memory: num_stages K / V tiles), each with its
-    BLOCK_M filled in.  Never empty (the smallest tile when nothing fits)."""
+    kv head and the input ``dtype``: the entries of ``DECODE_CONFIGS`` that fit (:func:`_fits`:
+    registers and shared memory) with some row tile, each with its BLOCK_M filled in (the
+    largest that fits, :func:`_row_tile`).  Never empty (the smallest tile when nothing fits)."""
     block_d = pow2(head_dim)
     block_dv = pow2(head_dim if value_dim is None else value_dim)
-    dmax = max(block_d, block_dv)
     esize = torch.empty((), dtype=dtype).element_size()
     out = []
     for c in DECODE_CONFIGS:
-        bm = _row_tile(rows, c.kwargs["BLOCK_N"], dmax)
+        bm = _row_tile(rows, c, block_d, block_dv, esize)
         if _fits(c, bm, block_d, block_dv, esize):
             out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": c.kwargs["BLOCK_N"]},
                                      num_warps=c.num_warps, num_stages=c.num_stages))
@@ -421,7 +444,7 @@ def _check_num_splits(fn, num_splits):
     return int(num_splits)
 
 
-def _check_config(fn, config, rows, dmax):
+def _check_config(fn, config, rows, block_d, block_dv, esize):
     """``config`` with BLOCK_M filled in (None stays None)."""
     if config is None:
         return None
@@ -429,10 +452,11 @@ def _check_config(fn, config, rows, dmax):
         raise TypeError(f"{fn}: config must be a triton.Config with BLOCK_N (and optionally "
                         f"BLOCK_M); got {config!r}")
     kw = dict(config.kwargs)
-    kw.setdefault("BLOCK_M", _row_tile(rows, kw["BLOCK_N"], dmax))
-    for name in ("BLOCK_M", "BLOCK_N"):
+    for name in ("BLOCK_N", "BLOCK_M"):
+        if name == "BLOCK_M" and name not in kw:
+            kw[name] = _row_tile(rows, config, block_d, block_dv, esize)
         x = kw[name]
-        if not isinstance(x, int) or x < 16 or x & (x - 1):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 16 or x & (x - 1):
             raise ValueError(f"{fn}: config {name} must be a power of two >= 16; got {x!r}")
     return triton.Config(kw, num_warps=config.num_warps, num_stages=config.num_stages)
 
@@ -462,7 +486,7 @@ def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, co
     group = H // Hk
     rows = group * N
     block_d, block_dv = pow2(D), pow2(Dv)
-    config = _check_config(fn, config, rows, max(block_d, block_dv))
+    config = _check_config(fn, config, rows, block_d, block_dv, q.element_size())
 
     out = torch.empty((B, H, N, Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
