@@ -14,8 +14,9 @@ M=8192, N in {1, 4}).  For each shape, on the same inputs:
 - ``decode ...``: ``softmax_decode_fwd`` with the heuristic split count
   (``default_num_splits``) for every config of ``configs_for`` (the entries of DECODE_CONFIGS
   with BLOCK_M filled in; the entries it drops as not fitting are listed as skipped), then the
-  fastest config with half, twice and four times the heuristic's splits.  Each output is checked against SDPA's (``max_err`` =
-  max|out - sdpa| / max|sdpa|; above ERR_LIMIT the row is flagged ``BAD``).
+  fastest config with half, twice and four times the heuristic's splits.  Each output is
+  checked against SDPA's (``max_err`` = max|out - sdpa| / max|sdpa|; above ERR_LIMIT the row
+  is flagged ``BAD`` and cannot be the best).
 
 GB/s of SDPA and the kernel = K/V bytes / time (the least traffic of the call); ``%copy`` = that
 over the copy bandwidth (the larger of the shape's own copy and a 1 GiB copy measured at the
@@ -27,7 +28,8 @@ implementation and shape, then the median of up to ``--repeats`` calls, each aft
 Compilation: before timing, the kernels of every (dtype, heads, N, config) are compiled in
 parallel child processes (``--compile-jobs``, default all cores but one) on small inputs with the
 same specialization (M and the split count are not specialized on), filling Triton's on-disk
-cache, so that the timed process loads them instead of compiling ~250 variants one by one.  A
+cache, so that the timed process loads them instead of compiling ~270 variants one by one
+(an sm_90 compile of one took 3-10 s on a loaded 2-core CPU machine).  A
 config that fails in a child (out of resources, a CUDA error) is reported and not run here.
 Each shape stops starting configs after ``--shape-seconds`` and the run stops starting shapes
 after ``--deadline`` seconds (the JSON is rewritten after every shape), so that the whole
@@ -478,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop starting shapes after this many seconds of the whole run")
     p.add_argument("--compile-jobs", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)),
                    help="child processes that compile the kernels first (0: compile as timed)")
-    p.add_argument("--compile-timeout", type=float, default=75.0)
+    p.add_argument("--compile-timeout", type=float, default=90.0,
+                   help="seconds for the compile children (at most 2/3 of --deadline)")
     p.add_argument("--autotune", action="store_true",
                    help="also time config=None (the autotuner: ~25 configs benchmarked per key)")
     p.add_argument("--compile-worker", nargs=2, metavar=("TASKS", "RESULTS"),
@@ -533,7 +536,9 @@ def main(argv=None) -> int:
     plan = make_plan(shape_list, sms)
     tasks = compile_tasks(plan)
     log(f"compiling {len(tasks)} kernel variants in {args.compile_jobs} child processes ...")
-    compiled = precompile(tasks, args.compile_jobs, args.compile_timeout, log)
+    # leave at least a third of the run's deadline for the timing
+    compile_s = max(10.0, min(args.compile_timeout, args.deadline * 2 / 3))
+    compiled = precompile(tasks, args.compile_jobs, compile_s, log)
     failed = {k: e for k, e in compiled.items() if e}
     log(f"  {len(compiled)} reported, {len(failed)} failed, {time.monotonic() - t0:.1f} s")
     for key, err in list(failed.items())[:10]:
