@@ -504,17 +504,36 @@ def test_named_triton_backend_refuses_score_options(monkeypatch):
         attnkit.softmax_attention(q, q, q, window=(2, 2), softcap=1.0)
 
 
-def test_sinks_on_the_triton_backend():
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_sinks_on_the_triton_backend(dropout_p):
+    # The Triton kernels under the sink transform (interpreted on CPU tensors without a GPU); with
+    # dropout the reference gets the kernel's keep mask, regenerated from the call's seed.
     if not attnkit.backends()["softmax"]["triton"].usable:
         pytest.skip("triton backend unusable here")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    q, k, v, _, _, sink = make_inputs(1, 4, 2, 7, 9, 16, 16, F32, sinks=True)
-    q, k, v, sink = (t.to(device) for t in (q, k, v, sink))
+    b, h, hk, n, m, d = 1, 4, 2, 7, 9, 16
+    q, k, v, _, _, sink = make_inputs(b, h, hk, n, m, d, d, F32, sinks=True)
+    q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
+    sinks = sink.to(device).requires_grad_()
     g = torch.Generator().manual_seed(1)
-    grad_out = torch.randn(1, 4, 7, 16, generator=g, dtype=F64).to(device)
-    grad_lse = torch.randn(1, 4, 7, generator=g, dtype=F64).to(device)
-    got = run("triton", q, k, v, None, True, dict(sinks=sink), grad_out, grad_lse)
-    ref = run("reference", q, k, v, None, True, dict(sinks=sink), grad_out, grad_lse, dtype=F64)
+    grad_out = torch.randn(b, h, n, d, generator=g).to(device)
+    grad_lse = torch.randn(b, h, n, generator=g).to(device)
+    torch.manual_seed(11)
+    out, lse = attnkit.softmax_attention(q, k, v, dropout_p=dropout_p, enable_gqa=True, return_lse=True, sinks=sinks,
+                                         backend="triton")
+    got = (out, lse, *torch.autograd.grad((out, lse), (q, k, v, sinks), (grad_out, grad_lse)))
+    keep = None
+    if dropout_p:
+        from attnkit.kernels import softmax as triton_softmax
+
+        torch.manual_seed(11)
+        seed = int(torch.randint(2**31 - 1, (), dtype=torch.int64))  # the call's draw (ops.softmax._draw_seed)
+        keep = triton_softmax.dropout_keep_mask(b, h, n, m, dropout_p, seed, device)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    with num_threads(1):
+        out_r, lse_r = softmax_attention_reference(*leaves[:3], None, dropout_p, False, None, True, return_lse=True,
+                                                   dropout_mask=keep, sinks=leaves[3])
+        ref = (out_r, lse_r, *torch.autograd.grad((out_r, lse_r), leaves, (grad_out.double(), grad_lse.double())))
     for i, (x, r) in enumerate(zip(got, ref)):
         assert_close_to_reference(x.cpu(), r.cpu(), grad=i >= 2, name=NAMES[i], dtype=F32)
 
