@@ -220,55 +220,6 @@ constexpr int rows_for() {
   return NV == 4 ? 6 : NV == 3 ? 8 : NV == 2 ? 12 : 8;
 }
 
-template <int NV, int R>
-inline void micro_rows_f32(int64_t rows, int64_t K, const float* A, int64_t sar, int64_t sak,
-                           const float* B, int64_t ldb, float* C, int64_t ldc, __mmask16 last,
-                           bool accumulate) {
-  // rows < R here: dispatch to the exact tail height.
-  if constexpr (R > 1) {
-    if (rows == R - 1) {
-      micro_f32<R - 1, NV>(K, A, sar, sak, B, ldb, C, ldc, last, accumulate);
-      return;
-    }
-    micro_rows_f32<NV, R - 1>(rows, K, A, sar, sak, B, ldb, C, ldc, last, accumulate);
-  }
-}
-
-template <int NV>
-inline void panel_f32(int64_t rows, int64_t K, const float* A, int64_t sar, int64_t sak,
-                      const float* B, int64_t ldb, float* C, int64_t ldc, __mmask16 last,
-                      bool accumulate) {
-  constexpr int R = rows_for<NV>();
-  int64_t r = 0;
-  for (; r + R <= rows; r += R)
-    micro_f32<R, NV>(K, A + r * sar, sar, sak, B, ldb, C + r * ldc, ldc, last, accumulate);
-  if (r < rows)
-    micro_rows_f32<NV, R>(rows - r, K, A + r * sar, sar, sak, B, ldb, C + r * ldc, ldc, last,
-                          accumulate);
-}
-
-inline void gemm_f32(int64_t rows, int64_t cols, int64_t K, const float* A, int64_t sar, int64_t sak,
-              const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  if (rows <= 0 || cols <= 0) return;
-  const int64_t nv = ceil_div(cols, 16);
-  // Split the column vectors into panels of at most 4, as even as possible (5 -> 3 + 2 rather
-  // than 4 + 1: a one-vector panel has too few independent accumulators to hide FMA latency).
-  const int64_t panels = ceil_div(nv, 4);
-  for (int64_t p = 0; p < panels; ++p) {
-    const int64_t v0 = p * nv / panels, v1 = (p + 1) * nv / panels;
-    const int64_t c0 = v0 * 16;
-    const int64_t tail = std::min(cols, v1 * 16) - (v1 - 1) * 16;  // 1..16 columns
-    const __mmask16 last = static_cast<__mmask16>((1u << tail) - 1u);
-    const float* b = B + c0;
-    float* c = C + c0;
-    switch (v1 - v0) {
-      case 1: panel_f32<1>(rows, K, A, sar, sak, b, ldb, c, ldc, last, accumulate); break;
-      case 2: panel_f32<2>(rows, K, A, sar, sak, b, ldb, c, ldc, last, accumulate); break;
-      case 3: panel_f32<3>(rows, K, A, sar, sak, b, ldb, c, ldc, last, accumulate); break;
-      default: panel_f32<4>(rows, K, A, sar, sak, b, ldb, c, ldc, last, accumulate); break;
-    }
-  }
-}
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 + FMA (CPUs without AVX-512: AMD before Zen 4, Intel client cores; or a build for
 // x86-64-v3).  The same register-blocked tile with 8-wide ymm vectors: 16 registers hold
@@ -323,9 +274,15 @@ constexpr int rows_for() {
   return NV == 2 ? 6 : 8;
 }
 
-template <int NV, int R>
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// A panel of NV column vectors over all rows: register blocks of rows_for<NV>() rows, then the
+// exact tail height (one instantiation per height).  Mask: the lane mask of the last vector of
+// columns (__mmask16 on AVX-512, __m256i on AVX2), passed through to micro_f32.
+template <int NV, int R, typename Mask>
 inline void micro_rows_f32(int64_t rows, int64_t K, const float* A, int64_t sar, int64_t sak,
-                           const float* B, int64_t ldb, float* C, int64_t ldc, __m256i last,
+                           const float* B, int64_t ldb, float* C, int64_t ldc, Mask last,
                            bool accumulate) {
   if constexpr (R > 1) {  // rows < R here: dispatch to the exact tail height
     if (rows == R - 1) {
@@ -336,9 +293,9 @@ inline void micro_rows_f32(int64_t rows, int64_t K, const float* A, int64_t sar,
   }
 }
 
-template <int NV>
+template <int NV, typename Mask>
 inline void panel_f32(int64_t rows, int64_t K, const float* A, int64_t sar, int64_t sak,
-                      const float* B, int64_t ldb, float* C, int64_t ldc, __m256i last,
+                      const float* B, int64_t ldb, float* C, int64_t ldc, Mask last,
                       bool accumulate) {
   constexpr int R = rows_for<NV>();
   int64_t r = 0;
@@ -349,6 +306,32 @@ inline void panel_f32(int64_t rows, int64_t K, const float* A, int64_t sar, int6
                           accumulate);
 }
 
+#endif
+
+#if defined(__AVX512F__)
+inline void gemm_f32(int64_t rows, int64_t cols, int64_t K, const float* A, int64_t sar, int64_t sak,
+              const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  if (rows <= 0 || cols <= 0) return;
+  const int64_t nv = ceil_div(cols, 16);
+  // Split the column vectors into panels of at most 4, as even as possible (5 -> 3 + 2 rather
+  // than 4 + 1: a one-vector panel has too few independent accumulators to hide FMA latency).
+  const int64_t panels = ceil_div(nv, 4);
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t v0 = p * nv / panels, v1 = (p + 1) * nv / panels;
+    const int64_t c0 = v0 * 16;
+    const int64_t tail = std::min(cols, v1 * 16) - (v1 - 1) * 16;  // 1..16 columns
+    const __mmask16 last = static_cast<__mmask16>((1u << tail) - 1u);
+    const float* b = B + c0;
+    float* c = C + c0;
+    switch (v1 - v0) {
+      case 1: panel_f32<1>(rows, K, A, sar, sak, b, ldb, c, ldc, last, accumulate); break;
+      case 2: panel_f32<2>(rows, K, A, sar, sak, b, ldb, c, ldc, last, accumulate); break;
+      case 3: panel_f32<3>(rows, K, A, sar, sak, b, ldb, c, ldc, last, accumulate); break;
+      default: panel_f32<4>(rows, K, A, sar, sak, b, ldb, c, ldc, last, accumulate); break;
+    }
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
 inline void gemm_f32(int64_t rows, int64_t cols, int64_t K, const float* A, int64_t sar, int64_t sak,
                      const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
   if (rows <= 0 || cols <= 0) return;
