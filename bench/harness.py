@@ -64,7 +64,7 @@ import torch
 from .._cpuinfo import cpu_info
 from .._cpuinfo import describe as describe_cpu
 
-FAMILIES = ("softmax", "linear", "sparse", "hopfield")
+FAMILIES = ("softmax", "linear", "sparse", "hopfield", "varlen")
 KINDS = ("attnkit", "peer")
 SCHEMA = "attnkit-bench/1"
 
