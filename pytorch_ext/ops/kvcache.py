@@ -17,9 +17,10 @@ How a call becomes kernel calls:
   key-padding mask: that reads the unused tail (a NaN there can reach the output through
   0 · NaN within a kernel tile) and computes it; it only wins where the per-call overhead
   (~0.1-0.2 ms a call measured at B=1, Hq=32, Hk=8, D=128, one thread) outweighs the padding.
-  Measured (AMD EPYC, AVX2, one thread -- the 2-core machine was oversubscribed, see
-  bench/varlen.py): B=8, max_len 4096, lengths in [2048, 4096): 8 calls 77-82 ms, one padded
-  call 97-107 ms.  A paged cache is gathered: the blocks of each batch element (block_table)
+  Measured (AMD EPYC, AVX2, float32, B=8, Hq=32, Hk=8, D=128, max_len 4096, lengths in
+  [2048, 4096), interleaved medians): one thread, 8 calls 42-82 ms against one padded call
+  53-107 ms (the 2-core machine was shared; see bench/varlen.py); two threads at a quiet moment
+  24.7 against 29.2 ms.  A paged cache is gathered: the blocks of each batch element (block_table)
   into one contiguous copy per group of equal L_b (no paged kernel yet), one ``cat`` of block
   views each.
 - **bottom-right causality** (query j of Nq sees keys < L - Nq + j + 1): Nq = 1 needs no mask
