@@ -163,26 +163,24 @@ def _kernel_score_options(kernel_args) -> ScoreOptions | None:
     if not kernel_args:
         return None
     left, right, softcap, alibi = kernel_args
+    if (left, right, softcap) == (-1, -1, 0.0) and alibi is None:
+        return None
     return ScoreOptions((left, right), softcap, alibi)
 
 
 def _native_setup_context(ctx, inputs, output):
-    # inputs: (q, k, v, mask, scale, is_causal), then -- from the registered op, or a call with
-    # score options -- (window_left, window_right, softcap, alibi_slopes).
-    q, k, v, mask, scale, is_causal = inputs[:6]
+    # inputs: (q, k, v, mask, scale, is_causal) from _NativeAttention without score options;
+    # (..., window_left, window_right, softcap, alibi_slopes) with them or from the registered
+    # op.  The first case is the old code to the statement: it runs on every differentiable call
+    # (its cost is measured per call, issue 14).
     out, lse = output
-    ctx.num_inputs = len(inputs)
-    # The kernels' score-option arguments, () for the defaults (the backward then calls the op
-    # exactly as without them).
-    kernel_args = tuple(inputs[6:])
-    if kernel_args and kernel_args[:3] == (-1, -1, 0.0) and kernel_args[3] is None:
-        kernel_args = ()
-    if kernel_args:
-        ctx.save_for_backward(q, k, v, out, lse, mask, kernel_args[3])
-        ctx.kernel_args = kernel_args[:3]
-    else:
+    if len(inputs) == 6:
+        q, k, v, mask, scale, is_causal = inputs
         ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.kernel_args = ()
+    else:
+        q, k, v, mask, scale, is_causal, left, right, softcap, alibi = inputs
+        ctx.save_for_backward(q, k, v, out, lse, mask, alibi)  # 7 saved: the backward tells by that
+        ctx.kernel_args = (left, right, softcap)
     ctx.scale, ctx.is_causal = scale, is_causal
     # An unused lse (return_lse=False) then gets grad None, not zeros: no second kernel call.
     ctx.set_materialize_grads(False)
@@ -190,18 +188,24 @@ def _native_setup_context(ctx, inputs, output):
 
 def _native_backward(ctx, grad_out, grad_lse):
     saved = ctx.saved_tensors
-    q, k, v, out, lse, mask = saved[:6]
-    kernel_args = ctx.kernel_args + saved[6:]  # (window_left, window_right, softcap, alibi) or ()
+    if len(saved) == 6:  # 6 inputs, no score options
+        q, k, v, out, lse, mask = saved
+        kernel_args, no_grads = (), (None, None, None)
+    else:  # 10 inputs: (window_left, window_right, softcap, alibi_slopes) passed on to the kernel
+        q, k, v, out, lse, mask, alibi = saved
+        kernel_args, no_grads = ctx.kernel_args + (alibi,), (None,) * 7
+        saved = saved[:6]
     # No gradient for the mask (a mask that requires grad is routed to the reference), scale,
     # is_causal or the score options (alibi_slopes that require grad go to the reference too).
-    rest = (None,) * (ctx.num_inputs - 3)
     if torch.is_grad_enabled():  # create_graph=True: a double backward will follow
         grads = _differentiable_gradients(q, k, v, mask, ctx.is_causal, ctx.scale,
                                           _kernel_score_options(kernel_args), grad_out, grad_lse)
-        return (*grads, *rest)
+        return (*grads, *no_grads)
     if grad_lse is None and grad_out is not None:
         # The usual call (the lse unused): one kernel call, as _gradients would make it.
-        return (*_BWD_OP(grad_out, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal, *kernel_args), *rest)
+        if not kernel_args:
+            return (*_BWD_OP(grad_out, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal), None, None, None)
+        return (*_BWD_OP(grad_out, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal, *kernel_args), *no_grads)
     # The CUDA kernels need V's head dim equal to the query's.
     probe = q.shape[-1] if q.is_cuda else None
 
@@ -209,7 +213,7 @@ def _native_backward(ctx, grad_out, grad_lse):
         return _BWD_OP(g, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal, *kernel_args)
 
     dq, dk, dv = _gradients(run_bwd, saved, grad_out, grad_lse, probe)
-    return (dq, dk, dv, *rest)
+    return (dq, dk, dv, *no_grads)
 
 
 if _NATIVE_OPS:
@@ -234,9 +238,14 @@ if _NATIVE_OPS:
         @staticmethod
         def forward(ctx, q, k, v, mask, scale, is_causal, *kernel_args):
             # kernel_args: () or the score options (window_left, window_right, softcap, alibi).
+            if kernel_args:
+                with _BELOW_AUTOGRAD():
+                    output = _FWD_OP(q, k, v, mask, scale, is_causal, *kernel_args)
+                _native_setup_context(ctx, (q, k, v, mask, scale, is_causal, *kernel_args), output)
+                return output
             with _BELOW_AUTOGRAD():
-                output = _FWD_OP(q, k, v, mask, scale, is_causal, *kernel_args)
-            _native_setup_context(ctx, (q, k, v, mask, scale, is_causal, *kernel_args), output)
+                output = _FWD_OP(q, k, v, mask, scale, is_causal)
+            _native_setup_context(ctx, (q, k, v, mask, scale, is_causal), output)
             return output
 
         backward = staticmethod(_native_backward)
