@@ -275,6 +275,8 @@ SHAPES = {
     "flash-long": (1, 2, 1, 63, 300, 33, 16),
     "decode": (1, 8, 2, 7, 129, 16, 12),
     "square": (1, 2, 2, 129, 129, 16, 16),
+    "one-query": (1, 4, 2, 1, 129, 7, 5),
+    "one-key": (2, 2, 1, 63, 1, 9, 4),
 }
 OPTION_SETS = {
     "window": dict(window=(5, 3)),
@@ -307,7 +309,7 @@ def test_cpu_kernel_each_option(dtype, shape, option):
 @needs_cpu
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("combo", ["causal", "bool", "float"])
-@pytest.mark.parametrize("shape", ["flash-long", "decode", "square"])
+@pytest.mark.parametrize("shape", ["flash-long", "decode", "square", "one-query", "one-key"])
 def test_cpu_kernel_all_options_with_masks(dtype, combo, shape):
     opts = OPTION_SETS["all"]
     mask_kind = None if combo == "causal" else combo
