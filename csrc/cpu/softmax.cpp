@@ -62,6 +62,8 @@ constexpr int64_t kBQ = 64;
 constexpr int64_t kBK = 256;
 constexpr int64_t kBQb = 64;
 constexpr int64_t kBKb = 64;
+// Under a window the forward multiplies groups of this many query rows, each over its own keys.
+constexpr int64_t kWindowRows = 16;
 
 // ---------------------------------------------------------------------------------------------
 // Masks.  Read in place through their strides (a broadcast mask is a stride-0 view).
@@ -412,14 +414,29 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
           const int64_t kb = k0 / kBK, col = k0 - kb * kBK;
           const int64_t kn = std::min((kb + 1) * kBK, kv_end) - k0;
           acc_t* S = st.s.data();
-          if constexpr (kDot) {
+          // S = Q K^T by groups of rows, each over the keys its rows see: [c0, c1) of the tile,
+          // c0 rounded down to 16.  Under a window, groups of kWindowRows rows (a band's rows see
+          // shifted key ranges: per 64-row block, 64 keys of waste at each edge of the band
+          // against kWindowRows); otherwise one group, the whole tile.  Keys a group skips are
+          // hidden for all its rows (prepare_row reads a row's [lo, hi) only, inside [c0, c1)).
+          const int64_t rows_per_group = p.has_window() ? kWindowRows : qn;
+          int64_t cols[kBQ / kWindowRows + 1][2];
+          for (int64_t r0 = 0, g = 0; r0 < qn; r0 += rows_per_group, ++g) {
+            const int64_t rn = std::min(rows_per_group, qn - r0);
+            const int64_t c0 = std::clamp<int64_t>(p.key_lo(q0 + r0) - k0, 0, kn) / 16 * 16;
+            const int64_t c1 = std::clamp<int64_t>(p.key_hi(q0 + r0 + rn - 1) - k0, c0, kn);
+            cols[g][0] = c0;
+            cols[g][1] = c1;
+            if (c1 == c0) continue;
+            if constexpr (kDot) {
 #if defined(__AVX512BF16__)
-            gemm_bf16(qn, kn, D, st.qb16.data(), D2, st.kb16.data() + kb * D2 * kBK + col * 2,
-                      kBK * 2, S, kBK, false);
+              gemm_bf16(rn, c1 - c0, D, st.qb16.data() + r0 * D2, D2,
+                        st.kb16.data() + kb * D2 * kBK + (col + c0) * 2, kBK * 2, S + r0 * kBK + c0, kBK, false);
 #endif
-          } else {
-            gemm<acc_t>(qn, kn, D, st.q.data(), D, 1, st.kt.data() + kb * D * kBK + col, kBK,
-                        S, kBK, false);
+            } else {
+              gemm<acc_t>(rn, c1 - c0, D, st.q.data() + r0 * D, D, 1, st.kt.data() + kb * D * kBK + col + c0,
+                          kBK, S + r0 * kBK + c0, kBK, false);
+            }
           }
           for (int64_t r = 0; r < qn; ++r) {
             acc_t* s = S + r * kBK;
@@ -456,13 +473,20 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
 #endif
             }
           }
-          if constexpr (kDot) {
+          // O += P V, by the same groups (P is 0 outside a group's keys).
+          for (int64_t r0 = 0, g = 0; r0 < qn; r0 += rows_per_group, ++g) {
+            const int64_t rn = std::min(rows_per_group, qn - r0);
+            const int64_t c0 = cols[g][0], c1 = cols[g][1];
+            if (c1 == c0) continue;
+            if constexpr (kDot) {
 #if defined(__AVX512BF16__)
-            gemm_bf16(qn, Dv, kn, st.pb16.data(), kBK, st.vb16.data() + k0 * Dvp, Dvp * 2,
-                      st.o.data(), Dv, true);
+              gemm_bf16(rn, Dv, c1 - c0, st.pb16.data() + r0 * kBK + c0, kBK, st.vb16.data() + (k0 + c0) * Dvp,
+                        Dvp * 2, st.o.data() + r0 * Dv, Dv, true);
 #endif
-          } else {
-            gemm<acc_t>(qn, Dv, kn, S, kBK, 1, vrows + k0 * ldv, ldv, st.o.data(), Dv, true);
+            } else {
+              gemm<acc_t>(rn, Dv, c1 - c0, S + r0 * kBK + c0, kBK, 1, vrows + (k0 + c0) * ldv, ldv,
+                          st.o.data() + r0 * Dv, Dv, true);
+            }
           }
           k0 += kn;
         }
