@@ -419,6 +419,7 @@ def test_gpu_decoding_sizes(dtype, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.autotune
 def test_gpu_autotuned_bf16():
     q, k, v = make_inputs(8, 32, 8, 1, 8192, 128, 128, BF16, seed=11)
     check_gpu(decode.softmax_decode_fwd(q, k, v), q, k, v)

@@ -251,7 +251,7 @@ def test_torch_compile_fullgraph():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("dtype", [pytest.param(BF16, marks=pytest.mark.autotune), F16, F32])
 @pytest.mark.parametrize("s,n,d,dv", [(1, 1 << 18, 64, None), (7, 100_000, 128, None), (64, 10_000, 64, 64),
                                       (257, 4000, 128, None)])
 def test_gpu_large(dtype, s, n, d, dv):

@@ -367,6 +367,7 @@ def test_dropout_keep_mask_rejects_bad_probability():
 
 
 @pytest.mark.gpu
+@pytest.mark.autotune
 @pytest.mark.parametrize("dtype", [torch.bfloat16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gpu_large_autotuned(dtype, causal):

@@ -553,7 +553,8 @@ def test_gpu_bf16_options_match_float64_reference(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, autotune", [(BF16, True), (F16, False), (F32, False)],
+@pytest.mark.parametrize("dtype, autotune", [pytest.param(BF16, True, marks=pytest.mark.autotune),
+                                             (F16, False), (F32, False)],
                          ids=["bf16_autotuned", "f16", "f32"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gpu_large_all_options(dtype, autotune, causal):

@@ -376,7 +376,8 @@ def _strided_parts(s):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("dtype", [pytest.param(BF16, marks=pytest.mark.autotune), F16, F32],
+                         ids=["bf16", "f16", "f32"])
 def test_gpu_strided_parts_real_size(dtype):
     for view, lo, hi in _strided_parts(64):
         check_range(1, 4, 2000, 2000, 128, 128, dtype, view, lo, hi, scale=128 ** -0.5)

@@ -777,3 +777,22 @@ def test_sweep_cases_are_named_uniquely():
 
 if __name__ == "__main__":  # the child process
     child_main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+
+
+def test_autotuning_switch_is_off_in_tests_and_scoped():
+    # tests/conftest.py turns autotuning off (ATTNKIT_TRITON_AUTOTUNE=0) so that numerics tests
+    # compile one config per kernel; autotuning(True) turns it on for one block only.
+    from attnkit.kernels._flash import autotuning, autotuning_enabled
+
+    assert autotuning_enabled() == (os.environ["ATTNKIT_TRITON_AUTOTUNE"] != "0")
+    before = autotuning_enabled()
+    with autotuning(not before):
+        assert autotuning_enabled() is (not before)
+    assert autotuning_enabled() is before
+
+
+@pytest.mark.autotune
+def test_the_autotune_marker_turns_autotuning_on():
+    from attnkit.kernels._flash import autotuning_enabled
+
+    assert autotuning_enabled()
