@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
+from triton.runtime.errors import OutOfResources
 
 # The tile helpers pad head dims to a power of two up to this and take these input dtypes
 # (float32 accumulation); both kernel files export them.
@@ -283,19 +284,49 @@ def autotuning(enabled: bool = True):
         _AUTOTUNE[0] = previous
 
 
+def _launch_with(kernel, config, grid, args, consts, names):
+    kw = dict(config.kwargs)
+    meta = dict(kw, num_warps=config.num_warps, num_stages=config.num_stages)
+    wrap_triton(kernel)[grid(kw[names[0]], kw[names[1]])](*args, **consts, **meta)
+
+
+# (kernel, constexprs, tensor dtypes) -> index of the first candidate that compiled for it
+_FIRST_FITTING: dict = {}
+
+
+def _launch_first_fitting(kernel, configs, grid, args, consts, names):
+    """Run the first of ``configs`` that compiles for this GPU.  The registers / shared-memory
+    estimates of the lists are only estimates: on an H200 the first bfloat16 D = 256 forward
+    candidate (128 x 64 tiles, 3 stages) ran out of shared memory, which the autotuner skips
+    silently but a fixed-config launch raised (issue 26's GPU run, 2026-11-27)."""
+    scalars = tuple(sorted((k, v) for k, v in consts.items()
+                           if isinstance(v, (int, float, bool, str))))
+    key = (kernel, scalars, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    start = _FIRST_FITTING.get(key, 0)
+    for i in range(start, len(configs)):
+        try:
+            _launch_with(kernel, configs[i], grid, args, consts, names)
+        except OutOfResources:
+            if i == len(configs) - 1:
+                raise
+            continue
+        _FIRST_FITTING[key] = i
+        return
+
+
 def launch(kernel, autotuned, candidates, grid, args, consts, config, tune=True,
            names=TILE_NAMES):
     """Run ``kernel`` with ``config`` or, when None, through ``autotuned()`` (its
-    ``triton.autotune`` wrapper); the first of ``candidates()`` instead when interpreted or when
-    ``tune`` is False (a kernel that is not idempotent) or autotuning is off
-    (:func:`autotuning`).  ``grid(BLOCK_M, BLOCK_N)`` (the two tile sizes ``names``) gives the
-    launch grid."""
-    if config is None and (INTERPRETED or not tune or not _AUTOTUNE[0]):
+    ``triton.autotune`` wrapper).  Instead of autotuning: the first of ``candidates()`` when
+    interpreted, and the first that compiles on a GPU when ``tune`` is False (a kernel that is
+    not idempotent) or autotuning is off (:func:`autotuning`).  ``grid(BLOCK_M, BLOCK_N)`` (the
+    two tile sizes ``names``) gives the launch grid."""
+    if config is None and INTERPRETED:
         config = candidates()[0]
-    if config is None:
+    if config is None and (not tune or not _AUTOTUNE[0]):
+        _launch_first_fitting(kernel, candidates(), grid, args, consts, names)
+    elif config is None:
         wrap_triton(autotuned())[lambda meta: grid(meta[names[0]], meta[names[1]])](*args,
                                                                                   **consts)
     else:
-        kw = dict(config.kwargs)
-        meta = dict(kw, num_warps=config.num_warps, num_stages=config.num_stages)
-        wrap_triton(kernel)[grid(kw[names[0]], kw[names[1]])](*args, **consts, **meta)
+        _launch_with(kernel, config, grid, args, consts, names)

@@ -535,14 +535,19 @@ def test_gpu_float32_large(causal):
     check_against_reference(got, q, k, v, go, kw)
 
 
+_LINEAR_EVERY = [(kind, i) for kind in ("chunk", "state")
+                 for i in range(len(triton_linear.configs_for(kind, 128, 128)))]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["chunk", "state"])
-def test_gpu_every_config_bf16(kind):
+@pytest.mark.parametrize("kind, index", _LINEAR_EVERY, ids=[f"{k}-{i}" for k, i in _LINEAR_EVERY])
+def test_gpu_every_config_bf16(kind, index):
+    # one test per config: they compile on separate workers (issue 26)
     q, k, v, go = make_inputs(1, 2, 1000, 1000, 128, 128, BF16, seed=23)
     kw = kwargs(True, "relu", True)
-    for config in triton_linear.configs_for(kind, 128, 128):
-        got, _ = run_kernels(q, k, v, go, kw, config=config)
-        check_against_reference(got, q, k, v, go, kw)
+    config = triton_linear.configs_for(kind, 128, 128)[index]
+    got, _ = run_kernels(q, k, v, go, kw, config=config)
+    check_against_reference(got, q, k, v, go, kw)
 
 
 @pytest.mark.gpu

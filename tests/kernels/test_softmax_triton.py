@@ -395,16 +395,23 @@ def test_gpu_float32_large():
     check_against_reference(got, q, k, v, go, None, True)
 
 
+# One test per (kernel, config): each compiles on its own worker (issue 26: one test that looped
+# over a list compiled it serially and held the GPU suite's tail).
+_EVERY_CONFIG_D128 = [(kernel, i) for kernel in ("fwd", "dkdv", "dq")
+                      for i in range(len(triton_softmax.configs_for(kernel, 128)))]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
-def test_gpu_every_eligible_config_bf16(kernel):
+@pytest.mark.parametrize("kernel, index", _EVERY_CONFIG_D128,
+                         ids=[f"{kernel}-{i}" for kernel, i in _EVERY_CONFIG_D128])
+def test_gpu_every_eligible_config_bf16(kernel, index):
     b, h, hk, n, m, d = 1, 2, 1, 1000, 1000, 128
     q, k, v, go = make_inputs(b, h, hk, n, m, d, d, torch.bfloat16)
-    for config in triton_softmax.configs_for(kernel, d):
-        fwd_cfg = config if kernel == "fwd" else None
-        bwd_cfg = {"fwd": None, "dkdv": (config, None), "dq": (None, config)}[kernel]
-        got = run_kernels(q, k, v, go, None, True, fwd_config=fwd_cfg, bwd_config=bwd_cfg)
-        check_against_reference(got, q, k, v, go, None, True)
+    config = triton_softmax.configs_for(kernel, d)[index]
+    fwd_cfg = config if kernel == "fwd" else None
+    bwd_cfg = {"fwd": None, "dkdv": (config, None), "dq": (None, config)}[kernel]
+    got = run_kernels(q, k, v, go, None, True, fwd_config=fwd_cfg, bwd_config=bwd_cfg)
+    check_against_reference(got, q, k, v, go, None, True)
 
 
 @pytest.mark.gpu

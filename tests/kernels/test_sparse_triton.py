@@ -391,18 +391,28 @@ def test_gpu_range_cases_bf16(name):
     check_range(2, 4, nq, nk, 128, 128, BF16, view, lo, hi)
 
 
+# One test per (kernel, config), so that the configs compile on separate workers (issue 26).
+def _every_config(kind, **kw):
+    return [(kernel, i) for kernel in ("fwd", "dkdv", "dq")
+            for i in range(len(ks.configs_for(f"{kind}_{kernel}", 128, **kw)))]
+
+
+_RANGE_EVERY = _every_config("range")
+_BLOCK_EVERY = _every_config("block", block=128)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
-def test_gpu_range_every_config_bf16(kernel):
+@pytest.mark.parametrize("kernel, index", _RANGE_EVERY, ids=[f"{k}-{i}" for k, i in _RANGE_EVERY])
+def test_gpu_range_every_config_bf16(kernel, index):
     lists = {"fwd": ks.RANGE_FWD_CONFIGS, "dkdv": ks.RANGE_DKDV_CONFIGS,
              "dq": ks.RANGE_DQ_CONFIGS}
-    for config in ks.configs_for(f"range_{kernel}", 128):
-        assert config in lists[kernel]
-        fwd = config if kernel == "fwd" else None
-        bwd = {"fwd": None, "dkdv": (config, None), "dq": (None, config)}[kernel]
-        for view, lo, hi in _strided_parts(64):
-            check_range(1, 2, 1500, 1500, 128, 128, BF16, view, lo, hi, fwd_config=fwd,
-                        bwd_config=bwd)
+    config = ks.configs_for(f"range_{kernel}", 128)[index]
+    assert config in lists[kernel]
+    fwd = config if kernel == "fwd" else None
+    bwd = {"fwd": None, "dkdv": (config, None), "dq": (None, config)}[kernel]
+    for view, lo, hi in _strided_parts(64):
+        check_range(1, 2, 1500, 1500, 128, 128, BF16, view, lo, hi, fwd_config=fwd,
+                    bwd_config=bwd)
 
 
 @pytest.mark.gpu
@@ -412,9 +422,9 @@ def test_gpu_block_sparse_bf16(block, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
-def test_gpu_block_sparse_every_config_bf16(kernel):
-    for config in ks.configs_for(f"block_{kernel}", 128, block=128):
-        fwd = config if kernel == "fwd" else None
-        bwd = {"fwd": None, "dkdv": (config, None), "dq": (None, config)}[kernel]
-        check_block(1, 2, 2, 8, 128, True, 128, 128, BF16, fwd, bwd)
+@pytest.mark.parametrize("kernel, index", _BLOCK_EVERY, ids=[f"{k}-{i}" for k, i in _BLOCK_EVERY])
+def test_gpu_block_sparse_every_config_bf16(kernel, index):
+    config = ks.configs_for(f"block_{kernel}", 128, block=128)[index]
+    fwd = config if kernel == "fwd" else None
+    bwd = {"fwd": None, "dkdv": (config, None), "dq": (None, config)}[kernel]
+    check_block(1, 2, 2, 8, 128, True, 128, 128, BF16, fwd, bwd)

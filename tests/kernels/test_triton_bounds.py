@@ -796,3 +796,29 @@ def test_the_autotune_marker_turns_autotuning_on():
     from attnkit.kernels._flash import autotuning_enabled
 
     assert autotuning_enabled()
+
+
+def test_a_fixed_config_launch_skips_configs_that_run_out_of_resources(monkeypatch):
+    # With autotuning off, a GPU launch runs the first candidate that compiles (the autotuner
+    # skips an OutOfResources config; a fixed-config launch must too), and remembers it.
+    from triton.runtime.errors import OutOfResources
+
+    from attnkit.kernels import _flash
+
+    tried = []
+
+    def fake_launch(kernel, config, grid, args, consts, names):
+        tried.append(config)
+        if config in ("too big", "also too big"):
+            raise OutOfResources(300_000, 232_448, "shared memory")
+
+    monkeypatch.setattr(_flash, "_launch_with", fake_launch)
+    monkeypatch.setattr(_flash, "_FIRST_FITTING", {})
+    configs = ["too big", "also too big", "fits", "unused"]
+    _flash._launch_first_fitting("kernel", configs, None, (), {"D": 256}, None)
+    assert tried == ["too big", "also too big", "fits"]
+    tried.clear()
+    _flash._launch_first_fitting("kernel", configs, None, (), {"D": 256}, None)
+    assert tried == ["fits"]
+    with pytest.raises(OutOfResources):
+        _flash._launch_first_fitting("kernel", ["too big"], None, (), {"D": 128}, None)
