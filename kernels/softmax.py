@@ -422,7 +422,9 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, 
                 HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
     # Works on transposed tiles ([keys, queries]) so that dk and dv come out of plain dots.
-    # Query rows past N need no mask: they load lse = +inf (so p = 0) and dO = 0, delta = 0.
+    # Query rows past N load lse = +inf, dO = 0, delta = 0 and q = 0, but p must still be
+    # masked there: a key holding +-inf scores 0 * inf = NaN against the zero row, and NaN p
+    # times dO = 0 is NaN in dk / dv (found by the fuzz test: N = M = 1, D = 3, an inf key).
     # Key rows past M give garbage rows of dk/dv that are never stored (dots are row-wise).
     # MASKED=True: the query tiles that cross the diagonal (causal) or a window edge.
     for start_m in range(lo, hi, BLOCK_M):
@@ -443,7 +445,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, 
                 rel_t = offs_n[:, None] - offs_m[None, :]
                 s_t = tl.where((rel_t >= win_lo) & (rel_t <= win_hi), s_t, float("-inf"))
         # Hidden entries (s = -inf) get p = 0 exactly: a NaN row's lse would make exp2 NaN there.
-        visible_t = s_t != float("-inf")
+        visible_t = (s_t != float("-inf")) & row_ok[None, :]
         p_t = tl.where(visible_t, tl.math.exp2(s_t - lse2[None, :]), 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         if HAS_DROPOUT:

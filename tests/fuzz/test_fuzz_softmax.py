@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit.reference.softmax import softmax_attention_reference
-from attnkit_testing import F64
+from attnkit_testing import F64, spread_free_run
 from fuzzing import (
     BACKENDS, LAYOUTS, SPECIALS, check_exact, check_grad_with_specials, base_support, max_score, grad_term_sizes, check_v_mode, dtypes_for, fuzz_settings, fused_qkv,
     interpreted, leaves, make_input, require_backend, set_values, tolerance,
@@ -156,9 +156,10 @@ def test_softmax_attention_matches_float64_reference(backend, device, data):
             ref = _run_reference(q64, k64, clean, mask64, is_causal, scale, group)[0]
     if dtype in (torch.float16, torch.bfloat16) or huge:
         v_naive = torch.where(torch.isfinite(v), v, torch.zeros_like(v)) if v_mode else v
-        with torch.no_grad():
-            naive, naive_lse = _run_reference(q.detach(), k.detach(), v_naive.detach(), mask, is_causal,
-                                              scale, group)
+        with torch.no_grad():  # without the NaN a torch matmul can spread between rows (issue 24)
+            naive, naive_lse = spread_free_run(
+                lambda q_, k_, v_, m_: _run_reference(q_, k_, v_, m_, is_causal, scale, group),
+                q.detach(), k.detach(), v_naive.detach(), mask, keep_neginf=(3,))
 
     # --- forward ---
     vis = _scores_visibility(scores_shape, is_causal, mask)
@@ -212,12 +213,15 @@ def test_softmax_attention_matches_float64_reference(backend, device, data):
     naive_grads = None
     needs_naive = dtype in (torch.float16, torch.bfloat16) or huge
     if needs_naive and not v_mode:
-        nb = [b.detach().clone().requires_grad_() for b in bases]
-        nq, nk, nv = (inp.view(b) for inp, b in zip(inputs, nb))
-        n_out, n_lse = _run_reference(nq, nk, nv, mask, is_causal, scale, group)
-        n_outputs = [n_out] + ([torch.where(finite_lse, n_lse, 0.0)] if return_lse else [])
-        torch.autograd.backward(n_outputs, [g] + ([grads[1]] if return_lse else []))
-        naive_grads = [b.grad for b in nb]
+        def naive_gradients(*naive_bases):
+            nb = [b.detach().clone().requires_grad_() for b in naive_bases[:3]]
+            nq, nk, nv = (inp.view(b) for inp, b in zip(inputs, nb))
+            n_out, n_lse = _run_reference(nq, nk, nv, naive_bases[3], is_causal, scale, group)
+            n_outputs = [n_out] + ([torch.where(finite_lse, n_lse, 0.0)] if return_lse else [])
+            torch.autograd.backward(n_outputs, [g] + ([grads[1]] if return_lse else []))
+            return [b.grad for b in nb]
+
+        naive_grads = spread_free_run(naive_gradients, *bases, mask, keep_neginf=(3,))  # issue 24
     bias = mask.cpu() if mask is not None and mask.is_floating_point() else None
     term_sizes = grad_term_sizes(inputs, bases64, vis, bias, scale, group, g.cpu(),
                                  (grads[1] if return_lse else torch.zeros_like(lse)).cpu())

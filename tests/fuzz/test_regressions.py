@@ -262,3 +262,19 @@ def test_hopfield_energy_of_a_state_whose_scores_are_all_minus_inf(backend):
     stored = torch.tensor([-2.1788, float("inf")]).reshape(1, 1, 1, 2)  # beta x.xi = -inf
     energy = attnkit.hopfield_energy(state, stored, 1.0, backend=backend)
     assert torch.isposinf(energy).all(), f"energy {energy.flatten().tolist()} (the reference: +inf)"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+def test_softmax_key_whose_score_is_minus_inf_everywhere_gets_zero_dk_dv(backend):
+    # One query, one key with a -inf entry: the score is -inf, the row sees no key (out 0, lse
+    # -inf) and dk = dv = 0.  The Triton dK/dV kernel's padding rows past N (q = 0) scored
+    # 0 * -inf = NaN against that key and made dk, dv NaN (found by tests/fuzz, float32 N = M = 1).
+    _usable("softmax", backend)
+    q = torch.tensor([[0.5, 1.25, -0.75]]).requires_grad_()
+    k = torch.tensor([[0.3, float("-inf"), 0.2]]).requires_grad_()  # q . k = -inf
+    v = torch.tensor([[1.0, -2.0, 0.5]]).requires_grad_()
+    out = attnkit.softmax_attention(q, k, v, backend=backend)
+    assert torch.equal(out, torch.zeros_like(out)), out.tolist()
+    out.backward(torch.tensor([[0.7, -0.1, 0.4]]))
+    assert torch.equal(k.grad, torch.zeros_like(k)), f"dk {k.grad.tolist()}"
+    assert torch.equal(v.grad, torch.zeros_like(v)), f"dv {v.grad.tolist()}"
