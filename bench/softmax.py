@@ -15,6 +15,9 @@ Hq=32, Hk=8 (GQA), D=128, M in {1024, 4096, 16384}, float32 (target 2x SDPA) and
 (3x), and at least 70% of the machine's copy bandwidth (K and V bytes read per call / time);
 N_q = 4 and 16 at M=4096 in float32 without a target.  ``--quick``: float32 M=4096 N_q=1.
 
+Call path (issue 25, :func:`overhead_cases`, in ``--quick`` too): B=H=1, N=16, D=64 float32
+forward and forward+backward, where the time is Python, autograd and dispatch, not the kernel.
+
 CUDA (issue 10, :func:`cuda_cases`): the GPU targets first — bfloat16, D=128, N=8192, B=4, H=8,
 not causal: forward >= 1.0x torch SDPA, forward+backward >= 0.9x (``--quick``: these two only);
 then the same shape causal and bfloat16 D=64 N=4096.  Every distinct (dtype, head dim, causal,
@@ -185,11 +188,25 @@ def decode_cases(quick: bool, device: torch.device) -> list[Case]:
     return out
 
 
+# Issue 25's call-path targets at N=16 (B=H=1, D=64, float32), where the kernels' work is a few
+# hundred nanoseconds and the time is the call path (Python, autograd, dispatch): forward within
+# 2 us of SDPA's -- SDPA's forward was 7.3 us on the Intel Xeon of the issue, so >= 0.78x there,
+# rounded to 0.8x here -- and forward+backward within 1.2x of SDPA's (>= 0.83x).
+OVERHEAD_TARGETS = {"fwd": 0.8, "fwd+bwd": 0.83}
+
+
+def overhead_cases(device: torch.device) -> list[Case]:
+    """The small-shape call-path cases (issue 25), in --quick too."""
+    return [make_case(1, 1, 16, 64, torch.float32, False, mode, device,
+                      targets={"torch SDPA": OVERHEAD_TARGETS[mode]}, priority=EXTRA - 1)
+            for mode in ("fwd", "fwd+bwd")]
+
+
 def cases(quick: bool, device: torch.device) -> list[Case]:
     if device.type == "cuda":
         return cuda_cases(quick, device)
     n = 1024 if quick else 4096
-    out = []
+    out = overhead_cases(device)
     for mode in ("fwd", "fwd+bwd"):
         for causal in (False, True):
             out.append(make_case(1, 8, n, 64, torch.float32, causal, mode, device))
