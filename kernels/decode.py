@@ -1,12 +1,13 @@
 """Triton split-KV ("flash-decoding") kernels for softmax attention with few query rows (issue 26).
 
 Layer 1 of the softmax family (see DESIGN.md): ``@triton.jit`` kernels and their launcher, no
-autograd.  The op layer's CUDA dispatch sends decoding calls (N <= 16 query rows) here.
+autograd.  ``attnkit.attention_with_kvcache`` (pytorch_ext/ops/kvcache.py) calls it on the triton
+backend for N <= 16 new queries.
 
 Launcher
 --------
-``softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, config=None)``
-    -> ``(out [B, H, N, Dv] in q.dtype, lse [B, H, N] float32)``
+``softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, config=None,
+is_causal=True, merge=None)`` -> ``(out [B, H, N, Dv] in q.dtype, lse [B, H, N] float32)``
 
 Shapes: q ``[B, H, N, D]`` with ``1 <= N <= 16`` (N = 0 gives empty results), k ``[B, Hk, M, D]``,
 v ``[B, Hk, M, Dv]``, ``H % Hk == 0`` (GQA / MQA; query head h reads kv head ``h // (H // Hk)``),
@@ -18,7 +19,8 @@ Semantics (FlashAttention's ``flash_attn_with_kvcache`` decoding alignment): bat
 default M; values are clamped to ``[0, M]`` on the device -- no host synchronization checks
 them), and the N query rows are the *last* N positions of that sequence, causally aligned
 bottom-right: query i sees key j iff ``j <= L_b - N + i`` (so query N - 1 sees all L_b keys; for
-N = 1 this is just ``j < L_b``).  A row that sees no key (``L_b - N + i < 0``, e.g. L_b = 0)
+N = 1 this is just ``j < L_b``); ``is_causal=False`` lets every query see all L_b keys.  A row
+that sees no key (``L_b - N + i < 0``, e.g. L_b = 0)
 gives out = 0 and lse = -inf, never NaN.  NaN (README, "Shapes and NaN semantics"): a NaN key --
 or one that makes a score +inf -- makes NaN exactly the rows that see it (out and lse); a NaN
 value reaches at least the rows that see it.  ``scale`` None means ``1 / sqrt(D)``.
@@ -39,28 +41,37 @@ two tiles of a sequence are masked.
 
 With one split the kernel writes out and lse directly.  Otherwise each program writes its
 float32 partial (out_s normalized by its own sum, lse_s) to scratch ``[B, H, N, S, Dv]`` /
-``[B, H, N, S]``, and the merge kernel combines them per row, exactly and overflow-free:
+``[B, H, N, S]``, and they are combined per row, exactly and overflow-free:
 ``m = max_s lse_s``, ``w_s = exp(lse_s - m)``, ``out = sum_s w_s out_s / sum_s w_s``,
 ``lse = m + log(sum_s w_s)``; empty splits (lse_s = -inf) weigh 0, a NaN lse_s poisons the row.
+Two ways (``merge=``):
 
-Splits (``num_splits`` None): :func:`default_num_splits` -- enough splits that
-``B * Hk * row_blocks * S`` fills the GPU about twice (SM count from
-``torch.cuda.get_device_properties``; 132, an H100's, off CUDA), each split >= 256 keys.
+- ``"separate"`` (``DEFAULT_MERGE``): a second kernel, a few rows per program.
+- ``"fused"``: no second launch.  After storing its partial, each split program increments a
+  counter of its (row block, kv head, batch) -- a barrier, then one gpu-scope acq_rel atomic --
+  and the program that sees ``S - 1`` (the last to finish) reads the S partials back from L2,
+  merges them, writes out / lse and sets the counter back to 0.  The counters live in one
+  int32 buffer per device and stream that is all zeros between launches, so a call costs no
+  memset.  The MQA / first-H200-run motive: at 34 MB of K/V the two launches, not the bytes,
+  set the time (~24 us against ~8 us of copy).
 
-Tuning: ``DECODE_CONFIGS`` (BLOCK_N in {64, 128, 256} x num_warps {2, 4, 8} x num_stages
-{2, 3, 4}); :func:`configs_for` fills in the row tile BLOCK_M for a group size and drops the
+Splits (``num_splits`` None): :func:`default_num_splits` -- about MIN_WAVES programs per SM,
+spread evenly over the SMs (SM count from ``torch.cuda.get_device_properties``; 132, an
+H100's, off CUDA), each split >= 256 keys, the partials within PARTIAL_SHARE of the K/V bytes.
+
+Tuning: ``DECODE_CONFIGS`` (8 entries: the configs that led or came close on the first H200 run,
+64- and 128-key tiles on 2-8 warps with 2-3 stages); :func:`configs_for` fills in the row tile BLOCK_M for a group size and drops the
 configs whose tiles would not fit the registers or the shared memory (an estimate,
 :func:`_smem_estimate`; a config that still runs out fails to compile and the autotuner skips
 it).  ``config=`` (a
 ``triton.Config`` with BLOCK_N, optionally BLOCK_M) skips autotuning; under the Triton
 interpreter the first eligible config is used.  The autotuner is keyed on the head dims, the
-group size and the number of splits (plus the dtypes); ``M`` and the split count are not
-specialized on, so one compiled kernel serves a growing cache.
+group size, the number of splits, the masking and the merge variant (plus the dtypes); ``M`` and
+the split count are not specialized on, so one compiled kernel serves a growing cache.
 """
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import numbers
 
@@ -79,12 +90,21 @@ __all__ = [
     "DECODE_CONFIGS",
     "MAX_QUERY_ROWS",
     "MIN_SPLIT_KEYS",
+    "MERGE_MODES",
+    "DEFAULT_MERGE",
+    "wave_balance",
     "MAX_HEAD_DIM",
     "SUPPORTED_DTYPES",
 ]
 
 MAX_QUERY_ROWS = 16  # N above this is prefill: use kernels.softmax.softmax_fwd
 MIN_SPLIT_KEYS = 256  # the heuristic never cuts a split shorter than this
+MIN_WAVES = 2  # the heuristic aims at this many programs per SM (see default_num_splits)
+PARTIAL_SHARE = 0.125  # ... and keeps the float32 partials within this share of the K/V bytes
+MERGE_MODES = ("separate", "fused")
+# The separate merge kernel stays the default until a GPU run shows the fused one faster
+# (bench/decode_gpu.py times both on the same inputs).
+DEFAULT_MERGE = "separate"
 DEFAULT_SM_COUNT = 132  # an H100 SXM's, for the heuristic off CUDA
 MAX_BLOCK_M = 128  # the largest row tile (a group of more rows takes several row blocks)
 
@@ -92,13 +112,27 @@ MAX_BLOCK_M = 128  # the largest row tile (a group of more rows takes several ro
 # autotune search space
 # ----------------------------------------------------------------------------------------------
 
-_BLOCK_NS = (64, 128, 256)
-_WARPS = (2, 4, 8)
-_STAGES = (2, 3, 4)
-# Key tile x warps x pipeline depth; BLOCK_M (the row tile) is filled in per call by configs_for.
-# The first entry is what the interpreter runs when no config is given.
+# (BLOCK_N, num_warps, num_stages), the likely best first.  Pruned from the 27-entry product of
+# {64, 128, 256} keys x {2, 4, 8} warps x {2, 3, 4} stages by the first H200 run (2026-11-27,
+# bench/RESULTS.md session 10: bf16 D = 128, M = 8192, GQA 32/8 N = 4 and MQA N = 1 / 4, % of copy
+# bandwidth per config): 64-key tiles on 2 warps with 2-3 stages led GQA (76%), 4 warps / 3 stages
+# MQA N = 1, 8 warps / 3 stages (128-row tiles) MQA N = 4; no 256-key tile, no 128-key tile on 2
+# warps and no 4-stage pipeline came within 10% of a shape's best anywhere, so they are gone (an
+# autotune or a bench sweep costs one compile and one timing per entry).  BLOCK_M (the row tile)
+# is filled in per call by configs_for.  The first entry is what the interpreter -- and a launch
+# with autotuning off -- runs when no config is given.
+_CONFIG_TUPLES = (
+    (64, 2, 2),  # GQA N = 1..4 best (16-row tiles)
+    (64, 2, 3),
+    (64, 4, 3),  # MQA N = 1 best
+    (64, 8, 3),  # MQA N = 4 best (128-row tiles: wgmma)
+    (128, 8, 3),
+    (64, 4, 2),
+    (128, 4, 3),
+    (128, 8, 2),
+)
 DECODE_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
-                  for bn, w, s in itertools.product(_BLOCK_NS, _WARPS, _STAGES)]
+                  for bn, w, s in _CONFIG_TUPLES]
 # Registers: score-tile x head-dim elements per thread, BLOCK_M * BLOCK_N * (padded head dim) /
 # (32 * num_warps), above which the split kernel spilled (Triton 3.9 for sm_90, compiled on the
 # CPU, 2026-11-27): the mma.sync path (row tiles < 64, or 2 warps) spilled 0-600 bytes at 4096 and
@@ -107,7 +141,9 @@ DECODE_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
 _PER_THREAD_LIMIT = {"mma": 4096, "wgmma": 8192}
 # Shared memory per block on an H100 / H200 (227 KiB); see _smem_estimate.
 _SMEM_LIMIT = 232448
-_TUNE_KEY = ["HEAD_D", "HEAD_DV", "GROUP", "N", "NUM_SPLITS"]  # + dtypes (automatic)
+# + dtypes (automatic).  The merge variant and the masking are constexprs the autotuner would not
+# tell apart otherwise: a config tuned for one must not be reused for the other.
+_TUNE_KEY = ["HEAD_D", "HEAD_DV", "GROUP", "N", "NUM_SPLITS", "IS_CAUSAL", "FUSED_MERGE"]
 
 
 def _row_tile(rows: int, config, block_d: int, block_dv: int, esize: int) -> int:
@@ -210,9 +246,55 @@ def _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, bound, qk_scale,
     return acc, l_i, m_i
 
 
+@triton.jit
+def _finish_merge(acc, l, m, poisoned):
+    """(out, lse) of merged rows: acc = sum_s w_s out_s, l = sum_s w_s, m the lse shift (natural
+    log).  Rows whose splits all saw no key (l = 0): 0 and -inf; a NaN partial lse: NaN, NaN."""
+    attended = l != 0.0
+    l_safe = tl.where(attended, l, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(attended, m + tl.math.log2(l_safe) * _LN2, float("-inf"))
+    nan = poisoned > 0
+    out = tl.where(nan[:, None], float("nan"), out)
+    lse = tl.where(nan, float("nan"), lse)
+    return out, lse
+
+
+@triton.jit
+def _merge_row_partials(PartO, PartL, row, row_ok, NUM_SPLITS, offs_dv,
+                        HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The fused merge: out, lse of the flat rows ``row`` [BLOCK_M] from their NUM_SPLITS
+    partials, one split at a time (a [BLOCK_M, BLOCK_DV] tile each: what the program's
+    accumulator already takes in registers), merged online like _decode_merge_kernel."""
+    dv_ok = offs_dv < HEAD_DV
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    poisoned = tl.zeros([BLOCK_M], dtype=tl.int32)
+    for s in range(0, NUM_SPLITS):
+        part = row * NUM_SPLITS + s
+        # .cg (L2, not L1): the partials were written by other programs of this launch.
+        lse_s = tl.load(PartL + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        is_nan = lse_s != lse_s
+        poisoned += is_nan.to(tl.int32)
+        lse_c = tl.where(is_nan, float("-inf"), lse_s)
+        m_new = tl.maximum(m, lse_c)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2((m - m_use) * _LOG2E)
+        w = tl.math.exp2((lse_c - m_use) * _LOG2E)  # an empty split (-inf): 0
+        # A split of weight 0 is not read at all (its bytes, and 0 * NaN).
+        o_s = tl.load(PartO + part[:, None] * HEAD_DV + offs_dv[None, :],
+                      mask=(row_ok & (w > 0.0))[:, None] & dv_ok[None, :], other=0.0,
+                      cache_modifier=".cg")
+        acc = acc * alpha[:, None] + w[:, None] * o_s
+        l = l * alpha + w
+        m = m_new
+    return _finish_merge(acc, l, m, poisoned)
+
+
 @triton.jit(do_not_specialize=["M", "NUM_SPLITS"])
 def _decode_split_kernel(
-    Q, K, V, KvLens, Out, Lse, PartO, PartL,
+    Q, K, V, KvLens, Out, Lse, PartO, PartL, Counters,
     qk_scale,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -221,11 +303,18 @@ def _decode_split_kernel(
     stride_lens,
     H, N, M, GROUP, NUM_SPLITS,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_LENS: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_LENS: tl.constexpr, DIRECT: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One (row block, split) x kv head x batch program: the group's stacked query rows against
-    the split's keys.  Grid: (row_blocks * NUM_SPLITS, Hk, B), row block fastest."""
+    the split's keys.  Grid: (row_blocks * NUM_SPLITS, Hk, B), row block fastest.
+
+    DIRECT (one split): out and lse written here.  Otherwise the float32 partial goes to
+    PartO / PartL; with FUSED_MERGE the last program of the (row block, kv head, batch) to finish
+    -- the one whose increment of its counter in Counters returns NUM_SPLITS - 1 -- merges the
+    NUM_SPLITS partials, writes out and lse and sets the counter back to 0 (so the buffer is
+    all zeros again for the next launch: no memset launch per call)."""
     rows_total = GROUP * N
     row_blocks = tl.cdiv(rows_total, BLOCK_M)
     pid = tl.program_id(0)
@@ -243,8 +332,12 @@ def _decode_split_kernel(
     lo = split * chunk
     hi = tl.minimum(lo + chunk, kv_len)
     hi = tl.maximum(hi, lo)  # an empty split past the end
-    # Keys before full_end are seen by every row (query i sees j <= kv_len - N + i).
-    full_end = tl.maximum(kv_len - N + 1, 0)
+    # Causal (bottom-right): query i sees j <= kv_len - N + i, so keys before kv_len - N + 1 are
+    # seen by every row.  Not causal: every row sees every key before kv_len.
+    if IS_CAUSAL:
+        full_end = tl.maximum(kv_len - N + 1, 0)
+    else:
+        full_end = kv_len
     full_hi = tl.maximum(tl.minimum(hi, (full_end // BLOCK_N) * BLOCK_N), lo)
 
     rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -252,7 +345,10 @@ def _decode_split_kernel(
     g = rows // N
     qi = rows - g * N  # the query index of the row
     h = hk * GROUP + g  # its query head (int64)
-    bound = kv_len - N + qi  # row r sees key j iff j <= bound[r]
+    if IS_CAUSAL:
+        bound = kv_len - N + qi  # row r sees key j iff j <= bound[r]
+    else:
+        bound = kv_len - 1 + 0 * qi
 
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -275,9 +371,9 @@ def _decode_split_kernel(
 
     row = (b * H + h) * N + qi  # flat (b, h, i) index: lse [B, H, N] and the partials
     dv_ok = offs_dv[None, :] < HEAD_DV
+    o_ptrs = (Out + b * stride_ob + h[:, None] * stride_oh + qi[:, None] * stride_on
+              + offs_dv[None, :] * stride_od)
     if DIRECT:
-        o_ptrs = (Out + b * stride_ob + h[:, None] * stride_oh + qi[:, None] * stride_on
-                  + offs_dv[None, :] * stride_od)
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
         tl.store(Lse + row, lse, mask=row_ok)
     else:
@@ -285,6 +381,19 @@ def _decode_split_kernel(
         tl.store(PartO + part[:, None] * HEAD_DV + offs_dv[None, :], out,
                  mask=row_ok[:, None] & dv_ok)
         tl.store(PartL + part, lse, mask=row_ok)
+        if FUSED_MERGE:
+            counter = Counters + (b * tl.num_programs(1) + hk) * row_blocks + rb
+            # Every thread's partial is stored before the (one-thread) release below publishes
+            # them; the acquire side is the same atomic in the last program (CUTLASS's
+            # semaphore pattern: barrier, then a gpu-scope release).
+            tl.debug_barrier()
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == NUM_SPLITS - 1:
+                out, lse = _merge_row_partials(PartO, PartL, row, row_ok, NUM_SPLITS, offs_dv,
+                                               HEAD_DV, BLOCK_M, BLOCK_DV)
+                tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
+                tl.store(Lse + row, lse, mask=row_ok)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["NUM_SPLITS"])
@@ -329,23 +438,27 @@ def _decode_merge_kernel(
         acc = acc * alpha[:, None] + tl.sum(contrib, 1)
         l = l * alpha + tl.sum(w, 1)
         m = m_new
-    attended = l != 0.0
-    l_safe = tl.where(attended, l, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(attended, m + tl.math.log2(l_safe) * _LN2, float("-inf"))
-    nan = poisoned > 0
-    out = tl.where(nan[:, None], float("nan"), out)
-    lse = tl.where(nan, float("nan"), lse)
+    out, lse = _finish_merge(acc, l, m, poisoned)
     o_ptrs = (Out + b[:, None] * stride_ob + h[:, None] * stride_oh + qi[:, None] * stride_on
               + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
     tl.store(Lse + rows, lse, mask=row_ok)
 
 
-def _merge_tiles(splits: int, block_dv: int) -> tuple[int, int]:
-    """(BLOCK_S, BLOCK_R) of the merge: up to 8192 float32 partial elements a step."""
+MERGE_MIN_PROGRAMS = 128  # the separate merge's grid aims at about one program per SM
+
+
+def _merge_tiles(splits: int, block_dv: int, rows: int | None = None) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_R) of the separate merge kernel: up to 8192 float32 partial elements a
+    step, and -- given ``rows`` = B * H * N, the rows to merge -- few enough rows per program
+    that the grid has about MERGE_MIN_PROGRAMS programs (at least 2 rows each): the merge is a
+    latency-bound gather, and 32 rows a program left GQA N = 1 (256 rows) with 8 programs on
+    132 SMs."""
     block_s = min(triton.next_power_of_2(splits), 16)
-    block_r = max(1, min(32, 8192 // (block_s * block_dv)))
+    block_r = max(2, min(32, 8192 // (block_s * block_dv)))
+    if rows is not None:
+        spread = 1 << max(0, (max(int(rows), 1) // MERGE_MIN_PROGRAMS).bit_length() - 1)
+        block_r = max(2, min(block_r, spread))
     return block_s, block_r
 
 
@@ -367,14 +480,46 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(index)
 
 
+def wave_balance(ctas: int, sms: int) -> float:
+    """How evenly ``ctas`` equal programs fill ``sms`` multiprocessors: ctas / (sms * waves), 1.0
+    when every SM runs the same number of them (the busiest SM sets the time)."""
+    return ctas / (sms * triton.cdiv(ctas, sms))
+
+
 def default_num_splits(batch: int, kv_heads: int, rows: int, kv_len: int,
                        sms: int = DEFAULT_SM_COUNT) -> int:
-    """Key splits so that ``batch * kv_heads * row_blocks * splits`` programs fill ``sms``
-    multiprocessors about twice, each split keeping >= MIN_SPLIT_KEYS keys.  ``rows`` = G * N
-    stacked query rows per kv head (row blocks counted at the largest row tile, MAX_BLOCK_M)."""
-    programs = max(1, batch * kv_heads * triton.cdiv(max(rows, 1), MAX_BLOCK_M))
-    wanted = triton.cdiv(2 * sms, programs)
-    return max(1, min(wanted, kv_len // MIN_SPLIT_KEYS))
+    """Key splits for ``batch * kv_heads`` kv heads of ``rows`` = G * N stacked query rows each and
+    ``kv_len`` cached keys, on a GPU of ``sms`` multiprocessors.  A pure function of its
+    arguments (tests/kernels/test_decode_triton.py checks its choices).
+
+    ``P = batch * kv_heads * row_blocks`` programs per split (row blocks counted at the largest row
+    tile, MAX_BLOCK_M).  The rule, from the first H200 run (GQA 32/8, B = 8, M = 8192: P = 64 on
+    132 SMs; 2 splits -- one program per SM -- reached 50% of copy bandwidth, 5 splits 76%, 10 and
+    20 splits 65-68%; MQA N = 1: 16 splits beat 32, 64 and 128, whose float32 partials grew to
+    25-100% of the K/V bytes):
+
+    - no split once ``P >= MIN_WAVES * sms`` (the GPU is full; no partials, no merge);
+    - at most ``kv_len // MIN_SPLIT_KEYS`` splits, and at most as many as keep the partials
+      (``8 * rows * Dv`` bytes written and read back per split and kv head) within
+      ``PARTIAL_SHARE`` of the K/V bytes (``4 * kv_len * D`` for 16-bit K and V, D = Dv assumed):
+      ``S <= PARTIAL_SHARE * kv_len / (2 * rows)``;
+    - otherwise the fewest splits ``S_lo`` giving ``MIN_WAVES`` programs per SM on average (enough
+      loads in flight), or up to twice that, whichever fills the SMs most evenly
+      (:func:`wave_balance` of ``P * S``; ties to the fewest splits): P = 64 on 132 SMs takes 6
+      (384 programs, 2.9 per SM on every SM) rather than 5 (320: 56 SMs run 3, 76 run 2).
+    """
+    row_blocks = triton.cdiv(max(int(rows), 1), MAX_BLOCK_M)
+    programs = max(1, int(batch) * int(kv_heads) * row_blocks)
+    sms = max(1, int(sms))
+    if programs >= MIN_WAVES * sms:
+        return 1
+    cap = min(int(kv_len) // MIN_SPLIT_KEYS, int(PARTIAL_SHARE * int(kv_len) / (2 * max(int(rows), 1))))
+    cap = max(1, cap)
+    lo = triton.cdiv(MIN_WAVES * sms, programs)
+    if lo >= cap:
+        return cap
+    return max(range(lo, min(2 * lo, cap) + 1),
+               key=lambda s: (round(wave_balance(programs * s, sms), 6), -s))
 
 
 def _check_device(fn: str, t: torch.Tensor) -> None:
@@ -461,7 +606,35 @@ def _check_config(fn, config, rows, block_d, block_dv, esize):
     return triton.Config(kw, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
-def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, config=None):
+def _check_merge(fn, merge):
+    if merge is None:
+        return DEFAULT_MERGE
+    if merge not in MERGE_MODES:
+        raise ValueError(f"{fn}: merge must be one of {', '.join(map(repr, MERGE_MODES))} or None; "
+                         f"got {merge!r}")
+    return merge
+
+
+# Fused-merge counters, one int32 per (row block, kv head, batch), all zero between launches
+# (each launch's last programs set theirs back).  One buffer per (device, stream): launches on
+# one stream run one after the other, so they never see each other's counts; two streams must
+# not share one.  Grown (a fresh zeroed buffer) when a call needs more.
+_COUNTERS: dict = {}
+_COUNTERS_MIN = 1024  # the smallest buffer (tests set 0 to guard the exact size)
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, _COUNTERS_MIN), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, config=None,
+                       is_causal=True, merge=None):
     """Split-KV decoding forward.  Returns ``(out [B, H, N, Dv] in q.dtype, lse [B, H, N]
     float32)``; see the module docstring for the semantics (bottom-right causal alignment,
     ``kv_lens``, dead rows, NaN).
@@ -471,6 +644,11 @@ def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, co
     :func:`default_num_splits` heuristic) or an int >= 1 (more splits than key tiles is allowed:
     the extra ones are empty).  ``config``: a ``triton.Config`` with BLOCK_N (and optionally
     BLOCK_M, num_warps, num_stages) to skip autotuning; see ``DECODE_CONFIGS``.
+    ``is_causal``: True (default) aligns the N queries bottom-right (query i sees keys
+    ``j <= L_b - N + i``); False lets every query see all L_b keys.  ``merge``: how several
+    splits are combined -- ``"separate"`` (a second kernel), ``"fused"`` (the last split program
+    of each row block merges, see the module docstring) or None (``DEFAULT_MERGE``); one split
+    needs no merge either way.  No autograd: the results carry no graph.
     """
     fn = "softmax_decode_fwd"
     _check_inputs(fn, q, k, v)
@@ -483,6 +661,9 @@ def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, co
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{fn}: scale must be a real number or None; got {scale!r}")
     scale = float(scale)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"{fn}: is_causal must be a bool; got {type(is_causal).__name__}")
+    merge = _check_merge(fn, merge)
     group = H // Hk
     rows = group * N
     block_d, block_dv = pow2(D), pow2(Dv)
@@ -500,24 +681,27 @@ def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, co
     splits = num_splits if num_splits is not None else default_num_splits(
         B, Hk, rows, M, sm_count(q.device))
     direct = splits == 1
+    fused = merge == "fused" and not direct
     if direct:
         part_o = part_l = lse  # stand-in pointers: DIRECT never touches them
     else:
         part_o = torch.empty((B, H, N, splits, Dv), dtype=torch.float32, device=q.device)
         part_l = torch.empty((B, H, N, splits), dtype=torch.float32, device=q.device)
+    # Enough counters for the smallest row tile (16): the autotuner may pick any.
+    counters = _merge_counters(q.device, B * Hk * triton.cdiv(rows, 16)) if fused else lse
     lens_t, lens_stride = (q, 0) if kv_lens is None else (kv_lens, kv_lens.stride(0))
 
-    args = (q, k, v, lens_t, out, lse, part_o, part_l, scale * 1.4426950408889634,
+    args = (q, k, v, lens_t, out, lse, part_o, part_l, counters, scale * 1.4426950408889634,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), lens_stride,
             H, N, M, group, splits)
     consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
-                  HAS_LENS=kv_lens is not None, DIRECT=direct,
-                  DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
+                  HAS_LENS=kv_lens is not None, DIRECT=direct, IS_CAUSAL=is_causal,
+                  FUSED_MERGE=fused, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
     launch(_decode_split_kernel, lambda: _autotuned(D, Dv, rows, q.dtype),
            lambda: configs_for(D, Dv, rows, q.dtype),
            lambda bm, bn: (triton.cdiv(rows, bm) * splits, Hk, B), args, consts, config)
-    if not direct:
-        block_s, block_r = _merge_tiles(splits, block_dv)
+    if not direct and not fused:
+        block_s, block_r = _merge_tiles(splits, block_dv, B * H * N)
         wrap_triton(_decode_merge_kernel)[(triton.cdiv(B * H * N, block_r),)](
             part_o, part_l, out, lse, *out.stride(), H, N, B * H * N, splits,
             HEAD_DV=Dv, BLOCK_DV=block_dv, BLOCK_S=block_s, BLOCK_R=block_r)

@@ -8,7 +8,8 @@ torch SDPA).
 
 Ground truth: ``softmax_attention_reference`` in float64 on the same (already rounded) inputs,
 with the decoding mask as a bool tensor: batch b has L_b = kv_lens[b] keys and query i of N sees
-key j iff j <= L_b - N + i (bottom-right).  Tolerance (DESIGN.md): float32 within 2e-5 of the
+key j iff j <= L_b - N + i (bottom-right; ``is_causal=False``: iff j < L_b).  Both merge
+variants (``merge="separate"`` / ``"fused"``) run the cases with several splits.  Tolerance (DESIGN.md): float32 within 2e-5 of the
 largest reference magnitude; float16 / bfloat16 within 2x the error of the reference run in
 that dtype, plus 1e-3.
 
@@ -63,46 +64,48 @@ def lengths(kv_lens, b, m):
     return kv_lens.cpu().long().clamp(0, m)
 
 
-def decode_mask(kv_lens, b, n, m, device=DEVICE):
-    """bool [B, 1, N, M]: query i of batch b sees key j iff j <= L_b - N + i."""
+def decode_mask(kv_lens, b, n, m, device=DEVICE, causal=True):
+    """bool [B, 1, N, M]: query i of batch b sees key j iff j <= L_b - N + i (causal) / j < L_b."""
     lens = lengths(kv_lens, b, m)
     j = torch.arange(m)
     i = torch.arange(n)
-    allowed = j[None, None, :] <= (lens[:, None, None] - n + i[None, :, None])
+    last = lens[:, None, None] - n + i[None, :, None] if causal else lens[:, None, None] - 1
+    allowed = j[None, None, :] <= last.expand(b, n, 1)
     return allowed[:, None].to(device)
 
 
-def dead_rows(kv_lens, b, h, n, m):
+def dead_rows(kv_lens, b, h, n, m, causal=True):
     """bool [B, H, N]: rows that see no key."""
     lens = lengths(kv_lens, b, m)
-    dead = (lens[:, None] - n + torch.arange(n)[None, :]) < 0  # [B, N]
+    last = lens[:, None] - n + torch.arange(n)[None, :] if causal else (lens[:, None] - 1).expand(b, n)
+    dead = last < 0  # [B, N]
     return dead[:, None, :].expand(b, h, n)
 
 
-def reference(q, k, v, kv_lens, scale=None, dtype=F64):
+def reference(q, k, v, kv_lens, scale=None, dtype=F64, causal=True):
     """(out, lse) of the reference run in ``dtype`` on the given inputs."""
     b, _, n, _ = q.shape
     m = k.shape[2]
-    mask = decode_mask(kv_lens, b, n, m, q.device)
+    mask = decode_mask(kv_lens, b, n, m, q.device, causal)
     return softmax_attention_reference(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask,
                                        scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                                        return_lse=True)
 
 
-def check(got, q, k, v, kv_lens=None, scale=None):
+def check(got, q, k, v, kv_lens=None, scale=None, causal=True):
     out, lse = got
     dtype = q.dtype
     assert out.dtype == dtype and lse.dtype == F32
     assert out.shape == (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
     assert lse.shape == q.shape[:3]
-    ref = reference(q, k, v, kv_lens, scale)
-    lowp = None if dtype == F32 else reference(q, k, v, kv_lens, scale, dtype=dtype)
+    ref = reference(q, k, v, kv_lens, scale, causal=causal)
+    lowp = None if dtype == F32 else reference(q, k, v, kv_lens, scale, dtype=dtype, causal=causal)
     assert_close_to_reference(out, ref[0], None if lowp is None else lowp[0], dtype=dtype,
                               name="out")
     assert_close_to_reference(lse, ref[1], None if lowp is None else lowp[1], dtype=dtype,
                               name="lse")
     # dead rows: exactly 0 and -inf (not NaN)
-    dead = dead_rows(kv_lens, *q.shape[:3], k.shape[2]).to(out.device)
+    dead = dead_rows(kv_lens, *q.shape[:3], k.shape[2], causal).to(out.device)
     assert torch.all(out[dead] == 0) and torch.all(lse[dead] == float("-inf"))
     assert torch.isfinite(lse[~dead]).all()
 
@@ -133,13 +136,95 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_matches_float64_reference(case):
+# Every case with the separate merge; the ones with several splits (None: the heuristic's, which
+# is several for these) with the fused merge too -- one split merges nothing either way.
+MERGE_CASES = [pytest.param(case, "separate", id=f"{name}-separate") for name, case in CASES.items()]
+MERGE_CASES += [pytest.param(case, "fused", id=f"{name}-fused") for name, case in CASES.items()
+                if case[9] != 1]
+
+
+@pytest.mark.parametrize("case, merge", MERGE_CASES)
+def test_matches_float64_reference(case, merge):
     b, h, hk, n, m, d, dv, dtype, kv, splits, config = case
     q, k, v = make_inputs(b, h, hk, n, m, d, dv, dtype)
     kv_lens = None if kv is None else lens_t(kv)
-    got = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, num_splits=splits, config=config)
+    got = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, num_splits=splits, config=config,
+                                    merge=merge)
     check(got, q, k, v, kv_lens)
+    if merge == "fused":
+        assert_counters_clear()
+
+
+def assert_counters_clear():
+    """The fused merge leaves every counter at 0 (the next launch relies on it)."""
+    for buf in decode._COUNTERS.values():
+        assert int(torch.count_nonzero(buf)) == 0
+
+
+# (B, H, Hk, N, M, D, Dv, dtype, kv_lens, num_splits, config): every query sees all L_b keys.
+NON_CAUSAL_CASES = {
+    "n3_m300_gqa_lens_0_1_299_splits3": (3, 4, 2, 3, 300, 16, 24, F32, [0, 1, 299], 3, cfg(64)),
+    "n16_m70_mqa_row_blocks_direct": (1, 8, 1, 16, 70, 16, 16, F32, [70], 1, cfg(64, bm=32)),
+    "f16_n5_m200_gqa_default_splits": (2, 8, 2, 5, 200, 32, 32, F16, [3, 200], None, cfg(64)),
+}
+
+
+@pytest.mark.parametrize("merge", ["separate", "fused"])
+@pytest.mark.parametrize("case", NON_CAUSAL_CASES.values(), ids=NON_CAUSAL_CASES.keys())
+def test_non_causal_matches_float64_reference(case, merge):
+    # L_b = 1 and 3 with N = 3 / 5 queries: causal would kill rows; here every row sees the keys.
+    b, h, hk, n, m, d, dv, dtype, kv, splits, config = case
+    q, k, v = make_inputs(b, h, hk, n, m, d, dv, dtype, seed=21)
+    kv_lens = lens_t(kv)
+    got = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, num_splits=splits, config=config,
+                                    is_causal=False, merge=merge)
+    check(got, q, k, v, kv_lens, causal=False)
+    causal = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, num_splits=splits,
+                                       config=config, merge=merge)
+    assert not torch.equal(causal[1], got[1])  # the flag changes what the rows see
+
+
+@pytest.mark.parametrize("splits", [3, 12])
+def test_fused_merge_matches_separate_and_is_repeatable(splits, monkeypatch):
+    # MQA with 2 row blocks of 16 (G * N = 4 * 5 = 20 rows), lengths 0, 1, a partial tile and
+    # a full cache: splits past a sequence's end are empty (12 splits of 300 keys: 7 are).
+    # The fused path launches one kernel (no merge kernel) and leaves the counters at zero, so
+    # the second call is bitwise the first.
+    launched = []
+    real_wrap = decode.wrap_triton
+    monkeypatch.setattr(decode, "wrap_triton", lambda kern: launched.append(kern) or real_wrap(kern))
+    q, k, v = make_inputs(4, 4, 1, 5, 300, 16, 16, F32, seed=splits)
+    kv_lens = lens_t([0, 1, 77, 300])
+    config = cfg(64, bm=16)
+    fused = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, num_splits=splits, config=config,
+                                      merge="fused")
+    assert launched == []
+    assert_counters_clear()
+    again = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, num_splits=splits, config=config,
+                                      merge="fused")
+    assert torch.equal(fused[0], again[0]) and torch.equal(fused[1], again[1])
+    sep = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, num_splits=splits, config=config,
+                                    merge="separate")
+    assert launched == [decode._decode_merge_kernel]
+    check(fused, q, k, v, kv_lens)
+    torch.testing.assert_close(fused[0], sep[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused[1], sep[1], rtol=1e-6, atol=1e-6)
+
+
+def test_fused_counters_grow_when_a_call_needs_more():
+    # One buffer per (device, stream), 1024 counters at first; a call needing more than the
+    # buffer holds gets a fresh zeroed one (shrunk here to 2 to see it happen), reused after.
+    decode._COUNTERS.clear()
+    q, k, v = make_inputs(1, 2, 2, 1, 130, 16, 16, F32, seed=8)
+    decode.softmax_decode_fwd(q, k, v, num_splits=2, config=cfg(64), merge="fused")
+    (key, first), = decode._COUNTERS.items()
+    assert first.numel() == 1024 and first.dtype == torch.int32
+    decode._COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=first.device)
+    q, k, v = make_inputs(3, 4, 2, 3, 130, 16, 16, F32, seed=9)  # 3 * 2 counters needed
+    got = decode.softmax_decode_fwd(q, k, v, num_splits=3, config=cfg(64), merge="fused")
+    assert decode._COUNTERS[key].numel() == 1024 and len(decode._COUNTERS) == 1
+    check(got, q, k, v)
+    assert_counters_clear()
 
 
 def test_dead_rows_and_lengths():
@@ -201,8 +286,8 @@ def test_default_config_and_splits_are_deterministic():
     check(a, q, k, v)
 
 
-@pytest.mark.parametrize("n, splits", [(3, 3), (1, 1)])
-def test_nan_key_poisons_only_the_rows_that_see_it(n, splits):
+@pytest.mark.parametrize("n, splits, merge", [(3, 3, "separate"), (3, 3, "fused"), (1, 1, None)])
+def test_nan_key_poisons_only_the_rows_that_see_it(n, splits, merge):
     # Batch 1 has L = 152; key 150 of kv head 0 is NaN.  With N = 3, query 0 sees keys <= 149
     # (not the NaN), queries 1 and 2 see it; with N = 1 the only query sees it.  Only the query
     # heads of kv head 0's group (0, 1) and batch 1 are touched, across the split boundary.
@@ -211,7 +296,7 @@ def test_nan_key_poisons_only_the_rows_that_see_it(n, splits):
     kv_lens = lens_t([300, 152])
     k[1, 0, 150, 3] = float("nan")
     out, lse = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, num_splits=splits,
-                                         config=cfg(64))
+                                         config=cfg(64), merge=merge)
     poisoned = torch.zeros(b, h, n, dtype=torch.bool)
     poisoned[1, :2, (1 if n == 3 else 0):] = True
     poisoned = poisoned.to(out.device)
@@ -241,11 +326,15 @@ def test_empty_inputs():
 
 def test_config_lists():
     cs = decode.DECODE_CONFIGS
-    assert len(cs) == 27
-    assert {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in cs} == {
-        (bn, w, s) for bn in (64, 128, 256) for w in (2, 4, 8) for s in (2, 3, 4)}
+    tuples = [(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in cs]
+    # The first H200 run's leaders first (GQA: 64 keys, 2 warps, 2 stages); nothing that lost
+    # everywhere (256-key tiles, 128-key tiles on 2 warps, 4 stages).
+    assert tuples[:4] == [(64, 2, 2), (64, 2, 3), (64, 4, 3), (64, 8, 3)]
+    assert len(set(tuples)) == len(tuples) == 8
+    assert all(bn in (64, 128) and s in (2, 3) and not (bn == 128 and w == 2)
+               for bn, w, s in tuples)
     small = decode.configs_for(64, 64, rows=4, dtype=F16)
-    assert len(small) == 27 and all(c.kwargs["BLOCK_M"] == 16 for c in small)
+    assert len(small) == 8 and all(c.kwargs["BLOCK_M"] == 16 for c in small)
     for rows in (1, 4, 32, 64, 128, 512):
         for dtype in (F16, BF16, F32):
             esize = torch.empty((), dtype=dtype).element_size()
@@ -263,25 +352,73 @@ def test_config_lists():
     assert decode._smem_estimate(128, 128, 128, 128, 3, 2, 8) == 224 * 1024
     assert decode._smem_estimate(64, 256, 128, 128, 2, 2, 8) == 272 * 1024
     assert decode._smem_estimate(16, 128, 128, 128, 3, 2, 4) == 136 * 1024
-    # MQA, 32 heads x 16 queries, bf16 D = 128: every entry but BN=256 with 2 warps or 3+
-    # stages fits, with a row tile of 16 to 128
+    # MQA, 32 heads x 16 queries, bf16 D = 128: every entry fits, with the first H200 run's
+    # row tiles (2 warps: 32 rows; 4 warps 64-key: 128; 8 warps: 128)
     big = decode.configs_for(128, 128, rows=512, dtype=BF16)
-    assert {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in big} == {
-        (bn, w, s) for bn in (64, 128, 256) for w in (2, 4, 8) for s in (2, 3, 4)
-        if bn < 256 or (w > 2 and s == 2)}
-    assert {c.kwargs["BLOCK_M"] for c in big} == {16, 32, 64, 128}
+    assert [(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in big] == tuples
+    assert {c.kwargs["BLOCK_M"] for c in big} == {32, 64, 128}
+    assert big[0].kwargs["BLOCK_M"] == 32 and big[3].kwargs["BLOCK_M"] == 128
     assert len(decode.configs_for(256, 256, rows=4, dtype=F32)) < len(big)  # shared memory
 
 
-def test_default_num_splits():
-    # B * Hk * row_blocks * splits ~ 2 x SMs, >= 256 keys a split
-    assert decode.default_num_splits(8, 8, 4, 8192, 132) == 5  # 64 programs -> 5 splits
-    assert decode.default_num_splits(8, 1, 32, 131072, 132) == 33
-    assert decode.default_num_splits(8, 1, 512, 8192, 132) == 9  # 4 row blocks of 128
-    assert decode.default_num_splits(8, 8, 4, 1024, 132) == 4  # capped: 1024 / 256
-    assert decode.default_num_splits(1, 1, 1, 255, 132) == 1
-    assert decode.default_num_splits(64, 32, 1, 1 << 17, 132) == 1  # the GPU is full already
+def test_wave_balance():
+    assert decode.wave_balance(132, 132) == 1.0 and decode.wave_balance(264, 132) == 1.0
+    assert decode.wave_balance(320, 132) == pytest.approx(320 / 396)  # 56 SMs run 3, 76 run 2
+    assert decode.wave_balance(1, 132) == pytest.approx(1 / 132)
+
+
+@pytest.mark.parametrize("args, sms, want", [
+    # B=8 GQA 32/8 (64 programs): 5 splits leave 76 of 132 SMs a program short; 6 fill all
+    # evenly (384 = 132 x 2.9); the same at 128k (the partials stay tiny: 4 rows per kv head)
+    ((8, 8, 4, 8192), 132, 6),
+    ((8, 8, 1, 8192), 132, 6),
+    ((8, 8, 16, 131072), 132, 6),
+    # 1024 keys: at most 4 splits of 256
+    ((8, 8, 4, 1024), 132, 4),
+    # MQA N = 1 (32 rows, one row block of 8 programs): the partials cap it at 16 (the H200
+    # run's best of 16 / 32 / 64 / 128); at 128k 33 x 8 = 264 = 2 x 132 exactly
+    ((8, 1, 32, 8192), 132, 16),
+    ((8, 1, 32, 131072), 132, 33),
+    # MQA N = 4 (128 rows): partials 8 * 128 * Dv bytes a split against 4 * 8192 * D of K/V
+    ((8, 1, 128, 8192), 132, 4),
+    # MQA N = 16 (512 rows in 4 row blocks of 128): any split would cost more than 1/8 in partials
+    ((8, 1, 512, 8192), 132, 1),
+    # the GPU is full already (>= 2 programs per SM), or too few keys to split
+    ((64, 32, 1, 1 << 17), 132, 1),
+    ((4, 66, 4, 8192), 132, 1),
+    ((2, 66, 4, 8192), 132, 2),  # 132 programs: 2 splits fill 2 x 132 exactly
+    ((1, 1, 1, 255), 132, 1),
+    # another SM count: 64 programs on 114 SMs (an H100 PCIe): lo = 4 (256 = 2.2 per SM),
+    # 7 fills 114 x 4 - 8 best of 4..8
+    ((8, 8, 4, 8192), 114, 7),
+    ((1, 8, 4, 8192), 132, 32),  # 8 programs: 33 wanted, 8192 // 256 = 32 allowed
+])
+def test_default_num_splits(args, sms, want):
+    got = decode.default_num_splits(*args, sms=sms)
+    assert got == want
+    batch, kv_heads, rows, kv_len = args
+    programs = batch * kv_heads * -(-rows // decode.MAX_BLOCK_M)
+    assert got == 1 or kv_len // got >= decode.MIN_SPLIT_KEYS
+    if 1 < got and programs * got >= decode.MIN_WAVES * sms:  # not capped: the most even fill
+        lo = -(-decode.MIN_WAVES * sms // programs)
+        for s in range(lo, 2 * lo + 1):
+            if kv_len // s >= decode.MIN_SPLIT_KEYS and 2 * rows * s <= decode.PARTIAL_SHARE * kv_len:
+                assert decode.wave_balance(programs * s, sms) <= decode.wave_balance(programs * got, sms) + 1e-9
+
+
+def test_sm_count_off_cuda():
     assert decode.sm_count(torch.device("cpu")) == decode.DEFAULT_SM_COUNT
+
+
+def test_merge_tiles():
+    # Few rows (GQA N = 1: 8 x 32 rows): 2 rows a program, 128 programs; many: up to 8192
+    # float32 partial elements a step.
+    assert decode._merge_tiles(5, 128, 256) == (8, 2)
+    assert decode._merge_tiles(5, 128, 1 << 16) == (8, 8)
+    assert decode._merge_tiles(40, 128, 1 << 16) == (16, 4)
+    assert decode._merge_tiles(2, 16, 1 << 20) == (2, 32)
+    assert decode._merge_tiles(3, 256, 1) == (4, 2)
+    assert decode._merge_tiles(3, 256) == (4, 8)  # no row count: the step size alone
 
 
 def _small(d=16, dv=16, h=4, hk=2, n=3, dtype=F32):
@@ -306,6 +443,8 @@ def _small(d=16, dv=16, h=4, hk=2, n=3, dtype=F32):
     (lambda: _small(), {"num_splits": 2.0}, TypeError, r"num_splits must be a positive int"),
     (lambda: _small(), {"config": cfg(48)}, ValueError, r"BLOCK_N must be a power of two"),
     (lambda: _small(), {"config": "fast"}, TypeError, r"config must be a triton.Config"),
+    (lambda: _small(), {"merge": "both"}, ValueError, r"merge must be one of 'separate', 'fused'"),
+    (lambda: _small(), {"is_causal": 1}, TypeError, r"is_causal must be a bool"),
 ])
 def test_launcher_errors(inputs, extra, exc, match):
     q, k, v = inputs()
@@ -325,14 +464,22 @@ def test_launcher_rejects_mixed_devices():
 # out-of-bounds accesses, caught in guarded memory (child process)
 # ----------------------------------------------------------------------------------------------
 
-# (name, B, H, Hk, N, M, D, Dv, kv_lens, num_splits, [(BLOCK_N, BLOCK_M or None)], dtypes):
+# (name, B, H, Hk, N, M, D, Dv, kv_lens, num_splits, [(BLOCK_N, BLOCK_M or None)], dtypes, merge):
 # a partial last tile, lengths 0 and past M (clamped), padded rows and head dims (D = 24 in a
-# 32-wide tile), partials and the merge; then one split written directly, several row blocks.
+# 32-wide tile), partials and the merge; then one split written directly, several row blocks;
+# the fused merge with its counters allocated at their exact size (several row blocks, empty
+# splits, a length-1 sequence), non-causal too.
 BOUNDS_CASES = [
     ("gqa_n3_m70_splits3", 3, 4, 2, 3, 70, 24, 40, [70, 0, 200], 3,
-     [(64, None), (128, None), (256, None)], (F32,)),
-    ("gqa_n3_m70_splits3", 3, 4, 2, 3, 70, 24, 40, [70, 0, 200], 3, [(64, None)], (F16,)),
-    ("mqa_n16_m33_direct_rowblocks", 1, 4, 1, 16, 33, 16, 8, None, 1, [(64, 32)], (F32, F16)),
+     [(64, None), (128, None), (256, None)], (F32,), "separate"),
+    ("gqa_n3_m70_splits3", 3, 4, 2, 3, 70, 24, 40, [70, 0, 200], 3, [(64, None)], (F16,),
+     "separate"),
+    ("mqa_n16_m33_direct_rowblocks", 1, 4, 1, 16, 33, 16, 8, None, 1, [(64, 32)], (F32, F16),
+     "separate"),
+    ("mqa_n5_m70_fused_rowblocks", 2, 8, 1, 5, 70, 24, 40, [1, 200], 4, [(64, 16)], (F32, F16),
+     "fused"),
+    ("gqa_n3_m70_fused_noncausal", 3, 4, 2, 3, 70, 24, 40, [70, 0, 2], 3, [(64, None)], (F32,),
+     "fused-noncausal"),
 ]
 
 
@@ -342,23 +489,28 @@ def _bounds_child():
     from guarded_memory import MODES, GuardedAllocations, guarded_copy, is_guarded
 
     faulthandler.enable()
-    for name, b, h, hk, n, m, d, dv, kv, splits, tiles, dtypes in BOUNDS_CASES:
+    decode._COUNTERS_MIN = 0  # fused-merge counters at the size the launch asks for
+    for name, b, h, hk, n, m, d, dv, kv, splits, tiles, dtypes, variant in BOUNDS_CASES:
+        merge, _, causal = variant.partition("-")
+        kw = dict(num_splits=splits, merge=merge, is_causal=causal != "noncausal")
         for dtype in dtypes:
             q, k, v = make_inputs(b, h, hk, n, m, d, dv, dtype, seed=7, device="cpu")
             kv_lens = None if kv is None else torch.tensor(kv, dtype=torch.int32)
             for bn, bm in tiles:
                 config = cfg(bn, bm)
-                plain = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, num_splits=splits,
-                                                  config=config)
+                plain = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, config=config, **kw)
                 for where in MODES:
                     label = f"{name} {dtype} BLOCK_N={bn} BLOCK_M={bm} guard at {where}"
                     print("start", label, flush=True)
                     gq, gk, gv = (guarded_copy(t, where) for t in (q, k, v))
                     glens = None if kv_lens is None else guarded_copy(kv_lens, where)
+                    decode._COUNTERS.clear()  # allocated below, under the guard
                     with GuardedAllocations(where) as alloc:
                         out, lse = decode.softmax_decode_fwd(gq, gk, gv, kv_lens=glens,
-                                                             num_splits=splits, config=config)
+                                                             config=config, **kw)
                     assert alloc.count > 0 and is_guarded(out) and is_guarded(lse), label
+                    if merge == "fused":
+                        assert all(is_guarded(c) for c in decode._COUNTERS.values()), label
                     assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1]), label
                     print("done", label, flush=True)
     print("all done", flush=True)
@@ -383,23 +535,24 @@ def test_no_out_of_bounds_access():
 # ----------------------------------------------------------------------------------------------
 
 
-def sdpa(q, k, v, kv_lens=None):
+def sdpa(q, k, v, kv_lens=None, causal=True):
     """torch SDPA with the decoding mask (bottom-right; only when needed) in q's dtype."""
     import torch.nn.functional as F
 
     b, _, n, _ = q.shape
     m = k.shape[2]
-    mask = None if (n == 1 and kv_lens is None) else decode_mask(kv_lens, b, n, m, q.device)
+    needed = kv_lens is not None or (causal and n > 1)
+    mask = decode_mask(kv_lens, b, n, m, q.device, causal) if needed else None
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def check_gpu(got, q, k, v, kv_lens=None):
+def check_gpu(got, q, k, v, kv_lens=None, causal=True):
     """Against the float64 reference, with torch SDPA in the inputs' dtype as the tolerance run
     (rows without keys, where SDPA gives NaN, are checked apart)."""
     out, lse = got
-    ref_out, ref_lse = reference(q, k, v, kv_lens)
-    low = sdpa(q, k, v, kv_lens)
-    dead = dead_rows(kv_lens, *q.shape[:3], k.shape[2]).to(q.device)
+    ref_out, ref_lse = reference(q, k, v, kv_lens, causal=causal)
+    low = sdpa(q, k, v, kv_lens, causal)
+    dead = dead_rows(kv_lens, *q.shape[:3], k.shape[2], causal).to(q.device)
     assert torch.all(out[dead] == 0) and torch.all(lse[dead] == float("-inf"))
     live = ~dead
     assert_close_to_reference(out[live], ref_out[live], low[live], dtype=q.dtype, name="out")
@@ -408,43 +561,83 @@ def check_gpu(got, q, k, v, kv_lens=None):
     assert err <= 1e-3, f"lse max error {err:.3e}"
 
 
+MERGES = ["separate", "fused"]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("n", [1, 4])
-def test_gpu_decoding_sizes(dtype, n):
+def test_gpu_decoding_sizes(dtype, n, merge):
     # B=8 H=32 Hk=8 M=8192 D=128, the heuristic split, a fixed tile (no autotuning here).
     q, k, v = make_inputs(8, 32, 8, n, 8192, 128, 128, dtype, seed=n)
-    got = decode.softmax_decode_fwd(q, k, v, config=cfg(128, warps=4, stages=3))
+    got = decode.softmax_decode_fwd(q, k, v, config=cfg(128, warps=4, stages=3), merge=merge)
     check_gpu(got, q, k, v)
 
 
 @pytest.mark.gpu
 @pytest.mark.autotune
-def test_gpu_autotuned_bf16():
+@pytest.mark.parametrize("merge", MERGES)
+def test_gpu_autotuned_bf16(merge):
     q, k, v = make_inputs(8, 32, 8, 1, 8192, 128, 128, BF16, seed=11)
-    check_gpu(decode.softmax_decode_fwd(q, k, v), q, k, v)
+    check_gpu(decode.softmax_decode_fwd(q, k, v, merge=merge), q, k, v)
+    assert_counters_clear()  # the autotuner's timing runs included
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
-def test_gpu_mqa_lengths(dtype):
-    # MQA with 4 row blocks (32 heads x 16 queries), lengths 0 and 1 among long ones.
+def test_gpu_mqa_lengths(dtype, merge):
+    # MQA with 4 row blocks (32 heads x 16 queries), lengths 0 and 1 among long ones, 5 splits.
     b, m = 4, 3000
     q, k, v = make_inputs(b, 32, 1, 16, m, 128, 128, dtype, seed=12)
     kv_lens = lens_t([0, 1, 2999, 1500])
-    got = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, config=cfg(64, warps=4, stages=3))
+    got = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, num_splits=5,
+                                    config=cfg(64, warps=4, stages=3), merge=merge)
     check_gpu(got, q, k, v, kv_lens)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [cfg(64, warps=2, stages=2), cfg(64, warps=8, stages=3)],
+                         ids=["w2", "w8"])
+def test_gpu_fused_merge_is_race_free(config):
+    # The fused merge's publication (partials stored, barrier, acq_rel atomic; the last program
+    # reads them back): many programs finishing together, 8 warps (more threads to order) and
+    # 2, lengths that leave splits empty.  Repeated calls must agree bitwise (a race would show
+    # as a run-to-run difference or a wrong row) and leave the counters at zero.
+    q, k, v = make_inputs(8, 32, 8, 4, 8192, 128, 128, BF16, seed=14)
+    kv_lens = lens_t([8192, 1, 0, 5000, 64, 65, 8191, 3000])
+    runs = [decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, num_splits=48, config=config,
+                                      merge="fused") for _ in range(6)]
+    torch.cuda.synchronize()
+    for out, lse in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
+    assert_counters_clear()
+    check_gpu(runs[0], q, k, v, kv_lens)
+    sep = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, num_splits=48, config=config)
+    torch.testing.assert_close(runs[0][1], sep[1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge", MERGES)
+def test_gpu_non_causal(merge):
+    q, k, v = make_inputs(4, 32, 8, 16, 3000, 128, 128, BF16, seed=15)
+    kv_lens = lens_t([3000, 1, 0, 2048])
+    got = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, num_splits=4, is_causal=False,
+                                    config=cfg(64, warps=2, stages=2), merge=merge)
+    check_gpu(got, q, k, v, kv_lens, causal=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("index", range(len(decode.configs_for(128, 128, rows=16, dtype=BF16))))
-def test_gpu_every_config_bf16(index):
+def test_gpu_every_config_bf16(index, merge):
     # Every candidate compiles, runs and gives the right answer (GQA 32/8, N = 4, three splits),
-    # one test per config so that they compile on separate workers (issue 26).  The heads, N and
-    # head dim are the bench's (bench/decode_gpu.py).
+    # with either merge, one test per config so that they compile on separate workers (issue
+    # 26).  The heads, N and head dim are the bench's (bench/decode_gpu.py).
     q, k, v = make_inputs(2, 32, 8, 4, 2000, 128, 128, BF16, seed=13)
     c = decode.configs_for(128, 128, rows=16, dtype=BF16)[index]
-    check_gpu(decode.softmax_decode_fwd(q, k, v, num_splits=3, config=c), q, k, v)
+    check_gpu(decode.softmax_decode_fwd(q, k, v, num_splits=3, config=c, merge=merge), q, k, v)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["bounds"]:
