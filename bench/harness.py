@@ -63,6 +63,7 @@ import torch
 
 from .._cpuinfo import cpu_info
 from .._cpuinfo import describe as describe_cpu
+from .._dispatch import cpu_kernels
 
 FAMILIES = ("softmax", "linear", "sparse", "hopfield", "varlen")
 KINDS = ("attnkit", "peer")
@@ -923,6 +924,7 @@ def make_meta(device: torch.device, *, quick: bool, warmup: int, repeats: int, f
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "cpu": cpu_info(),  # model, vendor, AVX2 / AVX-512 / AMX flags (also for a CUDA run's host)
+        "cpu_kernels": cpu_kernels(),  # the vector path attnkit's CPU kernels were built for
         "quick": quick,
         "warmup": warmup,
         "repeats": repeats,
@@ -971,6 +973,8 @@ def format_header(meta: dict) -> list[str]:
     lines.append(head + (" [quick]" if meta.get("quick") else ""))
     if meta.get("cpu"):
         lines.append(("cpu: " if meta.get("device") == "cpu" else "host cpu: ") + describe_cpu(meta["cpu"]))
+    if meta.get("cpu_kernels") and meta.get("device") == "cpu":
+        lines.append("attnkit cpu kernels: " + meta["cpu_kernels"])
     if machine:
         lines.append(format_machine(machine))
     lines.extend(format_legend(meta))

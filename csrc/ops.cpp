@@ -91,6 +91,21 @@ bool built_with_cuda() {
 #endif
 }
 
+// The vector path of the CPU kernels (csrc/cpu/flash_tiles.h), fixed when they were compiled
+// (-march=native, or ATTNKIT_MARCH): every TU is built with the same flags as this one.  Issue 25
+// asks for a choice at run time; until then attnkit.backends() reports this.
+std::string cpu_kernel_isa() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return "avx512f+avx512bf16";
+#elif defined(__AVX512F__)
+  return "avx512f";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2+fma";
+#else
+  return "scalar";
+#endif
+}
+
 namespace checks = attnkit::checks;
 
 // A target for the tests: backend "cpu" or "cuda"; device: the device type the tensors must have
@@ -129,6 +144,8 @@ void linear_bwd_check(const checks::Target& t, const std::optional<at::Tensor>& 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "attnkit native kernels (C++ CPU, and CUDA when built with it)";
   module.def("built_with_cuda", &built_with_cuda, "whether the CUDA kernels were compiled in");
+  module.def("cpu_kernel_isa", &cpu_kernel_isa,
+             "the vector instructions the CPU kernels were compiled for (compile-time choice)");
   module.def("openmp_max_threads", []() { return at::get_num_threads(); },
              "threads the CPU kernels use (torch's intra-op pool)");
 

@@ -39,6 +39,30 @@ class BackendUnavailableError(RuntimeError):
 class BackendStatus(NamedTuple):
     usable: bool
     reason: str  # empty when usable
+    kernels: str = ""  # which kernels run there (e.g. the CPU kernels' vector instructions)
+
+
+# What the CPU kernels' vector path does with each dtype (csrc/cpu/flash_tiles.h), by the ISA
+# attnkit._C reports (cpu_kernel_isa(): fixed at build time by -march, no runtime dispatch yet).
+_CPU_ISA_TEXT = {
+    "avx512f+avx512bf16": "float32 FMA tiles on zmm; bfloat16 products by AVX512-BF16 dot products",
+    "avx512f": "float32 FMA tiles on zmm; bfloat16 / float16 widened to float32",
+    "avx2+fma": "float32 FMA tiles on ymm; bfloat16 / float16 widened to float32",
+    "scalar": "portable loops (the build has neither AVX2+FMA nor AVX-512)",
+}
+
+
+def cpu_kernels() -> str:
+    """The CPU kernels' path on this build: ``"<isa>: <what it does>"`` ("" without attnkit._C,
+    or "unknown" for an extension built before cpu_kernel_isa existed)."""
+    if _native_import_error():
+        return ""
+    module = native()
+    if not hasattr(module, "cpu_kernel_isa"):
+        return "unknown"
+    isa = module.cpu_kernel_isa()
+    text = _CPU_ISA_TEXT.get(isa, "")
+    return (f"{isa}: {text}" if text else isa) + "; chosen at build time (-march), no AMX"
 
 
 def register_kernel(family: str, backend: str) -> None:
@@ -118,12 +142,13 @@ def backend_status(backend: str) -> BackendStatus:
         return BackendStatus(True, "")
     if backend == "cpu":
         reason = _native_import_error()
-        return BackendStatus(not reason, reason)
+        return BackendStatus(not reason, reason, cpu_kernels())
     if backend == "triton":
         reason = _triton_import_error()
         if not reason and not torch.cuda.is_available() and not triton_interpreted():
             reason = "no CUDA device (set TRITON_INTERPRET=1 to run Triton kernels on CPU tensors)"
-        return BackendStatus(not reason, reason)
+        where = "the Triton interpreter (CPU tensors)" if triton_interpreted() else "CUDA tensors"
+        return BackendStatus(not reason, reason, "" if reason else f"Triton kernels on {where}")
     if backend == "cuda":
         if not torch.cuda.is_available():
             return BackendStatus(False, "no CUDA device (or torch was built without CUDA)")
@@ -143,7 +168,9 @@ def backends() -> dict[str, dict[str, BackendStatus]]:
     Example::
 
         >>> attnkit.backends()["softmax"]["reference"]
-        BackendStatus(usable=True, reason='')
+        BackendStatus(usable=True, reason='', kernels='')
+        >>> attnkit.backends()["softmax"]["cpu"].kernels  # on an AVX2-only build
+        'avx2+fma: float32 FMA tiles on ymm; bfloat16 / float16 widened to float32; chosen at build time (-march), no AMX'
     """
     machine = {backend: backend_status(backend) for backend in BACKENDS}
     table: dict[str, dict[str, BackendStatus]] = {}

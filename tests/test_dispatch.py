@@ -23,8 +23,29 @@ def test_backends_table_covers_every_family_and_backend():
 def test_native_extension_is_built_and_reported():
     # The extension is part of every supported install (CI builds with a compiler); a missing
     # one must show up here rather than as silently skipped kernel tests.
-    assert _dispatch.backend_status("cpu") == (True, "")
+    status = _dispatch.backend_status("cpu")
+    assert status.usable and status.reason == "", status
     assert attnkit.backends()["hopfield_energy"]["cpu"].usable
+
+
+def test_cpu_backend_reports_the_vector_path_its_kernels_were_built_for():
+    # Issue 25: attnkit.backends() says which kernels each family's cpu backend runs.  The path
+    # is one the extension knows, and this CPU has its instructions (the build ran here).
+    from attnkit._cpuinfo import cpu_info
+
+    kernels = attnkit.backends()["softmax"]["cpu"].kernels
+    isa = _dispatch.native().cpu_kernel_isa()
+    assert isa in _dispatch._CPU_ISA_TEXT, isa
+    assert kernels.startswith(isa + ": ") and "build time" in kernels, kernels
+    flags = set(cpu_info()["isa"])  # display names: "AVX2", "AVX-512F", ...
+    if flags:  # /proc/cpuinfo read
+        needed = {"avx512f+avx512bf16": {"AVX-512F", "AVX-512 BF16"}, "avx512f": {"AVX-512F"},
+                  "avx2+fma": {"AVX2", "FMA"}, "scalar": set()}[isa]
+        assert needed <= flags, (isa, sorted(flags))
+    for family, row in attnkit.backends().items():
+        assert row["reference"].kernels == ""
+        if row["cpu"].usable:
+            assert row["cpu"].kernels == kernels, family
 
 
 def test_default_falls_back_to_reference_until_a_family_has_kernels(monkeypatch):
@@ -80,7 +101,7 @@ def test_triton_on_cpu_tensors_needs_the_interpreter(monkeypatch):
 
 def test_missing_extension_is_reported_with_its_reason(monkeypatch):
     monkeypatch.setattr(_dispatch, "_native_import_error", lambda: "attnkit._C is not built (test)")
-    assert attnkit.backends()["hopfield_energy"]["cpu"] == (False, "attnkit._C is not built (test)")
+    assert attnkit.backends()["hopfield_energy"]["cpu"][:2] == (False, "attnkit._C is not built (test)")
     with pytest.raises(BackendUnavailableError, match="is not built"):
         resolve("hopfield_energy", "cpu", CPU, "op")
     monkeypatch.delenv("ATTNKIT_BACKEND", raising=False)
