@@ -4,36 +4,45 @@ and a plain copy of the K/V bytes.
     python -m attnkit.bench.decode_gpu [--out decode_gpu.json] [--quick] [--deadline 165]
 
 Shapes: B=8, D=128, (H, Hk) in {(32, 8) GQA, (32, 1) MQA}, N in {1, 4, 16} query rows, M in
-{1024, 8192, 32768, 131072} cached keys, bfloat16 and float16 (48 shapes; ``--quick``: bfloat16,
-M=8192, N in {1, 4}).  For each shape, on the same inputs:
+{8192, 32768, 131072, 1024} cached keys (in that order), bfloat16 and float16 (48 shapes;
+``--quick``: bfloat16, M=8192, N in {1, 4}: 4 shapes, the GQA N=1 one first).  For each shape, on
+the same inputs:
 
 - ``copy K/V``: ``copy_`` of K and V into preallocated buffers; its GB/s counts bytes read plus
   written (the convention of bench/harness.py's ``copy_gb_per_s``).
 - ``SDPA``: ``F.scaled_dot_product_attention(q, k, v, enable_gqa=True)``, with the decoding
   (bottom-right) alignment as a bool ``[N, M]`` mask only when N > 1.
-- ``decode ...``: ``softmax_decode_fwd`` with the heuristic split count
-  (``default_num_splits``) for every config of ``configs_for`` (the entries of DECODE_CONFIGS
-  with BLOCK_M filled in; the entries it drops as not fitting are listed as skipped), then the
-  fastest config with half, twice and four times the heuristic's splits.  Each output is
-  checked against SDPA's (``max_err`` = max|out - sdpa| / max|sdpa|; above ERR_LIMIT the row
-  is flagged ``BAD`` and cannot be the best).
+- ``decode ...``, in two passes, both merge variants side by side (``merge="separate"``: a merge
+  kernel after the split kernel; ``"fused"``: the split kernel's last program per row block
+  merges; rows labelled ``... fused``; one split needs neither):
+  1. every config of ``configs_for`` (DECODE_CONFIGS, likely best first, BLOCK_M filled in; the
+     entries it drops as not fitting are listed as skipped) at the heuristic split count
+     (``default_num_splits``);
+  2. the split sweep (:func:`split_sweep`: split counts whose program count fills the SMs
+     evenly, plus a geometric ladder) with each variant's fastest config of pass 1.
+  Each output is checked against SDPA's (``max_err`` = max|out - sdpa| / max|sdpa|; above
+  ERR_LIMIT the row is flagged ``BAD`` and cannot be the best).
 
 GB/s of SDPA and the kernel = K/V bytes / time (the least traffic of the call); ``%copy`` = that
 over the copy bandwidth (the larger of the shape's own copy and a 1 GiB copy measured at the
 start); ``xSDPA`` = SDPA time / time (> 1: faster than SDPA).  Target (issue 26, K/V length >=
-8k): the fastest config at >= 1.0x SDPA and >= 70% of the copy bandwidth.
+8k): the fastest config at >= 1.0x SDPA and >= 70% of the copy bandwidth.  The summary gives the
+best row overall and the best of each merge variant.
 
 Timing: bench/harness.py's ``cuda_time_calls`` (CUDA events; one warm-up call per
 implementation and shape, then the median of up to ``--repeats`` calls, each after an L2 flush).
-Compilation: before timing, the kernels of every (dtype, heads, N, config) are compiled in
-parallel child processes (``--compile-jobs``, default all cores but one) on small inputs with the
-same specialization (M and the split count are not specialized on), filling Triton's on-disk
-cache, so that the timed process loads them instead of compiling ~270 variants one by one
-(an sm_90 compile of one took 3-10 s on a loaded 2-core CPU machine).  A
-config that fails in a child (out of resources, a CUDA error) is reported and not run here.
-Each shape stops starting configs after ``--shape-seconds`` and the run stops starting shapes
-after ``--deadline`` seconds (the JSON is rewritten after every shape), so that the whole
-script stays under ~3 minutes on an H100.
+Compilation: before timing, the kernels of every (dtype, heads, N, kernel variant, config) are
+compiled in parallel child processes (``--compile-jobs``, default all cores but one) on small
+inputs with the same specialization (M and the split count are not specialized on), filling
+Triton's on-disk cache, so that the timed process loads them instead of compiling each one by
+one (an sm_90 compile of one took 3-10 s on a loaded 2-core CPU machine).  A config that fails in
+a child (out of resources, a CUDA error) is reported and not run here.
+Deadlines: a shape's clock (``--shape-seconds``) starts after its copy and SDPA rows (on the first
+H200 run the GQA N=1 shape spent its whole 8 s before its second config: the first SDPA call of
+the process and the first kernel loads went on that clock); the run stops starting shapes after
+``--deadline`` seconds (the JSON is rewritten after every shape).  Each record keeps
+``setup_s`` (copy, SDPA) and ``decode_s`` to show where the time went.  ``--quick`` stays
+under ~90 s on an H200 (about 70 kernels compiled in ~30 s by 15 children, then ~10 s a shape).
 
 Without CUDA the script prints a message and exits 0.
 """
@@ -71,19 +80,27 @@ COMPILE_M = 1024  # the compile children's cache length (M is not specialized on
 # ----------------------------------------------------------------------------------------------
 
 
-def shapes(quick: bool = False) -> list[dict]:
-    """The shapes to run, most important first (the issue's targets at M >= 8192 lead, so that
-    a run cut short by the deadline keeps them)."""
-    out = []
+def shapes(quick: bool = False, kv_lens=None) -> list[dict]:
+    """The shapes to run, most important first, so that a run cut short by its deadline keeps
+    them: the --quick set (bf16 M=8192 N in {1, 4}, GQA N=1 first), then bf16 N=1 at 32k and
+    128k keys, then the rest of M >= 8192 (the issue's targets), then M = 1024.  ``kv_lens``
+    (a sequence of M) replaces the mode's lengths, keeping that order."""
     dtypes = ("bfloat16",) if quick else DTYPES
     lens = (8192,) if quick else (8192, 32768, 131072, 1024)
+    if kv_lens is not None:
+        lens = tuple(kv_lens)
     rows = (1, 4) if quick else QUERY_ROWS
-    for m in lens:
-        for dtype in dtypes:
-            for h, hk in HEADS:
-                for n in rows:
-                    out.append({"dtype": dtype, "B": B, "H": h, "Hk": hk, "N": n, "M": m, "D": D})
-    return out
+    out = [{"dtype": dtype, "B": B, "H": h, "Hk": hk, "N": n, "M": m, "D": D}
+           for m in lens for dtype in dtypes for h, hk in HEADS for n in rows]
+
+    def tier(s):
+        if s["dtype"] == "bfloat16" and s["M"] == 8192 and s["N"] in (1, 4):
+            return 0
+        if s["dtype"] == "bfloat16" and s["N"] == 1 and s["M"] > 8192:
+            return 1
+        return 2 if s["M"] >= TARGET_MIN_M else 3
+
+    return sorted(out, key=tier)  # stable: within a tier the loop order above
 
 
 def shape_label(s: dict) -> str:
@@ -97,8 +114,19 @@ def kv_bytes(s: dict) -> int:
     return 2 * s["B"] * s["Hk"] * s["M"] * s["D"] * esize
 
 
-def config_label(bm: int, bn: int, warps: int, stages: int, splits: int) -> str:
-    return f"S={splits} BM={bm} BN={bn} w{warps} s{stages}"
+def config_label(bm: int, bn: int, warps: int, stages: int, splits: int,
+                 merge: str = "separate") -> str:
+    """A decode row's name; the fused merge's rows end in " fused" (one split merges nothing:
+    no suffix)."""
+    label = f"S={splits} BM={bm} BN={bn} w{warps} s{stages}"
+    return label + " fused" if merge == "fused" and splits > 1 else label
+
+
+def row_merge(row: dict) -> str:
+    """The merge variant a decode row ran: "separate", "fused" or "direct" (one split)."""
+    if row.get("splits") == 1:
+        return "direct"
+    return row.get("merge") or "separate"
 
 
 def finish_record(shape: dict, rows: list[dict], machine_copy_gbps: float | None) -> dict:
@@ -106,9 +134,10 @@ def finish_record(shape: dict, rows: list[dict], machine_copy_gbps: float | None
 
     ``rows``: dicts with ``impl`` (name), ``kind`` ("copy", "sdpa" or "decode"), and
     ``seconds`` (median) or ``error`` / ``skipped`` (a reason); decode rows may carry
-    ``config``, ``splits`` and ``max_err``.  Adds per row: ``ms``, ``gbps`` (copy: bytes read +
-    written; others: K/V bytes, per second), ``pct_copy`` and ``vs_sdpa``; and the record's
-    ``best`` decode row and ``target`` verdict (None below TARGET_MIN_M)."""
+    ``config``, ``splits``, ``merge`` and ``max_err``.  Adds per row: ``ms``, ``gbps`` (copy:
+    bytes read + written; others: K/V bytes, per second), ``pct_copy`` and ``vs_sdpa``; and the
+    record's ``best`` decode row, ``best_by_merge`` (the best row of each merge variant timed)
+    and ``target`` verdict (None below TARGET_MIN_M)."""
     nbytes = kv_bytes(shape)
     by_kind = {r["kind"]: r for r in rows if r["kind"] in ("copy", "sdpa")}
     copy_s = (by_kind.get("copy") or {}).get("seconds")
@@ -128,13 +157,17 @@ def finish_record(shape: dict, rows: list[dict], machine_copy_gbps: float | None
     good = [r for r in out_rows if r["kind"] == "decode" and r.get("seconds")
             and (r.get("max_err") is None or r["max_err"] <= ERR_LIMIT)]
     best = min(good, key=lambda r: r["seconds"]) if good else None
+    best_by_merge = {}
+    for r in sorted(good, key=lambda r: r["seconds"]):
+        best_by_merge.setdefault(row_merge(r), r["impl"])
     target = None
     if shape["M"] >= TARGET_MIN_M:
         target = bool(best and (best.get("vs_sdpa") or 0) >= TARGET_VS_SDPA
                       and (best.get("pct_copy") or 0) >= 100 * TARGET_COPY_FRACTION)
     return {"shape": dict(shape), "label": shape_label(shape), "kv_bytes": nbytes,
             "copy_gbps": copy_gbps, "ref_copy_gbps": ref_copy, "rows": out_rows,
-            "best": best["impl"] if best else None, "target": target}
+            "best": best["impl"] if best else None, "best_by_merge": best_by_merge,
+            "target": target}
 
 
 def _f(x, spec):
@@ -163,19 +196,33 @@ def format_shape(rec: dict) -> str:
 
 
 def format_summary(records: list[dict]) -> str:
+    """The best row per shape, then each merge variant's best (ms, xSDPA, split count: what
+    decides the default merge and the split heuristic)."""
     lines = [f"summary: fastest config per shape (target at M >= {TARGET_MIN_M}: >= "
              f"{TARGET_VS_SDPA:.1f}x SDPA and >= {100 * TARGET_COPY_FRACTION:.0f}% of copy)",
-             f"  {'shape':<46} {'best':<30} {'ms':>9} {'GB/s':>7} {'%copy':>6} {'xSDPA':>6} "
+             f"  {'shape':<46} {'best':<34} {'ms':>9} {'GB/s':>7} {'%copy':>6} {'xSDPA':>6} "
              f"target"]
     for rec in records:
         best = next((r for r in rec["rows"] if r["impl"] == rec["best"]), {})
         verdict = {None: "-", True: "ok", False: "MISS"}[rec["target"]]
-        lines.append(f"  {rec['label']:<46} {(rec['best'] or 'none'):<30} "
+        lines.append(f"  {rec['label']:<46} {(rec['best'] or 'none'):<34} "
                      f"{_f(best.get('ms'), '9.4f')} {_f(best.get('gbps'), '7.0f')} "
                      f"{_f(best.get('pct_copy'), '6.1f')} {_f(best.get('vs_sdpa'), '6.2f')} "
                      f"{verdict}")
     hit = [r["target"] for r in records if r["target"] is not None]
     lines.append(f"  targets met: {sum(hit)} of {len(hit)}")
+    lines.append("merge variants: best of each (ms / xSDPA / splits); heuristic = "
+                 "default_num_splits' choice")
+    for rec in records:
+        parts = []
+        for merge in ("separate", "fused", "direct"):
+            impl = (rec.get("best_by_merge") or {}).get(merge)
+            row = next((r for r in rec["rows"] if r["impl"] == impl), None)
+            if row:
+                parts.append(f"{merge} {row['ms']:.4f} / {_f(row.get('vs_sdpa'), '.2f')} / "
+                             f"S={row.get('splits')}")
+        lines.append(f"  {rec['label']:<46} heuristic S={rec.get('heuristic_splits', '-')}  "
+                     + ("; ".join(parts) or "-"))
     return "\n".join(lines)
 
 
@@ -186,6 +233,29 @@ def format_table(meta: dict, records: list[dict]) -> str:
             "GB/s = K/V bytes / time (copy row: read + written); %copy = of the larger of the "
             "shape's copy and the 1 GiB copy; xSDPA = SDPA time / time")
     return "\n\n".join([head, *(format_shape(r) for r in records), format_summary(records)])
+
+
+SPLIT_LADDER = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+
+
+def split_sweep(programs: int, sms: int, kv_len: int, heuristic: int) -> list[int]:
+    """The split counts pass 2 times for a shape of ``programs`` programs per split (B * Hk *
+    row blocks) on ``sms`` SMs: the ladder SPLIT_LADDER and the counts that make whole waves
+    (``cdiv(w * sms, programs)`` for w = 1..4), kept where the program count is between a
+    quarter of the SMs (MQA: the heuristic's partials cap goes that low) and 16 per SM and
+    every split has a 64-key tile; one split (another kernel variant, 8 more compiles) only
+    where it is the heuristic's; plus the heuristic's.  Sorted."""
+    keep = set()
+    cands = set(SPLIT_LADDER) | {-(-w * sms // programs) for w in range(1, 5)}
+    for s in cands:
+        if s >= 2 and sms / 4 <= programs * s <= 16 * sms and kv_len // s >= 64:
+            keep.add(s)
+    keep.add(heuristic)
+    return sorted(keep)
+
+
+def row_blocks(shape: dict, block_m: int) -> int:
+    return -(-(shape["H"] // shape["Hk"]) * shape["N"] // block_m)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,7 +281,8 @@ def _run_decode(task: dict, m: int, device, seed: int = 0):
     v = seeded_randn((task["B"], task["Hk"], m, task["D"]), dt, device, seed + 2)
     bm, bn, w, st = task["config"]
     cfg = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-    return decode.softmax_decode_fwd(q, k, v, num_splits=task["S"], config=cfg)
+    return decode.softmax_decode_fwd(q, k, v, num_splits=task["S"], config=cfg,
+                                     merge=task.get("merge", "separate"))
 
 
 def _compile_worker(tasks_path: str, results_path: str) -> int:
@@ -241,40 +312,68 @@ def _compile_worker(tasks_path: str, results_path: str) -> int:
 
 def task_key(task: dict) -> str:
     """The split kernel a task compiles: what a config's result (or failure) is filed under.
-    The split count matters only as one split (another kernel variant) or several."""
+    The split count matters only as one split (the DIRECT variant) or several, with the
+    separate or the fused merge (FUSED_MERGE)."""
+    variant = "direct" if task["S"] == 1 else task.get("merge", "separate")
     return json.dumps([task[k] for k in ("dtype", "B", "H", "Hk", "N", "D")]
-                      + [task["S"] == 1, list(task["config"])])
+                      + [variant, list(task["config"])])
+
+
+def merge_key(task: dict) -> str | None:
+    """The separate merge kernel a task compiles (None: it runs none): one per merge tile."""
+    from attnkit.kernels._flash import pow2
+    from attnkit.kernels.decode import _merge_tiles
+
+    if task["S"] == 1 or task.get("merge", "separate") != "separate":
+        return None
+    rows = task["B"] * task["H"] * task["N"]
+    return json.dumps([task[k] for k in ("dtype", "B", "H", "N", "D")]
+                      + list(_merge_tiles(task["S"], pow2(task["D"]), rows)))
 
 
 def compile_tasks(plan: list[dict]) -> list[dict]:
     """The compile children's work for ``plan`` (one entry per shape: the shape, its heuristic
     split ``S``, its ``configs`` [(bm, bn, w, st)] and ``split_variants``): every split kernel
-    once -- per (dtype, heads, N, one split or several, config): it does not specialize on M or
-    the split count -- and every merge kernel once (per merge tile, BLOCK_S, of each split count
-    a shape will time)."""
-    from attnkit.kernels._flash import pow2
-    from attnkit.kernels.decode import _merge_tiles
-
+    once -- per (dtype, heads, N, kernel variant, config), M and the split count are not
+    specialized on -- for every config in each variant pass 2 may use (the best config is
+    known only then), and every separate merge kernel once (per merge tile of each split count
+    a shape will time).  Pass 1's tasks come first, shape by shape: the children take them
+    round-robin, so the first shape's kernels are ready first."""
     tasks, seen = [], set()
 
-    def add(shape, s, config):
+    def add(shape, s, config, merge):
         t = {k: shape[k] for k in ("dtype", "B", "H", "Hk", "N", "D")}
-        t.update(S=s, config=list(config))
+        t.update(S=s, config=list(config), merge=merge)
         t["key"] = task_key(t)
-        merge = None if s == 1 else json.dumps([t["dtype"], t["B"], t["H"], t["N"], t["D"],
-                                                _merge_tiles(s, pow2(t["D"]))])
-        if t["key"] in seen and (merge is None or merge in seen):
+        mkey = merge_key(t)
+        if t["key"] in seen and (mkey is None or mkey in seen):
             return
-        seen.update({t["key"], merge})
+        seen.update({t["key"], mkey} - {None})
         tasks.append(t)
 
     for entry in plan:
+        shape, s = entry["shape"], entry["S"]
         for config in entry["configs"]:
-            add(entry["shape"], entry["S"], config)
-        for s in entry["split_variants"]:
-            if s > 1:  # S = 1 runs another kernel variant: compiled when (if) it is timed
-                add(entry["shape"], s, entry["configs"][0])
+            for merge in merges_for(s):
+                add(shape, s, config, merge)
+    for entry in plan:
+        shape, variants = entry["shape"], entry["split_variants"]
+        several = [x for x in variants if x > 1]
+        if several:  # the fused / separate split kernels of every config, the merge tiles
+            for config in entry["configs"]:
+                for merge in ("separate", "fused"):
+                    add(shape, several[0], config, merge)
+            for x in several:
+                add(shape, x, entry["configs"][0], "separate")
+        if 1 in variants:
+            for config in entry["configs"]:
+                add(shape, 1, config, "separate")
     return tasks
+
+
+def merges_for(splits: int) -> tuple[str, ...]:
+    """The merge variants a split count runs (one split: the direct kernel only)."""
+    return ("separate",) if splits == 1 else ("separate", "fused")
 
 
 def precompile(tasks: list[dict], jobs: int, timeout_s: float, log) -> dict:
@@ -356,8 +455,8 @@ def _max_err(out, ref) -> float:
     return float("inf") if diff != diff else diff / scale
 
 
-def run_shape(entry: dict, device, args, compiled: dict, deadline: float) -> list[dict]:
-    """The raw rows of one shape (see finish_record)."""
+def run_shape(entry: dict, device, args, compiled: dict, deadline: float) -> tuple[list, dict]:
+    """The raw rows of one shape (see finish_record) and its timings {setup_s, decode_s}."""
     import torch.nn.functional as F
     import triton
 
@@ -368,11 +467,11 @@ def run_shape(entry: dict, device, args, compiled: dict, deadline: float) -> lis
     shape, splits = entry["shape"], entry["S"]
     dt = _torch_dtype(shape["dtype"])
     n, m = shape["N"], shape["M"]
+    t_start = time.monotonic()
     q = seeded_randn((shape["B"], shape["H"], n, shape["D"]), dt, device, 1)
     k = seeded_randn((shape["B"], shape["Hk"], m, shape["D"]), dt, device, 2)
     v = seeded_randn((shape["B"], shape["Hk"], m, shape["D"]), dt, device, 3)
     rows = []
-    stop_at = min(deadline, time.monotonic() + args.shape_seconds)
 
     rows.append({"impl": "copy K/V", "kind": "copy",
                  "seconds": _time_copy(k, v, device, args.repeats, args.max_time)})
@@ -388,13 +487,20 @@ def run_shape(entry: dict, device, args, compiled: dict, deadline: float) -> lis
     except Exception as exc:  # noqa: BLE001 - recorded; the kernel still runs
         rows.append({"impl": "SDPA", "kind": "sdpa", "error": _first_line(exc)})
         torch.cuda.empty_cache()
+    # The shape's clock starts here: the copy and SDPA (whose first call in a process can take
+    # seconds) are not what it limits.
+    t_decode = time.monotonic()
+    stop_at = min(deadline, t_decode + args.shape_seconds)
 
-    def decode_row(config, s):
+    def decode_row(config, s, merge):
         bm, bn, w, st = config
-        label = config_label(bm, bn, w, st, s)
-        row = {"impl": label, "kind": "decode", "config": list(config), "splits": s}
+        label = config_label(bm, bn, w, st, s, merge)
+        row = {"impl": label, "kind": "decode", "config": list(config), "splits": s,
+               "merge": merge if s > 1 else "direct"}
+        if s != splits:
+            row["note"] = "split variant"
         task = {k_: shape[k_] for k_ in ("dtype", "B", "H", "Hk", "N", "D")}
-        task.update(S=s, config=list(config))
+        task.update(S=s, config=list(config), merge=merge)
         child_err = compiled.get(task_key(task))
         if child_err:
             row["error"] = "compile child: " + child_err
@@ -405,7 +511,7 @@ def run_shape(entry: dict, device, args, compiled: dict, deadline: float) -> lis
         cfg = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
         try:
             sec, out = _median(lambda: decode.softmax_decode_fwd(q, k, v, num_splits=s,
-                                                                 config=cfg),
+                                                                 config=cfg, merge=merge),
                                device, args.repeats, args.max_time)
             row["seconds"] = sec
             if ref is not None:
@@ -417,30 +523,48 @@ def run_shape(entry: dict, device, args, compiled: dict, deadline: float) -> lis
                 raise RuntimeError(f"CUDA context lost in {label}: {problem}") from exc
         return row
 
+    # Pass 1: every config at the heuristic split count, the merge variants interleaved (so a
+    # shape cut short has both for the likely best configs).
     for config in entry["configs"]:
-        rows.append(decode_row(config, splits))
+        for merge in merges_for(splits):
+            rows.append(decode_row(config, splits, merge))
     for bn, w, st in entry.get("dropped", ()):
         rows.append({"impl": f"S={splits} BN={bn} w{w} s{st}", "kind": "decode",
                      "skipped": "not in configs_for (registers / shared memory estimate)"})
+    # Pass 2: the split sweep with each variant's fastest config (the overall fastest where a
+    # variant has no row yet: one split at the heuristic).
     timed = [r for r in rows if r["kind"] == "decode" and r.get("seconds")]
     if timed:
-        best = min(timed, key=lambda r: r["seconds"])
+        overall = min(timed, key=lambda r: r["seconds"])["config"]
+        best = {}
+        for merge in ("separate", "fused"):
+            mine = [r for r in timed if r.get("merge") == merge]
+            best[merge] = tuple(min(mine, key=lambda r: r["seconds"])["config"] if mine
+                                else overall)
         for s in entry["split_variants"]:
-            rows.append(decode_row(tuple(best["config"]), s))
+            if s == splits:
+                continue
+            for merge in merges_for(s):
+                rows.append(decode_row(best[merge], s, merge))
     if args.autotune and time.monotonic() < stop_at:
-        try:
-            sec, out = _median(lambda: decode.softmax_decode_fwd(q, k, v), device,
-                               args.repeats, args.max_time)
-            rows.append({"impl": f"S={splits} autotuned", "kind": "decode", "seconds": sec,
-                         "splits": splits,
-                         "max_err": None if ref is None else _max_err(out[0], ref)})
-        except Exception as exc:  # noqa: BLE001
-            rows.append({"impl": f"S={splits} autotuned", "kind": "decode",
-                         "error": _first_line(exc)})
-    return rows
+        for merge in merges_for(splits):
+            label = f"S={splits} autotuned" + (" fused" if merge == "fused" else "")
+            try:
+                sec, out = _median(lambda: decode.softmax_decode_fwd(q, k, v, merge=merge),
+                                   device, args.repeats, args.max_time)
+                rows.append({"impl": label, "kind": "decode", "seconds": sec, "splits": splits,
+                             "merge": merge if splits > 1 else "direct",
+                             "max_err": None if ref is None else _max_err(out[0], ref)})
+            except Exception as exc:  # noqa: BLE001
+                rows.append({"impl": label, "kind": "decode", "error": _first_line(exc)})
+    timing = {"setup_s": round(t_decode - t_start, 2),
+              "decode_s": round(time.monotonic() - t_decode, 2)}
+    return rows, timing
 
 
 def make_plan(shape_list: list[dict], sms: int) -> list[dict]:
+    """Per shape: the heuristic split ``S``, the ``configs`` of pass 1 (configs_for's order:
+    likely best first), the ``split_variants`` of pass 2 and the ``dropped`` configs."""
     from attnkit.kernels import decode
 
     plan = []
@@ -450,8 +574,8 @@ def make_plan(shape_list: list[dict], sms: int) -> list[dict]:
         splits = decode.default_num_splits(s["B"], s["Hk"], rows, s["M"], sms)
         configs = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
                    for c in decode.configs_for(s["D"], s["D"], rows, dt)]
-        variants = sorted({x for x in (max(1, splits // 2), 2 * splits, 4 * splits)
-                           if x != splits and x <= max(1, s["M"] // 64)})
+        programs = s["B"] * s["Hk"] * -(-rows // decode.MAX_BLOCK_M)
+        variants = split_sweep(programs, sms, s["M"], splits)
         kept = {(bn, w, st) for _, bn, w, st in configs}
         dropped = [(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in decode.DECODE_CONFIGS
                    if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) not in kept]
@@ -470,12 +594,16 @@ def build_parser() -> argparse.ArgumentParser:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="decode_gpu.json", help="JSON output path")
     p.add_argument("--quick", action="store_true", help="bf16, M=8192, N in {1, 4} only")
+    p.add_argument("--kv-lens", default=None,
+                   help="comma-separated cache lengths M instead of the mode's (e.g. "
+                        "--quick --kv-lens 8192,32768,131072)")
     p.add_argument("--match", default=None, help="only shapes whose label contains this")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per row (at most)")
     p.add_argument("--max-time", type=float, default=0.15,
                    help="seconds of timed calls per row (fewer repeats past it)")
-    p.add_argument("--shape-seconds", type=float, default=8.0,
-                   help="stop starting configs of a shape after this many seconds")
+    p.add_argument("--shape-seconds", type=float, default=20.0,
+                   help="stop starting decode rows of a shape after this many seconds (counted "
+                        "from after its copy and SDPA rows)")
     p.add_argument("--deadline", type=float, default=165.0,
                    help="stop starting shapes after this many seconds of the whole run")
     p.add_argument("--compile-jobs", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)),
@@ -483,7 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-timeout", type=float, default=90.0,
                    help="seconds for the compile children (at most 2/3 of --deadline)")
     p.add_argument("--autotune", action="store_true",
-                   help="also time config=None (the autotuner: ~25 configs benchmarked per key)")
+                   help="also time config=None (the autotuner: every config benchmarked per key)")
     p.add_argument("--compile-worker", nargs=2, metavar=("TASKS", "RESULTS"),
                    help=argparse.SUPPRESS)
     return p
@@ -531,7 +659,8 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, flush=True)
 
-    shape_list = [s for s in shapes(args.quick)
+    kv_lens = None if args.kv_lens is None else [int(x) for x in args.kv_lens.split(",") if x]
+    shape_list = [s for s in shapes(args.quick, kv_lens)
                   if args.match is None or args.match in shape_label(s)]
     plan = make_plan(shape_list, sms)
     tasks = compile_tasks(plan)
@@ -549,6 +678,9 @@ def main(argv=None) -> int:
     meta = _meta(device, args, copy_gbps, sms)
     meta["compile"] = {"tasks": len(tasks), "reported": len(compiled), "failed": failed,
                        "seconds": round(time.monotonic() - t0, 1)}
+    meta["plan"] = [{"label": shape_label(e["shape"]), "heuristic_splits": e["S"],
+                     "split_variants": e["split_variants"], "configs": e["configs"]}
+                    for e in plan]
     log(format_table(meta, []).split("\n\n")[0])
     records = []
     for entry in plan:
@@ -557,19 +689,18 @@ def main(argv=None) -> int:
                                                   "skipped": "run deadline"}], copy_gbps)
         else:
             try:
-                rows = run_shape(entry, device, args, compiled, deadline)
+                rows, timing = run_shape(entry, device, args, compiled, deadline)
                 torch.cuda.empty_cache()  # the shape's inputs are gone with run_shape
             except RuntimeError as exc:  # the CUDA context is gone: keep what we have
                 log(f"stopping: {exc}")
                 meta["stopped"] = str(exc)
                 _write(args.out, meta, records)
                 break
-            for r in rows:
-                if r["kind"] == "decode" and "splits" in r and r["splits"] != entry["S"]:
-                    r["note"] = "split variant"
             rec = finish_record(entry["shape"], rows, copy_gbps)
             rec["heuristic_splits"] = entry["S"]
-            log("\n" + format_shape(rec))
+            rec.update(timing)
+            log("\n" + format_shape(rec) + f"\n  (setup {timing['setup_s']} s, decode rows "
+                f"{timing['decode_s']} s)")
         records.append(rec)
         _write(args.out, meta, records)
     meta["seconds"] = round(time.monotonic() - t0, 1)

@@ -461,6 +461,66 @@ def test_launcher_rejects_mixed_devices():
 
 
 # ----------------------------------------------------------------------------------------------
+# the GPU bench's plan (bench/decode_gpu.py): what the next GPU run will time, from this kernel's
+# configs and heuristic (no GPU needed)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_bench_plan_reaches_every_config_of_both_merges():
+    from attnkit.bench import decode_gpu as g
+
+    quick = g.shapes(quick=True)
+    assert [(s["Hk"], s["N"], s["M"], s["dtype"]) for s in quick] == [
+        (8, 1, 8192, "bfloat16"), (8, 4, 8192, "bfloat16"), (1, 1, 8192, "bfloat16"),
+        (1, 4, 8192, "bfloat16")]
+    plan = g.make_plan(quick, 132)
+    first = plan[0]
+    assert first["S"] == 6 and first["configs"][0] == (16, 64, 2, 2)
+    assert len(first["configs"]) == len(decode.DECODE_CONFIGS) and first["dropped"] == []
+    assert {2, 4, 5, 6, 8, 10, 12, 16, 20} <= set(first["split_variants"])
+    tasks = g.compile_tasks(plan)
+    keys = {t["key"] for t in tasks}
+    for entry in plan:  # every pass-1 row of every shape has its kernel compiled ahead
+        for config in entry["configs"]:
+            for merge in g.merges_for(entry["S"]):
+                task = dict(entry["shape"], S=entry["S"], config=list(config), merge=merge)
+                assert g.task_key(task) in keys
+        for s in entry["split_variants"]:  # and every separate merge tile of the sweep
+            task = dict(entry["shape"], S=s, config=list(entry["configs"][0]), merge="separate")
+            assert g.merge_key(task) in {g.merge_key(t) for t in tasks}
+    assert len(tasks) <= 80  # ~30 s of 15 compile children on the H200 (84 took 28 s)
+    # the full mode adds 32k and 128k keys, after the quick shapes; --kv-lens picks lengths
+    full = g.shapes()
+    assert full[:4] == quick and len(full) == 48
+    assert [s["M"] for s in full[4:8]] == [32768, 32768, 131072, 131072]
+    assert {s["M"] for s in g.shapes(True, kv_lens=[32768, 131072])} == {32768, 131072}
+
+
+def test_bench_split_sweep_and_records():
+    from attnkit.bench import decode_gpu as g
+
+    # 64 programs on 132 SMs: 2 .. 33 splits (0.97 .. 16 per SM), whole waves 3, 5, 7, 9 too
+    assert g.split_sweep(64, 132, 8192, 6) == [2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 20, 24, 32]
+    assert 1 in g.split_sweep(512, 132, 8192, 1) and 1 not in g.split_sweep(64, 132, 8192, 6)
+    assert max(g.split_sweep(8, 132, 1024, 16)) <= 1024 // 64
+    assert g.config_label(16, 64, 2, 2, 6, "fused") == "S=6 BM=16 BN=64 w2 s2 fused"
+    assert g.config_label(16, 64, 2, 2, 1, "fused") == "S=1 BM=16 BN=64 w2 s2"
+    shape = g.shapes(quick=True)[0]
+    rows = [{"impl": "copy K/V", "kind": "copy", "seconds": 1e-4},
+            {"impl": "SDPA", "kind": "sdpa", "seconds": 8e-5},
+            {"impl": "a", "kind": "decode", "splits": 6, "merge": "separate", "seconds": 9e-5},
+            {"impl": "b", "kind": "decode", "splits": 6, "merge": "fused", "seconds": 7e-5},
+            {"impl": "c", "kind": "decode", "splits": 4, "merge": "fused", "seconds": 7.5e-5},
+            {"impl": "d", "kind": "decode", "splits": 1, "merge": "direct", "seconds": 2e-4}]
+    rec = g.finish_record(shape, rows, 4000.0)
+    assert rec["best"] == "b"
+    assert rec["best_by_merge"] == {"fused": "b", "separate": "a", "direct": "d"}
+    rec["heuristic_splits"] = 6
+    text = g.format_summary([rec])
+    assert "heuristic S=6  separate 0.0900 / 0.89 / S=6; fused 0.0700 / 1.14 / S=6" in text
+
+
+# ----------------------------------------------------------------------------------------------
 # out-of-bounds accesses, caught in guarded memory (child process)
 # ----------------------------------------------------------------------------------------------
 
