@@ -65,7 +65,7 @@ from .._cpuinfo import cpu_info
 from .._cpuinfo import describe as describe_cpu
 from .._dispatch import cpu_kernels
 
-FAMILIES = ("softmax", "linear", "sparse", "hopfield", "varlen")
+FAMILIES = ("softmax", "linear", "sparse", "hopfield", "varlen", "options")
 KINDS = ("attnkit", "peer")
 SCHEMA = "attnkit-bench/1"
 
