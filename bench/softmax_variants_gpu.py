@@ -489,10 +489,11 @@ def precompile(tasks: list[dict], jobs: int, timeout_s: float, log) -> dict:
 
 
 def _median(step, device, args):
-    from .harness import cuda_time_calls
+    """Median seconds of ``step`` (CUDA events on a GPU; the host clock elsewhere, which only
+    the CPU test of run_case uses)."""
+    from .harness import time_calls
 
-    times, out = cuda_time_calls(step, device, warmup=1, repeats=args.repeats,
-                                 max_time=args.max_time)
+    times, out = time_calls(step, device, warmup=1, repeats=args.repeats, max_time=args.max_time)
     return statistics.median(times), out
 
 

@@ -153,3 +153,44 @@ def test_compile_children_out_and_lse(causal):
     ref_out, ref_lse = softmax_attention_reference(q, k, v, is_causal=causal, return_lse=True)
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_run_case_end_to_end_on_the_interpreter():
+    # The timed process's logic (checks into NaN-filled buffers, the best forward feeding the
+    # backward rows, the fwd+bwd rows, skips) on a tiny float32 case in the Triton interpreter,
+    # with a few rows of each kind and the host clock.
+    import argparse
+
+    c = {"dtype": "float32", "B": 1, "H": 2, "N": 48, "D": 16, "causal": True}
+    plan = g.plan_case(c, n_configs=1)
+    keep = {"SDPA fwd", "SDPA bwd", "SDPA fwd+bwd", "today fwd", "today bwd", "today fwd+bwd"}
+    rows = [r for r in plan if r["impl"] in keep
+            or r.get("variant") in ("fma", "tma", "split", "atomic")]
+    rows.append(dict(next(r for r in plan if r.get("variant") == "tma_reduce"
+                          and r["kind"] == "bwd"), skipped="not here"))
+    args = argparse.Namespace(repeats=1, max_time=1e-3)
+    compiled = {g.compile_key(c, r): "CompilationError: boom" for r in rows
+                if r.get("variant") == "tma" and r["kind"] == "fwd"}
+    lines = []
+    raw = g.run_case(c, rows, torch.device("cpu"), args, compiled, deadline=float("inf"),
+                     share_s=1e9, log=lines.append)
+    rec = g.finish_record(c, raw)
+    by = {r["impl"]: r for r in rec["rows"]}
+    assert len(lines) == len(raw) == len(rows)
+    for r in rec["rows"]:
+        checked = r["kind"] in ("fwd", "bwd") or (r["kind"] == "today" and r["mode"] != "fwd+bwd")
+        if checked and r.get("variant") not in ("tma_reduce", "tma"):
+            assert r.get("seconds") and r["err"] < 1e-4, r  # float32 against SDPA
+            assert not r["bad"]
+    fwd = next(r for r in rec["rows"] if r["kind"] == "fwd" and r["variant"] == "fma")
+    assert fwd["lse_err"] < 1e-5
+    tma = next(r for r in rec["rows"] if r["kind"] == "fwd" and r["variant"] == "tma")
+    assert tma["error"] == "compile child: CompilationError: boom" and "seconds" not in tma
+    both = [r for r in rec["rows"] if r["kind"] == "fwdbwd"]
+    assert {r["variant"] for r in both} >= {"split", "atomic"}
+    for r in both:
+        if r["variant"] in ("split", "atomic"):
+            assert r.get("seconds") and r["fwd"] == fwd["impl"]
+    assert by["bwd tma_reduce " + g.tile_label(
+        next(r for r in rows if r.get("variant") == "tma_reduce")["config"])]["skipped"]
+    assert rec["best"]["fwd"] == fwd["impl"]
