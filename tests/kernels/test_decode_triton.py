@@ -133,6 +133,9 @@ CASES = {
     "f16_n16_m1000_gqa_d32_dv48": (1, 8, 2, 16, 1000, 32, 48, F16, [1000], 2, cfg(256)),
     "f16_n3_m7_mqa_lens01": (2, 4, 1, 3, 7, 16, 24, F16, [0, 1], 1, cfg(64)),
     "f16_n16_m300_mqa_splits4": (1, 4, 1, 16, 300, 16, 16, F16, [255], 4, cfg(64)),
+    # 72 rows in 64-row tiles: the fused merge walks each tile in 32-row sub-blocks, the last
+    # ones partly or wholly past the rows
+    "n9_m130_mqa_bm64_subblocks": (2, 8, 1, 9, 130, 16, 24, F32, [100, 3], 3, cfg(64, bm=64)),
 }
 
 
