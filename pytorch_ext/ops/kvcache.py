@@ -4,11 +4,22 @@
 
 One call appends the new keys / values to the cache (in place) and attends each batch element's
 queries to its cached keys plus the new ones, causally aligned bottom-right (the new queries are
-the last positions of the sequence).  No new kernel: plain Python over
-:func:`attnkit.softmax_attention` (so every backend, dtype and score option it has), whose CPU
-backend sends few-query calls (N <= 16) to its split-KV decode kernel.
+the last positions of the sequence).  Two routes:
 
-How a call becomes kernel calls:
+- **triton backend, Nq <= 16 new queries, no score option** (decoding, a short chunk): one call
+  of the split-KV Triton kernel ``attnkit.kernels.decode.softmax_decode_fwd`` for the whole
+  batch, with per-sequence lengths ``kv_lens = cache_seqlens + Nk`` and the kernel's own
+  bottom-right causal alignment (``is_causal=False``: every query sees all L_b keys).  It reads
+  each sequence's first L_b cache positions straight from the cache (one view of the first
+  ``max_b L_b`` positions; a paged cache is gathered into one padded copy first), with no
+  grouping by length, no mask and no merge of a prefix and a causal part.  Forward only:
+  nothing here takes a gradient anyway (see below).
+- **otherwise** (the reference, cpu and cuda backends, more queries, score options, dtypes or
+  head dims the Triton kernels lack): plain Python over :func:`attnkit.softmax_attention` (so
+  every backend, dtype and score option it has), whose CPU backend sends few-query calls
+  (N <= 16) to its split-KV decode kernel, as follows.
+
+How a call becomes kernel calls on the second route:
 
 - **lengths**: batch element b sees L_b = cache_seqlens[b] + Nk keys, and nothing past them is
   ever read (a cache allocated with ``torch.empty`` may hold anything there, NaN included).  A
@@ -51,6 +62,39 @@ OP_NAME = "attnkit.attention_with_kvcache"
 _ALIGNED_OPTIONS = ("window", "alibi_slopes")
 # Applied once per row (a sink is one more logit of the softmax): in only one part of a split.
 _ONCE_OPTIONS = ("sinks",)
+
+# What attnkit.kernels.decode.softmax_decode_fwd takes (MAX_QUERY_ROWS, SUPPORTED_DTYPES,
+# MAX_HEAD_DIM; not imported from there: importing the kernels imports triton, slow, and only
+# the triton route needs it).
+_DECODE_MAX_QUERIES = 16
+_DECODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DECODE_MAX_HEAD_DIM = 256
+
+
+def _decode_kernel_fits(backend, q, value_dim, score_options) -> bool:
+    """Whether the call goes to the triton split-KV decode kernel (module docstring): the
+    triton backend, 1..16 new queries, no score option (the kernel has none), a dtype and head
+    dims it takes.  Anything else takes the softmax_attention route, which routes or raises as
+    softmax_attention does."""
+    return (backend == "triton" and 1 <= q.shape[2] <= _DECODE_MAX_QUERIES and not score_options
+            and q.dtype in _DECODE_DTYPES and 1 <= q.shape[3] <= _DECODE_MAX_HEAD_DIM
+            and 1 <= value_dim <= _DECODE_MAX_HEAD_DIM)
+
+
+def _decode_triton(q, k_cache, v_cache, visible, tables, is_causal, scale):
+    """(out, lse) of every batch element at once from the split-KV Triton kernel: the cache's
+    first max(L_b) positions (a view; a paged cache gathered into one padded copy), kv_lens =
+    L_b.  Cache positions at or past L_b -- the padding included -- are never read (the kernel
+    loads only keys < kv_lens[b])."""
+    from ..kernels.decode import softmax_decode_fwd
+
+    longest = max(visible)
+    if tables is not None:
+        keys, values = _gather_pages_padded(k_cache, v_cache, tables, visible, longest)
+    else:
+        keys, values = k_cache[:, :, :longest], v_cache[:, :, :longest]
+    kv_lens = torch.tensor(visible, dtype=torch.int32, device=q.device)
+    return softmax_decode_fwd(q, keys, values, scale, kv_lens=kv_lens, is_causal=is_causal)
 
 
 def _lengths(fn: str, cache_seqlens, batch: int) -> list[int]:
@@ -188,9 +232,12 @@ def attention_with_kvcache(
 
     Cache positions at or past ``L_b`` are never read: they may hold anything (NaN included).
 
-    Cost: see the module docstring -- views of a contiguous cache (one kernel call per run of
-    adjacent batch elements with equal L_b), a gathered copy of a paged cache; Nq <= 16 takes
-    softmax_attention's decode kernel on CPU; causal Nq > 1 is two calls and a merge.
+    Cost: see the module docstring.  On the triton backend with Nq <= 16 and no score option:
+    one split-KV decode kernel call for the whole batch (per-sequence lengths, causal or not;
+    a paged cache costs one padded gather first).  Otherwise views of a contiguous cache (one
+    kernel call per run of adjacent batch elements with equal L_b), a gathered copy of a paged
+    cache; Nq <= 16 takes softmax_attention's decode kernel on CPU; causal Nq > 1 is two calls
+    and a merge.
 
     Raises:
         TypeError: non-tensors, non-floating q / k / v / caches, cache_seqlens or block_table of
@@ -299,13 +346,16 @@ def attention_with_kvcache(
                     if slots.setdefault(slot, b) != b:
                         raise ValueError(f"{fn}: batch elements {slots[slot]} and {b} both write block "
                                          f"{slot[0]} offset {slot[1]} of the paged cache")
-    resolve("softmax", backend, q.device, fn)
+    chosen = resolve("softmax", backend, q.device, fn)
     for b0, b1 in _runs(visible):  # per-batch options of the wrong size: before the cache is written
         options_for(fn, score_options, slice(b0, b1), batch)
 
     with torch.no_grad():
         if new:
             _append(k_cache, v_cache, k, v, seqlens, tables, paged)
+        if batch and _decode_kernel_fits(chosen, q, value_dim, score_options):
+            out, lse = _decode_triton(q, k_cache, v_cache, visible, tables, is_causal, scale)
+            return (out, lse) if return_lse else out
         out = q.new_empty((batch, heads, nq, value_dim))
         lse = q.new_empty((batch, heads, nq), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
         if paged:
@@ -355,6 +405,24 @@ def _append(k_cache, v_cache, k, v, seqlens, tables, paged):
     # cache[first[i], :, second[i]] = row i of the new rows [B * Nk, Hk, D] (b major, t minor).
     k_cache[first, :, second] = k.transpose(1, 2).reshape(batch * new, k.shape[1], k.shape[3])
     v_cache[first, :, second] = v.transpose(1, 2).reshape(batch * new, v.shape[1], v.shape[3])
+
+
+def _gather_pages_padded(k_cache, v_cache, tables, lengths, longest):
+    """Each batch element's first ``lengths[b]`` positions from its blocks, in one
+    [B, Hk, longest, D] / [B, Hk, longest, Dv] copy (one ``cat`` of block views per batch
+    element); positions at or past lengths[b] are left unwritten (the decode kernel never reads
+    them)."""
+
+    def gather(cache):
+        _, hk, block_size, dim = cache.shape
+        out = cache.new_empty((len(tables), hk, longest, dim))
+        for j, (row, length) in enumerate(zip(tables, lengths)):
+            views = [cache[block, :, :min(block_size, length - i * block_size)] for i, block in enumerate(row)]
+            if views:
+                torch.cat(views, dim=1, out=out[j, :, :length])
+        return out
+
+    return gather(k_cache), gather(v_cache)
 
 
 def _gather_pages(k_cache, v_cache, tables, length):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import attnkit
+from attnkit._dispatch import backend_status
 from attnkit.reference.softmax import softmax_attention_reference
 from attnkit_testing import F64, LOW_PRECISION, assert_close_to_reference
 
@@ -244,3 +245,165 @@ def test_bad_arguments_raise_before_the_cache_is_written(kwargs, error, match):
     with pytest.raises(error, match=match):
         attnkit.attention_with_kvcache(**kwargs)
     assert torch.equal(kwargs["k_cache"], before[0]) and torch.equal(kwargs["v_cache"], before[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# triton backend: one call of the split-KV decode kernel (attnkit.kernels.decode) per step
+# (under the Triton interpreter on CPU tensors without a GPU; float32 and float16 there -- the
+# interpreter's bfloat16 dot is wrong, DESIGN.md)
+# ----------------------------------------------------------------------------------------------
+
+_TRITON = backend_status("triton")
+needs_triton = pytest.mark.skipif(not _TRITON.usable, reason=f"triton backend unusable: {_TRITON.reason}")
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    """Counts the calls of the decode kernel and of softmax_attention made by the kvcache op."""
+    from attnkit.kernels import decode
+    from attnkit.ops import kvcache as op
+
+    calls = {"decode": [], "softmax_attention": 0}
+    real_decode, real_softmax = decode.softmax_decode_fwd, op.softmax_attention
+
+    def spy_decode(q, k, v, *args, **kwargs):
+        calls["decode"].append(dict(kwargs, shape=tuple(k.shape)))
+        return real_decode(q, k, v, *args, **kwargs)
+
+    def spy_softmax(*args, **kwargs):
+        calls["softmax_attention"] += 1
+        return real_softmax(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "softmax_decode_fwd", spy_decode)
+    monkeypatch.setattr(op, "softmax_attention", spy_softmax)
+    return calls
+
+
+def _on(device, *tensors):
+    return [None if t is None else t.to(device) for t in tensors]
+
+
+@needs_triton
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("nq,nk", SHAPES)
+@pytest.mark.parametrize("dtype", [F32, F16], ids=str)
+def test_triton_backend_matches_the_reference(dtype, nq, nk, is_causal, routes):
+    # Nq <= 16: one decode-kernel call for the whole batch -- lengths 3, 0, 21, 3 (+ Nk), so
+    # L = 0 and L < Nq rows among them -- with kv_lens = cache_seqlens + Nk; Nq = 19 takes the
+    # softmax_attention route on the same backend.
+    q, k, v, k_cache, v_cache, seqlens = _inputs(dtype, nq, nk, seed=30 + nq + 3 * nk)
+    want_k, want_v = _appended(k_cache, v_cache, k, v, SEQLENS)
+    q, k, v, k_cache, v_cache = _on(TRITON_DEVICE, q, k, v, k_cache, v_cache)
+    out, lse = attnkit.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                              is_causal=is_causal, enable_gqa=True, return_lse=True,
+                                              backend="triton")
+    assert torch.equal(k_cache.cpu(), want_k) and torch.equal(v_cache.cpu(), want_v)
+    assert out.shape == (B, H, nq, DV) and out.dtype == dtype
+    assert lse.shape == (B, H, nq) and lse.dtype == F32
+    if nq <= 16:
+        (call,) = routes["decode"]
+        assert routes["softmax_attention"] == 0
+        assert call["kv_lens"].tolist() == [n + nk for n in SEQLENS] and call["is_causal"] is is_causal
+        assert call["shape"][2] == max(SEQLENS) + nk  # a view of the positions in use, no copy
+    else:
+        assert routes["decode"] == [] and routes["softmax_attention"] > 0
+    _check(out.cpu(), lse.cpu(), q.cpu(), want_k, want_v, SEQLENS, nk, is_causal, dtype)
+    if is_causal and nk < nq:
+        assert torch.isneginf(lse[1, :, :nq - nk]).all() and not out[1, :, :nq - nk].any()
+
+
+@needs_triton
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("nq,nk", [(1, 1), (6, 2), (3, 0)])
+def test_triton_paged_cache_with_shuffled_blocks_equals_contiguous(nq, nk, is_causal, routes):
+    # The pages gathered into one padded copy (positions past L_b never written nor read: the
+    # spare blocks and unused table entries hold NaN / garbage), one kernel call.
+    q, k, v, k_cache, v_cache, seqlens = _inputs(F32, nq, nk, seed=50 + nq)
+    block_size = 8
+    blocks = MAX_LEN // block_size
+    g = torch.Generator().manual_seed(nq + nk + 1)
+    table = torch.randperm(B * blocks + 3, generator=g)[:B * blocks].view(B, blocks).to(torch.int32)
+    k_pages = torch.full((B * blocks + 3, HK, block_size, D), float("nan"))
+    v_pages = torch.full((B * blocks + 3, HK, block_size, DV), float("nan"))
+    for b in range(B):
+        for i in range(blocks):
+            k_pages[table[b, i]] = k_cache[b, :, i * block_size:(i + 1) * block_size]
+            v_pages[table[b, i]] = v_cache[b, :, i * block_size:(i + 1) * block_size]
+        # past each sequence's end: NaN in the pages too (a cache from torch.empty)
+        start = SEQLENS[b] + nk
+        for i in range(blocks):
+            lo = max(start - i * block_size, 0)
+            if lo < block_size:
+                k_pages[table[b, i], :, lo:] = float("nan")
+                v_pages[table[b, i], :, lo:] = float("nan")
+    want_k, want_v = _appended(k_cache, v_cache, k, v, SEQLENS)
+    q, k, v, k_pages, v_pages, k_cache, v_cache, table = _on(TRITON_DEVICE, q, k, v, k_pages, v_pages,
+                                                             k_cache, v_cache, table)
+    out_p, lse_p = attnkit.attention_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=seqlens,
+                                                  block_table=table, is_causal=is_causal, enable_gqa=True,
+                                                  return_lse=True, backend="triton")
+    assert len(routes["decode"]) == 1 and routes["softmax_attention"] == 0
+    assert not torch.isnan(out_p).any() and not torch.isnan(lse_p).any()
+    out_c, lse_c = attnkit.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                                  is_causal=is_causal, enable_gqa=True, return_lse=True,
+                                                  backend="triton")
+    torch.testing.assert_close(out_p, out_c, rtol=0, atol=0)
+    torch.testing.assert_close(lse_p, lse_c, rtol=0, atol=0)
+    _check(out_p.cpu(), lse_p.cpu(), q.cpu(), want_k, want_v, SEQLENS, nk, is_causal, F32)
+
+
+@needs_triton
+@pytest.mark.parametrize("nq,nk", [(1, 1), (6, 2)])
+def test_triton_positions_past_the_visible_length_are_never_read(nq, nk):
+    q, k, v, k_cache, v_cache, seqlens = _inputs(F32, nq, nk, seed=71)
+    clean = [x.clone() for x in (k_cache, v_cache)]
+    for cache in (k_cache, v_cache):
+        for b, n in enumerate(SEQLENS):
+            cache[b, :, n:] = float("nan")
+    q, k, v, k_cache, v_cache, *clean = _on(TRITON_DEVICE, q, k, v, k_cache, v_cache, *clean)
+    out = attnkit.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, enable_gqa=True,
+                                         backend="triton")
+    want = attnkit.attention_with_kvcache(q, *clean, k, v, cache_seqlens=seqlens, enable_gqa=True,
+                                          backend="triton")
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@needs_triton
+def test_triton_decoding_steps_equal_one_causal_call_and_take_no_gradient(routes):
+    # A prefill chunk of 11 queries (<= 16: the decode kernel too, bottom-right causal), then 4
+    # single-token steps, int cache_seqlens: equals one causal attention over the 15 tokens.
+    # An inference API: nothing requires grad afterwards, though q does.
+    n = 15
+    q, k, v = (_randn((2, H if i == 0 else HK, n, D if i < 2 else DV), 80 + i, F32) for i in range(3))
+    q.requires_grad_()
+    k_cache, v_cache = torch.zeros(2, HK, 16, D), torch.zeros(2, HK, 16, DV)
+    q_, k_, v_, k_cache, v_cache = _on(TRITON_DEVICE, q, k, v, k_cache, v_cache)
+    pieces, start = [], 0
+    for size in (11, 1, 1, 1, 1):
+        part = slice(start, start + size)
+        pieces.append(attnkit.attention_with_kvcache(q_[:, :, part], k_cache, v_cache, k_[:, :, part],
+                                                     v_[:, :, part], cache_seqlens=start, enable_gqa=True,
+                                                     backend="triton"))
+        start += size
+    assert len(routes["decode"]) == 5 and routes["softmax_attention"] == 0
+    assert not any(p.requires_grad for p in pieces) and not k_cache.requires_grad
+    whole = attnkit.softmax_attention(q.detach(), k, v, is_causal=True, enable_gqa=True, backend="reference")
+    torch.testing.assert_close(torch.cat(pieces, dim=2).cpu(), whole, rtol=1e-5, atol=1e-6)
+
+
+@needs_triton
+@pytest.mark.skipif(not HAS_SCORE_OPTIONS, reason=NO_SCORE_OPTIONS)
+def test_triton_score_options_take_the_softmax_attention_route(routes):
+    # The decode kernel computes no score option: with one, the call goes through
+    # softmax_attention (which runs it or raises, as it does for any call on that backend).
+    q, k, v, k_cache, v_cache, seqlens = _inputs(F32, 1, 1, seed=90)
+    sinks = torch.randn(H, generator=torch.Generator().manual_seed(3))
+    q, k, v, k_cache, v_cache, sinks = _on(TRITON_DEVICE, q, k, v, k_cache, v_cache, sinks)
+    try:
+        attnkit.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, enable_gqa=True,
+                                       backend="triton", sinks=sinks)
+    except attnkit.BackendUnavailableError:
+        pass  # this softmax_attention's triton backend has no sinks: its own error
+    assert routes["decode"] == [] and routes["softmax_attention"] > 0
