@@ -569,8 +569,9 @@ def run_case(c: dict, rows: list[dict], device, args, compiled: dict, deadline: 
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     with torch.no_grad():
         ref["out"] = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    graph_out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
-    ref["grads"] = torch.autograd.grad(graph_out, (qg, kg, vg), go, retain_graph=True)
+    # one forward graph that the "SDPA bwd" row differentiates again and again (freed after it)
+    graph = {"out": F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)}
+    ref["grads"] = torch.autograd.grad(graph["out"], (qg, kg, vg), go, retain_graph=True)
 
     def sdpa_fwd():
         with torch.no_grad():
@@ -581,11 +582,13 @@ def run_case(c: dict, rows: list[dict], device, args, compiled: dict, deadline: 
         return torch.autograd.grad(o, (qg, kg, vg), go)
 
     steps = {"fwd": sdpa_fwd,
-             "bwd": lambda: torch.autograd.grad(graph_out, (qg, kg, vg), go, retain_graph=True),
+             "bwd": lambda: torch.autograd.grad(graph["out"], (qg, kg, vg), go,
+                                                retain_graph=True),
              "fwd+bwd": sdpa_fwdbwd}
     plan = list(rows)
     for row in [r for r in plan if r["kind"] == "sdpa"]:
         emit(measure(row, steps[row["mode"]]))
+    graph.clear()
 
     with autotuning(True):
         today = {}
@@ -611,7 +614,6 @@ def run_case(c: dict, rows: list[dict], device, args, compiled: dict, deadline: 
                 emit(measure(row, both))
             else:
                 emit(dict(row, skipped="no forward output"))
-    del graph_out
 
     # forward variants
     fwd_out = {}
