@@ -194,3 +194,20 @@ def test_run_case_end_to_end_on_the_interpreter():
     assert by["bwd tma_reduce " + g.tile_label(
         next(r for r in rows if r.get("variant") == "tma_reduce")["config"])]["skipped"]
     assert rec["best"]["fwd"] == fwd["impl"]
+
+
+def test_precompile_restarts_a_child_that_died():
+    # one child: its first task kills it (as a compiler abort would), the task is recorded as
+    # failed and a fresh child runs the rest (here on the CPU, in the Triton interpreter)
+    c = {"dtype": "float32", "B": 1, "H": 1, "N": 32, "D": 16, "causal": False}
+    row = next(r for r in g.plan_case(c, 1) if r.get("variant") == "fma")
+    tasks = [{"key": "dies", "kind": "_exit", "code": 7},
+             dict(row, case=c, n=32, key="runs"),
+             {"key": "fails", "kind": "fwd", "variant": "no such variant", "case": c, "n": 32,
+              "config": row["config"]}]
+    lines = []
+    results = g.precompile(tasks, jobs=1, timeout_s=300, log=lines.append)
+    assert results["dies"] == "compile child died (exit code 7)"
+    assert results["runs"] is None
+    assert results["fails"].startswith("KeyError")
+    assert any("exit code 7" in ln for ln in lines)
