@@ -209,9 +209,9 @@ def _cfg(bm, bn, warps, stages):
 # - warp specialization: Triton's Hopper pass only acts at num_warps = 4 (at 8 it leaves the loop
 #   alone), hence its own lists; the kernels then hold 168 registers a thread and the pass moves
 #   registers to the consumer warps (setmaxnreg).
-_FWD_TILES = {
-    64: [(128, 128, 8, 3), (128, 64, 4, 3)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 2)],
+_FWD_TILES = {  # the third entries: 3 stages at 224 KB (D = 128), 8 warps on a 128 x 64 tile
+    64: [(128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)],
     256: [(64, 64, 4, 2), (128, 32, 8, 2)],
 }
 _FWD_WS_TILES = {
