@@ -41,12 +41,13 @@ NAMES = ("window", "softcap", "alibi_slopes", "sinks")
 
 # Which options each backend runs (the routing of softmax_attention reads this; a call with an
 # option its backend lacks goes to the reference, or raises when the backend was named).  Sinks
-# run on every backend: they are applied around the kernel (module docstring).  The Triton and
-# CUDA kernels do not compute window / softcap / ALiBi yet.
+# run on every backend: they are applied around the kernel (module docstring).  The C++ CPU and
+# the Triton kernels compute window / softcap / ALiBi themselves (forward and backward); the
+# CUDA kernels do not yet.
 BACKEND_OPTIONS = {
     "reference": frozenset(NAMES),
     "cpu": frozenset(NAMES),
-    "triton": frozenset({"sinks"}),
+    "triton": frozenset(NAMES),
     "cuda": frozenset({"sinks"}),
 }
 
@@ -80,7 +81,8 @@ class ScoreOptions:
 
     def kernel_args(self) -> tuple:
         """``(window_left, window_right, softcap, alibi_slopes)``: the trailing arguments of the
-        C++ ops ``attnkit::softmax_fwd`` / ``softmax_bwd`` (alibi_slopes float32 [B, H])."""
+        C++ ops ``attnkit::softmax_fwd`` / ``softmax_bwd`` and of the Triton ops
+        ``attnkit::softmax_triton_fwd`` / ``_bwd`` (alibi_slopes float32 [B, H])."""
         return (self.window[0], self.window[1], float(self.softcap), self.alibi_slopes)
 
     def reference_kwargs(self) -> dict:

@@ -12,10 +12,11 @@ Layers (DESIGN.md):
     package still imports and the ``cpu`` / ``cuda`` backends report why they cannot run.
   * ``attnkit::softmax_triton_fwd`` / ``attnkit::softmax_triton_bwd`` -- ``torch.library``
     custom ops around the Triton launchers of ``attnkit.kernels.softmax`` (plus a dropout
-    ``seed``).  They are ``custom_op`` with an explicit fake, not ``triton_op``: under
-    ``TRITON_INTERPRET=1`` ``triton_op``'s automatic fake runs the interpreted kernel on
-    FakeTensors and fails.  The kernel module is imported inside the op bodies: importing triton
-    is slow, and ``TRITON_INTERPRET`` is read when the kernels are decorated.
+    ``seed``, and the C++ ops' defaulted score options).  They are ``custom_op`` with an
+    explicit fake, not ``triton_op``: under ``TRITON_INTERPRET=1`` ``triton_op``'s automatic
+    fake runs the interpreted kernel on FakeTensors and fails.  The kernel module is imported
+    inside the op bodies: importing triton is slow, and ``TRITON_INTERPRET`` is read when the
+    kernels are decorated.
 
 - **public function** :func:`softmax_attention` -- validates every input, picks the backend
   (:func:`attnkit._dispatch.resolve`, then the routing rules of its docstring for what a
@@ -26,8 +27,9 @@ The score options (issue 28: ``window``, ``softcap``, ``alibi_slopes``, ``sinks`
 :class:`~attnkit.score_options.ScoreOptions` (None when all are default: the calls without them
 take exactly the paths they took before), the layout maps it onto the kernels' [B, H, N, D], the
 routing reads which backend runs which (``BACKEND_OPTIONS``) and each implementation receives
-it.  The C++ ops take window / softcap / ALiBi as trailing arguments; sinks run on every kernel
-backend around the kernel (:class:`_WithSinks`), with no kernel change.
+it.  The C++ ops and the Triton ops take window / softcap / ALiBi as trailing (defaulted)
+arguments; sinks run on every kernel backend around the kernel (:class:`_WithSinks`), with no
+kernel change.
 """
 from __future__ import annotations
 
@@ -299,12 +301,20 @@ def _triton_fwd(
     is_causal: bool,
     dropout_p: float,
     seed: torch.Tensor,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash forward (attnkit.kernels.softmax.softmax_fwd): (out, lse float32).  ``seed`` is a
-    0-d int64 tensor (a tensor, not an int, so that drawing it does not break a compiled graph)."""
+    0-d int64 tensor (a tensor, not an int, so that drawing it does not break a compiled graph).
+    The trailing score options are those of the C++ op ``attnkit::softmax_fwd`` (defaults: none;
+    alibi_slopes float32 [B, H]), defaulted so that calls without them keep their form."""
     from ..kernels import softmax as kernels
 
-    return kernels.softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p, int(seed))
+    return kernels.softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p, int(seed),
+                               window_left=window_left, window_right=window_right, softcap=softcap,
+                               alibi_slopes=alibi_slopes)
 
 
 @torch.library.custom_op("attnkit::softmax_triton_bwd", mutates_args=())
@@ -320,13 +330,19 @@ def _triton_bwd(
     is_causal: bool,
     dropout_p: float,
     seed: torch.Tensor,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flash backward (attnkit.kernels.softmax.softmax_bwd): (dq, dk, dv); ``dropout_p`` and
-    ``seed`` those of the forward (the kernel regenerates the dropout mask)."""
+    """Flash backward (attnkit.kernels.softmax.softmax_bwd): (dq, dk, dv); ``dropout_p``,
+    ``seed`` and the score options those of the forward (the kernel regenerates the dropout
+    mask; the slopes get no gradient)."""
     from ..kernels import softmax as kernels
 
     return kernels.softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal, dropout_p,
-                               int(seed))
+                               int(seed), window_left=window_left, window_right=window_right,
+                               softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 _triton_fwd.register_fake(_fwd_fake)
@@ -334,16 +350,31 @@ _triton_bwd.register_fake(_bwd_fake)
 
 
 def _triton_setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, is_causal, dropout_p, seed = inputs
+    # inputs: (q, k, v, mask, scale, is_causal, dropout_p, seed) from _TritonAttention without
+    # score options; (..., window_left, window_right, softcap, alibi_slopes) with them, or from
+    # the registered op (torch.library fills in the defaults).  As _native_setup_context: the
+    # number of saved tensors tells the backward which.
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask, seed)
+    if len(inputs) == 8:
+        q, k, v, mask, scale, is_causal, dropout_p, seed = inputs
+        ctx.save_for_backward(q, k, v, out, lse, mask, seed)
+    else:
+        q, k, v, mask, scale, is_causal, dropout_p, seed, left, right, softcap, alibi = inputs
+        ctx.save_for_backward(q, k, v, out, lse, mask, seed, alibi)
+        ctx.kernel_args = (left, right, softcap)
     ctx.scale, ctx.is_causal, ctx.dropout_p = scale, is_causal, dropout_p
     ctx.set_materialize_grads(False)
 
 
 def _triton_backward(ctx, grad_out, grad_lse):
     saved = ctx.saved_tensors
-    q, k, _, _, lse, mask, seed = saved
+    if len(saved) == 7:  # 8 inputs, no score options
+        q, k, _, _, lse, mask, seed = saved
+        kernel_args, no_grads = (), (None,) * 5
+    else:  # 12 inputs: the score options passed on to the backward kernel
+        q, k, _, _, lse, mask, seed, alibi = saved
+        kernel_args, no_grads = ctx.kernel_args + (alibi,), (None,) * 9
+        saved = saved[:7]
     if torch.is_grad_enabled():  # create_graph=True: a double backward will follow
         keep = None
         if ctx.dropout_p > 0.0:
@@ -351,21 +382,60 @@ def _triton_backward(ctx, grad_out, grad_lse):
 
             b, h, n, _ = q.shape
             keep = kernels.dropout_keep_mask(b, h, n, k.shape[2], ctx.dropout_p, int(seed), q.device)
-        grads = _differentiable_gradients(q, k, saved[2], mask, ctx.is_causal, ctx.scale, None,
-                                          grad_out, grad_lse, ctx.dropout_p, keep)
-        return (*grads, None, None, None, None, None)
+        grads = _differentiable_gradients(q, k, saved[2], mask, ctx.is_causal, ctx.scale,
+                                          _kernel_score_options(kernel_args), grad_out, grad_lse,
+                                          ctx.dropout_p, keep)
+        return (*grads, *no_grads)
 
     def run_bwd(g, v, out, with_dropout):
         p = ctx.dropout_p if with_dropout else 0.0
-        return torch.ops.attnkit.softmax_triton_bwd(g, q, k, v, out, lse, mask, ctx.scale,
-                                                    ctx.is_causal, p, seed)
+        return _TRITON_BWD_OP(g, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal, p, seed, *kernel_args)
 
     dq, dk, dv = _gradients(run_bwd, saved, grad_out, grad_lse)
-    return dq, dk, dv, None, None, None, None, None
+    return (dq, dk, dv, *no_grads)
 
 
 _triton_fwd.register_autograd(_triton_backward, setup_context=_triton_setup_context)
+_TRITON_FWD_OP = torch.ops.attnkit.softmax_triton_fwd.default
+_TRITON_BWD_OP = torch.ops.attnkit.softmax_triton_bwd.default
 register_kernel(FAMILY, "triton")
+
+
+class _TritonAttention(torch.autograd.Function):
+    """The eager path of ``attnkit::softmax_triton_fwd`` with its registered autograd, as
+    :class:`_NativeAttention` is for the C++ op: the same setup_context and backward without
+    torch.library's generic wrapper, which redispatches and re-fills the schema's defaults on
+    every differentiable call (``torch._library.utils.fill_defaults`` rebuilds
+    ``schema.arguments`` once per argument: 26-38 us for the old 8 arguments, 58-64 us for the
+    12 with the score options).  Calling the op directly with grad went from ~98 to ~135 us
+    (kernels stubbed out); softmax_attention(backend="triton") goes through here instead and
+    got faster: forward+backward ~305 -> ~266 us, no-grad forward ~83 -> ~66 us (minimum of
+    6 alternating runs, kernels stubbed, one thread, loaded 2-core AMD EPYC, AVX2).
+    torch.compile still traces the op itself (:func:`_call_triton`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale, is_causal, dropout_p, seed, *kernel_args):
+        # kernel_args: () or the score options (window_left, window_right, softcap, alibi).
+        inputs = (q, k, v, mask, scale, is_causal, dropout_p, seed, *kernel_args)
+        with _BELOW_AUTOGRAD():
+            output = _TRITON_FWD_OP(*inputs)
+        _triton_setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_triton_backward)
+
+
+def _call_triton(q, k, v, mask, scale, is_causal, dropout_p, seed, *kernel_args):
+    """attnkit::softmax_triton_fwd(q, k, v, mask, scale, is_causal, dropout_p, seed,
+    *kernel_args) -> (out, lse), differentiable (``kernel_args``: () or the four score options).
+    Eager: below autograd when no gradient is wanted, else :class:`_TritonAttention`; under
+    torch.compile the op itself, as registered."""
+    if torch.compiler.is_compiling():
+        return torch.ops.attnkit.softmax_triton_fwd(q, k, v, mask, scale, is_causal, dropout_p, seed, *kernel_args)
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(q, k, v, mask):
+        return _TritonAttention.apply(q, k, v, mask, scale, is_causal, dropout_p, seed, *kernel_args)
+    with _BELOW_AUTOGRAD():
+        return _TRITON_FWD_OP(q, k, v, mask, scale, is_causal, dropout_p, seed, *kernel_args)
 
 
 # ==============================================================================================
@@ -415,21 +485,22 @@ class _NativeKernel:
 
 
 class _TritonKernel:
-    """The Triton ops of one call (with its dropout seed), as :class:`_WithSinks` runs them."""
+    """The Triton ops of one call (with its dropout seed and the score options the kernel
+    computes), as :class:`_WithSinks` runs them."""
 
-    def __init__(self, mask, scale, is_causal, dropout_p, seed):
+    def __init__(self, mask, scale, is_causal, dropout_p, seed, kernel_args):
         self.mask, self.scale, self.is_causal = mask, scale, is_causal
         self.dropout_p, self.seed = dropout_p, seed
-        self.kernel_args = ()
+        self.kernel_args = kernel_args
 
     def forward(self, q, k, v):
         return torch.ops.attnkit.softmax_triton_fwd(q, k, v, self.mask, self.scale, self.is_causal,
-                                                    self.dropout_p, self.seed)
+                                                    self.dropout_p, self.seed, *self.kernel_args)
 
     def backward(self, g, q, k, v, out, lse, with_dropout):
         p = self.dropout_p if with_dropout else 0.0
         return torch.ops.attnkit.softmax_triton_bwd(g, q, k, v, out, lse, self.mask, self.scale,
-                                                    self.is_causal, p, self.seed)
+                                                    self.is_causal, p, self.seed, *self.kernel_args)
 
     differentiable = forward  # the custom op carries its registered autograd
 
@@ -546,18 +617,19 @@ def _draw_seed(dropout_p: float) -> torch.Tensor:
 
 def _run_triton(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                 options=None):
-    # Score options: sinks only (routing, BACKEND_OPTIONS), applied around the kernel.
+    # As _run_native: the kernel computes window, softcap and ALiBi, the sinks are applied
+    # around it.  GQA is native (H % Hk); dropout from the call's seed.
     mask = _kernel_mask(attn_mask, query, key)
     seed = _draw_seed(dropout_p)
     if options is None:
-        out, lse = torch.ops.attnkit.softmax_triton_fwd(query, key, value, mask, scale, is_causal, dropout_p, seed)
+        out, lse = _call_triton(query, key, value, mask, scale, is_causal, dropout_p, seed)
     else:
-        if options.in_scores:  # routing keeps these away (BACKEND_OPTIONS["triton"])
-            raise BackendUnavailableError(
-                f"{OP_NAME}: the triton kernels do not compute {', '.join(options.without_sinks().names)}"
-            )
-        kernel = _TritonKernel(mask, scale, is_causal, dropout_p, seed)
-        out, lse = _with_sinks(kernel, query, key, value, options.sinks)
+        kernel_args = options.kernel_args() if options.in_scores else ()
+        if options.sinks is None:
+            out, lse = _call_triton(query, key, value, mask, scale, is_causal, dropout_p, seed, *kernel_args)
+        else:
+            kernel = _TritonKernel(mask, scale, is_causal, dropout_p, seed, kernel_args)
+            out, lse = _with_sinks(kernel, query, key, value, options.sinks)
     return (out, lse) if return_lse else out
 
 
@@ -887,15 +959,15 @@ def softmax_attention(
         usable here), then routes a call the picked kernel cannot run to the reference:
 
         - ``cpu``: ``dropout_p > 0`` (the C++ kernel has no dropout);
-        - ``triton``: float64 inputs; a head dim D or Dv above 256; ``window``, ``softcap``,
-          ``alibi_slopes`` (not in the Triton kernels yet);
+        - ``triton``: float64 inputs; a head dim D or Dv above 256;
         - ``cuda``: dtypes other than float16 / bfloat16; head dims other than D = Dv ∈ {64, 128};
           ``dropout_p > 0``; ``window``, ``softcap``, ``alibi_slopes``;
         - every kernel: a floating ``attn_mask``, or ``alibi_slopes``, that requires grad while
           grad mode is on (the kernels compute no gradient for them).
 
-        ``sinks`` run on every backend.  Which score options each backend runs:
-        ``attnkit.score_options.BACKEND_OPTIONS``.
+        ``sinks`` run on every backend; ``window``, ``softcap`` and ``alibi_slopes`` on the
+        ``cpu`` and ``triton`` kernels (not the ``cuda`` ones).  Which score options each backend
+        runs: ``attnkit.score_options.BACKEND_OPTIONS``.
 
         A backend named explicitly (``backend=`` or ``ATTNKIT_BACKEND``) is never replaced: such
         a call raises :class:`attnkit.BackendUnavailableError` naming the limitation, as does a

@@ -16,6 +16,14 @@ The C++ CPU kernel runs through the public function (``backend="cpu"``): its fla
 (tiles of 64 rows x 256 keys, N > 16), its decode forward (N <= 16 rows, keys split over tasks
 for M >= 1024) and its backward (64 x 64 tiles).  Sinks get their gradient from
 ``attnkit.score_options``; the kernel backward runs on lse' and out'.
+
+The Triton kernels run through the public function too (``backend="triton"``: the custom ops
+``attnkit::softmax_triton_fwd`` / ``_bwd`` with the score options as trailing arguments).
+Without a GPU they run interpreted on CPU tensors (tests/conftest.py), in float32 and float16
+(the interpreter's bfloat16 dot is garbage, DESIGN.md) at N, M <= ~70, where the first tile
+config of each kernel (forward 128 x 64, dK/dV 32 x 128, dQ 128 x 32) still puts tile edges
+inside the sequences; the tile configs themselves are the launcher tests'
+(tests/kernels/test_softmax_triton_options.py).
 """
 import math
 import re
@@ -34,6 +42,24 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 OP = "attnkit.softmax_attention"
 CPU_USABLE = attnkit.backends()["softmax"]["cpu"].usable
 needs_cpu = pytest.mark.skipif(not CPU_USABLE, reason="the cpu backend is not usable here")
+_TRITON_STATUS = attnkit.backends()["softmax"]["triton"]
+needs_triton = pytest.mark.skipif(not _TRITON_STATUS.usable, reason=f"triton backend unusable: {_TRITON_STATUS.reason}")
+CUDA = torch.cuda.is_available()
+# Where the triton backend's inputs live: CUDA, or CPU tensors under the interpreter.
+TRITON_DEVICE = "cuda" if CUDA else "cpu"
+# The interpreter's bfloat16 tl.dot returns garbage (DESIGN.md): bfloat16 only on a GPU.
+TRITON_DTYPES = [F32, F16, BF16] if CUDA else [F32, F16]
+CPU = pytest.param("cpu", marks=needs_cpu)
+TRITON = pytest.param("triton", marks=needs_triton)
+
+
+def row(backend, *values):
+    """A parametrize row ``(backend, *values)``, skipped where that backend is unusable."""
+    return pytest.param(backend, *values, marks=needs_triton if backend == "triton" else needs_cpu)
+
+
+def device_of(backend):
+    return TRITON_DEVICE if backend == "triton" else "cpu"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,16 +155,19 @@ def run(backend, q, k, v, attn_mask, is_causal, opts, grad_out, grad_lse, *, dty
     """(out, lse, dq, dk, dv[, dsinks]) of softmax_attention on ``backend`` (the reference: in
     ``dtype``, default the inputs'), from the loss <out, grad_out> + <lse, grad_lse>."""
     dtype = q.dtype if dtype is None else dtype
-    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    device = device_of(backend)
+    q, k, v = (t.detach().to(device, dtype).requires_grad_() for t in (q, k, v))
     sinks = opts.get("sinks")
-    kw = dict(opts)
+    kw = {name: val.to(device) if isinstance(val, torch.Tensor) else val for name, val in opts.items()}
     wanted = [q, k, v]
     if sinks is not None:
         # the float64 ground truth takes float64 sinks (the same values), so d sinks is float64
         ground_truth = backend == "reference" and dtype == F64
-        kw["sinks"] = sinks.detach().to(F64 if ground_truth else sinks.dtype).requires_grad_()
+        kw["sinks"] = sinks.detach().to(device, F64 if ground_truth else sinks.dtype).requires_grad_()
         wanted.append(kw["sinks"])
     mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.to(dtype)
+    mask = None if mask is None else mask.to(device)
+    grad_out, grad_lse = grad_out.to(device), grad_lse.to(device)
     if backend == "reference":
         # Ground truths on one thread: small ops, for which a second thread costs more than it
         # gives (5x more on a loaded 2-core machine, measured); the kernel keeps torch's count.
@@ -156,7 +185,8 @@ def _grads(out, lse, wanted, grad_out, grad_lse):
     loss_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     grads = torch.autograd.grad((out, loss_lse), wanted, (grad_out.to(out.dtype), grad_lse.to(lse.dtype)),
                                 allow_unused=True)
-    return (out.detach(), lse.detach(), *grads)
+    # compared on the CPU (a no-op there; a Triton run on a GPU comes back)
+    return tuple(None if t is None else t.detach().cpu() for t in (out, lse, *grads))
 
 
 NAMES = ("out", "lse", "dq", "dk", "dv", "dsinks")
@@ -317,8 +347,102 @@ def test_cpu_kernel_all_options_with_masks(dtype, combo, shape):
     check_against_reference(q, k, v, mask, combo == "causal", options_for(opts, slopes, sink))
 
 
-@needs_cpu
-@pytest.mark.parametrize("dtype", [F32, F64])
+# ----------------------------------------------------------------------------------------------
+# the Triton kernels against the reference (interpreted on CPU tensors without a GPU)
+# ----------------------------------------------------------------------------------------------
+
+# (b, h, hk, n, m, d, dv), small for the interpreter: odd sizes that cross the first configs'
+# tile edges (dK/dV query tiles of 32, dQ key tiles of 32, forward key tiles of 64), N != M both
+# ways, D and Dv odd or unequal, GQA.
+TRITON_SHAPES = {
+    "tiles": (1, 2, 1, 67, 45, 17, 9),
+    "long": (1, 2, 1, 23, 70, 16, 8),
+    "square": (1, 2, 2, 65, 65, 16, 16),
+    "one-query": (1, 4, 2, 1, 33, 7, 5),
+    "one-key": (2, 2, 1, 29, 1, 9, 4),
+}
+# OPTION_SETS' windows at the scale of TRITON_SHAPES ("all" keeps a band narrower than N and M).
+TRITON_OPTION_SETS = {**OPTION_SETS, "window-left": dict(window=(20, -1)),
+                      "all": dict(window=(12, 4), softcap=3.0, alibi_slopes="h", sinks=True)}
+
+
+# float16 on one shape: the interpreter is slow, and the options' code is the same per dtype.
+TRITON_OPTION_CASES = [(F32, "tiles"), (F32, "long"), *((dtype, "long") for dtype in TRITON_DTYPES[1:])]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,shape", TRITON_OPTION_CASES, ids=lambda x: str(x).replace("torch.", ""))
+@pytest.mark.parametrize("option", list(TRITON_OPTION_SETS))
+def test_triton_kernel_each_option(dtype, shape, option):
+    opts = TRITON_OPTION_SETS[option]
+    q, k, v, _, slopes, sink = make_inputs(*TRITON_SHAPES[shape], dtype, alibi=opts.get("alibi_slopes"),
+                                           sinks=opts.get("sinks", False))
+    check_against_reference(q, k, v, None, False, options_for(opts, slopes, sink), backend="triton")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=lambda x: str(x).replace("torch.", ""))
+@pytest.mark.parametrize("combo", ["causal", "bool", "float"])
+@pytest.mark.parametrize("shape,sinks", [("long", True), ("square", True), ("one-query", True), ("one-key", True),
+                                         ("square", False), ("one-key", False)],
+                         ids=lambda x: {True: "sinks", False: "no-sinks"}.get(x, x))
+def test_triton_kernel_all_options_with_masks(dtype, combo, shape, sinks):
+    # Without sinks the options go straight to the op (its registered autograd); with them
+    # through the sink transform around it: both pass the score options forward and backward.
+    opts = dict(TRITON_OPTION_SETS["all"], sinks=sinks)
+    mask_kind = None if combo == "causal" else combo
+    q, k, v, mask, slopes, sink = make_inputs(*TRITON_SHAPES[shape], dtype, mask=mask_kind, alibi="bh", sinks=sinks)
+    check_against_reference(q, k, v, mask, combo == "causal", options_for(opts, slopes, sink), backend="triton")
+
+
+@needs_triton
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+@pytest.mark.parametrize("option", ["sinks", "window-softcap", "alibi-bh", "all"])
+def test_triton_dropout_with_options(dropout_p, option):
+    # With dropout the reference gets the kernel's keep mask, regenerated from the call's seed;
+    # the options reach the forward and both backward calls (dO and the lse's probe).
+    device = TRITON_DEVICE
+    opts = {"window-softcap": dict(window=(3, 2), softcap=2.0), "alibi-bh": dict(alibi_slopes="bh"),
+            "sinks": dict(sinks=True), "all": dict(window=(4, 1), softcap=2.0, alibi_slopes="h", sinks=True)}[option]
+    b, h, hk, n, m, d = 2, 4, 2, 7, 9, 16
+    q, k, v, _, slopes, sink = make_inputs(b, h, hk, n, m, d, d, F32, alibi=opts.get("alibi_slopes"),
+                                           sinks=opts.get("sinks", False))
+    q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
+    kw = options_for(opts, None if slopes is None else slopes.to(device),
+                     None if sink is None else sink.to(device).requires_grad_())
+    wanted = (q, k, v) + ((kw["sinks"],) if "sinks" in kw else ())
+    g = torch.Generator().manual_seed(1)
+    grad_out = torch.randn(b, h, n, d, generator=g).to(device)
+    grad_lse = torch.randn(b, h, n, generator=g).to(device)
+    torch.manual_seed(11)
+    out, lse = attnkit.softmax_attention(q, k, v, dropout_p=dropout_p, enable_gqa=True, return_lse=True,
+                                         backend="triton", **kw)
+    got = (out, lse, *torch.autograd.grad((out, lse), wanted, (grad_out, grad_lse)))
+    torch.manual_seed(11)  # the same seed: return_lse=False returns the same out
+    plain = attnkit.softmax_attention(q, k, v, dropout_p=dropout_p, enable_gqa=True, backend="triton", **kw)
+    assert torch.equal(plain, out)
+    keep = None
+    if dropout_p:
+        from attnkit.kernels import softmax as triton_softmax
+
+        torch.manual_seed(11)
+        seed = int(torch.randint(2**31 - 1, (), dtype=torch.int64))  # the call's draw (ops.softmax._draw_seed)
+        keep = triton_softmax.dropout_keep_mask(b, h, n, m, dropout_p, seed, device)
+    leaves = [t.detach().cpu().double().requires_grad_() for t in wanted]
+    ref_kw = {name: val.detach().cpu().double() if isinstance(val, torch.Tensor) else val for name, val in kw.items()}
+    if "sinks" in kw:
+        ref_kw["sinks"] = leaves[3]
+    with num_threads(1):
+        out_r, lse_r = softmax_attention_reference(*leaves[:3], None, dropout_p, False, None, True, return_lse=True,
+                                                   dropout_mask=None if keep is None else keep.cpu(), **ref_kw)
+        ref = (out_r, lse_r, *torch.autograd.grad((out_r, lse_r), leaves, (grad_out.cpu().double(),
+                                                                           grad_lse.cpu().double())))
+    for i, (x, r) in enumerate(zip(got, ref)):
+        assert_close_to_reference(x.cpu(), r, grad=i >= 2, name=NAMES[i], dtype=F32)
+
+
+@pytest.mark.parametrize("backend,dtype", [row("cpu", F32), row("cpu", F64), row("triton", F32), row("triton", F16)],
+                         ids=["cpu-float32", "cpu-float64", "triton-float32", "triton-float16"])
 @pytest.mark.parametrize("shape,window,causal", [
     ((1, 2, 2, 70, 90, 16, 16), (5, 0), True),     # causal ∩ window (bottom-right, M > N): nothing
     ((1, 2, 1, 20, 7, 8, 8), (0, 0), False),       # N > M: rows below N - M see nothing
@@ -326,9 +450,10 @@ def test_cpu_kernel_all_options_with_masks(dtype, combo, shape):
     ((1, 2, 2, 5, 40, 8, 8), (-1, 0), True),       # right bound past causality: causal wins
 ])
 @pytest.mark.parametrize("sinks", [False, True])
-def test_cpu_kernel_rows_outside_the_window(dtype, shape, window, causal, sinks):
+def test_kernel_rows_outside_the_window(backend, dtype, shape, window, causal, sinks):
     q, k, v, _, _, sink = make_inputs(*shape, dtype, sinks=sinks)
-    got, _ = check_against_reference(q, k, v, None, causal, split_options(dict(window=window), None, sink))
+    got, _ = check_against_reference(q, k, v, None, causal, split_options(dict(window=window), None, sink),
+                                     backend=backend)
     n, m = shape[3], shape[4]
     empty = [i for i in range(n) if not visible_keys(i, n, m, causal, window)]
     if empty:
@@ -362,37 +487,43 @@ def test_thread_count_invariance(threads):
             check_against_reference(q, k, v, None, True, options_for(OPTION_SETS["all"], slopes, sink))
 
 
-@needs_cpu
-def test_window_larger_than_the_sequence_is_no_window():
-    q, k, v, *_ = make_inputs(1, 2, 2, 70, 70, 16, 16, F32)
-    plain = attnkit.softmax_attention(q, k, v, is_causal=True, backend="cpu")
+@pytest.mark.parametrize("backend", [CPU, TRITON])
+def test_window_larger_than_the_sequence_is_no_window(backend):
+    device = device_of(backend)
+    q, k, v = (t.to(device) for t in make_inputs(1, 2, 2, 70, 70, 16, 16, F32)[:3])
+    plain = attnkit.softmax_attention(q, k, v, is_causal=True, backend=backend)
     for window in ((70, 70), (10**12, 10**12), (-1, -1), (2**62, -1)):
-        wide = attnkit.softmax_attention(q, k, v, is_causal=True, window=window, backend="cpu")
+        wide = attnkit.softmax_attention(q, k, v, is_causal=True, window=window, backend=backend)
         assert torch.equal(plain, wide), window
     # defaults given explicitly take the call without options
     assert torch.equal(plain, attnkit.softmax_attention(q, k, v, is_causal=True, softcap=0.0, window=None,
-                                                        alibi_slopes=None, sinks=None, backend="cpu"))
-    assert torch.equal(plain, attnkit.softmax_attention(q, k, v, is_causal=True, softcap=0, backend="cpu"))
+                                                        alibi_slopes=None, sinks=None, backend=backend))
+    assert torch.equal(plain, attnkit.softmax_attention(q, k, v, is_causal=True, softcap=0, backend=backend))
 
 
-@needs_cpu
-def test_empty_sequences():
+@pytest.mark.parametrize("backend", [CPU, TRITON])
+def test_empty_sequences(backend):
+    device = device_of(backend)
     for n, m in ((0, 9), (7, 0), (0, 0)):
         q, k, v, _, slopes, sink = make_inputs(1, 2, 2, n, m, 8, 4, F32, alibi="h", sinks=True)
-        q, k, v, sinks = (t.requires_grad_() for t in (q, k, v, sink))
+        q, k, v, sinks = (t.to(device).requires_grad_() for t in (q, k, v, sink))
         out, lse = attnkit.softmax_attention(q, k, v, return_lse=True, window=(1, 1), softcap=1.0,
-                                             alibi_slopes=slopes, sinks=sinks, backend="cpu")
+                                             alibi_slopes=slopes.to(device), sinks=sinks, backend=backend)
         assert out.shape == (1, 2, n, 4) and lse.shape == (1, 2, n)
         assert (out == 0).all() and torch.equal(lse, sinks.detach().reshape(1, 2, 1).expand(1, 2, n))
         grads = torch.autograd.grad((out.sum() + lse.sum()), (q, k, v, sinks))
         assert all((g == 0).all() for g in grads[:3])
-        assert torch.equal(grads[3], torch.full((2,), float(n)))  # d lse / d sink = 1 on each row
+        assert torch.equal(grads[3].cpu(), torch.full((2,), float(n)))  # d lse / d sink = 1 on each row
 
 
-@needs_cpu
-@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("backend,dtype", [row("cpu", F32), row("cpu", BF16), row("triton", F32), row("triton", F16)],
+                         ids=["cpu-float32", "cpu-bfloat16", "triton-float32", "triton-float16"])
 @pytest.mark.parametrize("poison", ["q nan", "k nan", "k +inf", "q -inf"])
-def test_softcap_with_nonfinite_inputs(dtype, poison):
+# The interpreter's numpy matmul warns on the 0 · inf products that an infinite q / k entry
+# makes (zero rows past the end of a tile, the zero gradient of a capped score); where one
+# reaches a result the float64 reference has the same NaN, which the test checks.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
+def test_softcap_with_nonfinite_inputs(backend, dtype, poison):
     """README's NaN rules with a cap: a NaN in a query row poisons that row, a NaN in a key the
     rows that see it (window and causality respected); an infinite score is capped to ±softcap,
     so a ±inf input that only makes scores infinite poisons nothing."""
@@ -405,7 +536,7 @@ def test_softcap_with_nonfinite_inputs(dtype, poison):
     g = torch.Generator().manual_seed(5)
     grad_out = torch.randn(b, h, n, d, generator=g, dtype=F64)
     grad_lse = torch.zeros(b, h, n, dtype=F64)
-    got = run("cpu", q, k, v, None, True, opts, grad_out, grad_lse)
+    got = run(backend, q, k, v, None, True, opts, grad_out, grad_lse)
     ref64 = run("reference", q, k, v, None, True, opts, grad_out, grad_lse, dtype=F64)
     low = run("reference", q, k, v, None, True, opts, grad_out, grad_lse, dtype=dtype) if dtype != F32 else None
     visible = torch.zeros(1, 1, n, m, dtype=torch.bool)
@@ -422,24 +553,27 @@ def test_softcap_with_nonfinite_inputs(dtype, poison):
         assert nan_rows[0, :, rows].all() and nan_rows.sum() == 2 * len(rows)
 
 
-@needs_cpu
-@pytest.mark.parametrize("dtype", [F32, F64])
-def test_lse_only_and_out_only_gradients_with_sinks(dtype):
+@pytest.mark.parametrize("backend,dtype", [row("cpu", F32), row("cpu", F64), row("triton", F32)],
+                         ids=["cpu-float32", "cpu-float64", "triton-float32"])
+def test_lse_only_and_out_only_gradients_with_sinks(backend, dtype):
     q, k, v, _, slopes, sink = make_inputs(1, 4, 2, 33, 47, 8, 8, dtype, alibi="h", sinks=True)
     opts = options_for(OPTION_SETS["all"], slopes, sink)
     for go_scale, gl_scale in ((1.0, 0.0), (0.0, 1.0)):
         g = torch.Generator().manual_seed(7)
         grad_out = torch.randn(1, 4, 33, 8, generator=g, dtype=F64) * go_scale
         grad_lse = torch.randn(1, 4, 33, generator=g, dtype=F64) * gl_scale
-        got = run("cpu", q, k, v, None, True, opts, grad_out, grad_lse)
+        got = run(backend, q, k, v, None, True, opts, grad_out, grad_lse)
         ref = run("reference", q, k, v, None, True, opts, grad_out, grad_lse, dtype=F64)
         for i, (x, r) in enumerate(zip(got, ref)):
             rule = F32 if NAMES[i] == "dsinks" else dtype
             assert_close_to_reference(x, r, grad=i >= 2, name=NAMES[i], dtype=rule)
     # only the sinks want a gradient
-    s = sink.clone().requires_grad_()
-    out = attnkit.softmax_attention(q, k, v, is_causal=True, window=(30, 4), sinks=s, enable_gqa=True, backend="cpu")
+    device = device_of(backend)
+    s = sink.to(device).requires_grad_()
+    out = attnkit.softmax_attention(q.to(device), k.to(device), v.to(device), is_causal=True, window=(30, 4), sinks=s,
+                                    enable_gqa=True, backend=backend)
     (ds,) = torch.autograd.grad(out.sum(), s)
+    ds = ds.cpu()
     s64 = sink.double().requires_grad_()
     ref = softmax_attention_reference(q.double(), k.double(), v.double(), is_causal=True, window=(30, 4), sinks=s64,
                                       enable_gqa=True)
@@ -447,26 +581,31 @@ def test_lse_only_and_out_only_gradients_with_sinks(dtype):
     assert_close_to_reference(ds, ds64, grad=True, name="dsinks", dtype=F32)
 
 
-@needs_cpu
-def test_leading_dims_and_broadcast_slopes():
+@pytest.mark.parametrize("backend", [CPU, TRITON])
+def test_leading_dims_and_broadcast_slopes(backend):
     # [B1, B2, H, N, D] with alibi [B1, B2, H]; [H, N, D] with alibi [H]; 2-D with [1].
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 3, 4, 9, 8, generator=g)
     k, v = torch.randn(2, 3, 4, 11, 8, generator=g), torch.randn(2, 3, 4, 11, 5, generator=g)
     slopes, sinks = torch.rand(2, 3, 4, generator=g), torch.randn(4, generator=g)
-    out, lse = attnkit.softmax_attention(q, k, v, return_lse=True, window=(3, 1), alibi_slopes=slopes, sinks=sinks,
-                                         softcap=2.0, backend="cpu")
+    device = device_of(backend)
+
+    def call(q, k, v, **kw):  # on the backend's device; the results back on the CPU
+        kw = {name: val.to(device) if isinstance(val, torch.Tensor) else val for name, val in kw.items()}
+        result = attnkit.softmax_attention(q.to(device), k.to(device), v.to(device), backend=backend, **kw)
+        return tuple(t.cpu() for t in result) if isinstance(result, tuple) else result.cpu()
+
+    out, lse = call(q, k, v, return_lse=True, window=(3, 1), alibi_slopes=slopes, sinks=sinks, softcap=2.0)
     ref, ref_lse = softmax_attention_reference(q.double(), k.double(), v.double(), return_lse=True, window=(3, 1),
                                                alibi_slopes=slopes.double(), sinks=sinks.double(), softcap=2.0)
     assert out.shape == (2, 3, 4, 9, 5) and lse.shape == (2, 3, 4, 9)
     assert_close_to_reference(out, ref)
     assert_close_to_reference(lse, ref_lse, dtype=F32)
-    out3 = attnkit.softmax_attention(q[0, 0], k[0, 0], v[0, 0], window=(3, 1), alibi_slopes=slopes[0, 0], backend="cpu")
+    out3 = call(q[0, 0], k[0, 0], v[0, 0], window=(3, 1), alibi_slopes=slopes[0, 0])
     ref3 = softmax_attention_reference(q[0, 0].double(), k[0, 0].double(), v[0, 0].double(), window=(3, 1),
                                        alibi_slopes=slopes[0, 0].double())
     assert_close_to_reference(out3, ref3)
-    out2 = attnkit.softmax_attention(q[0, 0, 0], k[0, 0, 0], v[0, 0, 0], alibi_slopes=slopes[0, 0, :1],
-                                     sinks=sinks[:1], backend="cpu")
+    out2 = call(q[0, 0, 0], k[0, 0, 0], v[0, 0, 0], alibi_slopes=slopes[0, 0, :1], sinks=sinks[:1])
     ref2 = softmax_attention_reference(q[0, 0, 0].double()[None], k[0, 0, 0].double()[None], v[0, 0, 0].double()[None],
                                        alibi_slopes=slopes[0, 0, :1].double(), sinks=sinks[:1].double())[0]
     assert_close_to_reference(out2, ref2)
@@ -478,66 +617,69 @@ def test_leading_dims_and_broadcast_slopes():
 
 
 def test_backend_options_table():
-    assert BACKEND_OPTIONS["reference"] == BACKEND_OPTIONS["cpu"] == {"window", "softcap", "alibi_slopes", "sinks"}
-    assert BACKEND_OPTIONS["triton"] == BACKEND_OPTIONS["cuda"] == {"sinks"}
+    every = {"window", "softcap", "alibi_slopes", "sinks"}
+    assert BACKEND_OPTIONS["reference"] == BACKEND_OPTIONS["cpu"] == BACKEND_OPTIONS["triton"] == every
+    assert BACKEND_OPTIONS["cuda"] == {"sinks"}
     q = torch.randn(1, 2, 4, 8)
-    options = ScoreOptions(window=(3, 0), softcap=1.0, sinks=torch.zeros(2))
-    assert options.names == ("window", "softcap", "sinks") and options.in_scores
+    options = ScoreOptions(window=(3, 0), softcap=1.0, alibi_slopes=torch.zeros(1, 2), sinks=torch.zeros(2))
+    assert options.names == ("window", "softcap", "alibi_slopes", "sinks") and options.in_scores
     sinks_only = ScoreOptions(sinks=torch.zeros(2))
-    for backend in ("triton", "cuda"):
-        why = ops_softmax._kernel_limitation(backend, q, q, q, None, 0.0, options)
-        assert why == f"the score options window, softcap (the {backend} kernels run sinks)"
-    assert ops_softmax._kernel_limitation("triton", q, q, q, None, 0.0, sinks_only) == ""
+    why = ops_softmax._kernel_limitation("cuda", q, q, q, None, 0.0, options)
+    assert why == "the score options window, softcap, alibi_slopes (the cuda kernels run sinks)"
     # cuda with sinks alone: what stops it is the float32 inputs, not the sinks
     assert ops_softmax._kernel_limitation("cuda", q, q, q, None, 0.0, sinks_only).startswith("float32 inputs")
-    assert ops_softmax._kernel_limitation("cpu", q, q, q, None, 0.0, options) == ""
+    for backend in ("cpu", "triton"):
+        assert ops_softmax._kernel_limitation(backend, q, q, q, None, 0.0, options) == ""
+        assert ops_softmax._kernel_limitation(backend, q, q, q, None, 0.0, sinks_only) == ""
+    # the Triton kernels' own limits still apply with options
+    why = ops_softmax._kernel_limitation("triton", q.double(), q.double(), q.double(), None, 0.0, options)
+    assert why.startswith("float64 inputs")
 
 
-def test_named_triton_backend_refuses_score_options(monkeypatch):
-    if not attnkit.backends()["softmax"]["triton"].usable:
-        pytest.skip("triton backend unusable here")
-    q = torch.randn(1, 2, 7, 16)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    q = q.to(device)
-    with pytest.raises(BackendUnavailableError, match=r"cannot run the score option alibi_slopes \(the triton kernels"):
-        attnkit.softmax_attention(q, q, q, alibi_slopes=torch.rand(2, device=device), backend="triton")
+@needs_triton
+def test_triton_backend_named_or_from_the_environment_runs_score_options(monkeypatch):
+    # Named (backend= or ATTNKIT_BACKEND), the triton backend runs the options rather than
+    # refusing them; slopes that require grad are still refused (no slope gradient in a kernel).
+    device = TRITON_DEVICE
+    q, k, v, _, slopes, sink = make_inputs(1, 2, 2, 7, 9, 16, 16, F32, alibi="h", sinks=True)
+    q, k, v, slopes, sink = (t.to(device) for t in (q, k, v, slopes, sink))
+    kw = dict(window=(2, 2), softcap=1.5, alibi_slopes=slopes, sinks=sink)
+    want = softmax_attention_reference(q.double(), k.double(), v.double(), window=(2, 2), softcap=1.5,
+                                       alibi_slopes=slopes.double(), sinks=sink.double())
+    assert_close_to_reference(attnkit.softmax_attention(q, k, v, backend="triton", **kw), want)
     monkeypatch.setenv("ATTNKIT_BACKEND", "triton")
-    with pytest.raises(BackendUnavailableError, match=r"ATTNKIT_BACKEND='triton'.* score options window, softcap"):
-        attnkit.softmax_attention(q, q, q, window=(2, 2), softcap=1.0)
+    assert_close_to_reference(attnkit.softmax_attention(q, k, v, **kw), want)
+    with pytest.raises(BackendUnavailableError, match=r"ATTNKIT_BACKEND='triton'.* alibi_slopes that require grad"):
+        attnkit.softmax_attention(q, k, v, alibi_slopes=slopes.clone().requires_grad_())
 
 
-@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
-def test_sinks_on_the_triton_backend(dropout_p):
-    # The Triton kernels under the sink transform (interpreted on CPU tensors without a GPU); with
-    # dropout the reference gets the kernel's keep mask, regenerated from the call's seed.
-    if not attnkit.backends()["softmax"]["triton"].usable:
-        pytest.skip("triton backend unusable here")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    b, h, hk, n, m, d = 1, 4, 2, 7, 9, 16
-    q, k, v, _, _, sink = make_inputs(b, h, hk, n, m, d, d, F32, sinks=True)
-    q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
-    sinks = sink.to(device).requires_grad_()
-    g = torch.Generator().manual_seed(1)
-    grad_out = torch.randn(b, h, n, d, generator=g).to(device)
-    grad_lse = torch.randn(b, h, n, generator=g).to(device)
-    torch.manual_seed(11)
-    out, lse = attnkit.softmax_attention(q, k, v, dropout_p=dropout_p, enable_gqa=True, return_lse=True, sinks=sinks,
-                                         backend="triton")
-    got = (out, lse, *torch.autograd.grad((out, lse), (q, k, v, sinks), (grad_out, grad_lse)))
-    keep = None
-    if dropout_p:
-        from attnkit.kernels import softmax as triton_softmax
-
-        torch.manual_seed(11)
-        seed = int(torch.randint(2**31 - 1, (), dtype=torch.int64))  # the call's draw (ops.softmax._draw_seed)
-        keep = triton_softmax.dropout_keep_mask(b, h, n, m, dropout_p, seed, device)
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
-    with num_threads(1):
-        out_r, lse_r = softmax_attention_reference(*leaves[:3], None, dropout_p, False, None, True, return_lse=True,
-                                                   dropout_mask=keep, sinks=leaves[3])
-        ref = (out_r, lse_r, *torch.autograd.grad((out_r, lse_r), leaves, (grad_out.double(), grad_lse.double())))
-    for i, (x, r) in enumerate(zip(got, ref)):
-        assert_close_to_reference(x.cpu(), r.cpu(), grad=i >= 2, name=NAMES[i], dtype=F32)
+@needs_triton
+def test_opcheck_triton_ops_with_options():
+    # The Triton ops with their trailing score options through torch.library's checks (schema,
+    # fake, autograd registration, AOT dispatch); without them the same ops are checked in
+    # tests/ops/test_softmax_backends.py.
+    dev = TRITON_DEVICE
+    q, k, v, mask, slopes, _ = make_inputs(2, 2, 1, 7, 9, 16, 8, F32, mask="bool", alibi="h")
+    q, k, v = (t.to(dev).requires_grad_() for t in (q, k, v))
+    mask, slopes = mask.to(dev), slopes.to(dev).expand(2, 2)  # the layout's [B, H] view, stride 0 over B
+    seed = torch.tensor(1234)
+    fwd = torch.ops.attnkit.softmax_triton_fwd.default
+    bwd = torch.ops.attnkit.softmax_triton_bwd.default
+    options = (3, 1, 2.0, slopes)
+    torch.library.opcheck(fwd, (q, k, v, None, 0.3, True, 0.0, seed, *options))
+    # The rest without test_aot_dispatch_dynamic: interpreted, it costs ~6 s a call, and it
+    # checks the fakes, which ignore the options (the first call covers them).
+    cheap = ("test_schema", "test_faketensor", "test_autograd_registration")
+    torch.library.opcheck(fwd, (q, k, v, None, 0.3, False, 0.0, seed, -1, 0), test_utils=cheap)  # some defaulted
+    torch.library.opcheck(fwd, (q, k, v, mask, 0.3, False, 0.25, seed, *options), test_utils=cheap)
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    out, lse = fwd(qd, kd, vd, mask, 0.3, False, 0.25, seed, *options)
+    torch.library.opcheck(bwd, (torch.randn_like(out), qd, kd, vd, out, lse, mask, 0.3, False, 0.25, seed, *options),
+                          test_utils=cheap)
+    # the defaulted arguments are the op without options, bit for bit
+    plain = fwd(qd, kd, vd, mask, 0.3, False, 0.0, seed)
+    spelled_out = fwd(qd, kd, vd, mask, 0.3, False, 0.0, seed, -1, -1, 0.0, None)
+    assert all(torch.equal(a, b) for a, b in zip(plain, spelled_out))
 
 
 @needs_cpu
@@ -564,13 +706,14 @@ def test_default_routing_of_slopes_that_require_grad(monkeypatch):
     assert ran == ["reference"] and out.shape == q.shape
 
 
-@needs_cpu
-def test_double_backward_with_options():
-    q, k, v, _, slopes, sink = make_inputs(1, 2, 1, 6, 8, 4, 4, F64, alibi="h", sinks=True)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    sinks = sink.double().float().requires_grad_()
-    kw = dict(is_causal=True, window=(3, 1), softcap=2.0, alibi_slopes=slopes, sinks=sinks, return_lse=True)
-    out, lse = attnkit.softmax_attention(q, k, v, backend="cpu", **kw)
+@pytest.mark.parametrize("backend,dtype", [row("cpu", F64), row("triton", F32)], ids=["cpu-float64", "triton-float32"])
+def test_double_backward_with_options(backend, dtype):
+    device = device_of(backend)
+    q, k, v, _, slopes, sink = make_inputs(1, 2, 1, 6, 8, 4, 4, dtype, alibi="h", sinks=True)
+    q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
+    sinks = sink.double().float().to(device).requires_grad_()
+    kw = dict(is_causal=True, window=(3, 1), softcap=2.0, alibi_slopes=slopes.to(device), sinks=sinks, return_lse=True)
+    out, lse = attnkit.softmax_attention(q, k, v, backend=backend, **kw)
     grads = torch.autograd.grad(out.pow(2).sum() + lse.sum(), (q, k, v, sinks), create_graph=True)
     second = torch.autograd.grad(sum(g.sum() for g in grads), (q, k, v))
     out_r, lse_r = attnkit.softmax_attention(q, k, v, backend="reference", **kw)
@@ -580,19 +723,24 @@ def test_double_backward_with_options():
         torch.testing.assert_close(x, r, rtol=1e-5, atol=1e-6)
 
 
-@needs_cpu
-def test_compile_fullgraph_with_options():
+@pytest.mark.parametrize("backend", [CPU, TRITON])
+@pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_compile_fullgraph_with_options(backend, sinks):
     # aot_eager: dynamo's full graph and AOTAutograd (fakes, registered autograd) without inductor's
-    # code generation (the softmax compile tests run inductor; this keeps the file fast).
+    # code generation (the softmax compile tests run inductor; this keeps the file fast).  Without
+    # sinks the graph holds the op with its options; with them, the op and the sink transform.
     torch._dynamo.reset()
     compiled = torch.compile(attnkit.softmax_attention, fullgraph=True, backend="aot_eager")
+    device = device_of(backend)
     q, k, v, _, slopes, sink = make_inputs(1, 4, 2, 33, 40, 16, 16, F32, alibi="bh", sinks=True)
-    q, k, v, sinks = (t.requires_grad_() for t in (q, k, v, sink))
-    kw = dict(is_causal=True, enable_gqa=True, return_lse=True, window=(5, 2), softcap=3.0, alibi_slopes=slopes)
-    out, lse = compiled(q, k, v, sinks=sinks, backend="cpu", **kw)
-    grads = torch.autograd.grad(out.sum() + lse.sum(), (q, k, v, sinks))
-    out_e, lse_e = attnkit.softmax_attention(q, k, v, sinks=sinks, backend="cpu", **kw)
-    grads_e = torch.autograd.grad(out_e.sum() + lse_e.sum(), (q, k, v, sinks))
+    q, k, v, sink = (t.to(device).requires_grad_() for t in (q, k, v, sink))
+    wanted = (q, k, v, sink) if sinks else (q, k, v)
+    kw = dict(is_causal=True, enable_gqa=True, return_lse=True, window=(5, 2), softcap=3.0,
+              alibi_slopes=slopes.to(device), sinks=sink if sinks else None, backend=backend)
+    out, lse = compiled(q, k, v, **kw)
+    grads = torch.autograd.grad(out.sum() + lse.sum(), wanted)
+    out_e, lse_e = attnkit.softmax_attention(q, k, v, **kw)
+    grads_e = torch.autograd.grad(out_e.sum() + lse_e.sum(), wanted)
     for x, r in zip((out, lse, *grads), (out_e, lse_e, *grads_e)):
         torch.testing.assert_close(x, r, rtol=1e-5, atol=1e-5)
 
