@@ -136,19 +136,29 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _kernels_text(backend: str) -> str:
+    if backend == "cpu":
+        return cpu_kernels()
+    if backend == "triton":
+        where = "the Triton interpreter (CPU tensors)" if triton_interpreted() else "CUDA tensors"
+        return f"Triton kernels on {where}"
+    if backend == "cuda":
+        return "CUDA C++ kernels (mma.sync, sm_80 instruction set)"
+    return ""
+
+
 def backend_status(backend: str) -> BackendStatus:
     """Whether ``backend`` can run on this machine at all, and why not."""
     if backend == "reference":
         return BackendStatus(True, "")
     if backend == "cpu":
         reason = _native_import_error()
-        return BackendStatus(not reason, reason, cpu_kernels())
+        return BackendStatus(not reason, reason)
     if backend == "triton":
         reason = _triton_import_error()
         if not reason and not torch.cuda.is_available() and not triton_interpreted():
             reason = "no CUDA device (set TRITON_INTERPRET=1 to run Triton kernels on CPU tensors)"
-        where = "the Triton interpreter (CPU tensors)" if triton_interpreted() else "CUDA tensors"
-        return BackendStatus(not reason, reason, "" if reason else f"Triton kernels on {where}")
+        return BackendStatus(not reason, reason)
     if backend == "cuda":
         if not torch.cuda.is_available():
             return BackendStatus(False, "no CUDA device (or torch was built without CUDA)")
@@ -172,7 +182,11 @@ def backends() -> dict[str, dict[str, BackendStatus]]:
         >>> attnkit.backends()["softmax"]["cpu"].kernels  # on an AVX2-only build
         'avx2+fma: float32 FMA tiles on ymm; bfloat16 / float16 widened to float32; chosen at build time (-march), no AMX'
     """
+    # .kernels is filled here, for the report only: backend_status() runs in every op's dispatch
+    # (also under torch.compile, which cannot trace a call into attnkit._C).
     machine = {backend: backend_status(backend) for backend in BACKENDS}
+    machine = {backend: status._replace(kernels=_kernels_text(backend)) if status.usable else status
+               for backend, status in machine.items()}
     table: dict[str, dict[str, BackendStatus]] = {}
     for family in FAMILIES:
         row = {}
