@@ -615,10 +615,35 @@ def _draw_seed(dropout_p: float) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
+# Decoding on the triton backend (issue 26): up to this many query rows go to the split-KV kernel
+# (attnkit.kernels.decode), which reads each K/V row once for all the query heads that share it
+# and splits the keys over the GPU's SMs; the flash kernel gives a 1-row call one program per
+# head.  H200, bf16 B=8 H=32 Hk=8 M=8192 D=128 N=4: 0.084 ms against SDPA's 0.347 (with the
+# mask it needs there); N=1 0.92x SDPA (bench/RESULTS.md, 2026-11-27).
+DECODE_MAX_ROWS = 16
+
+
+def _decodes(query, key, value, attn_mask, dropout_p, is_causal) -> bool:
+    """Whether a triton call goes to the decode kernel: 1..16 query rows and no mask, dropout
+    or gradient (the kernel has no backward); causal only where N == M (the kernel aligns
+    bottom-right, softmax_attention top-left: the same there); eager only (torch.compile
+    traces the flash op, which has a fake and a backward)."""
+    n, m = query.shape[2], key.shape[2]
+    return (attn_mask is None and dropout_p == 0.0 and 1 <= n <= DECODE_MAX_ROWS and m >= 1
+            and (not is_causal or n == m)
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and torch._C._any_requires_grad(query, key, value)))
+
+
 def _run_triton(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                 options=None):
     # As _run_native: the kernel computes window, softcap and ALiBi, the sinks are applied
     # around it.  GQA is native (H % Hk); dropout from the call's seed.
+    if options is None and _decodes(query, key, value, attn_mask, dropout_p, is_causal):
+        from ..kernels import decode
+
+        out, lse = decode.softmax_decode_fwd(query, key, value, scale, is_causal=is_causal)
+        return (out, lse) if return_lse else out
     mask = _kernel_mask(attn_mask, query, key)
     seed = _draw_seed(dropout_p)
     if options is None:

@@ -556,3 +556,61 @@ def test_default_routing_on_cuda_tensors(monkeypatch):
     attnkit.softmax_attention(*_qkv(F64, device="cuda"))
     attnkit.softmax_attention(*_qkv(F16, d=300, device="cuda"))
     assert ran == ["triton", "triton", "reference", "reference"]
+
+
+# ----------------------------------------------------------------------------------------------
+# triton: decoding calls go to the split-KV kernel (attnkit.kernels.decode)
+# ----------------------------------------------------------------------------------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [F32, F16], ids=["f32", "f16"])
+@pytest.mark.parametrize("b, h, hk, n, m, d, dv, causal", [
+    (2, 4, 2, 1, 37, 16, 24, False),   # one query, GQA, Dv != D
+    (1, 3, 1, 5, 130, 32, 32, False),  # MQA, M past two key tiles
+    (2, 2, 2, 7, 7, 8, 8, True),       # causal with N == M: top-left is bottom-right
+    (1, 2, 1, 16, 1, 8, 8, False),     # 16 rows, one key
+], ids=["n1-gqa", "n5-mqa", "n7-causal-square", "n16-m1"])
+def test_triton_decoding_calls_take_the_decode_kernel(monkeypatch, dtype, b, h, hk, n, m, d, dv, causal):
+    from attnkit.kernels import decode
+
+    calls = []
+    real = decode.softmax_decode_fwd
+    monkeypatch.setattr(decode, "softmax_decode_fwd", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(n * 100 + m)
+    q = torch.randn(b, h, n, d, generator=gen).to(TRITON_DEVICE, dtype)
+    k = torch.randn(b, hk, m, d, generator=gen).to(TRITON_DEVICE, dtype)
+    v = torch.randn(b, hk, m, dv, generator=gen).to(TRITON_DEVICE, dtype)
+    out, lse = attnkit.softmax_attention(q, k, v, is_causal=causal, enable_gqa=hk != h, return_lse=True,
+                                         backend="triton")
+    assert len(calls) == 1 and calls[0]["is_causal"] == causal
+    g = h // hk
+    ref, ref_lse = softmax_attention_reference(q.double(), k.double().repeat_interleave(g, 1),
+                                               v.double().repeat_interleave(g, 1), None, 0.0, causal, None,
+                                               False, return_lse=True)
+    low = None
+    if dtype != F32:
+        low = softmax_attention_reference(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), None, 0.0,
+                                          causal, None, False)
+    assert_close_to_reference(out, ref, low, dtype=dtype)
+    # the lse is float32 from exact products of the inputs (float16 values are exact in float64)
+    assert_close_to_reference(lse, ref_lse, None, dtype=F32)
+
+
+@needs_triton
+def test_triton_calls_the_decode_kernel_cannot_serve_keep_the_flash_kernel(monkeypatch):
+    from attnkit.kernels import decode
+
+    calls = []
+    monkeypatch.setattr(decode, "softmax_decode_fwd", lambda *a, **kw: calls.append(1))
+    q = torch.randn(1, 2, 3, 8, device=TRITON_DEVICE)
+    k = torch.randn(1, 2, 9, 8, device=TRITON_DEVICE)
+    v = torch.randn(1, 2, 9, 8, device=TRITON_DEVICE)
+    grad_q = q.clone().requires_grad_()
+    attnkit.softmax_attention(grad_q, k, v, backend="triton").sum().backward()  # a gradient
+    attnkit.softmax_attention(q, k, v, is_causal=True, backend="triton")  # top-left causal, N < M
+    attnkit.softmax_attention(q, k, v, attn_mask=torch.ones(3, 9, dtype=torch.bool, device=TRITON_DEVICE),
+                              backend="triton")  # a mask
+    attnkit.softmax_attention(torch.randn(1, 2, 17, 8, device=TRITON_DEVICE), k, v, backend="triton")  # 17 rows
+    attnkit.softmax_attention(q, k, v, softcap=5.0, backend="triton")  # a score option
+    assert calls == []
