@@ -195,8 +195,23 @@ def backends() -> dict[str, dict[str, BackendStatus]]:
                 row[backend] = BackendStatus(False, f"{family} has no {backend} kernels yet")
             else:
                 row[backend] = machine[backend]
+                if family == "softmax" and row[backend].usable:
+                    row[backend] = row[backend]._replace(kernels=_with_score_options(row[backend].kernels, backend))
         table[family] = row
     return table
+
+
+def _with_score_options(text: str, backend: str) -> str:
+    """softmax's row: which score options (issue 28) the backend's kernels compute; a call
+    with another one goes to another backend when none is named, and raises when this one is."""
+    from .score_options import BACKEND_OPTIONS, NAMES
+
+    here = [name for name in NAMES if name in BACKEND_OPTIONS.get(backend, ())]
+    missing = [name for name in NAMES if name not in here]
+    note = f"score options: {', '.join(here) or 'none'}"
+    if missing:
+        note += f" ({', '.join(missing)}: routed to another backend, or an error when this one is named)"
+    return f"{text}; {note}" if text else note
 
 
 def _device_problem(backend: str, device: torch.device) -> str:

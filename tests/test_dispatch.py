@@ -33,19 +33,32 @@ def test_cpu_backend_reports_the_vector_path_its_kernels_were_built_for():
     # is one the extension knows, and this CPU has its instructions (the build ran here).
     from attnkit._cpuinfo import cpu_info
 
-    kernels = attnkit.backends()["softmax"]["cpu"].kernels
+    kernels = attnkit.backends()["linear"]["cpu"].kernels
     isa = _dispatch.native().cpu_kernel_isa()
     assert isa in _dispatch._CPU_ISA_TEXT, isa
-    assert kernels.startswith(isa + ": ") and "build time" in kernels, kernels
+    assert kernels.startswith(isa + ": ") and kernels.endswith("no AMX"), kernels
     flags = set(cpu_info()["isa"])  # display names: "AVX2", "AVX-512F", ...
     if flags:  # /proc/cpuinfo read
         needed = {"avx512f+avx512bf16": {"AVX-512F", "AVX-512 BF16"}, "avx512f": {"AVX-512F"},
                   "avx2+fma": {"AVX2", "FMA"}, "scalar": set()}[isa]
         assert needed <= flags, (isa, sorted(flags))
     for family, row in attnkit.backends().items():
-        assert row["reference"].kernels == ""
-        if row["cpu"].usable:
+        if row["cpu"].usable and family != "softmax":
             assert row["cpu"].kernels == kernels, family
+
+
+def test_softmax_row_says_which_score_options_each_backend_computes():
+    from attnkit.score_options import BACKEND_OPTIONS
+
+    row = attnkit.backends()["softmax"]
+    assert row["reference"].kernels == "score options: window, softcap, alibi_slopes, sinks"
+    for backend, status in row.items():
+        if status.usable:
+            named = status.kernels.split("score options: ")[1]
+            for option in BACKEND_OPTIONS[backend]:
+                assert option in named.split(" (")[0], (backend, status.kernels)
+    if row["cuda"].usable:
+        assert "window, softcap, alibi_slopes: routed to another backend" in row["cuda"].kernels
 
 
 def test_default_falls_back_to_reference_until_a_family_has_kernels(monkeypatch):
