@@ -253,7 +253,7 @@ def cuda_cases(quick: bool, device: torch.device) -> list[Case]:
         return []
     bf16 = torch.bfloat16
     out = [make_case("window", 4, 8, 8192, 128, bf16, "fwd", device, left=1023, targets=BAND_TARGET,
-                     priority=EXTRA - 2)]
+                     priority=EXTRA)]
     out.append(make_case("window", 4, 8, 8192, 128, bf16, "fwd+bwd", device, left=1023, priority=EXTRA))
     out += [make_case("softcap", 4, 8, 8192, 128, bf16, mode, device, priority=EXTRA) for mode in ("fwd", "fwd+bwd")]
     return out
