@@ -242,6 +242,28 @@ def fitting(configs, dmax, limit, names=TILE_NAMES):
     return fit or [min(configs, key=area)]
 
 
+def check_attention_shapes(fn: str, q, k, v, max_head_dim: int = MAX_HEAD_DIM) -> None:
+    """The checks every attention launcher shares, for q [B, H, N, D], k [B, Hk, M, D],
+    v [B, Hk, M, Dv]: one dtype, equal batches, k and v alike, k's head dim q's, H a multiple
+    of Hk, head dims in 1..max_head_dim.  Raises TypeError / ValueError naming ``fn``."""
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{fn}: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, H, _, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"{fn}: batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"{fn}: k and v must have the same heads and length; got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[3] != D:
+        raise ValueError(f"{fn}: k head dim must equal q's ({D}); got {k.shape[3]}")
+    if k.shape[1] == 0 or H % k.shape[1] != 0:
+        raise ValueError(f"{fn}: query heads ({H}) must be a multiple of key/value heads "
+                         f"({k.shape[1]})")
+    for name, d in (("q/k head dim", D), ("v head dim", v.shape[3])):
+        if not 1 <= d <= max_head_dim:
+            raise ValueError(f"{fn}: {name} must be in 1..{max_head_dim}; got {d}")
+
+
 def strides(t):
     return tuple(t.stride())
 

@@ -81,6 +81,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ._flash import (INTERPRETED, _LN2, _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, accumulate_pv,
+                     check_attention_shapes,
                      finish_rows, launch, load_rows, online_softmax_update, pow2, scores)
 
 __all__ = [
@@ -562,28 +563,14 @@ def _check_inputs(fn, q, k, v):
             raise ValueError(f"{fn}: {name} must be 4-D [B, H, L, D]; got shape {tuple(t.shape)}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{fn}: {name} must be float16, bfloat16 or float32; got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{fn}: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"{fn}: q, k, v must be on one device; got {q.device}, {k.device}, "
                          f"{v.device}")
-    B, H, N, D = q.shape
+    N = q.shape[2]
     if N > MAX_QUERY_ROWS:
         raise ValueError(f"{fn}: at most {MAX_QUERY_ROWS} query rows (decoding); got N = {N} "
                          f"(use attnkit.kernels.softmax.softmax_fwd for prefill)")
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"{fn}: batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"{fn}: k and v must have the same heads and length; got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[3] != D:
-        raise ValueError(f"{fn}: k head dim must equal q's ({D}); got {k.shape[3]}")
-    if k.shape[1] == 0 or H % k.shape[1] != 0:
-        raise ValueError(f"{fn}: query heads ({H}) must be a multiple of key/value heads "
-                         f"({k.shape[1]})")
-    for name, d in (("q/k head dim", D), ("v head dim", v.shape[3])):
-        if not 1 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"{fn}: {name} must be in 1..{MAX_HEAD_DIM}; got {d}")
+    check_attention_shapes(fn, q, k, v)
     _check_device(fn, q)
 
 

@@ -69,7 +69,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ._flash import (INTERPRETED, _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, accumulate_pv,
-                     config_list, dk_step, dot_precision, dq_step, finish_rows, fitting, launch,
+                     check_attention_shapes, config_list, dk_step, dot_precision, dq_step, finish_rows, fitting, launch,
                      load_bwd_rows, load_row_pair, load_rows, online_softmax_update, pow2, scores,
                      split_config, store_rows, strides, tanh_and_grad,
                      tanh_exp2)
@@ -697,22 +697,8 @@ def _check_inputs(fn, q, k, v, dropout_p):
             raise ValueError(f"{fn}: {name} must be 4-D [B, H, L, D]; got shape {tuple(t.shape)}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{fn}: {name} must be float16, bfloat16 or float32; got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{fn}: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_attention_shapes(fn, q, k, v)
     B, H, _, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"{fn}: batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"{fn}: k and v must have the same heads and length; got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[3] != D:
-        raise ValueError(f"{fn}: k head dim must equal q's ({D}); got {k.shape[3]}")
-    if k.shape[1] == 0 or H % k.shape[1] != 0:
-        raise ValueError(f"{fn}: query heads ({H}) must be a multiple of key/value heads "
-                         f"({k.shape[1]})")
-    for name, d in (("q/k head dim", D), ("v head dim", v.shape[3])):
-        if not 1 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"{fn}: {name} must be in 1..{MAX_HEAD_DIM}; got {d}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{fn}: dropout_p must be in [0, 1); got {dropout_p}")
     _check_device(fn, q)

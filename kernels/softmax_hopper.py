@@ -75,7 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._flash import (INTERPRETED, MAX_HEAD_DIM, SUPPORTED_DTYPES, dot_precision, load_rows,
+from ._flash import (INTERPRETED, SUPPORTED_DTYPES, check_attention_shapes, dot_precision, load_rows,
                      pow2, store_rows)
 
 __all__ = [
@@ -884,20 +884,8 @@ def _check_inputs(fn, q, k, v):
             raise ValueError(f"{fn}: {name} must be 4-D [B, H, L, D]; got shape {tuple(t.shape)}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{fn}: {name} must be float16, bfloat16 or float32; got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{fn}: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_attention_shapes(fn, q, k, v)
     B, H, _, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"{fn}: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}")
-    if k.shape[3] != D:
-        raise ValueError(f"{fn}: k head dim must equal q's ({D}); got {k.shape[3]}")
-    if k.shape[1] == 0 or H % k.shape[1] != 0:
-        raise ValueError(f"{fn}: query heads ({H}) must be a multiple of key/value heads "
-                         f"({k.shape[1]})")
-    for name, d in (("q/k head dim", D), ("v head dim", v.shape[3])):
-        if not 1 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"{fn}: {name} must be in 1..{MAX_HEAD_DIM}; got {d}")
     if not (q.is_cuda or INTERPRETED):
         raise RuntimeError(f"{fn}: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 "
                            f"set before attnkit.kernels is imported, for CPU tensors)")
