@@ -264,6 +264,16 @@ def check_attention_shapes(fn: str, q, k, v, max_head_dim: int = MAX_HEAD_DIM) -
             raise ValueError(f"{fn}: {name} must be in 1..{max_head_dim}; got {d}")
 
 
+def check_backward_inputs(fn: str, grad_out, out, lse, B: int, H: int, N: int, Dv: int) -> None:
+    """A flash backward's saved tensors: grad_out and out [B, H, N, Dv], lse float32 [B, H, N]."""
+    if tuple(grad_out.shape) != (B, H, N, Dv) or tuple(out.shape) != (B, H, N, Dv):
+        raise ValueError(f"{fn}: grad_out and out must have shape {(B, H, N, Dv)}; got "
+                         f"{tuple(grad_out.shape)} and {tuple(out.shape)}")
+    if tuple(lse.shape) != (B, H, N) or lse.dtype != torch.float32:
+        raise ValueError(f"{fn}: lse must be float32 of shape {(B, H, N)}; got "
+                         f"{lse.dtype} {tuple(lse.shape)}")
+
+
 def strides(t):
     return tuple(t.stride())
 

@@ -69,10 +69,10 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ._flash import (INTERPRETED, _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, accumulate_pv,
-                     check_attention_shapes, config_list, dk_step, dot_precision, dq_step, finish_rows, fitting, launch,
-                     load_bwd_rows, load_row_pair, load_rows, online_softmax_update, pow2, scores,
-                     split_config, store_rows, strides, tanh_and_grad,
-                     tanh_exp2)
+                     check_attention_shapes, check_backward_inputs, config_list, dk_step,
+                     dot_precision, dq_step, finish_rows, fitting, launch, load_bwd_rows,
+                     load_row_pair, load_rows, online_softmax_update, pow2, scores, split_config,
+                     store_rows, strides, tanh_and_grad, tanh_exp2)
 
 __all__ = [
     "softmax_fwd",
@@ -843,12 +843,7 @@ def softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal, dropout_p=0
     _check_inputs(fn, q, k, v, dropout_p)
     B, H, N, D = q.shape
     Hk, M, Dv = k.shape[1], k.shape[2], v.shape[3]
-    if tuple(grad_out.shape) != (B, H, N, Dv) or tuple(out.shape) != (B, H, N, Dv):
-        raise ValueError(f"{fn}: grad_out and out must have shape {(B, H, N, Dv)}; got "
-                         f"{tuple(grad_out.shape)} and {tuple(out.shape)}")
-    if tuple(lse.shape) != (B, H, N) or lse.dtype != torch.float32:
-        raise ValueError(f"{fn}: lse must be float32 of shape {(B, H, N)}; got "
-                         f"{lse.dtype} {tuple(lse.shape)}")
+    check_backward_inputs(fn, grad_out, out, lse, B, H, N, Dv)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     mask_kind, mask_t, mask_strides = _prepare_mask(fn, mask, q, B, H, N, M)
     opt_args, alibi, alibi_strides, opt_consts = _prepare_options(

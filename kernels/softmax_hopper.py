@@ -75,8 +75,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._flash import (INTERPRETED, SUPPORTED_DTYPES, check_attention_shapes, dot_precision, load_rows,
-                     pow2, store_rows)
+from ._flash import (INTERPRETED, SUPPORTED_DTYPES, check_attention_shapes, check_backward_inputs,
+                     dot_precision, load_rows, pow2, store_rows)
 
 __all__ = [
     "hopper_fwd",
@@ -993,12 +993,7 @@ def hopper_bwd(grad_out, q, k, v, out, lse, scale=None, is_causal=False, *,
     _check_inputs(fn, q, k, v)
     B, H, N, D = q.shape
     Hk, M, Dv = k.shape[1], k.shape[2], v.shape[3]
-    if tuple(grad_out.shape) != (B, H, N, Dv) or tuple(out.shape) != (B, H, N, Dv):
-        raise ValueError(f"{fn}: grad_out and out must have shape {(B, H, N, Dv)}; got "
-                         f"{tuple(grad_out.shape)} and {tuple(out.shape)}")
-    if tuple(lse.shape) != (B, H, N) or lse.dtype != torch.float32:
-        raise ValueError(f"{fn}: lse must be float32 of shape {(B, H, N)}; got "
-                         f"{lse.dtype} {tuple(lse.shape)}")
+    check_backward_inputs(fn, grad_out, out, lse, B, H, N, Dv)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dq, dk, dv = (None, None, None) if grads is None else grads
     dq = _output(fn, "dq", dq, q.shape, q.dtype, q.device)
