@@ -29,9 +29,11 @@ positions, equal to what one process computes on the whole sequence.  Transport 
 
 Choices, named:
 
-- ``ring_attention`` always returns ``(out, lse)`` (no ``return_lse`` flag): the LSE is what
-  lets a caller merge the result further, it costs nothing extra, and one return type keeps
-  call sites and traced graphs simple.
+- ``ring_attention`` returns ``out`` alone by default and ``(out, lse)`` with
+  ``return_lse=True``, like :func:`attnkit.softmax_attention` and every other op.  The LSE is
+  computed either way (the ring merges each step's block result by it), so asking for it costs
+  nothing extra; it is what lets a caller merge the result further
+  (:func:`attnkit.merge_attention_states`).
 - Uneven N: shards differ in length by at most one row per chunk (the first ``N mod parts``
   chunks are one longer); no padding.  A rank learns every shard's length (it must size its
   receive buffers) from one small ``all_gather`` per call (the *handshake*), which also checks
