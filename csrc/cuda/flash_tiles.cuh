@@ -1,6 +1,7 @@
 // The FlashAttention-2 tile steps shared by the softmax (softmax.cu) and sparse (sparse.cu)
 // CUDA kernels: one tile geometry (4 warps x 16 rows, 64-key tiles, padded shared-memory rows),
-// the shared-memory layouts of the forward, dQ and dK/dV kernels, the tensor-core products of a
+// the shared-memory layouts of the dQ and dK/dV kernels (and of sparse.cu's forward), the
+// swizzled tiles and cp.async tile copies of softmax.cu's pipelined forward, the tensor-core products of a
 // warp's 16 rows (S = A·Bᵀ, acc += P·B, each also in a fused pair), the online-softmax row
 // update and the epilogues.  What differs between the families -- which rows a block owns,
 // which tiles it visits, which (query, key) pairs are visible -- stays in the kernels.
@@ -115,6 +116,67 @@ __device__ __forceinline__ DkdvSmem dkdv_smem(uint16_t* smem) {
   // Byte offset (2 kBlockK + 2 kBr) · kLd · 2 is a multiple of 4 (kLd is even).
   float* lse = reinterpret_cast<float*>(dout + kBr * kLd);
   return {smem, smem + kBlockK * kLd, q, dout, lse, lse + kBr};
+}
+
+// ---------------------------------------------------------------------------------------------
+// swizzled tiles (softmax.cu's pipelined forward).  Rows of kD 16-bit elements without padding:
+// kD / 8 chunks of 16 bytes (kD a multiple of 64), chunk c of row r stored at chunk c ^ (r % 8).
+// The 8 rows of an 8x8 matrix that ldmatrix reads (one chunk of 8 consecutive rows) then lie in 8
+// different 16-byte bank groups, as do the chunks that 8 consecutive threads of cp_async_tile
+// write: both conflict-free, with no padding (a K or V tile at D = 128 is 16 KiB exactly).
+// ---------------------------------------------------------------------------------------------
+
+// Rows [0, kR) of a tile of kD columns (global row stride `stride` elements, rows 16-byte
+// aligned) into a swizzled shared tile through cp.async, 16 bytes per thread and step with
+// kBlockThreads threads; rows >= `valid` are zero-filled by plain stores (never read from global
+// memory).  The caller commits the group, waits for it, and then needs a __syncthreads before
+// other threads read the rows.
+template <int kBlockThreads, int kR, int kD>
+__device__ __forceinline__ void cp_async_tile(uint16_t* dst, const uint16_t* src, int64_t stride, int valid) {
+  constexpr int kChunks = kD / 8;
+  static_assert(kChunks % 8 == 0, "the swizzle permutes chunks in groups of 8");
+  static_assert((kR * kChunks) % kBlockThreads == 0, "tile must split evenly over the threads");
+#pragma unroll
+  for (int it = 0; it < kR * kChunks / kBlockThreads; ++it) {
+    const int idx = it * kBlockThreads + static_cast<int>(threadIdx.x);
+    const int r = idx / kChunks, c = idx % kChunks;
+    uint16_t* to = dst + r * kD + (c ^ (r & 7)) * 8;  // the write side of the swizzle (read side: swizzled)
+    if (r < valid) {
+      cp_async16(to, src + r * stride + c * 8);
+    } else {
+      *reinterpret_cast<uint4*>(to) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
+// Element offset of chunk `chunk` of row `row` in a swizzled tile of kD columns (the read side of
+// cp_async_tile's layout).
+template <int kD>
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * kD + ((chunk ^ (row & 7)) << 3);
+}
+
+// mma_sm80.cuh's fragment loaders (load_a, load_b_nk2, load_b_kn2: same matrices, same lanes) on
+// swizzled tiles; r0, n0, k0, c0 are multiples of 8 (chunk boundaries).
+template <int kD>
+__device__ __forceinline__ void load_a_swz(uint32_t (&a)[4], const uint16_t* tile, int r0, int c0, int lane) {
+  ldsm_x4(a, tile + swizzled<kD>(r0 + lane % 8 + ((lane / 8) % 2) * 8, c0 / 8 + lane / 16));
+}
+
+template <int kD>
+__device__ __forceinline__ void load_b_nk2_swz(uint32_t (&b0)[2], uint32_t (&b1)[2], const uint16_t* tile, int n0,
+                                               int k0, int lane) {
+  uint32_t r[4];
+  ldsm_x4(r, tile + swizzled<kD>(n0 + lane % 8 + (lane / 16) * 8, k0 / 8 + (lane / 8) % 2));
+  b0[0] = r[0], b0[1] = r[1], b1[0] = r[2], b1[1] = r[3];
+}
+
+template <int kD>
+__device__ __forceinline__ void load_b_kn2_swz(uint32_t (&b0)[2], uint32_t (&b1)[2], const uint16_t* tile, int k0,
+                                               int n0, int lane) {
+  uint32_t r[4];
+  ldsm_x4_trans(r, tile + swizzled<kD>(k0 + lane % 8 + ((lane / 8) % 2) * 8, n0 / 8 + lane / 16));
+  b0[0] = r[0], b0[1] = r[1], b1[0] = r[2], b1[1] = r[3];
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 // Tensor-core building blocks shared by the CUDA C++ kernels (softmax.cu, sparse.cu, linear.cu):
-// the inline-PTX helpers (ex2.approx, mma.sync.m16n8k16 f16/bf16, ldmatrix.x4 [.trans]; sm_80+),
+// the inline-PTX helpers (ex2.approx, mma.sync.m16n8k16 f16/bf16, ldmatrix.x4 [.trans], cp.async
+// with its groups; sm_80+),
 // the 16-bit element helpers they work with, and the m16n8k16 fragment loaders.
 //
 // One copy on purpose: tests/csrc/cuda_emulator/extract.py inlines this file into the device
-// code it cuts out of a .cu file, removes the four PTX helpers after checking that they still
+// code it cuts out of a .cu file, removes the seven PTX helpers after checking that they still
 // issue the PTX (and operand order) the emulator models, and the emulated tests run the rest as
 // written.  Change a PTX helper here and the extractor refuses until harness.cpp's emulation has
 // been re-checked against the PTX ISA.
@@ -98,6 +99,42 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* 
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+}
+
+// ---------------------------------------------------------------------------------------------
+// cp.async (sm_80+): asynchronous 16-byte copies global -> shared, in per-thread groups.
+//   cp.async.cg.shared.global [dst], [src], 16: both addresses 16-byte aligned; .cg caches in L2
+//     only (each K/V tile is read once per block).  The copy lands at some time between its
+//     issue and the wait_group that covers it;
+//   cp.async.commit_group: closes this thread's copies issued since the last commit into a group
+//     (an empty group if there are none);
+//   cp.async.wait_group N: waits until at most the N most recent of this thread's groups are
+//     still pending, i.e. every older group's copies have landed -- visible to this thread only:
+//     other threads see them after a __syncthreads that follows the wait.
+// (tests/csrc/cuda_emulator/harness.cpp models exactly this: a copy fills its destination with
+// NaN when issued and lands only at a wait_group that covers its group.)
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void cp_async16(uint16_t* dst, const uint16_t* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" : : "r"(addr), "l"(src) : "memory");
+#else
+  __trap();  // never launched below compute capability 8.0 (see mma16816)
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" : : : "memory");
+#endif
+}
+
+template <int kN>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" : : "n"(kN) : "memory");
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------

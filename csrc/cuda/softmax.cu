@@ -4,16 +4,17 @@
 // dispatch key after running the ops' input checks (nothing here throws on bad input: issue 10).
 //
 // STATUS.  Checked: compiles with nvcc -c for sm_80 and sm_90a against torch's headers
-// (.ci/compile_cuda.sh); ptxas -v: 128-244 registers per thread, no spills except 16-24 bytes
-// in the D = 64 forward.  The device code (this file up to "host side") was also run on the CPU
-// through a host emulation of the warp primitives (one std::thread per CUDA thread, barriers for
-// __syncthreads / shuffles, ldmatrix and mma.m16n8k16 rebuilt from the PTX ISA's fragment
-// tables, shared memory sized exactly and poisoned with NaN, ASan/UBSan on) against the float64
-// reference: fp16/bf16, D 64/128, causal, GQA, bool/float masks, odd N and M, empty M.
+// (.ci/compile_cuda.sh); ptxas -v (CUDA 13.0): forward 128 (D = 64) / 228-229 (D = 128)
+// registers, backward 166-250, no spills.  The device code (this file up to "host side") runs on
+// the CPU in tests/csrc/test_softmax_cuda_emulated.py (tests/csrc/cuda_emulator: every thread a
+// fiber, ldmatrix / mma.m16n8k16 / cp.async and its groups from the PTX ISA, shared memory exact
+// and NaN-filled, every access bounds-checked) against the float64 reference: fp16/bf16, D
+// 64/128, causal, GQA, bool/float masks, odd N and M, empty N or M, non-finite inputs.
 // On a GPU: tests/csrc/test_softmax_cuda.py (`pytest -m gpu`) passed in full on an H100 (sm_90,
-// torch 2.11 + CUDA 13.0, commit 4a5f870, bench/RESULTS.md "session 8"); speed there:
-// 12.3 ms bf16 B=4 H=8 N=8192 D=128 forward, 0.13x SDPA and 0.17x the Triton kernel, so
-// Triton stays the default GPU path.
+// torch 2.11 + CUDA 13.0, commit 4a5f870, bench/RESULTS.md "session 8") with the forward of
+// before issue 27 (4 warps x 16 rows, K/V tiles loaded synchronously into padded rows): 12.3 ms
+// bf16 B=4 H=8 N=8192 D=128, 0.13x SDPA.  The pipelined forward below (issue 27) has not run on
+// a GPU yet (target: >= 330 TFLOP/s there).
 //
 // WHAT IT COMPUTES.  q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,D] (float16 or bfloat16; D = 64 or
 // 128, value's head dim equal to query's; other head dims fail the op's check
@@ -32,15 +33,18 @@
 // out 0 and lse -inf.  Backward -> dq, dk, dv (contiguous, input dtype); dk/dv summed over the
 // query heads of each GQA group.
 //
-// HOW.  Thread blocks of 4 warps; each warp owns 16 rows of a 64-row tile and multiplies with
-// tensor-core mma.sync.m16n8k16 (fp16/bf16 operands, fp32 accumulation), through inline PTX.
-// Fragments are read from shared memory with ldmatrix.x4 (.trans for the operands stored
-// key-major, like V in P·V); rows padded by 8 elements, so the loads are bank-conflict free.
-// The accumulator of one product (C layout) is re-packed in registers as the A operand of the
-// next (S -> P -> P·V), as in FlashAttention-2.
-//  - forward: one block per (64 queries, h, b); loops over key tiles of 64 with an online
-//    softmax in the base-2 domain (scores pre-multiplied by scale·log2 e); writes out, lse.
-//  - backward: (1) delta = rowsum(dO ∘ O) per query row (fp32);
+// HOW.  Each warp owns 16 rows of a tile and multiplies with tensor-core mma.sync.m16n8k16
+// (fp16/bf16 operands, fp32 accumulation), through inline PTX.  Fragments are read from shared
+// memory with ldmatrix.x4 (.trans for the operands stored key-major, like V in P·V), from rows
+// that are XOR-swizzled (forward) or padded by 8 elements (backward), so the loads are
+// bank-conflict free.  The accumulator of one product (C layout) is re-packed in registers as
+// the A operand of the next (S -> P -> P·V), as in FlashAttention-2.
+//  - forward (softmax_fwd_kernel, see there): one block of 8 warps per (128 queries, h, b), Q
+//    fragments and O in registers, K/V tiles of 64 keys streamed through a 2- (D = 128) or
+//    3-stage (D = 64) cp.async ring; online softmax in the base-2 domain (scores multiplied by
+//    scale·log2 e); writes out, lse.
+//  - backward: thread blocks of 4 warps (64-row tiles).
+//    (1) delta = rowsum(dO ∘ O) per query row (fp32);
 //    (2) dQ: one block per (64 queries, h, b), loops over key tiles, recomputes
 //        P = exp(S - lse), dP = dO·Vᵀ, dS = P ∘ (dP - delta), dQ += dS·K (no atomics);
 //    (3) dK/dV: one block per (64 keys, kv head, b), loops over the query heads of its GQA
@@ -135,49 +139,148 @@ struct FwdParams {
   bool causal;
 };
 
+// The pipelined forward (issue 27: FlashAttention-2 class on sm_80+).  A block of kFwdWarps = 8
+// warps owns kFwdBlockQ = 128 query rows of one (b, h); warp w owns rows 16w .. 16w + 15.  Its Q
+// fragments are loaded once into registers; its output accumulators O, running max and sum stay
+// in registers across the whole key loop; P goes from the S accumulators straight into the A
+// operand of P·V (acc_to_a): no round trip through shared memory.  K and V tiles of kFwdBlockK =
+// 64 keys stream through a ring of kFwdStages<kD> shared-memory stages filled by cp.async, in the
+// swizzled layout of flash_tiles.cuh (conflict-free cp.async writes and ldmatrix reads, no padding):
+//   prologue: Q (group 0), then tiles 0 .. S-2 (one group each);
+//   key tile j: wait until tile j's group has landed (cp.async.wait_group S-2: the S-2 newer
+//   groups may still be in flight), __syncthreads (every thread's copies of tile j visible, and
+//   every warp done with tile j-1, whose stage the next copy reuses), issue tile j+S-1 into that
+//   stage and commit (an empty group past the last tile, so that the counting stays uniform),
+//   then S = Q Kᵀ, online softmax (base 2, scale·log2 e folded into one multiply), O += P V on
+//   tile j, while tiles j+1 .. j+S-1 load.
+// A warp skips the products of a tile it cannot see at all (causal: every key after its last row;
+// or all its rows past N), and the per-entry visibility tests of a tile it sees entirely (no mask,
+// no key past M, causal: every key at or before its first row).  Query rows past N are zero-filled
+// and never stored; key rows past M are zero-filled (V: no NaN into P·V) and hidden.
+// ptxas -v (CUDA 13.0): D = 128: 228 registers (sm_80), 229 (sm_90a); D = 64: 128; no spills.
+// (Two m-tiles per warp on 4 warps, FlashAttention-2's split, halves the ldmatrix traffic per
+// row but spilled 128 bytes at D = 128 with 255 registers, Q kept in shared memory.)
+constexpr int kFwdWarps = 8;
+constexpr int kFwdThreads = 32 * kFwdWarps;
+constexpr int kFwdBlockQ = 16 * kFwdWarps;  // 128 query rows per block
+constexpr int kFwdBlockK = 64;              // keys per tile
+// Stages of the K/V ring.  Shared memory (Q + S pairs of K/V tiles): D = 128, 2 stages: 96 KiB,
+// within the 99 KiB of every sm_8x / sm_12x device; D = 64, 3 stages: 64 KiB.
+template <int kD>
+constexpr int kFwdStages = kD <= 64 ? 3 : 2;
+template <int kD>
+constexpr size_t kFwdSmemBytes = static_cast<size_t>(kFwdBlockQ + 2 * kFwdStages<kD> * kFwdBlockK) * kD * sizeof(uint16_t);
+
 template <bool kBF16, int kD>
-__global__ void __launch_bounds__(kThreads) softmax_fwd_kernel(const FwdParams p) {
-  constexpr int kNt = kBlockK / 8;  // n-tiles of scores per warp row block
+__global__ void __launch_bounds__(kFwdThreads) softmax_fwd_kernel(const FwdParams p) {
+  constexpr int kNt = kFwdBlockK / 8;  // n-tiles of scores
+  constexpr int kS = kFwdStages<kD>;
+  constexpr int kTile = kFwdBlockK * kD;  // elements of one K or V stage
   extern __shared__ __align__(16) uint16_t smem[];
-  const auto [q_s, k_s, v_s] = fwd_smem<kD>(smem);
+  uint16_t* q_s = smem;                    // kFwdBlockQ x kD, swizzled
+  uint16_t* k_s = smem + kFwdBlockQ * kD;  // kS stages of kFwdBlockK x kD, swizzled
+  uint16_t* v_s = k_s + kS * kTile;        // kS stages
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int t = lane % 4;
   // Last query tiles first: under causal masking they have the most key tiles.
-  const int q0 = (gridDim.x - 1 - blockIdx.x) * kBlockQ;
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * kFwdBlockQ;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
   const int64_t bh = static_cast<int64_t>(b) * p.H + h;
   const int64_t mask_base = b * p.mask.sb + h * p.mask.sh;
   const uint16_t* k_g = p.k + b * p.k_sb + hk * p.k_sh;
   const uint16_t* v_g = p.v + b * p.v_sb + hk * p.v_sh;
+  const int w0 = q0 + warp * 16;  // the warp's first query row
+  const bool warp_rows = w0 < p.N;
+  const int k_end = p.causal ? min(p.M, q0 + kFwdBlockQ) : p.M;
+  const int n_tiles = (k_end + kFwdBlockK - 1) / kFwdBlockK;
 
-  load_tile<kBlockQ, kD>(q_s, p.q + b * p.q_sb + h * p.q_sh + q0 * p.q_sn, p.q_sn, min(kBlockQ, p.N - q0));
+  // Key tile `tile` into stage tile % kS.
+  auto load_kv = [&](int tile) {
+    const int k0 = tile * kFwdBlockK, stage = tile % kS;
+    const int valid = min(kFwdBlockK, p.M - k0);
+    cp_async_tile<kFwdThreads, kFwdBlockK, kD>(k_s + stage * kTile, k_g + k0 * p.k_sn, p.k_sn, valid);
+    cp_async_tile<kFwdThreads, kFwdBlockK, kD>(v_s + stage * kTile, v_g + k0 * p.v_sn, p.v_sn, valid);
+  };
+
+  cp_async_tile<kFwdThreads, kFwdBlockQ, kD>(q_s, p.q + b * p.q_sb + h * p.q_sh + q0 * p.q_sn, p.q_sn,
+                                             min(kFwdBlockQ, p.N - q0));
+  cp_async_commit();
+#pragma unroll
+  for (int st = 0; st < kS - 1; ++st) {
+    if (st < n_tiles) load_kv(st);
+    cp_async_commit();
+  }
+
+  // The warp's Q fragments (A operands of the kD / 16 k-steps of S = Q Kᵀ), once.
+  uint32_t qf[kD / 16][4];
+  cp_async_wait<kS - 1>();  // Q has landed (the K/V stages may still be in flight)
+  __syncthreads();          // ... for every thread
+  if (warp_rows) {
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) load_a_swz<kD>(qf[kk], q_s, warp * 16, kk * 16, lane);
+  }
 
   // This thread's two query rows: row0 (accumulator entries 0, 1) and row0 + 8 (entries 2, 3).
-  const int row0 = q0 + warp * 16 + lane / 4;
+  const int row0 = w0 + lane / 4;
   float o[kD / 8][4] = {};
   float m_run[2] = {-INFINITY, -INFINITY};  // running max of the base-2 scores
   float l_run[2] = {0.f, 0.f};  // this thread's part of the running sum (reduced at the end)
 
-  const int k_end = p.causal ? min(p.M, q0 + kBlockQ) : p.M;
-  for (int k0 = 0; k0 < k_end; k0 += kBlockK) {
-    load_kv_tiles<kD>(k_s, v_s, k_g + k0 * p.k_sn, p.k_sn, v_g + k0 * p.v_sn, p.v_sn, min(kBlockK, p.M - k0));
+  for (int j = 0; j < n_tiles; ++j) {
+    cp_async_wait<kS - 2>();  // tile j has landed (this thread's copies)
+    __syncthreads();          // every thread's copies of tile j visible; every warp done with tile j - 1
+    if (j + kS - 1 < n_tiles) load_kv(j + kS - 1);  // into the stage of tile j - 1
+    cp_async_commit();
+
+    const int k0 = j * kFwdBlockK;
+    // Warp-uniform: nothing to compute for rows past N, or (causal) keys all after the warp's rows.
+    if (!warp_rows || (p.causal && k0 > w0 + 15)) continue;
+    const uint16_t* k_t = k_s + (j % kS) * kTile;
+    const uint16_t* v_t = v_s + (j % kS) * kTile;
 
     // S = Q Kᵀ for the warp's 16 rows x 64 keys.
     float s[kNt][4] = {};
-    mma_abt<kBF16, kD, kNt>(s, q_s, k_s, warp * 16, lane);
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+#pragma unroll
+      for (int nt = 0; nt < kNt; nt += 2) {
+        uint32_t b0[2], b1[2];
+        load_b_nk2_swz<kD>(b0, b1, k_t, nt * 8, kk * 16, lane);
+        mma16816<kBF16>(s[nt], qf[kk], b0);
+        mma16816<kBF16>(s[nt + 1], qf[kk], b1);
+      }
+    }
 
     // Scale to base 2; -inf where the key is out of range, causally hidden or masked out.
-    for_each_entry<kNt>(t, [&](int nt, int e, int c) {
-      const int i = row0 + (e / 2) * 8;
-      const int j = k0 + c;
-      float x = s[nt][e] * p.scale_log2;
-      const bool visible = j < p.M && !(p.causal && j > i) && (i >= p.N || apply_mask_log2(p.mask, mask_base, i, j, x));
-      s[nt][e] = visible ? x : -INFINITY;
-    });
+    if (p.mask.kind == kNoMask && k0 + kFwdBlockK <= p.M && !(p.causal && k0 + kFwdBlockK - 1 > w0)) {
+      for_each_entry<kNt>(t, [&](int nt, int e, int) { s[nt][e] *= p.scale_log2; });
+    } else {
+      for_each_entry<kNt>(t, [&](int nt, int e, int c) {
+        const int i = row0 + (e / 2) * 8;
+        const int jj = k0 + c;
+        float x = s[nt][e] * p.scale_log2;
+        const bool visible =
+            jj < p.M && !(p.causal && jj > i) && (i >= p.N || apply_mask_log2(p.mask, mask_base, i, jj, x));
+        s[nt][e] = visible ? x : -INFINITY;
+      });
+    }
 
     online_softmax_update(s, o, m_run, l_run);
-    mma_pb<kBF16, kD, kNt>(o, s, v_s, lane);  // O += P V
+
+    // O += P V, P converted from the S accumulators in registers.
+#pragma unroll
+    for (int kc = 0; kc < kNt / 2; ++kc) {
+      uint32_t a[4];
+      acc_to_a<kBF16, kNt>(a, s, kc);
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; dt += 2) {
+        uint32_t b0[2], b1[2];
+        load_b_kn2_swz<kD>(b0, b1, v_t, kc * 16, dt * 8, lane);
+        mma16816<kBF16>(o[dt], a, b0);
+        mma16816<kBF16>(o[dt + 1], a, b1);
+      }
+    }
   }
 
   store_out_lse<kBF16, kD>(p.out, p.lse, bh * p.N, 1, row0, p.N, o, m_run, l_run, t);
@@ -415,9 +518,9 @@ Mask make_mask(const std::optional<at::Tensor>& mask) {
 
 template <bool kBF16, int kD>
 void launch_fwd(const FwdParams& p, dim3 grid, cudaStream_t stream) {
-  constexpr size_t smem = fwd_smem_bytes<kD>();
+  constexpr size_t smem = kFwdSmemBytes<kD>;
   allow_smem(softmax_fwd_kernel<kBF16, kD>, smem);
-  softmax_fwd_kernel<kBF16, kD><<<grid, kThreads, smem, stream>>>(p);
+  softmax_fwd_kernel<kBF16, kD><<<grid, kFwdThreads, smem, stream>>>(p);
 }
 
 template <bool kBF16, int kD>
@@ -478,7 +581,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cuda(const at::Tensor& q_in, cons
   p.scale_log2 = static_cast<float>(scale) * kLog2e;
   p.causal = is_causal;
 
-  const dim3 grid(static_cast<unsigned>((s.N + kBlockQ - 1) / kBlockQ), static_cast<unsigned>(s.H),
+  const dim3 grid(static_cast<unsigned>((s.N + kFwdBlockQ - 1) / kFwdBlockQ), static_cast<unsigned>(s.H),
                   static_cast<unsigned>(s.B));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool bf16 = q.scalar_type() == at::kBFloat16;

@@ -99,7 +99,9 @@ def test_no_raw_pointer_is_left_in_the_kernel_files(name):
 # the checks, on a probe kernel
 # ----------------------------------------------------------------------------------------------
 
-PROBE_CU = r"""// A probe kernel for the checked pointers (not a project kernel).
+PROBE_CU = r"""// Probe kernels for the checked pointers and cp.async (not project kernels).
+#include "mma_sm80.cuh"
+
 namespace attnkit {
 namespace {
 
@@ -138,6 +140,92 @@ __global__ void probe_kernel(const Args a) {
     case 5:  // shared memory, one past its end
       if (i == 0) a.out[0] = smem_raw[kThreads];
       break;
+  }
+}
+
+// cp.async (mma_sm80.cuh's cp_async16 / cp_async_commit / cp_async_wait, emulated by harness.cpp):
+// thread i copies row i of `in` (kThreads rows of 8 uint16) into row i of a shared tile, then
+// writes row j = kThreads - 1 - i of the tile (copied by the other warp) to row i of `out`, and
+// row j of a second tile to row kThreads + i of `out`.
+struct CpArgs {
+  const uint16_t* in;  // kThreads x 8
+  uint16_t* out;       // 2 kThreads x 8
+  int kind;
+};
+
+__global__ void cp_async_probe_kernel(const CpArgs a) {
+  extern __shared__ __align__(16) uint16_t smem[];  // two tiles of kThreads x 8
+  const int i = threadIdx.x, j = kThreads - 1 - i;
+  uint16_t* tile = smem;
+  uint16_t* tile2 = smem + kThreads * 8;
+  uint16_t keep[8];
+  switch (a.kind) {
+    case 0:  // right: copy, commit, wait, barrier
+      cp_async16(tile + i * 8, a.in + i * 8);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      break;
+    case 1:  // no wait: the copy has not landed
+      cp_async16(tile + i * 8, a.in + i * 8);
+      cp_async_commit();
+      __syncthreads();
+      break;
+    case 2:  // no barrier after the wait: the other warp's copies are not visible
+      cp_async16(tile + i * 8, a.in + i * 8);
+      cp_async_commit();
+      cp_async_wait<0>();
+      break;
+    case 3:  // two groups, wait_group 1: the first has landed, the second not
+      cp_async16(tile + i * 8, a.in + i * 8);
+      cp_async_commit();
+      cp_async16(tile2 + i * 8, a.in + i * 8);
+      cp_async_commit();
+      cp_async_wait<1>();
+      __syncthreads();
+      break;
+    case 4:  // a copy never committed: wait_group 0 does not cover it
+      cp_async16(tile + i * 8, a.in + i * 8);
+      cp_async_wait<0>();
+      __syncthreads();
+      break;
+    case 5:  // the source one row past the end of `in` (the last thread)
+      cp_async16(tile + i * 8, a.in + (i + 1) * 8);
+      break;
+    case 6:  // a source 2 bytes off the 16-byte alignment (thread 0, as below)
+      if (i == 0) cp_async16(tile + i * 8, a.in + i * 8 + 1);
+      break;
+    case 7:  // a destination in global memory
+      if (i == 0) cp_async16(a.out + i * 8, a.in + i * 8);
+      break;
+    case 8:  // a source in shared memory
+      if (i == 0) cp_async16(tile + i * 8, tile2 + i * 8);
+      break;
+    case 9:  // a destination past the end of shared memory
+      if (i == 0) cp_async16(tile + (i + 2 * kThreads) * 8, a.in + i * 8);
+      break;
+    case 10:  // a destination 8 bytes off the 16-byte alignment
+      if (i == 0) cp_async16(tile + i * 8 + 4, a.in + i * 8);
+      break;
+    case 11:  // right: read the other warp's row, barrier, then overwrite the own row
+    case 12:  // the same without that barrier: the other warp may read the new bytes (or NaN)
+      cp_async16(tile + i * 8, a.in + i * 8);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      for (int e = 0; e < 8; ++e) keep[e] = tile[j * 8 + e];
+      if (a.kind == 11) __syncthreads();
+      cp_async16(tile + i * 8, a.in + j * 8);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      for (int e = 0; e < 8; ++e) a.out[i * 8 + e] = keep[e];
+      return;
+  }
+  if (a.kind >= 5) return;
+  for (int e = 0; e < 8; ++e) {
+    a.out[i * 8 + e] = tile[j * 8 + e];
+    a.out[(kThreads + i) * 8 + e] = tile2[j * 8 + e];
   }
 }
 
@@ -180,6 +268,18 @@ extern "C" int emu_probe_freed(float* out, int n) {{
   const dim3 grid{{1, 1, 1}};
   return emu::launch("probe_kernel", grid, attnkit::kThreads, smem, [a] {{ attnkit::probe_kernel(a); }}) ? 0 : 1;
 }}
+
+extern "C" int emu_cp_async_probe(const uint16_t* in, uint16_t* out, int kind, unsigned long long seed) {{
+  emu::S.failed = false;
+  emu::S.error.clear();
+  emu::S.seed = seed;
+  attnkit::CpArgs a;
+  a.in = in, a.out = out, a.kind = kind;
+  const size_t smem = 2 * attnkit::kThreads * 8 * sizeof(uint16_t);
+  const dim3 grid{{1, 1, 1}};
+  return emu::launch("cp_async_probe_kernel", grid, attnkit::kThreads, smem,
+                     [a] {{ attnkit::cp_async_probe_kernel(a); }}) ? 0 : 1;
+}}
 """
 
 
@@ -188,6 +288,7 @@ class Probe(emu_build.Library):
         super().__init__(path)
         self.lib.emu_probe.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         self.lib.emu_probe_freed.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        self.lib.emu_cp_async_probe.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong]
 
     def run(self, kind, n, registered=True):
         """Runs the probe on `in` = the first n floats of a buffer of 2n, `after` = the next n
@@ -200,11 +301,21 @@ class Probe(emu_build.Library):
             self.check(self.lib.emu_probe(x.data_ptr(), out.data_ptr(), n, kind), "probe")
         return out
 
+    def cp_async(self, kind, seed=1):
+        """Runs the cp.async probe on `in` = rows 0..63 of 8 float16 each (distinct finite
+        values); returns (in, out) with out as [2, 64, 8] (the two tiles' rows as read)."""
+        x = torch.arange(64 * 8, dtype=torch.float16).view(64, 8)
+        out = torch.full((2, 64, 8), float("nan"), dtype=torch.float16)
+        with self.buffers(**{"in": x, "out": out}):
+            self.check(self.lib.emu_cp_async_probe(x.data_ptr(), out.data_ptr(), kind, seed), "cp.async probe")
+        return x, out
+
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     root = tmp_path_factory.mktemp("cuda_emulator_probe")
-    code = extract.extract_device_code(PROBE_CU, name="probe.cu")
+    headers = {"mma_sm80.cuh": (HERE.parents[1] / "csrc" / "cuda" / "mma_sm80.cuh").read_text()}
+    code = extract.extract_device_code(PROBE_CU, headers, name="probe.cu")
     harness = root / "probe_harness.cpp"
     harness.write_text(PROBE_HARNESS.format(harness=(EMULATOR / "harness.cpp").as_posix()))
     build = emu_build.Build(root / "build", harness, "probe_kernels.inc", code, load=Probe)
@@ -247,3 +358,71 @@ def test_probe_catches_unregistered_memory(probe):
     with pytest.raises(EmulatorError, match=r"access \(read or write\) of 4 bytes at address 0x[0-9a-f]+, which is in "
                                             r"no registered buffer"):
         probe.run(0, 40, registered=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# cp.async and its groups (harness.cpp: a copy NaN-fills its destination at the issue and lands
+# at the first wait_group of its thread that covers its group)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_cp_async_lands_at_the_wait(probe):
+    for seed in (1, 2, 3):
+        x, out = probe.cp_async(0, seed)
+        assert torch.equal(out[0], x.flip(0))  # every row, copied by the other warp, visible
+        assert torch.isnan(out[1]).all()       # the second tile was never written
+    assert probe.accesses == {"in": 64, "out": 2 * 64 * 8}
+
+
+@pytest.mark.parametrize("kind", (1, 2, 4), ids=("no_wait", "no_barrier", "never_committed"))
+def test_cp_async_catches_a_missing_wait_or_barrier(probe, kind):
+    for seed in (1, 2, 3):
+        _, out = probe.cp_async(kind, seed)
+        if kind == 2:  # the warp that runs first reads the other warp's rows before they were copied
+            assert torch.isnan(out[0, :32]).all() or torch.isnan(out[0, 32:]).all()
+        else:
+            assert torch.isnan(out[0]).all()
+
+
+def test_cp_async_wait_group_counts_groups(probe):
+    x, out = probe.cp_async(3)
+    assert torch.equal(out[0], x.flip(0))  # the older group landed
+    assert torch.isnan(out[1]).all()       # the most recent one is still pending (wait_group 1)
+
+
+def test_cp_async_catches_an_overwrite_before_the_barrier(probe):
+    x, out = probe.cp_async(11)
+    assert torch.equal(out[0], x.flip(0))
+    for seed in (1, 2, 3):
+        _, out = probe.cp_async(12, seed)
+        assert not torch.equal(out[0], x.flip(0))  # a warp read the row another warp overwrote
+
+
+@pytest.mark.parametrize("kind,message", [
+    (5, (r"out-of-bounds read of 16 bytes at byte offset 1024 of `in` \(global memory, 1024 bytes: 16 bytes past "
+         r"its end\) \(thread 63 of block \(0, 0, 0\) of cp_async_probe_kernel\)")),
+    (6, r"misaligned read of 16 bytes at byte offset 2 of `in` \(global memory; needs 16-byte alignment\)"),
+    (7, r"cp.async destination not in shared memory \(it points into out\)"),
+    (8, r"cp.async source not in global memory \(it points into shared memory\)"),
+    (9, (r"out-of-bounds access \(read or write\) of 16 bytes at byte offset 2048 of `shared memory` \(shared memory, "
+         r"2048 bytes: 16 bytes past its end\)")),
+    (10, (r"misaligned access \(read or write\) of 16 bytes at byte offset 8 of `shared memory` \(shared memory; "
+          r"needs 16-byte alignment\)")),
+], ids=["source_past_the_end", "source_misaligned", "destination_global", "source_shared", "destination_past_the_end",
+        "destination_misaligned"])
+def test_cp_async_checks_its_addresses(probe, kind, message):
+    with pytest.raises(EmulatorError, match=message):
+        probe.cp_async(kind)
+
+
+def test_extract_refuses_a_changed_cp_async():
+    # The cp.async helpers are emulated from their PTX: a changed instruction must stop the extraction.
+    header = (HERE.parents[1] / "csrc" / "cuda" / "mma_sm80.cuh").read_text()
+    for old, new, name in (("cp.async.wait_group %0", "cp.async.wait_all", "cp_async_wait"),
+                           ("cp.async.cg.shared.global [%0], [%1], 16;", "cp.async.ca.shared.global [%0], [%1], 8;",
+                            "cp_async16"),
+                           ("cp.async.commit_group;", "cp.async.wait_all;", "cp_async_commit")):
+        changed = header.replace(old, new, 1)
+        assert changed != header
+        with pytest.raises(extract.ExtractError, match=name):
+            extract.extract_device_code(PROBE_CU, {"mma_sm80.cuh": changed}, name="probe.cu")

@@ -9,8 +9,8 @@ sparse.cu then ``#include "flash_tiles.cuh"``: their shared tile geometry, share
 and FlashAttention tile steps, which use mma_sm80.cuh's helpers and so come after it), inlined at
 the top of the file's namespace, where the real compile sees them.  Changed:
 
-- The four helpers whose bodies are inline PTX (``exp2_approx``, ``mma16816``, ``ldsm_x4``,
-  ``ldsm_x4_trans``) are removed; harness.cpp defines emulated ones with the same signatures.
+- The seven helpers whose bodies are inline PTX (``exp2_approx``, ``mma16816``, ``ldsm_x4``,
+  ``ldsm_x4_trans``, ``cp_async16``, ``cp_async_commit``, ``cp_async_wait``) are removed; harness.cpp defines emulated ones with the same signatures.
   Before removing one, the extractor checks that its body still issues the PTX instruction the
   emulation models, with the operand order it models, so the two cannot drift apart silently.
   Each must be defined exactly once in the file and its headers together (or, in a file that
@@ -87,6 +87,23 @@ PTX_HELPERS = {
             'asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\\n" '
             + _LDSM_OPERANDS,
         ],
+    ),
+    # cp.async with its groups (harness.cpp: a copy NaN-fills its destination when issued and lands
+    # only at a wait_group that covers its group).
+    "cp_async16": (
+        "__device__ __forceinline__ void cp_async16(uint16_t* dst, const uint16_t* src)",
+        [
+            "const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));",
+            'asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" : : "r"(addr), "l"(src) : "memory");',
+        ],
+    ),
+    "cp_async_commit": (
+        "__device__ __forceinline__ void cp_async_commit()",
+        ['asm volatile("cp.async.commit_group;\\n" : : : "memory");'],
+    ),
+    "cp_async_wait": (
+        "template <int kN> __device__ __forceinline__ void cp_async_wait()",
+        ['asm volatile("cp.async.wait_group %0;\\n" : : "n"(kN) : "memory");'],
     ),
 }
 

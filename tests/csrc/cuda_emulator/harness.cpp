@@ -197,6 +197,15 @@ struct Alloc {
   mutable long long accesses = 0;  // checked accesses through pointers into it
 };
 
+// One cp.async of a thread that has not landed yet: its 16 bytes (read from global memory when it
+// was issued), where they go, and the group it belongs to (the thread's number of commits at issue:
+// the group the next commit closes).
+struct AsyncCopy {
+  unsigned char* dst;
+  uint64_t group;
+  unsigned char bytes[16];
+};
+
 struct Fiber {
   void* sp = nullptr;  // saved stack pointer (x86-64 switch)
 #ifdef EMU_UCONTEXT
@@ -209,6 +218,8 @@ struct Fiber {
   uint64_t wait_gen = 0;
   const char* wait_what = nullptr;
   Alloc local;  // its stack, the thread's local memory
+  std::vector<AsyncCopy> copies;  // cp.async: issued, not landed
+  uint64_t groups = 0;            // cp.async.commit_group calls so far
 };
 
 struct State {
@@ -353,6 +364,8 @@ void run_block(unsigned threads) {
     f.tid = t;
     f.done = false;
     f.wait_bar = nullptr;
+    f.copies.clear();  // (a copy left pending by the previous block's thread never lands)
+    f.groups = 0;
     init_fiber(f);
   }
   unsigned finished = 0;
@@ -852,6 +865,52 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
   for (int i = 0; i < 4; ++i) c[i] = ex.c[lane][i];
 }
 
+// cp.async.cg.shared.global [dst], [src], 16, cp.async.commit_group, cp.async.wait_group N
+// (PTX ISA: the copies of one thread form groups at each commit; wait_group N returns once at
+// most the N most recent groups are pending, and the copies of the others are then visible to
+// the issuing thread; other threads need a barrier after that).  The emulation lands each copy as
+// LATE as the ISA allows: at the first wait_group of its thread that covers its group, never
+// before (not at a __syncthreads, not at the thread's end); from its issue until then its
+// destination holds NaN (0xffff in fp16, bf16 and fp32), the bytes a too-early reader gets.  So a
+// missing or too-weak wait reads NaN, as does a missing barrier between one thread's wait and
+// another thread's read (the scheduler runs warps as far apart as barriers allow), and an issue
+// into a tile that another warp still reads (no barrier between) NaN-fills it under that warp.
+// The source is read (and bounds-checked: 16 bytes inside its global allocation, 16-byte
+// aligned) at the issue; the destination must be 16 bytes inside the block's shared memory,
+// 16-byte aligned.
+inline void cp_async16(emu::ptr<uint16_t> dst, emu::ptr<const uint16_t> src) {
+  if (dst.alloc() != &emu::S.shared && dst.alloc()->live)
+    emu::fail("cp.async destination not in shared memory (it points into %s)", dst.alloc()->name.c_str());
+  if (src.alloc() == &emu::S.shared || std::strcmp(src.alloc()->space, "local") == 0)
+    emu::fail("cp.async source not in global memory (it points into %s)", src.alloc()->name.c_str());
+  const uint4* from = src.template check<const uint4>(0);
+  uint4* to = dst.template check<uint4>(0);
+  emu::AsyncCopy c;
+  c.dst = reinterpret_cast<unsigned char*>(to);
+  c.group = emu::S.current->groups;
+  std::memcpy(c.bytes, from, 16);
+  std::memset(c.dst, 0xff, 16);
+  emu::S.current->copies.push_back(c);
+}
+
+inline void cp_async_commit() { ++emu::S.current->groups; }
+
+template <int kN>
+inline void cp_async_wait() {
+  static_assert(kN >= 0, "cp.async.wait_group takes a non-negative count");
+  emu::Fiber& f = *emu::S.current;
+  auto& copies = f.copies;
+  size_t kept = 0;
+  for (size_t i = 0; i < copies.size(); ++i) {
+    if (copies[i].group + kN < f.groups) {  // a committed group older than the kN most recent ones
+      std::memcpy(copies[i].dst, copies[i].bytes, 16);
+    } else {
+      copies[kept++] = copies[i];
+    }
+  }
+  copies.resize(kept);
+}
+
 }  // namespace
 }  // namespace attnkit
 
@@ -869,9 +928,9 @@ using namespace attnkit;
 
 template <bool BF, int D>
 bool fwd(const FwdParams& p, int B) {
-  const dim3 grid{static_cast<unsigned>((p.N + kBlockQ - 1) / kBlockQ), static_cast<unsigned>(p.H),
+  const dim3 grid{static_cast<unsigned>((p.N + kFwdBlockQ - 1) / kFwdBlockQ), static_cast<unsigned>(p.H),
                   static_cast<unsigned>(B)};
-  return emu::launch("softmax_fwd_kernel", grid, kThreads, fwd_smem_bytes<D>(), [p] { softmax_fwd_kernel<BF, D>(p); });
+  return emu::launch("softmax_fwd_kernel", grid, kFwdThreads, kFwdSmemBytes<D>, [p] { softmax_fwd_kernel<BF, D>(p); });
 }
 
 template <bool BF, int D>
