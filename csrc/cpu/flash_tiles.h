@@ -232,24 +232,41 @@ inline __m256i lanes_below8(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-template <int R, int NV>
+// Columns all full: the tag passed instead of a lane mask (plain loads and stores).  With the
+// mask, GCC kept it in a register and, one short of the 16, reloaded the first B vector from
+// memory for every row (13 loads per 12 FMAs in the P V tile); vmaskmovps loads are slower too.
+struct FullCols {};
+
+template <typename Mask>
+__attribute__((always_inline)) inline __m256 load_cols(const float* p, Mask last) {
+  if constexpr (std::is_same_v<Mask, FullCols>) return _mm256_loadu_ps(p);
+  else return _mm256_maskload_ps(p, last);
+}
+
+template <typename Mask>
+__attribute__((always_inline)) inline void store_cols(float* p, Mask last, __m256 x) {
+  if constexpr (std::is_same_v<Mask, FullCols>) _mm256_storeu_ps(p, x);
+  else _mm256_maskstore_ps(p, last, x);
+}
+
+template <int R, int NV, typename Mask>
 inline void micro_f32(int64_t K, const float* __restrict A, int64_t sar, int64_t sak,
                       const float* __restrict B, int64_t ldb, float* __restrict C, int64_t ldc,
-                      __m256i last, bool accumulate) {
+                      Mask last, bool accumulate) {
   __m256 acc[R][NV];
   #pragma GCC unroll 32
   for (int r = 0; r < R; ++r)
     #pragma GCC unroll 32
     for (int v = 0; v < NV; ++v)
       acc[r][v] = !accumulate ? _mm256_setzero_ps()
-                  : v == NV - 1 ? _mm256_maskload_ps(C + r * ldc + 8 * v, last)
+                  : v == NV - 1 ? load_cols(C + r * ldc + 8 * v, last)
                                 : _mm256_loadu_ps(C + r * ldc + 8 * v);
   for (int64_t k = 0; k < K; ++k) {
     const float* b = B + k * ldb;
     __m256 bv[NV];
     #pragma GCC unroll 32
     for (int v = 0; v < NV; ++v)
-      bv[v] = v == NV - 1 ? _mm256_maskload_ps(b + 8 * v, last) : _mm256_loadu_ps(b + 8 * v);
+      bv[v] = v == NV - 1 ? load_cols(b + 8 * v, last) : _mm256_loadu_ps(b + 8 * v);
     const float* a = A + k * sak;
     #pragma GCC unroll 32
     for (int r = 0; r < R; ++r) {
@@ -263,7 +280,7 @@ inline void micro_f32(int64_t K, const float* __restrict A, int64_t sar, int64_t
     #pragma GCC unroll 32
     for (int v = 0; v < NV; ++v) {
       if (v == NV - 1)
-        _mm256_maskstore_ps(C + r * ldc + 8 * v, last, acc[r][v]);
+        store_cols(C + r * ldc + 8 * v, last, acc[r][v]);
       else
         _mm256_storeu_ps(C + r * ldc + 8 * v, acc[r][v]);
     }
@@ -340,7 +357,15 @@ inline void gemm_f32(int64_t rows, int64_t cols, int64_t K, const float* A, int6
   for (int64_t p = 0; p < panels; ++p) {
     const int64_t v0 = p * nv / panels, v1 = (p + 1) * nv / panels;
     const int64_t c0 = v0 * 8;
-    const __m256i last = lanes_below8(std::min(cols, v1 * 8) - (v1 - 1) * 8);  // 1..8 columns
+    const int64_t tail = std::min(cols, v1 * 8) - (v1 - 1) * 8;  // 1..8 columns
+    if (tail == 8) {
+      if (v1 - v0 == 1)
+        panel_f32<1>(rows, K, A, sar, sak, B + c0, ldb, C + c0, ldc, FullCols{}, accumulate);
+      else
+        panel_f32<2>(rows, K, A, sar, sak, B + c0, ldb, C + c0, ldc, FullCols{}, accumulate);
+      continue;
+    }
+    const __m256i last = lanes_below8(tail);
     if (v1 - v0 == 1)
       panel_f32<1>(rows, K, A, sar, sak, B + c0, ldb, C + c0, ldc, last, accumulate);
     else
