@@ -8,8 +8,9 @@ and gradients (q, k, v and the sinks).
 Its own file and strategy, apart from test_fuzz_softmax.py: adding draws there would change
 that test's derandomized examples (once, such a change exposed an unrelated Triton dK/dV defect
 at N = M = 1 with an infinite key, fixed since).  The inputs here are finite N(0, 1) values
-(special values are that file's subject); the checks and the tolerance rule are fuzzing.py's.
-The cpu column's bfloat16 gradients are not checked (see the test).
+(special values are that file's subject); the checks and the tolerance rule are fuzzing.py's,
+plus, for float16 / bfloat16 gradients of the kernel backends, the roundings that a flash
+backward makes and the reference run in that dtype does not (:func:`_flash_rounding`).
 """
 import math
 
@@ -83,12 +84,85 @@ def _term_sizes(inputs, bases64, p, out64, scale, group, g, g_lse):
     return base_term_max(inputs, bases64, (tq, tk, tv))
 
 
+def _flash_rounding(inputs, bases64, p, scale, group, delta, grad_sizes, u):
+    """Per base, what a flash backward in float16 / bfloat16 adds to DESIGN.md's rule (2x the
+    error of the reference run in that dtype + 1e-3) -- two roundings that the reference run in
+    the dtype, which differentiates the softmax without D, does not make:
+
+    - D = rowsum(dO ∘ O) comes from the output the kernel returned, rounded to the dtype (once
+      by the forward, with sinks once more by their rescale out' = out · exp(lse - lse'),
+      attnkit.score_options.add_sinks): off by delta_i = g_i · (out_i - out64_i) [B, H, N], the
+      forward's own error, already held to its tolerance.  dS = P (dP - D + g_lse) carries it
+      like g_lse: dq_i by |scale| Σ_j P_ij |delta_i| |k_j|, dk_j by |scale| Σ_i P_ij |delta_i| |q_i|
+      (dv not at all);
+    - each gradient the kernels return is rounded to the dtype, and with the lse in the loss
+      there are two, out's and the lse probe's (ops.softmax._gradients), summed in the dtype: u
+      times the sizes ``grad_sizes`` of those parts and of their sum (u the unit roundoff), parts
+      that cancel where the result does.
+
+    Where a gradient cancels (few keys, a sink taking most of the weight) the reference run in
+    the dtype can be almost exact, far below these.  Measured on the cpu kernel in bfloat16,
+    1500 random cases through _check_case (N, M <= 17, D <= 31, masks, window, softcap, ALiBi,
+    sinks, GQA, the lse in the loss or not): DESIGN.md's rule alone failed 27 gradients (dq, dk,
+    dsinks; up to 2.7x the rule), the rule plus this budget none (the worst used 0.53 of the
+    budget).  Against the float64 reference fed the kernel's own D (g_lse - delta), out's and the
+    lse's parts rounded apart, the kernel was within 1.8 u max |grad| (3000 cases): rounding, not
+    a defect."""
+    with torch.no_grad():
+        q, k = (inp.view(b.detach()).cpu() for inp, b in zip(inputs[:2], bases64[:2]))
+        kk = k.repeat_interleave(group, dim=1) if group > 1 else k
+        a = p * delta.abs().unsqueeze(-1)
+        tq = abs(scale) * a @ kk.abs()
+        tk = abs(scale) * a.transpose(-2, -1) @ q.abs()
+        if group > 1:
+            tk = tk.unflatten(1, (-1, group)).sum(2)
+        tv = torch.zeros(inputs[2].view(bases64[2].detach()).shape, dtype=F64)
+    carried = base_term_max(inputs, bases64, (tq, tk, tv))
+    return [c + u * size for c, size in zip(carried, grad_sizes)]
+
+
 @pytest.mark.parametrize("backend,device", OPTION_BACKENDS)
 @fuzz_settings(20)
 @given(data=st.data())
 def test_score_options_match_float64_reference(backend, device, data):
+    # The body is _check_case (the derandomized examples follow this function's source only).
+    _check_case(backend, device, data.draw)
+
+
+# Fixed cases of the cpu kernel's bfloat16 gradients, which the derandomized examples above may
+# not draw: cases in which DESIGN.md's rule alone fails (found by random search; the kernel's
+# error there is a flash backward's rounding, _flash_rounding), with and without sinks, the lse
+# in the loss or not.  The draws _check_case makes, by label.
+_BF16_BASE = {"dtype": torch.bfloat16, "B": 1, "Hk": 1, "GQA group": 1, "Dv = D": True, "mask": "none",
+              "scale": None, "window": None, "softcap": 0.0, "alibi_slopes": "none", "slope size": 0.5,
+              "sinks": False, "gradients": True, "the lse in the loss": False, "q layout": "contiguous",
+              "k layout": "contiguous", "v layout": "contiguous"}
+CPU_BF16_GRADIENT_CASES = {  # the rule alone: the gradient's error / the rule's tolerance
+    "sinks-causal-alibi": {"B": 2, "Hk": 2, "N": 2, "M": 7, "D": 8, "mask": "causal", "alibi_slopes": "h",
+                           "sinks": True, "seed": 4123476019},  # dq 2.7x
+    "sinks-lse-causal-alibi": {"Hk": 2, "N": 3, "M": 5, "D": 16, "mask": "causal", "alibi_slopes": "h",
+                               "sinks": True, "the lse in the loss": True, "seed": 3356688087},  # dsinks 1.9x
+    "sinks-lse-gqa-window-softcap": {"GQA group": 2, "N": 2, "M": 3, "D": 3, "mask": "causal", "window": (1, 0),
+                                     "softcap": 0.5, "sinks": True, "the lse in the loss": True,
+                                     "seed": 2710577878},  # dk 1.35x
+    "sinks-bool-mask": {"Hk": 2, "N": 2, "M": 1, "D": 1, "mask": "bool", "mask B": 1, "mask H": 1,
+                        "a fully masked row": False, "seed": 270661217},  # dk 1.5x (sinks: no other option)
+    "lse-causal-softcap-alibi": {"Hk": 2, "N": 5, "M": 5, "D": 1, "mask": "causal", "softcap": 0.5,
+                                 "alibi_slopes": "h", "the lse in the loss": True, "seed": 2748848113},  # dk 1.3x
+}
+
+
+@pytest.mark.parametrize("case", list(CPU_BF16_GRADIENT_CASES), ids=str)
+def test_cpu_bfloat16_gradients_fixed_cases(case):
+    require_backend("softmax", "cpu", "cpu")
+    values = {**_BF16_BASE, **CPU_BF16_GRADIENT_CASES[case]}
+    _check_case("cpu", "cpu", lambda strategy, label: values[label])
+
+
+def _check_case(backend, device, draw):
+    """One example: ``draw(strategy, label)`` gives each of its choices (hypothesis' data.draw,
+    or fixed values by label)."""
     require_backend("softmax", backend, device)
-    draw = data.draw
     slow = interpreted(backend, device)
     dtype = draw(st.sampled_from(dtypes_for(backend, device)), label="dtype")
     b = draw(st.sampled_from([1, 2, 3]), label="B")
@@ -111,14 +185,6 @@ def test_score_options_match_float64_reference(backend, device, data):
     if window in (None, (-1, -1)) and softcap == 0.0 and alibi == "none" and not with_sinks:
         with_sinks = True
     want_grad = draw(st.booleans(), label="gradients")
-    if backend == "cpu" and dtype == torch.bfloat16:
-        # Left open (issue 28 session): at a handful of terms (N, M, D <= ~10) the C++ kernel's
-        # bfloat16 gradients exceed DESIGN.md's low-precision rule in ~0.5% of random cases with
-        # sinks, ~0.1% without (5 and 1 of 900, measured): the reference run in bfloat16 makes
-        # almost no error there, while a flash backward takes D = rowsum(dO * O) from O rounded
-        # to bfloat16 (with sinks out', whose cancellation dP - D grows as the sink's share
-        # shrinks).  The forward is checked; the gradients in float32 / float16 / float64.
-        want_grad = False
     lse_in_loss = draw(st.booleans(), label="the lse in the loss")
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1), label="seed"))
 
@@ -180,7 +246,8 @@ def test_score_options_match_float64_reference(backend, device, data):
     # --- gradients ---
     if not want_grad:
         return
-    g = torch.randn(out.shape, generator=gen, dtype=F64)
+    # dO as the kernel gets it (rounded to the dtype): the float64 ground truth takes the same one
+    g = torch.randn(out.shape, generator=gen, dtype=F64).to(dtype).to(F64)
     finite_lse = torch.isfinite(ref_lse.detach()).cpu()  # no gradient through a -inf lse
     g_lse = torch.where(finite_lse, torch.randn(lse.shape, generator=gen, dtype=F64), 0.0) if lse_in_loss \
         else torch.zeros(lse.shape, dtype=F64)
@@ -210,13 +277,32 @@ def test_score_options_match_float64_reference(backend, device, data):
                        dict(opts64, sinks=None if sinks64 is None else sinks64.detach()))[0].cpu()
     sc = 1.0 / math.sqrt(d) if scale is None else scale
     term_sizes = _term_sizes(inputs, bases64, p, ref.detach().cpu(), sc, group, g, g_lse)
+    flash = [0.0] * 4  # q, k, v, sinks: a flash backward's own roundings (_flash_rounding)
+    if low and backend != "reference":
+        u = torch.finfo(dtype).eps / 2
+        delta = (g * (out.detach().cpu().to(F64) - ref.detach().cpu())).sum(-1)
+        # the sizes of what the kernels round: each gradient, and with the lse in the loss its two
+        # parts, out's (the float64 reference's gradient of <out, g> alone) and the lse's
+        grad_sizes = [0.0 if b.grad is None or b.grad.numel() == 0 else b.grad.abs().max().item() for b in bases64]
+        if lse_in_loss:
+            parts = [b.detach().clone().requires_grad_() for b in bases64]
+            p_out = _reference(*(inp.view(b) for inp, b in zip(inputs, parts)), mask64, is_causal, scale, group,
+                               dict(opts64, sinks=None if sinks64 is None else sinks64.detach()))[0]
+            out_parts = torch.autograd.grad(p_out, parts, g.to(p_out.device), allow_unused=True)
+            for i, (b, part) in enumerate(zip(bases64, out_parts)):
+                if part is not None and part.numel() and b.grad is not None:
+                    grad_sizes[i] += part.abs().max().item() + (b.grad - part).abs().max().item()
+        flash[:3] = _flash_rounding(inputs, bases64, p, sc, group, delta, grad_sizes, u)
+        if sinks is not None:  # d sink = Σ_{b,i} p_sink (g_lse - D), in float32: delta alone
+            p_sink = torch.exp(sinks64.detach().reshape(1, h, 1) - ref_lse.detach()).cpu()
+            flash[3] = (p_sink * delta.abs()).sum(dim=(0, 2)).max().item()
     seen = set()
     for i, (name, base, base64) in enumerate(zip("qkv", bases, bases64)):
         if id(base) in seen or base64.grad is None or base64.grad.numel() == 0:
             continue
         seen.add(id(base))
         naive_grad = None if naive_grads is None else naive_grads[i]
-        gtol = tolerance(dtype, base64.grad, grad=True, naive=naive_grad, size=term_sizes[i])
+        gtol = tolerance(dtype, base64.grad, grad=True, naive=naive_grad, size=term_sizes[i]) + flash[i]
         got = base.grad if base.grad is not None else torch.zeros_like(base)
         check_exact(f"{backend} d{name}", got, base64.grad, gtol)
     if sinks is not None:
@@ -228,6 +314,6 @@ def test_score_options_match_float64_reference(backend, device, data):
         # The sinks are float32: their gradient takes the float32 rule (float64 / float32 inputs).
         rule = dtype if low else torch.float32
         naive_grad = None if naive_grads is None else naive_grads[3]
-        stol = tolerance(rule, sinks64.grad, grad=True, naive=naive_grad, size=size)
+        stol = tolerance(rule, sinks64.grad, grad=True, naive=naive_grad, size=size) + flash[3]
         got = sinks_leaf.grad if sinks_leaf.grad is not None else torch.zeros_like(sinks_leaf)
         check_exact(f"{backend} dsinks", got, sinks64.grad, stol)
