@@ -456,6 +456,11 @@ def test_kernel_rows_outside_the_window(backend, dtype, shape, window, causal, s
                                      backend=backend)
     n, m = shape[3], shape[4]
     empty = [i for i in range(n) if not visible_keys(i, n, m, causal, window)]
+    # Keys that no row sees get exactly zero dk, dv (README: zero gradients) -- every key in the
+    # first case, whose key blocks the C++ backward skips.
+    seen = set().union(*(visible_keys(i, n, m, causal, window) for i in range(n)))
+    unseen = [j for j in range(m) if j not in seen]
+    assert (got[3][:, :, unseen] == 0).all() and (got[4][:, :, unseen] == 0).all()
     if empty:
         assert (got[0][:, :, empty] == 0).all() and (got[2][:, :, empty] == 0).all()
         lse = got[1][:, :, empty]
@@ -551,6 +556,43 @@ def test_softcap_with_nonfinite_inputs(backend, dtype, poison):
     else:  # the rows of both heads that see key 12: i in [12, 18] (window (6, 2), causal)
         rows = [i for i in range(n) if 12 in visible_keys(i, n, m, True, opts["window"])]
         assert nan_rows[0, :, rows].all() and nan_rows.sum() == 2 * len(rows)
+
+
+@pytest.mark.parametrize("backend,dtype", [row("cpu", F32), row("cpu", BF16), row("triton", F32)],
+                         ids=["cpu-float32", "cpu-bfloat16", "triton-float32"])
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_sinks_with_masked_out_rows(backend, dtype, mask_kind):
+    """README: a row with no visible key gives 0 and lse = sink -- here rows that the mask hides
+    (the kernels compute them: no window skips them) in one head, in both, and every row of the
+    second batch element.  Exactly: out 0, lse the sink and dq 0 on those rows, dk = dv = 0 for
+    the batch element that sees nothing.  The values, the sink gradient included (each hidden
+    row adds exactly its g_lse: p_sink = 1, D = 0), against the float64 reference in float32;
+    in bfloat16 that is the fuzz test's, whose tolerance knows a flash backward's rounding.
+    Small for the interpreter: one call, forward and backward with out and lse in the loss."""
+    b, h, hk, n, m, d = 2, 2, 1, 9, 21, 8  # GQA: both query heads read one kv head
+    q, k, v, _, _, sink = make_inputs(b, h, hk, n, m, d, d, dtype, sinks=True, seed=4)
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.rand(b, h, n, m, generator=g) < 0.25
+    hidden[0, :, 2] = True      # in both heads
+    hidden[0, 1, 6] = True      # in one head
+    hidden[0, 0, 8] = True      # the last row, in the other
+    hidden[1] = True            # every row of batch element 1
+    rows = hidden.all(-1)       # [B, H, N]
+    if mask_kind == "bool":
+        mask = ~hidden
+    else:
+        mask = torch.randn(hidden.shape, generator=g, dtype=F64).masked_fill(hidden, -math.inf).to(dtype)
+    opts = dict(sinks=sink)
+    if dtype == F32:
+        got, _ = check_against_reference(q, k, v, mask, False, opts, backend=backend)
+    else:
+        got = run(backend, q, k, v, mask, False, opts, torch.randn(b, h, n, d, generator=g, dtype=F64),
+                  torch.randn(b, h, n, generator=g, dtype=F64))
+    out, lse, dq, dk, dv, dsinks = got
+    assert (out[rows] == 0).all() and (dq[rows] == 0).all()
+    assert torch.equal(lse[rows], sink.reshape(1, h, 1).expand(b, h, n)[rows])
+    assert not dk[1].any() and not dv[1].any()
+    assert torch.isfinite(lse).all() and torch.isfinite(dsinks).all()
 
 
 @pytest.mark.parametrize("backend,dtype", [row("cpu", F32), row("cpu", F64), row("triton", F32)],

@@ -143,14 +143,28 @@ def test_score_options_pass_through_per_sequence(backend):
     q, k, v, cu_q, cu_k = _inputs(F32, seed=9)
     g = torch.Generator().manual_seed(2)
     alibi = torch.rand(len(LENGTHS_Q), 4, generator=g)  # [batch, H]: one row per sequence
-    sinks = torch.randn(4, generator=g)
+    sinks = torch.randn(4, generator=g).requires_grad_()
     options = dict(window=(3, 1), softcap=2.5, sinks=sinks)
     out, lse = attnkit.softmax_attention_varlen(q, k, v, cu_q, cu_k, 13, 13, is_causal=True, enable_gqa=True,
                                                 return_lse=True, backend=backend, alibi_slopes=alibi, **options)
-    ref, ref_lse = _loop_softmax(*(x.detach().to(F64) for x in (q, k, v)), cu_q, cu_k, is_causal=True,
-                                 enable_gqa=True, alibi=alibi.to(F64), **{**options, "sinks": sinks.to(F64)})
+    leaves64 = [x.detach().to(F64).requires_grad_() for x in (q, k, v, sinks)]
+    ref, ref_lse = _loop_softmax(*leaves64[:3], cu_q, cu_k, is_causal=True, enable_gqa=True, alibi=alibi.to(F64),
+                                 **{**options, "sinks": leaves64[3]})
     assert_close_to_reference(out, ref)
     assert_close_to_reference(lse, ref_lse)
+    # Sequence 5 has queries but no keys: out 0 and lse = the sink, exactly (1 query of 0 keys);
+    # sequence 1 has keys but no query rows.
+    assert not out[cu_q[5]:cu_q[6]].any() and torch.equal(lse[cu_q[5]:cu_q[6]], sinks.detach().expand(1, 4))
+    # Gradients, the sinks' included: summed over the sequences (the empty one adds g_lse).
+    g = torch.Generator().manual_seed(12)
+    g_out, g_lse = torch.randn(out.shape, generator=g, dtype=F64), torch.randn(lse.shape, generator=g, dtype=F64)
+    got = torch.autograd.grad(_loss(out, lse, g_out.to(out.dtype), g_lse.to(lse.dtype)), (q, k, v, sinks))
+    want = torch.autograd.grad(_loss(ref, ref_lse, g_out, g_lse), leaves64)
+    for name, x, y in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        assert_close_to_reference(x, y, grad=True, name=name)
+    # no gradient reaches the rows of the empty sequences
+    assert not got[0][cu_q[5]:cu_q[6]].any()
+    assert not got[1][cu_k[1]:cu_k[2]].any() and not got[2][cu_k[1]:cu_k[2]].any()
     # [H] slopes go to every sequence unchanged
     out_h = attnkit.softmax_attention_varlen(q, k, v, cu_q, cu_k, 13, 13, enable_gqa=True, backend=backend,
                                              alibi_slopes=alibi[0])
