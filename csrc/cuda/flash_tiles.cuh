@@ -1,7 +1,7 @@
 // The FlashAttention-2 tile steps shared by the softmax (softmax.cu) and sparse (sparse.cu)
 // CUDA kernels: one tile geometry (4 warps x 16 rows, 64-key tiles, padded shared-memory rows),
-// the shared-memory layouts of the dQ and dK/dV kernels (and of sparse.cu's forward), the
-// swizzled tiles and cp.async tile copies of softmax.cu's pipelined forward, the tensor-core products of a
+// the padded shared-memory layouts (sparse.cu's kernels, softmax.cu's dK/dV), the swizzled
+// tiles and cp.async tile copies (softmax.cu's pipelined forward and dQ), the tensor-core products of a
 // warp's 16 rows (S = A·Bᵀ, acc += P·B, each also in a fused pair), the online-softmax row
 // update and the epilogues.  What differs between the families -- which rows a block owns,
 // which tiles it visits, which (query, key) pairs are visible -- stays in the kernels.
@@ -119,7 +119,7 @@ __device__ __forceinline__ DkdvSmem dkdv_smem(uint16_t* smem) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// swizzled tiles (softmax.cu's pipelined forward).  Rows of kD 16-bit elements without padding:
+// swizzled tiles (softmax.cu's pipelined forward and dQ).  Rows of kD 16-bit elements without padding:
 // kD / 8 chunks of 16 bytes (kD a multiple of 64), chunk c of row r stored at chunk c ^ (r % 8).
 // The 8 rows of an 8x8 matrix that ldmatrix reads (one chunk of 8 consecutive rows) then lie in 8
 // different 16-byte bank groups, as do the chunks that 8 consecutive threads of cp_async_tile
@@ -150,24 +150,27 @@ __device__ __forceinline__ void cp_async_tile(uint16_t* dst, const uint16_t* src
 }
 
 // Element offset of chunk `chunk` of row `row` in a swizzled tile of kD columns (the read side of
-// cp_async_tile's layout).
+// cp_async_tile's layout), for a lane whose row is lane % 8 past a multiple of 8 (as in every
+// ldmatrix of the loaders below): row % 8 is spelled lane % 8, so that the compiler sees one XOR
+// pattern per lane instead of one per row (at D = 128 the dQ kernel spilled 8 bytes on sm_80
+// with `row & 7`, none with `lane & 7`).
 template <int kD>
-__device__ __forceinline__ int swizzled(int row, int chunk) {
-  return row * kD + ((chunk ^ (row & 7)) << 3);
+__device__ __forceinline__ int swizzled(int row, int chunk, int lane) {
+  return row * kD + ((chunk ^ (lane & 7)) << 3);
 }
 
 // mma_sm80.cuh's fragment loaders (load_a, load_b_nk2, load_b_kn2: same matrices, same lanes) on
-// swizzled tiles; r0, n0, k0, c0 are multiples of 8 (chunk boundaries).
+// swizzled tiles; r0, n0, k0, c0 are multiples of 8 (rows of 8-row matrices, chunk boundaries).
 template <int kD>
 __device__ __forceinline__ void load_a_swz(uint32_t (&a)[4], const uint16_t* tile, int r0, int c0, int lane) {
-  ldsm_x4(a, tile + swizzled<kD>(r0 + lane % 8 + ((lane / 8) % 2) * 8, c0 / 8 + lane / 16));
+  ldsm_x4(a, tile + swizzled<kD>(r0 + lane % 8 + ((lane / 8) % 2) * 8, c0 / 8 + lane / 16, lane));
 }
 
 template <int kD>
 __device__ __forceinline__ void load_b_nk2_swz(uint32_t (&b0)[2], uint32_t (&b1)[2], const uint16_t* tile, int n0,
                                                int k0, int lane) {
   uint32_t r[4];
-  ldsm_x4(r, tile + swizzled<kD>(n0 + lane % 8 + (lane / 16) * 8, k0 / 8 + (lane / 8) % 2));
+  ldsm_x4(r, tile + swizzled<kD>(n0 + lane % 8 + (lane / 16) * 8, k0 / 8 + (lane / 8) % 2, lane));
   b0[0] = r[0], b0[1] = r[1], b1[0] = r[2], b1[1] = r[3];
 }
 
@@ -175,7 +178,7 @@ template <int kD>
 __device__ __forceinline__ void load_b_kn2_swz(uint32_t (&b0)[2], uint32_t (&b1)[2], const uint16_t* tile, int k0,
                                                int n0, int lane) {
   uint32_t r[4];
-  ldsm_x4_trans(r, tile + swizzled<kD>(k0 + lane % 8 + ((lane / 8) % 2) * 8, n0 / 8 + lane / 16));
+  ldsm_x4_trans(r, tile + swizzled<kD>(k0 + lane % 8 + ((lane / 8) % 2) * 8, n0 / 8 + lane / 16, lane));
   b0[0] = r[0], b0[1] = r[1], b1[0] = r[2], b1[1] = r[3];
 }
 

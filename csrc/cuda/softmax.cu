@@ -36,7 +36,7 @@
 // HOW.  Each warp owns 16 rows of a tile and multiplies with tensor-core mma.sync.m16n8k16
 // (fp16/bf16 operands, fp32 accumulation), through inline PTX.  Fragments are read from shared
 // memory with ldmatrix.x4 (.trans for the operands stored key-major, like V in P·V), from rows
-// that are XOR-swizzled (forward) or padded by 8 elements (backward), so the loads are
+// that are XOR-swizzled (forward, dQ) or padded by 8 elements (dK/dV), so the loads are
 // bank-conflict free.  The accumulator of one product (C layout) is re-packed in registers as
 // the A operand of the next (S -> P -> P·V), as in FlashAttention-2.
 //  - forward (softmax_fwd_kernel, see there): one block of 8 warps per (128 queries, h, b), Q
@@ -45,8 +45,9 @@
 //    scale·log2 e); writes out, lse.
 //  - backward: thread blocks of 4 warps (64-row tiles).
 //    (1) delta = rowsum(dO ∘ O) per query row (fp32);
-//    (2) dQ: one block per (64 queries, h, b), loops over key tiles, recomputes
-//        P = exp(S - lse), dP = dO·Vᵀ, dS = P ∘ (dP - delta), dQ += dS·K (no atomics);
+//    (2) dQ: one block per (64 queries, h, b), loops over key tiles (the forward's cp.async ring:
+//        2 stages at D = 128, 3 at D = 64), recomputes P = exp(S - lse), dP = dO·Vᵀ,
+//        dS = P ∘ (dP - delta), dQ += dS·K (no atomics);
 //    (3) dK/dV: one block per (64 keys, kv head, b), loops over the query heads of its GQA
 //        group and their query tiles, with Sᵀ = K·Qᵀ: dV += Pᵀ·dO, dPᵀ = V·dOᵀ,
 //        dK += dSᵀ·Q (no atomics; deterministic).
@@ -157,9 +158,11 @@ struct FwdParams {
 // or all its rows past N), and the per-entry visibility tests of a tile it sees entirely (no mask,
 // no key past M, causal: every key at or before its first row).  Query rows past N are zero-filled
 // and never stored; key rows past M are zero-filled (V: no NaN into P·V) and hidden.
-// ptxas -v (CUDA 13.0): D = 128: 228 registers (sm_80), 229 (sm_90a); D = 64: 128; no spills.
-// (Two m-tiles per warp on 4 warps, FlashAttention-2's split, halves the ldmatrix traffic per
-// row but spilled 128 bytes at D = 128 with 255 registers, Q kept in shared memory.)
+// One block per SM (__launch_bounds__(kFwdThreads, 1)): ptxas -v (CUDA 13.0) D = 128: 227
+// registers (sm_80) / 229 (sm_90a), D = 64: 148 / 161, no spills.  (Without the `1`, ptxas
+// aimed at two blocks per SM at D = 64, 128 registers, and spilled 24-32 bytes on sm_90a; two
+// m-tiles per warp on 4 warps, FlashAttention-2's split, halves the ldmatrix traffic per row but
+// spilled 128 bytes at D = 128 with 255 registers, Q kept in shared memory.)
 constexpr int kFwdWarps = 8;
 constexpr int kFwdThreads = 32 * kFwdWarps;
 constexpr int kFwdBlockQ = 16 * kFwdWarps;  // 128 query rows per block
@@ -172,7 +175,7 @@ template <int kD>
 constexpr size_t kFwdSmemBytes = static_cast<size_t>(kFwdBlockQ + 2 * kFwdStages<kD> * kFwdBlockK) * kD * sizeof(uint16_t);
 
 template <bool kBF16, int kD>
-__global__ void __launch_bounds__(kFwdThreads) softmax_fwd_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(kFwdThreads, 1) softmax_fwd_kernel(const FwdParams p) {
   constexpr int kNt = kFwdBlockK / 8;  // n-tiles of scores
   constexpr int kS = kFwdStages<kD>;
   constexpr int kTile = kFwdBlockK * kD;  // elements of one K or V stage
@@ -339,12 +342,27 @@ __global__ void __launch_bounds__(256) softmax_bwd_delta_kernel(
   if (lane == 0) delta[row] = acc;
 }
 
-// dQ for one tile of 64 queries of one (b, h): warp w owns query rows 16w..16w+15.
+// dQ for one tile of kBlockQ = 64 queries of one (b, h): warp w owns query rows 16w..16w+15.
+// Pipelined as the forward: Q and dO (group 0) and K/V tiles of 64 keys through a ring of
+// kDqStages<kD> cp.async stages, swizzled, one __syncthreads per key tile (see softmax_fwd_kernel
+// for the group counting); Q and dO fragments are read from shared memory at each tile (in
+// registers they would leave too few for dQ, S and dP at D = 128).  Shared memory: D = 128, 2
+// stages: 96 KiB; D = 64, 3 stages: 64 KiB.
+template <int kD>
+constexpr int kDqStages = kD <= 64 ? 3 : 2;
+template <int kD>
+constexpr size_t kDqSmemBytes = static_cast<size_t>(2 * kBlockQ + 2 * kDqStages<kD> * kBlockK) * kD * sizeof(uint16_t);
+
 template <bool kBF16, int kD>
 __global__ void __launch_bounds__(kThreads) softmax_bwd_dq_kernel(const BwdParams p) {
   constexpr int kNt = kBlockK / 8;
+  constexpr int kS = kDqStages<kD>;
+  constexpr int kTile = kBlockK * kD;
   extern __shared__ __align__(16) uint16_t smem[];
-  const auto [q_s, do_s, k_s, v_s] = dq_smem<kD>(smem);
+  uint16_t* q_s = smem;                  // kBlockQ x kD, swizzled
+  uint16_t* do_s = smem + kBlockQ * kD;  // kBlockQ x kD, swizzled
+  uint16_t* k_s = do_s + kBlockQ * kD;   // kS stages of kBlockK x kD, swizzled
+  uint16_t* v_s = k_s + kS * kTile;      // kS stages
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int t = lane % 4;
@@ -354,12 +372,31 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dq_kernel(const BwdParam
   const int64_t mask_base = b * p.mask.sb + h * p.mask.sh;
   const uint16_t* k_g = p.k + b * p.k_sb + hk * p.k_sh;
   const uint16_t* v_g = p.v + b * p.v_sb + hk * p.v_sh;
+  const int w0 = q0 + warp * 16;  // the warp's first query row
+  const bool warp_rows = w0 < p.N;
+  const int k_end = p.causal ? min(p.M, q0 + kBlockQ) : p.M;
+  const int n_tiles = (k_end + kBlockK - 1) / kBlockK;
 
-  const int q_valid = min(kBlockQ, p.N - q0);
-  load_tile<kBlockQ, kD>(q_s, p.q + b * p.q_sb + h * p.q_sh + q0 * p.q_sn, p.q_sn, q_valid);
-  load_tile<kBlockQ, kD>(do_s, p.dout + b * p.do_sb + h * p.do_sh + q0 * p.do_sn, p.do_sn, q_valid);
+  auto load_kv = [&](int tile) {
+    const int k0 = tile * kBlockK, stage = tile % kS;
+    const int valid = min(kBlockK, p.M - k0);
+    cp_async_tile<kThreads, kBlockK, kD>(k_s + stage * kTile, k_g + k0 * p.k_sn, p.k_sn, valid);
+    cp_async_tile<kThreads, kBlockK, kD>(v_s + stage * kTile, v_g + k0 * p.v_sn, p.v_sn, valid);
+  };
 
-  const int row0 = q0 + warp * 16 + lane / 4;
+  if (n_tiles > 0) {  // (with no key tile nothing reads them, and no wait would cover them)
+    const int q_valid = min(kBlockQ, p.N - q0);
+    cp_async_tile<kThreads, kBlockQ, kD>(q_s, p.q + b * p.q_sb + h * p.q_sh + q0 * p.q_sn, p.q_sn, q_valid);
+    cp_async_tile<kThreads, kBlockQ, kD>(do_s, p.dout + b * p.do_sb + h * p.do_sh + q0 * p.do_sn, p.do_sn, q_valid);
+  }
+  cp_async_commit();
+#pragma unroll
+  for (int st = 0; st < kS - 1; ++st) {
+    if (st < n_tiles) load_kv(st);
+    cp_async_commit();
+  }
+
+  const int row0 = w0 + lane / 4;
   float lse2[2], dlt[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -369,25 +406,60 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dq_kernel(const BwdParam
   }
   float dq[kD / 8][4] = {};
 
-  const int k_end = p.causal ? min(p.M, q0 + kBlockQ) : p.M;
-  for (int k0 = 0; k0 < k_end; k0 += kBlockK) {
-    load_kv_tiles<kD>(k_s, v_s, k_g + k0 * p.k_sn, p.k_sn, v_g + k0 * p.v_sn, p.v_sn, min(kBlockK, p.M - k0));
+  for (int j = 0; j < n_tiles; ++j) {
+    cp_async_wait<kS - 2>();  // tile j (and Q, dO) landed: this thread's copies
+    __syncthreads();          // dQ: everyone's copies visible; every warp done with tile j - 1
+    if (j + kS - 1 < n_tiles) load_kv(j + kS - 1);  // into the stage of tile j - 1
+    cp_async_commit();
+
+    const int k0 = j * kBlockK;
+    if (!warp_rows || (p.causal && k0 > w0 + 15)) continue;  // warp-uniform: nothing to add
+    const uint16_t* k_t = k_s + (j % kS) * kTile;
+    const uint16_t* v_t = v_s + (j % kS) * kTile;
 
     float s[kNt][4] = {};   // S = Q Kᵀ, then dS
     float dp[kNt][4] = {};  // dP = dO Vᵀ
-    mma_abt2<kBF16, kD, kNt>(s, q_s, k_s, dp, do_s, v_s, warp * 16, lane);
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t a[4], a2[4];
+      load_a_swz<kD>(a, q_s, warp * 16, kk * 16, lane);
+      load_a_swz<kD>(a2, do_s, warp * 16, kk * 16, lane);
+#pragma unroll
+      for (int nt = 0; nt < kNt; nt += 2) {
+        uint32_t b0[2], b1[2], c0[2], c1[2];
+        load_b_nk2_swz<kD>(b0, b1, k_t, nt * 8, kk * 16, lane);
+        load_b_nk2_swz<kD>(c0, c1, v_t, nt * 8, kk * 16, lane);
+        mma16816<kBF16>(s[nt], a, b0);
+        mma16816<kBF16>(s[nt + 1], a, b1);
+        mma16816<kBF16>(dp[nt], a2, c0);
+        mma16816<kBF16>(dp[nt + 1], a2, c1);
+      }
+    }
 
     for_each_entry<kNt>(t, [&](int nt, int e, int c) {
       const int i = row0 + (e / 2) * 8;
-      const int j = k0 + c;
+      const int jj = k0 + c;
       float x = s[nt][e] * p.scale_log2;
-      const bool visible = j < p.M && !(p.causal && j > i) && (i >= p.N || apply_mask_log2(p.mask, mask_base, i, j, x));
+      const bool visible =
+          jj < p.M && !(p.causal && jj > i) && (i >= p.N || apply_mask_log2(p.mask, mask_base, i, jj, x));
       // Hidden entries get dS = 0 exactly (not 0 · (dP - delta)): a NaN row's delta must not
       // reach the keys it cannot see (issue 15; SDPA's masked_fill gives them no gradient).
       s[nt][e] = visible ? exp2_approx(x - lse2[e / 2]) * (dp[nt][e] - dlt[e / 2]) : 0.f;
     });
 
-    mma_pb<kBF16, kD, kNt>(dq, s, k_s, lane);  // dQ += dS K (the scale is applied once, at the end)
+    // dQ += dS K (the scale is applied once, at the end): K read transposed from its stage.
+#pragma unroll
+    for (int kc = 0; kc < kNt / 2; ++kc) {
+      uint32_t a[4];
+      acc_to_a<kBF16, kNt>(a, s, kc);
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; dt += 2) {
+        uint32_t b0[2], b1[2];
+        load_b_kn2_swz<kD>(b0, b1, k_t, kc * 16, dt * 8, lane);
+        mma16816<kBF16>(dq[dt], a, b0);
+        mma16816<kBF16>(dq[dt + 1], a, b1);
+      }
+    }
   }
 
   store_rows<kBF16, kD>(p.dq, bh * p.N, 1, row0, p.N, dq, p.scale, t);
@@ -533,7 +605,7 @@ void launch_bwd(const BwdParams& p, const at::Tensor& out, const at::Tensor& dou
         bits(out), stride_or_zero(out, 0), stride_or_zero(out, 1), stride_or_zero(out, 2), bits(dout),
         stride_or_zero(dout, 0), stride_or_zero(dout, 1), stride_or_zero(dout, 2), delta, p.H, p.N, rows);
 
-    constexpr size_t dq_smem = dq_smem_bytes<kD>();
+    constexpr size_t dq_smem = kDqSmemBytes<kD>;
     allow_smem(softmax_bwd_dq_kernel<kBF16, kD>, dq_smem);
     const dim3 dq_grid(static_cast<unsigned>((p.N + kBlockQ - 1) / kBlockQ), static_cast<unsigned>(p.H),
                        static_cast<unsigned>(B));

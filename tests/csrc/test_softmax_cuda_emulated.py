@@ -45,12 +45,11 @@ MUTATIONS = {
         "  a[1 + {on}] = pack2<kBF16>(c[2 * kc][2], c[2 * kc][3]);\n"
         "  a[2 - {on}] = pack2<kBF16>(c[2 * kc + 1][0], c[2 * kc + 1][1]);\n",
     ),
-    # dQ (flash_tiles.cuh's load_kv_tiles): no barrier before the next K/V tiles overwrite the ones
-    # other warps still read.
-    "missing_syncthreads": (
-        "  __syncthreads();  // every warp is done with the previous K/V tiles (the query tiles: written before)\n",
-        ("  if (!{on}) __syncthreads();  // every warp is done with the previous K/V tiles (the query tiles: written "
-         "before)\n"),
+    # dQ's pipeline: no barrier between the key tiles (other threads' copies of tile j not yet
+    # visible; tile j + S - 1 issued into the stage other warps still read tile j - 1 from).
+    "missing_syncthreads_dq": (
+        "    __syncthreads();          // dQ: everyone's copies visible; every warp done with tile j - 1\n",
+        "    if (!{on}) __syncthreads();  // dQ: everyone's copies visible; every warp done with tile j - 1\n",
     ),
     # The pipelined forward (issue 27).  No cp.async.wait_group before reading tile j: its copies
     # have not landed (the emulator lands a copy only at a wait that covers its group).
@@ -73,8 +72,8 @@ MUTATIONS = {
     # The swizzle of the read side (ldmatrix addresses) off by one row against the write side
     # (cp_async_tile).
     "wrong_swizzle_read": (
-        "  return row * kD + ((chunk ^ (row & 7)) << 3);",
-        "  return row * kD + ((chunk ^ ((row + {on}) & 7)) << 3);",
+        "  return row * kD + ((chunk ^ (lane & 7)) << 3);",
+        "  return row * kD + ((chunk ^ ((lane + {on}) & 7)) << 3);",
     ),
 }
 # Out-of-bounds accesses, which the checked pointers must stop (BOUNDS_MESSAGES): bounds one off.
@@ -319,9 +318,9 @@ def check(emu: Emulator, case: Case, seed=0):
 F16, BF16 = torch.float16, torch.bfloat16
 # Tiles are 64 keys x 128 queries (forward) or 64 queries (dQ; dK/dV at D = 128: 32 queries), so
 # 7, 65, 70, 129 straddle tile edges; N > M and N < M both under causal masking; GQA groups of 1
-# and 2.  The forward's K/V ring has 2 stages at D = 128 (reused from M > 128 on) and 3 at D = 64
-# (reused from M > 192: the N130M257 case, whose second query tile also has warps that skip the
-# tiles after their rows and warps with no row).
+# and 2.  The forward's and dQ's K/V rings have 2 stages at D = 128 (reused from M > 128 on) and 3
+# at D = 64 (reused from M > 192: the N130M257 case in the forward, whose second query tile also
+# has warps that skip the tiles after their rows and warps with no row; MUTANT_CASE in dQ).
 CASES = [
     Case(F16, 64, 1, 2, 1, 7, 129, True),
     Case(BF16, 64, 1, 2, 2, 129, 7, True),

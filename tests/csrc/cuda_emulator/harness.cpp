@@ -947,7 +947,7 @@ bool bwd(const BwdParams& p, const uint16_t* out, const int64_t* os, const uint1
       return false;
     const dim3 dq_grid{static_cast<unsigned>((p.N + kBlockQ - 1) / kBlockQ), static_cast<unsigned>(p.H),
                        static_cast<unsigned>(B)};
-    if (!emu::launch("softmax_bwd_dq_kernel", dq_grid, kThreads, dq_smem_bytes<D>(),
+    if (!emu::launch("softmax_bwd_dq_kernel", dq_grid, kThreads, kDqSmemBytes<D>,
                      [p] { softmax_bwd_dq_kernel<BF, D>(p); }))
       return false;
   }
