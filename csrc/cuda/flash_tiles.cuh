@@ -1,7 +1,7 @@
 // The FlashAttention-2 tile steps shared by the softmax (softmax.cu) and sparse (sparse.cu)
 // CUDA kernels: one tile geometry (4 warps x 16 rows, 64-key tiles, padded shared-memory rows),
-// the padded shared-memory layouts (sparse.cu's kernels, softmax.cu's dK/dV), the swizzled
-// tiles and cp.async tile copies (softmax.cu's pipelined forward and dQ), the tensor-core products of a
+// the padded shared-memory layouts (sparse.cu's kernels), the swizzled tiles and cp.async tile
+// copies (softmax.cu's pipelined kernels), the tensor-core products of a
 // warp's 16 rows (S = A·Bᵀ, acc += P·B, each also in a fused pair), the online-softmax row
 // update and the epilogues.  What differs between the families -- which rows a block owns,
 // which tiles it visits, which (query, key) pairs are visible -- stays in the kernels.
@@ -119,7 +119,7 @@ __device__ __forceinline__ DkdvSmem dkdv_smem(uint16_t* smem) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// swizzled tiles (softmax.cu's pipelined forward and dQ).  Rows of kD 16-bit elements without padding:
+// swizzled tiles (softmax.cu's pipelined kernels).  Rows of kD 16-bit elements without padding:
 // kD / 8 chunks of 16 bytes (kD a multiple of 64), chunk c of row r stored at chunk c ^ (r % 8).
 // The 8 rows of an 8x8 matrix that ldmatrix reads (one chunk of 8 consecutive rows) then lie in 8
 // different 16-byte bank groups, as do the chunks that 8 consecutive threads of cp_async_tile

@@ -4,9 +4,10 @@
 // dispatch key after running the ops' input checks (nothing here throws on bad input: issue 10).
 //
 // STATUS.  Checked: compiles with nvcc -c for sm_80 and sm_90a against torch's headers
-// (.ci/compile_cuda.sh); ptxas -v (CUDA 13.0): forward 128 (D = 64) / 228-229 (D = 128)
-// registers, backward 166-250, no spills.  The device code (this file up to "host side") runs on
-// the CPU in tests/csrc/test_softmax_cuda_emulated.py (tests/csrc/cuda_emulator: every thread a
+// (.ci/compile_cuda.sh); ptxas -v (CUDA 13.0), registers sm_80 / sm_90a: forward D = 128
+// 227 / 229, D = 64 148 / 161; dQ 255 / 255, 168 / 166; dK/dV 245 / 245, 242 / 244; no
+// spills.  The device code (this file up to "host side") runs on the CPU in
+// tests/csrc/test_softmax_cuda_emulated.py (tests/csrc/cuda_emulator: every thread a
 // fiber, ldmatrix / mma.m16n8k16 / cp.async and its groups from the PTX ISA, shared memory exact
 // and NaN-filled, every access bounds-checked) against the float64 reference: fp16/bf16, D
 // 64/128, causal, GQA, bool/float masks, odd N and M, empty N or M, non-finite inputs.
@@ -14,7 +15,7 @@
 // torch 2.11 + CUDA 13.0, commit 4a5f870, bench/RESULTS.md "session 8") with the forward of
 // before issue 27 (4 warps x 16 rows, K/V tiles loaded synchronously into padded rows): 12.3 ms
 // bf16 B=4 H=8 N=8192 D=128, 0.13x SDPA.  The pipelined forward below (issue 27) has not run on
-// a GPU yet (target: >= 330 TFLOP/s there).
+// a GPU yet (target: >= 330 TFLOP/s there), nor has the pipelined backward.
 //
 // WHAT IT COMPUTES.  q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,D] (float16 or bfloat16; D = 64 or
 // 128, value's head dim equal to query's; other head dims fail the op's check
@@ -35,9 +36,9 @@
 //
 // HOW.  Each warp owns 16 rows of a tile and multiplies with tensor-core mma.sync.m16n8k16
 // (fp16/bf16 operands, fp32 accumulation), through inline PTX.  Fragments are read from shared
-// memory with ldmatrix.x4 (.trans for the operands stored key-major, like V in P·V), from rows
-// that are XOR-swizzled (forward, dQ) or padded by 8 elements (dK/dV), so the loads are
-// bank-conflict free.  The accumulator of one product (C layout) is re-packed in registers as
+// memory with ldmatrix.x4 (.trans for the operands stored key-major, like V in P·V), from
+// XOR-swizzled rows (flash_tiles.cuh), so the loads are bank-conflict free; every tile comes
+// in through cp.async, the streamed ones through a ring of 2-3 stages (one __syncthreads per tile).  The accumulator of one product (C layout) is re-packed in registers as
 // the A operand of the next (S -> P -> P·V), as in FlashAttention-2.
 //  - forward (softmax_fwd_kernel, see there): one block of 8 warps per (128 queries, h, b), Q
 //    fragments and O in registers, K/V tiles of 64 keys streamed through a 2- (D = 128) or
@@ -49,8 +50,8 @@
 //        2 stages at D = 128, 3 at D = 64), recomputes P = exp(S - lse), dP = dO·Vᵀ,
 //        dS = P ∘ (dP - delta), dQ += dS·K (no atomics);
 //    (3) dK/dV: one block per (64 keys, kv head, b), loops over the query heads of its GQA
-//        group and their query tiles, with Sᵀ = K·Qᵀ: dV += Pᵀ·dO, dPᵀ = V·dOᵀ,
-//        dK += dSᵀ·Q (no atomics; deterministic).
+//        group and their query tiles (a 3-stage cp.async ring across heads), with
+//        Sᵀ = K·Qᵀ: dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dK += dSᵀ·Q (no atomics; deterministic).
 //  - causal: key tiles entirely above the diagonal are skipped (forward, dQ), and so are the
 //    query tiles entirely before a key tile (dK/dV).  Tiles are bounds-checked (zero-filled
 //    past N / M and masked), so any N and M work.
@@ -72,8 +73,8 @@
 namespace attnkit {
 namespace {
 
-// Tile geometry (kThreads, kBlockQ, kBlockK, kPad), shared-memory layouts and tile steps:
-// flash_tiles.cuh, shared with sparse.cu.
+// Tile geometry (kThreads, kBlockQ, kBlockK, kDkdvBlockQ), tile copies and steps:
+// flash_tiles.cuh, shared with sparse.cu; the ring stages and shared-memory sizes per kernel here.
 
 // ---------------------------------------------------------------------------------------------
 // mask
@@ -117,10 +118,11 @@ __device__ __forceinline__ bool apply_mask_log2(const Mask& mk, int64_t base, in
 }
 
 // ---------------------------------------------------------------------------------------------
-// element helpers, PTX helpers, fragment loaders: mma_sm80.cuh (pack2, to_float, exp2_approx,
-// mma16816, ldsm_x4, ldsm_x4_trans, load_a, load_b_nk2, load_b_kn2, acc_to_a, load_rows16).
-// Tile steps: flash_tiles.cuh (load_tile, load_kv_tiles, mma_abt[2], mma_pb[2],
-// online_softmax_update, for_each_entry, store_out_lse, store_rows, the smem layouts).
+// element helpers, PTX helpers: mma_sm80.cuh (pack2, to_float, exp2_approx, mma16816, ldsm_x4,
+// ldsm_x4_trans, cp_async16, cp_async_commit, cp_async_wait, acc_to_a).
+// Tile steps: flash_tiles.cuh (cp_async_tile and the swizzled fragment loaders load_a_swz,
+// load_b_nk2_swz, load_b_kn2_swz; online_softmax_update, for_each_entry, store_out_lse,
+// store_rows, store_dk_dv).  Its padded-layout steps (load_tile, mma_abt, ...) are sparse.cu's.
 // ---------------------------------------------------------------------------------------------
 
 // ---------------------------------------------------------------------------------------------
@@ -467,65 +469,139 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dq_kernel(const BwdParam
 
 // dK, dV for one tile of 64 keys of one (b, kv head): warp w owns keys 16w..16w+15 and works
 // on the transposed products (Sᵀ = K Qᵀ), so that its rows of dK and dV stay in registers.
-// Query tiles of kBr = kDkdvBlockQ<kD> rows (flash_tiles.cuh).
+// K and V (group 0) are loaded once; the query tiles of kBr = kDkdvBlockQ<kD> rows of every
+// query head of the GQA group (in order: head, then query tile) stream through a ring of
+// kDkdvStages cp.async stages, swizzled, with their rows' base-2 lse and delta (plain loads
+// into the stage when the tile is issued); one __syncthreads per query tile (see
+// softmax_fwd_kernel for the group counting).  Shared memory: D = 128 (kBr = 32): 81 KiB;
+// D = 64 (kBr = 64): 65.5 KiB.
+constexpr int kDkdvStages = 3;
+template <int kD>
+constexpr size_t kDkdvSmemBytes =
+    static_cast<size_t>(2 * kBlockK + 2 * kDkdvStages * kDkdvBlockQ<kD>) * kD * sizeof(uint16_t) +
+    static_cast<size_t>(kDkdvStages * 2 * kDkdvBlockQ<kD>) * sizeof(float);
+
 template <bool kBF16, int kD>
 __global__ void __launch_bounds__(kThreads) softmax_bwd_dkdv_kernel(const BwdParams p) {
   constexpr int kBr = kDkdvBlockQ<kD>;
   constexpr int kNt = kBr / 8;
+  constexpr int kS = kDkdvStages;
+  constexpr int kQTile = kBr * kD;  // elements of one Q or dO stage
   extern __shared__ __align__(16) uint16_t smem[];
-  const auto [k_s, v_s, q_s, do_s, lse_s, dlt_s] = dkdv_smem<kD>(smem);
+  uint16_t* k_s = smem;                   // kBlockK x kD, swizzled
+  uint16_t* v_s = k_s + kBlockK * kD;     // kBlockK x kD, swizzled
+  uint16_t* q_st = v_s + kBlockK * kD;    // kS stages of kBr x kD, swizzled
+  uint16_t* do_st = q_st + kS * kQTile;   // kS stages
+  // kS stages of (base-2 lse, delta) x kBr floats; byte offset a multiple of 16
+  float* rows_st = reinterpret_cast<float*>(do_st + kS * kQTile);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int t = lane % 4;
   const int k0 = blockIdx.x * kBlockK;
   const int hk = blockIdx.y, b = blockIdx.z;
-  const int k_valid = min(kBlockK, p.M - k0);
-  load_tile<kBlockK, kD>(k_s, p.k + b * p.k_sb + hk * p.k_sh + k0 * p.k_sn, p.k_sn, k_valid);
-  load_tile<kBlockK, kD>(v_s, p.v + b * p.v_sb + hk * p.v_sh + k0 * p.v_sn, p.v_sn, k_valid);
+  // Causal: queries i < k0 see none of these keys; k0 is a multiple of kBr.
+  const int i_begin = p.causal ? k0 : 0;
+  const int per_head = i_begin < p.N ? (p.N - i_begin + kBr - 1) / kBr : 0;  // query tiles per head
+  const int n_tiles = p.group * per_head;
+
+  // Query tile `tile` (head hg = tile / per_head of the group) into stage tile % kS.
+  auto load_q = [&](int tile) {
+    const int hg = tile / per_head, i0 = i_begin + (tile % per_head) * kBr, stage = tile % kS;
+    const int h = hk * p.group + hg;
+    const int64_t bh = static_cast<int64_t>(b) * p.H + h;
+    const int valid = min(kBr, p.N - i0);
+    cp_async_tile<kThreads, kBr, kD>(q_st + stage * kQTile, p.q + b * p.q_sb + h * p.q_sh + i0 * p.q_sn, p.q_sn, valid);
+    cp_async_tile<kThreads, kBr, kD>(do_st + stage * kQTile, p.dout + b * p.do_sb + h * p.do_sh + i0 * p.do_sn,
+                                     p.do_sn, valid);
+    float* rows = rows_st + stage * 2 * kBr;
+    for (int idx = threadIdx.x; idx < kBr; idx += kThreads) {
+      const int i = i0 + idx;
+      rows[idx] = lse_log2(p.lse, bh, p.N, i);
+      rows[kBr + idx] = i < p.N ? p.delta[bh * p.N + i] : 0.f;
+    }
+  };
+
+  if (n_tiles > 0) {  // (with no query tile nothing reads them, and no wait would cover them)
+    const int k_valid = min(kBlockK, p.M - k0);
+    cp_async_tile<kThreads, kBlockK, kD>(k_s, p.k + b * p.k_sb + hk * p.k_sh + k0 * p.k_sn, p.k_sn, k_valid);
+    cp_async_tile<kThreads, kBlockK, kD>(v_s, p.v + b * p.v_sb + hk * p.v_sh + k0 * p.v_sn, p.v_sn, k_valid);
+  }
+  cp_async_commit();
+#pragma unroll
+  for (int st = 0; st < kS - 1; ++st) {
+    if (st < n_tiles) load_q(st);
+    cp_async_commit();
+  }
 
   // This thread's two key rows: key0 (entries 0, 1) and key0 + 8 (entries 2, 3).
   const int key0 = k0 + warp * 16 + lane / 4;
+  const bool warp_keys = k0 + warp * 16 < p.M;  // the warp has a key row to compute
   float dk[kD / 8][4] = {};
   float dv[kD / 8][4] = {};
 
-  // Causal: queries i < k0 see none of these keys; k0 is a multiple of kBr.
-  const int i_begin = p.causal ? k0 : 0;
-  for (int hg = 0; hg < p.group; ++hg) {
+  for (int j = 0; j < n_tiles; ++j) {
+    cp_async_wait<kS - 2>();  // query tile j (and K, V) landed: this thread's copies
+    __syncthreads();          // dK/dV: everyone's copies and rows visible; every warp done with tile j - 1
+    if (j + kS - 1 < n_tiles) load_q(j + kS - 1);  // into the stage of tile j - 1
+    cp_async_commit();
+
+    const int hg = j / per_head, i0 = i_begin + (j % per_head) * kBr;
+    // Warp-uniform: no key row, or (causal) every query of the tile before the warp's first key.
+    if (!warp_keys || (p.causal && i0 + kBr - 1 < k0 + warp * 16)) continue;
     const int h = hk * p.group + hg;
-    const int64_t bh = static_cast<int64_t>(b) * p.H + h;
     const int64_t mask_base = b * p.mask.sb + h * p.mask.sh;
-    const uint16_t* q_g = p.q + b * p.q_sb + h * p.q_sh;
-    const uint16_t* do_g = p.dout + b * p.do_sb + h * p.do_sh;
-    for (int i0 = i_begin; i0 < p.N; i0 += kBr) {
-      __syncthreads();  // every warp is done with the previous Q/dO tiles (k_s, v_s: written before)
-      const int i_valid = min(kBr, p.N - i0);
-      load_tile<kBr, kD>(q_s, q_g + i0 * p.q_sn, p.q_sn, i_valid);
-      load_tile<kBr, kD>(do_s, do_g + i0 * p.do_sn, p.do_sn, i_valid);
-      for (int idx = threadIdx.x; idx < kBr; idx += kThreads) {
-        const int i = i0 + idx;
-        lse_s[idx] = lse_log2(p.lse, bh, p.N, i);
-        dlt_s[idx] = i < p.N ? p.delta[bh * p.N + i] : 0.f;
+    const uint16_t* q_t = q_st + (j % kS) * kQTile;
+    const uint16_t* do_t = do_st + (j % kS) * kQTile;
+    const float* lse_t = rows_st + (j % kS) * 2 * kBr;
+    const float* dlt_t = lse_t + kBr;
+
+    // Sᵀ = K Qᵀ (warp's 16 keys x kBr queries) and dPᵀ = V dOᵀ.
+    float st[kNt][4] = {};
+    float dpt[kNt][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t a[4], a2[4];
+      load_a_swz<kD>(a, k_s, warp * 16, kk * 16, lane);
+      load_a_swz<kD>(a2, v_s, warp * 16, kk * 16, lane);
+#pragma unroll
+      for (int nt = 0; nt < kNt; nt += 2) {
+        uint32_t b0[2], b1[2], c0[2], c1[2];
+        load_b_nk2_swz<kD>(b0, b1, q_t, nt * 8, kk * 16, lane);
+        load_b_nk2_swz<kD>(c0, c1, do_t, nt * 8, kk * 16, lane);
+        mma16816<kBF16>(st[nt], a, b0);
+        mma16816<kBF16>(st[nt + 1], a, b1);
+        mma16816<kBF16>(dpt[nt], a2, c0);
+        mma16816<kBF16>(dpt[nt + 1], a2, c1);
       }
-      __syncthreads();
+    }
 
-      // Sᵀ = K Qᵀ (warp's 16 keys x kBr queries) and dPᵀ = V dOᵀ.
-      float st[kNt][4] = {};
-      float dpt[kNt][4] = {};
-      mma_abt2<kBF16, kD, kNt>(st, k_s, q_s, dpt, v_s, do_s, warp * 16, lane);
+    // Pᵀ (in st) and dSᵀ = Pᵀ ∘ (dPᵀ - delta) (in dpt).
+    for_each_entry<kNt>(t, [&](int nt, int e, int il) {
+      const int jj = key0 + (e / 2) * 8;
+      const int i = i0 + il;
+      float x = st[nt][e] * p.scale_log2;
+      const bool visible = jj < p.M && i < p.N && !(p.causal && jj > i) && apply_mask_log2(p.mask, mask_base, i, jj, x);
+      const float prob = visible ? exp2_approx(x - lse_t[il]) : 0.f;
+      st[nt][e] = prob;
+      dpt[nt][e] = visible ? prob * (dpt[nt][e] - dlt_t[il]) : 0.f;  // hidden: exactly 0 (see dQ)
+    });
 
-      // Pᵀ (in st) and dSᵀ = Pᵀ ∘ (dPᵀ - delta) (in dpt).
-      for_each_entry<kNt>(t, [&](int nt, int e, int il) {
-        const int j = key0 + (e / 2) * 8;
-        const int i = i0 + il;
-        float x = st[nt][e] * p.scale_log2;
-        const bool visible = j < p.M && i < p.N && !(p.causal && j > i) && apply_mask_log2(p.mask, mask_base, i, j, x);
-        const float prob = visible ? exp2_approx(x - lse_s[il]) : 0.f;
-        st[nt][e] = prob;
-        dpt[nt][e] = visible ? prob * (dpt[nt][e] - dlt_s[il]) : 0.f;  // hidden: exactly 0 (see dQ)
-      });
-
-      // dV += Pᵀ dO,  dK += dSᵀ Q  (the scale is applied once, at the end).
-      mma_pb2<kBF16, kD, kNt>(dv, st, do_s, dk, dpt, q_s, lane);
+    // dV += Pᵀ dO,  dK += dSᵀ Q  (the scale is applied once, at the end): dO and Q read transposed.
+#pragma unroll
+    for (int kc = 0; kc < kNt / 2; ++kc) {
+      uint32_t a[4], a2[4];
+      acc_to_a<kBF16, kNt>(a, st, kc);
+      acc_to_a<kBF16, kNt>(a2, dpt, kc);
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; dt += 2) {
+        uint32_t b0[2], b1[2], c0[2], c1[2];
+        load_b_kn2_swz<kD>(b0, b1, do_t, kc * 16, dt * 8, lane);
+        load_b_kn2_swz<kD>(c0, c1, q_t, kc * 16, dt * 8, lane);
+        mma16816<kBF16>(dv[dt], a, b0);
+        mma16816<kBF16>(dv[dt + 1], a, b1);
+        mma16816<kBF16>(dk[dt], a2, c0);
+        mma16816<kBF16>(dk[dt + 1], a2, c1);
+      }
     }
   }
 
@@ -613,7 +689,7 @@ void launch_bwd(const BwdParams& p, const at::Tensor& out, const at::Tensor& dou
   }
   if (B * p.Hk * static_cast<int64_t>(p.M) > 0) {
     // Runs also when N = 0: it then writes dK = dV = 0.
-    constexpr size_t dkdv_smem = dkdv_smem_bytes<kD>();
+    constexpr size_t dkdv_smem = kDkdvSmemBytes<kD>;
     allow_smem(softmax_bwd_dkdv_kernel<kBF16, kD>, dkdv_smem);
     const dim3 kv_grid(static_cast<unsigned>((p.M + kBlockK - 1) / kBlockK), static_cast<unsigned>(p.Hk),
                        static_cast<unsigned>(B));

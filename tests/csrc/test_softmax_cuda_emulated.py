@@ -2,14 +2,16 @@
 
 There is no GPU on the machines the project is built and tested on, so this test cuts the
 device code out of softmax.cu (cuda_emulator/extract.py), compiles it with g++ together with
-cuda_emulator/harness.cpp -- every CUDA thread a fiber; __syncthreads, shuffles, ldmatrix and
-mma.m16n8k16 rebuilt from the PTX ISA; shared memory exact-size and NaN-filled -- and calls the
+cuda_emulator/harness.cpp -- every CUDA thread a fiber; __syncthreads, shuffles, ldmatrix,
+mma.m16n8k16 and cp.async with its groups (landing at the latest legal wait, NaN before) rebuilt
+from the PTX ISA; shared memory exact-size and NaN-filled -- and calls the
 kernels through ctypes on CPU tensors.  out, lse, dq, dk, dv are checked against the float64
 reference with the rule of DESIGN.md: within 2x the error the reference itself makes when run
 in the inputs' dtype, + 1e-3; infinities must match, NaN never passes.
 
-What it covers: the kernels' arithmetic, fragment layouts, tiling and bounds, masking, GQA,
-and the shared-memory synchronization between warps; every global, shared and local memory access
+What it covers: the kernels' arithmetic, fragment layouts, the swizzled shared-memory layout
+(write and read sides), tiling and bounds, masking, GQA, the cp.async pipelines' waits and the
+shared-memory synchronization between warps; every global, shared and local memory access
 is checked against the allocation it belongs to (cuda_emulator/README.md, "Checked pointers"),
 and mutants with a bound one off must stop at their first bad access.  What it does not: the host side of
 softmax.cu (checks, copies, launch configuration as nvcc builds it; harness.cpp re-creates the
@@ -50,6 +52,12 @@ MUTATIONS = {
     "missing_syncthreads_dq": (
         "    __syncthreads();          // dQ: everyone's copies visible; every warp done with tile j - 1\n",
         "    if (!{on}) __syncthreads();  // dQ: everyone's copies visible; every warp done with tile j - 1\n",
+    ),
+    # dK/dV's pipeline (query tiles of every head of the GQA group through the ring): no barrier
+    # between the query tiles.
+    "missing_syncthreads_dkdv": (
+        "    __syncthreads();          // dK/dV: everyone's copies and rows visible; every warp done with tile j - 1\n",
+        "    if (!{on}) __syncthreads();  // dK/dV: everyone's copies and rows visible; every warp done with tile j - 1\n",
     ),
     # The pipelined forward (issue 27).  No cp.async.wait_group before reading tile j: its copies
     # have not landed (the emulator lands a copy only at a wait that covers its group).
@@ -320,7 +328,9 @@ F16, BF16 = torch.float16, torch.bfloat16
 # 7, 65, 70, 129 straddle tile edges; N > M and N < M both under causal masking; GQA groups of 1
 # and 2.  The forward's and dQ's K/V rings have 2 stages at D = 128 (reused from M > 128 on) and 3
 # at D = 64 (reused from M > 192: the N130M257 case in the forward, whose second query tile also
-# has warps that skip the tiles after their rows and warps with no row; MUTANT_CASE in dQ).
+# has warps that skip the tiles after their rows and warps with no row; MUTANT_CASE in dQ); dK/dV's
+# ring of query tiles (3 stages; all the query heads of a GQA group in a row) from the fourth
+# query tile on (N > 96 at D = 128, N > 192 or two heads at D = 64).
 CASES = [
     Case(F16, 64, 1, 2, 1, 7, 129, True),
     Case(BF16, 64, 1, 2, 2, 129, 7, True),

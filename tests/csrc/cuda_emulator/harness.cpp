@@ -954,7 +954,7 @@ bool bwd(const BwdParams& p, const uint16_t* out, const int64_t* os, const uint1
   if (int64_t(B) * p.Hk * p.M > 0) {
     const dim3 kv_grid{static_cast<unsigned>((p.M + kBlockK - 1) / kBlockK), static_cast<unsigned>(p.Hk),
                        static_cast<unsigned>(B)};
-    if (!emu::launch("softmax_bwd_dkdv_kernel", kv_grid, kThreads, dkdv_smem_bytes<D>(),
+    if (!emu::launch("softmax_bwd_dkdv_kernel", kv_grid, kThreads, kDkdvSmemBytes<D>,
                      [p] { softmax_bwd_dkdv_kernel<BF, D>(p); }))
       return false;
   }
