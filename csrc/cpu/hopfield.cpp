@@ -17,7 +17,7 @@
 // A float32 row then carries an error of ~eps32 * (size of the terms), which is far more than
 // eps32 * |E|.  Such rows (terms > kCancellation * |E|) are recomputed in double from the
 // inputs: rare in practice, and it keeps every float32 energy within a few eps32 of |E|.
-#include <torch/extension.h>
+#include "torch_headers.h"
 #include <ATen/Parallel.h>
 
 #if defined(__AVX512F__)

@@ -34,7 +34,7 @@
 // Accumulation (GEMMs, states, den): float32, float64 for float64 inputs.  GEMMs: a
 // register-blocked micro-kernel (AVX-512 / AVX2+FMA intrinsics, scalar fallback) on packed,
 // zero-padded tiles; the triangular products skip the blocks the mask zeroes.
-#include <torch/extension.h>
+#include "torch_headers.h"
 #include <ATen/Parallel.h>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))

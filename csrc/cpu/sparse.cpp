@@ -57,7 +57,7 @@
 // Backward: dQ pass over the row lists, dK/dV pass over the transposed (column) lists.
 //
 // Extra memory: per thread O(Nk (D + Dv)) packed keys plus O(tile) scratch; never N x N.
-#include <torch/extension.h>
+#include "torch_headers.h"
 
 #include <vector>
 

@@ -31,7 +31,7 @@
 // infinities as every sparse kernel (issue 15): a NaN or +inf score among a row's keys makes its
 // out and lse NaN (and, backward, the gradients of that row and of the keys it sees); a row
 // whose scores are all -inf gets out 0 and lse -inf, and passes no gradient.
-#include <torch/extension.h>
+#include "torch_headers.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
