@@ -62,7 +62,9 @@ constexpr int64_t kBQ = 64;
 constexpr int64_t kBK = 256;
 constexpr int64_t kBQb = 64;
 constexpr int64_t kBKb = 64;
-// Under a window the forward multiplies groups of this many query rows, each over its own keys.
+// Where the rows of a query block see different keys (causality, a window), the forward
+// multiplies the tiles at the band's edges by groups of this many query rows, each over its own
+// keys.
 constexpr int64_t kWindowRows = 16;
 
 // ---------------------------------------------------------------------------------------------
@@ -233,10 +235,12 @@ inline void softcap_row(T* s, int64_t n, T inv, T cap2, T* dcap) {
 // score, see softcap_row) plus ALiBi's -slope |i + M - N - j| log2(e), then the mask, for the
 // keys j in [lo, hi) (clamped to [0, n)) -- the row's visible range, from causality and the
 // window -- and -inf outside it.  dcap (softcap's backward only): 1 - tanh^2 per key, 0 outside
-// [lo, hi) (so that a stale value never meets a hidden key's zero probability).
+// [lo, hi) (so that a stale value never meets a hidden key's zero probability).  raw_factor: the
+// factor the scores already carry (s = raw_factor q.k; the forward multiplies Q by
+// scale * log2(e) while packing it, and passes c = 1: no multiplication pass over the scores).
 template <typename T>
 inline void prepare_row(T* s, int64_t n, int64_t lo, int64_t hi, T c, const Problem& p, int64_t b,
-                        int64_t h, int64_t i, int64_t j0, T* dcap = nullptr) {
+                        int64_t h, int64_t i, int64_t j0, T* dcap = nullptr, double raw_factor = 1.0) {
   lo = std::clamp<int64_t>(lo, 0, n);
   hi = std::clamp<int64_t>(hi, lo, n);
   for (int64_t j = 0; j < lo; ++j) s[j] = neg_inf<T>();
@@ -249,9 +253,9 @@ inline void prepare_row(T* s, int64_t n, int64_t lo, int64_t hi, T c, const Prob
   if (nv <= 0) return;
   T* sv = s + lo;
   if (p.softcap > 0.0) {
-    softcap_row(sv, nv, static_cast<T>(p.scale / p.softcap), static_cast<T>(p.softcap * kLog2e),
+    softcap_row(sv, nv, static_cast<T>(p.scale / p.softcap / raw_factor), static_cast<T>(p.softcap * kLog2e),
                 dcap == nullptr ? nullptr : dcap + lo);
-  } else {
+  } else if (c != T(1)) {
 #pragma omp simd
     for (int64_t j = 0; j < nv; ++j) sv[j] *= c;
   }
@@ -374,7 +378,7 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
             for (int64_t j = 0; j < M; ++j) {
               const scalar_t* src = v + vs.at(b, hk, j);
               acc_t* dst = st.v.data() + j * Dv;
-              for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<acc_t>(src[d * vs.d]);
+              convert_row(src, vs.d, Dv, dst);
             }
           }
           st.packed_head = bk;
@@ -398,7 +402,9 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
             for (int64_t d = 0; d < D; ++d) dst[d] = bf16_bits(src[d * qs.d]);
             if (D2 > D) dst[D] = 0;
           } else {
-            for (int64_t d = 0; d < D; ++d) st.q[r * D + d] = static_cast<acc_t>(src[d * qs.d]);
+            acc_t* dst = st.q.data() + r * D;
+            convert_row(src, qs.d, D, dst);
+            for (int64_t d = 0; d < D; ++d) dst[d] *= c;
           }
         }
         std::fill(st.o.begin(), st.o.begin() + qn * Dv, acc_t(0));
@@ -409,24 +415,52 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
         // packed block).  Key blocks outside it are skipped: a window's cost tracks its band.
         const int64_t kv_end = p.key_hi(q0 + qn - 1);
         const int64_t kv_begin = std::min(p.key_lo(q0), kv_end) / 16 * 16;
+        // Under causality or a window the rows of the block see shifted key ranges; every row
+        // sees [split_lo, split_hi) (16-aligned inside), and the tiles are cut there too, so that
+        // the band's edges (the window's left wedge, the causal diagonal) come as tiles of their
+        // own, multiplied by groups of kWindowRows rows each over its own keys, and the keys in
+        // between as tiles that every row sees whole (one GEMM over all rows, nothing masked).
+        int64_t split_lo = kv_begin, split_hi = kv_begin;
+        if (p.causal || p.has_window()) {
+          split_lo = std::clamp<int64_t>(round_up(p.key_lo(q0 + qn - 1), 16), kv_begin, kv_end);
+          // (No cut where every row sees the block's last key: a window too wide to hide any key
+          // then tiles exactly as no window.)
+          const int64_t hi0 = p.key_hi(q0);
+          split_hi = hi0 >= kv_end ? kv_end : std::clamp<int64_t>(hi0 / 16 * 16, split_lo, kv_end);
+        }
         for (int64_t k0 = kv_begin; k0 < kv_end;) {
           // Keys [k0, k0 + kn) of packed block kb, from its column col (a multiple of 16).
           const int64_t kb = k0 / kBK, col = k0 - kb * kBK;
-          const int64_t kn = std::min((kb + 1) * kBK, kv_end) - k0;
+          int64_t k1 = std::min((kb + 1) * kBK, kv_end);
+          if (split_lo > k0) k1 = std::min(k1, split_lo);
+          if (split_hi > k0) k1 = std::min(k1, split_hi);
+          const int64_t kn = k1 - k0;
           acc_t* S = st.s.data();
           // S = Q K^T by groups of rows, each over the keys its rows see: [c0, c1) of the tile,
-          // c0 rounded down to 16.  Under a window, groups of kWindowRows rows (a band's rows see
-          // shifted key ranges: per 64-row block, 64 keys of waste at each edge of the band
-          // against kWindowRows); otherwise one group, the whole tile.  Keys a group skips are
-          // hidden for all its rows (prepare_row reads a row's [lo, hi) only, inside [c0, c1)).
-          const int64_t rows_per_group = p.has_window() ? kWindowRows : qn;
-          int64_t cols[kBQ / kWindowRows + 1][2];
-          for (int64_t r0 = 0, g = 0; r0 < qn; r0 += rows_per_group, ++g) {
-            const int64_t rn = std::min(rows_per_group, qn - r0);
+          // c0 rounded down to 16.  Groups of kWindowRows rows where the rows' key ranges differ
+          // (causality, a window), consecutive groups with the same columns merged (a tile that
+          // every row sees whole: one group); otherwise one group, the whole tile.  Keys a group
+          // skips are hidden for all its rows (prepare_row reads a row's [lo, hi) only, inside
+          // [c0, c1)).
+          const int64_t rows_per_group = (p.causal || p.has_window()) ? kWindowRows : qn;
+          int64_t groups[kBQ / kWindowRows + 1][4];  // r0, r1, c0, c1
+          int64_t ngroups = 0;
+          for (int64_t r0 = 0; r0 < qn; r0 += rows_per_group) {
+            const int64_t r1 = std::min(r0 + rows_per_group, qn);
             const int64_t c0 = std::clamp<int64_t>(p.key_lo(q0 + r0) - k0, 0, kn) / 16 * 16;
-            const int64_t c1 = std::clamp<int64_t>(p.key_hi(q0 + r0 + rn - 1) - k0, c0, kn);
-            cols[g][0] = c0;
-            cols[g][1] = c1;
+            const int64_t c1 = std::clamp<int64_t>(p.key_hi(q0 + r1 - 1) - k0, c0, kn);
+            if (ngroups > 0 && groups[ngroups - 1][2] == c0 && groups[ngroups - 1][3] == c1) {
+              groups[ngroups - 1][1] = r1;
+              continue;
+            }
+            int64_t* gr = groups[ngroups++];
+            gr[0] = r0;
+            gr[1] = r1;
+            gr[2] = c0;
+            gr[3] = c1;
+          }
+          for (int64_t g = 0; g < ngroups; ++g) {
+            const int64_t r0 = groups[g][0], rn = groups[g][1] - r0, c0 = groups[g][2], c1 = groups[g][3];
             if (c1 == c0) continue;
             if constexpr (kDot) {
 #if defined(__AVX512BF16__)
@@ -445,7 +479,8 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
             // edges of a causal diagonal or a window's band are skipped); P = 0 elsewhere.
             int64_t lo, hi;
             p.tile_range(i, k0, kn, lo, hi);
-            prepare_row<acc_t>(s, kn, lo, hi, c, p, b, h, i, k0);
+            // Q was multiplied by c while packing (the bf16 dot path multiplies raw scores).
+            prepare_row<acc_t>(s, kn, lo, hi, kDot ? c : acc_t(1), p, b, h, i, k0, nullptr, kDot ? 1.0 : double(c));
             const acc_t mx = hi > lo ? max_nan(st.m[r], row_max(s + lo, hi - lo)) : st.m[r];
             if (mx == neg_inf<acc_t>() || hi == lo) {
               // Nothing visible yet in this row: contributes nothing -- unless the max dropped a
@@ -474,9 +509,8 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
             }
           }
           // O += P V, by the same groups (P is 0 outside a group's keys).
-          for (int64_t r0 = 0, g = 0; r0 < qn; r0 += rows_per_group, ++g) {
-            const int64_t rn = std::min(rows_per_group, qn - r0);
-            const int64_t c0 = cols[g][0], c1 = cols[g][1];
+          for (int64_t g = 0; g < ngroups; ++g) {
+            const int64_t r0 = groups[g][0], rn = groups[g][1] - r0, c0 = groups[g][2], c1 = groups[g][3];
             if (c1 == c0) continue;
             if constexpr (kDot) {
 #if defined(__AVX512BF16__)

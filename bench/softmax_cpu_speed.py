@@ -1,0 +1,145 @@
+"""Interleaved CPU timings of the softmax kernels (issues 25 and 28), for kernel work on a shared
+machine: every implementation of a comparison runs in one process, alternating (A, B, A, B, ...),
+each round's figure the median of a few calls, each implementation's figure the min of the rounds'.
+Ratios are what to quote (the machines are shared and noisy); name the CPU with them.
+
+    python bench/softmax_cpu_speed.py band [--heads 1] [--n 16384] [--rounds 3]
+        issue 28: the window (1023, 0) band forward against the full causal forward (and
+        (1024, 0)), attnkit's cpu backend both.
+    python bench/softmax_cpu_speed.py sdpa [--n 256 1024] [--d 64 128] [--rounds 5]
+        issue 25: attnkit's cpu forward (and forward+backward) against torch SDPA, float32 and
+        bfloat16, causal and not, B=1 H=8.
+    --base PATH  a second build of csrc/cpu/softmax.cpp loaded with torch.utils.cpp_extension
+        (a module exposing fwd(q, k, v, mask, scale, causal, wl, wr, softcap, alibi) and bwd(...))
+        to time the kernel before a change in the same process ("base" rows).
+Not a test: nothing here runs in the suite.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import attnkit
+
+
+def _time(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def interleaved(impls: dict, rounds: int, reps: int) -> dict:
+    for fn in impls.values():  # warm up (packing buffers, thread pool)
+        fn()
+    best = {name: math.inf for name in impls}
+    for _ in range(rounds):
+        for name, fn in impls.items():
+            best[name] = min(best[name], _time(fn, reps))
+    return best
+
+
+def _load_base(path):
+    if not path:
+        return None
+    spec = importlib.util.spec_from_file_location("softmax_base", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def band(args) -> None:
+    n, d, h = args.n, 64, args.heads
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, d, generator=g) for _ in range(3))
+    base = _load_base(args.base)
+    scale = d ** -0.5
+    impls = {}
+    with torch.no_grad():
+        impls["full causal"] = lambda: attnkit.softmax_attention(q, k, v, is_causal=True)
+        impls["window (1023,0)"] = lambda: attnkit.softmax_attention(q, k, v, is_causal=True, window=(1023, 0))
+        impls["window (1024,0)"] = lambda: attnkit.softmax_attention(q, k, v, is_causal=True, window=(1024, 0))
+        if base is not None:
+            impls["base full causal"] = lambda: base.fwd(q, k, v, None, scale, True, -1, -1, 0.0, None)
+            impls["base window (1023,0)"] = lambda: base.fwd(q, k, v, None, scale, True, 1023, 0, 0.0, None)
+        best = interleaved(impls, args.rounds, args.reps)
+    full = best["full causal"]
+    print(f"band: B=1 H={h} N={n} D={d} float32 forward, {torch.get_num_threads()} threads, "
+          f"min of {args.rounds} rounds x median of {args.reps}")
+    for name, t in best.items():
+        ref = best["base full causal"] if name.startswith("base") else full
+        print(f"  {name:24s} {1e3 * t:9.1f} ms   full causal / this = {ref / t:5.2f}x")
+
+
+def sdpa(args) -> None:
+    base = _load_base(args.base)
+    print(f"sdpa: B=1 H=8, {torch.get_num_threads()} threads, min of {args.rounds} rounds x median of {args.reps}")
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in args.n:
+            for d in args.d:
+                for causal in (False, True):
+                    for mode in args.modes:
+                        g = torch.Generator().manual_seed(0)
+                        q, k, v = (torch.randn(1, 8, n, d, generator=g).to(dtype) for _ in range(3))
+                        scale = d ** -0.5
+                        if mode == "fwd":
+                            impls = {
+                                "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                                "attnkit": lambda: attnkit.softmax_attention(q, k, v, is_causal=causal),
+                            }
+                            if base is not None:
+                                impls["base"] = lambda: base.fwd(q, k, v, None, scale, causal, -1, -1, 0.0, None)
+                            with torch.no_grad():
+                                best = interleaved(impls, args.rounds, args.reps)
+                        else:
+                            qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+                            go = torch.randn_like(q)
+
+                            def run(f):
+                                return lambda: torch.autograd.backward(f(qg, kg, vg), go)
+                            impls = {
+                                "sdpa": run(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal)),
+                                "attnkit": run(lambda a, b, c: attnkit.softmax_attention(a, b, c, is_causal=causal)),
+                            }
+                            best = interleaved(impls, args.rounds, args.reps)
+                        pairs = n * n if not causal else n * (n + 1) // 2
+                        gf = 4 * 8 * d * pairs * (3.5 if mode != "fwd" else 1.0) / 1e9
+                        line = (f"  {str(dtype)[6:]:8s} N={n:5d} D={d:3d} {'causal' if causal else 'full  '} {mode:7s}"
+                                f" sdpa {1e3 * best['sdpa']:7.2f} ms ({gf / best['sdpa']:5.0f} GF/s)"
+                                f"  attnkit {1e3 * best['attnkit']:7.2f} ms ({gf / best['attnkit']:5.0f} GF/s)"
+                                f"  ratio {best['sdpa'] / best['attnkit']:5.2f}x")
+                        if "base" in best:
+                            line += f"  base ratio {best['sdpa'] / best['base']:5.2f}x (new/base {best['base'] / best['attnkit']:4.2f}x)"
+                        print(line, flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=("band", "sdpa"))
+    ap.add_argument("--n", type=int, nargs="+", default=None)
+    ap.add_argument("--d", type=int, nargs="+", default=[64])
+    ap.add_argument("--heads", type=int, default=1)
+    ap.add_argument("--modes", nargs="+", default=["fwd"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--base", default=None)
+    args = ap.parse_args()
+    if args.what == "band":
+        args.n = (args.n or [16384])[0]
+        args.reps = min(args.reps, 3)
+        band(args)
+    else:
+        args.n = args.n or [1024]
+        sdpa(args)
+
+
+if __name__ == "__main__":
+    main()
