@@ -43,7 +43,7 @@
 // Measured at B=1 H=8 N=4096 D=64 float32, 2 threads, against torch SDPA in the same process:
 // MKL sgemm_ on the same tiles gave 0.93x (forward) / 1.07x (causal forward+backward), the
 // micro-kernels 1.86x / 2.19x; one thread, they reach ~157 GF/s forward, ~145 GF/s backward.
-#include <torch/extension.h>
+#include "torch_headers.h"
 
 #include <vector>
 
