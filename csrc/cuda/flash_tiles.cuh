@@ -182,6 +182,28 @@ __device__ __forceinline__ void load_b_kn2_swz(uint32_t (&b0)[2], uint32_t (&b1)
   b0[0] = r[0], b0[1] = r[1], b1[0] = r[2], b1[1] = r[3];
 }
 
+// The padded (kLd = kD + kPad) or the swizzled (kSwz) layout's loader: the tile steps below serve
+// both (sparse.cu's padded tiles, softmax.cu's cp.async ring).
+template <int kD, bool kSwz>
+__device__ __forceinline__ void load_a_of(uint32_t (&a)[4], const uint16_t* tile, int r0, int c0, int lane) {
+  if constexpr (kSwz) load_a_swz<kD>(a, tile, r0, c0, lane);
+  else load_a<kD + kPad>(a, tile, r0, c0, lane);
+}
+
+template <int kD, bool kSwz>
+__device__ __forceinline__ void load_b_nk2_of(uint32_t (&b0)[2], uint32_t (&b1)[2], const uint16_t* tile, int n0,
+                                              int k0, int lane) {
+  if constexpr (kSwz) load_b_nk2_swz<kD>(b0, b1, tile, n0, k0, lane);
+  else load_b_nk2<kD + kPad>(b0, b1, tile, n0, k0, lane);
+}
+
+template <int kD, bool kSwz>
+__device__ __forceinline__ void load_b_kn2_of(uint32_t (&b0)[2], uint32_t (&b1)[2], const uint16_t* tile, int k0,
+                                              int n0, int lane) {
+  if constexpr (kSwz) load_b_kn2_swz<kD>(b0, b1, tile, k0, n0, lane);
+  else load_b_kn2<kD + kPad>(b0, b1, tile, k0, n0, lane);
+}
+
 // ---------------------------------------------------------------------------------------------
 // per-warp tile steps (the warp's 16 rows start at row r0 of the A tiles)
 // ---------------------------------------------------------------------------------------------
@@ -218,22 +240,21 @@ __device__ __forceinline__ void mma_abt(float (&s)[kNt][4], const uint16_t* a_s,
 }
 
 // Two such products in one pass: s += A Bᵀ and s2 += A2 B2ᵀ (dQ: S = Q Kᵀ with dP = dO Vᵀ;
-// dK/dV: Sᵀ = K Qᵀ with dPᵀ = V dOᵀ).
-template <bool kBF16, int kD, int kNt>
+// dK/dV: Sᵀ = K Qᵀ with dPᵀ = V dOᵀ), on padded tiles or (kSwz) swizzled ones.
+template <bool kBF16, int kD, int kNt, bool kSwz = false>
 __device__ __forceinline__ void mma_abt2(float (&s)[kNt][4], const uint16_t* a_s, const uint16_t* b_s,
                                          float (&s2)[kNt][4], const uint16_t* a2_s, const uint16_t* b2_s, int r0,
                                          int lane) {
-  constexpr int kLd = kD + kPad;
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk) {
     uint32_t a[4], a2[4];
-    load_a<kLd>(a, a_s, r0, kk * 16, lane);
-    load_a<kLd>(a2, a2_s, r0, kk * 16, lane);
+    load_a_of<kD, kSwz>(a, a_s, r0, kk * 16, lane);
+    load_a_of<kD, kSwz>(a2, a2_s, r0, kk * 16, lane);
 #pragma unroll
     for (int nt = 0; nt < kNt; nt += 2) {
       uint32_t b0[2], b1[2], b20[2], b21[2];
-      load_b_nk2<kLd>(b0, b1, b_s, nt * 8, kk * 16, lane);
-      load_b_nk2<kLd>(b20, b21, b2_s, nt * 8, kk * 16, lane);
+      load_b_nk2_of<kD, kSwz>(b0, b1, b_s, nt * 8, kk * 16, lane);
+      load_b_nk2_of<kD, kSwz>(b20, b21, b2_s, nt * 8, kk * 16, lane);
       mma16816<kBF16>(s[nt], a, b0);
       mma16816<kBF16>(s[nt + 1], a, b1);
       mma16816<kBF16>(s2[nt], a2, b20);
@@ -263,11 +284,10 @@ __device__ __forceinline__ void mma_pb(float (&acc)[kD / 8][4], const float (&p)
 }
 
 // Two such products in one pass: acc += P B and acc2 += P2 B2 (dK/dV: dV += Pᵀ dO, dK += dSᵀ Q).
-template <bool kBF16, int kD, int kNt>
+template <bool kBF16, int kD, int kNt, bool kSwz = false>
 __device__ __forceinline__ void mma_pb2(float (&acc)[kD / 8][4], const float (&p)[kNt][4], const uint16_t* b_s,
                                         float (&acc2)[kD / 8][4], const float (&p2)[kNt][4], const uint16_t* b2_s,
                                         int lane) {
-  constexpr int kLd = kD + kPad;
 #pragma unroll
   for (int kc = 0; kc < kNt / 2; ++kc) {
     uint32_t a[4], a2[4];
@@ -276,8 +296,8 @@ __device__ __forceinline__ void mma_pb2(float (&acc)[kD / 8][4], const float (&p
 #pragma unroll
     for (int dt = 0; dt < kD / 8; dt += 2) {
       uint32_t b0[2], b1[2], b20[2], b21[2];
-      load_b_kn2<kLd>(b0, b1, b_s, kc * 16, dt * 8, lane);
-      load_b_kn2<kLd>(b20, b21, b2_s, kc * 16, dt * 8, lane);
+      load_b_kn2_of<kD, kSwz>(b0, b1, b_s, kc * 16, dt * 8, lane);
+      load_b_kn2_of<kD, kSwz>(b20, b21, b2_s, kc * 16, dt * 8, lane);
       mma16816<kBF16>(acc[dt], a, b0);
       mma16816<kBF16>(acc[dt + 1], a, b1);
       mma16816<kBF16>(acc2[dt], a2, b20);

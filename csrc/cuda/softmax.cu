@@ -421,22 +421,7 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dq_kernel(const BwdParam
 
     float s[kNt][4] = {};   // S = Q Kᵀ, then dS
     float dp[kNt][4] = {};  // dP = dO Vᵀ
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t a[4], a2[4];
-      load_a_swz<kD>(a, q_s, warp * 16, kk * 16, lane);
-      load_a_swz<kD>(a2, do_s, warp * 16, kk * 16, lane);
-#pragma unroll
-      for (int nt = 0; nt < kNt; nt += 2) {
-        uint32_t b0[2], b1[2], c0[2], c1[2];
-        load_b_nk2_swz<kD>(b0, b1, k_t, nt * 8, kk * 16, lane);
-        load_b_nk2_swz<kD>(c0, c1, v_t, nt * 8, kk * 16, lane);
-        mma16816<kBF16>(s[nt], a, b0);
-        mma16816<kBF16>(s[nt + 1], a, b1);
-        mma16816<kBF16>(dp[nt], a2, c0);
-        mma16816<kBF16>(dp[nt + 1], a2, c1);
-      }
-    }
+    mma_abt2<kBF16, kD, kNt, true>(s, q_s, k_t, dp, do_s, v_t, warp * 16, lane);
 
     for_each_entry<kNt>(t, [&](int nt, int e, int c) {
       const int i = row0 + (e / 2) * 8;
@@ -558,22 +543,7 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dkdv_kernel(const BwdPar
     // Sᵀ = K Qᵀ (warp's 16 keys x kBr queries) and dPᵀ = V dOᵀ.
     float st[kNt][4] = {};
     float dpt[kNt][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t a[4], a2[4];
-      load_a_swz<kD>(a, k_s, warp * 16, kk * 16, lane);
-      load_a_swz<kD>(a2, v_s, warp * 16, kk * 16, lane);
-#pragma unroll
-      for (int nt = 0; nt < kNt; nt += 2) {
-        uint32_t b0[2], b1[2], c0[2], c1[2];
-        load_b_nk2_swz<kD>(b0, b1, q_t, nt * 8, kk * 16, lane);
-        load_b_nk2_swz<kD>(c0, c1, do_t, nt * 8, kk * 16, lane);
-        mma16816<kBF16>(st[nt], a, b0);
-        mma16816<kBF16>(st[nt + 1], a, b1);
-        mma16816<kBF16>(dpt[nt], a2, c0);
-        mma16816<kBF16>(dpt[nt + 1], a2, c1);
-      }
-    }
+    mma_abt2<kBF16, kD, kNt, true>(st, k_s, q_t, dpt, v_s, do_t, warp * 16, lane);
 
     // Pᵀ (in st) and dSᵀ = Pᵀ ∘ (dPᵀ - delta) (in dpt).
     for_each_entry<kNt>(t, [&](int nt, int e, int il) {
@@ -587,22 +557,7 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dkdv_kernel(const BwdPar
     });
 
     // dV += Pᵀ dO,  dK += dSᵀ Q  (the scale is applied once, at the end): dO and Q read transposed.
-#pragma unroll
-    for (int kc = 0; kc < kNt / 2; ++kc) {
-      uint32_t a[4], a2[4];
-      acc_to_a<kBF16, kNt>(a, st, kc);
-      acc_to_a<kBF16, kNt>(a2, dpt, kc);
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; dt += 2) {
-        uint32_t b0[2], b1[2], c0[2], c1[2];
-        load_b_kn2_swz<kD>(b0, b1, do_t, kc * 16, dt * 8, lane);
-        load_b_kn2_swz<kD>(c0, c1, q_t, kc * 16, dt * 8, lane);
-        mma16816<kBF16>(dv[dt], a, b0);
-        mma16816<kBF16>(dv[dt + 1], a, b1);
-        mma16816<kBF16>(dk[dt], a2, c0);
-        mma16816<kBF16>(dk[dt + 1], a2, c1);
-      }
-    }
+    mma_pb2<kBF16, kD, kNt, true>(dv, st, do_t, dk, dpt, q_t, lane);
   }
 
   const int64_t bhk = static_cast<int64_t>(b) * p.Hk + hk;
