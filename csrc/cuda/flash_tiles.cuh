@@ -265,10 +265,9 @@ __device__ __forceinline__ void mma_abt2(float (&s)[kNt][4], const uint16_t* a_s
 
 // acc += P B: P = the warp's 16 x (8 kNt) accumulator p (rounded to the input dtype, as the A
 // operand), B = b_s[0 .. 8 kNt - 1][0 .. kD - 1] (the tile holds B's rows as rows: V for P V).
-template <bool kBF16, int kD, int kNt>
+template <bool kBF16, int kD, int kNt, bool kSwz = false>
 __device__ __forceinline__ void mma_pb(float (&acc)[kD / 8][4], const float (&p)[kNt][4], const uint16_t* b_s,
                                        int lane) {
-  constexpr int kLd = kD + kPad;
 #pragma unroll
   for (int kc = 0; kc < kNt / 2; ++kc) {
     uint32_t a[4];
@@ -276,7 +275,7 @@ __device__ __forceinline__ void mma_pb(float (&acc)[kD / 8][4], const float (&p)
 #pragma unroll
     for (int dt = 0; dt < kD / 8; dt += 2) {
       uint32_t b0[2], b1[2];
-      load_b_kn2<kLd>(b0, b1, b_s, kc * 16, dt * 8, lane);
+      load_b_kn2_of<kD, kSwz>(b0, b1, b_s, kc * 16, dt * 8, lane);
       mma16816<kBF16>(acc[dt], a, b0);
       mma16816<kBF16>(acc[dt + 1], a, b1);
     }

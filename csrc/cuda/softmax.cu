@@ -274,18 +274,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1) softmax_fwd_kernel(const FwdPa
     online_softmax_update(s, o, m_run, l_run);
 
     // O += P V, P converted from the S accumulators in registers.
-#pragma unroll
-    for (int kc = 0; kc < kNt / 2; ++kc) {
-      uint32_t a[4];
-      acc_to_a<kBF16, kNt>(a, s, kc);
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; dt += 2) {
-        uint32_t b0[2], b1[2];
-        load_b_kn2_swz<kD>(b0, b1, v_t, kc * 16, dt * 8, lane);
-        mma16816<kBF16>(o[dt], a, b0);
-        mma16816<kBF16>(o[dt + 1], a, b1);
-      }
-    }
+    mma_pb<kBF16, kD, kNt, true>(o, s, v_t, lane);
   }
 
   store_out_lse<kBF16, kD>(p.out, p.lse, bh * p.N, 1, row0, p.N, o, m_run, l_run, t);
