@@ -142,6 +142,18 @@ struct FwdParams {
   bool causal;
 };
 
+// Key / value tile `tile` (keys tile * kBlockK ..) of one (batch, KV head) into ring stage
+// tile % kS of k_s / v_s (the forward's and the dQ kernel's K/V ring; P: FwdParams or BwdParams).
+template <int kThreads, int kBlockK, int kD, int kS, class P>
+__device__ __forceinline__ void cp_async_kv_stage(uint16_t* k_s, uint16_t* v_s, const uint16_t* k_g,
+                                                  const uint16_t* v_g, const P& p, int tile) {
+  constexpr int kTile = kBlockK * kD;
+  const int k0 = tile * kBlockK, stage = tile % kS;
+  const int valid = min(kBlockK, p.M - k0);
+  cp_async_tile<kThreads, kBlockK, kD>(k_s + stage * kTile, k_g + k0 * p.k_sn, p.k_sn, valid);
+  cp_async_tile<kThreads, kBlockK, kD>(v_s + stage * kTile, v_g + k0 * p.v_sn, p.v_sn, valid);
+}
+
 // The pipelined forward (issue 27: FlashAttention-2 class on sm_80+).  A block of kFwdWarps = 8
 // warps owns kFwdBlockQ = 128 query rows of one (b, h); warp w owns rows 16w .. 16w + 15.  Its Q
 // fragments are loaded once into registers; its output accumulators O, running max and sum stay
@@ -201,12 +213,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1) softmax_fwd_kernel(const FwdPa
   const int n_tiles = (k_end + kFwdBlockK - 1) / kFwdBlockK;
 
   // Key tile `tile` into stage tile % kS.
-  auto load_kv = [&](int tile) {
-    const int k0 = tile * kFwdBlockK, stage = tile % kS;
-    const int valid = min(kFwdBlockK, p.M - k0);
-    cp_async_tile<kFwdThreads, kFwdBlockK, kD>(k_s + stage * kTile, k_g + k0 * p.k_sn, p.k_sn, valid);
-    cp_async_tile<kFwdThreads, kFwdBlockK, kD>(v_s + stage * kTile, v_g + k0 * p.v_sn, p.v_sn, valid);
-  };
+  auto load_kv = [&](int tile) { cp_async_kv_stage<kFwdThreads, kFwdBlockK, kD, kS>(k_s, v_s, k_g, v_g, p, tile); };
 
   cp_async_tile<kFwdThreads, kFwdBlockQ, kD>(q_s, p.q + b * p.q_sb + h * p.q_sh + q0 * p.q_sn, p.q_sn,
                                              min(kFwdBlockQ, p.N - q0));
@@ -368,12 +375,7 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dq_kernel(const BwdParam
   const int k_end = p.causal ? min(p.M, q0 + kBlockQ) : p.M;
   const int n_tiles = (k_end + kBlockK - 1) / kBlockK;
 
-  auto load_kv = [&](int tile) {
-    const int k0 = tile * kBlockK, stage = tile % kS;
-    const int valid = min(kBlockK, p.M - k0);
-    cp_async_tile<kThreads, kBlockK, kD>(k_s + stage * kTile, k_g + k0 * p.k_sn, p.k_sn, valid);
-    cp_async_tile<kThreads, kBlockK, kD>(v_s + stage * kTile, v_g + k0 * p.v_sn, p.v_sn, valid);
-  };
+  auto load_kv = [&](int tile) { cp_async_kv_stage<kThreads, kBlockK, kD, kS>(k_s, v_s, k_g, v_g, p, tile); };
 
   if (n_tiles > 0) {  // (with no key tile nothing reads them, and no wait would cover them)
     const int q_valid = min(kBlockQ, p.N - q0);
