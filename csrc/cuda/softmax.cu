@@ -426,18 +426,7 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dq_kernel(const BwdParam
     });
 
     // dQ += dS K (the scale is applied once, at the end): K read transposed from its stage.
-#pragma unroll
-    for (int kc = 0; kc < kNt / 2; ++kc) {
-      uint32_t a[4];
-      acc_to_a<kBF16, kNt>(a, s, kc);
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; dt += 2) {
-        uint32_t b0[2], b1[2];
-        load_b_kn2_swz<kD>(b0, b1, k_t, kc * 16, dt * 8, lane);
-        mma16816<kBF16>(dq[dt], a, b0);
-        mma16816<kBF16>(dq[dt + 1], a, b1);
-      }
-    }
+    mma_pb<kBF16, kD, kNt, true>(dq, s, k_t, lane);
   }
 
   store_rows<kBF16, kD>(p.dq, bh * p.N, 1, row0, p.N, dq, p.scale, t);
