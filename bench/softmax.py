@@ -76,9 +76,11 @@ def _sdpa(causal):
 
 
 def make_case(b: int, h: int, n: int, d: int, dtype: torch.dtype, causal: bool, mode: str,
-              device: torch.device, seed: int = 0, targets: dict | None = None, priority: int = 0) -> Case:
+              device: torch.device, seed: int = 0, targets: dict | None = None, priority: int = 0,
+              call=None) -> Case:
+    """``call``: ``call(backend) -> fn(inputs)`` for the attnkit rows (default :func:`_attnkit`)."""
     score_bytes = b * h * n * n * torch.empty((), dtype=dtype).element_size()
-    impls = attnkit_impls(FAMILY, device, _attnkit(causal),
+    impls = attnkit_impls(FAMILY, device, call or _attnkit(causal),
                           reference_skip_reason=reference_skip(score_bytes, device))
     impls.append(Impl("torch SDPA", "peer", fn=_sdpa(causal)))
     name = f"{'causal' if causal else 'full'}-{dtype_name(dtype)}-N{n}-D{d}"
@@ -191,15 +193,98 @@ def decode_cases(quick: bool, device: torch.device) -> list[Case]:
 # Issue 25's call-path targets at N=16 (B=H=1, D=64, float32), where the kernels' work is a few
 # hundred nanoseconds and the time is the call path (Python, autograd, dispatch): forward within
 # 2 us of SDPA's -- SDPA's forward was 7.3 us on the Intel Xeon of the issue, so >= 0.78x there,
-# rounded to 0.8x here -- and forward+backward within 1.2x of SDPA's (>= 0.83x).
+# rounded to 0.8x here -- and forward+backward within 1.2x of SDPA's (>= 0.83x).  The speedup
+# targets are what the harness checks; each case's note gives the issue's own figure (the
+# forward's gap in us, the forward+backward's time ratio), from :func:`overhead_figures`.
 OVERHEAD_TARGETS = {"fwd": 0.8, "fwd+bwd": 0.83}
+OVERHEAD_MAX_GAP_US = 2.0  # forward: attnkit's time - SDPA's
+OVERHEAD_MAX_RATIO = 1.2  # forward+backward: attnkit's time / SDPA's
+
+
+def _attnkit_bound(causal):
+    """:func:`_attnkit` with the function looked up once, not imported on every call: in the
+    overhead cases the bench's own wrapper would otherwise be part of the call path timed."""
+    def call(backend):
+        from .. import softmax_attention
+
+        def fn(x):
+            return softmax_attention(x["q"], x["k"], x["v"], is_causal=causal, backend=backend)
+        return fn
+    return call
+
+
+def overhead_figures(mode: str, inputs: dict, rounds: int = 5, calls: int = 2000) -> dict:
+    """Issue 25's figure for one mode on ``inputs`` (q, k, v): the default-backend attnkit call
+    and SDPA alternating, each ``rounds`` times ``calls`` calls, the best round's time per call
+    of each (a load that comes and goes hits both alike).  ``fwd``: ``gap_us`` = attnkit - SDPA;
+    ``fwd+bwd`` (``out.sum().backward()``, a quarter as many calls): ``ratio`` = attnkit / SDPA."""
+    import time
+
+    from .. import softmax_attention
+
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    if mode == "fwd+bwd":
+        q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        calls = max(1, calls // 4)
+    fns = {"attnkit": softmax_attention, "sdpa": F.scaled_dot_product_attention}
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if mode == "fwd+bwd":
+                def step(fn=fn):
+                    fn(q, k, v).sum().backward()
+            else:
+                def step(fn=fn):
+                    fn(q, k, v)
+            for _ in range(max(1, calls // 10)):  # warm
+                step()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                step()
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls)
+    us = {name: 1e6 * t for name, t in best.items()}
+    out = {"attnkit_us": us["attnkit"], "sdpa_us": us["sdpa"], "rounds": rounds, "calls": calls}
+    if mode == "fwd":
+        out["gap_us"] = us["attnkit"] - us["sdpa"]
+        out["met"] = out["gap_us"] <= OVERHEAD_MAX_GAP_US
+    else:
+        out["ratio"] = us["attnkit"] / us["sdpa"]
+        out["met"] = out["ratio"] <= OVERHEAD_MAX_RATIO
+    return out
+
+
+def overhead_note(mode: str, figures: dict) -> str:
+    """The case note of :func:`overhead_figures`' result."""
+    how = (f"default backend {figures['attnkit_us']:.2f} us, SDPA {figures['sdpa_us']:.2f} us a call, "
+           f"alternating, best of {figures['rounds']} x {figures['calls']} calls")
+    verdict = "met" if figures["met"] else "MISSED"
+    if mode == "fwd":
+        return (f"issue 25: forward gap attnkit - SDPA = {figures['gap_us']:.2f} us (target <= "
+                f"{OVERHEAD_MAX_GAP_US:g} us: {verdict}; {how})")
+    return (f"issue 25: forward+backward attnkit / SDPA = {figures['ratio']:.3f} (target <= "
+            f"{OVERHEAD_MAX_RATIO:g}: {verdict}; {how})")
 
 
 def overhead_cases(device: torch.device) -> list[Case]:
-    """The small-shape call-path cases (issue 25), in --quick too."""
-    return [make_case(1, 1, 16, 64, torch.float32, False, mode, device,
-                      targets={"torch SDPA": OVERHEAD_TARGETS[mode]}, priority=EXTRA - 1)
-            for mode in ("fwd", "fwd+bwd")]
+    """The small-shape call-path cases (issue 25), in --quick too.  Making a case's inputs also
+    times the issue's figure on them (:func:`overhead_figures`, ~1-3 s) into the case's notes:
+    the harness times one implementation after the other and checks speedups only."""
+    out = []
+    for mode in ("fwd", "fwd+bwd"):
+        case = make_case(1, 1, 16, 64, torch.float32, False, mode, device,
+                         targets={"torch SDPA": OVERHEAD_TARGETS[mode]}, priority=EXTRA - 1,
+                         call=_attnkit_bound(False))
+        if device.type == "cpu":
+            make = case.make_inputs
+
+            def make_and_time(dev, make=make, case=case, mode=mode):
+                inputs = make(dev)
+                note = overhead_note(mode, overhead_figures(mode, inputs))
+                case.notes[:] = [n for n in case.notes if not n.startswith("issue 25:")] + [note]
+                return inputs
+            case.make_inputs = make_and_time
+        out.append(case)
+    return out
 
 
 def cases(quick: bool, device: torch.device) -> list[Case]:

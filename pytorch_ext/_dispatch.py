@@ -245,6 +245,18 @@ def env_backend() -> str | None:
     return os.environ.get(ENV_VAR) or None
 
 
+def native_cpu(family: str, backend: str | None) -> bool:
+    """Whether ``resolve(family, backend, <a CPU device>, ...)`` returns ``"cpu"`` (without
+    raising), in one cheap test for the public functions' per-call fast paths (issue 25).
+    A str subclass naming a backend gets False: resolve decides."""
+    # env_backend()'s first test inlined: no ATTNKIT_BACKEND, the usual case.
+    if backend is None and not (_ENV_KEY is not None and isinstance(_ENV_DATA, dict) and _ENV_KEY not in _ENV_DATA):
+        backend = env_backend()
+    if backend is not None and (backend.__class__ is not str or backend != "cpu"):
+        return False
+    return "cpu" in _IMPLEMENTED[family] and not _native_import_error()
+
+
 def resolve(family: str, backend: str | None, device: torch.device, op: str) -> str:
     """Pick the backend for one call of ``op`` (a public function name) on ``device``.
 

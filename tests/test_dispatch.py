@@ -121,6 +121,28 @@ def test_missing_extension_is_reported_with_its_reason(monkeypatch):
     assert resolve("hopfield_energy", None, CPU, "op") == "reference"
 
 
+@pytest.mark.parametrize("env", [None, "", "cpu", "reference", "bogus"])
+@pytest.mark.parametrize("backend", [None, "cpu", "reference", "triton", "bogus"])
+def test_native_cpu_says_cpu_only_where_resolve_would(monkeypatch, env, backend):
+    # native_cpu is the fast paths' shortcut for resolve(..., CPU tensors) == "cpu" (issue 25):
+    # True only where resolve returns "cpu" without raising; False sends the call to resolve.
+    if env is None:
+        monkeypatch.delenv("ATTNKIT_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("ATTNKIT_BACKEND", env)
+    for family in ("softmax", "linear"):
+        try:
+            picked = resolve(family, backend, CPU, "op")
+        except (ValueError, BackendUnavailableError):
+            picked = None
+        assert _dispatch.native_cpu(family, backend) == (picked == "cpu"), (family, backend, env)
+    monkeypatch.setitem(_dispatch._IMPLEMENTED, "softmax", {"reference"})
+    assert not _dispatch.native_cpu("softmax", backend)
+    monkeypatch.undo()
+    monkeypatch.setattr(_dispatch, "_native_import_error", lambda: "attnkit._C is not built (test)")
+    assert not _dispatch.native_cpu("softmax", backend)
+
+
 def test_register_kernel_rejects_unknown_names():
     with pytest.raises(ValueError, match="unknown family"):
         _dispatch.register_kernel("nope", "cpu")

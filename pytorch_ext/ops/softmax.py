@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from .._dispatch import (
     ENV_VAR,
     BackendUnavailableError,
+    native_cpu,
     native_ops_declared,
     register_kernel,
     resolve,
@@ -225,6 +226,9 @@ if _NATIVE_OPS:
                                     setup_context=_native_setup_context)
     _FWD_OP = torch.ops.attnkit.softmax_fwd.default
     _BWD_OP = torch.ops.attnkit.softmax_bwd.default
+    # The OpOverload's bound C++ function: calling it skips OpOverload.__call__'s Python frame
+    # (*args / **kwargs repacked), 0.3-0.7 us of softmax_attention's 8 us at N=16 (issue 25).
+    _FWD_CALL = getattr(_FWD_OP, "_op", _FWD_OP)
 
     class _NativeAttention(torch.autograd.Function):
         """The eager path of ``attnkit::softmax_fwd`` with its registered autograd: the same
@@ -253,6 +257,11 @@ if _NATIVE_OPS:
         backward = staticmethod(_native_backward)
 
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
+# Bound once for softmax_attention's fast path (two attribute reads a call less); torch.compile
+# knows these functions by identity.
+_is_compiling = torch.compiler.is_compiling
+_Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
 
 
 def _call_native(q, k, v, mask, scale, is_causal):
@@ -1031,12 +1040,9 @@ def softmax_attention(
     # B=H=1 N=16 D=64 float32 (one thread, CPU time): the checks and _Layout cost ~8 us a call.
     if (
         attn_mask is None
-        and isinstance(query, torch.Tensor)
-        and isinstance(key, torch.Tensor)
-        and isinstance(value, torch.Tensor)
-        and query.ndim == 4
-        and key.ndim == 4
-        and value.ndim == 4
+        and window is None
+        and alibi_slopes is None
+        and sinks is None
         and type(is_causal) is bool
         and type(enable_gqa) is bool
         and type(return_lse) is bool
@@ -1046,28 +1052,57 @@ def softmax_attention(
         # no score option (issue 28).  `softcap.__class__ is float` rather than `type(softcap) in
         # (float, int)`: measured 0.15 against 0.33 us a call over the old signature's (timeit,
         # loaded 2-core AMD EPYC).  softcap=0 as an int takes the full path (no options either).
-        and window is None
-        and alibi_slopes is None
-        and sinks is None
         and softcap.__class__ is float
         and softcap == 0.0
+        and isinstance(query, _Tensor)
+        and isinstance(key, _Tensor)
+        and isinstance(value, _Tensor)
     ):
-        dtype, (b, h, n, d), (bk, hk, m, dk), (bv, hv, mv, _) = query.dtype, query.shape, key.shape, value.shape
-        if (
-            dtype in FLOATING
-            and key.dtype is dtype
-            and value.dtype is dtype
-            and b == bk == bv
-            and h == hk == hv
-            and d == dk
-            and m == mv
-            and query.device == key.device == value.device
-        ):
-            chosen = _route(backend, query, key, value, None, 0.0)
-            if scale is None:
-                scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
-            implementation = _IMPLEMENTATIONS["reference" if b * h == 0 else chosen]
-            return implementation(query, key, value, None, 0.0, is_causal, float(scale), False, return_lse)
+        # The shapes unpacked in a try (a rank other than 4 raises) rather than compared by
+        # ndim, and `is` on the dtypes: each tensor attribute read costs ~0.1 us, and at N=16
+        # issue 25 allows 2 us over SDPA's whole call.
+        dtype = query.dtype
+        try:
+            (b, h, n, d), (bk, hk, m, dk), (bv, hv, mv, _) = query.shape, key.shape, value.shape
+        except ValueError:
+            pass  # not three 4-D tensors: the full path
+        else:
+            if (
+                dtype in FLOATING
+                and key.dtype is dtype
+                and value.dtype is dtype
+                and b == bk == bv
+                and h == hk == hv
+                and d == dk
+                and m == mv
+            ):
+                scale = (1.0 / math.sqrt(d) if d > 0 else 1.0) if scale is None else float(scale)
+                # The default (or backend="cpu") call on CPU tensors: _route's pick spelled out
+                # -- the cpu kernel runs every such call (_kernel_limitation: nothing without
+                # mask, dropout or score options) -- and _run_native / _call_native inlined.
+                # CPU tensors all share one device.  Issue 25, B=H=1 N=16 D=64 float32, one
+                # thread, CPU time (loaded AMD EPYC): 15.1 -> 10.8 us a forward (SDPA 7.6),
+                # ~2 us of it Python; the kernel call below alone is ~8 us.
+                if (
+                    _NATIVE_OPS
+                    and b * h
+                    and query.is_cpu
+                    and key.is_cpu
+                    and value.is_cpu
+                    and _IMPLEMENTATIONS["cpu"] is _run_native  # (tests spy on the implementations)
+                    and native_cpu(FAMILY, backend)
+                    and not _is_compiling()
+                ):
+                    if (query.requires_grad or key.requires_grad or value.requires_grad) and _grad_enabled():
+                        result = _NativeAttention.apply(query, key, value, None, scale, is_causal)
+                    else:
+                        with _BELOW_AUTOGRAD():
+                            result = _FWD_CALL(query, key, value, None, scale, is_causal)
+                    return result if return_lse else result[0]
+                if query.device == key.device == value.device:
+                    chosen = _route(backend, query, key, value, None, 0.0)
+                    implementation = _IMPLEMENTATIONS["reference" if b * h == 0 else chosen]
+                    return implementation(query, key, value, None, 0.0, is_causal, scale, False, return_lse)
 
     # --- validation: everything before any computation ---
     check_tensor(OP_NAME, "query", query, "[..., N, D]")

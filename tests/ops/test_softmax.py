@@ -616,6 +616,53 @@ def test_eager_path_matches_the_registered_op_bit_for_bit(is_causal):
     assert attnkit.softmax_attention(q.detach(), k.detach(), v.detach()).grad_fn is None
 
 
+@pytest.mark.parametrize("changes", [
+    {}, dict(is_causal=True), dict(scale=1), dict(scale=0.3), dict(return_lse=True), dict(backend="cpu"),
+    dict(enable_gqa=True), dict(dropout_p=0),
+])
+def test_default_cpu_call_is_the_routed_call_bit_for_bit(changes):
+    # The default call on CPU tensors skips _route and _run_native (issue 25): the same kernel
+    # with the same arguments as the implementation the router picks.
+    if not attnkit.backends()["softmax"]["cpu"].usable:
+        pytest.skip("no cpu backend here")
+    import attnkit.ops.softmax as ops_softmax
+
+    q, k, v = make_qkv(2, 3, 3, 13, 11, 8, 5, dtype=torch.float32)
+    got = attnkit.softmax_attention(q, k, v, **changes)
+    scale = 1.0 / math.sqrt(8) if "scale" not in changes else float(changes["scale"])
+    want = ops_softmax._IMPLEMENTATIONS["cpu"](q, k, v, None, 0.0, changes.get("is_causal", False), scale, False,
+                                               changes.get("return_lse", False))
+    for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_default_cpu_call_keeps_routing_and_grad_rules(monkeypatch):
+    import attnkit.ops.softmax as ops_softmax
+
+    ran = []
+    for name, impl in list(ops_softmax._IMPLEMENTATIONS.items()):
+        monkeypatch.setitem(ops_softmax._IMPLEMENTATIONS, name,
+                            lambda *a, _impl=impl, _name=name: ran.append(_name) or _impl(*a))
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 6, 6, 8, 8, dtype=torch.float32))
+    with torch.no_grad():  # inputs that require grad, grad mode off: no graph
+        assert attnkit.softmax_attention(q, k, v).grad_fn is None
+    assert attnkit.softmax_attention(q, k, v).grad_fn is not None
+    monkeypatch.setenv("ATTNKIT_BACKEND", "reference")
+    attnkit.softmax_attention(q, k, v)
+    monkeypatch.setenv("ATTNKIT_BACKEND", "cpu")
+    attnkit.softmax_attention(q, k, v)
+    monkeypatch.delenv("ATTNKIT_BACKEND")
+    attnkit.softmax_attention(q, k, v[:, :1])  # broadcast kv heads: the full path
+    # The spied implementations ran (the shortcut stands aside for a spy), each as routed.
+    expected = "cpu" if attnkit.backends()["softmax"]["cpu"].usable else "reference"
+    assert ran == [expected, expected, "reference", "cpu", expected]
+    # Rank and device mismatches still reach the full path's errors.
+    with pytest.raises(ValueError, match=f"^{re.escape(OP)}: .*same sequence length M"):
+        attnkit.softmax_attention(q, k, v[:, :, :3])
+    with pytest.raises(ValueError, match=f"^{re.escape(OP)}: value must be on the device of query"):
+        attnkit.softmax_attention(q, k, v.to("meta"))
+
+
 @pytest.mark.parametrize("changes,exc,match", [
     # Arguments a plain [B, H, N, D] call could carry that are still not what the API takes.
     (dict(dropout_p=False), TypeError, "dropout_p must be a finite real number; got False"),
