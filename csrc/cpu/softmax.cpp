@@ -332,7 +332,11 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
   const int64_t G = H / Hk;
   const int64_t nqb = ceil_div(N, kBQ);
   const int64_t nkb = ceil_div(M, kBK);
-  const int64_t D2 = round_up(D, 2), Dvp = round_up(Dv, 16), M2 = round_up(M, 2);
+  // Q's row length and K's packed depth: even (a bf16 pair), and a multiple of 32 for brgemm.
+  // torch 2.13's bundled oneDNN, on AMX, writes a NaN of row i + 1 of the left operand into
+  // output row i when K > 32 and K % 32 != 0 (DESIGN.md): zero-padding D to 32 keeps a NaN query
+  // row's NaN in its own row.  (P, the left operand of O += P V, never holds a NaN: see below.)
+  const int64_t D2 = round_up(D, brgemm ? 32 : 2), Dvp = round_up(Dv, 16), M2 = round_up(M, 2);
   const acc_t c = static_cast<acc_t>(p.scale * kLog2e);
   // Task order: (b, kv head) major so that a worker mostly reuses its packed K / V, then query
   // blocks last-first (the causal ones are the largest), then the heads of the GQA group.
@@ -418,7 +422,7 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
             if constexpr (k16) {
               uint16_t* dst = st.qb16.data() + r * D2;
               for (int64_t d = 0; d < D; ++d) dst[d] = bits16(src[d * qs.d]);
-              if (D2 > D) dst[D] = 0;
+              std::fill(dst + D, dst + D2, uint16_t(0));
             }
           } else {
             acc_t* dst = st.q.data() + r * D;
@@ -527,8 +531,14 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
               st.m[r] = mx;
             }
             if constexpr (k16) {
-              // P in 16 bits, zero up to an even count: the pair of a VNNI product's odd tail.
-              if (tiles16) to_bits16<scalar_t>(s, kn, st.pb16.data() + r * kBK, round_up(kn, 2));
+              // P in 16 bits, zero up to an even count: the pair of a VNNI product's odd tail.  A
+              // row whose l is NaN (a NaN score, or inf - inf) is NaN already (o, m, l stay NaN) and
+              // gets P = 0: no NaN in the left operand of P V for the oneDNN defect above to spread
+              // into the row before it.
+              if (tiles16) {
+                if (std::isnan(st.l[r])) std::fill(s, s + kn, acc_t(0));
+                to_bits16<scalar_t>(s, kn, st.pb16.data() + r * kBK, round_up(kn, 2));
+              }
             }
           }
           // O += P V, by the same groups (P is 0 outside a group's keys).
