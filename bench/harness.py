@@ -925,6 +925,8 @@ def make_meta(device: torch.device, *, quick: bool, warmup: int, repeats: int, f
         "cpu_count": os.cpu_count(),
         "cpu": cpu_info(),  # model, vendor, AVX2 / AVX-512 / AMX flags (also for a CUDA run's host)
         "cpu_kernels": cpu_kernels(),  # the vector path attnkit's CPU kernels were built for
+        # ... and the tile-GEMM path the softmax forward takes per dtype (chosen at run time)
+        "cpu_kernels_softmax": cpu_kernels("softmax"),
         "quick": quick,
         "warmup": warmup,
         "repeats": repeats,
@@ -975,6 +977,8 @@ def format_header(meta: dict) -> list[str]:
         lines.append(("cpu: " if meta.get("device") == "cpu" else "host cpu: ") + describe_cpu(meta["cpu"]))
     if meta.get("cpu_kernels") and meta.get("device") == "cpu":
         lines.append("attnkit cpu kernels: " + meta["cpu_kernels"])
+        if meta.get("cpu_kernels_softmax"):
+            lines.append("attnkit cpu softmax: " + meta["cpu_kernels_softmax"].rsplit("; ", 1)[-1])
     if machine:
         lines.append(format_machine(machine))
     lines.extend(format_legend(meta))

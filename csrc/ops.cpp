@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "checks/checks.h"
+#include "cpu/gemm_path.h"
 
 TORCH_LIBRARY(attnkit, m) {
   // Hopfield energy, fused log-sum-exp.  state [B,H,S,D], stored [B,H,N,D] ->
@@ -97,8 +98,8 @@ bool built_with_cuda() {
 }
 
 // The vector path of the CPU kernels (csrc/cpu/flash_tiles.h), fixed when they were compiled
-// (-march=native, or ATTNKIT_MARCH): every TU is built with the same flags as this one.  Issue 25
-// asks for a choice at run time; until then attnkit.backends() reports this.
+// (-march=native, or ATTNKIT_MARCH): every TU is built with the same flags as this one.  The
+// softmax forward's tile GEMMs choose at run time on top of it (cpu_gemm_path below, issue 25).
 std::string cpu_kernel_isa() {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   return "avx512f+avx512bf16";
@@ -109,6 +110,23 @@ std::string cpu_kernel_isa() {
 #else
   return "scalar";
 #endif
+}
+
+// The path the softmax forward's tile GEMMs take in this process for a dtype named as torch
+// prints it without "torch." (ATTNKIT_CPU_GEMM and the CPU: csrc/cpu/gemm_path.h).
+std::string cpu_gemm_path_name(const std::string& dtype) {
+  at::ScalarType t = at::kFloat;
+  if (dtype == "bfloat16") {
+    t = at::kBFloat16;
+  } else if (dtype == "float16") {
+    t = at::kHalf;
+  } else if (dtype == "float64") {
+    t = at::kDouble;
+  } else {
+    ATTNKIT_CHECK(dtype == "float32", "cpu_gemm_path: dtype must be one of bfloat16, float16, float32, float64; got '",
+                  dtype, "'");
+  }
+  return attnkit::gemm_path_name(attnkit::cpu_gemm_path(t));
 }
 
 namespace checks = attnkit::checks;
@@ -151,6 +169,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("built_with_cuda", &built_with_cuda, "whether the CUDA kernels were compiled in");
   module.def("cpu_kernel_isa", &cpu_kernel_isa,
              "the vector instructions the CPU kernels were compiled for (compile-time choice)");
+  module.def("cpu_gemm_path", &cpu_gemm_path_name, pybind11::arg("dtype"),
+             "the tile-GEMM path of the CPU softmax forward for a dtype ('bfloat16', 'float16', 'float32', "
+             "'float64'), chosen at run time: 'native', 'brgemm (AMX, VNNI)' or 'brgemm (no VNNI: reference "
+             "fallback)' (ATTNKIT_CPU_GEMM=auto|native|brgemm, read per call)");
   module.def("openmp_max_threads", []() { return at::get_num_threads(); },
              "threads the CPU kernels use (torch's intra-op pool)");
 

@@ -43,7 +43,7 @@ class BackendStatus(NamedTuple):
 
 
 # What the CPU kernels' vector path does with each dtype (csrc/cpu/flash_tiles.h), by the ISA
-# attnkit._C reports (cpu_kernel_isa(): fixed at build time by -march, no runtime dispatch yet).
+# attnkit._C reports (cpu_kernel_isa(): fixed at build time by -march).
 _CPU_ISA_TEXT = {
     "avx512f+avx512bf16": "float32 FMA tiles on zmm; bfloat16 products by AVX512-BF16 dot products",
     "avx512f": "float32 FMA tiles on zmm; bfloat16 / float16 widened to float32",
@@ -52,9 +52,17 @@ _CPU_ISA_TEXT = {
 }
 
 
-def cpu_kernels() -> str:
+# The families whose CPU kernels choose their tile-GEMM path at run time (issue 25:
+# csrc/cpu/gemm_path.h, ATTNKIT_CPU_GEMM=auto|native|brgemm): the softmax forward so far.
+RUNTIME_GEMM_FAMILIES = ("softmax",)
+CPU_GEMM_ENV_VAR = "ATTNKIT_CPU_GEMM"
+
+
+def cpu_kernels(family: str | None = None) -> str:
     """The CPU kernels' path on this build: ``"<isa>: <what it does>"`` ("" without attnkit._C,
-    or "unknown" for an extension built before cpu_kernel_isa existed)."""
+    or "unknown" for an extension built before cpu_kernel_isa existed).  For a family in
+    :data:`RUNTIME_GEMM_FAMILIES`, also the tile-GEMM path its forward takes per dtype in this
+    process (``native``, or oneDNN's ``brgemm``: AMX where the CPU has it), chosen at run time."""
     if _native_import_error():
         return ""
     module = native()
@@ -62,7 +70,16 @@ def cpu_kernels() -> str:
         return "unknown"
     isa = module.cpu_kernel_isa()
     text = _CPU_ISA_TEXT.get(isa, "")
-    return (f"{isa}: {text}" if text else isa) + "; chosen at build time (-march), no AMX"
+    base = f"{isa}: {text}" if text else isa
+    if family not in RUNTIME_GEMM_FAMILIES or not hasattr(module, "cpu_gemm_path"):
+        return base + "; chosen at build time (-march), no AMX"
+    try:
+        paths = ", ".join(f"{dtype} {module.cpu_gemm_path(dtype)}" for dtype in ("bfloat16", "float16", "float32"))
+    except RuntimeError as exc:  # a bad ATTNKIT_CPU_GEMM: every forward call raises the same
+        paths = str(exc).splitlines()[0]
+    setting = os.environ.get(CPU_GEMM_ENV_VAR) or "auto"
+    return (f"{base}; chosen at build time (-march); forward tile GEMMs chosen at run time per dtype "
+            f"({CPU_GEMM_ENV_VAR}={setting}): {paths}")
 
 
 def register_kernel(family: str, backend: str) -> None:
@@ -136,9 +153,9 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _kernels_text(backend: str) -> str:
+def _kernels_text(backend: str, family: str | None = None) -> str:
     if backend == "cpu":
-        return cpu_kernels()
+        return cpu_kernels(family)
     if backend == "triton":
         where = "the Triton interpreter (CPU tensors)" if triton_interpreted() else "CUDA tensors"
         return f"Triton kernels on {where}"
@@ -179,8 +196,10 @@ def backends() -> dict[str, dict[str, BackendStatus]]:
 
         >>> attnkit.backends()["softmax"]["reference"]
         BackendStatus(usable=True, reason='', kernels='')
-        >>> attnkit.backends()["softmax"]["cpu"].kernels  # on an AVX2-only build
+        >>> attnkit.backends()["linear"]["cpu"].kernels  # on an AVX2-only build
         'avx2+fma: float32 FMA tiles on ymm; bfloat16 / float16 widened to float32; chosen at build time (-march), no AMX'
+        >>> attnkit.backends()["softmax"]["cpu"].kernels  # the same build: no AMX, auto is native
+        'avx2+fma: ...; chosen at build time (-march); forward tile GEMMs chosen at run time per dtype (ATTNKIT_CPU_GEMM=auto): bfloat16 native, float16 native, float32 native; score options: ...'
     """
     # .kernels is filled here, for the report only: backend_status() runs in every op's dispatch
     # (also under torch.compile, which cannot trace a call into attnkit._C).
@@ -195,6 +214,8 @@ def backends() -> dict[str, dict[str, BackendStatus]]:
                 row[backend] = BackendStatus(False, f"{family} has no {backend} kernels yet")
             else:
                 row[backend] = machine[backend]
+                if backend == "cpu" and family in RUNTIME_GEMM_FAMILIES and row[backend].usable:
+                    row[backend] = row[backend]._replace(kernels=_kernels_text(backend, family))
                 if family == "softmax" and row[backend].usable:
                     row[backend] = row[backend]._replace(kernels=_with_score_options(row[backend].kernels, backend))
         table[family] = row

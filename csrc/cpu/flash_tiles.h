@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -680,7 +681,30 @@ inline void to_bf16(const float* src, int64_t n, uint16_t* dst, int64_t n_pad) {
 constexpr bool kHaveBf16Dot = false;
 #endif
 
-inline uint16_t bf16_bits(at::BFloat16 x) { return x.x; }
+// The bits of a 16-bit float (the packed operands of the bfloat16 dot path and of brgemm).
+inline uint16_t bits16(at::BFloat16 x) { return x.x; }
+inline uint16_t bits16(at::Half x) { return x.x; }
+
+// n floats -> 16-bit T16 (bfloat16 or float16, round to nearest even), zero-filling up to n_pad.
+template <typename T16>
+inline void to_bits16(const float* src, int64_t n, uint16_t* dst, int64_t n_pad) {
+  int64_t j = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T16, at::BFloat16>) {
+    to_bf16(src, n, dst, n_pad);
+    return;
+  }
+#endif
+#if defined(__F16C__) && (defined(__AVX2__) || defined(__AVX512F__))
+  if constexpr (std::is_same_v<T16, at::Half>) {
+    for (; j + 8 <= n; j += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+  }
+#endif
+  for (; j < n; ++j) dst[j] = bits16(T16(src[j]));
+  for (j = n; j < n_pad; ++j) dst[j] = 0;
+}
 
 #if defined(__AVX512F__)
 // 16 x 16 transpose of 32-bit words in registers: r[i] becomes column i (64 shuffles).
@@ -837,13 +861,21 @@ void pack_transposed(const scalar_t* src, int64_t sn, int64_t sd, int64_t kn, in
     for (int64_t d = 0; d < D; ++d) dst[d * ldd + jj] = static_cast<acc_t>(src[jj * sn + d * sd]);
 }
 
-// bfloat16 pairs along d: dst[(dp * ldd + jj) * 2 + e] = src[jj * sn + (2 dp + e) * sd].
+// Where element (k, n) of a 16-bit B operand [K][ld] lies: pairs of k (VNNI: the layout of the
+// bfloat16 dot path and of brgemm's packed B) or plain rows.
+inline int64_t b16_index(int64_t k, int64_t n, int64_t ld, bool pairs) {
+  return pairs ? ((k >> 1) * ld + n) * 2 + (k & 1) : k * ld + n;
+}
+
+// One key block transposed to 16-bit bits: element (d, jj) = src[jj * sn + d * sd] at
+// b16_index(d, jj, ldd, pairs) -- pairs along d: dst[(dp * ldd + jj) * 2 + e] = src[jj * sn +
+// (2 dp + e) * sd]; plain: dst[d * ldd + jj].
 template <typename scalar_t>
 void pack_transposed_pairs(const scalar_t* src, int64_t sn, int64_t sd, int64_t kn, int64_t D,
-                           uint16_t* dst, int64_t ldd) {
+                           uint16_t* dst, int64_t ldd, bool pairs = true) {
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    if (sd == 1 && D % 2 == 0) {
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>) {
+    if (pairs && sd == 1 && D % 2 == 0) {
       // A pair is one 32-bit word: rows of D / 2 words transposed in registers.
       transpose_words_all(reinterpret_cast<const char*>(src), sn * 2, kn, D / 2,
                           reinterpret_cast<char*>(dst), ldd * 4);
@@ -852,8 +884,7 @@ void pack_transposed_pairs(const scalar_t* src, int64_t sn, int64_t sd, int64_t 
   }
 #endif
   for (int64_t jj = 0; jj < kn; ++jj)
-    for (int64_t d = 0; d < D; ++d)
-      dst[((d >> 1) * ldd + jj) * 2 + (d & 1)] = bf16_bits(src[jj * sn + d * sd]);
+    for (int64_t d = 0; d < D; ++d) dst[b16_index(d, jj, ldd, pairs)] = bits16(src[jj * sn + d * sd]);
 }
 
 }  // namespace

@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "flash_tiles.h"
+#include "gemm_path.h"
 #include "simd_f32.h"
 #include "../checks/checks.h"
 
@@ -303,26 +304,39 @@ struct FwdScratch {
   std::vector<acc_t> kt;      // [nkb][D][kBK]  K transposed per key block, zero padded
   std::vector<acc_t> v;       // [M][Dv]
   std::vector<acc_t> q;       // [kBQ][D]
-  std::vector<uint16_t> kb16;  // bf16 dot path: K [nkb][D2/2][kBK][2] (pairs of d)
-  std::vector<uint16_t> vb16;  //   V [M2/2][Dvp][2] (pairs of keys)
-  std::vector<uint16_t> qb16;  //   Q [kBQ][D2]
-  std::vector<uint16_t> pb16;  //   P [kBQ][kBK]
+  // 16-bit tiles (the bf16 dot path, brgemm): K [nkb][D2/2][kBK][2] (pairs of d) or, brgemm
+  // without VNNI, [nkb][D2][kBK]; V [M2/2][Dvp][2] (pairs of keys) or [M2][Dvp]; Q [kBQ][D2];
+  // P [kBQ][kBK].  Element (k, n) of a B operand at b16_index(k, n, ld, pairs).
+  std::vector<uint16_t> kb16, vb16, qb16, pb16;
   std::vector<acc_t> s;       // [kBQ][kBK]
   std::vector<acc_t> o;       // [kBQ][Dv]
   std::vector<acc_t> m, l;    // [kBQ]
+  BrgemmRelease release;      // the thread's brgemm state, released when the worker ends
 };
 
 
+// path (gemm_path.h, float16 / bfloat16 only): the tile GEMMs through oneDNN's brgemm, on 16-bit
+// Q, K, P, V packed in its B layout (VNNI pairs, or plain rows where oneDNN has no AMX), or
+// native: bfloat16 multiplies in bfloat16 (vdpbf16ps, float32 sums) where the build has it (the
+// same pairs layout), every other case on float32 (float64) tiles.  Only the packing and the two
+// GEMM calls differ; the online softmax is the same for all.
 template <typename scalar_t, typename acc_t>
-void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const scalar_t* k,
+void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Strides4 qs, const scalar_t* k,
                         Strides4 ks, const scalar_t* v, Strides4 vs, scalar_t* out, acc_t* lse) {
-  // bfloat16 inputs multiply in bfloat16 (vdpbf16ps, float32 sums) where the CPU has it.
+  constexpr bool k16 = std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>;
   constexpr bool kDot = kHaveBf16Dot && std::is_same_v<scalar_t, at::BFloat16>;
+  const bool brgemm = k16 && path != GemmPath::kNative;
+  const bool tiles16 = kDot || brgemm;  // Q, K, V, P packed as 16-bit
+  const bool pairs = brgemm ? path == GemmPath::kBrgemmVnni : kDot;  // VNNI layout of K and V
   const int64_t B = p.B, H = p.H, Hk = p.Hk, N = p.N, M = p.M, D = p.D, Dv = p.Dv;
   const int64_t G = H / Hk;
   const int64_t nqb = ceil_div(N, kBQ);
   const int64_t nkb = ceil_div(M, kBK);
-  const int64_t D2 = round_up(D, 2), Dvp = round_up(Dv, 16), M2 = round_up(M, 2);
+  // Q's row length and K's packed depth: even (a bf16 pair), and a multiple of 32 for brgemm.
+  // torch 2.13's bundled oneDNN, on AMX, writes a NaN of row i + 1 of the left operand into
+  // output row i when K > 32 and K % 32 != 0 (DESIGN.md): zero-padding D to 32 keeps a NaN query
+  // row's NaN in its own row.  (P, the left operand of O += P V, never holds a NaN: see below.)
+  const int64_t D2 = round_up(D, brgemm ? 32 : 2), Dvp = round_up(Dv, 16), M2 = round_up(M, 2);
   const acc_t c = static_cast<acc_t>(p.scale * kLog2e);
   // Task order: (b, kv head) major so that a worker mostly reuses its packed K / V, then query
   // blocks last-first (the causal ones are the largest), then the heads of the GQA group.
@@ -331,11 +345,12 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
       ntasks,
       [&] {
         FwdScratch<acc_t> st;
-        if constexpr (kDot) {
+        if (tiles16) {
           st.kb16.resize(static_cast<size_t>(nkb * D2 * kBK));
           st.vb16.resize(static_cast<size_t>(M2 * Dvp));
           st.qb16.resize(static_cast<size_t>(kBQ * D2));
           st.pb16.resize(static_cast<size_t>(kBQ * kBK));
+          st.release = BrgemmRelease(brgemm, pairs);
         } else {
           st.kt.resize(static_cast<size_t>(nkb * D * kBK));
           if (!(std::is_same_v<scalar_t, acc_t> && vs.d == 1)) st.v.resize(static_cast<size_t>(M * Dv));
@@ -359,22 +374,26 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
           // every head writes the same positions.
           for (int64_t k0 = 0; k0 < M; k0 += kBK) {
             const int64_t kn = std::min(kBK, M - k0);
-            if constexpr (kDot) {
-              // kb16[((kb * D2/2 + dp) * kBK + jj) * 2 + e] = k[b, hk, kb * kBK + jj, 2 dp + e]
-              pack_transposed_pairs(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D,
-                                    st.kb16.data() + (k0 / kBK) * D2 * kBK, kBK);
+            if (tiles16) {
+              // kb16[kb * D2 * kBK + b16_index(d, jj, kBK, pairs)] = k[b, hk, kb * kBK + jj, d]
+              if constexpr (k16)
+                pack_transposed_pairs(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D,
+                                      st.kb16.data() + (k0 / kBK) * D2 * kBK, kBK, pairs);
             } else {
               // kt[(kb * D + d) * kBK + jj] = k[b, hk, kb * kBK + jj, d]
               pack_transposed(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D,
                               st.kt.data() + (k0 / kBK) * D * kBK, kBK);
             }
           }
-          if constexpr (kDot) {
-            // vb16[((j / 2) * Dvp + d) * 2 + j % 2] = v[b, hk, j, d]
-            for (int64_t j = 0; j < M; ++j) {
-              const scalar_t* src = v + vs.at(b, hk, j);
-              uint16_t* dst = st.vb16.data() + (j >> 1) * Dvp * 2 + (j & 1);
-              for (int64_t d = 0; d < Dv; ++d) dst[d * 2] = bf16_bits(src[d * vs.d]);
+          if (tiles16) {
+            // vb16[b16_index(j, d, Dvp, pairs)] = v[b, hk, j, d]
+            if constexpr (k16) {
+              for (int64_t j = 0; j < M; ++j) {
+                const scalar_t* src = v + vs.at(b, hk, j);
+                uint16_t* dst = st.vb16.data() + b16_index(j, 0, Dvp, pairs);
+                const int64_t step = pairs ? 2 : 1;
+                for (int64_t d = 0; d < Dv; ++d) dst[d * step] = bits16(src[d * vs.d]);
+              }
             }
           } else if (!v_in_place) {
             for (int64_t j = 0; j < M; ++j) {
@@ -387,7 +406,7 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
         }
         const acc_t* vrows = nullptr;  // V rows of the fp32 path: [M][ldv]
         int64_t ldv = Dv;
-        if constexpr (!kDot) {
+        if (!tiles16) {
           if (v_in_place) {
             vrows = reinterpret_cast<const acc_t*>(v + vs.at(b, hk, 0));
             ldv = vs.n;
@@ -399,10 +418,12 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
         const int64_t qn = std::min(kBQ, N - q0);
         for (int64_t r = 0; r < qn; ++r) {
           const scalar_t* src = q + qs.at(b, h, q0 + r);
-          if constexpr (kDot) {
-            uint16_t* dst = st.qb16.data() + r * D2;
-            for (int64_t d = 0; d < D; ++d) dst[d] = bf16_bits(src[d * qs.d]);
-            if (D2 > D) dst[D] = 0;
+          if (tiles16) {
+            if constexpr (k16) {
+              uint16_t* dst = st.qb16.data() + r * D2;
+              for (int64_t d = 0; d < D; ++d) dst[d] = bits16(src[d * qs.d]);
+              std::fill(dst + D, dst + D2, uint16_t(0));
+            }
           } else {
             acc_t* dst = st.q.data() + r * D;
             convert_row(src, qs.d, D, dst);
@@ -464,7 +485,12 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
           for (int64_t g = 0; g < ngroups; ++g) {
             const int64_t r0 = groups[g][0], rn = groups[g][1] - r0, c0 = groups[g][2], c1 = groups[g][3];
             if (c1 == c0) continue;
-            if constexpr (kDot) {
+            if (brgemm) {
+              if constexpr (k16)
+                brgemm16<scalar_t>(rn, c1 - c0, D2, D2, kBK, kBK, false, st.qb16.data() + r0 * D2,
+                                   st.kb16.data() + kb * D2 * kBK + b16_index(0, col + c0, kBK, pairs),
+                                   S + r0 * kBK + c0, pairs);
+            } else if constexpr (kDot) {
 #if defined(__AVX512BF16__)
               gemm_bf16(rn, c1 - c0, D, st.qb16.data() + r0 * D2, D2,
                         st.kb16.data() + kb * D2 * kBK + (col + c0) * 2, kBK * 2, S + r0 * kBK + c0, kBK, false);
@@ -481,8 +507,8 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
             // edges of a causal diagonal or a window's band are skipped); P = 0 elsewhere.
             int64_t lo, hi;
             p.tile_range(i, k0, kn, lo, hi);
-            // Q was multiplied by c while packing (the bf16 dot path multiplies raw scores).
-            prepare_row<acc_t>(s, kn, lo, hi, kDot ? c : acc_t(1), p, b, h, i, k0, nullptr, kDot ? 1.0 : double(c));
+            // Q was multiplied by c while packing (the 16-bit tiles multiply raw scores).
+            prepare_row<acc_t>(s, kn, lo, hi, tiles16 ? c : acc_t(1), p, b, h, i, k0, nullptr, tiles16 ? 1.0 : double(c));
             const acc_t mx = hi > lo ? max_nan(st.m[r], row_max(s + lo, hi - lo)) : st.m[r];
             if (mx == neg_inf<acc_t>() || hi == lo) {
               // Nothing visible yet in this row: contributes nothing -- unless the max dropped a
@@ -504,17 +530,29 @@ void softmax_fwd_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const 
               st.l[r] = st.l[r] * alpha + sum;
               st.m[r] = mx;
             }
-            if constexpr (kDot) {
-#if defined(__AVX512BF16__)
-              to_bf16(s, kn, st.pb16.data() + r * kBK, round_up(kn, 2));
-#endif
+            if constexpr (k16) {
+              // P in 16 bits, zero up to an even count: the pair of a VNNI product's odd tail.  A
+              // row whose l is NaN (a NaN score, or inf - inf) is NaN already (o, m, l stay NaN) and
+              // gets P = 0: no NaN in the left operand of P V for the oneDNN defect above to spread
+              // into the row before it.
+              if (tiles16) {
+                if (std::isnan(st.l[r])) std::fill(s, s + kn, acc_t(0));
+                to_bits16<scalar_t>(s, kn, st.pb16.data() + r * kBK, round_up(kn, 2));
+              }
             }
           }
           // O += P V, by the same groups (P is 0 outside a group's keys).
           for (int64_t g = 0; g < ngroups; ++g) {
             const int64_t r0 = groups[g][0], rn = groups[g][1] - r0, c0 = groups[g][2], c1 = groups[g][3];
             if (c1 == c0) continue;
-            if constexpr (kDot) {
+            if (brgemm) {
+              // VNNI: K even; P's columns from c1 on are 0 for these rows (their keys end at c1),
+              // and V has row k0 + c1 (a zero row past an odd M).
+              if constexpr (k16)
+                brgemm16<scalar_t>(rn, Dv, pairs ? round_up(c1 - c0, 2) : c1 - c0, kBK, Dvp, Dv, true,
+                                   st.pb16.data() + r0 * kBK + c0, st.vb16.data() + (k0 + c0) * Dvp,
+                                   st.o.data() + r0 * Dv, pairs);
+            } else if constexpr (kDot) {
 #if defined(__AVX512BF16__)
               gemm_bf16(rn, Dv, c1 - c0, st.pb16.data() + r0 * kBK + c0, kBK, st.vb16.data() + (k0 + c0) * Dvp,
                         Dvp * 2, st.o.data() + r0 * Dv, Dv, true);
@@ -785,7 +823,7 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
           const scalar_t* src = q + qs.at(b, hk * G + r / N, r % N);
           if (k_dot) {
             if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
-              for (int64_t d = 0; d < D; ++d) st.qb[r * D2 + d] = bf16_bits(src[d * qs.d]);
+              for (int64_t d = 0; d < D; ++d) st.qb[r * D2 + d] = bits16(src[d * qs.d]);
           } else {
             row_to_float(src, qs.d, D, st.q.data() + r * D);
           }
@@ -1215,6 +1253,9 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
                       softcap, alibi_slopes);
   const Problem p = make_problem(q, k, v, mask, scale, is_causal, window_left, window_right, softcap,
                                  alibi_slopes);
+  // The tile-GEMM path of the flash forward (read here, so that a bad ATTNKIT_CPU_GEMM raises on
+  // every call; the decoding path below has no choice yet).
+  const GemmPath path = cpu_gemm_path(q.scalar_type());
   auto out = at::empty({p.B, p.H, p.N, p.Dv}, q.options());
   auto lse = at::empty({p.B, p.H, p.N}, q.options().dtype(acc_type_of(q.scalar_type())));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
@@ -1236,7 +1277,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_fwd", [&] {
     using acc_t = acc_of<scalar_t>;
-    softmax_fwd_kernel<scalar_t, acc_t>(p, q.const_data_ptr<scalar_t>(), Strides4(q),
+    softmax_fwd_kernel<scalar_t, acc_t>(p, path, q.const_data_ptr<scalar_t>(), Strides4(q),
                                         k.const_data_ptr<scalar_t>(), Strides4(k),
                                         v.const_data_ptr<scalar_t>(), Strides4(v),
                                         out.mutable_data_ptr<scalar_t>(),

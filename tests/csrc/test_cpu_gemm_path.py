@@ -1,0 +1,246 @@
+"""The runtime choice of the CPU softmax forward's tile-GEMM path (issue 25, csrc/cpu/gemm_path.h):
+``native`` (attnkit's FMA / AVX512-BF16 tiles) or ``brgemm`` (oneDNN's micro-kernel through
+``at::native::cpublas::brgemm``: AMX tiles with a VNNI-packed B where ``cpublas::could_pack``, the
+plain row-major B of torch's reference fallback elsewhere), per dtype, forced by
+``ATTNKIT_CPU_GEMM=auto|native|brgemm`` (read on every call).
+
+Each forced path runs the cpu backend's forward through the public function, then its backward
+through autograd (the backward has no choice: it must take a brgemm forward's out and lse), and
+both are held to the float64 reference by DESIGN.md's rule (bfloat16 / float16: twice the error
+of the reference run in that dtype, plus 1e-3), on shapes that straddle the forward's tiles (64
+query rows x 256 keys, groups of 16 rows on a causal / window band) and K tails that are not a
+multiple of 32 (D = 17, 40, 72, 136: the AMX micro-kernels' edge), with causality, a window,
+softcap, GQA, bool and float masks, one and two threads, and NaN / inf inputs by README's rules.
+N > 16 throughout: fewer query rows take the decoding path, which has no choice yet.  On a CPU
+without AMX ``brgemm`` runs the reference fallback (slow): the shapes stay small.
+"""
+import math
+import re
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import _dispatch
+from attnkit.reference.softmax import softmax_attention_reference
+from attnkit_testing import F64, assert_close_to_reference, has_cpu_kernel, num_threads
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+ENV = "ATTNKIT_CPU_GEMM"
+
+pytestmark = pytest.mark.skipif(not has_cpu_kernel("softmax_fwd"), reason="attnkit._C is not built")
+
+
+def gemm_path(dtype):
+    return _dispatch.native().cpu_gemm_path(str(dtype).removeprefix("torch."))
+
+
+@pytest.fixture(params=["native", "brgemm"])
+def forced(request, monkeypatch):
+    """ATTNKIT_CPU_GEMM set to each path for the test."""
+    monkeypatch.setenv(ENV, request.param)
+    return request.param
+
+
+def amx_in_cpuinfo():
+    """The AMX flags /proc/cpuinfo lists (None where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return None
+    flags = set(re.findall(r"^flags\s*:(.*)$", text, re.M)[0].split()) if "flags" in text else set()
+    return {flag for flag in flags if flag.startswith("amx")}
+
+
+# ----------------------------------------------------------------------------------------------
+# the choice
+# ----------------------------------------------------------------------------------------------
+
+
+def test_forced_paths_are_reported(forced):
+    for dtype in (BF16, F16):
+        path = gemm_path(dtype)
+        if forced == "native":
+            assert path == "native"
+        else:  # VNNI where oneDNN packs for AMX, the reference fallback elsewhere
+            assert path in ("brgemm (AMX, VNNI)", "brgemm (no VNNI: reference fallback)"), path
+    # float32 / float64 stay native whatever is asked
+    assert gemm_path(F32) == "native" and gemm_path(F64) == "native"
+
+
+def test_auto_follows_the_cpu(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    default = {dtype: gemm_path(dtype) for dtype in (BF16, F16)}
+    monkeypatch.setenv(ENV, "auto")
+    assert {dtype: gemm_path(dtype) for dtype in (BF16, F16)} == default
+    amx = amx_in_cpuinfo()
+    if amx is not None:
+        # brgemm only with the dtype's AMX tiles (AMX-FP16 for float16), in VNNI mode; an AMD EPYC
+        # (no AMX) keeps its native kernels.
+        needs = {BF16: {"amx_tile", "amx_bf16"}, F16: {"amx_tile", "amx_fp16"}}
+        for dtype, path in default.items():
+            if not needs[dtype] <= amx:
+                assert path == "native", (dtype, path, sorted(amx))
+            else:
+                assert path in ("native", "brgemm (AMX, VNNI)"), (dtype, path)  # could_pack decides
+
+
+def test_bad_value_names_the_allowed_ones(monkeypatch):
+    monkeypatch.setenv(ENV, "amx")
+    q = torch.randn(1, 1, 20, 8, dtype=BF16)
+    with pytest.raises(RuntimeError, match="ATTNKIT_CPU_GEMM must be one of auto, native, brgemm; got 'amx'"):
+        attnkit.softmax_attention(q, q, q, backend="cpu")
+    with pytest.raises(RuntimeError, match="auto, native, brgemm"):
+        gemm_path(BF16)
+    with pytest.raises(RuntimeError, match="bfloat16, float16, float32, float64"):
+        _dispatch.native().cpu_gemm_path("int8")
+    # the report says so rather than raise
+    assert "ATTNKIT_CPU_GEMM must be one of" in attnkit.backends()["softmax"]["cpu"].kernels
+
+
+def test_backends_report_the_runtime_choice(forced):
+    kernels = attnkit.backends()["softmax"]["cpu"].kernels
+    isa = _dispatch.native().cpu_kernel_isa()
+    assert kernels.startswith(isa + ": "), kernels
+    assert f"forward tile GEMMs chosen at run time per dtype (ATTNKIT_CPU_GEMM={forced})" in kernels, kernels
+    for dtype in (BF16, F16, F32):
+        assert f"{str(dtype)[6:]} {gemm_path(dtype)}" in kernels, kernels
+    # the other families choose at build time only
+    assert attnkit.backends()["linear"]["cpu"].kernels.endswith("chosen at build time (-march), no AMX")
+
+
+# ----------------------------------------------------------------------------------------------
+# numbers: forward (forced path) and backward against the float64 reference
+# ----------------------------------------------------------------------------------------------
+
+
+def run(backend, q, k, v, mask, causal, opts, grad_out, grad_lse, dtype):
+    """(out, lse, dq, dk, dv) of softmax_attention in ``dtype`` from the loss <out, grad_out> +
+    <lse, grad_lse> (lse's infinite entries left out of the loss)."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    gqa = q.shape[1] != k.shape[1]
+    if backend == "reference":
+        with num_threads(1):
+            out, lse = softmax_attention_reference(q, k, v, mask, 0.0, causal, None, gqa, return_lse=True, **opts)
+    else:
+        out, lse = attnkit.softmax_attention(q, k, v, mask, is_causal=causal, enable_gqa=gqa, return_lse=True,
+                                             backend=backend, **opts)
+    loss_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    grads = torch.autograd.grad((out, loss_lse), (q, k, v), (grad_out.to(out.dtype), grad_lse.to(lse.dtype)))
+    return tuple(t.detach() for t in (out, lse, *grads))
+
+
+def make_case(b, h, hk, n, m, d, dv, mask_kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(shape, generator=g, dtype=F64) for shape in ((b, h, n, d), (b, hk, m, d), (b, hk, m, dv)))
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(b, h, n, m, generator=g) > 0.25
+        mask[:, :, 3] = False  # a fully masked row
+    elif mask_kind == "float":
+        mask = torch.randn(b, 1, n, m, generator=g, dtype=F64)
+        mask = mask.masked_fill(torch.rand(b, 1, n, m, generator=g) < 0.2, -math.inf)
+    grad_out = torch.randn(b, h, n, dv, generator=g, dtype=F64)
+    grad_lse = torch.randn(b, h, n, generator=g, dtype=F64)
+    return q, k, v, mask, grad_out, grad_lse
+
+
+def fold_causal(mask, causal):
+    """(mask, causal) for the public function, which takes a mask or is_causal (like SDPA): the
+    causal condition (top-left, j <= i) folded into the mask where there is one."""
+    if mask is None or not causal:
+        return mask, causal
+    n, m = mask.shape[-2:]
+    hidden = ~torch.ones(n, m, dtype=torch.bool).tril()
+    return (mask & ~hidden if mask.dtype == torch.bool else mask.masked_fill(hidden, -math.inf)), False
+
+
+def check(dims, dtype, *, causal=False, mask_kind=None, opts=None, seed=0):
+    opts = opts or {}
+    q, k, v, mask, grad_out, grad_lse = make_case(*dims, mask_kind, seed=seed)
+    mask, causal = fold_causal(mask, causal)
+    q, k, v = (t.to(dtype) for t in (q, k, v))  # the inputs all runs share
+    got = run("cpu", q, k, v, mask, causal, opts, grad_out, grad_lse, dtype)
+    ref64 = run("reference", q, k, v, mask, causal, opts, grad_out, grad_lse, F64)
+    low = run("reference", q, k, v, mask, causal, opts, grad_out, grad_lse, dtype) if dtype != F32 else (None,) * 5
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        assert_close_to_reference(got[i], ref64[i], low[i], grad=i >= 2, name=name, dtype=dtype)
+    return got
+
+
+# (B, H, Hk, N, M, D, Dv), causal, mask, score options: N, M, D, Dv off the tiles; D = 17, 40,
+# 72, 136 leave K tails of 17, 8, 8, 8 past a multiple of 32 (D2 = 18, 40, 72, 136); M = 300
+# spans two key blocks, the second with a tail of 44.
+CASES = [
+    ((1, 2, 1, 67, 131, 40, 24), False, None, {}),
+    ((1, 2, 2, 67, 131, 72, 72), True, None, {}),
+    ((1, 2, 1, 67, 300, 136, 40), True, "bool", {}),  # causal folded into the mask
+    ((2, 2, 1, 67, 67, 72, 56), False, "float", {"window": (20, 3)}),
+    ((1, 4, 2, 67, 131, 40, 40), False, None, {"softcap": 5.0}),
+    ((1, 4, 1, 67, 67, 17, 9), True, None, {"window": (9, 0)}),
+    ((1, 2, 1, 130, 300, 40, 72), False, None, {"window": (70, 40), "softcap": 3.0}),
+]
+
+
+def case_id(case):
+    dims, causal, mask, opts = case
+    parts = ["x".join(map(str, dims))] + (["causal"] if causal else []) + ([mask] if mask else [])
+    return "-".join(parts + [f"{k}{v}" for k, v in opts.items()]).replace(" ", "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_matches_reference(forced, case, dtype):
+    dims, causal, mask, opts = case
+    check(dims, dtype, causal=causal, mask_kind=mask, opts=opts)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_thread_counts(forced, threads, dtype):
+    with num_threads(threads):
+        check((2, 4, 2, 130, 300, 40, 40), dtype, causal=True)
+
+
+def test_float32_ignores_a_forced_brgemm(forced):
+    check((1, 2, 1, 67, 131, 40, 24), F32, causal=True)
+
+
+def test_both_paths_agree(monkeypatch):
+    """The two paths multiply the same 16-bit operands with float32 sums: their outputs differ by
+    the summation order only (a few units of the last place of the output dtype)."""
+    dims = (1, 2, 1, 67, 300, 72, 40)
+    for dtype in (BF16, F16):
+        outs = []
+        for path in ("native", "brgemm"):
+            monkeypatch.setenv(ENV, path)
+            q, k, v, _, _, _ = make_case(*dims, None)
+            outs.append(attnkit.softmax_attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True,
+                                                  enable_gqa=True, backend="cpu").double())
+        eps = torch.finfo(dtype).eps
+        assert (outs[0] - outs[1]).abs().max().item() <= 4 * eps * outs[0].abs().max().item()
+
+
+# ----------------------------------------------------------------------------------------------
+# NaN / inf (README: "NaN and ±inf are never dropped"; issue 15's rules, as the native tests)
+# ----------------------------------------------------------------------------------------------
+
+# The native kernels' own NaN test (tests/csrc/test_softmax_cpu.py: exact NaN rows against the
+# float64 scores, nothing leaking to the other kv head, fully masked rows 0 / -inf, the gradients'
+# NaN, finite rows within tolerance), rerun on each forced path at its flash size (N = 70, M = 300,
+# D = 32): a sample of its cases, the dtypes alternating.
+NAN_CASES = [("q", math.nan, None, False, BF16), ("q", math.inf, None, True, F16),
+             ("k", math.nan, "bool", True, BF16), ("k", math.inf, None, False, F16),
+             ("k", -math.inf, "float", True, F16), ("v", math.nan, None, True, BF16),
+             ("mask", math.nan, "float", False, BF16)]
+
+
+@pytest.mark.parametrize("where,val,mask_kind,causal,dtype", NAN_CASES,
+                         ids=[f"{w}-{v}-{m}-{'causal' if c else 'full'}-{str(d)[6:]}" for w, v, m, c, d in NAN_CASES])
+def test_nan_and_inf_propagate(forced, where, val, mask_kind, causal, dtype):
+    import test_softmax_cpu  # tests/csrc is on sys.path under pytest (rootdir without __init__.py)
+
+    test_softmax_cpu.test_nan_and_inf_propagate(where, val, mask_kind, causal, dtype, 70)
