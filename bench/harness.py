@@ -937,7 +937,8 @@ def make_meta(device: torch.device, *, quick: bool, warmup: int, repeats: int, f
         "cpu_count": os.cpu_count(),
         "cpu": cpu_info(),  # model, vendor, AVX2 / AVX-512 / AMX flags (also for a CUDA run's host)
         "cpu_kernels": cpu_kernels(),  # the vector path attnkit's CPU kernels were built for
-        # ... and the tile-GEMM path the softmax forward takes per dtype (chosen at run time)
+        # ... and the tile-GEMM path the softmax kernels (forward, backward, decode) take per dtype
+        # (chosen at run time)
         "cpu_kernels_softmax": cpu_kernels("softmax"),
         "quick": quick,
         "warmup": warmup,

@@ -53,7 +53,7 @@ _CPU_ISA_TEXT = {
 
 
 # The families whose CPU kernels choose their tile-GEMM path at run time (issue 25:
-# csrc/cpu/gemm_path.h, ATTNKIT_CPU_GEMM=auto|native|brgemm): the softmax forward so far.
+# csrc/cpu/gemm_path.h, ATTNKIT_CPU_GEMM=auto|native|brgemm): softmax (forward, backward, decode) so far.
 RUNTIME_GEMM_FAMILIES = ("softmax",)
 CPU_GEMM_ENV_VAR = "ATTNKIT_CPU_GEMM"
 
@@ -61,7 +61,7 @@ CPU_GEMM_ENV_VAR = "ATTNKIT_CPU_GEMM"
 def cpu_kernels(family: str | None = None) -> str:
     """The CPU kernels' path on this build: ``"<isa>: <what it does>"`` ("" without attnkit._C,
     or "unknown" for an extension built before cpu_kernel_isa existed).  For a family in
-    :data:`RUNTIME_GEMM_FAMILIES`, also the tile-GEMM path its forward takes per dtype in this
+    :data:`RUNTIME_GEMM_FAMILIES`, also the tile-GEMM path its kernels take per dtype in this
     process (``native``, or oneDNN's ``brgemm``: AMX where the CPU has it), chosen at run time."""
     if _native_import_error():
         return ""
@@ -78,8 +78,8 @@ def cpu_kernels(family: str | None = None) -> str:
     except RuntimeError as exc:  # a bad ATTNKIT_CPU_GEMM: every forward call raises the same
         paths = str(exc).splitlines()[0]
     setting = os.environ.get(CPU_GEMM_ENV_VAR) or "auto"
-    return (f"{base}; chosen at build time (-march); forward tile GEMMs chosen at run time per dtype "
-            f"({CPU_GEMM_ENV_VAR}={setting}): {paths}")
+    return (f"{base}; chosen at build time (-march); forward, backward and decode tile GEMMs chosen at run "
+            f"time per dtype ({CPU_GEMM_ENV_VAR}={setting}): {paths}")
 
 
 def register_kernel(family: str, backend: str) -> None:
@@ -199,7 +199,7 @@ def backends() -> dict[str, dict[str, BackendStatus]]:
         >>> attnkit.backends()["linear"]["cpu"].kernels  # on an AVX2-only build
         'avx2+fma: float32 FMA tiles on ymm; bfloat16 / float16 widened to float32; chosen at build time (-march), no AMX'
         >>> attnkit.backends()["softmax"]["cpu"].kernels  # the same build: no AMX, auto is native
-        'avx2+fma: ...; chosen at build time (-march); forward tile GEMMs chosen at run time per dtype (ATTNKIT_CPU_GEMM=auto): bfloat16 native, float16 native, float32 native; score options: ...'
+        'avx2+fma: ...; chosen at build time (-march); forward, backward and decode tile GEMMs chosen at run time per dtype (ATTNKIT_CPU_GEMM=auto): bfloat16 native, float16 native, float32 native; score options: ...'
     """
     # .kernels is filled here, for the report only: backend_status() runs in every op's dispatch
     # (also under torch.compile, which cannot trace a call into attnkit._C).

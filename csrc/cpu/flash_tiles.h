@@ -887,5 +887,38 @@ void pack_transposed_pairs(const scalar_t* src, int64_t sn, int64_t sd, int64_t 
     for (int64_t d = 0; d < D; ++d) dst[b16_index(d, jj, ldd, pairs)] = bits16(src[jj * sn + d * sd]);
 }
 
+// Rows of a 16-bit operand, not transposed: element (r, d) = src[r * sn + d * sd] at
+// b16_index(r, d, ldd, pairs) for r < rows, d < cols -- pairs along r (a VNNI B operand whose K
+// runs over the rows: V's keys, dO's / Q's query rows) or plain rows (a B operand without VNNI,
+// or an A operand [rows][ldd]) -- and zeros for the rows [rows, rows_pad) (a K tail padded with
+// zeros: the buffer may hold an earlier, longer block there).
+template <typename scalar_t>
+void pack_rows16(const scalar_t* src, int64_t sn, int64_t sd, int64_t rows, int64_t cols, uint16_t* dst,
+                 int64_t ldd, bool pairs, int64_t rows_pad) {
+  for (int64_t r = 0; r < rows_pad; ++r) {
+    uint16_t* out = dst + b16_index(r, 0, ldd, pairs);
+    const int64_t step = pairs ? 2 : 1;
+    if (r >= rows) {
+      for (int64_t d = 0; d < cols; ++d) out[d * step] = 0;
+      continue;
+    }
+    const scalar_t* in = src + r * sn;
+    for (int64_t d = 0; d < cols; ++d) out[d * step] = bits16(in[d * sd]);
+  }
+}
+
+// A float tile transposed and rounded to 16-bit T16 (an A operand [cols][ldd] of a product over
+// the tile's rows): dst[c * ldd + r] = T16(src[r * lds + c]) for r < rows, c < cols, and zeros for
+// r in [rows, rows_pad) (the K tail padded with zeros).
+template <typename T16>
+void to_bits16_transposed(const float* src, int64_t lds, int64_t rows, int64_t cols, uint16_t* dst,
+                          int64_t ldd, int64_t rows_pad) {
+  for (int64_t c = 0; c < cols; ++c) {
+    uint16_t* out = dst + c * ldd;
+    for (int64_t r = 0; r < rows; ++r) out[r] = bits16(T16(src[r * lds + c]));
+    std::fill(out + rows, out + rows_pad, uint16_t(0));
+  }
+}
+
 }  // namespace
 }  // namespace attnkit

@@ -12,8 +12,11 @@
 // The choice, per call and dtype: ATTNKIT_CPU_GEMM=auto (default) | native | brgemm.  auto takes
 // brgemm for bfloat16 / float16 only where the CPU has the AMX tiles of that dtype (CPUID) and
 // could_pack(dtype) holds -- never on AMD EPYC (no AMX), whose native kernels are the faster
-// ones -- and native otherwise.  float32 / float64 always run native.  Only the softmax forward
-// has the choice so far (csrc/cpu/softmax.cpp).
+// ones -- and native otherwise.  float32 / float64 always run native.  The softmax forward,
+// backward and decoding kernels have the choice (csrc/cpu/softmax.cpp); the other families not yet.
+// Every brgemm call zero-pads its K (reduction) dimension to a multiple of 32 (zeros in both
+// operands) or has a left operand that holds no NaN: torch 2.13's oneDNN on AMX writes a NaN of
+// left-operand row i + 1 into output row i when K > 32 and K % 32 != 0 (DESIGN.md).
 #pragma once
 
 #include <ATen/native/CPUBlas.h>
@@ -27,7 +30,7 @@ namespace attnkit {
 
 enum class GemmPath { kNative, kBrgemmVnni, kBrgemmPlain };
 
-// The path the softmax forward's tile GEMMs take for `dtype` in this call (reads
+// The path the softmax kernels' tile GEMMs take for `dtype` in this call (reads
 // ATTNKIT_CPU_GEMM; raises on a value other than auto, native, brgemm).
 GemmPath cpu_gemm_path(at::ScalarType dtype);
 

@@ -35,7 +35,9 @@
 // Threads: torch's intra-op pool (at::parallel_for), tasks handed out dynamically.
 // Accumulation: float32 (float64 for float64 inputs).  bfloat16 forward multiplies bf16 Q, K,
 // P, V with the CPU's bfloat16 dot product (vdpbf16ps, float32 sums) when the build has
-// AVX512-BF16; everything else (float16, the bfloat16 backward) converts to float32.
+// AVX512-BF16; everything else (float16, the bfloat16 backward) converts to float32 -- unless
+// ATTNKIT_CPU_GEMM picks oneDNN's brgemm (gemm_path.h) for float16 / bfloat16: then the forward,
+// backward and decoding kernels multiply 16-bit tiles with float32 sums through it.
 //
 // Why hand-written AVX-512 micro-kernels rather than BLAS calls on the tiles: MKL (what
 // at::native::cpublas::gemm calls for float32 -- whose typed overloads the torch 2.13 wheel does
@@ -387,14 +389,7 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
           }
           if (tiles16) {
             // vb16[b16_index(j, d, Dvp, pairs)] = v[b, hk, j, d]
-            if constexpr (k16) {
-              for (int64_t j = 0; j < M; ++j) {
-                const scalar_t* src = v + vs.at(b, hk, j);
-                uint16_t* dst = st.vb16.data() + b16_index(j, 0, Dvp, pairs);
-                const int64_t step = pairs ? 2 : 1;
-                for (int64_t d = 0; d < Dv; ++d) dst[d * step] = bits16(src[d * vs.d]);
-              }
-            }
+            if constexpr (k16) pack_rows16(v + vs.at(b, hk, 0), vs.n, vs.d, M, Dv, st.vb16.data(), Dvp, pairs, M);
           } else if (!v_in_place) {
             for (int64_t j = 0; j < M; ++j) {
               const scalar_t* src = v + vs.at(b, hk, j);
@@ -416,17 +411,13 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
         }
         const int64_t q0 = qb * kBQ;
         const int64_t qn = std::min(kBQ, N - q0);
-        for (int64_t r = 0; r < qn; ++r) {
-          const scalar_t* src = q + qs.at(b, h, q0 + r);
-          if (tiles16) {
-            if constexpr (k16) {
-              uint16_t* dst = st.qb16.data() + r * D2;
-              for (int64_t d = 0; d < D; ++d) dst[d] = bits16(src[d * qs.d]);
-              std::fill(dst + D, dst + D2, uint16_t(0));
-            }
-          } else {
+        if (tiles16) {
+          // Q rows [qn][D2]; the columns [D, D2) stay zero from the buffer's creation.
+          if constexpr (k16) pack_rows16(q + qs.at(b, h, q0), qs.n, qs.d, qn, D, st.qb16.data(), D2, false, qn);
+        } else {
+          for (int64_t r = 0; r < qn; ++r) {
             acc_t* dst = st.q.data() + r * D;
-            convert_row(src, qs.d, D, dst);
+            convert_row(q + qs.at(b, h, q0 + r), qs.d, D, dst);
             for (int64_t d = 0; d < D; ++d) dst[d] *= c;
           }
         }
@@ -602,16 +593,19 @@ bool use_decode(const Problem& p, at::ScalarType dtype) {
 
 struct DecodeScratch {
   std::vector<float> q;      // [R][D]: the task's query rows (float32 dots)
-  std::vector<uint16_t> qb;  // [R][D]: the same in bfloat16 (bf16 dots)
+  std::vector<uint16_t> qb;  // [R][D2]: the same in 16 bits (bf16 dots, brgemm)
   std::vector<float> kf;     // [T][D]: K tile as float32 rows (when not read in place)
   std::vector<float> kt;     // [D][T]: K tile transposed (float32 GEMM scores)
-  std::vector<uint16_t> kb;  // [D/2][T][2]: K tile as pairs of d (bf16 GEMM scores)
+  std::vector<uint16_t> kb;  // [D2/2][T][2]: K tile as pairs of d (bf16 GEMM scores; brgemm
+                             // without VNNI: [D2][T])
   std::vector<float> vf;     // [T][Dv]: V tile as float32 (when not read in place)
-  std::vector<uint16_t> pb;  // [R][T]: probabilities in bfloat16 (bf16 P V)
-  std::vector<uint16_t> vb;  // [T/2][Dvp][2]: V tile as pairs of keys (bf16 P V)
+  std::vector<uint16_t> pb;  // [R][T]: probabilities in 16 bits (bf16 P V, brgemm)
+  std::vector<uint16_t> vb;  // [T/2][Dvp][2]: V tile as pairs of keys (bf16 P V; brgemm without
+                             // VNNI: [T][Dvp])
   std::vector<float> s;      // [R][T]: scores, then probabilities
   std::vector<float> o;      // [R][Dv]
   std::vector<float> m, l;   // [R]
+  BrgemmRelease release;     // the thread's brgemm state, released when the worker ends
 };
 
 #if defined(__AVX512F__)
@@ -727,8 +721,11 @@ inline void row_to_float(const scalar_t* src, int64_t sd, int64_t n, float* dst)
   for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d * sd]);
 }
 
+// path (gemm_path.h, float16 / bfloat16 only): S = Q K^T and O += P V through oneDNN's brgemm on
+// 16-bit Q, K, P (rounded), V -- the K tile transposed per tile, V's rows packed per tile in its B
+// layout -- or the native dots / tiles below.  float32 is always native.
 template <typename scalar_t>
-void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, const scalar_t* k,
+void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, Strides4 qs, const scalar_t* k,
                            Strides4 ks, const scalar_t* v, Strides4 vs, scalar_t* out, float* lse) {
   const int64_t B = p.B, H = p.H, Hk = p.Hk, N = p.N, D = p.D, Dv = p.Dv;
   const int64_t G = H / Hk, R = G * N;
@@ -751,7 +748,11 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
   // bfloat16 K multiplies with vdpbf16ps (Q is bfloat16 already, so exact products, float32
   // sums), as in the flash forward; everything else in float32, K read in place when it is
   // float32 with unit stride along d, else converted per tile.
-  const bool k_dot = kHaveBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && ks.d == 1;
+  constexpr bool k16 = std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>;
+  const bool brgemm = k16 && path != GemmPath::kNative;
+  const bool vnni = path == GemmPath::kBrgemmVnni;
+  const bool k_dot = !brgemm && kHaveBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && ks.d == 1;
+  const bool q16 = k_dot || brgemm;  // Q packed in 16 bits
   const bool k_in_place = std::is_same_v<scalar_t, float> && ks.d == 1;
   const bool v_in_place = std::is_same_v<scalar_t, float> && vs.d == 1;
   // bfloat16 P V with vdpbf16ps as well (P rounded to bfloat16, as the flash forward does),
@@ -766,11 +767,15 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
   // 1.17-1.25x at 8, 1.07-1.10x at 16, 0.94x at 32, 0.85x at 64; bfloat16 1.31-1.36x at 4,
   // 1.23x at 8, 0.96-1.03x at 16, 0.87x at 32, 0.75x at 64.
   const int64_t dot_max_rows = std::is_same_v<scalar_t, float> ? 16 : 8;
-  bool direct = R <= dot_max_rows;
+  bool direct = R <= dot_max_rows && !brgemm;
 #if !defined(__AVX512F__)
   direct = false;
 #endif
-  const int64_t D2 = round_up(D, 2);
+  // Q's row length and K's packed depth: even (a bf16 pair), for brgemm a multiple of 32, zeros
+  // past D in both operands: the K of S = Q K^T is zero-padded against oneDNN's AMX K-tail defect
+  // (a NaN of row i + 1 of the left operand written into row i when K > 32, K % 32 != 0;
+  // DESIGN.md), as in the flash forward.
+  const int64_t D2 = round_up(D, brgemm ? 32 : 2);
   const int64_t Dvp = round_up(Dv, 16);
 
   // Splits of the keys: enough tasks for the threads (4 per thread for the dynamic balance),
@@ -794,9 +799,14 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
       pairs * splits,
       [&] {
         DecodeScratch st;
-        if (k_dot) {
+        if (q16) {
           st.qb.assign(static_cast<size_t>(R * D2), 0);  // an odd D's pad stays zero
           if (!direct) st.kb.assign(static_cast<size_t>(D2 * T), 0);
+          if (brgemm) {
+            st.pb.resize(static_cast<size_t>(R * T));
+            st.vb.assign(static_cast<size_t>(T * Dvp), 0);
+            st.release = BrgemmRelease(true, vnni);
+          }
         } else {
           st.q.resize(static_cast<size_t>(R * D));
           if (!direct) st.kt.assign(static_cast<size_t>(D * T), 0.f);
@@ -805,7 +815,7 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
         if (v_pairs) {
           st.pb.resize(static_cast<size_t>(R * T));
           st.vb.assign(static_cast<size_t>(T * Dvp), 0);  // columns past Dv stay zero
-        } else if (!v_in_place) {
+        } else if (!v_in_place && !brgemm) {
           st.vf.resize(static_cast<size_t>(T * Dv));
         }
         st.s.resize(static_cast<size_t>(R * T));
@@ -821,9 +831,8 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
         // Row r = g * N + i is query row i of head hk * G + g.
         for (int64_t r = 0; r < R; ++r) {
           const scalar_t* src = q + qs.at(b, hk * G + r / N, r % N);
-          if (k_dot) {
-            if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
-              for (int64_t d = 0; d < D; ++d) st.qb[r * D2 + d] = bits16(src[d * qs.d]);
+          if (q16) {
+            if constexpr (k16) pack_rows16(src, 0, qs.d, 1, D, st.qb.data() + r * D2, D2, false, 1);
           } else {
             row_to_float(src, qs.d, D, st.q.data() + r * D);
           }
@@ -851,7 +860,13 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
           }
 #endif
           // S [R][kn] = Q K^T.
-          if (!direct) {
+          if (brgemm) {
+            // K = D2: zero-padded (K^T's rows past D are never written).
+            if constexpr (k16) {
+              pack_transposed_pairs(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kb.data(), T, vnni);
+              brgemm16<scalar_t>(R, kn, D2, D2, T, T, false, st.qb.data(), st.kb.data(), S, vnni);
+            }
+          } else if (!direct) {
             if (k_dot) {
 #if defined(__AVX512BF16__)
               if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
@@ -921,6 +936,22 @@ void softmax_decode_kernel(const Problem& p, const scalar_t* q, Strides4 qs, con
             }
           }
           // O [R][Dv] += P V.
+          if (brgemm) {
+            // P rounded to 16 bits, zero up to an even count; V's rows [kn, kn2) zeroed (an
+            // earlier, longer tile's rows may lie there).  A row whose l is NaN is NaN already
+            // and gets P = 0 (its P would be NaN: exp2(s - NaN), or inf - inf): no NaN in the
+            // left operand for oneDNN's K-tail defect (above) to move into the row before it.
+            if constexpr (k16) {
+              const int64_t kn2 = vnni ? round_up(kn, 2) : kn;
+              for (int64_t r = 0; r < R; ++r) {
+                if (std::isnan(st.l[r])) std::fill(S + r * T, S + r * T + kn, 0.f);
+                to_bits16<scalar_t>(S + r * T, kn, st.pb.data() + r * T, kn2);
+              }
+              pack_rows16(v + vs.at(b, hk, k0), vs.n, vs.d, kn, Dv, st.vb.data(), Dvp, vnni, kn2);
+              brgemm16<scalar_t>(R, Dv, kn2, T, Dvp, Dv, true, st.pb.data(), st.vb.data(), st.o.data(), vnni);
+            }
+            continue;
+          }
 #if defined(__AVX512BF16__)
           if (v_pairs) {
             if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
@@ -999,10 +1030,20 @@ struct BwdScratch {
   std::vector<acc_t> q, dout;  // [kBQb][D], [kBQb][Dv]
   std::vector<acc_t> s, dp;    // [kBQb][kBKb]
   std::vector<acc_t> dcap;     // [kBQb][kBKb]: softcap's 1 - tanh^2 (softcap only)
+  // brgemm (16-bit operands, Element (k, n) of a B operand at b16_index(k, n, ld, pairs)):
+  // A operands: Q rows [kBQb][D2], dO rows [kBQb][Dv2], P^T and dS^T [kBKb][kBQb], dS [kBQb][kBKb];
+  // B operands: K^T [D2][kBKb], V^T [Dv2][kBKb], K rows [kBKb][Dp], Q rows [kBQb][Dp], dO rows
+  // [kBQb][Dvp].
+  std::vector<uint16_t> qa, doa, pt, dst, ds, ktb, vtb, krb, qb, dob;
+  BrgemmRelease release;       // the thread's brgemm state, released when the worker ends
 };
 
+// path (gemm_path.h, float16 / bfloat16 only): the five tile GEMMs through oneDNN's brgemm on
+// 16-bit operands (Q, K, V, dO as given; P and dS rounded to the dtype, as flash backward kernels
+// on AMX do) with float32 sums, or native: float32 (float64) tiles.  Only the packing and the
+// GEMM calls differ.
 template <typename scalar_t, typename acc_t>
-void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, const scalar_t* q,
+void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, Strides4 dos, const scalar_t* q,
                         Strides4 qs, const scalar_t* k, Strides4 ks, const scalar_t* v,
                         Strides4 vs, const scalar_t* out, Strides4 os, const acc_t* lse,
                         Strides4 ls /* b, h, n used */, scalar_t* dq, scalar_t* dk, scalar_t* dv) {
@@ -1011,6 +1052,16 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
   const acc_t c = static_cast<acc_t>(p.scale * kLog2e);
   const acc_t scale = static_cast<acc_t>(p.scale);
   const bool softcap = p.softcap > 0.0;
+  constexpr bool k16 = std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>;
+  const bool brgemm = k16 && path != GemmPath::kNative;
+  const bool pairs = path == GemmPath::kBrgemmVnni;
+  // Every brgemm's K (reduction) dimension is zero-padded to a multiple of 32, zeros in both
+  // operands: torch 2.13's bundled oneDNN, on AMX, writes a NaN of row i + 1 of the left operand
+  // into output row i when K > 32 and K % 32 != 0 (DESIGN.md), and here every left operand may
+  // hold a NaN (NaN inputs; P and dS of a row the forward found NaN).  D and Dv: D2, Dv2; the
+  // query rows of a block (K of dV, dK): qn2; the keys of a block (K of dQ): kn2.
+  const int64_t D2 = round_up(D, 32), Dv2 = round_up(Dv, 32);
+  const int64_t Dp = round_up(D, 16), Dvp = round_up(Dv, 16);
 
   // Di = rowsum(dO o O), and lse in base 2 (-inf kept), both [B*H*N].
   std::vector<acc_t> Di(static_cast<size_t>(B * H * N)), L2(static_cast<size_t>(B * H * N));
@@ -1052,13 +1103,29 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
       B * Hk * chunks,
       [&] {
         BwdScratch<acc_t> st;
-        st.kt.resize(static_cast<size_t>(D * kBKb));
-        st.vt.resize(static_cast<size_t>(Dv * kBKb));
-        st.kr.resize(static_cast<size_t>(kBKb * D));
+        if (brgemm) {
+          // Zero-filled: the padding columns [D, D2) of Q's / dO's rows and the padding rows of
+          // K^T / V^T are never written.
+          st.qa.resize(static_cast<size_t>(kBQb * D2));
+          st.doa.resize(static_cast<size_t>(kBQb * Dv2));
+          st.pt.resize(static_cast<size_t>(kBKb * kBQb));
+          st.dst.resize(static_cast<size_t>(kBKb * kBQb));
+          st.ds.resize(static_cast<size_t>(kBQb * kBKb));
+          st.ktb.resize(static_cast<size_t>(D2 * kBKb));
+          st.vtb.resize(static_cast<size_t>(Dv2 * kBKb));
+          st.krb.resize(static_cast<size_t>(kBKb * Dp));
+          st.qb.resize(static_cast<size_t>(kBQb * Dp));
+          st.dob.resize(static_cast<size_t>(kBQb * Dvp));
+          st.release = BrgemmRelease(true, pairs);
+        } else {
+          st.kt.resize(static_cast<size_t>(D * kBKb));
+          st.vt.resize(static_cast<size_t>(Dv * kBKb));
+          st.kr.resize(static_cast<size_t>(kBKb * D));
+          st.q.resize(static_cast<size_t>(kBQb * D));
+          st.dout.resize(static_cast<size_t>(kBQb * Dv));
+        }
         st.dk.resize(static_cast<size_t>(kBKb * D));
         st.dv.resize(static_cast<size_t>(kBKb * Dv));
-        st.q.resize(static_cast<size_t>(kBQb * D));
-        st.dout.resize(static_cast<size_t>(kBQb * Dv));
         st.s.resize(static_cast<size_t>(kBQb * kBKb));
         st.dp.resize(static_cast<size_t>(kBQb * kBKb));
         if (softcap) st.dcap.resize(static_cast<size_t>(kBQb * kBKb));
@@ -1072,6 +1139,7 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
         for (int64_t kb = chunk; kb < nkb; kb += chunks) {
           const int64_t k0 = kb * kBKb;
           const int64_t kn = std::min(kBKb, M - k0);
+          const int64_t kn2 = round_up(kn, 32);
           // The query rows that see a key of this block (causality: i >= k0; a window: its band).
           const int64_t i_begin = p.row_lo(k0), i_end = p.row_hi(k0 + kn);
           if (i_begin >= i_end) {  // none: zero gradients
@@ -1086,17 +1154,27 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
           // GEMMs read kn columns, so the padding is never touched), and K rows unless float32
           // K is read in place.  Measured at B=4 H=8 N=16 D=64 (one thread), backward op: the
           // scalar pack, zero-filled K^T / V^T and Q / dO copies per key block took 88 us.
-          pack_transposed(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kt.data(), kBKb);
-          pack_transposed(v + vs.at(b, hk, k0), vs.n, vs.d, kn, Dv, st.vt.data(), kBKb);
           const acc_t* Kr = st.kr.data();
           int64_t ldkr = D;
-          if (k_rows_in_place) {
-            Kr = reinterpret_cast<const acc_t*>(k + ks.at(b, hk, k0));
-            ldkr = ks.n;
+          if (brgemm) {
+            // 16-bit K^T, V^T (B of S and dP; the GEMMs read kn columns) and K rows (B of dQ,
+            // rows [kn, kn2) zeroed: the K tail).
+            if constexpr (k16) {
+              pack_transposed_pairs(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.ktb.data(), kBKb, pairs);
+              pack_transposed_pairs(v + vs.at(b, hk, k0), vs.n, vs.d, kn, Dv, st.vtb.data(), kBKb, pairs);
+              pack_rows16(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.krb.data(), Dp, pairs, kn2);
+            }
           } else {
-            for (int64_t jj = 0; jj < kn; ++jj)
-              for (int64_t d = 0; d < D; ++d)
-                st.kr[jj * D + d] = static_cast<acc_t>(k[ks.at(b, hk, k0 + jj) + d * ks.d]);
+            pack_transposed(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kt.data(), kBKb);
+            pack_transposed(v + vs.at(b, hk, k0), vs.n, vs.d, kn, Dv, st.vt.data(), kBKb);
+            if (k_rows_in_place) {
+              Kr = reinterpret_cast<const acc_t*>(k + ks.at(b, hk, k0));
+              ldkr = ks.n;
+            } else {
+              for (int64_t jj = 0; jj < kn; ++jj)
+                for (int64_t d = 0; d < D; ++d)
+                  st.kr[jj * D + d] = static_cast<acc_t>(k[ks.at(b, hk, k0 + jj) + d * ks.d]);
+            }
           }
           std::fill(st.dk.begin(), st.dk.begin() + kn * D, acc_t(0));
           std::fill(st.dv.begin(), st.dv.begin() + kn * Dv, acc_t(0));
@@ -1104,33 +1182,50 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
             const int64_t h = hk * G + g;
             for (int64_t q0 = i_begin; q0 < i_end; q0 += kBQb) {
               const int64_t qn = std::min(kBQb, i_end - q0);
+              const int64_t qn2 = round_up(qn, 32);
               const int64_t row0 = (b * H + h) * N + q0;
-              // Q and dO rows: read in place (float32, unit stride along D) or converted.
+              // Q and dO rows: read in place (float32, unit stride along D) or converted; brgemm:
+              // 16-bit, as A operands (rows of D2 / Dv2) and as B operands (rows [qn, qn2) zeroed).
               const acc_t* Qr = st.q.data();
               const acc_t* dOr = st.dout.data();
               int64_t ldq = D, lddo = Dv;
-              if (q_rows_in_place) {
-                Qr = reinterpret_cast<const acc_t*>(q + qs.at(b, h, q0));
-                ldq = qs.n;
-              } else {
-                for (int64_t r = 0; r < qn; ++r) {
-                  const scalar_t* qsrc = q + qs.at(b, h, q0 + r);
-                  for (int64_t d = 0; d < D; ++d) st.q[r * D + d] = static_cast<acc_t>(qsrc[d * qs.d]);
+              if (brgemm) {
+                if constexpr (k16) {
+                  pack_rows16(q + qs.at(b, h, q0), qs.n, qs.d, qn, D, st.qa.data(), D2, false, qn);
+                  pack_rows16(q + qs.at(b, h, q0), qs.n, qs.d, qn, D, st.qb.data(), Dp, pairs, qn2);
+                  pack_rows16(dout + dos.at(b, h, q0), dos.n, dos.d, qn, Dv, st.doa.data(), Dv2, false, qn);
+                  pack_rows16(dout + dos.at(b, h, q0), dos.n, dos.d, qn, Dv, st.dob.data(), Dvp, pairs, qn2);
                 }
-              }
-              if (do_rows_in_place) {
-                dOr = reinterpret_cast<const acc_t*>(dout + dos.at(b, h, q0));
-                lddo = dos.n;
               } else {
-                for (int64_t r = 0; r < qn; ++r) {
-                  const scalar_t* gsrc = dout + dos.at(b, h, q0 + r);
-                  for (int64_t d = 0; d < Dv; ++d)
-                    st.dout[r * Dv + d] = static_cast<acc_t>(gsrc[d * dos.d]);
+                if (q_rows_in_place) {
+                  Qr = reinterpret_cast<const acc_t*>(q + qs.at(b, h, q0));
+                  ldq = qs.n;
+                } else {
+                  for (int64_t r = 0; r < qn; ++r) {
+                    const scalar_t* qsrc = q + qs.at(b, h, q0 + r);
+                    for (int64_t d = 0; d < D; ++d) st.q[r * D + d] = static_cast<acc_t>(qsrc[d * qs.d]);
+                  }
+                }
+                if (do_rows_in_place) {
+                  dOr = reinterpret_cast<const acc_t*>(dout + dos.at(b, h, q0));
+                  lddo = dos.n;
+                } else {
+                  for (int64_t r = 0; r < qn; ++r) {
+                    const scalar_t* gsrc = dout + dos.at(b, h, q0 + r);
+                    for (int64_t d = 0; d < Dv; ++d)
+                      st.dout[r * Dv + d] = static_cast<acc_t>(gsrc[d * dos.d]);
+                  }
                 }
               }
               acc_t* S = st.s.data();
               acc_t* dP = st.dp.data();
-              gemm<acc_t>(qn, kn, D, Qr, ldq, 1, st.kt.data(), kBKb, S, kBKb, false);
+              // S = Q K^T (brgemm: K = D2, zero-padded)
+              if (brgemm) {
+                if constexpr (k16)
+                  brgemm16<scalar_t>(qn, kn, D2, D2, kBKb, kBKb, false, st.qa.data(), st.ktb.data(), S, pairs);
+              } else {
+                gemm<acc_t>(qn, kn, D, Qr, ldq, 1, st.kt.data(), kBKb, S, kBKb, false);
+              }
               for (int64_t r = 0; r < qn; ++r) {
                 acc_t* s = S + r * kBKb;
                 const int64_t i = q0 + r;
@@ -1159,10 +1254,21 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
                 std::fill(s, s + lo, acc_t(0));
                 std::fill(s + hi, s + kn, acc_t(0));
               }
-              // dV += P^T dO
-              gemm<acc_t>(kn, Dv, qn, S, 1, kBKb, dOr, lddo, st.dv.data(), Dv, true);
-              // dP = dO V^T
-              gemm<acc_t>(qn, kn, Dv, dOr, lddo, 1, st.vt.data(), kBKb, dP, kBKb, false);
+              if (brgemm) {
+                if constexpr (k16) {
+                  // dV += P^T dO, P rounded to the dtype (K = qn2: P^T's columns and dO's rows
+                  // [qn, qn2) zero);  dP = dO V^T (K = Dv2, zero-padded)
+                  to_bits16_transposed<scalar_t>(S, kBKb, qn, kn, st.pt.data(), kBQb, qn2);
+                  brgemm16<scalar_t>(kn, Dv, qn2, kBQb, Dvp, Dv, true, st.pt.data(), st.dob.data(), st.dv.data(),
+                                     pairs);
+                  brgemm16<scalar_t>(qn, kn, Dv2, Dv2, kBKb, kBKb, false, st.doa.data(), st.vtb.data(), dP, pairs);
+                }
+              } else {
+                // dV += P^T dO
+                gemm<acc_t>(kn, Dv, qn, S, 1, kBKb, dOr, lddo, st.dv.data(), Dv, true);
+                // dP = dO V^T
+                gemm<acc_t>(qn, kn, Dv, dOr, lddo, 1, st.vt.data(), kBKb, dP, kBKb, false);
+              }
               for (int64_t r = 0; r < qn; ++r) {
                 const acc_t* pr = S + r * kBKb;
                 acc_t* dpr = dP + r * kBKb;
@@ -1185,9 +1291,22 @@ void softmax_bwd_kernel(const Problem& p, const scalar_t* dout, Strides4 dos, co
                   for (int64_t j = 0; j < kn; ++j) dpr[j] *= dc[j];
                 }
               }
-              // dK += dS^T Q;  dQ += dS K
-              gemm<acc_t>(kn, D, qn, dP, 1, kBKb, Qr, ldq, st.dk.data(), D, true);
-              gemm<acc_t>(qn, D, kn, dP, kBKb, 1, Kr, ldkr, dq_c + row0 * D, D, true);
+              if (brgemm) {
+                if constexpr (k16) {
+                  // dS rounded to the dtype.  dK += dS^T Q (K = qn2: dS^T's columns and Q's rows
+                  // [qn, qn2) zero);  dQ += dS K (K = kn2: dS's columns and K's rows [kn, kn2) zero)
+                  to_bits16_transposed<scalar_t>(dP, kBKb, qn, kn, st.dst.data(), kBQb, qn2);
+                  for (int64_t r = 0; r < qn; ++r)
+                    to_bits16<scalar_t>(dP + r * kBKb, kn, st.ds.data() + r * kBKb, kn2);
+                  brgemm16<scalar_t>(kn, D, qn2, kBQb, Dp, D, true, st.dst.data(), st.qb.data(), st.dk.data(), pairs);
+                  brgemm16<scalar_t>(qn, D, kn2, kBKb, Dp, D, true, st.ds.data(), st.krb.data(), dq_c + row0 * D,
+                                     pairs);
+                }
+              } else {
+                // dK += dS^T Q;  dQ += dS K
+                gemm<acc_t>(kn, D, qn, dP, 1, kBKb, Qr, ldq, st.dk.data(), D, true);
+                gemm<acc_t>(qn, D, kn, dP, kBKb, 1, Kr, ldkr, dq_c + row0 * D, D, true);
+              }
             }
           }
           for (int64_t jj = 0; jj < kn; ++jj) {
@@ -1253,8 +1372,8 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
                       softcap, alibi_slopes);
   const Problem p = make_problem(q, k, v, mask, scale, is_causal, window_left, window_right, softcap,
                                  alibi_slopes);
-  // The tile-GEMM path of the flash forward (read here, so that a bad ATTNKIT_CPU_GEMM raises on
-  // every call; the decoding path below has no choice yet).
+  // The tile-GEMM path of the flash forward and of the decoding path (read here, so that a bad
+  // ATTNKIT_CPU_GEMM raises on every call).
   const GemmPath path = cpu_gemm_path(q.scalar_type());
   auto out = at::empty({p.B, p.H, p.N, p.Dv}, q.options());
   auto lse = at::empty({p.B, p.H, p.N}, q.options().dtype(acc_type_of(q.scalar_type())));
@@ -1267,7 +1386,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
   if (use_decode(p, q.scalar_type())) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_decode", [&] {
       if constexpr (!std::is_same_v<scalar_t, double>) {
-        softmax_decode_kernel<scalar_t>(p, q.const_data_ptr<scalar_t>(), Strides4(q),
+        softmax_decode_kernel<scalar_t>(p, path, q.const_data_ptr<scalar_t>(), Strides4(q),
                                         k.const_data_ptr<scalar_t>(), Strides4(k),
                                         v.const_data_ptr<scalar_t>(), Strides4(v),
                                         out.mutable_data_ptr<scalar_t>(), lse.mutable_data_ptr<float>());
@@ -1306,10 +1425,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cpu(
   }
   // lse is read through strides as a 4-D view [B,H,N,1].
   const at::Tensor lse4 = lse.unsqueeze(-1);
+  const GemmPath path = cpu_gemm_path(q.scalar_type());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_bwd", [&] {
     using acc_t = acc_of<scalar_t>;
     softmax_bwd_kernel<scalar_t, acc_t>(
-        p, grad_out.const_data_ptr<scalar_t>(), Strides4(grad_out), q.const_data_ptr<scalar_t>(),
+        p, path, grad_out.const_data_ptr<scalar_t>(), Strides4(grad_out), q.const_data_ptr<scalar_t>(),
         Strides4(q), k.const_data_ptr<scalar_t>(), Strides4(k), v.const_data_ptr<scalar_t>(),
         Strides4(v), out.const_data_ptr<scalar_t>(), Strides4(out),
         lse4.const_data_ptr<acc_t>(), Strides4(lse4), dq.mutable_data_ptr<scalar_t>(),

@@ -461,5 +461,5 @@ def test_the_cpu_is_recorded_with_its_vendor_and_isa():
     assert any(line.startswith("cpu: ") and meta["cpu"]["model"] in line for line in harness.format_header(meta))
     # issue 25: the softmax forward's tile-GEMM path per dtype, chosen at run time
     if meta["cpu_kernels_softmax"]:
-        assert any(line.startswith("attnkit cpu softmax: forward tile GEMMs chosen at run time")
+        assert any(line.startswith("attnkit cpu softmax: forward, backward and decode tile GEMMs chosen at run time")
                    for line in harness.format_header(meta))

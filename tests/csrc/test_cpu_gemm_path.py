@@ -1,18 +1,19 @@
-"""The runtime choice of the CPU softmax forward's tile-GEMM path (issue 25, csrc/cpu/gemm_path.h):
+"""The runtime choice of the CPU softmax kernels' tile-GEMM path (issue 25, csrc/cpu/gemm_path.h):
 ``native`` (attnkit's FMA / AVX512-BF16 tiles) or ``brgemm`` (oneDNN's micro-kernel through
 ``at::native::cpublas::brgemm``: AMX tiles with a VNNI-packed B where ``cpublas::could_pack``, the
 plain row-major B of torch's reference fallback elsewhere), per dtype, forced by
 ``ATTNKIT_CPU_GEMM=auto|native|brgemm`` (read on every call).
 
-Each forced path runs the cpu backend's forward through the public function, then its backward
-through autograd (the backward has no choice: it must take a brgemm forward's out and lse), and
-both are held to the float64 reference by DESIGN.md's rule (bfloat16 / float16: twice the error
-of the reference run in that dtype, plus 1e-3), on shapes that straddle the forward's tiles (64
-query rows x 256 keys, groups of 16 rows on a causal / window band) and K tails that are not a
-multiple of 32 (D = 17, 40, 72, 136: the AMX micro-kernels' edge), with causality, a window,
-softcap, GQA, bool and float masks, one and two threads, and NaN / inf inputs by README's rules.
-N > 16 throughout: fewer query rows take the decoding path, which has no choice yet.  On a CPU
-without AMX ``brgemm`` runs the reference fallback (slow): the shapes stay small.
+Each forced path runs the cpu backend's forward (the flash kernel, or the decoding kernel for
+N <= 16 query rows) through the public function, then its backward through autograd (the flash
+backward, on the same path: P and dS rounded to the dtype under brgemm), and both are held to the
+float64 reference by DESIGN.md's rule (bfloat16 / float16: twice the error of the reference run in
+that dtype, plus 1e-3), with the lse in the loss, on shapes that straddle the tiles (forward 64
+query rows x 256 keys, groups of 16 rows on a causal / window band; backward 64 x 64; decode 64-key
+tiles) and K tails that are not a multiple of 32 (D = 17, 40, 72, 136: the AMX micro-kernels'
+edge; query and key blocks of 67, 131, 300 rows), with causality, a window, softcap, GQA, bool and
+float masks, one and two threads, and NaN / inf inputs by README's rules.  On a CPU without AMX
+``brgemm`` runs the reference fallback (slow): the shapes stay small.
 """
 import math
 import re
@@ -103,7 +104,8 @@ def test_backends_report_the_runtime_choice(forced):
     kernels = attnkit.backends()["softmax"]["cpu"].kernels
     isa = _dispatch.native().cpu_kernel_isa()
     assert kernels.startswith(isa + ": "), kernels
-    assert f"forward tile GEMMs chosen at run time per dtype (ATTNKIT_CPU_GEMM={forced})" in kernels, kernels
+    assert (f"forward, backward and decode tile GEMMs chosen at run time per dtype (ATTNKIT_CPU_GEMM={forced})"
+            in kernels), kernels
     for dtype in (BF16, F16, F32):
         assert f"{str(dtype)[6:]} {gemm_path(dtype)}" in kernels, kernels
     # the other families choose at build time only
@@ -209,10 +211,10 @@ def test_float32_ignores_a_forced_brgemm(forced):
     check((1, 2, 1, 67, 131, 40, 24), F32, causal=True)
 
 
-def test_both_paths_agree(monkeypatch):
+@pytest.mark.parametrize("dims", [(1, 2, 1, 67, 300, 72, 40), (1, 4, 2, 5, 300, 72, 40)], ids=["flash", "decode"])
+def test_both_paths_agree(monkeypatch, dims):
     """The two paths multiply the same 16-bit operands with float32 sums: their outputs differ by
-    the summation order only (a few units of the last place of the output dtype)."""
-    dims = (1, 2, 1, 67, 300, 72, 40)
+    the summation order and P's rounding only (a few units of the last place of the output dtype)."""
     for dtype in (BF16, F16):
         outs = []
         for path in ("native", "brgemm"):
@@ -224,6 +226,53 @@ def test_both_paths_agree(monkeypatch):
         assert (outs[0] - outs[1]).abs().max().item() <= 4 * eps * outs[0].abs().max().item()
 
 
+# (B, H, Hk, N, M, D, Dv), causal, mask, score options, for the decoding kernel (N <= 16, G N <= 64
+# rows per task): M = 1, 31, 33 (one tile, an odd last key), 300 (four full 64-key tiles and 44).
+DECODE_CASES = [
+    ((1, 4, 2, 1, 300, 40, 24), False, None, {}),
+    ((2, 4, 1, 5, 33, 72, 72), True, None, {}),
+    ((1, 8, 2, 16, 31, 17, 9), False, "bool", {}),
+    ((1, 2, 2, 7, 1, 136, 40), False, None, {}),
+    ((1, 4, 2, 12, 300, 40, 56), False, "float", {"window": (50, 2), "softcap": 4.0}),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=case_id)
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_decode_matches_reference(forced, case, dtype):
+    dims, causal, mask, opts = case
+    check(dims, dtype, causal=causal, mask_kind=mask, opts=opts)
+
+
+def test_decode_split_keys(forced):
+    """A kv cache long enough to be split over tasks (two splits, their (max, sum, out) merged), two
+    threads; the second split's 525 keys end in a tile of 13 (odd) after 64-key tiles."""
+    with num_threads(2):
+        check((1, 2, 1, 3, 1101, 40, 24), BF16)
+
+
+def test_backward_takes_the_path(monkeypatch):
+    """The backward op on the same (out, lse) under each path: brgemm rounds P and dS to the dtype
+    (the native backward multiplies them in float32), so the gradients differ -- by less than a
+    unit of the dtype's last place of the largest gradient, measured (AMD EPYC AVX2) -- and both
+    are within the rule (test_matches_reference)."""
+    dims = (1, 2, 1, 67, 131, 40, 24)
+    q, k, v, _, grad_out, _ = make_case(*dims, None, seed=3)
+    for dtype in (BF16, F16):
+        q16, k16, v16, g16 = (t.to(dtype) for t in (q, k, v, grad_out))
+        monkeypatch.setenv(ENV, "native")
+        out, lse = torch.ops.attnkit.softmax_fwd(q16, k16, v16, None, 0.125, True, -1, -1, 0.0, None)
+        grads = {}
+        for path in ("native", "brgemm"):
+            monkeypatch.setenv(ENV, path)
+            grads[path] = torch.ops.attnkit.softmax_bwd(g16, q16, k16, v16, out, lse, None, 0.125, True, -1, -1,
+                                                        0.0, None)
+        for name, a, b in zip(("dq", "dk", "dv"), grads["native"], grads["brgemm"]):
+            assert not torch.equal(a, b), f"{name} ({dtype}): brgemm gave the native backward's bits"
+            size = a.double().abs().max().item()
+            assert (a.double() - b.double()).abs().max().item() <= 4 * torch.finfo(dtype).eps * size, name
+
+
 # ----------------------------------------------------------------------------------------------
 # NaN / inf (README: "NaN and ±inf are never dropped"; issue 15's rules, as the native tests)
 # ----------------------------------------------------------------------------------------------
@@ -232,15 +281,25 @@ def test_both_paths_agree(monkeypatch):
 # float64 scores, nothing leaking to the other kv head, fully masked rows 0 / -inf, the gradients'
 # NaN, finite rows within tolerance), rerun on each forced path at its flash size (N = 70, M = 300,
 # D = 32): a sample of its cases, the dtypes alternating.
-NAN_CASES = [("q", math.nan, None, False, BF16), ("q", math.inf, None, True, F16),
-             ("k", math.nan, "bool", True, BF16), ("k", math.inf, None, False, F16),
-             ("k", -math.inf, "float", True, F16), ("v", math.nan, None, True, BF16),
-             ("mask", math.nan, "float", False, BF16)]
+# N = 12 (the decoding kernel forward) on a few.
+NAN_CASES = [("q", math.nan, None, False, BF16, 70), ("q", math.inf, None, True, F16, 70),
+             ("k", math.nan, "bool", True, BF16, 70), ("k", math.inf, None, False, F16, 70),
+             ("k", -math.inf, "float", True, F16, 70), ("v", math.nan, None, True, BF16, 70),
+             ("mask", math.nan, "float", False, BF16, 70), ("q", math.nan, None, True, BF16, 12),
+             ("k", math.inf, "bool", False, F16, 12), ("v", math.nan, None, False, F16, 12)]
 
 
-@pytest.mark.parametrize("where,val,mask_kind,causal,dtype", NAN_CASES,
-                         ids=[f"{w}-{v}-{m}-{'causal' if c else 'full'}-{str(d)[6:]}" for w, v, m, c, d in NAN_CASES])
-def test_nan_and_inf_propagate(forced, where, val, mask_kind, causal, dtype):
+@pytest.mark.parametrize("where,val,mask_kind,causal,dtype,n", NAN_CASES,
+                         ids=[f"{w}-{v}-{m}-{'causal' if c else 'full'}-{str(d)[6:]}-{n}"
+                              for w, v, m, c, d, n in NAN_CASES])
+def test_nan_and_inf_propagate(forced, where, val, mask_kind, causal, dtype, n):
     import test_softmax_cpu  # tests/csrc is on sys.path under pytest (rootdir without __init__.py)
 
-    test_softmax_cpu.test_nan_and_inf_propagate(where, val, mask_kind, causal, dtype, 70)
+    test_softmax_cpu.test_nan_and_inf_propagate(where, val, mask_kind, causal, dtype, n)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_nan_behind_masked_keys(forced, dtype):
+    import test_softmax_cpu
+
+    test_softmax_cpu.test_nan_behind_masked_keys(dtype)
