@@ -1095,10 +1095,19 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
     dq_acc = dq_partial.data();
   }
 
-  constexpr bool kSame = std::is_same_v<scalar_t, acc_t>;
-  const bool k_rows_in_place = kSame && ks.d == 1;
-  const bool q_rows_in_place = kSame && qs.d == 1;
-  const bool do_rows_in_place = kSame && dos.d == 1;
+  // `rows` rows of `cols` (sn, sd apart) as acc_t rows: read in place (acc_t, unit stride along
+  // the row; ld = sn) or converted into buf (ld = cols).
+  const auto acc_rows = [](const scalar_t* src, int64_t sn, int64_t sd, int64_t rows, int64_t cols,
+                           acc_t* buf, int64_t& ld) -> const acc_t* {
+    if (std::is_same_v<scalar_t, acc_t> && sd == 1) {
+      ld = sn;
+      return reinterpret_cast<const acc_t*>(src);
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t d = 0; d < cols; ++d) buf[r * cols + d] = static_cast<acc_t>(src[r * sn + d * sd]);
+    ld = cols;
+    return buf;
+  };
   run_tasks(
       B * Hk * chunks,
       [&] {
@@ -1167,14 +1176,7 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
           } else {
             pack_transposed(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kt.data(), kBKb);
             pack_transposed(v + vs.at(b, hk, k0), vs.n, vs.d, kn, Dv, st.vt.data(), kBKb);
-            if (k_rows_in_place) {
-              Kr = reinterpret_cast<const acc_t*>(k + ks.at(b, hk, k0));
-              ldkr = ks.n;
-            } else {
-              for (int64_t jj = 0; jj < kn; ++jj)
-                for (int64_t d = 0; d < D; ++d)
-                  st.kr[jj * D + d] = static_cast<acc_t>(k[ks.at(b, hk, k0 + jj) + d * ks.d]);
-            }
+            Kr = acc_rows(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kr.data(), ldkr);
           }
           std::fill(st.dk.begin(), st.dk.begin() + kn * D, acc_t(0));
           std::fill(st.dv.begin(), st.dv.begin() + kn * Dv, acc_t(0));
@@ -1197,25 +1199,8 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
                   pack_rows16(dout + dos.at(b, h, q0), dos.n, dos.d, qn, Dv, st.dob.data(), Dvp, pairs, qn2);
                 }
               } else {
-                if (q_rows_in_place) {
-                  Qr = reinterpret_cast<const acc_t*>(q + qs.at(b, h, q0));
-                  ldq = qs.n;
-                } else {
-                  for (int64_t r = 0; r < qn; ++r) {
-                    const scalar_t* qsrc = q + qs.at(b, h, q0 + r);
-                    for (int64_t d = 0; d < D; ++d) st.q[r * D + d] = static_cast<acc_t>(qsrc[d * qs.d]);
-                  }
-                }
-                if (do_rows_in_place) {
-                  dOr = reinterpret_cast<const acc_t*>(dout + dos.at(b, h, q0));
-                  lddo = dos.n;
-                } else {
-                  for (int64_t r = 0; r < qn; ++r) {
-                    const scalar_t* gsrc = dout + dos.at(b, h, q0 + r);
-                    for (int64_t d = 0; d < Dv; ++d)
-                      st.dout[r * Dv + d] = static_cast<acc_t>(gsrc[d * dos.d]);
-                  }
-                }
+                Qr = acc_rows(q + qs.at(b, h, q0), qs.n, qs.d, qn, D, st.q.data(), ldq);
+                dOr = acc_rows(dout + dos.at(b, h, q0), dos.n, dos.d, qn, Dv, st.dout.data(), lddo);
               }
               acc_t* S = st.s.data();
               acc_t* dP = st.dp.data();
