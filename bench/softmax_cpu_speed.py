@@ -9,6 +9,12 @@ Ratios are what to quote (the machines are shared and noisy); name the CPU with 
     python bench/softmax_cpu_speed.py sdpa [--n 256 1024] [--d 64 128] [--rounds 5]
         issue 25: attnkit's cpu forward (and forward+backward) against torch SDPA, float32 and
         bfloat16, causal and not, B=1 H=8.
+    python bench/softmax_cpu_speed.py decode [--m 4096] [--variants 0 1] [--rounds 5]
+        issue 25: the float32 decoding forward (B=8 Hq=32 Hk=8 N=1 D=128) against torch SDPA,
+        as GB/s of K and V read and as a fraction of the bench's copy bandwidth (64 MiB copy_,
+        read + write counted), with a read-only probe (torch.sum of a K+V-sized float32 tensor).
+        --variants: values of ATTNKIT_DECODE_VARIANT to time side by side (a kernel under
+        experiment may read it; the committed kernel ignores it).
     --base PATH  a second build of csrc/cpu/softmax.cpp loaded with torch.utils.cpp_extension
         (a module exposing fwd(q, k, v, mask, scale, causal, wl, wr, softcap, alibi) and bwd(...))
         to time the kernel before a change in the same process ("base" rows).
@@ -121,9 +127,56 @@ def sdpa(args) -> None:
                         print(line, flush=True)
 
 
+def decode(args) -> None:
+    import os
+
+    b, h, hk, n, m, d = 8, 32, 8, 1, args.m, 128
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, h, n, d, generator=g)
+    k = torch.randn(b, hk, m, d, generator=g)
+    v = torch.randn(b, hk, m, d, generator=g)
+    kv_bytes = 2 * k.numel() * 4
+    x = torch.ones(64 * 2**20, dtype=torch.uint8)
+    y = torch.empty_like(x)
+    big = torch.ones(kv_bytes // 4)
+
+    def variant(val):
+        # "VAR" or "VAR,NAME=VALUE,...": ATTNKIT_DECODE_VARIANT and ATTNKIT_DECODE_<NAME>
+        var, *extra = str(val).split(",")
+        env = {"ATTNKIT_DECODE_VARIANT": var}
+        env.update({f"ATTNKIT_DECODE_{kv.split('=')[0]}": kv.split("=")[1] for kv in extra})
+
+        def fn():
+            os.environ.update(env)
+            return attnkit.softmax_attention(q, k, v, enable_gqa=True)
+        return fn
+
+    impls = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+             "copy 64MiB": lambda: y.copy_(x), "sum K+V": lambda: big.sum()}
+    for val in args.variants:
+        impls[f"attnkit v{val}"] = variant(val)
+    with torch.no_grad():
+        ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        for val in args.variants:
+            err = (impls[f"attnkit v{val}"]() - ref).abs().max().item()
+            assert err < 1e-4, (val, err)
+        best = interleaved(impls, args.rounds, args.reps)
+    copy = 2 * x.numel() / best["copy 64MiB"] / 1e9
+    print(f"decode: B={b} Hq={h} Hk={hk} N={n} M={m} D={d} float32, {torch.get_num_threads()} threads, "
+          f"min of {args.rounds} rounds x median of {args.reps}; copy {copy:.1f} GB/s (read + write), "
+          f"sum (read only) {kv_bytes / best['sum K+V'] / 1e9:.1f} GB/s = {kv_bytes / best['sum K+V'] / 1e9 / copy:.0%} of copy")
+    for name, t in best.items():
+        if name.startswith("attnkit") or name == "sdpa":
+            gbs = kv_bytes / t / 1e9
+            print(f"  {name:14s} {1e3 * t:8.2f} ms  {gbs:5.1f} GB/s = {gbs / copy:4.0%} of copy"
+                  f"  sdpa/this {best['sdpa'] / t:5.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("band", "sdpa"))
+    ap.add_argument("what", choices=("band", "sdpa", "decode"))
+    ap.add_argument("--m", type=int, default=4096)
+    ap.add_argument("--variants", nargs="+", default=["0"])
     ap.add_argument("--n", type=int, nargs="+", default=None)
     ap.add_argument("--d", type=int, nargs="+", default=[64])
     ap.add_argument("--heads", type=int, default=1)
@@ -136,6 +189,8 @@ def main() -> None:
         args.n = (args.n or [16384])[0]
         args.reps = min(args.reps, 3)
         band(args)
+    elif args.what == "decode":
+        decode(args)
     else:
         args.n = args.n or [1024]
         sdpa(args)

@@ -637,6 +637,76 @@ inline void decode_dot16(const float* q, const float* K, int64_t ldk, int64_t D,
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA: S[r][j] = q_r . K[j] for RB query rows and KB keys at once (RB * KB <= 8
+// accumulators, each K vector loaded once for all RB rows), K rows in place (ldk floats apart),
+// keys past kn repeating the last one (their sums are not stored), D's last partial vector
+// under a lane mask.  The 8 sums are folded with horizontal adds into one vector.
+template <int RB, int KB>
+inline void decode_dots_block(const float* q, int64_t ldq, const float* K, int64_t ldk, int64_t D,
+                              int64_t kn, float* S, int64_t lds) {
+  static_assert(RB * KB <= 8, "at most 8 accumulators");
+  __m256 acc[8];
+  #pragma GCC unroll 8
+  for (int a = 0; a < 8; ++a) acc[a] = _mm256_setzero_ps();
+  const float* kr[KB];
+  #pragma GCC unroll 8
+  for (int j = 0; j < KB; ++j) kr[j] = K + std::min<int64_t>(j, kn - 1) * ldk;
+  const int64_t D8 = D / 8 * 8;
+  for (int64_t d = 0; d < D8; d += 8) {
+    __m256 kv[KB];
+    #pragma GCC unroll 8
+    for (int j = 0; j < KB; ++j) kv[j] = _mm256_loadu_ps(kr[j] + d);
+    #pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const __m256 qv = _mm256_loadu_ps(q + r * ldq + d);
+      #pragma GCC unroll 8
+      for (int j = 0; j < KB; ++j) acc[r * KB + j] = _mm256_fmadd_ps(qv, kv[j], acc[r * KB + j]);
+    }
+  }
+  if (D8 < D) {
+    const __m256i m = lanes_below8(D - D8);
+    __m256 kv[KB];
+    #pragma GCC unroll 8
+    for (int j = 0; j < KB; ++j) kv[j] = _mm256_maskload_ps(kr[j] + D8, m);
+    #pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const __m256 qv = _mm256_maskload_ps(q + r * ldq + D8, m);
+      #pragma GCC unroll 8
+      for (int j = 0; j < KB; ++j) acc[r * KB + j] = _mm256_fmadd_ps(qv, kv[j], acc[r * KB + j]);
+    }
+  }
+  // lane a of the result = the sum of acc[a]
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  alignas(32) float t[8];
+  _mm256_store_ps(t, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+  const int64_t kk = std::min<int64_t>(KB, kn);
+  #pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+    for (int64_t j = 0; j < kk; ++j) S[r * lds + j] = t[r * KB + j];
+}
+
+// S[r][j] = q_r . K[j] for r < R, j < kn: key blocks outer (each block's K rows stay in L1 over
+// the row blocks), rows in blocks of 4 (two keys each), the last 1-3 rows with more keys each.
+inline void decode_dots_avx2(const float* q, int64_t R, int64_t D, const float* K, int64_t ldk,
+                             int64_t kn, float* S, int64_t lds) {
+  const int64_t R4 = R / 4 * 4, rt = R - R4;
+  const int64_t kb = rt == 0 || rt == 3 ? 2 : rt == 2 ? 4 : 8;  // keys per block
+  for (int64_t j0 = 0; j0 < kn; j0 += kb) {
+    const int64_t n = kn - j0;
+    for (int64_t r0 = 0; r0 < R4; r0 += 4)
+      for (int64_t j1 = j0; j1 < std::min(kn, j0 + kb); j1 += 2)
+        decode_dots_block<4, 2>(q + r0 * D, D, K + j1 * ldk, ldk, D, kn - j1, S + r0 * lds + j1, lds);
+    const float* qt = q + R4 * D;
+    float* st = S + R4 * lds + j0;
+    if (rt == 3) decode_dots_block<3, 2>(qt, D, K + j0 * ldk, ldk, D, n, st, lds);
+    else if (rt == 2) decode_dots_block<2, 4>(qt, D, K + j0 * ldk, ldk, D, n, st, lds);
+    else if (rt == 1) decode_dots_block<1, 8>(qt, D, K + j0 * ldk, ldk, D, n, st, lds);
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // The same for bfloat16 q and K (bits): vdpbf16ps multiplies 32 d at a time, float32 sums.
 inline void decode_dot16_bf16(const uint16_t* q, const uint16_t* K, int64_t ldk, int64_t D, float* s,
@@ -769,7 +839,12 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
   const int64_t dot_max_rows = std::is_same_v<scalar_t, float> ? 16 : 8;
   bool direct = R <= dot_max_rows && !brgemm;
 #if !defined(__AVX512F__)
+  // AVX2 + FMA: float32 only (decode_dots_avx2); 16-bit inputs keep the GEMM on a transposed
+  // tile.
+  direct = direct && std::is_same_v<scalar_t, float>;
+#if !(defined(__AVX2__) && defined(__FMA__))
   direct = false;
+#endif
 #endif
   // Q's row length and K's packed depth: even (a bf16 pair), for brgemm a multiple of 32, zeros
   // past D in both operands: the K of S = Q K^T is zero-padded against oneDNN's AMX K-tail defect
@@ -843,6 +918,27 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
         float* S = st.s.data();
         for (int64_t k0 = j_begin; k0 < j_end; k0 += T) {
           const int64_t kn = std::min(T, j_end - k0);
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+          // AVX2 + FMA, float32: the next tile's K and V rows into L2 at this tile's start
+          // (prefetcht1; this tile's were asked for one tile ago).  Measured (B=8 Hq=32 Hk=8 N=1
+          // M=4096 D=128 float32, AMD EPYC Zen 3, machine shared with a CI run, interleaved in one
+          // process, see bench/softmax_cpu_speed.py decode): with the dot-product scores 1.08-1.16x
+          // at 2 threads, 1.15-1.3x at one, over the transposed-tile GEMM without prefetch; the
+          // dots alone, no prefetch: 0.98-1.05x.  Tried, no faster: this tile's V into L1 at its
+          // start (as on AVX-512), K and V prefetched 8-256 keys ahead spread over the score
+          // blocks (into L1 or L2), the next tile's V only before P V, prefetchnta, 32-key tiles
+          // (the same as 64), P V in groups of 4-32 keys (V read row-block by row-block).
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            for (int64_t jj = k0 + T; jj < std::min(j_end, k0 + 2 * T); ++jj) {
+              const char* row = reinterpret_cast<const char*>(k + ks.at(b, hk, jj));
+              for (int64_t x = 0; x < D * ks.d * int64_t(sizeof(scalar_t)); x += 64)
+                _mm_prefetch(row + x, _MM_HINT_T1);
+              row = reinterpret_cast<const char*>(v + vs.at(b, hk, jj));
+              for (int64_t x = 0; x < Dv * vs.d * int64_t(sizeof(scalar_t)); x += 64)
+                _mm_prefetch(row + x, _MM_HINT_T1);
+            }
+          }
+#endif
 #if defined(__AVX512F__)
           // Software prefetch: this tile's V (read after the scores) into L1, the next tile's K
           // into L2.  Measured (B=8 Hq=32 Hk=8 N=1 M=4096 D=128 float32, one thread, with the
@@ -879,6 +975,22 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
               gemm<float>(R, kn, D, st.q.data(), D, 1, st.kt.data(), T, S, T, false);
             }
           }
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+          else if constexpr (std::is_same_v<scalar_t, float>) {
+            const float* kt;
+            int64_t ldk;
+            if (k_in_place) {
+              kt = reinterpret_cast<const float*>(k + ks.at(b, hk, k0));
+              ldk = ks.n;
+            } else {
+              for (int64_t jj = 0; jj < kn; ++jj)
+                row_to_float(k + ks.at(b, hk, k0 + jj), ks.d, D, st.kf.data() + jj * D);
+              kt = st.kf.data();
+              ldk = D;
+            }
+            decode_dots_avx2(st.q.data(), R, D, kt, ldk, kn, S, T);
+          }
+#endif
 #if defined(__AVX512F__)
           else if (k_dot) {
 #if defined(__AVX512BF16__)
