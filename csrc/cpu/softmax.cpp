@@ -916,6 +916,17 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
         std::fill(st.m.begin(), st.m.end(), neg_inf<float>());
         std::fill(st.l.begin(), st.l.end(), 0.f);
         float* S = st.s.data();
+        // The tile's K rows as float32 for the dot products: in place, or converted into st.kf.
+        [[maybe_unused]] auto k_rows_f32 = [&](int64_t k0, int64_t kn, int64_t& ldk) -> const float* {
+          if (k_in_place) {
+            ldk = ks.n;
+            return reinterpret_cast<const float*>(k + ks.at(b, hk, k0));
+          }
+          for (int64_t jj = 0; jj < kn; ++jj)
+            row_to_float(k + ks.at(b, hk, k0 + jj), ks.d, D, st.kf.data() + jj * D);
+          ldk = D;
+          return st.kf.data();
+        };
         for (int64_t k0 = j_begin; k0 < j_end; k0 += T) {
           const int64_t kn = std::min(T, j_end - k0);
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -977,17 +988,8 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
           }
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
           else if constexpr (std::is_same_v<scalar_t, float>) {
-            const float* kt;
             int64_t ldk;
-            if (k_in_place) {
-              kt = reinterpret_cast<const float*>(k + ks.at(b, hk, k0));
-              ldk = ks.n;
-            } else {
-              for (int64_t jj = 0; jj < kn; ++jj)
-                row_to_float(k + ks.at(b, hk, k0 + jj), ks.d, D, st.kf.data() + jj * D);
-              kt = st.kf.data();
-              ldk = D;
-            }
+            const float* kt = k_rows_f32(k0, kn, ldk);
             decode_dots_avx2(st.q.data(), R, D, kt, ldk, kn, S, T);
           }
 #endif
@@ -1003,17 +1005,8 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
             }
 #endif
           } else {
-            const float* kt;
             int64_t ldk;
-            if (k_in_place) {
-              kt = reinterpret_cast<const float*>(k + ks.at(b, hk, k0));
-              ldk = ks.n;
-            } else {
-              for (int64_t jj = 0; jj < kn; ++jj)
-                row_to_float(k + ks.at(b, hk, k0 + jj), ks.d, D, st.kf.data() + jj * D);
-              kt = st.kf.data();
-              ldk = D;
-            }
+            const float* kt = k_rows_f32(k0, kn, ldk);
             for (int64_t r = 0; r < R; ++r)
               for (int64_t j0 = 0; j0 < kn; j0 += 16)
                 decode_dot16(st.q.data() + r * D, kt + j0 * ldk, ldk, D, S + r * T + j0,
