@@ -171,8 +171,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "the vector instructions the CPU kernels were compiled for (compile-time choice)");
   module.def("cpu_gemm_path", &cpu_gemm_path_name, pybind11::arg("dtype"),
              "the tile-GEMM path of the CPU softmax forward for a dtype ('bfloat16', 'float16', 'float32', "
-             "'float64'), chosen at run time: 'native', 'brgemm (AMX, VNNI)' or 'brgemm (no VNNI: reference "
-             "fallback)' (ATTNKIT_CPU_GEMM=auto|native|brgemm, read per call)");
+             "'float64'), chosen at run time: 'native', 'brgemm (AMX, VNNI)', 'brgemm (no VNNI: reference "
+             "fallback)' or 'brgemm emulated (VNNI layout, scalar: tests)' "
+             "(ATTNKIT_CPU_GEMM=auto|native|brgemm|emulate, read per call)");
   module.def("openmp_max_threads", []() { return at::get_num_threads(); },
              "threads the CPU kernels use (torch's intra-op pool)");
 

@@ -53,7 +53,7 @@ _CPU_ISA_TEXT = {
 
 
 # The families whose CPU kernels choose their tile-GEMM path at run time (issue 25:
-# csrc/cpu/gemm_path.h, ATTNKIT_CPU_GEMM=auto|native|brgemm): softmax (forward, backward, decode) so far.
+# csrc/cpu/gemm_path.h, ATTNKIT_CPU_GEMM=auto|native|brgemm|emulate): softmax (forward, backward, decode) so far.
 RUNTIME_GEMM_FAMILIES = ("softmax",)
 CPU_GEMM_ENV_VAR = "ATTNKIT_CPU_GEMM"
 

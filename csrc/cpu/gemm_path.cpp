@@ -1,6 +1,11 @@
 // The CPU kernels' tile-GEMM path, chosen at run time: see gemm_path.h.
 #include "gemm_path.h"
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <limits>
 #include <cstdlib>
 #include <string_view>
 
@@ -52,10 +57,11 @@ bool cpu_has_amx(at::ScalarType dtype) {
 GemmPath cpu_gemm_path(at::ScalarType dtype) {
   const char* env = std::getenv("ATTNKIT_CPU_GEMM");
   const std::string_view want = env == nullptr || *env == '\0' ? std::string_view("auto") : std::string_view(env);
-  ATTNKIT_CHECK(want == "auto" || want == "native" || want == "brgemm",
-                "ATTNKIT_CPU_GEMM must be one of auto, native, brgemm; got '", want, "'");
+  ATTNKIT_CHECK(want == "auto" || want == "native" || want == "brgemm" || want == "emulate",
+                "ATTNKIT_CPU_GEMM must be one of auto, native, brgemm, emulate; got '", want, "'");
   // float32 / float64: the native tiles (brgemm float32 did not measure faster: not offered).
   if (want == "native" || (dtype != at::kBFloat16 && dtype != at::kHalf)) return GemmPath::kNative;
+  if (want == "emulate") return GemmPath::kBrgemmEmulated;
   // could_pack: whether oneDNN runs brgemm on AMX with a VNNI-packed B (fixed for the process).
   static const bool could_pack_bf16 = at::native::cpublas::could_pack(at::kBFloat16);
   static const bool could_pack_f16 = at::native::cpublas::could_pack(at::kHalf);
@@ -68,7 +74,34 @@ std::string gemm_path_name(GemmPath path) {
   switch (path) {
     case GemmPath::kBrgemmVnni: return "brgemm (AMX, VNNI)";
     case GemmPath::kBrgemmPlain: return "brgemm (no VNNI: reference fallback)";
+    case GemmPath::kBrgemmEmulated: return "brgemm emulated (VNNI layout, scalar: tests)";
     default: return "native";
+  }
+}
+
+void brgemm16_emulated(bool bf16, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc,
+                       bool add_C, const uint16_t* A, const uint16_t* B, float* C) {
+  ATTNKIT_CHECK(M >= 0 && N >= 0 && K >= 0 && K % 2 == 0 && lda >= K && ldb >= N && ldc >= N,
+                "brgemm16_emulated: a call oneDNN's VNNI kernel would not take: M=", M, " N=", N, " K=", K,
+                " lda=", lda, " ldb=", ldb, " ldc=", ldc, " (expected K even, lda >= K, ldb >= N, ldc >= N)");
+  auto value = [bf16](uint16_t bits) -> float {
+    return bf16 ? static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()))
+                : static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  };
+  const bool k_tail_defect = K > 32 && K % 32 != 0;
+  for (int64_t i = 0; i < M; ++i) {
+    float* c = C + i * ldc;
+    for (int64_t n = 0; n < N; ++n) {
+      float sum = add_C ? c[n] : 0.0f;
+      for (int64_t kk = 0; kk < K; ++kk) sum += value(A[i * lda + kk]) * value(B[((kk / 2) * ldb + n) * 2 + kk % 2]);
+      c[n] = sum;
+    }
+    if (k_tail_defect && i + 1 < M) {
+      bool next_row_nan = false;
+      for (int64_t kk = 0; kk < K; ++kk) next_row_nan = next_row_nan || std::isnan(value(A[(i + 1) * lda + kk]));
+      if (next_row_nan)
+        for (int64_t n = 0; n < N; ++n) c[n] = std::numeric_limits<float>::quiet_NaN();
+    }
   }
 }
 

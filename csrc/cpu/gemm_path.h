@@ -9,7 +9,12 @@
 //           oneDNN runs it on AMX -- and plain row-major [K][ld_b] elsewhere (torch's reference
 //           fallback: exact, slow; only for forcing the path on a CPU without AMX, the tests).
 //
-// The choice, per call and dtype: ATTNKIT_CPU_GEMM=auto (default) | native | brgemm.  auto takes
+//   emulate attnkit's scalar model of the AMX brgemm (brgemm16_emulated below): the VNNI packing of
+//           the brgemm path checked on any CPU, with oneDNN's K-tail NaN defect reproduced so that
+//           the guard against it is tested too.  Exact float32 sums of 16-bit products; slow: for
+//           the tests, never chosen by auto.
+//
+// The choice, per call and dtype: ATTNKIT_CPU_GEMM=auto (default) | native | brgemm | emulate.  auto takes
 // brgemm for bfloat16 / float16 only where the CPU has the AMX tiles of that dtype (CPUID) and
 // could_pack(dtype) holds -- never on AMD EPYC (no AMX), whose native kernels are the faster
 // ones -- and native otherwise.  float32 / float64 always run native.  The softmax forward,
@@ -24,30 +29,51 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace attnkit {
 
-enum class GemmPath { kNative, kBrgemmVnni, kBrgemmPlain };
+enum class GemmPath { kNative, kBrgemmVnni, kBrgemmPlain, kBrgemmEmulated };
+
+// Whether the path's B operands are VNNI-packed (pairs of K rows interleaved).
+inline bool brgemm_vnni_layout(GemmPath path) {
+  return path == GemmPath::kBrgemmVnni || path == GemmPath::kBrgemmEmulated;
+}
 
 // The path the softmax kernels' tile GEMMs take for `dtype` in this call (reads
-// ATTNKIT_CPU_GEMM; raises on a value other than auto, native, brgemm).
+// ATTNKIT_CPU_GEMM; raises on a value other than auto, native, brgemm, emulate).
 GemmPath cpu_gemm_path(at::ScalarType dtype);
 
-// "native", "brgemm (AMX, VNNI)" or "brgemm (no VNNI: reference fallback)".
+// "native", "brgemm (AMX, VNNI)", "brgemm (no VNNI: reference fallback)" or
+// "brgemm emulated (VNNI layout, scalar: tests)".
 std::string gemm_path_name(GemmPath path);
 
 // Whether the CPU has AMX tiles for `dtype` (bfloat16: AMX-TILE + AMX-BF16; float16: AMX-TILE +
 // AMX-FP16), by CPUID leaf 7.
 bool cpu_has_amx(at::ScalarType dtype);
 
+// The emulated brgemm (GemmPath::kBrgemmEmulated): C [M][ldc] (+)= A [M][lda] B for 16-bit A and
+// B (bfloat16 when bf16, else float16; raw bits), B VNNI-packed, float32 sums in k order.  It
+// checks what oneDNN's AMX kernel needs of the call (K even, lda >= K, ldb and ldc >= N) and
+// reproduces the defect of torch 2.13's oneDNN on AMX (DESIGN.md): when K > 32 and K % 32 != 0,
+// a NaN in row i + 1 of A makes all of output row i NaN here (the real kernel spreads it to some
+// of the row; all of it is the stricter test of the guard).
+void brgemm16_emulated(bool bf16, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc,
+                       bool add_C, const uint16_t* A, const uint16_t* B, float* C);
+
 // C [M][ldc] (+)= A [M][lda] B, 16-bit A and B (scalar_t: at::BFloat16 or at::Half, given as raw
-// bits), C float32; B VNNI-packed (vnni) or plain [K][ldb].  K even when vnni.
+// bits), C float32, on `path` (a brgemm one): B VNNI-packed (brgemm_vnni_layout(path), K even) or
+// plain [K][ldb].
 template <typename scalar_t>
 inline void brgemm16(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_C,
-                     const uint16_t* A, const uint16_t* B, float* C, bool vnni) {
+                     const uint16_t* A, const uint16_t* B, float* C, GemmPath path) {
+  if (path == GemmPath::kBrgemmEmulated) {
+    brgemm16_emulated(std::is_same_v<scalar_t, at::BFloat16>, M, N, K, lda, ldb, ldc, add_C, A, B, C);
+    return;
+  }
   at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, reinterpret_cast<const scalar_t*>(A),
-                              reinterpret_cast<const scalar_t*>(B), C, vnni);
+                              reinterpret_cast<const scalar_t*>(B), C, path == GemmPath::kBrgemmVnni);
 }
 
 // Ends a worker thread's use of brgemm (oneDNN's AMX tile state) when it dies: a member of the
@@ -57,7 +83,10 @@ inline void brgemm16(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, 
 class BrgemmRelease {
  public:
   BrgemmRelease() = default;
-  BrgemmRelease(bool active, bool vnni) : active_(active), vnni_(vnni) {}
+  // Active for oneDNN's paths only (the native and emulated ones hold no oneDNN state).
+  explicit BrgemmRelease(GemmPath path)
+      : active_(path == GemmPath::kBrgemmVnni || path == GemmPath::kBrgemmPlain),
+        vnni_(path == GemmPath::kBrgemmVnni) {}
   BrgemmRelease(BrgemmRelease&& o) noexcept : active_(o.active_), vnni_(o.vnni_) { o.active_ = false; }
   BrgemmRelease& operator=(BrgemmRelease&& o) noexcept {
     std::swap(active_, o.active_);

@@ -329,7 +329,7 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
   constexpr bool kDot = kHaveBf16Dot && std::is_same_v<scalar_t, at::BFloat16>;
   const bool brgemm = k16 && path != GemmPath::kNative;
   const bool tiles16 = kDot || brgemm;  // Q, K, V, P packed as 16-bit
-  const bool pairs = brgemm ? path == GemmPath::kBrgemmVnni : kDot;  // VNNI layout of K and V
+  const bool pairs = brgemm ? brgemm_vnni_layout(path) : kDot;  // VNNI layout of K and V
   const int64_t B = p.B, H = p.H, Hk = p.Hk, N = p.N, M = p.M, D = p.D, Dv = p.Dv;
   const int64_t G = H / Hk;
   const int64_t nqb = ceil_div(N, kBQ);
@@ -352,7 +352,7 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
           st.vb16.resize(static_cast<size_t>(M2 * Dvp));
           st.qb16.resize(static_cast<size_t>(kBQ * D2));
           st.pb16.resize(static_cast<size_t>(kBQ * kBK));
-          st.release = BrgemmRelease(brgemm, pairs);
+          st.release = BrgemmRelease(path);
         } else {
           st.kt.resize(static_cast<size_t>(nkb * D * kBK));
           if (!(std::is_same_v<scalar_t, acc_t> && vs.d == 1)) st.v.resize(static_cast<size_t>(M * Dv));
@@ -480,7 +480,7 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
               if constexpr (k16)
                 brgemm16<scalar_t>(rn, c1 - c0, D2, D2, kBK, kBK, false, st.qb16.data() + r0 * D2,
                                    st.kb16.data() + kb * D2 * kBK + b16_index(0, col + c0, kBK, pairs),
-                                   S + r0 * kBK + c0, pairs);
+                                   S + r0 * kBK + c0, path);
             } else if constexpr (kDot) {
 #if defined(__AVX512BF16__)
               gemm_bf16(rn, c1 - c0, D, st.qb16.data() + r0 * D2, D2,
@@ -542,7 +542,7 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
               if constexpr (k16)
                 brgemm16<scalar_t>(rn, Dv, pairs ? round_up(c1 - c0, 2) : c1 - c0, kBK, Dvp, Dv, true,
                                    st.pb16.data() + r0 * kBK + c0, st.vb16.data() + (k0 + c0) * Dvp,
-                                   st.o.data() + r0 * Dv, pairs);
+                                   st.o.data() + r0 * Dv, path);
             } else if constexpr (kDot) {
 #if defined(__AVX512BF16__)
               gemm_bf16(rn, Dv, c1 - c0, st.pb16.data() + r0 * kBK + c0, kBK, st.vb16.data() + (k0 + c0) * Dvp,
@@ -820,7 +820,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
   // float32 with unit stride along d, else converted per tile.
   constexpr bool k16 = std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>;
   const bool brgemm = k16 && path != GemmPath::kNative;
-  const bool vnni = path == GemmPath::kBrgemmVnni;
+  const bool vnni = brgemm_vnni_layout(path);
   const bool k_dot = !brgemm && kHaveBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && ks.d == 1;
   const bool q16 = k_dot || brgemm;  // Q packed in 16 bits
   const bool k_in_place = std::is_same_v<scalar_t, float> && ks.d == 1;
@@ -880,7 +880,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
           if (brgemm) {
             st.pb.resize(static_cast<size_t>(R * T));
             st.vb.assign(static_cast<size_t>(T * Dvp), 0);
-            st.release = BrgemmRelease(true, vnni);
+            st.release = BrgemmRelease(path);
           }
         } else {
           st.q.resize(static_cast<size_t>(R * D));
@@ -971,7 +971,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
             // K = D2: zero-padded (K^T's rows past D are never written).
             if constexpr (k16) {
               pack_transposed_pairs(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kb.data(), T, vnni);
-              brgemm16<scalar_t>(R, kn, D2, D2, T, T, false, st.qb.data(), st.kb.data(), S, vnni);
+              brgemm16<scalar_t>(R, kn, D2, D2, T, T, false, st.qb.data(), st.kb.data(), S, path);
             }
           } else if (!direct) {
             if (k_dot) {
@@ -1053,7 +1053,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
                 to_bits16<scalar_t>(S + r * T, kn, st.pb.data() + r * T, kn2);
               }
               pack_rows16(v + vs.at(b, hk, k0), vs.n, vs.d, kn, Dv, st.vb.data(), Dvp, vnni, kn2);
-              brgemm16<scalar_t>(R, Dv, kn2, T, Dvp, Dv, true, st.pb.data(), st.vb.data(), st.o.data(), vnni);
+              brgemm16<scalar_t>(R, Dv, kn2, T, Dvp, Dv, true, st.pb.data(), st.vb.data(), st.o.data(), path);
             }
             continue;
           }
@@ -1159,7 +1159,7 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
   const bool softcap = p.softcap > 0.0;
   constexpr bool k16 = std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>;
   const bool brgemm = k16 && path != GemmPath::kNative;
-  const bool pairs = path == GemmPath::kBrgemmVnni;
+  const bool pairs = brgemm_vnni_layout(path);
   // Every brgemm's K (reduction) dimension is zero-padded to a multiple of 32, zeros in both
   // operands: torch 2.13's bundled oneDNN, on AMX, writes a NaN of row i + 1 of the left operand
   // into output row i when K > 32 and K % 32 != 0 (DESIGN.md), and here every left operand may
@@ -1230,7 +1230,7 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
           st.krb.resize(static_cast<size_t>(kBKb * Dp));
           st.qb.resize(static_cast<size_t>(kBQb * Dp));
           st.dob.resize(static_cast<size_t>(kBQb * Dvp));
-          st.release = BrgemmRelease(true, pairs);
+          st.release = BrgemmRelease(path);
         } else {
           st.kt.resize(static_cast<size_t>(D * kBKb));
           st.vt.resize(static_cast<size_t>(Dv * kBKb));
@@ -1312,7 +1312,7 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
               // S = Q K^T (brgemm: K = D2, zero-padded)
               if (brgemm) {
                 if constexpr (k16)
-                  brgemm16<scalar_t>(qn, kn, D2, D2, kBKb, kBKb, false, st.qa.data(), st.ktb.data(), S, pairs);
+                  brgemm16<scalar_t>(qn, kn, D2, D2, kBKb, kBKb, false, st.qa.data(), st.ktb.data(), S, path);
               } else {
                 gemm<acc_t>(qn, kn, D, Qr, ldq, 1, st.kt.data(), kBKb, S, kBKb, false);
               }
@@ -1350,8 +1350,8 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
                   // [qn, qn2) zero);  dP = dO V^T (K = Dv2, zero-padded)
                   to_bits16_transposed<scalar_t>(S, kBKb, qn, kn, st.pt.data(), kBQb, qn2);
                   brgemm16<scalar_t>(kn, Dv, qn2, kBQb, Dvp, Dv, true, st.pt.data(), st.dob.data(), st.dv.data(),
-                                     pairs);
-                  brgemm16<scalar_t>(qn, kn, Dv2, Dv2, kBKb, kBKb, false, st.doa.data(), st.vtb.data(), dP, pairs);
+                                     path);
+                  brgemm16<scalar_t>(qn, kn, Dv2, Dv2, kBKb, kBKb, false, st.doa.data(), st.vtb.data(), dP, path);
                 }
               } else {
                 // dV += P^T dO
@@ -1388,9 +1388,9 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
                   to_bits16_transposed<scalar_t>(dP, kBKb, qn, kn, st.dst.data(), kBQb, qn2);
                   for (int64_t r = 0; r < qn; ++r)
                     to_bits16<scalar_t>(dP + r * kBKb, kn, st.ds.data() + r * kBKb, kn2);
-                  brgemm16<scalar_t>(kn, D, qn2, kBQb, Dp, D, true, st.dst.data(), st.qb.data(), st.dk.data(), pairs);
+                  brgemm16<scalar_t>(kn, D, qn2, kBQb, Dp, D, true, st.dst.data(), st.qb.data(), st.dk.data(), path);
                   brgemm16<scalar_t>(qn, D, kn2, kBKb, Dp, D, true, st.ds.data(), st.krb.data(), dq_c + row0 * D,
-                                     pairs);
+                                     path);
                 }
               } else {
                 // dK += dS^T Q;  dQ += dS K

@@ -2,7 +2,10 @@
 ``native`` (attnkit's FMA / AVX512-BF16 tiles) or ``brgemm`` (oneDNN's micro-kernel through
 ``at::native::cpublas::brgemm``: AMX tiles with a VNNI-packed B where ``cpublas::could_pack``, the
 plain row-major B of torch's reference fallback elsewhere), per dtype, forced by
-``ATTNKIT_CPU_GEMM=auto|native|brgemm`` (read on every call).
+``ATTNKIT_CPU_GEMM=auto|native|brgemm`` (read on every call), or ``emulate``: attnkit's scalar model
+of the AMX brgemm on the VNNI layout, with oneDNN's K-tail NaN defect reproduced (a NaN in row i + 1
+of the left operand spoils output row i when K > 32 and K % 32 != 0), so that the VNNI packing and
+the guard against that defect are checked on every CPU, AMX or not.
 
 Each forced path runs the cpu backend's forward (the flash kernel, or the decoding kernel for
 N <= 16 query rows) through the public function, then its backward through autograd (the flash
@@ -36,7 +39,7 @@ def gemm_path(dtype):
     return _dispatch.native().cpu_gemm_path(str(dtype).removeprefix("torch."))
 
 
-@pytest.fixture(params=["native", "brgemm"])
+@pytest.fixture(params=["native", "brgemm", "emulate"])
 def forced(request, monkeypatch):
     """ATTNKIT_CPU_GEMM set to each path for the test."""
     monkeypatch.setenv(ENV, request.param)
@@ -64,6 +67,8 @@ def test_forced_paths_are_reported(forced):
         path = gemm_path(dtype)
         if forced == "native":
             assert path == "native"
+        elif forced == "emulate":
+            assert path == "brgemm emulated (VNNI layout, scalar: tests)"
         else:  # VNNI where oneDNN packs for AMX, the reference fallback elsewhere
             assert path in ("brgemm (AMX, VNNI)", "brgemm (no VNNI: reference fallback)"), path
     # float32 / float64 stay native whatever is asked
@@ -90,9 +95,9 @@ def test_auto_follows_the_cpu(monkeypatch):
 def test_bad_value_names_the_allowed_ones(monkeypatch):
     monkeypatch.setenv(ENV, "amx")
     q = torch.randn(1, 1, 20, 8, dtype=BF16)
-    with pytest.raises(RuntimeError, match="ATTNKIT_CPU_GEMM must be one of auto, native, brgemm; got 'amx'"):
+    with pytest.raises(RuntimeError, match="ATTNKIT_CPU_GEMM must be one of auto, native, brgemm, emulate; got 'amx'"):
         attnkit.softmax_attention(q, q, q, backend="cpu")
-    with pytest.raises(RuntimeError, match="auto, native, brgemm"):
+    with pytest.raises(RuntimeError, match="auto, native, brgemm, emulate"):
         gemm_path(BF16)
     with pytest.raises(RuntimeError, match="bfloat16, float16, float32, float64"):
         _dispatch.native().cpu_gemm_path("int8")
@@ -296,6 +301,22 @@ def test_nan_and_inf_propagate(forced, where, val, mask_kind, causal, dtype, n):
     import test_softmax_cpu  # tests/csrc is on sys.path under pytest (rootdir without __init__.py)
 
     test_softmax_cpu.test_nan_and_inf_propagate(where, val, mask_kind, causal, dtype, n)
+
+
+# The same with D = 40 and 72 (Q K^T and dP = dO V^T reduce over D; dK and dQ over the query and
+# key blocks: K > 32 and K % 32 != 0 unless padded): under ``emulate`` a NaN in one row of a left
+# operand whose reduction is not padded spoils the row above it, which these exact NaN-row checks
+# catch (checked: without the forward's padding of D, the q cases fail).
+NAN_K_TAIL_CASES = [("q", math.nan, BF16, 70, 40), ("k", math.nan, F16, 70, 72), ("v", math.nan, BF16, 70, 72),
+                    ("q", math.nan, F16, 12, 40), ("k", math.inf, BF16, 12, 72)]
+
+
+@pytest.mark.parametrize("where,val,dtype,n,d", NAN_K_TAIL_CASES,
+                         ids=[f"{w}-{v}-{str(t)[6:]}-{n}-d{d}" for w, v, t, n, d in NAN_K_TAIL_CASES])
+def test_nan_rows_under_k_tails(forced, where, val, dtype, n, d):
+    import test_softmax_cpu
+
+    test_softmax_cpu.test_nan_and_inf_propagate(where, val, None, True, dtype, n, D=d)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])
