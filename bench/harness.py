@@ -581,19 +581,20 @@ def _first_line(exc: BaseException) -> str:
 
 def run_impl(case: Case, impl: Impl, inputs: dict, device: torch.device, *, warmup: int,
              repeats: int, memory: bool, timer: Callable[[], float],
-             max_time: float | None = None) -> tuple[dict, Any]:
-    """Measure one implementation; never raises (failures become the row's status)."""
+             max_time: float | None = None) -> tuple[dict, Any, Callable[[], Any] | None]:
+    """Measure one implementation; never raises (failures become the row's status).  Returns
+    (row, the last warmup call's output, the timed step: None unless the row is ok)."""
     row = {"impl": impl.name, "kind": impl.kind, "backend": impl.backend, "status": "ok", "reason": "",
            "note": impl.note}
     if impl.unavailable:
         row.update(status="unavailable", reason=impl.unavailable)
-        return row, None
+        return row, None, None
     if impl.skip:
         row.update(status="skipped", reason=impl.skip)
-        return row, None
+        return row, None, None
     from .._dispatch import BackendUnavailableError
 
-    out = None
+    out, step = None, None
     started = time.perf_counter()
     try:
         step = prepare(case, impl, inputs, device)
@@ -615,12 +616,59 @@ def run_impl(case: Case, impl: Impl, inputs: dict, device: torch.device, *, warm
             row.update(measure_memory(step, device))
     except (Unavailable, BackendUnavailableError) as exc:
         row.update(status="unavailable", reason=str(exc))
-        out = None
+        out, step = None, None
     except Exception as exc:  # noqa: BLE001 - one failing implementation must not end the sweep
         row.update(status="error", reason=_first_line(exc))
-        out = None
+        out, step = None, None
     row["wall_s"] = time.perf_counter() - started  # everything: warmup, timed and memory calls
-    return row, out
+    return row, out, step
+
+
+# Interleaved timing (CPU runs of ``python -m attnkit bench``): after every implementation of a
+# case has been measured on its own, each is timed again in rounds that run every implementation
+# in turn, and those times are the ones reported.  On the shared 2-core machines the project is
+# measured on, timing each implementation in one block let the load of the moment decide the
+# ratio: the same cell (softmax float32 N=1024 forward, AMD EPYC Zen 3) read 0.84x in one
+# `bench --quick` and 1.86x in another the same day, against 1.18x interleaved by
+# bench/softmax_cpu_speed.py (session 12).  Interleaving makes a busy stretch hit every
+# implementation alike.
+# A short call's block in a round starts with one untimed call: the intra-op pool's threads go
+# to sleep while another implementation runs single-threaded, and waking them cost a 46 us SDPA
+# call (N=16) up to 42 ms on the loaded machine (AMD EPYC Zen 3, load 7, session 13); a call in a
+# steady loop finds them awake.
+INTERLEAVE_WARM_BELOW_S = 0.01
+
+
+def interleave_rows(rows: list[dict | None], steps: list[Callable[[], Any] | None],
+                    timer: Callable[[], float] = time.perf_counter) -> None:
+    """Re-time the rows that measured ok (with ``steps[i]`` their step) in interleaved rounds:
+    as many rounds as the fewest timed calls any of them made, each round running implementation
+    i ``calls_i`` times in a row (its own timed calls spread over the rounds; after one untimed
+    call when its calls are short) and recording each call.  The row's median, minimum, times and rates become the interleaved ones; the block
+    figures stay as ``block_median_s`` and ``block_times_s``.  Needs two rows or more."""
+    live = [i for i, r in enumerate(rows) if r is not None and r.get("status") == "ok" and steps[i] is not None
+            and r.get("times_s")]
+    if len(live) < 2:
+        return
+    rounds = min(len(rows[i]["times_s"]) for i in live)
+    calls = {i: max(1, round(len(rows[i]["times_s"]) / rounds)) for i in live}
+    warm = {i: rows[i]["median_s"] < INTERLEAVE_WARM_BELOW_S for i in live}
+    times = {i: [] for i in live}
+    for _ in range(rounds):
+        for i in live:
+            if warm[i]:
+                steps[i]()
+            for _ in range(calls[i]):
+                t0 = timer()
+                steps[i]()
+                times[i].append(timer() - t0)
+    for i in live:
+        row, median = rows[i], statistics.median(times[i])
+        row.update(block_median_s=row["median_s"], block_times_s=row["times_s"], times_s=times[i],
+                   median_s=median, min_s=min(times[i]), repeats=len(times[i]), timing="interleaved")
+        row["flops_per_s"] = row["flops_per_s"] and (row["flops_per_s"] * row["block_median_s"] / median)
+        if row.get("bytes_per_s"):
+            row["bytes_per_s"] = row["bytes_per_s"] * row["block_median_s"] / median
 
 
 def _pending_row(impl: Impl, reason: str = "not run yet") -> dict:
@@ -684,8 +732,11 @@ def check_targets(case: Case, rec: dict, machine: dict | None = None) -> list[di
 def run_case(case: Case, device: torch.device, *, warmup: int = 1, repeats: int = 5, memory: bool = True,
              timer: Callable[[], float] = time.perf_counter, max_time: float | None = None,
              progress=None, on_row: Callable[[dict], None] | None = None,
-             machine: dict | None = None) -> dict:
+             machine: dict | None = None, interleave: bool = False) -> dict:
     """Run every implementation of ``case`` on the same inputs; returns the case's JSON record.
+
+    ``interleave`` (CPU only): the implementations are timed again in interleaved rounds after
+    they have all run (:func:`interleave_rows`), and those times are reported.
 
     Never raises for a failing implementation (its row says why).  ``on_row(record)`` is called
     with the record so far after each implementation (rows not yet run have status
@@ -694,6 +745,7 @@ def run_case(case: Case, device: torch.device, *, warmup: int = 1, repeats: int 
     """
     started = time.perf_counter()
     rows: list[dict | None] = [None] * len(case.impls)
+    steps: list[Callable[[], Any] | None] = [None] * len(case.impls)
     aborted = ""
     try:
         inputs = case.make_inputs(device)
@@ -714,8 +766,10 @@ def run_case(case: Case, device: torch.device, *, warmup: int = 1, repeats: int 
             continue
         if progress is not None:
             progress.set_postfix_str(f"{case.label} · {impl.name}", refresh=True)
-        row, out = run_impl(case, impl, inputs, device, warmup=warmup, repeats=repeats, memory=memory,
-                            timer=timer, max_time=max_time)
+        row, out, step = run_impl(case, impl, inputs, device, warmup=warmup, repeats=repeats, memory=memory,
+                                  timer=timer, max_time=max_time)
+        if interleave and device.type != "cuda":
+            steps[i] = step
         if row["status"] == "error":
             aborted = cuda_context_error(device)
             if aborted:
@@ -741,7 +795,9 @@ def run_case(case: Case, device: torch.device, *, warmup: int = 1, repeats: int 
             partial = _case_record(case, [r or _pending_row(case.impls[j]) for j, r in enumerate(rows)])
             partial["targets"] = check_targets(case, partial, machine)
             on_row(partial)
-    del baseline, inputs
+    if interleave and device.type != "cuda":
+        interleave_rows(rows, steps, timer)
+    del baseline, inputs, steps
     gc.collect()
     if device.type == "cuda" and not aborted:
         torch.cuda.empty_cache()
@@ -838,8 +894,10 @@ def run_sweep(cases: Sequence[Case], device: torch.device, *, warmup: int = 1, r
               max_time: float | None = None, progress: bool = True, deadline_at: float | None = None,
               on_start: Callable[[Case, int], None] | None = None,
               on_row: Callable[[dict], None] | None = None,
-              on_record: Callable[[dict], None] | None = None, machine: dict | None = None) -> list[dict]:
+              on_record: Callable[[dict], None] | None = None, machine: dict | None = None,
+              interleave: bool = False) -> list[dict]:
     """Run the cases in order; a tqdm bar on stderr counts the (case, implementation) runs.
+    ``interleave``: as in :func:`run_case`.
 
     ``deadline_at`` (a ``time.perf_counter()`` value): no case starts after it; the cases not
     run are those past ``len(records)``.  A case whose record says ``aborted`` (the CUDA context
@@ -855,7 +913,8 @@ def run_sweep(cases: Sequence[Case], device: torch.device, *, warmup: int = 1, r
             if on_start is not None:
                 on_start(case, index)
             rec = run_case(case, device, warmup=warmup, repeats=repeats, memory=memory, timer=timer,
-                           max_time=max_time, progress=bar, on_row=on_row, machine=machine)
+                           max_time=max_time, progress=bar, on_row=on_row, machine=machine,
+                           interleave=interleave)
             records.append(rec)
             if on_record is not None:
                 on_record(rec)
@@ -985,6 +1044,8 @@ def format_header(meta: dict) -> list[str]:
                    f"filling ~{meta['max_time_s'] * SHORT_CALL_TIME_SHARE:g} s)")
     head = f"attnkit bench — {meta.get('device')} ({meta.get('device_name')}), torch {meta.get('torch')}, " \
            f"{meta.get('threads')} threads, median of {repeats} calls after {meta.get('warmup')} warmup"
+    if meta.get("interleaved"):
+        head += ", then again in interleaved rounds (those reported)"
     lines.append(head + (" [quick]" if meta.get("quick") else ""))
     if meta.get("cpu"):
         lines.append(("cpu: " if meta.get("device") == "cpu" else "host cpu: ") + describe_cpu(meta["cpu"]))
@@ -1323,6 +1384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = make_meta(device, quick=args.quick, warmup=warmup, repeats=repeats, families=families,
                      memory=memory, machine=None, max_time=max_time)
     meta["steady_memory"] = steady  # large freed blocks kept (see steady_memory)
+    meta["interleaved"] = device.type == "cpu"  # CPU: times from interleaved rounds (interleave_rows)
     bar = progress_available() and not args.no_progress
     report = LiveReport(out_dir, device.type, meta, started=t0, deadline=args.deadline, grace=args.grace,
                         announce_cases=not bar, child=args.child)
@@ -1338,7 +1400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             report.plan(cases)
             records = run_sweep(cases, device, warmup=warmup, repeats=repeats, memory=memory, max_time=max_time,
                                 progress=bar, deadline_at=report.deadline_at(), on_start=report.case_started,
-                                on_row=report.row_done, on_record=report.case_done, machine=meta["machine"])
+                                on_row=report.row_done, on_record=report.case_done, machine=meta["machine"],
+                                interleave=meta["interleaved"])
             not_run = [f"{c.label} [{c.mode}]" for c in cases[len(records):]]
             if records and records[-1].get("aborted"):
                 status, why = "aborted", f"stopped: {records[-1]['aborted']} (in {records[-1]['label']})"

@@ -107,6 +107,62 @@ def test_short_calls_fill_a_share_of_max_time():
     assert len(times) == 10
 
 
+def test_interleaved_rounds_let_the_load_hit_every_impl_alike():
+    """A busy stretch while the peer's block runs makes block timing read 3x; the interleaved
+    rounds (CPU bench runs) time both at the same load and report 1x, keeping the block figures."""
+    clock = FakeClock()
+    busy_until = [0.0]  # calls starting before this take 3x
+
+    def runner(base):
+        def fn(x):
+            clock.now += base * (3 if clock.now < busy_until[0] else 1)
+            return x["a"] * 2
+        return fn
+
+    impls = [Impl("attnkit[x]", "attnkit", fn=runner(0.001)), Impl("short", "attnkit", fn=runner(0.0005)),
+             Impl("peer", "peer", fn=runner(0.001))]
+    busy_until[0] = 0.004 * 3  # the peer's warmup and 3 timed calls (it runs first)
+    rec = harness.run_case(fake_case(clock, impls), CPU, warmup=1, repeats=3, memory=False, timer=clock,
+                           interleave=True)
+    rows = {r["impl"]: r for r in rec["results"]}
+    assert rows["peer"]["block_median_s"] == pytest.approx(0.003)
+    assert rows["peer"]["median_s"] == pytest.approx(0.001)
+    assert rows["peer"]["timing"] == "interleaved" and rows["peer"]["repeats"] == 3
+    assert rows["peer"]["flops_per_s"] == pytest.approx(1e9 / 0.001)
+    speed = {(r["attnkit"], r["peer"]): r["speedup"] for r in rec["ratios"]}
+    assert speed == pytest.approx({("attnkit[x]", "peer"): 1.0, ("short", "peer"): 2.0})
+    # without interleave the block figures are the ones reported
+    busy_until[0] = clock.now + 0.004 * 3
+    rec = harness.run_case(fake_case(clock, impls), CPU, warmup=1, repeats=3, memory=False, timer=clock)
+    assert {(r["attnkit"], r["peer"]): r["speedup"] for r in rec["ratios"]}[("attnkit[x]", "peer")] == \
+        pytest.approx(3.0)
+    assert "timing" not in rec["results"][0]
+
+
+def test_interleave_calls_spread_each_impls_count_over_the_rounds():
+    """Rounds = the fewest timed calls of any row; an impl with more timed calls runs that many
+    times over per round (its count spread over the rounds), every call timed but a short call's
+    first one in each round."""
+    clock = FakeClock()
+    rows = [{"status": "ok", "times_s": [0.1] * 3, "median_s": 0.1, "flops_per_s": 10.0},
+            {"status": "ok", "times_s": [0.005] * 30, "median_s": 0.005, "flops_per_s": 100.0},
+            {"status": "skipped"}, None]
+    order = []
+
+    def step(name, seconds):
+        def call():
+            order.append(name)
+            clock.now += seconds
+        return call
+
+    harness.interleave_rows(rows, [step("slow", 0.05), step("fast", 0.02), None, None], clock)
+    # the short calls' block starts with one untimed call (waking the thread pool)
+    assert order == (["slow"] + ["fast"] * 11) * 3
+    assert rows[0]["times_s"] == pytest.approx([0.05] * 3) and rows[1]["repeats"] == 30
+    assert rows[1]["median_s"] == pytest.approx(0.02) and rows[1]["flops_per_s"] == pytest.approx(25.0)
+    assert rows[0]["block_times_s"] == [0.1] * 3 and rows[2] == {"status": "skipped"}
+
+
 def test_skipped_unavailable_and_failing_impls_are_reported_not_raised():
     clock = FakeClock()
 
