@@ -103,6 +103,7 @@ class Impl:
     unavailable: str = ""
     same_result: bool = True
     note: str = ""
+    cpu_gemm: str = ""  # ATTNKIT_CPU_GEMM for the whole timed call (forward and backward); "" as set
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -211,8 +212,14 @@ def attnkit_impls(
     call: Callable[[str], Callable[[dict], Any]],
     *,
     reference_skip_reason: str = "",
+    dtype: torch.dtype | None = None,
 ) -> list[Impl]:
     """One :class:`Impl` per attnkit backend usable for ``family`` on ``device``.
+
+    ``dtype`` (the case's): where the cpu backend's kernels take oneDNN's brgemm for it by
+    default (a CPU with AMX: ``ATTNKIT_CPU_GEMM=auto``, csrc/cpu/gemm_path.h), a second cpu row,
+    ``attnkit[cpu] native tiles``, runs the same call with ``ATTNKIT_CPU_GEMM=native``, so that one
+    run measures both tile-GEMM paths.
 
     ``call(backend)`` returns the forward ``fn(inputs)`` for that backend.  Backends that
     ``attnkit.backends()`` reports unusable are left out (the JSON's meta lists why); the Triton
@@ -236,7 +243,44 @@ def attnkit_impls(
         if backend == "reference" and device.type == "cuda":
             skip = "the reference is for checking, not speed (outputs are checked against the first peer)"
         impls.append(Impl(name, "attnkit", fn=call(backend), backend=backend, skip=skip))
+        if backend == "cpu" and device.type == "cpu" and dtype is not None and auto_cpu_gemm(family, dtype) not in (
+                "", "native"):
+            impls.append(Impl(f"{name} native tiles", "attnkit", fn=call(backend), backend=backend,
+                              cpu_gemm="native", note="ATTNKIT_CPU_GEMM=native (the default here is brgemm)"))
     return impls
+
+
+def auto_cpu_gemm(family: str, dtype: torch.dtype) -> str:
+    """The tile-GEMM path the cpu backend of ``family`` takes for ``dtype`` under
+    ``ATTNKIT_CPU_GEMM=auto`` ("" where the family or the build does not choose at run time)."""
+    from .._dispatch import RUNTIME_GEMM_FAMILIES, native
+
+    if family not in RUNTIME_GEMM_FAMILIES:
+        return ""
+    try:
+        module = native()
+    except Exception:  # noqa: BLE001 - no extension: no cpu backend either
+        return ""
+    if not hasattr(module, "cpu_gemm_path"):
+        return ""
+    with cpu_gemm_env("auto"):
+        return module.cpu_gemm_path(str(dtype).removeprefix("torch."))
+
+
+@contextlib.contextmanager
+def cpu_gemm_env(value: str):
+    """ATTNKIT_CPU_GEMM set to ``value`` inside the block (read by the kernels on every call)."""
+    from .._dispatch import CPU_GEMM_ENV_VAR
+
+    before = os.environ.get(CPU_GEMM_ENV_VAR)
+    os.environ[CPU_GEMM_ENV_VAR] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[CPU_GEMM_ENV_VAR]
+        else:
+            os.environ[CPU_GEMM_ENV_VAR] = before
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -257,7 +301,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prepare(case: Case, impl: Impl, inputs: dict, device: torch.device) -> Callable[[], Any]:
+def _prepare_step(case: Case, impl: Impl, inputs: dict, device: torch.device) -> Callable[[], Any]:
     """A zero-argument callable that runs one timed call of ``impl`` on ``inputs``.
 
     ``fwd``: the forward under ``torch.no_grad``.  ``fwd+bwd``: the forward on inputs that
@@ -289,6 +333,19 @@ def prepare(case: Case, impl: Impl, inputs: dict, device: torch.device) -> Calla
         return result
 
     return step
+
+
+def prepare(case: Case, impl: Impl, inputs: dict, device: torch.device) -> Callable[[], Any]:
+    """A zero-argument callable that runs one timed call of ``impl`` on ``inputs``
+    (:func:`_prepare_step`), under ``impl.cpu_gemm`` when the row forces a tile-GEMM path."""
+    step = _prepare_step(case, impl, inputs, device)
+    if not impl.cpu_gemm:
+        return step
+
+    def forced():
+        with cpu_gemm_env(impl.cpu_gemm):
+            return step()
+    return forced
 
 
 # With an automatic repeat count (``max_time`` given): warm up for at least this share of

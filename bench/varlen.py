@@ -131,7 +131,7 @@ def make_varlen_case(kind: str, causal: bool, mode: str, device: torch.device, d
 
         return attnkit.softmax_attention(q, k, v, is_causal=causal)
 
-    impls = attnkit_impls("softmax", device, call, reference_skip_reason=REFERENCE_SKIP)
+    impls = attnkit_impls("softmax", device, call, dtype=dtype, reference_skip_reason=REFERENCE_SKIP)
     impls += [
         Impl("torch SDPA block-diagonal mask", "peer", fn=dense),
         Impl("attnkit softmax_attention per-sequence loop", "peer", fn=loop(attnkit_one)),
@@ -221,7 +221,7 @@ def make_kvcache_case(nq: int, equal: bool, paged: bool, device: torch.device, m
         write(x)
         return attnkit.softmax_attention(x["q"], x["k_cache"], x["v_cache"], attn_mask=x["mask"], enable_gqa=True)
 
-    impls = attnkit_impls("softmax", device, call, reference_skip_reason=REFERENCE_SKIP)
+    impls = attnkit_impls("softmax", device, call, dtype=dtype, reference_skip_reason=REFERENCE_SKIP)
     impls += [Impl("torch SDPA + key-padding mask", "peer", fn=sdpa),
               Impl("attnkit softmax_attention + key-padding mask", "peer", fn=padded)]
     visible = [n + nq for n in lengths]

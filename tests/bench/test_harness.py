@@ -5,6 +5,7 @@ known size, outputs (JSON, table, PNG, CLI) on cases of a few milliseconds.
 """
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -519,3 +520,56 @@ def test_the_cpu_is_recorded_with_its_vendor_and_isa():
     if meta["cpu_kernels_softmax"]:
         assert any(line.startswith("attnkit cpu softmax: forward, backward and decode tile GEMMs chosen at run time")
                    for line in harness.format_header(meta))
+
+
+def test_a_brgemm_default_gets_a_native_tiles_row_timed_under_native(monkeypatch):
+    """Where the cpu backend's default for the dtype is brgemm (a CPU with AMX), attnkit_impls
+    adds ``attnkit[cpu] native tiles``, whose whole timed call -- forward and backward -- runs
+    with ATTNKIT_CPU_GEMM=native; the variable is restored after each call."""
+    seen = []
+
+    class Record(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(("fwd", os.environ.get("ATTNKIT_CPU_GEMM")))
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(("bwd", os.environ.get("ATTNKIT_CPU_GEMM")))
+            return g * 2
+
+    monkeypatch.setattr(harness, "auto_cpu_gemm", lambda family, dtype: "brgemm (AMX, VNNI)")
+    monkeypatch.delenv("ATTNKIT_CPU_GEMM", raising=False)
+    impls = harness.attnkit_impls("softmax", CPU, lambda backend: lambda x: Record.apply(x["a"]),
+                                  dtype=torch.bfloat16)
+    names = [i.name for i in impls]
+    assert "attnkit[cpu] native tiles" in names and names.index("attnkit[cpu] native tiles") == \
+        names.index("attnkit[cpu]") + 1
+    forced = impls[names.index("attnkit[cpu] native tiles")]
+    assert forced.cpu_gemm == "native" and forced.backend == "cpu"
+    case = Case("softmax", "t", "fwd+bwd", {}, 1.0, tiny_inputs, [forced], grad_inputs=("a",))
+    harness.prepare(case, forced, case.make_inputs(CPU), CPU)()
+    assert seen == [("fwd", "native"), ("bwd", "native")]
+    assert "ATTNKIT_CPU_GEMM" not in os.environ
+    # a native default, or no dtype given: no second row
+    monkeypatch.setattr(harness, "auto_cpu_gemm", lambda family, dtype: "native")
+    assert "attnkit[cpu] native tiles" not in [i.name for i in harness.attnkit_impls(
+        "softmax", CPU, lambda backend: lambda x: x["a"], dtype=torch.bfloat16)]
+    monkeypatch.setattr(harness, "auto_cpu_gemm", lambda family, dtype: "brgemm (AMX, VNNI)")
+    assert "attnkit[cpu] native tiles" not in [i.name for i in harness.attnkit_impls(
+        "softmax", CPU, lambda backend: lambda x: x["a"])]
+
+
+def test_auto_cpu_gemm_reads_the_auto_choice(monkeypatch):
+    monkeypatch.setenv("ATTNKIT_CPU_GEMM", "native")  # a forced path is not what auto picks
+    from attnkit import _dispatch
+
+    if not hasattr(_dispatch.native(), "cpu_gemm_path"):
+        pytest.skip("attnkit._C is not built")
+    monkeypatch.setenv("ATTNKIT_CPU_GEMM", "auto")
+    want = _dispatch.native().cpu_gemm_path("bfloat16")
+    monkeypatch.setenv("ATTNKIT_CPU_GEMM", "native")
+    assert harness.auto_cpu_gemm("softmax", torch.bfloat16) == want
+    assert os.environ["ATTNKIT_CPU_GEMM"] == "native"
+    assert harness.auto_cpu_gemm("no such family", torch.bfloat16) == ""
