@@ -3,6 +3,14 @@ the interpreter where there is no GPU."""
 import os
 import sys
 
+# Idle OpenMP threads sleep rather than spin (read when libgomp loads, i.e. at the first torch
+# import: here, and in each xdist worker, which inherits the environment).  The suite runs two
+# workers of two threads each on two cores, beside CI's nvcc: with spinning waits
+# tests/ops/test_sparse_backends.py::test_double_backward_runs_through_the_reference (a
+# gradgradcheck of many tiny ops) took 76 s on the loaded 2-core AMD EPYC Zen 3 and 84 s in CI,
+# with PASSIVE 2.5 s (session 13); alone on a quiet machine both ~2 s.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Without a GPU the Triton kernels run under the interpreter on CPU tensors.  The flag is read
 # when a kernel is decorated (@triton.jit), i.e. when attnkit.kernels.* is first imported, so it
 # is set here, before any test module imports attnkit.
