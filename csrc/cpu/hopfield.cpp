@@ -36,6 +36,8 @@
 #include <vector>
 
 #include "../checks/checks.h"
+#include "flash_tiles.h"
+#include "gemm_path.h"
 #include "parallel_tasks.h"
 #include "simd_f32.h"
 
@@ -133,6 +135,12 @@ void finish_energy_row(acc_t m, acc_t l, acc_t xi_sq, double max_sq, double beta
 // D a multiple of 16 up to 128.  false: it does not apply.
 bool energy_fast(const float* state, const float* stored, float* energy, float* lse, int64_t BH, int64_t S,
                  int64_t N, int64_t D, double beta);
+
+// The energy on the brgemm path (bfloat16 / float16 inputs whose path is not native; defined
+// with energy_fast).
+template <typename scalar_t>
+void energy_brgemm(const scalar_t* state, const scalar_t* stored, float* energy, float* lse, int64_t BH, int64_t S,
+                   int64_t N, int64_t D, double beta_in, GemmPath path);
 
 template <typename scalar_t, typename acc_t>
 void energy_kernel(const scalar_t* state, const scalar_t* stored, acc_t* energy, acc_t* lse,
@@ -249,11 +257,20 @@ std::tuple<at::Tensor, at::Tensor> hopfield_energy_fwd_cpu(const at::Tensor& sta
   const int64_t B = st.size(0), H = st.size(1), S = st.size(2), D = st.size(3);
   const int64_t N = x.size(2);
   const auto acc_dtype = st.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const GemmPath path = cpu_gemm_path(st.scalar_type());  // once per call; float32 / float64: native
   auto energy = at::empty({B, H, S}, st.options().dtype(acc_dtype));
   auto lse = at::empty({B, H, S}, st.options().dtype(acc_dtype));
   if (energy.numel() == 0) return {energy, lse};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, st.scalar_type(), "hopfield_energy_fwd", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>) {
+      if (path != GemmPath::kNative) {
+        energy_brgemm<scalar_t>(st.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
+                                energy.mutable_data_ptr<float>(), lse.mutable_data_ptr<float>(), B * H, S, N, D, beta,
+                                path);
+        return;
+      }
+    }
     if constexpr (std::is_same_v<scalar_t, float>) {
       if (energy_fast(st.const_data_ptr<float>(), x.const_data_ptr<float>(), energy.mutable_data_ptr<float>(),
                       lse.mutable_data_ptr<float>(), B * H, S, N, D, beta))
@@ -286,6 +303,9 @@ std::tuple<at::Tensor, at::Tensor> hopfield_energy_fwd_cpu(const at::Tensor& sta
 // - AVX-512 GEMM (float32, D a multiple of 16 up to 128; fast_scores / fast_pv) on the stored
 //   patterns packed once per call;
 // - MKL SGEMM / DGEMM (everything else: float64, other D), portable loops without MKL.
+// bfloat16 / float16 inputs run these on float32 copies, unless their tile-GEMM path (issue 25,
+// gemm_path.h) is not native: then every retrieval runs retrieve_range16 (brgemm on 16-bit
+// operands; see Gemm16), in either decomposition below.
 //
 // A fourth, the states-in-lanes kernel (lane_retrieval: float32, AVX-512, no values, S >
 // kStreamMaxS, D <= 128), runs every step of the fused decomposition when it applies (update_lanes):
@@ -390,7 +410,7 @@ void gemm_nn_acc(int64_t rows, int64_t cols, int64_t K, const T* A, int64_t lda,
 // (vmaxss / vfmadd...ss in perf annotate), which made the softmax cost as much as both GEMMs
 // together (S=1024 N=16384 D=64, one thread: 11 GFLOP/s against torch SDPA's 29 in the same run).
 template <typename T>
-inline T row_max(const T* s, int64_t n) {
+inline T scores_max(const T* s, int64_t n) {
   T best = -std::numeric_limits<T>::infinity();
   for (int64_t j = 0; j < n; ++j) best = s[j] > best ? s[j] : best;
   return best;
@@ -410,7 +430,7 @@ inline T exp_sum_inplace(T* s, int64_t n, T m) {
 #if defined(__AVX512F__)
 
 template <>
-inline float row_max<float>(const float* s, int64_t n) {
+inline float scores_max<float>(const float* s, int64_t n) {
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(s + j));
@@ -440,6 +460,149 @@ inline float exp_sum_inplace<float>(float* s, int64_t n, float m) {
   return _mm512_reduce_add_ps(sum);
 }
 #endif  // __AVX512F__
+
+// Folds one tile's row of scores s[0..bk) (already times beta) into its row's running (m, l) of
+// the online softmax, rescaling the row's sums acc [Dout] (and accx [D] when given) when the
+// maximum grows; s becomes exp(s - m).  (retrieve_range's step, shared with retrieve_range16.)
+template <typename T>
+inline void fold_scores_row(T* s, int64_t bk, T& m, T& l, T* acc, int64_t Dout, T* accx, int64_t D) {
+  const T new_m = std::max(m, scores_max(s, bk));
+  if (new_m != m) {
+    // exp(-inf) (first tile) is 0 times l = 0 and acc = 0.
+    const T alpha = exp_nonpositive(m - new_m);
+    l *= alpha;
+#pragma omp simd
+    for (int64_t d = 0; d < Dout; ++d) acc[d] *= alpha;
+    if (accx) {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) accx[d] *= alpha;
+    }
+    m = new_m;
+  }
+  l += exp_sum_inplace(s, bk, finite_or_zero(m));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The brgemm path (issue 25, gemm_path.h): for bfloat16 / float16 inputs whose
+// cpu_gemm_path(dtype), read once per op call, is not native, the update's and the energy's tile
+// GEMMs run through brgemm16 (oneDNN's batch-reduce micro-kernel: AMX tiles on an Intel Xeon) on
+// 16-bit operands, float32 sums:
+//   scores = beta * round16(xi) . X^T   (X exact: the inputs are 16-bit; the states are float32
+//                                        after the first update and rounded here, as the
+//                                        reference run in the inputs' dtype rounds them)
+//   acc   += round16(P) . X             (or . V on a value step; P rounded as there too)
+// X (and V) are packed once per call as B operands (VNNI pairs where brgemm_vnni_layout(path)).
+// Every product's K is zero-padded to a multiple of 32 in both operands -- D to Dp in xi and X^T,
+// a tile's rows to bkp in P and X / V -- because xi and P may hold a NaN: oneDNN on AMX would
+// spread a NaN of row i + 1 into output row i otherwise (gemm_path.h).  Native (auto on CPUs
+// without AMX, this AMD EPYC's default) and float32 / float64 inputs run the kernels of this
+// file as before; the update's backward (attnkit::softmax_bwd on the float32 states) and the
+// energy's backward are float32 and stay native.
+// ---------------------------------------------------------------------------------------------
+
+// The operands' 16-bit type and the path of one call, with the two operations on them.
+struct Gemm16 {
+  GemmPath path = GemmPath::kNative;
+  bool bf16 = true;  // bfloat16 operands, else float16
+
+  bool pairs() const { return brgemm_vnni_layout(path); }
+
+  // n floats rounded to the operands' type, zeros up to n_pad.
+  void round(const float* src, int64_t n, uint16_t* dst, int64_t n_pad) const {
+    if (bf16)
+      to_bits16<at::BFloat16>(src, n, dst, n_pad);
+    else
+      to_bits16<at::Half>(src, n, dst, n_pad);
+  }
+
+  // C [M][ldc] (+)= A [M][lda] B (brgemm16 on this path).
+  void gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_C, const uint16_t* A,
+            const uint16_t* B, float* C) const {
+    if (bf16)
+      brgemm16<at::BFloat16>(M, N, K, lda, ldb, ldc, add_C, A, B, C, path);
+    else
+      brgemm16<at::Half>(M, N, K, lda, ldb, ldc, add_C, A, B, C, path);
+  }
+};
+
+// parallel_tasks whose workers release their brgemm state (BrgemmRelease) when their share of the
+// tasks ends; a worker that takes no task touches none.
+template <typename F>
+void parallel_tasks_on(GemmPath path, int64_t tasks, const F& body) {
+  if (tasks <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(tasks, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::optional<BrgemmRelease> release;
+    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
+      if (!release) release.emplace(path);
+      body(t);
+    }
+  });
+}
+
+// The stored patterns (and values) of an update call as the B operands of the brgemm path, per
+// (b, h) and tile t of kTileN stored rows (rows [t kTileN, ..); the retrievals' tiles start there,
+// split-N chunks included), with tw = the tile width padded to 32 (kTileN, or less when N is):
+//   X^T [Dp][tw]   the scores' B (pairs along d), zeros past D and past N
+//   X   [tw][D]    P.X's B (pairs along the rows), zero rows past N
+//   V   [tw][Dv]   P.V's B (with values)
+struct Stored16 {
+  Gemm16 g;
+  int64_t D = 0, Dv = 0, Dp = 0, tw = 0, tiles = 0;
+  std::vector<uint16_t> xt, xr, vr;
+
+  int64_t tile(int64_t bh, int64_t t) const { return bh * tiles + t; }
+  const uint16_t* xt_tile(int64_t bh, int64_t t) const { return xt.data() + tile(bh, t) * Dp * tw; }
+  const uint16_t* xr_tile(int64_t bh, int64_t t) const { return xr.data() + tile(bh, t) * tw * D; }
+  const uint16_t* vr_tile(int64_t bh, int64_t t) const { return vr.data() + tile(bh, t) * tw * Dv; }
+};
+
+// Packs X [BH][N][D] (and V [BH][N][Dv] when not null), 16-bit, into p (path and sizes set).
+template <typename T16>
+void pack_stored16(const T16* X, const T16* V, int64_t BH, int64_t N, Stored16& p) {
+  const int64_t D = p.D, Dv = p.Dv, tw = p.tw;
+  p.xt.assign(static_cast<size_t>(BH * p.tiles * p.Dp * tw), 0);  // the padding stays zero
+  p.xr.resize(static_cast<size_t>(BH * p.tiles * tw * D));         // written whole below
+  if (V != nullptr) p.vr.resize(static_cast<size_t>(BH * p.tiles * tw * Dv));
+  const bool pairs = p.g.pairs();
+  parallel_tasks(BH * p.tiles, [&](int64_t i) {
+    const int64_t bh = i / p.tiles, t = i % p.tiles;
+    const int64_t r0 = t * kTileN, kn = std::min(kTileN, N - r0);
+    const T16* x = X + (bh * N + r0) * D;
+    pack_transposed_pairs(x, D, 1, kn, D, p.xt.data() + i * p.Dp * tw, tw, pairs);
+    pack_rows16(x, D, 1, kn, D, p.xr.data() + i * tw * D, D, pairs, tw);
+    if (V != nullptr) pack_rows16(V + (bh * N + r0) * Dv, Dv, 1, kn, Dv, p.vr.data() + i * tw * Dv, Dv, pairs, tw);
+  });
+}
+
+// retrieve_range on the brgemm path: one retrieval of `rows` states xi [rows][D] over the stored
+// rows [n0, n1) of (b, h) bh, folded into the caller's (m, l, acc, accx) likewise.  value_step:
+// acc reads out through V ([rows][Dv]) and accx (when not null) through X; otherwise acc through X.
+// scores: scratch of rows x kTileN floats.
+void retrieve_range16(const Stored16& p, int64_t bh, bool value_step, const float* xi, int64_t rows, int64_t n0,
+                      int64_t n1, float beta, float* m, float* l, float* acc, float* accx, float* scores) {
+  const int64_t D = p.D, Dp = p.Dp, tw = p.tw;
+  const int64_t Dout = value_step ? p.Dv : D;
+  thread_local std::vector<uint16_t> xi16, p16;
+  xi16.resize(static_cast<size_t>(rows * Dp));
+  p16.resize(static_cast<size_t>(rows * tw));
+  for (int64_t r = 0; r < rows; ++r) p.g.round(xi + r * D, D, xi16.data() + r * Dp, Dp);
+  for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
+    const int64_t t = t0 / kTileN, bk = std::min(kTileN, n1 - t0);
+    const int64_t bkp = round_up(bk, 32);  // <= tw: the packed X / V rows past bk are zeros
+    p.g.gemm(rows, bk, Dp, Dp, tw, kTileN, false, xi16.data(), p.xt_tile(bh, t), scores);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* s = scores + r * kTileN;
+      for (int64_t j = 0; j < bk; ++j) s[j] *= beta;
+      fold_scores_row(s, bk, m[r], l[r], acc + r * Dout, Dout, accx ? accx + r * D : nullptr, D);
+      p.g.round(s, bk, p16.data() + r * tw, bkp);
+    }
+    const uint16_t* xr = p.xr_tile(bh, t);
+    p.g.gemm(rows, Dout, bkp, tw, Dout, Dout, true, p16.data(), value_step ? p.vr_tile(bh, t) : xr, acc);
+    if (accx) p.g.gemm(rows, D, bkp, tw, D, D, true, p16.data(), xr, accx);
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Streaming retrieval for a few queries (kStreamMaxRows per pass, float32, D <= 16 kStreamMaxDC).
@@ -1072,25 +1235,8 @@ void retrieve_range(const T* xi, int64_t rows, const T* X, const T* V, int64_t D
     }
 #endif
     if (!fast) gemm_nt<T>(rows, bk, D, beta, xi, D, X + t0 * D, D, scores, kTileN);
-    for (int64_t r = 0; r < rows; ++r) {
-      T* s = scores + r * kTileN;
-      const T new_m = std::max(m[r], row_max(s, bk));
-      if (new_m != m[r]) {
-        // exp(-inf) (first tile) is 0 times l = 0 and acc = 0.
-        const T alpha = exp_nonpositive(m[r] - new_m);
-        l[r] *= alpha;
-        T* a = acc + r * Dout;
-#pragma omp simd
-        for (int64_t d = 0; d < Dout; ++d) a[d] *= alpha;
-        if (accx) {
-          T* ax = accx + r * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ax[d] *= alpha;
-        }
-        m[r] = new_m;
-      }
-      l[r] += exp_sum_inplace(s, bk, finite_or_zero(m[r]));
-    }
+    for (int64_t r = 0; r < rows; ++r)
+      fold_scores_row(scores + r * kTileN, bk, m[r], l[r], acc + r * Dout, Dout, accx ? accx + r * D : nullptr, D);
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float>) {
       if (fast) {
@@ -1122,7 +1268,35 @@ struct UpdateCtx {
   T* lse;           // [R, BH, S]
   bool* applied;    // [U, BH, S]
   const T* init;    // [BH, S, D]: the initial states (states[0] before the kernel fills it, see below)
+  // The brgemm path (bfloat16 / float16 inputs, T = float): the stored rows packed as 16-bit
+  // operands, X and V then null; nullptr: the native kernels on X and V.
+  const Stored16* p16 = nullptr;
 };
+
+// One retrieval of rows [n0, n1) of (b, h) bh (retrieve_range's arguments; value_step: the read-out
+// through the values) on the call's path: retrieve_range16 on the brgemm path, else retrieve_range.
+template <typename T>
+void retrieve(const UpdateCtx<T>& c, int64_t bh, bool value_step, const T* xi, int64_t rows, int64_t n0, int64_t n1,
+              T* m, T* l, T* acc, T* accx, T* scores, const T* Xp, bool far) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (c.p16 != nullptr) {
+      retrieve_range16(*c.p16, bh, value_step, xi, rows, n0, n1, c.beta, m, l, acc, accx, scores);
+      return;
+    }
+  }
+  const T* X = c.X + bh * c.N * c.D;
+  const T* V = value_step ? c.V + bh * c.N * c.Dv : X;
+  retrieve_range<T>(xi, rows, X, V, c.D, value_step ? c.Dv : c.D, n0, n1, c.beta, m, l, acc, accx, scores, Xp, far);
+}
+
+// parallel_tasks, or on the brgemm path parallel_tasks_on (its workers release oneDNN's state).
+template <typename T, typename F>
+void update_tasks(const UpdateCtx<T>& c, int64_t tasks, const F& body) {
+  if (c.p16 != nullptr)
+    parallel_tasks_on(c.p16->g.path, tasks, body);
+  else
+    parallel_tasks(tasks, body);
+}
 
 // Whether a step streams more stored bytes (X, and V on a value step, over every (b, h)) than
 // kStreamFarBytes: then they come from DRAM and the stream prefetches further ahead into L2.
@@ -1204,6 +1378,23 @@ bool all_frozen(const UpdateCtx<T>& c, const bool* active, int64_t rows) {
 constexpr int64_t kEnergyRows = 64;
 constexpr int64_t kEnergyTile = 256;  // a multiple of kPackRows (tiles start on packed groups)
 
+// Folds a row of bk scores sr (times beta) into the row's running (m, l) of the log-sum-exp (sr
+// is overwritten).
+inline void energy_fold_row(float* sr, int64_t bk, float& m, float& l) {
+  const float tile_max = scores_max(sr, bk);
+  if (tile_max > m) {
+    l *= exp_nonpositive(m - tile_max);  // exp(-inf) = 0 on the first tile
+    m = tile_max;
+  }
+  const float mq = finite_or_zero(m);
+  if (mq == std::numeric_limits<float>::infinity()) {
+    // lse = +inf unless a score is NaN (see energy_kernel).
+    for (int64_t j = 0; j < bk; ++j) l += sr[j] == mq ? 1.0f : exp_nonpositive(sr[j] - mq);
+  } else {
+    l += exp_sum_inplace(sr, bk, mq);
+  }
+}
+
 bool energy_fast(const float* state, const float* stored, float* energy, float* lse, int64_t BH, int64_t S,
                  int64_t N, int64_t D, double beta_in) {
 #if defined(__AVX512F__)
@@ -1251,21 +1442,7 @@ bool energy_fast(const float* state, const float* stored, float* energy, float* 
     for (int64_t t0 = 0; t0 < N; t0 += kEnergyTile) {
       const int64_t bk = std::min(kEnergyTile, N - t0);
       fast_scores(xi, rows, D, Xp + t0 * D, bk, scores.data(), kEnergyTile, beta);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* sr = scores.data() + r * kEnergyTile;
-        const float tile_max = row_max(sr, bk);
-        if (tile_max > m[r]) {
-          l[r] *= exp_nonpositive(m[r] - tile_max);  // exp(-inf) = 0 on the first tile
-          m[r] = tile_max;
-        }
-        const float mq = finite_or_zero(m[r]);
-        if (mq == std::numeric_limits<float>::infinity()) {
-          // lse = +inf unless a score is NaN (see energy_kernel).
-          for (int64_t j = 0; j < bk; ++j) l[r] += sr[j] == mq ? 1.0f : exp_nonpositive(sr[j] - mq);
-        } else {
-          l[r] += exp_sum_inplace(sr, bk, mq);
-        }
-      }
+      for (int64_t r = 0; r < rows; ++r) energy_fold_row(scores.data() + r * kEnergyTile, bk, m[r], l[r]);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const float* q_row = xi + r * D;
@@ -1280,6 +1457,76 @@ bool energy_fast(const float* state, const float* stored, float* energy, float* 
 #else
   return false;
 #endif
+}
+
+// The energy on the brgemm path (bfloat16 / float16 inputs; see Gemm16): energy_fast's walk, with
+// the scores by brgemm16 on the 16-bit inputs themselves (exact products, float32 sums, as in
+// energy_kernel).  The patterns are packed once per (b, h) in tiles X^T [Dp][tw] of kEnergyTile,
+// a task's state rows as A [rows][Dp]; D is zero-padded to Dp, a multiple of 32, in both: a state
+// row may hold a NaN (the K-tail guard, gemm_path.h).
+template <typename scalar_t>
+void energy_brgemm(const scalar_t* state, const scalar_t* stored, float* energy, float* lse, int64_t BH, int64_t S,
+                   int64_t N, int64_t D, double beta_in, GemmPath path) {
+  const Gemm16 g{path, std::is_same_v<scalar_t, at::BFloat16>};
+  const float beta = static_cast<float>(beta_in);
+  const int64_t Dp = round_up(D, 32), tiles = ceil_div(N, kEnergyTile);
+  const int64_t tw = std::min(kEnergyTile, round_up(N, 32));
+  std::vector<uint16_t> packed(static_cast<size_t>(BH * tiles * Dp * tw), 0);  // the padding stays zero
+  std::vector<double> tile_max_sq(BH * tiles);  // the largest squared norm per tile (double, NaN kept)
+  parallel_tasks(BH * tiles, [&](int64_t i) {
+    const int64_t bh = i / tiles, r0 = (i % tiles) * kEnergyTile, kn = std::min(kEnergyTile, N - r0);
+    const scalar_t* X = stored + (bh * N + r0) * D;
+    pack_transposed_pairs(X, D, 1, kn, D, packed.data() + i * Dp * tw, tw, g.pairs());
+    double best = 0;
+    for (int64_t p = 0; p < kn; ++p) {
+      double sq = 0;
+      for (int64_t d = 0; d < D; ++d) sq += static_cast<double>(X[p * D + d]) * static_cast<double>(X[p * D + d]);
+      best = (sq > best || std::isnan(sq)) ? sq : best;
+    }
+    tile_max_sq[i] = best;
+  });
+  std::vector<double> max_sq(BH, 0.0);
+  for (int64_t i = 0; i < BH * tiles; ++i) {
+    double& best = max_sq[i / tiles];
+    best = (tile_max_sq[i] > best || std::isnan(tile_max_sq[i])) ? tile_max_sq[i] : best;
+  }
+  const int64_t qblocks = ceil_div(S, kEnergyRows);
+  parallel_tasks_on(path, BH * qblocks, [&](int64_t task) {
+    thread_local std::vector<float> scores;
+    thread_local std::vector<uint16_t> a16;
+    scores.resize(kEnergyRows * kEnergyTile);
+    a16.resize(static_cast<size_t>(kEnergyRows * Dp));
+    std::vector<double> fallback;  // the cancellation fallback's scratch, allocated on first use
+    const int64_t bh = task / qblocks, q0 = (task % qblocks) * kEnergyRows;
+    const int64_t rows = std::min(kEnergyRows, S - q0);
+    const scalar_t* xi = state + (bh * S + q0) * D;
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* a = a16.data() + r * Dp;
+      for (int64_t d = 0; d < D; ++d) a[d] = bits16(xi[r * D + d]);
+      std::fill(a + D, a + Dp, uint16_t(0));
+    }
+    float m[kEnergyRows], l[kEnergyRows];
+    std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + rows, 0.0f);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t bk = std::min(kEnergyTile, N - t * kEnergyTile);
+      g.gemm(rows, bk, Dp, Dp, tw, kEnergyTile, false, a16.data(), packed.data() + (bh * tiles + t) * Dp * tw,
+             scores.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = scores.data() + r * kEnergyTile;
+        for (int64_t j = 0; j < bk; ++j) sr[j] *= beta;
+        energy_fold_row(sr, bk, m[r], l[r]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t* q_row = xi + r * D;
+      float sq = 0;
+      for (int64_t d = 0; d < D; ++d) sq += static_cast<float>(q_row[d]) * static_cast<float>(q_row[d]);
+      const int64_t row = bh * S + q0 + r;
+      finish_energy_row<scalar_t, float>(m[r], l[r], sq, max_sq[bh], beta_in, q_row, stored + bh * N * D, N, D,
+                                         fallback, lse + row, energy + row);
+    }
+  });
 }
 
 // Queries per fused task: kBlockQ, halved (down to kMinBlockQ) until there are at least two
@@ -1313,7 +1560,8 @@ int64_t fused_block_rows(int64_t BH, int64_t S, bool row_exact) {
 template <typename T>
 bool lanes_apply(const UpdateCtx<T>& c) {
 #if defined(__AVX512F__)
-  return std::is_same_v<T, float> && !c.has_values && c.S > kStreamMaxS && c.D <= 16 * kStreamMaxDC;
+  return std::is_same_v<T, float> && c.p16 == nullptr && !c.has_values && c.S > kStreamMaxS &&
+         c.D <= 16 * kStreamMaxDC;
 #else
   return false;
 #endif
@@ -1413,8 +1661,10 @@ void update_fused(const UpdateCtx<T>& c) {
     update_lanes(c);
     return;
   }
-  // Row-exact: the AVX-512 kernels throughout (no values: their read-out goes through BLAS).
-  const int64_t block = fused_block_rows(c.BH, c.S, fast_gemm_applies<T>(c.D) && !c.has_values);
+  // Row-exact: the AVX-512 kernels throughout (no values: their read-out goes through BLAS).  Not
+  // the brgemm path: whether oneDNN's sums of a row depend on the block's row count is not known.
+  const bool brgemm = c.p16 != nullptr;
+  const int64_t block = fused_block_rows(c.BH, c.S, !brgemm && fast_gemm_applies<T>(c.D) && !c.has_values);
   const int64_t qblocks = (c.S + block - 1) / block;
   const int64_t D = c.D;
   // The stored patterns packed for the AVX-512 kernels, once for all steps and query blocks
@@ -1424,7 +1674,7 @@ void update_fused(const UpdateCtx<T>& c) {
   // the scores over X.
   std::unique_ptr<T[]> packed;
   const int64_t pack_stride = packed_floats(c.N, D);
-  if (fast_gemm_applies<T>(D) && c.S > kStreamMaxS) {
+  if (!brgemm && fast_gemm_applies<T>(D) && c.S > kStreamMaxS) {
     if constexpr (std::is_same_v<T, float>) {
       packed.reset(new float[c.BH * pack_stride]);
       const int64_t groups = pack_stride / (16 * D);
@@ -1448,7 +1698,6 @@ void update_fused(const UpdateCtx<T>& c) {
       const int64_t rows = std::min(block, c.S - q0);
       std::memcpy(xi.data(), c.states + (bh * c.S + q0) * D, sizeof(T) * rows * D);
       std::fill(active, active + rows, true);
-      const T* X = c.X + bh * c.N * D;
       for (int64_t k = 0; k < c.R; ++k) {
         const bool value_step = c.has_values && k == c.R - 1;
         if (!value_step && all_frozen(c, active, rows)) {
@@ -1456,15 +1705,13 @@ void update_fused(const UpdateCtx<T>& c) {
           continue;
         }
         const int64_t Dout = value_step ? c.Dv : D;
-        const T* V = value_step ? c.V + bh * c.N * c.Dv : X;
         T* ax = value_step && c.final_state ? accx.data() : nullptr;
         std::fill(m.begin(), m.end(), -std::numeric_limits<T>::infinity());
         std::fill(l.begin(), l.end(), T(0));
         std::fill(acc.begin(), acc.begin() + rows * Dout, T(0));
         if (ax) std::fill(accx.begin(), accx.end(), T(0));
-        retrieve_range<T>(xi.data(), rows, X, V, D, Dout, 0, c.N, c.beta, m.data(), l.data(), acc.data(), ax,
-                          scores.data(), packed ? packed.get() + bh * pack_stride : nullptr,
-                          streams_from_dram(c, value_step));
+        retrieve<T>(c, bh, value_step, xi.data(), rows, 0, c.N, m.data(), l.data(), acc.data(), ax, scores.data(),
+                    packed ? packed.get() + bh * pack_stride : nullptr, streams_from_dram(c, value_step));
         finish_step<T>(c, bh, q0, rows, k, m.data(), l.data(), acc.data(), ax, xi.data(), active);
       }
       if (!c.has_values) {
@@ -1473,7 +1720,7 @@ void update_fused(const UpdateCtx<T>& c) {
       }
     }
   };
-  parallel_tasks(c.BH * qblocks, body);
+  update_tasks(c, c.BH * qblocks, body);
 }
 
 template <typename T>
@@ -1489,7 +1736,7 @@ void update_split(const UpdateCtx<T>& c) {
   std::vector<T> pm(c.BH * chunks * S), pl(c.BH * chunks * S), pacc(c.BH * chunks * S * W);
   std::vector<T> paccx(c.final_state ? c.BH * chunks * S * D : 0);
   std::vector<char> skip(c.BH, 0);
-  const bool streams = streaming_applies<T>(S, D);
+  const bool streams = c.p16 == nullptr && streaming_applies<T>(S, D);
   for (int64_t k = 0; k < c.R; ++k) {
     const bool value_step = c.has_values && k == c.R - 1;
     const int64_t Dout = value_step ? c.Dv : D;
@@ -1510,14 +1757,11 @@ void update_split(const UpdateCtx<T>& c) {
         std::fill(l, l + S, T(0));
         std::fill(acc, acc + S * Dout, T(0));
         if (ax) std::fill(ax, ax + S * D, T(0));
-        const T* X = c.X + bh * c.N * D;
-        const T* V = value_step ? c.V + bh * c.N * c.Dv : X;
-        retrieve_range<T>(xi.data() + bh * S * D, S, X, V, D, Dout, ch * kSplitRows,
-                          std::min(c.N, (ch + 1) * kSplitRows), c.beta, m, l, acc, ax, scores.data(), nullptr,
-                          far);
+        retrieve<T>(c, bh, value_step, xi.data() + bh * S * D, S, ch * kSplitRows,
+                    std::min(c.N, (ch + 1) * kSplitRows), m, l, acc, ax, scores.data(), nullptr, far);
       }
     };
-    parallel_tasks(c.BH * chunks, chunk_task);
+    update_tasks(c, c.BH * chunks, chunk_task);
     // Merge the chunks through their log-sum-exps: M = max_c m_c, weights exp(m_c - M).  On the
     // calling thread: split-N runs only for BH < 2 threads, and the merge reads chunks x S x W
     // values (S=1 N=262144: 64 x 64), far less than a parallel region costs under load.
@@ -1581,10 +1825,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hopfield_update_fwd_c
   const int64_t R = steps, U = has_values ? steps - 1 : steps;
   const auto acc_dtype = state.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto opts = state.options().dtype(acc_dtype);
-  // The inputs in the accumulation dtype, contiguous (no copy when they already are).
+  // The tile GEMMs' path, once per call (float32 / float64: native).
+  const GemmPath path = cpu_gemm_path(state.scalar_type());
+  const bool brgemm = path != GemmPath::kNative;
+  // The inputs in the accumulation dtype, contiguous (no copy when they already are); on the
+  // brgemm path the stored rows and values stay 16-bit (packed below) and only the states convert.
   auto st = state.to(acc_dtype).contiguous();
-  auto x = stored.to(acc_dtype).contiguous();
-  auto v = has_values ? values_opt->to(acc_dtype).contiguous() : at::Tensor();
+  auto x = brgemm ? stored.contiguous() : stored.to(acc_dtype).contiguous();
+  auto v = !has_values ? at::Tensor() : brgemm ? values_opt->contiguous() : values_opt->to(acc_dtype).contiguous();
   auto out = at::empty({B, H, S, Dv}, opts);
   auto states = at::empty({steps + 1, B, H, S, D}, opts);
   auto lse = at::empty({R, B, H, S}, opts);
@@ -1598,8 +1846,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hopfield_update_fwd_c
     c.tol = tol.has_value() ? *tol : -1.0;
     c.has_values = has_values;
     c.final_state = has_values && final_state;
-    c.X = x.const_data_ptr<scalar_t>();
-    c.V = has_values ? v.const_data_ptr<scalar_t>() : nullptr;
+    Stored16 p16;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (brgemm) {
+        p16.g = Gemm16{path, state.scalar_type() == at::kBFloat16};
+        p16.D = D;
+        p16.Dv = Dv;
+        p16.Dp = round_up(D, 32);  // the scores' K, zero-padded: the K-tail guard
+        p16.tw = std::min(kTileN, round_up(N, 32));
+        p16.tiles = ceil_div(N, kTileN);
+        if (p16.g.bf16)
+          pack_stored16<at::BFloat16>(x.const_data_ptr<at::BFloat16>(),
+                                      has_values ? v.const_data_ptr<at::BFloat16>() : nullptr, B * H, N, p16);
+        else
+          pack_stored16<at::Half>(x.const_data_ptr<at::Half>(), has_values ? v.const_data_ptr<at::Half>() : nullptr,
+                                  B * H, N, p16);
+        c.p16 = &p16;
+      }
+    }
+    c.X = brgemm ? nullptr : x.const_data_ptr<scalar_t>();
+    c.V = has_values && !brgemm ? v.const_data_ptr<scalar_t>() : nullptr;
     c.out = out.mutable_data_ptr<scalar_t>();
     c.states = states.mutable_data_ptr<scalar_t>();
     c.lse = lse.mutable_data_ptr<scalar_t>();
@@ -1611,7 +1877,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hopfield_update_fwd_c
     // the second core while the helper needed it, S=1024 N=16384 D=64 3 steps on 2 threads
     // 64-66 ms against 55 ms on one.)
     if (!lanes_apply(c)) states.select(0, 0).copy_(st);
-    if (use_split(B * H, S, N, streaming_applies<scalar_t>(S, D)))
+    if (use_split(B * H, S, N, !brgemm && streaming_applies<scalar_t>(S, D)))
       update_split<scalar_t>(c);
     else
       update_fused<scalar_t>(c);
