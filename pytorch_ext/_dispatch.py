@@ -53,8 +53,14 @@ _CPU_ISA_TEXT = {
 
 
 # The families whose CPU kernels choose their tile-GEMM path at run time (issue 25:
-# csrc/cpu/gemm_path.h, ATTNKIT_CPU_GEMM=auto|native|brgemm|emulate): softmax (forward, backward, decode) so far.
-RUNTIME_GEMM_FAMILIES = ("softmax",)
+# csrc/cpu/gemm_path.h, ATTNKIT_CPU_GEMM=auto|native|brgemm|emulate), and which of their tile
+# GEMMs do (the rest stay on the build's kernels, or on torch: Hopfield's backward).
+RUNTIME_GEMM_KERNELS = {
+    "softmax": "forward, backward and decode tile GEMMs",
+    "hopfield": "update forward tile GEMMs (the backward: torch)",
+    "hopfield_energy": "energy forward tile GEMMs (the backward: torch)",
+}
+RUNTIME_GEMM_FAMILIES = tuple(RUNTIME_GEMM_KERNELS)
 CPU_GEMM_ENV_VAR = "ATTNKIT_CPU_GEMM"
 
 
@@ -78,7 +84,7 @@ def cpu_kernels(family: str | None = None) -> str:
     except RuntimeError as exc:  # a bad ATTNKIT_CPU_GEMM: every forward call raises the same
         paths = str(exc).splitlines()[0]
     setting = os.environ.get(CPU_GEMM_ENV_VAR) or "auto"
-    return (f"{base}; chosen at build time (-march); forward, backward and decode tile GEMMs chosen at run "
+    return (f"{base}; chosen at build time (-march); {RUNTIME_GEMM_KERNELS[family]} chosen at run "
             f"time per dtype ({CPU_GEMM_ENV_VAR}={setting}): {paths}")
 
 
