@@ -196,11 +196,15 @@ def sparse_run(backend, q, k, v, pattern, dout, dtype):
     return [t.detach() for t in (out, *grads)]
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("family", list(families(96)))
+# Every family on one thread in bfloat16; those of the tile kernels on two threads in float16 (two
+# heads: the fused strided backward on one thread, the range parts' on two, as attnkit.ops.sparse
+# routes them).
+PATTERN_RUNS = [(family, 1) for family in families(96)] + [(family, 2) for family in ("strided", "fixed",
+                                                                                     "block_layout")]
+
+
+@pytest.mark.parametrize("family,threads", PATTERN_RUNS, ids=[f"{f}-{t}" for f, t in PATTERN_RUNS])
 def test_patterns_end_to_end(forced, family, threads):
-    """One thread in bfloat16, two in float16 (two heads: the fused strided backward on one thread,
-    the range parts' on two, as attnkit.ops.sparse routes them)."""
     n, d, dv = 96, 40, 24
     dtype = BF16 if threads == 1 else F16
     pattern = families(n)[family]
@@ -248,8 +252,9 @@ def test_brgemm_paths_round_p_and_ds(monkeypatch):
 # The primitives' poisoned-input tests (exact NaN rows against the float64 reference, fully masked rows
 # 0 / -inf, no NaN dropped in the gradients) at D = 40 and 72: Q K^T reduces over D, so under
 # ``emulate`` a Q with a NaN row spoils the row above it unless D is zero-padded to a multiple of 32,
-# and these exact NaN-row checks catch it.  (Checked: with TileGemm's K padding cut to a multiple of 2,
-# the q_nan cases here and in test_fused_strided_nan_row_is_exact fail under emulate.)
+# and these exact NaN-row checks catch it.  (Checked: with TileGemm's K padding in csrc/cpu/sparse.cpp cut
+# to a multiple of 2, 5 of the 18 emulate cases below fail -- the q_nan ones of the range and block tests
+# and both of test_fused_strided_nan_row_is_exact -- on the row above the NaN row.)
 NAN_RANGE_CASES = [
     ("band_d40", 70, 70, 40, 24, V1, [-9, 1, 1, 0], [0, 1, 1, 0]),
     ("strided_columns_d72", 67, 67, 72, 40, [8, 1, 8, 1, 8], [0, 1, 0, 0], [-2, 1, 1, 0]),
@@ -289,10 +294,10 @@ def test_fused_strided_nan_row_is_exact(forced, dtype):
     assert torch.isnan(dk[0, 1, seen]).any(-1).all()
 
 
-@pytest.mark.parametrize("kind", ("q_nan", "k_nan", "v_nan"))
-def test_patterns_nonfinite_end_to_end(forced, kind):
-    for family in ("strided", "block_layout"):
-        sparse_cpu().test_sparse_attention_nonfinite_end_to_end(family, BF16, kind)
+@pytest.mark.parametrize("family,kind", [("strided", "q_nan"), ("block_layout", "q_nan"), ("strided", "k_nan"),
+                                         ("block_layout", "v_nan")])
+def test_patterns_nonfinite_end_to_end(forced, family, kind):
+    sparse_cpu().test_sparse_attention_nonfinite_end_to_end(family, BF16, kind)
 
 
 # ----------------------------------------------------------------------------------------------
