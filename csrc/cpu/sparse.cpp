@@ -57,11 +57,17 @@
 // Backward: dQ pass over the row lists, dK/dV pass over the transposed (column) lists.
 //
 // Extra memory: per thread O(Nk (D + Dv)) packed keys plus O(tile) scratch; never N x N.
+//
+// Tile-GEMM path (issue 25): every op reads ATTNKIT_CPU_GEMM once (cpu_gemm_path, gemm_path.h); for
+// bfloat16 / float16 inputs a brgemm path runs every tile GEMM above (Q K^T, P V; backward P^T dO,
+// dO V^T, dS^T Q, dS K) through oneDNN's brgemm on 16-bit operands with K zero-padded to a multiple
+// of 32 (TileGemm below); the softmax, its masks and NaN rules are the same on every path.
 #include "torch_headers.h"
 
 #include <vector>
 
 #include "empty_huge.h"
+#include "gemm_path.h"
 #include "pattern_bwd.h"
 #include "flash_tiles.h"
 #include "../checks/checks.h"
@@ -114,6 +120,139 @@ inline bool row_new_max(const acc_t* s, int64_t n, acc_t c, acc_t& m, acc_t& l, 
 }
 
 // ---------------------------------------------------------------------------------------------
+// The tile GEMMs' path (issue 25): ATTNKIT_CPU_GEMM, read once per op call (cpu_gemm_path,
+// gemm_path.h), picks for bfloat16 / float16 inputs between attnkit's float32 tiles (native:
+// gemm<acc_t>, flash_tiles.h) and oneDNN's brgemm on 16-bit operands (brgemm16: AMX tiles on a
+// Xeon; the reference fallback or the scalar emulation elsewhere, for the tests).  These kernels
+// build their tiles in the accumulation type (inputs converted per task, P and dS in float32),
+// so the brgemm path rounds each GEMM's operands to the inputs' 16-bit type as it multiplies
+// them: exact for the inputs' own values; P and dS rounded as the softmax kernels' brgemm path
+// rounds them.  Every product on it has its K (reduction) dimension zero-padded to a multiple of
+// 32 in both operands, whatever the left operand holds: torch 2.13's oneDNN on AMX writes a NaN
+// of left-operand row i + 1 into output row i when K > 32 and K % 32 != 0 (gemm_path.h), and
+// here a left operand may be Q with a NaN row, or P / dS of a NaN row.  The operands are
+// re-packed on every call (O((M + N) K) conversions against M N K products): simple and exact;
+// whether hoisting the packing of shared B operands out of the strip loops pays is a question
+// for an AMX machine.  float32 / float64 inputs and the native path run gemm<acc_t> as before.
+// ---------------------------------------------------------------------------------------------
+
+// The 16-bit type of a brgemm product: the inputs' (bfloat16 or float16); none for the others.
+enum class Operand16 { kNone, kBFloat16, kHalf };
+
+template <typename scalar_t>
+constexpr Operand16 operand16_of() {
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) return Operand16::kBFloat16;
+  if constexpr (std::is_same_v<scalar_t, at::Half>) return Operand16::kHalf;
+  return Operand16::kNone;
+}
+
+// One worker's tile GEMM on the call's path, with its 16-bit packing buffers and its brgemm
+// state (released when the worker's scratch dies: BrgemmRelease).  Called as gemm<acc_t>:
+// C [rows][ldc] (+)= A B, A element (r, x) at A[r * sar + x * sak], B [K][ldb] row-major.
+template <typename acc_t>
+class TileGemm {
+ public:
+  TileGemm() = default;
+
+  // The GEMM of a kernel on inputs of type scalar_t: `path` for bfloat16 / float16, native for
+  // float32 / float64 (whatever path the call has).
+  template <typename scalar_t>
+  static TileGemm on(GemmPath path) {
+    TileGemm g;
+    g.type_ = operand16_of<scalar_t>();
+    g.path_ = g.type_ == Operand16::kNone ? GemmPath::kNative : path;
+    g.release_ = BrgemmRelease(g.path_);
+    return g;
+  }
+
+  void operator()(int64_t rows, int64_t cols, int64_t K, const acc_t* A, int64_t sar, int64_t sak,
+                  const acc_t* B, int64_t ldb, acc_t* C, int64_t ldc, bool accumulate) {
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (path_ != GemmPath::kNative) {
+        if (type_ == Operand16::kBFloat16)
+          brgemm_rounded<at::BFloat16>(rows, cols, K, A, sar, sak, B, ldb, C, ldc, accumulate);
+        else
+          brgemm_rounded<at::Half>(rows, cols, K, A, sar, sak, B, ldb, C, ldc, accumulate);
+        return;
+      }
+    }
+    gemm<acc_t>(rows, cols, K, A, sar, sak, B, ldb, C, ldc, accumulate);
+  }
+
+ private:
+  // A rounded to T16 as [rows][K2] rows (zeros in [K, K2)), B as K2 rows of ldb16 in the path's
+  // layout (b16_index: VNNI pairs or plain; zero rows [K, K2), zero columns [cols, ldb16)),
+  // then brgemm16 with K = K2.
+  template <typename T16>
+  void brgemm_rounded(int64_t rows, int64_t cols, int64_t K, const float* A, int64_t sar, int64_t sak,
+                      const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+    if (rows <= 0 || cols <= 0) return;
+    if (K <= 0) {  // an empty reduction: C = 0 (or unchanged), without asking oneDNN
+      if (!accumulate)
+        for (int64_t r = 0; r < rows; ++r) std::fill(C + r * ldc, C + r * ldc + cols, 0.0f);
+      return;
+    }
+    const int64_t K2 = round_up(K, 32);  // the NaN rule (see the section comment)
+    const int64_t ldb16 = round_up(cols, 16);
+    a16_.resize(static_cast<size_t>(rows * K2));
+    b16_.resize(static_cast<size_t>(K2 * ldb16));
+    pack_a<T16>(rows, K, K2, A, sar, sak);
+    pack_b<T16>(cols, K, K2, ldb16, B, ldb);
+    brgemm16<T16>(rows, cols, K2, K2, ldb16, ldc, accumulate, a16_.data(), b16_.data(), C, path_);
+  }
+
+  template <typename T16>
+  void pack_a(int64_t rows, int64_t K, int64_t K2, const float* A, int64_t sar, int64_t sak) {
+    uint16_t* dst = a16_.data();
+    if (sak == 1) {  // rows of A (Q, dO, P, dS)
+      for (int64_t r = 0; r < rows; ++r) to_bits16<T16>(A + r * sar, K, dst + r * K2, K2);
+    } else if (sar == 1) {  // A is a transposed tile (P^T, dS^T): its columns become the rows
+      to_bits16_transposed<T16>(A, sak, K, rows, dst, K2, K2);
+    } else {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t x = 0; x < K; ++x) dst[r * K2 + x] = bits16(T16(A[r * sar + x * sak]));
+        std::fill(dst + r * K2 + K, dst + (r + 1) * K2, uint16_t(0));
+      }
+    }
+  }
+
+  template <typename T16>
+  void pack_b(int64_t cols, int64_t K, int64_t K2, int64_t ldb16, const float* B, int64_t ldb) {
+    uint16_t* dst = b16_.data();
+    if (!brgemm_vnni_layout(path_)) {  // plain rows [K2][ldb16]
+      for (int64_t x = 0; x < K; ++x) to_bits16<T16>(B + x * ldb, cols, dst + x * ldb16, ldb16);
+      std::fill(dst + K * ldb16, dst + K2 * ldb16, uint16_t(0));
+      return;
+    }
+    // VNNI: rows x, x + 1 interleaved, element (x, j) at ((x / 2) * ldb16 + j) * 2 + x % 2.
+    line_.resize(static_cast<size_t>(2 * ldb16));
+    uint16_t* even = line_.data();
+    uint16_t* odd = even + ldb16;
+    for (int64_t x = 0; x < K2; x += 2) {
+      uint16_t* pair = dst + x * ldb16;  // = ((x / 2) * ldb16) * 2
+      if (x >= K) {
+        std::fill(pair, pair + 2 * ldb16, uint16_t(0));
+        continue;
+      }
+      to_bits16<T16>(B + x * ldb, cols, even, ldb16);
+      if (x + 1 < K)
+        to_bits16<T16>(B + (x + 1) * ldb, cols, odd, ldb16);
+      else
+        std::fill(odd, odd + ldb16, uint16_t(0));
+      for (int64_t j = 0; j < ldb16; ++j) {
+        pair[2 * j] = even[j];
+        pair[2 * j + 1] = odd[j];
+      }
+    }
+  }
+
+  Operand16 type_ = Operand16::kNone;
+  GemmPath path_ = GemmPath::kNative;
+  std::vector<uint16_t> a16_, b16_, line_;
+  BrgemmRelease release_;  // the worker's brgemm state, released with its scratch
+};
+
+// ---------------------------------------------------------------------------------------------
 // Tiles.  vlo[r] <= j < vhi[r] are the visible columns of row r (relative to the tile; empty
 // when vlo >= vhi).
 // ---------------------------------------------------------------------------------------------
@@ -121,11 +260,11 @@ inline bool row_new_max(const acc_t* s, int64_t n, acc_t c, acc_t& m, acc_t& l, 
 // One online-softmax step: S = Q K^T (qn x kn), scores in base 2, running max m, sum l,
 // O (qn x Dv, row stride ldo) += P V.  Q rows: stride ldq; K^T: [D][ldkt]; V rows: stride ldv.
 template <typename acc_t>
-void fwd_tile(int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int64_t ldq,
+void fwd_tile(TileGemm<acc_t>& mm, int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int64_t ldq,
               const acc_t* KT, int64_t ldkt, const acc_t* V, int64_t ldv, const int64_t* vlo,
               const int64_t* vhi, acc_t c, acc_t* S, int64_t lds, acc_t* m, acc_t* l, acc_t* O,
               int64_t ldo) {
-  gemm<acc_t>(qn, kn, D, Q, ldq, 1, KT, ldkt, S, lds, false);
+  mm(qn, kn, D, Q, ldq, 1, KT, ldkt, S, lds, false);
   for (int64_t r = 0; r < qn; ++r) {
     acc_t* s = S + r * lds;
     const int64_t a = std::clamp<int64_t>(vlo[r], 0, kn), e = std::clamp<int64_t>(vhi[r], 0, kn);
@@ -149,7 +288,7 @@ void fwd_tile(int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int
     l[r] = l[r] * alpha + sum;
     m[r] = mx;
   }
-  gemm<acc_t>(qn, Dv, kn, S, lds, 1, V, ldv, O, ldo, true);
+  mm(qn, Dv, kn, S, lds, 1, V, ldv, O, ldo, true);
 }
 
 // Gradients of one tile given the (merged) lse in base 2 (l2) and delta (di) per row:
@@ -157,13 +296,13 @@ void fwd_tile(int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int
 // dK += dS^T Q, dQ += dS K (each skipped when its pointer is null).  K rows: stride ldk;
 // K^T, V^T: [D][ldkt], [Dv][ldvt].
 template <typename acc_t>
-void bwd_tile(int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int64_t ldq,
+void bwd_tile(TileGemm<acc_t>& mm, int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int64_t ldq,
               const acc_t* dO, int64_t lddo, const acc_t* l2, const acc_t* di, const acc_t* KT,
               int64_t ldkt, const acc_t* K, int64_t ldk, const acc_t* VT, int64_t ldvt,
               const int64_t* vlo, const int64_t* vhi, acc_t c, acc_t scale, acc_t* S, acc_t* dP,
               int64_t lds, acc_t* dQ, int64_t lddq, acc_t* dK, int64_t lddk, acc_t* dV,
               int64_t lddv) {
-  gemm<acc_t>(qn, kn, D, Q, ldq, 1, KT, ldkt, S, lds, false);
+  mm(qn, kn, D, Q, ldq, 1, KT, ldkt, S, lds, false);
   for (int64_t r = 0; r < qn; ++r) {
     acc_t* s = S + r * lds;
     const int64_t a = std::clamp<int64_t>(vlo[r], 0, kn), e = std::clamp<int64_t>(vhi[r], 0, kn);
@@ -196,7 +335,7 @@ void bwd_tile(int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int
     }
     const bool finite = probe == acc_t(0);
     if (finite) {
-      gemm<acc_t>(kn, Dv, qn, S, 1, lds, dO, lddo, dV, lddv, true);
+      mm(kn, Dv, qn, S, 1, lds, dO, lddo, dV, lddv, true);
     } else {
       std::vector<acc_t> clean(static_cast<size_t>(qn * Dv));
       std::vector<char> bad(static_cast<size_t>(qn), 0);
@@ -204,7 +343,7 @@ void bwd_tile(int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int
         for (int64_t c = 0; c < Dv; ++c) bad[r] |= !std::isfinite(dO[r * lddo + c]);
         for (int64_t c = 0; c < Dv; ++c) clean[r * Dv + c] = bad[r] ? acc_t(0) : dO[r * lddo + c];
       }
-      gemm<acc_t>(kn, Dv, qn, S, 1, lds, clean.data(), Dv, dV, lddv, true);
+      mm(kn, Dv, qn, S, 1, lds, clean.data(), Dv, dV, lddv, true);
       for (int64_t r = 0; r < qn; ++r) {
         if (!bad[r]) continue;
         for (int64_t j = 0; j < kn; ++j) {
@@ -215,7 +354,7 @@ void bwd_tile(int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int
       }
     }
   }
-  gemm<acc_t>(qn, kn, Dv, dO, lddo, 1, VT, ldvt, dP, lds, false);
+  mm(qn, kn, Dv, dO, lddo, 1, VT, ldvt, dP, lds, false);
   for (int64_t r = 0; r < qn; ++r) {
     const acc_t* p = S + r * lds;
     acc_t* dp = dP + r * lds;
@@ -233,8 +372,8 @@ void bwd_tile(int64_t qn, int64_t kn, int64_t D, int64_t Dv, const acc_t* Q, int
 #pragma omp simd
     for (int64_t j = 0; j < kn; ++j) dp[j] = p[j] * (dp[j] - d) * scale;
   }
-  if (dK) gemm<acc_t>(kn, D, qn, dP, 1, lds, Q, ldq, dK, lddk, true);
-  if (dQ) gemm<acc_t>(qn, D, kn, dP, lds, 1, K, ldk, dQ, lddq, true);
+  if (dK) mm(kn, D, qn, dP, 1, lds, Q, ldq, dK, lddk, true);
+  if (dQ) mm(qn, D, kn, dP, lds, 1, K, ldk, dQ, lddq, true);
 }
 
 // rows x n of src (row stride lds) -> dst (row stride ldd), converted to acc_t.
@@ -438,6 +577,7 @@ void strip_softmax(int64_t hn, int64_t w, const int64_t* a, const int64_t* e, ac
 
 template <typename acc_t>
 struct RangeFwdScratch {
+  TileGemm<acc_t> mm;            // the tile GEMMs on the call's path (gemm_path.h)
   std::vector<acc_t> kt;      // [D][ldk] K^T of the key chunk
   std::vector<acc_t> vr;      // [chunk][Dv] V rows gathered / converted (when not read in place)
   std::vector<acc_t> q;       // [kRangeQS][D] Q rows gathered / converted (idem)
@@ -451,7 +591,7 @@ struct RangeFwdScratch {
 int64_t range_strip(int64_t width) { return width > kWide ? kStripWide : kStripNarrow; }
 
 template <typename scalar_t, typename acc_t>
-void range_fwd_kernel(const RangeGeom& geo, int64_t BH, int64_t D, int64_t Dv, double scale,
+void range_fwd_kernel(GemmPath path, const RangeGeom& geo, int64_t BH, int64_t D, int64_t Dv, double scale,
                       const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* out,
                       acc_t* lse) {
   constexpr bool kInPlace = std::is_same_v<scalar_t, acc_t>;
@@ -498,6 +638,7 @@ void range_fwd_kernel(const RangeGeom& geo, int64_t BH, int64_t D, int64_t Dv, d
       BH * ntiles,
       [&] {
         RangeFwdScratch<acc_t> st;
+        st.mm = TileGemm<acc_t>::template on<scalar_t>(path);
         st.kt.resize(static_cast<size_t>(D * ldk));
         if (!v_direct) st.vr.resize(static_cast<size_t>(kFwdKeys * Dv));
         if (!q_direct) st.q.resize(static_cast<size_t>(QS * D));
@@ -607,12 +748,12 @@ void range_fwd_kernel(const RangeGeom& geo, int64_t BH, int64_t D, int64_t Dv, d
                 st.e[r] = st.hi[r0 + r] + 1 - wa;
               }
               if (sx + 1 < ns) prefetch_strip(sx + 1, wb + 1, k0 + kn - 1, Q, ldq, V, ldv, k0);
-              gemm<acc_t>(hn, w, D, Q + r0 * ldq, ldq, 1, st.kt.data() + (wa - k0), ldk,
+              st.mm(hn, w, D, Q + r0 * ldq, ldq, 1, st.kt.data() + (wa - k0), ldk,
                           st.s.data(), lds, false);
               strip_softmax<acc_t>(hn, w, st.a.data(), st.e.data(), c, st.s.data(), lds,
                                    st.m.data() + r0, st.l.data() + r0, st.o.data() + r0 * Dv, Dv,
                                    Dv, st.fresh[sx]);
-              gemm<acc_t>(hn, Dv, w, st.s.data(), lds, 1, V + (wa - k0) * ldv, ldv,
+              st.mm(hn, Dv, w, st.s.data(), lds, 1, V + (wa - k0) * ldv, ldv,
                           st.o.data() + r0 * Dv, Dv, !st.fresh[sx]);
               st.fresh[sx] = 0;
               if (wb == st.shi[sx]) finish_strip(sx);  // its last keys: write it while in L1
@@ -689,6 +830,7 @@ inline void column_chunks(int64_t t0, int64_t hn, int64_t tr, bool causal, int64
 
 template <typename acc_t>
 struct StridedFwdScratch {
+  TileGemm<acc_t> mm;            // the tile GEMMs on the call's path (gemm_path.h)
   std::vector<acc_t> ktr, vr, qr;  // one residue: K^T [D][ldt], V [T][Dv], Q rows [T][D] (converted)
   std::vector<acc_t> oa, ma, la;   // the segment's row state, residue-major: [s][ldr], [s][Useg]
   std::vector<acc_t> kt;           // band K^T [D][ldb]
@@ -699,7 +841,7 @@ struct StridedFwdScratch {
 };
 
 template <typename scalar_t, typename acc_t>
-void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s, bool causal,
+void strided_fwd_kernel(GemmPath path, int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s, bool causal,
                         double scale, const scalar_t* q, const scalar_t* k, const scalar_t* v,
                         scalar_t* out, acc_t* lse) {
   constexpr bool kInPlace = std::is_same_v<scalar_t, acc_t>;
@@ -730,6 +872,7 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
       BH * segs,
       [&] {
         StridedFwdScratch<acc_t> st;
+        st.mm = TileGemm<acc_t>::template on<scalar_t>(path);
         st.ktr.resize(static_cast<size_t>(D * ldt));
         st.vr.resize(static_cast<size_t>(T * Dv));
         if (!kInPlace) st.qr.resize(static_cast<size_t>(Umax * D));
@@ -801,11 +944,11 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
             if (r0 + hn < N) prefetch_rows(qh + (r0 + hn) * D, D, std::min(hn, N - r0 - hn), D);
             if (wb < N) prefetch_rows(vh + wb * Dv, Dv, std::min(hn, N - wb), Dv);
             const int64_t w = wb - wa;
-            gemm<acc_t>(hn, w, D, Q + (r0 - i0) * D, D, 1, st.kt.data() + (wa - ka), ldb,
+            st.mm(hn, w, D, Q + (r0 - i0) * D, D, 1, st.kt.data() + (wa - ka), ldb,
                         st.s.data(), lds, false);
             strip_softmax<acc_t>(hn, w, st.a.data(), st.e.data(), c, st.s.data(), lds,
                                  st.m.data(), st.l.data(), O, ldo, Dv, true);
-            gemm<acc_t>(hn, Dv, w, st.s.data(), lds, 1, V + (wa - ka) * Dv, Dv, O, ldo, false);
+            st.mm(hn, Dv, w, st.s.data(), lds, 1, V + (wa - ka) * Dv, Dv, O, ldo, false);
             for (int64_t x = 0; x < hn; ++x) {
               const int64_t i = r0 + x;
               const int64_t at = state_at(i);
@@ -865,11 +1008,11 @@ void strided_fwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
               sqa = D;
             }
             column_chunks(t0, hn, tr, causal, st.a.data(), st.e.data(), [&](int64_t k0, int64_t w) {
-              gemm<acc_t>(hn, w, D, Qa, sqa, 1, st.ktr.data() + k0, ldt, st.s.data(), lds, false);
+              st.mm(hn, w, D, Qa, sqa, 1, st.ktr.data() + k0, ldt, st.s.data(), lds, false);
               strip_softmax<acc_t>(hn, w, st.a.data(), st.e.data(), c, st.s.data(), lds,
                                    m + (t0 - ub0), l + (t0 - ub0), O + (t0 - ub0) * Dv, Dv, Dv,
                                    false);
-              gemm<acc_t>(hn, Dv, w, st.s.data(), lds, 1, st.vr.data() + k0 * Dv, Dv,
+              st.mm(hn, Dv, w, st.s.data(), lds, 1, st.vr.data() + k0 * Dv, Dv,
                           O + (t0 - ub0) * Dv, Dv, true);
             });
             // Finished in place (normalized, lse in ma): the rows are written to out below,
@@ -915,6 +1058,7 @@ constexpr int64_t kStripBwdBand = 8;
 
 template <typename acc_t>
 struct StridedBwdScratch {
+  TileGemm<acc_t> mm;            // the tile GEMMs on the call's path (gemm_path.h)
   std::vector<acc_t> kt, vt;          // band: K^T, V^T [D][ldb] of a super-block's keys
   std::vector<acc_t> qb, gb, kb;      // band: Q, dO, K rows converted (non-float32 inputs)
   std::vector<acc_t> l2, di;          // [N] lse in base 2, delta of the head (band), or residue
@@ -926,7 +1070,7 @@ struct StridedBwdScratch {
 };
 
 template <typename scalar_t, typename acc_t>
-void strided_bwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s, bool causal,
+void strided_bwd_kernel(GemmPath path, int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s, bool causal,
                         double scale, const scalar_t* dout, const scalar_t* q,
                         const scalar_t* k, const scalar_t* v, const acc_t* lse,
                         const acc_t* delta, const scalar_t* out, acc_t* dq, acc_t* dk, acc_t* dv) {
@@ -954,6 +1098,7 @@ void strided_bwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
       BH,
       [&] {
         StridedBwdScratch<acc_t> st;
+        st.mm = TileGemm<acc_t>::template on<scalar_t>(path);
         st.kt.resize(static_cast<size_t>(D * ldb));
         st.vt.resize(static_cast<size_t>(Dv * ldb));
         if (!kInPlace) {
@@ -1033,7 +1178,7 @@ void strided_bwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
           for (int64_t t0 = 0; t0 < tr; t0 += kStripBwdA) {
             const int64_t hn = std::min(kStripBwdA, tr - t0);
             column_chunks(t0, hn, tr, causal, st.vlo.data(), st.vhi.data(), [&](int64_t k0, int64_t w) {
-              bwd_tile<acc_t>(hn, w, D, Dv, st.qr.data() + t0 * D, D, st.gr.data() + t0 * Dv, Dv,
+              bwd_tile<acc_t>(st.mm, hn, w, D, Dv, st.qr.data() + t0 * D, D, st.gr.data() + t0 * Dv, Dv,
                               l2r.data() + t0, dir.data() + t0, st.ktr.data() + k0, ldt,
                               st.kr.data() + k0 * D, D, st.vtr.data() + k0, ldt, st.vlo.data(),
                               st.vhi.data(), c, sc, st.s.data(), st.dp.data(), lds,
@@ -1084,7 +1229,7 @@ void strided_bwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
               st.vlo[x] = std::max<int64_t>(0, i - s) - wa;
               st.vhi[x] = std::min(N, i + 1 + (causal ? 0 : s)) - wa;
             }
-            bwd_tile<acc_t>(hn, wb - wa, D, Dv, Q + (r0 - i0) * D, D, G + (r0 - i0) * Dv, Dv,
+            bwd_tile<acc_t>(st.mm, hn, wb - wa, D, Dv, Q + (r0 - i0) * D, D, G + (r0 - i0) * Dv, Dv,
                             st.l2.data() + r0, st.di.data() + r0, st.kt.data() + (wa - ka), ldb,
                             K + (wa - ka) * D, D, st.vt.data() + (wa - ka), ldb, st.vlo.data(),
                             st.vhi.data(), c, sc, st.s.data(), st.dp.data(), lds, dqh + r0 * D, D,
@@ -1098,6 +1243,7 @@ void strided_bwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t s,
 // ---------------------------------------------------------------------------------------------
 template <typename acc_t>
 struct RangeBwdScratch {
+  TileGemm<acc_t> mm;            // the tile GEMMs on the call's path (gemm_path.h)
   std::vector<acc_t> kt, vt;     // [D][lds], [Dv][lds] K^T, V^T of the key tile
   std::vector<acc_t> kr;         // [kRangeKb][D] K rows gathered / converted
   std::vector<acc_t> qr, dor;    // [Tq][D], [Tq][Dv] Q, dO rows gathered / converted
@@ -1112,7 +1258,7 @@ struct RangeBwdScratch {
 // rows are written, not added, and the outputs need no zero fill first.  dQ rows of the
 // groups are always written (zeroed here as the key tiles first reach them).
 template <typename scalar_t, typename acc_t>
-void range_bwd_kernel(const RangeGeom& geo, bool keys_shared, bool store, int64_t BH, int64_t D,
+void range_bwd_kernel(GemmPath path, const RangeGeom& geo, bool keys_shared, bool store, int64_t BH, int64_t D,
                       int64_t Dv, double scale, const scalar_t* dout, const scalar_t* q,
                       const scalar_t* k, const scalar_t* v, const acc_t* lse, const acc_t* delta,
                       acc_t* dq_acc, int64_t chunks, acc_t* dk_acc, acc_t* dv_acc) {
@@ -1146,6 +1292,7 @@ void range_bwd_kernel(const RangeGeom& geo, bool keys_shared, bool store, int64_
       BH * per_bh * chunks,
       [&] {
         RangeBwdScratch<acc_t> st;
+        st.mm = TileGemm<acc_t>::template on<scalar_t>(path);
         st.kt.resize(static_cast<size_t>(D * lds));
         st.vt.resize(static_cast<size_t>(Dv * lds));
         if (!k_direct) st.kr.resize(static_cast<size_t>(kRangeKb * D));
@@ -1231,7 +1378,7 @@ void range_bwd_kernel(const RangeGeom& geo, bool keys_shared, bool store, int64_
                     st.vhi[r] = l <= h ? h + 1 - k0 : l - k0;
                   }
                   zero_dq_to(t0 + qn);
-                  bwd_tile<acc_t>(qn, kn, D, Dv, Q + t0 * D, D, dO + t0 * Dv, Dv,
+                  bwd_tile<acc_t>(st.mm, qn, kn, D, Dv, Q + t0 * D, D, dO + t0 * Dv, Dv,
                                   st.l2.data() + t0, st.di.data() + t0, st.kt.data(), lds, K, D,
                                   st.vt.data(), lds, st.vlo.data(), st.vhi.data(), c, sc,
                                   st.s.data(), st.dp.data(), lds, dQ + t0 * D, D, st.dk.data(),
@@ -1349,6 +1496,7 @@ inline int64_t keys_up_to(const std::vector<Seg>& segs, int64_t i) {
 
 template <typename acc_t>
 struct BlockScratch {
+  TileGemm<acc_t> mm;            // the tile GEMMs on the call's path (gemm_path.h)
   std::vector<acc_t> kt, vt;   // [D][ld], [Dv][ld] transposed chunk of K, V
   std::vector<acc_t> kr, vr;   // [cap][D], [cap][Dv] K, V rows of a chunk
   std::vector<acc_t> qr, dor;  // Q, dO rows
@@ -1405,7 +1553,7 @@ void pack_chunk_transposed(const scalar_t* base, int64_t w, const std::vector<Se
 }
 
 template <typename scalar_t, typename acc_t>
-void block_fwd_kernel(const BlockLists& L, int64_t BH, int64_t H, int64_t N, int64_t D,
+void block_fwd_kernel(GemmPath path, const BlockLists& L, int64_t BH, int64_t H, int64_t N, int64_t D,
                       int64_t Dv, int64_t block, bool causal, double scale, const scalar_t* q,
                       const scalar_t* k, const scalar_t* v, scalar_t* out, acc_t* lse) {
   constexpr bool kInPlace = std::is_same_v<scalar_t, acc_t>;
@@ -1419,6 +1567,7 @@ void block_fwd_kernel(const BlockLists& L, int64_t BH, int64_t H, int64_t N, int
       BH * nb * subs,
       [&] {
         BlockScratch<acc_t> st;
+        st.mm = TileGemm<acc_t>::template on<scalar_t>(path);
         st.kt.resize(static_cast<size_t>(D * ld));
         st.vr.resize(static_cast<size_t>(cap * Dv));
         if (!kInPlace) st.qr.resize(static_cast<size_t>(TQ * D));
@@ -1455,7 +1604,7 @@ void block_fwd_kernel(const BlockLists& L, int64_t BH, int64_t H, int64_t N, int
                          const acc_t* V = chunk_rows(vb, Dv, segs, st.vr, ldv);
                          for (int64_t x = 0; x < qn; ++x)
                            st.vhi[x] = causal ? keys_up_to(segs, i0 + x) : kn;
-                         fwd_tile<acc_t>(qn, kn, D, Dv, Q, D, st.kt.data(), ld, V, ldv,
+                         fwd_tile<acc_t>(st.mm, qn, kn, D, Dv, Q, D, st.kt.data(), ld, V, ldv,
                                          st.vlo.data(), st.vhi.data(), c, st.s.data(), ld,
                                          st.m.data(), st.l.data(), st.o.data(), Dv);
                        });
@@ -1466,7 +1615,7 @@ void block_fwd_kernel(const BlockLists& L, int64_t BH, int64_t H, int64_t N, int
 }
 
 template <typename scalar_t, typename acc_t>
-void block_bwd_kernel(const BlockLists& R, const BlockLists& C, int64_t BH, int64_t H, int64_t N,
+void block_bwd_kernel(GemmPath path, const BlockLists& R, const BlockLists& C, int64_t BH, int64_t H, int64_t N,
                       int64_t D, int64_t Dv, int64_t block, bool causal, double scale,
                       const scalar_t* dout, const scalar_t* q, const scalar_t* k,
                       const scalar_t* v, const acc_t* lse, const acc_t* delta, acc_t* dq_acc,
@@ -1486,6 +1635,7 @@ void block_bwd_kernel(const BlockLists& R, const BlockLists& C, int64_t BH, int6
         BH * nb * subs,
         [&] {
           BlockScratch<acc_t> st;
+          st.mm = TileGemm<acc_t>::template on<scalar_t>(path);
           st.size_bwd(TQ, ld, D, Dv);
           st.kr.resize(static_cast<size_t>(cap * D));
           return st;
@@ -1514,7 +1664,7 @@ void block_bwd_kernel(const BlockLists& R, const BlockLists& C, int64_t BH, int6
                            const acc_t* K = chunk_rows(kb, D, segs, st.kr, ldk);
                            for (int64_t x = 0; x < qn; ++x)
                              st.vhi[x] = causal ? keys_up_to(segs, i0 + x) : kn;
-                           bwd_tile<acc_t>(qn, kn, D, Dv, Q, ldq, dO, lddo, st.l2.data(),
+                           bwd_tile<acc_t>(st.mm, qn, kn, D, Dv, Q, ldq, dO, lddo, st.l2.data(),
                                            st.di.data(), st.kt.data(), ld, K, ldk,
                                            st.vt.data(), ld, st.vlo.data(), st.vhi.data(), c, sc,
                                            st.s.data(), st.dp.data(), ld, dq_acc + qrow0 * D, D,
@@ -1533,6 +1683,7 @@ void block_bwd_kernel(const BlockLists& R, const BlockLists& C, int64_t BH, int6
         BH * nb * subs,
         [&] {
           BlockScratch<acc_t> st;
+          st.mm = TileGemm<acc_t>::template on<scalar_t>(path);
           st.size_bwd(cap, ld, D, Dv);
           st.dk.resize(static_cast<size_t>(TK * D));
           st.dv.resize(static_cast<size_t>(TK * Dv));
@@ -1566,7 +1717,7 @@ void block_bwd_kernel(const BlockLists& R, const BlockLists& C, int64_t BH, int6
                                st.di[x] = delta[bh * N + i];
                                st.vhi[x] = causal ? std::clamp<int64_t>(i - j0 + 1, 0, kn) : kn;
                              }
-                           bwd_tile<acc_t>(qn, kn, D, Dv, Q, ldq, dO, lddo, st.l2.data(),
+                           bwd_tile<acc_t>(st.mm, qn, kn, D, Dv, Q, ldq, dO, lddo, st.l2.data(),
                                            st.di.data(), st.kt.data(), ld, nullptr, 0,
                                            st.vt.data(), ld, st.vlo.data(), st.vhi.data(), c, sc,
                                            st.s.data(), st.dp.data(), ld, nullptr, 0,
@@ -1588,6 +1739,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_range_fwd_cpu(const at::Tensor& q_, co
                                                         at::IntArrayRef lo, at::IntArrayRef hi,
                                                         double scale) {
   checks::sparse_range_fwd(checks::cpu_target(), q_, k_, v_, view, lo, hi, scale);
+  // The tile GEMMs' path (gemm_path.h), read on every call, so that a bad ATTNKIT_CPU_GEMM raises here.
+  const GemmPath path = cpu_gemm_path(q_.scalar_type());
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
   const int64_t Nk = k.size(2), Dv = v.size(3);
@@ -1605,7 +1758,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_range_fwd_cpu(const at::Tensor& q_, co
   if (B * H * Nq == 0) return {out, lse};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "sparse_range_fwd", [&] {
     using acc_t = acc_of<scalar_t>;
-    range_fwd_kernel<scalar_t, acc_t>(geo, B * H, D, Dv, scale, q.const_data_ptr<scalar_t>(),
+    range_fwd_kernel<scalar_t, acc_t>(path, geo, B * H, D, Dv, scale, q.const_data_ptr<scalar_t>(),
                                       k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
                                       out.mutable_data_ptr<scalar_t>(), lse.mutable_data_ptr<acc_t>());
   });
@@ -1622,6 +1775,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_strided_fwd_cpu(const at::Tensor& q_, 
   ATTNKIT_CHECK(stride >= 1, "attnkit::sparse_strided_fwd (cpu): stride must be >= 1; got ", stride);
   ATTNKIT_CHECK(k_.size(2) == q_.size(2), "attnkit::sparse_strided_fwd (cpu): self-attention: q and k ",
                 "must have the same length; got ", q_.sizes(), " and ", k_.sizes());
+  // The tile GEMMs' path (gemm_path.h), read on every call, so that a bad ATTNKIT_CPU_GEMM raises here.
+  const GemmPath path = cpu_gemm_path(q_.scalar_type());
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Dv = v.size(3);
   const auto acc = acc_type_of(q.scalar_type());
@@ -1630,7 +1785,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_strided_fwd_cpu(const at::Tensor& q_, 
   if (B * H * N == 0) return {out, lse};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "sparse_strided_fwd", [&] {
     using acc_t = acc_of<scalar_t>;
-    strided_fwd_kernel<scalar_t, acc_t>(B * H, N, D, Dv, stride, causal, scale,
+    strided_fwd_kernel<scalar_t, acc_t>(path, B * H, N, D, Dv, stride, causal, scale,
                                         q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(),
                                         v.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
                                         lse.mutable_data_ptr<acc_t>());
@@ -1647,6 +1802,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_strided_bwd_cpu(
   const bool has_delta = checks::sparse_pattern_bwd(checks::cpu_target(), "sparse_strided_bwd", dout_, q_, k_, v_,
                                                     lse_, delta_opt, out_opt, scale);
   ATTNKIT_CHECK(stride >= 1, "attnkit::sparse_strided_bwd (cpu): stride must be >= 1; got ", stride);
+  // The tile GEMMs' path (gemm_path.h), read on every call, so that a bad ATTNKIT_CPU_GEMM raises here.
+  const GemmPath path = cpu_gemm_path(q_.scalar_type());
   // The kernel writes every output row (each task its head's rows in order, from its columns'
   // gradients, before its band adds to them).
   return run_pattern_bwd(
@@ -1655,7 +1812,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_strided_bwd_cpu(
       has_delta ? at::Tensor() : out_opt->contiguous(),
       [&](int64_t BH, int64_t N, int64_t D, int64_t Dv, const auto* dout, const auto* q, const auto* k,
           const auto* v, const auto* lse, const auto* delta, const auto* out, auto* dq, auto* dk, auto* dv) {
-        strided_bwd_kernel(BH, N, D, Dv, stride, causal, scale, dout, q, k, v, lse, delta, out, dq, dk, dv);
+        strided_bwd_kernel(path, BH, N, D, Dv, stride, causal, scale, dout, q, k, v, lse, delta, out, dq, dk, dv);
       });
 }
 
@@ -1671,6 +1828,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_range_bwd_cpu(
     const at::Tensor& lse_, const at::Tensor& delta_, at::IntArrayRef view, at::IntArrayRef lo,
     at::IntArrayRef hi, double scale) {
   checks::sparse_range_bwd(checks::cpu_target(), dout_, q_, k_, v_, lse_, delta_, view, lo, hi, scale);
+  // The tile GEMMs' path (gemm_path.h), read on every call, so that a bad ATTNKIT_CPU_GEMM raises here.
+  const GemmPath path = cpu_gemm_path(q_.scalar_type());
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   const at::Tensor dout = dout_.contiguous(), lse = lse_.contiguous(), delta = delta_.contiguous();
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
@@ -1711,7 +1870,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_range_bwd_cpu(
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "sparse_range_bwd", [&] {
       using acc_t = acc_of<scalar_t>;
       range_bwd_kernel<scalar_t, acc_t>(
-          geo, keys_shared, store, B * H, D, Dv, scale, dout.const_data_ptr<scalar_t>(),
+          path, geo, keys_shared, store, B * H, D, Dv, scale, dout.const_data_ptr<scalar_t>(),
           q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
           lse.const_data_ptr<acc_t>(), delta.const_data_ptr<acc_t>(),
           dq_buf.mutable_data_ptr<acc_t>(), chunks, dk.mutable_data_ptr<acc_t>(),
@@ -1732,6 +1891,8 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cpu(const at::Tensor& q_, co
                                                         const at::Tensor& col_idx_, int64_t block,
                                                         bool causal, double scale) {
   checks::block_sparse_fwd(checks::cpu_target(), q_, k_, v_, row_ptr_, col_idx_, block, causal, scale);
+  // The tile GEMMs' path (gemm_path.h), read on every call, so that a bad ATTNKIT_CPU_GEMM raises here.
+  const GemmPath path = cpu_gemm_path(q_.scalar_type());
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   const at::Tensor row_ptr = row_ptr_.contiguous(), col_idx = col_idx_.contiguous();
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Dv = v.size(3);
@@ -1741,7 +1902,7 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cpu(const at::Tensor& q_, co
   if (B * H * N == 0) return {out, lse};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "block_sparse_fwd", [&] {
     using acc_t = acc_of<scalar_t>;
-    block_fwd_kernel<scalar_t, acc_t>(L, B * H, H, N, D, Dv, block, causal, scale,
+    block_fwd_kernel<scalar_t, acc_t>(path, L, B * H, H, N, D, Dv, block, causal, scale,
                                       q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(),
                                       v.const_data_ptr<scalar_t>(),
                                       out.mutable_data_ptr<scalar_t>(), lse.mutable_data_ptr<acc_t>());
@@ -1756,6 +1917,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu(
     int64_t block, bool causal, double scale) {
   checks::block_sparse_bwd(checks::cpu_target(), dout_, q_, k_, v_, lse_, delta_, row_ptr_, col_idx_, col_ptr_,
                            row_idx_, block, causal, scale);
+  // The tile GEMMs' path (gemm_path.h), read on every call, so that a bad ATTNKIT_CPU_GEMM raises here.
+  const GemmPath path = cpu_gemm_path(q_.scalar_type());
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   const at::Tensor dout = dout_.contiguous(), lse = lse_.contiguous(), delta = delta_.contiguous();
   const at::Tensor row_ptr = row_ptr_.contiguous(), col_idx = col_idx_.contiguous();
@@ -1772,7 +1935,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu(
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "block_sparse_bwd", [&] {
       using acc_t = acc_of<scalar_t>;
       block_bwd_kernel<scalar_t, acc_t>(
-          R, C, B * H, H, N, D, Dv, block, causal, scale, dout.const_data_ptr<scalar_t>(),
+          path, R, C, B * H, H, N, D, Dv, block, causal, scale, dout.const_data_ptr<scalar_t>(),
           q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
           lse.const_data_ptr<acc_t>(), delta.const_data_ptr<acc_t>(), dq.mutable_data_ptr<acc_t>(),
           dk.mutable_data_ptr<acc_t>(), dv.mutable_data_ptr<acc_t>());

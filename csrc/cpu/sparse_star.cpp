@@ -31,6 +31,11 @@
 // infinities as every sparse kernel (issue 15): a NaN or +inf score among a row's keys makes its
 // out and lse NaN (and, backward, the gradients of that row and of the keys it sees); a row
 // whose scores are all -inf gets out 0 and lse -inf, and passes no gradient.
+//
+// No tile GEMM here, so no ATTNKIT_CPU_GEMM path (issue 25, gemm_path.h): a row's scores are
+// 2 radius + 2 dot products against keys scattered over the row's neighbourhood (the relay's
+// row excepted), a key's gradients as many; there is no block of rows sharing a block of keys
+// for brgemm to multiply, and the dot products run in the accumulation type on every path.
 #include "torch_headers.h"
 #include <ATen/Parallel.h>
 
