@@ -59,6 +59,7 @@ RUNTIME_GEMM_KERNELS = {
     "softmax": "forward, backward and decode tile GEMMs",
     "hopfield": "update forward tile GEMMs (the backward: torch)",
     "hopfield_energy": "energy forward tile GEMMs (the backward: torch)",
+    "sparse": "range, block and fused strided tile GEMMs, forward and backward (star: native dots)",
 }
 RUNTIME_GEMM_FAMILIES = tuple(RUNTIME_GEMM_KERNELS)
 CPU_GEMM_ENV_VAR = "ATTNKIT_CPU_GEMM"

@@ -18,8 +18,10 @@
 // brgemm for bfloat16 / float16 only where the CPU has the AMX tiles of that dtype (CPUID) and
 // could_pack(dtype) holds -- never on AMD EPYC (no AMX), whose native kernels are the faster
 // ones -- and native otherwise.  float32 / float64 always run native.  Kernels with the choice:
-// softmax forward, backward and decoding (csrc/cpu/softmax.cpp); the Hopfield update and energy
-// forwards (csrc/cpu/hopfield.cpp; their backwards run on torch).  Not yet: linear.
+// softmax forward, backward and decoding (csrc/cpu/softmax.cpp); the sparse range, block-sparse and
+// fused strided kernels, forward and backward (csrc/cpu/sparse.cpp; the star ops' scattered dot
+// products are no tile GEMM); the Hopfield update and energy forwards (csrc/cpu/hopfield.cpp;
+// their backwards run on torch).  Not yet: linear.
 // Every brgemm call zero-pads its K (reduction) dimension to a multiple of 32 (zeros in both
 // operands) or has a left operand that holds no NaN: torch 2.13's oneDNN on AMX writes a NaN of
 // left-operand row i + 1 into output row i when K > 32 and K % 32 != 0 (DESIGN.md).
