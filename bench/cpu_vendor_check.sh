@@ -52,6 +52,8 @@ stage bench_quick 1200 python -m attnkit bench --quick --out "$out/quick" --no-p
 if [ -z "${QUICK:-}" ]; then
   stage bench_softmax 1500 python -m attnkit bench --family softmax --out "$out/softmax" --no-progress \
     --deadline 1380
+  stage bench_sparse_hopfield_bf16 1200 python -m attnkit bench --family sparse,hopfield --match bfloat16 \
+    --out "$out/sparse_hopfield_bf16" --no-progress --deadline 1080
   stage softmax_vs_sdpa 900 python bench/softmax_cpu_speed.py sdpa --n 256 1024 --d 64 128
   stage softmax_decode 600 python bench/softmax_cpu_speed.py decode
 fi

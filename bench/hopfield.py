@@ -100,8 +100,8 @@ def update_case(b: int, h: int, s: int, n: int, d: int, steps: int, dtype: torch
         notes.append(f"reads >= {mib:.0f} MiB of stored patterns in all: time x copy bandwidth "
                      "(meta copy_gb_per_s, read + write) bounds the achievable")
     name = f"update-S{s}-N{n}-D{d}-steps{steps}"
-    if torch.device(device).type == "cuda":
-        name += f"-{dtype_name(dtype)}"  # the GPU sweep has one shape in two dtypes
+    if torch.device(device).type == "cuda" or dtype != torch.float32:
+        name += f"-{dtype_name(dtype)}"  # the sweeps have shapes in two dtypes (CPU names: float32 plain)
     train = mode == "fwd+bwd"
     return Case(FAMILY, name, mode, params, 4.0 * b * h * s * n * d * steps * (3.5 if train else 1.0),
                 _inputs(b, h, s, n, d, dtype, seed), impls, notes=[] if train else notes,
@@ -128,7 +128,8 @@ def energy_case(b: int, h: int, s: int, n: int, d: int, dtype: torch.dtype, devi
                           dtype=dtype, reference_skip_reason=reference_skip(b * h * s * n * size, device))
     impls.append(Impl("plain PyTorch", "peer", fn=lambda x: plain_energy(x["state"], x["stored"], beta)))
     params = {"B": b, "H": h, "S": s, "N": n, "D": d, "dtype": dtype_name(dtype)}
-    name = f"energy-S{s}-N{n}-D{d}" + (f"-{dtype_name(dtype)}" if torch.device(device).type == "cuda" else "")
+    name = f"energy-S{s}-N{n}-D{d}" + (f"-{dtype_name(dtype)}" if torch.device(device).type == "cuda"
+                                        or dtype != torch.float32 else "")
     train = mode == "fwd+bwd"
     return Case(FAMILY, name, mode, params, 2.0 * b * h * s * n * d * (3.5 if train else 1.0),
                 _inputs(b, h, s, n, d, dtype, seed), impls, priority=priority,
@@ -151,6 +152,11 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
         energy_case(1, 1, 1024, 16384, 64, f32, device),
         # training: the update's backward (each step through the softmax backward kernel)
         update_case(1, 1, 256, 4096, 64, 3, f32, device, mode="fwd+bwd"),
+        # bfloat16 (issue 25: "Hopfield keeps its lead in bfloat16"; on a CPU with AMX the
+        # forward's tile GEMMs take brgemm by default, and a "native tiles" row runs beside it)
+        update_case(1, 1, 1024, 16384, 64, 3, torch.bfloat16, device),
+        update_case(1, 1, 1, 262144, 64, 1, torch.bfloat16, device),
+        energy_case(1, 1, 1024, 16384, 64, torch.bfloat16, device),
     ]
     return out
 
