@@ -195,14 +195,25 @@ def too_big(estimated_bytes: float, device: torch.device, what: str) -> str:
     return ""
 
 
-def reference_skip(score_bytes: float, device: torch.device) -> str:
-    """The skip reason for an attnkit reference run whose score matrix is ``score_bytes``."""
+# 16-bit references on a CPU: torch's bfloat16 matmul ran 1.2 GFLOP/s on an AMD EPYC Zen 3 (no
+# AVX512-BF16; the bench's machine probe), so a reference over 2^22 scores took 1.5 s (softmax
+# N=1024, 8 heads) to 18 s (sparse N=4096) a call, for a row nobody compares against.
+REFERENCE_16BIT_CPU_SCORES = 2**22
+
+
+def reference_skip(score_bytes: float, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The skip reason for an attnkit reference run whose score matrix is ``score_bytes``
+    (of ``dtype``'s elements when given: 16-bit ones on a CPU have a lower limit)."""
     limit = REFERENCE_SCORE_LIMIT.get(device.type, REFERENCE_SCORE_LIMIT["cpu"])
     if score_bytes > limit:
         return (
             f"the reference materializes a {fmt_bytes(score_bytes)} score matrix "
             f"(limit {fmt_bytes(limit)}; it is for checking, not speed)"
         )
+    if (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+            and score_bytes / 2 > REFERENCE_16BIT_CPU_SCORES):
+        return ("the reference is for checking, not speed (torch's 16-bit CPU matmul runs ~1 GFLOP/s "
+                "on CPUs without AVX512-BF16)")
     return ""
 
 

@@ -84,7 +84,7 @@ def update_case(b: int, h: int, s: int, n: int, d: int, steps: int, dtype: torch
         return fn
 
     size = torch.empty((), dtype=dtype).element_size()
-    impls = attnkit_impls(FAMILY, device, call, dtype=dtype, reference_skip_reason=reference_skip(b * h * s * n * size, device))
+    impls = attnkit_impls(FAMILY, device, call, dtype=dtype, reference_skip_reason=reference_skip(b * h * s * n * size, device, dtype))
     impls.append(Impl("plain PyTorch loop", "peer", fn=lambda x: plain_update(x["state"], x["stored"], beta, steps)))
     impls.append(Impl("torch SDPA per step", "peer", fn=lambda x: sdpa_update(x["state"], x["stored"], beta, steps)))
     # On CUDA a single query would autotune the softmax kernels for this peer alone, and one
@@ -125,7 +125,7 @@ def energy_case(b: int, h: int, s: int, n: int, d: int, dtype: torch.dtype, devi
     size = torch.empty((), dtype=dtype).element_size()
     # The energy has its own dispatch entry (it had a C++ kernel before the update did).
     impls = attnkit_impls("hopfield_energy", device, call,
-                          dtype=dtype, reference_skip_reason=reference_skip(b * h * s * n * size, device))
+                          dtype=dtype, reference_skip_reason=reference_skip(b * h * s * n * size, device, dtype))
     impls.append(Impl("plain PyTorch", "peer", fn=lambda x: plain_energy(x["state"], x["stored"], beta)))
     params = {"B": b, "H": h, "S": s, "N": n, "D": d, "dtype": dtype_name(dtype)}
     name = f"energy-S{s}-N{n}-D{d}" + (f"-{dtype_name(dtype)}" if torch.device(device).type == "cuda"

@@ -163,7 +163,7 @@ def make_case(b: int, h: int, n: int, d: int, dv: int, dtype: torch.dtype, causa
     nn_bytes = b * h * n * n * size
     outer_bytes = b * h * n * d * dv * size if causal else 0
     impls = attnkit_impls(FAMILY, device, _attnkit(causal),
-                          dtype=dtype, reference_skip_reason=reference_skip(nn_bytes, device))
+                          dtype=dtype, reference_skip_reason=reference_skip(nn_bytes, device, dtype))
     impls.append(Impl("masked quadratic", "peer", fn=lambda x: quadratic(x["q"], x["k"], x["v"], causal),
                       skip=too_big(live * nn_bytes, device, "the [N, N] kernel matrix")))
     impls.append(Impl("cumsum outer", "peer", fn=lambda x: cumsum_outer(x["q"], x["k"], x["v"], causal),

@@ -216,7 +216,7 @@ def make_case(option: str, b: int, h: int, n: int, d: int, dtype: torch.dtype, m
     pairs = window_pairs(n, left) if option == "window" else (n * (n + 1) // 2 if causal else n * n)
     size = torch.empty((), dtype=dtype).element_size()
     impls = attnkit_impls(BACKEND_FAMILY, device, _attnkit(option, left),
-                          dtype=dtype, reference_skip_reason=reference_skip(b * h * n * n * size, device))
+                          dtype=dtype, reference_skip_reason=reference_skip(b * h * n * n * size, device, dtype))
     impls += _peers(option, left, mode, device, dense_mask=dense_mask)
     what = {"window": f"window({left},0)", "softcap": f"softcap{SOFTCAP:g}", "alibi": "alibi-causal",
             "sinks": "sinks"}[option]

@@ -81,7 +81,7 @@ def make_case(b: int, h: int, n: int, d: int, dtype: torch.dtype, causal: bool, 
     """``call``: ``call(backend) -> fn(inputs)`` for the attnkit rows (default :func:`_attnkit`)."""
     score_bytes = b * h * n * n * torch.empty((), dtype=dtype).element_size()
     impls = attnkit_impls(FAMILY, device, call or _attnkit(causal),
-                          dtype=dtype, reference_skip_reason=reference_skip(score_bytes, device))
+                          dtype=dtype, reference_skip_reason=reference_skip(score_bytes, device, dtype))
     impls.append(Impl("torch SDPA", "peer", fn=_sdpa(causal)))
     name = f"{'causal' if causal else 'full'}-{dtype_name(dtype)}-N{n}-D{d}"
     params = {"B": b, "H": h, "N": n, "D": d, "dtype": dtype_name(dtype), "causal": causal}
@@ -126,7 +126,7 @@ def make_mask_case(b: int, h: int, n: int, d: int, dtype: torch.dtype, kind: str
         return fn
 
     score_bytes = b * h * n * n * torch.empty((), dtype=dtype).element_size()
-    impls = attnkit_impls(FAMILY, device, call, dtype=dtype, reference_skip_reason=reference_skip(score_bytes, device))
+    impls = attnkit_impls(FAMILY, device, call, dtype=dtype, reference_skip_reason=reference_skip(score_bytes, device, dtype))
     impls.append(Impl("torch SDPA", "peer",
                       fn=lambda x: F.scaled_dot_product_attention(x["q"], x["k"], x["v"], attn_mask=x["mask"])))
     name = f"mask-{kind}-{dtype_name(dtype)}-N{n}-D{d}"

@@ -225,7 +225,7 @@ def make_case(kind: str, kwargs: dict, b: int, h: int, n: int, d: int, dtype: to
     kept = count_kept(kind, kwargs, n, device)
     size = torch.empty((), dtype=dtype).element_size()
     impls = attnkit_impls(FAMILY, device, _attnkit(kind, kwargs),
-                          dtype=dtype, reference_skip_reason=reference_skip(b * h * n * n * size, device))
+                          dtype=dtype, reference_skip_reason=reference_skip(b * h * n * n * size, device, dtype))
     impls.append(Impl("torch SDPA (dense mask)", "peer", fn=_sdpa_masked))
     flex = Impl("FlexAttention (BlockMask)", "peer", fn=_flex(MASK_MODS[kind](n, **kwargs) if cuda else None),
                 note="mask_mod from the indices" if cuda else "")
