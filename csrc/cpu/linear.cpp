@@ -33,7 +33,10 @@
 //
 // Accumulation (GEMMs, states, den): float32, float64 for float64 inputs.  GEMMs: a
 // register-blocked micro-kernel (AVX-512 / AVX2+FMA intrinsics, scalar fallback) on packed,
-// zero-padded tiles; the triangular products skip the blocks the mask zeroes.
+// zero-padded tiles; the triangular products skip the blocks the mask zeroes.  bfloat16 /
+// float16 inputs off the native path (ATTNKIT_CPU_GEMM, gemm_path.h) run the products of chunk
+// tiles (scores, A V, dA, the state updates) on brgemm with 16-bit operands, and the products
+// that read the running state in float32 as above: see chunk_gemm.
 #include "torch_headers.h"
 #include <ATen/Parallel.h>
 
@@ -56,6 +59,7 @@
 #include <vector>
 
 #include "../checks/checks.h"
+#include "gemm_path.h"
 #include "parallel_tasks.h"
 #include "simd_f32.h"
 
@@ -244,6 +248,95 @@ void gemm_tri(bool finite, Tri tri, int64_t m, int64_t n, int64_t K, const T* A,
     gemm<T>(tri, m, n, K, A, sar, sak, B, ldb, C, ldc, accumulate);
   else
     gemm_exact<T>(tri, m, n, K, A, sar, sak, B, ldb, C, ldc, accumulate);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The run-time brgemm path of the bfloat16 / float16 chunk products (issue 25, gemm_path.h).
+// The chunk tiles are float32 (phi applied, dnum = g / r, the scores A and dA), so the brgemm
+// path rounds both operands of a product to the inputs' 16-bit type, as the reference run in that
+// type rounds its operands, and sums in float32 into the same float32 C.  Rules:
+//   - K (the reduction dim) is zero-padded to a multiple of 32 in both operands: a left operand
+//     may hold NaN (a NaN query or key row gives NaN score rows), and oneDNN on AMX writes a NaN
+//     of row i + 1 into row i when K > 32 and K % 32 != 0 (gemm_path.h).
+//   - brgemm is dense: the triangular products run it only when the caller's `finite` holds
+//     (the operand without the mask's zeros is all finite), the masked triangle already being
+//     zeros in the packed float tile; otherwise gemm_exact, as on the native path.
+//   - a finite value that rounds to +-inf (float16 past 65504: the scores and dnum are not
+//     bounded by the inputs' range) sends the product back to the float32 path.
+// The products that read the running state (phi(Q) S, dnum S^T, phi(K) R, R V^T) stay float32 on
+// every path: routed as well (the state rounded to 16 bits per chunk), they still met DESIGN.md's
+// rule, but with less margin as the prefix grows -- bfloat16, causal elu, N = 4096, D = Dv = 64,
+// values of mean 2, emulate: dv's error 0.63 of the rule's bar against 0.44 with them float32
+// (native 0.36); the other outputs and gradients <= 0.35 either way.
+// ---------------------------------------------------------------------------------------------
+constexpr int64_t kBrgemmK = 32;  // the K multiple that keeps oneDNN's AMX kernel off its K tail
+
+// The bits of x rounded to scalar_t; ok turns false when a finite x overflows to +-inf.
+template <typename scalar_t>
+inline uint16_t round16(float x, bool& ok) {
+  const scalar_t r(x);
+  ok = ok && !(std::isfinite(x) && std::isinf(static_cast<float>(r)));
+  return r.x;
+}
+
+// a16 [m][Kp] = A(r, k) = A[r * sar + k * sak] rounded, columns [K, Kp) zero.
+template <typename scalar_t>
+bool pack_left16(int64_t m, int64_t K, int64_t Kp, const float* A, int64_t sar, int64_t sak,
+                 uint16_t* a16) {
+  bool ok = true;
+  for (int64_t r = 0; r < m; ++r) {
+    uint16_t* row = a16 + r * Kp;
+    for (int64_t k = 0; k < K; ++k) row[k] = round16<scalar_t>(A[r * sar + k * sak], ok);
+    std::fill(row + K, row + Kp, uint16_t(0));
+  }
+  return ok;
+}
+
+// b16 = B [K][ldb] (n columns) rounded, rows [K, Kp) zero, as brgemm's B of leading dim n:
+// VNNI pairs (element (k, c) at ((k / 2) n + c) 2 + k % 2) or plain [Kp][n].
+template <typename scalar_t>
+bool pack_right16(int64_t n, int64_t K, int64_t Kp, const float* B, int64_t ldb, bool vnni,
+                  uint16_t* b16) {
+  bool ok = true;
+  for (int64_t k = 0; k < Kp; ++k)
+    for (int64_t c = 0; c < n; ++c) {
+      const uint16_t bits = k < K ? round16<scalar_t>(B[k * ldb + c], ok) : uint16_t(0);
+      b16[vnni ? ((k / 2) * n + c) * 2 + k % 2 : k * n + c] = bits;
+    }
+  return ok;
+}
+
+// C [m][ldc] (+)= round16(A) round16(B) by brgemm16 on `path`; false (C untouched) when a finite
+// value overflowed in the rounding or K is 0.
+template <typename scalar_t>
+bool brgemm_rounded(GemmPath path, int64_t m, int64_t n, int64_t K, const float* A, int64_t sar,
+                    int64_t sak, const float* B, int64_t ldb, float* C, int64_t ldc,
+                    bool accumulate) {
+  if (m == 0 || n == 0 || K == 0) return false;
+  const int64_t Kp = round_up(K, kBrgemmK);
+  thread_local std::vector<uint16_t> a16, b16;  // per worker, grown to the largest product
+  a16.resize(std::max<size_t>(a16.size(), static_cast<size_t>(m * Kp)));
+  b16.resize(std::max<size_t>(b16.size(), static_cast<size_t>(Kp * n)));
+  if (!pack_left16<scalar_t>(m, K, Kp, A, sar, sak, a16.data())) return false;
+  if (!pack_right16<scalar_t>(n, K, Kp, B, ldb, brgemm_vnni_layout(path), b16.data())) return false;
+  brgemm16<scalar_t>(m, n, Kp, Kp, n, ldc, accumulate, a16.data(), b16.data(), C, path);
+  return true;
+}
+
+// A chunk product of the kernels below: on the brgemm path for bfloat16 / float16 inputs off
+// native when `finite` holds (see above), else gemm_tri -- which is what the native path and
+// float32 / float64 run, unchanged (with finite = true for the kFull / kOut* products: gemm).
+template <typename scalar_t, typename T>
+void chunk_gemm(GemmPath path, bool finite, Tri tri, int64_t m, int64_t n, int64_t K, const T* A,
+                int64_t sar, int64_t sak, const T* B, int64_t ldb, T* C, int64_t ldc,
+                bool accumulate) {
+  if constexpr (std::is_same_v<T, float> &&
+                (std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>)) {
+    if (path != GemmPath::kNative && finite &&
+        brgemm_rounded<scalar_t>(path, m, n, K, A, sar, sak, B, ldb, C, ldc, accumulate))
+      return;
+  }
+  gemm_tri<T>(finite, tri, m, n, K, A, sar, sak, B, ldb, C, ldc, accumulate);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -508,6 +601,9 @@ struct Problem {
   View4<scalar_t> q, k, v;
   const T* S0 = nullptr;  // [BH][D][Dv] contiguous, or null (zero initial state)
   const T* z0 = nullptr;  // [BH][D]
+  // The chunk products' tile-GEMM path (cpu_gemm_path, read once per op call): kNative for
+  // float32 / float64.
+  GemmPath path = GemmPath::kNative;
 };
 
 // Per-thread tiles of one chunk.
@@ -629,10 +725,11 @@ void pack_kv(const Problem<scalar_t, T>& P, int64_t bh, int64_t j0, int64_t L, i
 // y [L][Dvp], ycol [L] (null: a column of ones, i.e. z += rowsum(xT)); z null: S only.  The
 // state updates of the forward (S += K'^T V, z += colsum(K')) and of the backward
 // (R += P^T dnum, w += P^T dden).
-template <typename T>
-void add_outer(int64_t D, int64_t Dvp, int64_t L, const T* xT, const T* y, const T* ycol, T* S,
-               T* z) {
-  gemm<T>(Tri::kFull, D, Dvp, L, xT, kChunk, 1, y, Dvp, S, Dvp, true);
+// The product reads chunk tiles only (the state is its float32 C): on `path` (chunk_gemm).
+template <typename scalar_t, typename T>
+void add_outer(GemmPath path, int64_t D, int64_t Dvp, int64_t L, const T* xT, const T* y,
+               const T* ycol, T* S, T* z) {
+  chunk_gemm<scalar_t, T>(path, true, Tri::kFull, D, Dvp, L, xT, kChunk, 1, y, Dvp, S, Dvp, true);
   if (z == nullptr) return;
   for (int64_t d = 0; d < D; ++d)
     z[d] += ycol ? dot(xT + d * kChunk, ycol, L) : sum_of(xT + d * kChunk, L);
@@ -703,6 +800,7 @@ void causal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
   dynamic_for(P.BH, [&](int64_t begin, int64_t end) {
     TilesLease<T> lease(Dp, Dvp);
     Tiles<T>& t = *lease;
+    const BrgemmRelease release(P.path);
     T* S = t.S.data();
     T* z = t.z.data();
     T den[kChunk];
@@ -713,15 +811,16 @@ void causal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
         pack_rows(P.q, bh, i0, L, D, t.pq.data(), Dp, &P.fm);
         pack_kv(P, bh, i0, L, Lp, true, false, t);
         // A = P K'^T o tril
-        gemm<T>(Tri::kOutLower, L, Lp, D, t.pq.data(), Dp, 1, t.pkT.data(), kChunk, t.a.data(),
-                kChunk, false);
+        chunk_gemm<scalar_t, T>(P.path, true, Tri::kOutLower, L, Lp, D, t.pq.data(), Dp, 1, t.pkT.data(),
+                                kChunk, t.a.data(), kChunk, false);
         mask_lower(t.a.data(), kChunk, L, Lp);
         // num = A V + P S_prev (the first chunk without an initial state: S_prev = 0, no
         // product -- 8% of the work at N = 256 -- and no 0 * inf = NaN from it either, as in
         // the reference, which has no such term)
         const bool has_prev = i0 > 0 || P.S0 != nullptr;
-        gemm_tri<T>(all_finite(t.v.data(), L * Dvp), Tri::kLeftLower, L, Dvp, L, t.a.data(), kChunk, 1,
-                    t.v.data(), Dvp, t.num.data(), Dvp, false);
+        chunk_gemm<scalar_t, T>(P.path, all_finite(t.v.data(), L * Dvp), Tri::kLeftLower, L, Dvp, L,
+                                t.a.data(), kChunk, 1, t.v.data(), Dvp, t.num.data(), Dvp, false);
+        // P S_prev reads the running state: float32 on every path (see chunk_gemm).
         if (has_prev)
           gemm<T>(Tri::kFull, L, Dvp, D, t.pq.data(), Dp, 1, S, Dvp, t.num.data(), Dvp, true);
         for (int64_t i = 0; i < L; ++i) {
@@ -732,7 +831,7 @@ void causal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
         write_out(P, bh, i0, L, t.num.data(), den, static_cast<scalar_t*>(o.out),
                   static_cast<T*>(o.den));
         // S_prev += K'^T V, z_prev += colsum(K') (as a sum of K' rows: no horizontal sums)
-        add_outer<T>(D, Dvp, L, t.pkT.data(), t.v.data(), nullptr, S, nullptr);
+        add_outer<scalar_t, T>(P.path, D, Dvp, L, t.pkT.data(), t.v.data(), nullptr, S, nullptr);
         add_rows(t.pk.data(), Dp, L, D, z);
       }
       store_state(P, bh, S, z, static_cast<T*>(o.S), static_cast<T*>(o.z));
@@ -752,13 +851,14 @@ inline int64_t reduce_groups(int64_t BH, int64_t chunks) {
 // groups (one task each); body(bh, i0, L, Lp, tiles, scratch, S, z) adds chunk [i0, i0 + L)'s
 // terms to its group's partial state S [Dp][Dvp], z [Dp], at partial + (bh G + g) state_size.
 template <typename T, typename Body>
-void reduce_chunk_groups(int64_t BH, int64_t rows, int64_t G, int64_t Dp, int64_t Dvp,
+void reduce_chunk_groups(GemmPath path, int64_t BH, int64_t rows, int64_t G, int64_t Dp, int64_t Dvp,
                          int64_t state_size, T* partial, const Body& body) {
   constexpr int64_t W = Simd<T>::W;
   const int64_t chunks = ceil_div(rows, kChunk), per_group = ceil_div(chunks, G);
   dynamic_for(BH * G, [&](int64_t begin, int64_t end) {
     TilesLease<T> lease(Dp, Dvp);
     Tiles<T>& t = *lease;
+    const BrgemmRelease release(path);
     std::vector<T> scratch(std::max(Dp, Dvp));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / G, g = task % G;
@@ -779,11 +879,12 @@ void noncausal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
   const int64_t state_size = Dp * Dvp + Dp;  // S then z
   std::vector<T> partial(static_cast<size_t>(P.BH * G * state_size), T(0));
   // 1. partial sums of K'^T V and colsum(K') over the key chunks of each group
-  reduce_chunk_groups<T>(P.BH, P.M, G, Dp, Dvp, state_size, partial.data(),
+  reduce_chunk_groups<T>(P.path, P.BH, P.M, G, Dp, Dvp, state_size, partial.data(),
                          [&](int64_t bh, int64_t j0, int64_t L, int64_t Lp, Tiles<T>& t, T*,
                              T* S, T* z) {
                            pack_kv(P, bh, j0, L, Lp, true, false, t);
-                           add_outer<T>(D, Dvp, L, t.pkT.data(), t.v.data(), nullptr, S, z);
+                           add_outer<scalar_t, T>(P.path, D, Dvp, L, t.pkT.data(), t.v.data(), nullptr,
+                                                  S, z);
                          });
   // 2. S = S0 + sum of the groups (into group 0's slot), z likewise
   dynamic_for(P.BH, [&](int64_t begin, int64_t end) {
@@ -813,6 +914,7 @@ void noncausal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
         continue;
       }
       pack_rows(P.q, bh, i0, L, D, t.pq.data(), Dp, &P.fm);
+      // P S reads the summed state: float32 on every path (see causal_forward).
       gemm<T>(Tri::kFull, L, Dvp, D, t.pq.data(), Dp, 1, S, Dvp, t.num.data(), Dvp, false);
       for (int64_t i = 0; i < L; ++i) {
         const T* prow = t.pq.data() + i * Dp;
@@ -880,10 +982,10 @@ void pack_dnum(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G, int64
 }
 
 // dA = (dnum V^T + dden 1^T) o tril, [L][kChunk] (from vT [Dv][kChunk]; dden null: 0).
-template <typename T>
-void intra_dA(int64_t L, int64_t Lp, int64_t Dv, const T* dnum, int64_t Dvp, const T* vT,
+template <typename scalar_t, typename T>
+void intra_dA(GemmPath path, int64_t L, int64_t Lp, int64_t Dv, const T* dnum, int64_t Dvp, const T* vT,
               const T* dden, T* da) {
-  gemm<T>(Tri::kOutLower, L, Lp, Dv, dnum, Dvp, 1, vT, kChunk, da, kChunk, false);
+  chunk_gemm<scalar_t, T>(path, true, Tri::kOutLower, L, Lp, Dv, dnum, Dvp, 1, vT, kChunk, da, kChunk, false);
   for (int64_t i = 0; i < L; ++i) {
     T* r = da + i * kChunk;
     if (dden)
@@ -926,16 +1028,18 @@ void causal_dq_sweep(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G,
     const int64_t L = std::min(kChunk, P.N - i0), Lp = round_up(L, W);
     pack_kv(P, bh, i0, L, Lp, false, true, t);
     pack_dnum(P, G, bh, i0, L, t.dnum.data(), t.dden.data(), scratch);
-    intra_dA(L, Lp, Dv, t.dnum.data(), Dvp, t.vT.data(), G.use_den ? t.dden.data() : nullptr, t.da.data());
-    // dphi(q) = dA K' + dnum S_prev^T + dden z_prev^T
+    intra_dA<scalar_t, T>(P.path, L, Lp, Dv, t.dnum.data(), Dvp, t.vT.data(),
+                          G.use_den ? t.dden.data() : nullptr, t.da.data());
+    // dphi(q) = dA K' + dnum S_prev^T + dden z_prev^T (the state product float32 on every path)
     T* gq = t.grad.data();
-    gemm_tri<T>(all_finite(t.pk.data(), L * Dp), Tri::kLeftLower, L, Dp, L, t.da.data(), kChunk, 1,
-                t.pk.data(), Dp, gq, Dp, false);
+    chunk_gemm<scalar_t, T>(P.path, all_finite(t.pk.data(), L * Dp), Tri::kLeftLower, L, Dp, L, t.da.data(),
+                            kChunk, 1, t.pk.data(), Dp, gq, Dp, false);
     gemm<T>(Tri::kFull, L, Dp, Dv, t.dnum.data(), Dvp, 1, ST, Dp, gq, Dp, true);
     if (G.use_den) add_rank1(gq, Dp, L, D, t.dden.data(), z);
     write_input_grad(P.q, bh, i0, L, D, P.N, gq, Dp, P.fm, scratch, G.dq);
     // S_prev^T += V^T K',  z_prev += colsum(K')
-    gemm<T>(Tri::kFull, Dv, Dp, L, t.vT.data(), kChunk, 1, t.pk.data(), Dp, ST, Dp, true);
+    chunk_gemm<scalar_t, T>(P.path, true, Tri::kFull, Dv, Dp, L, t.vT.data(), kChunk, 1, t.pk.data(), Dp, ST,
+                            Dp, true);
     for (int64_t i = 0; i < L; ++i)
       for (int64_t d = 0; d < D; ++d) z[d] += t.pk[i * Dp + d];
   }
@@ -984,26 +1088,27 @@ void causal_dkv_sweep(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G
     pack_kv(P, bh, i0, L, Lp, false, true, t);
     pack_dnum(P, G, bh, i0, L, t.dnum.data(), t.dden.data(), scratch);
     // A^T = K' P^T o triu  (A^T[j][i] = phi(k_j) . phi(q_i), kept for i >= j)
-    gemm<T>(Tri::kOutUpper, L, Lp, D, t.pk.data(), Dp, 1, t.pqT.data(), kChunk, t.a.data(),
-            kChunk, false);
+    chunk_gemm<scalar_t, T>(P.path, true, Tri::kOutUpper, L, Lp, D, t.pk.data(), Dp, 1, t.pqT.data(),
+                            kChunk, t.a.data(), kChunk, false);
     mask_upper(t.a.data(), kChunk, L, Lp);
-    intra_dA(L, Lp, Dv, t.dnum.data(), Dvp, t.vT.data(), G.use_den ? t.dden.data() : nullptr, t.da.data());
-    // dv = A^T dnum + K' R_next
+    intra_dA<scalar_t, T>(P.path, L, Lp, Dv, t.dnum.data(), Dvp, t.vT.data(),
+                          G.use_den ? t.dden.data() : nullptr, t.da.data());
+    // dv = A^T dnum + K' R_next (the state product float32 on every path)
     T* gv = t.num.data();
-    gemm_tri<T>(all_finite(t.dnum.data(), L * Dvp), Tri::kLeftUpper, L, Dvp, L, t.a.data(), kChunk, 1,
-                t.dnum.data(), Dvp, gv, Dvp, false);
+    chunk_gemm<scalar_t, T>(P.path, all_finite(t.dnum.data(), L * Dvp), Tri::kLeftUpper, L, Dvp, L,
+                            t.a.data(), kChunk, 1, t.dnum.data(), Dvp, gv, Dvp, false);
     gemm<T>(Tri::kFull, L, Dvp, D, t.pk.data(), Dp, 1, R, Dvp, gv, Dvp, true);
     write_dv(P, G, bh, i0, L, gv);
     // dphi(k)^T = P^T dA + R_next V^T + w_next 1^T
     T* gkT = t.gradT.data();
-    gemm_tri<T>(all_finite(t.pq.data(), L * Dp), Tri::kRightLower, D, Lp, L, t.pqT.data(), kChunk, 1,
-                t.da.data(), kChunk, gkT, kChunk,
-            false);
-    gemm<T>(Tri::kFull, D, Lp, Dv, R, Dvp, 1, t.vT.data(), kChunk, gkT, kChunk, true);
+    chunk_gemm<scalar_t, T>(P.path, all_finite(t.pq.data(), L * Dp), Tri::kRightLower, D, Lp, L, t.pqT.data(),
+                            kChunk, 1, t.da.data(), kChunk, gkT, kChunk, false);
+    gemm<T>(Tri::kFull, D, Lp, Dv, R, Dvp, 1, t.vT.data(), kChunk, gkT, kChunk, true);  // state: float32
     add_rank1(gkT, kChunk, D, L, w, static_cast<const T*>(nullptr));
     write_dk_transposed(P, G, bh, i0, L, gkT, t.grad.data(), scratch);
     // R_next += P^T dnum,  w_next += P^T dden
-    add_outer<T>(D, Dvp, L, t.pqT.data(), t.dnum.data(), t.dden.data(), R, G.use_den ? w : nullptr);
+    add_outer<scalar_t, T>(P.path, D, Dvp, L, t.pqT.data(), t.dnum.data(), t.dden.data(), R,
+                           G.use_den ? w : nullptr);
   }
   store_state_grad(P, G, bh, R, w);
 }
@@ -1015,6 +1120,7 @@ void causal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G)
   dynamic_for(2 * P.BH, [&](int64_t begin, int64_t end) {
     TilesLease<T> lease(P.Dp, P.Dvp);
     Tiles<T>& t = *lease;
+    const BrgemmRelease release(P.path);
     std::vector<T> scratch(std::max(P.Dp, P.Dvp));
     for (int64_t task = begin; task < end; ++task) {
       if (task % 2 == 0)
@@ -1034,13 +1140,13 @@ void noncausal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>&
   const int64_t state_size = Dp * Dvp + Dp;
   std::vector<T> partial(static_cast<size_t>(P.BH * NG * state_size), T(0));
   // 1. R = grad_S + P^T dnum, w = grad_z + P^T dden (partial sums over query-chunk groups)
-  reduce_chunk_groups<T>(P.BH, P.N, NG, Dp, Dvp, state_size, partial.data(),
+  reduce_chunk_groups<T>(P.path, P.BH, P.N, NG, Dp, Dvp, state_size, partial.data(),
                          [&](int64_t bh, int64_t i0, int64_t L, int64_t Lp, Tiles<T>& t,
                              T* scratch, T* R, T* w) {
                            pack_q_t(P, bh, i0, L, Lp, t);
                            pack_dnum(P, G, bh, i0, L, t.dnum.data(), t.dden.data(), scratch);
-                           add_outer<T>(D, Dvp, L, t.pqT.data(), t.dnum.data(),
-                                        t.dden.data(), R, G.use_den ? w : nullptr);
+                           add_outer<scalar_t, T>(P.path, D, Dvp, L, t.pqT.data(), t.dnum.data(),
+                                                  t.dden.data(), R, G.use_den ? w : nullptr);
                          });
   // 2. totals (group 0's slot), S^T for the dq pass, the state gradients
   std::vector<T> ST(static_cast<size_t>(P.BH * Dvp * Dp));
@@ -1062,7 +1168,7 @@ void noncausal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>&
       if (c < qchunks) {
         const int64_t i0 = c * kChunk, L = std::min(kChunk, P.N - i0);
         pack_dnum(P, G, bh, i0, L, t.dnum.data(), t.dden.data(), scratch.data());
-        // dphi(q) = dnum S^T + dden z^T
+        // dphi(q) = dnum S^T + dden z^T (this pass's products all read a state: float32)
         T* gq = t.grad.data();
         gemm<T>(Tri::kFull, L, Dp, Dv, t.dnum.data(), Dvp, 1, ST.data() + bh * Dvp * Dp, Dp, gq,
                 Dp, false);
@@ -1160,9 +1266,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd_cpu(
   auto S = at::empty({B, H, D, Dv}, q.options().dtype(acc));
   auto z = at::empty({B, H, D}, q.options().dtype(acc));
   if (B * H == 0) return {out, den, S, z};
+  const GemmPath path = cpu_gemm_path(q.scalar_type());  // once per call, before the kernels
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "linear_fwd", [&] {
     using T = acc_t<scalar_t>;
-    const auto P = make_problem<scalar_t, T>(q, k, v, S0, z0, fm, causal, normalize, eps, scale);
+    auto P = make_problem<scalar_t, T>(q, k, v, S0, z0, fm, causal, normalize, eps, scale);
+    P.path = path;
     FwdOut o{out.mutable_data_ptr<scalar_t>(), den.mutable_data_ptr<T>(), S.mutable_data_ptr<T>(),
              z.mutable_data_ptr<T>()};
     if (causal)
@@ -1209,9 +1317,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_bw
     dz0.copy_(gz.defined() ? gz : at::zeros_like(dz0));
     return {dq, dk, dv, dS0, dz0};
   }
+  const GemmPath path = cpu_gemm_path(q.scalar_type());  // once per call, before the kernels
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "linear_bwd", [&] {
     using T = acc_t<scalar_t>;
-    const auto P = make_problem<scalar_t, T>(q, k, v, S0, z0, fm, causal, normalize, eps, scale);
+    auto P = make_problem<scalar_t, T>(q, k, v, S0, z0, fm, causal, normalize, eps, scale);
+    P.path = path;
     Grads<scalar_t, T> G;
     if (g.defined()) G.g = View4<scalar_t>(g);
     G.out = View4<scalar_t>(out);
