@@ -60,6 +60,7 @@ RUNTIME_GEMM_KERNELS = {
     "hopfield": "update forward tile GEMMs (the backward: torch)",
     "hopfield_energy": "energy forward tile GEMMs (the backward: torch)",
     "sparse": "range, block and fused strided tile GEMMs, forward and backward (star: native dots)",
+    "linear": "chunk products, forward and backward (those with the running state: float32)",
 }
 RUNTIME_GEMM_FAMILIES = tuple(RUNTIME_GEMM_KERNELS)
 CPU_GEMM_ENV_VAR = "ATTNKIT_CPU_GEMM"
@@ -203,9 +204,9 @@ def backends() -> dict[str, dict[str, BackendStatus]]:
 
         >>> attnkit.backends()["softmax"]["reference"]
         BackendStatus(usable=True, reason='', kernels='')
-        >>> attnkit.backends()["linear"]["cpu"].kernels  # on an AVX2-only build
-        'avx2+fma: float32 FMA tiles on ymm; bfloat16 / float16 widened to float32; chosen at build time (-march), no AMX'
-        >>> attnkit.backends()["softmax"]["cpu"].kernels  # the same build: no AMX, auto is native
+        >>> attnkit.backends()["linear"]["cpu"].kernels  # on an AVX2-only build: no AMX, auto is native
+        'avx2+fma: float32 FMA tiles on ymm; bfloat16 / float16 widened to float32; chosen at build time (-march); chunk products, forward and backward (those with the running state: float32) chosen at run time per dtype (ATTNKIT_CPU_GEMM=auto): bfloat16 native, float16 native, float32 native'
+        >>> attnkit.backends()["softmax"]["cpu"].kernels  # the same build
         'avx2+fma: ...; chosen at build time (-march); forward, backward and decode tile GEMMs chosen at run time per dtype (ATTNKIT_CPU_GEMM=auto): bfloat16 native, float16 native, float32 native; score options: ...'
     """
     # .kernels is filled here, for the report only: backend_status() runs in every op's dispatch

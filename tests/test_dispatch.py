@@ -33,18 +33,27 @@ def test_cpu_backend_reports_the_vector_path_its_kernels_were_built_for():
     # is one the extension knows, and this CPU has its instructions (the build ran here).
     from attnkit._cpuinfo import cpu_info
 
-    kernels = attnkit.backends()["linear"]["cpu"].kernels
     isa = _dispatch.native().cpu_kernel_isa()
     assert isa in _dispatch._CPU_ISA_TEXT, isa
-    assert kernels.startswith(isa + ": ") and kernels.endswith("no AMX"), kernels
+    base = f"{isa}: {_dispatch._CPU_ISA_TEXT[isa]}; chosen at build time (-march)"
     flags = set(cpu_info()["isa"])  # display names: "AVX2", "AVX-512F", ...
     if flags:  # /proc/cpuinfo read
         needed = {"avx512f+avx512bf16": {"AVX-512F", "AVX-512 BF16"}, "avx512f": {"AVX-512F"},
                   "avx2+fma": {"AVX2", "FMA"}, "scalar": set()}[isa]
         assert needed <= flags, (isa, sorted(flags))
+    # Every family's row: the build's path, then (the families whose tile GEMMs choose at run
+    # time, issue 25: all of them now) which GEMMs choose and the path of each dtype here.
     for family, row in attnkit.backends().items():
-        if row["cpu"].usable and family != "softmax":
-            assert row["cpu"].kernels == kernels, family
+        if not row["cpu"].usable:
+            continue
+        kernels = row["cpu"].kernels
+        assert kernels.startswith(base), (family, kernels)
+        if family in _dispatch.RUNTIME_GEMM_FAMILIES:
+            assert f"; {_dispatch.RUNTIME_GEMM_KERNELS[family]} chosen at run time per dtype" in kernels, kernels
+            for dtype in ("bfloat16", "float16", "float32"):
+                assert f"{dtype} {_dispatch.native().cpu_gemm_path(dtype)}" in kernels, (family, kernels)
+        else:
+            assert kernels == base + ", no AMX", (family, kernels)
 
 
 def test_softmax_row_says_which_score_options_each_backend_computes():

@@ -21,7 +21,8 @@
 // softmax forward, backward and decoding (csrc/cpu/softmax.cpp); the sparse range, block-sparse and
 // fused strided kernels, forward and backward (csrc/cpu/sparse.cpp; the star ops' scattered dot
 // products are no tile GEMM); the Hopfield update and energy forwards (csrc/cpu/hopfield.cpp;
-// their backwards run on torch).  Not yet: linear.
+// their backwards run on torch); the linear chunk products, forward and backward, but those with
+// the running state, kept float32 (csrc/cpu/linear.cpp).
 // Every brgemm call zero-pads its K (reduction) dimension to a multiple of 32 (zeros in both
 // operands) or has a left operand that holds no NaN: torch 2.13's oneDNN on AMX writes a NaN of
 // left-operand row i + 1 into output row i when K > 32 and K % 32 != 0 (DESIGN.md).
