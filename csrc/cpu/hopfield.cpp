@@ -1396,6 +1396,31 @@ void finish_step(const UpdateCtx<T>& c, int64_t bh, int64_t q0, int64_t rows, in
   }
 }
 
+
+// The energy's constant term needs max_i ||x_i||^2 per (b, h), in double (the cancellation
+// fallback): the largest squared norm of rows [0, rows) of X [rows][D] (a NaN norm wins: std::max
+// would drop it) ...
+template <typename T>
+double max_row_norm_sq(const T* X, int64_t rows, int64_t D) {
+  double best = 0;
+  for (int64_t p = 0; p < rows; ++p) {
+    double sq = 0;
+    for (int64_t d = 0; d < D; ++d) sq += static_cast<double>(X[p * D + d]) * static_cast<double>(X[p * D + d]);
+    best = (sq > best || std::isnan(sq)) ? sq : best;
+  }
+  return best;
+}
+
+// ... and the maxima of `parts` consecutive partial maxima per (b, h), NaN winning as above.
+inline std::vector<double> max_per_head(const std::vector<double>& part, int64_t BH, int64_t parts) {
+  std::vector<double> out(static_cast<size_t>(BH), 0.0);
+  for (int64_t i = 0; i < BH * parts; ++i) {
+    double& best = out[i / parts];
+    best = (part[i] > best || std::isnan(part[i])) ? part[i] : best;
+  }
+  return out;
+}
+
 // Rows of a block skip retrieval k: every row frozen (only possible for stored-space updates).
 template <typename T>
 void skip_step(const UpdateCtx<T>& c, int64_t bh, int64_t q0, int64_t rows, int64_t k, const T* xi) {
@@ -1466,20 +1491,10 @@ bool energy_fast(const float* state, const float* stored, float* energy, float* 
       const int64_t bh = i / groups, g = i % groups;
       const float* X = stored + bh * N * D;
       pack_group(X, N, D, g, packed.get() + bh * stride);
-      double best = 0;
-      for (int64_t p = g * 16; p < std::min(N, g * 16 + 16); ++p) {
-        double sq = 0;
-        for (int64_t d = 0; d < D; ++d) sq += static_cast<double>(X[p * D + d]) * static_cast<double>(X[p * D + d]);
-        best = (sq > best || std::isnan(sq)) ? sq : best;
-      }
-      group_max[i] = best;
+      group_max[i] = max_row_norm_sq(X + g * 16 * D, std::min<int64_t>(16, N - g * 16), D);
     }
   });
-  std::vector<double> max_sq(BH, 0.0);
-  for (int64_t i = 0; i < BH * groups; ++i) {
-    double& best = max_sq[i / groups];
-    best = (group_max[i] > best || std::isnan(group_max[i])) ? group_max[i] : best;
-  }
+  const std::vector<double> max_sq = max_per_head(group_max, BH, groups);
   const int64_t qblocks = (S + kEnergyRows - 1) / kEnergyRows;
   parallel_tasks(BH * qblocks, [&](int64_t task) {
     thread_local std::vector<float> scores;
@@ -1530,19 +1545,9 @@ void energy_brgemm(const scalar_t* state, const scalar_t* stored, float* energy,
     const int64_t bh = i / tiles, r0 = (i % tiles) * kEnergyTile, kn = std::min(kEnergyTile, N - r0);
     const scalar_t* X = stored + (bh * N + r0) * D;
     pack_transposed_pairs(X, D, 1, kn, D, packed.data() + i * Dp * tw, tw, g.pairs());
-    double best = 0;
-    for (int64_t p = 0; p < kn; ++p) {
-      double sq = 0;
-      for (int64_t d = 0; d < D; ++d) sq += static_cast<double>(X[p * D + d]) * static_cast<double>(X[p * D + d]);
-      best = (sq > best || std::isnan(sq)) ? sq : best;
-    }
-    tile_max_sq[i] = best;
+    tile_max_sq[i] = max_row_norm_sq(X, kn, D);
   });
-  std::vector<double> max_sq(BH, 0.0);
-  for (int64_t i = 0; i < BH * tiles; ++i) {
-    double& best = max_sq[i / tiles];
-    best = (tile_max_sq[i] > best || std::isnan(tile_max_sq[i])) ? tile_max_sq[i] : best;
-  }
+  const std::vector<double> max_sq = max_per_head(tile_max_sq, BH, tiles);
   const int64_t qblocks = ceil_div(S, kEnergyRows);
   parallel_tasks_on(path, BH * qblocks, [&](int64_t task) {
     thread_local std::vector<float> scores;

@@ -39,13 +39,6 @@ def gemm_path(dtype):
     return _dispatch.native().cpu_gemm_path(str(dtype).removeprefix("torch."))
 
 
-@pytest.fixture(params=["native", "brgemm", "emulate"])
-def forced(request, monkeypatch):
-    """ATTNKIT_CPU_GEMM set to each path for the test."""
-    monkeypatch.setenv(ENV, request.param)
-    return request.param
-
-
 def amx_in_cpuinfo():
     """The AMX flags /proc/cpuinfo lists (None where it cannot be read)."""
     try:

@@ -29,13 +29,6 @@ ENV = "ATTNKIT_CPU_GEMM"
 pytestmark = pytest.mark.skipif(not has_cpu_kernel("hopfield_update_fwd"), reason="attnkit._C is not built")
 
 
-@pytest.fixture(params=["native", "brgemm", "emulate"])
-def forced(request, monkeypatch):
-    """ATTNKIT_CPU_GEMM set to each path for the test."""
-    monkeypatch.setenv(ENV, request.param)
-    return request.param
-
-
 def _inputs(b, h, s, n, d, dv, seed=0, spread=1.0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(b, h, s, d, generator=g, dtype=F64) * spread,

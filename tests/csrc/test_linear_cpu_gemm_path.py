@@ -31,13 +31,6 @@ ENV = "ATTNKIT_CPU_GEMM"
 pytestmark = pytest.mark.skipif(not has_cpu_kernel("linear_fwd"), reason="attnkit._C is not built")
 
 
-@pytest.fixture(params=["native", "brgemm", "emulate"])
-def forced(request, monkeypatch):
-    """ATTNKIT_CPU_GEMM set to each path for the test."""
-    monkeypatch.setenv(ENV, request.param)
-    return request.param
-
-
 def _reference_lowp(q, k, v, g, state=None, **kw):
     """The reference run in the inputs' dtype (forward and autograd): the error DESIGN.md's rule
     allows twice of."""

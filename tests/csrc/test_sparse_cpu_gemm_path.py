@@ -30,13 +30,6 @@ NONE_HI = [0, 1, 0, 2 ** 40]
 pytestmark = pytest.mark.skipif(not has_cpu_kernel("sparse_strided_fwd"), reason="attnkit._C is not built")
 
 
-@pytest.fixture(params=["native", "brgemm", "emulate"])
-def forced(request, monkeypatch):
-    """ATTNKIT_CPU_GEMM set to each path for the test."""
-    monkeypatch.setenv(ENV, request.param)
-    return request.param
-
-
 def sparse_cpu():
     import test_sparse_cpu  # tests/csrc is on sys.path under pytest (rootdir without __init__.py)
 
@@ -176,17 +169,10 @@ def test_fused_strided_thread_counts(forced, threads):
 
 
 def families(n):
-    g = torch.Generator().manual_seed(11)
-    lay = torch.rand(2, n // 16, n // 16, generator=g) < 0.5
-    return {
-        "strided": patterns.strided(7),
-        "strided_noncausal": patterns.strided(5, causal=False),
-        "fixed": patterns.fixed(8, 2),
-        "fixed_noncausal": patterns.fixed(8, 3, causal=False),
-        "star": patterns.star(n // 2, 2),
-        "block_layout": patterns.block_layout(lay, 16),
-        "block_layout_causal": patterns.block_layout(lay[:1], 16, causal=True),
-    }
+    """test_sparse_cpu's pattern families (every kind the kernels serve), at N = n."""
+    import test_sparse_cpu  # tests/csrc is on sys.path under pytest (rootdir without __init__.py)
+
+    return test_sparse_cpu._families(n)
 
 
 def sparse_run(backend, q, k, v, pattern, dout, dtype):
