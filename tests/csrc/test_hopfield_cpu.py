@@ -924,3 +924,27 @@ def test_update_first_tile_of_minus_inf_scores_is_not_nan():
         out = attnkit.hopfield_update(state, stored, beta=0.5, backend="cpu")
         assert torch.isnan(out[..., 2]).all()
         assert torch.isfinite(out[..., :2]).all() and torch.isfinite(out[..., 3:]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("S,N,D,Dv,steps", [(1, 5000, 64, 32, 2), (3, 9000, 40, None, 2), (70, 1100, 72, 24, 3)],
+                         ids=["one-query-values", "split-N", "fused-values"])
+def test_16bit_native_update_is_the_float32_update_rounded(dtype, S, N, D, Dv, steps, monkeypatch):
+    """The native path runs 16-bit inputs on float32 tiles (converted a tile of stored rows at a
+    time on builds without AVX-512, up front with it): bit for bit the float32 update of the
+    converted inputs, rounded once -- NaN and inf patterns included -- across several tiles of
+    512 stored rows, the split-N and fused decompositions, with and without values."""
+    monkeypatch.setenv("ATTNKIT_CPU_GEMM", "native")
+    g = torch.Generator().manual_seed(S + N)
+    state = torch.randn(2, 2, S, D, generator=g).to(dtype)
+    stored = torch.randn(2, 2, N, D, generator=g).to(dtype)
+    values = None if Dv is None else torch.randn(2, 2, N, Dv, generator=g).to(dtype)
+    stored[0, 1, N // 2, 3] = float("nan")
+    stored[1, 0, 7, 0] = float("inf")
+    kwargs = {} if values is None else {"values": values}
+    got = attnkit.hopfield_update(state, stored, beta=0.3, steps=steps, backend="cpu", **kwargs)
+    kwargs32 = {} if values is None else {"values": values.float()}
+    want = attnkit.hopfield_update(state.float(), stored.float(), beta=0.3, steps=steps, backend="cpu",
+                                   **kwargs32).to(dtype)
+    assert torch.isnan(got).any() and torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
