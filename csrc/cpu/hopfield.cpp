@@ -86,6 +86,115 @@ inline T finite_or_zero(T m) {
   return m == -std::numeric_limits<T>::infinity() ? T(0) : m;
 }
 
+// Row kernels of the online softmax: the max of a row of scores, and p_j = exp(s_j - m) in
+// place with their sum.  Written with AVX-512 intrinsics for float: GCC left both loops scalar
+// (vmaxss / vfmadd...ss in perf annotate), which made the softmax cost as much as both GEMMs
+// together (S=1024 N=16384 D=64, one thread: 11 GFLOP/s against torch SDPA's 29 in the same run).
+template <typename T>
+inline T scores_max(const T* s, int64_t n) {
+  T best = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j < n; ++j) best = s[j] > best ? s[j] : best;
+  return best;
+}
+
+template <typename T>
+inline T exp_sum_inplace(T* s, int64_t n, T m) {
+  T sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const T p = exp_nonpositive(s[j] - m);
+    s[j] = p;
+    sum += p;
+  }
+  return sum;
+}
+
+#if defined(__AVX512F__)
+
+template <>
+inline float scores_max<float>(const float* s, int64_t n) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(s + j));
+  if (j < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1u);
+    best = _mm512_mask_max_ps(best, tail, best, _mm512_maskz_loadu_ps(tail, s + j));
+  }
+  return _mm512_reduce_max_ps(best);
+}
+
+template <>
+inline float exp_sum_inplace<float>(float* s, int64_t n, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 p = exp_nonpositive_v(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+    _mm512_storeu_ps(s + j, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  if (j < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1u);
+    const __m512 p = exp_nonpositive_v(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mv));
+    _mm512_mask_storeu_ps(s + j, tail, p);
+    sum = _mm512_mask_add_ps(sum, tail, sum, p);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same two row kernels on ymm for AVX2 builds (AMD EPYC Zen 3): the generic loops above ran
+// scalar there too, and the update with many queries lost to SDPA per step (S=256 N=4096 D=64
+// float32, `bench --quick`: 0.80x).  exp_nonpositive's polynomial, eight lanes at a time: exp of
+// x < -87 is 0, NaN stays NaN.
+
+inline __m256 exp_nonpositive_v8(__m256 x) {
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ);
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // a NaN x stays (max returns its second operand)
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.42860682030941723212e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+template <>
+inline float scores_max<float>(const float* s, int64_t n) {
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(s + j));
+  float out = hmax8(best);
+  for (; j < n; ++j) out = s[j] > out ? s[j] : out;
+  return out;
+}
+
+template <>
+inline float exp_sum_inplace<float>(float* s, int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 p = exp_nonpositive_v8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    _mm256_storeu_ps(s + j, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  float total = hsum8(sum);
+  for (; j < n; ++j) {
+    const float p = exp_nonpositive(s[j] - m);
+    s[j] = p;
+    total += p;
+  }
+  return total;
+}
+#endif  // __AVX512F__ / __AVX2__
+
 // log sum_i exp(beta * x_i . q) of one query row, in double throughout (the cancellation
 // fallback; scores: scratch space for the N scores).
 template <typename scalar_t>
@@ -214,11 +323,10 @@ void energy_kernel(const scalar_t* state, const scalar_t* stored, acc_t* energy,
         }
         const int64_t valid = std::min(kP, N - t * kP);
         for (int64_t q = 0; q < rows; ++q) {
-          acc_t tile_max = -std::numeric_limits<acc_t>::infinity();
-          for (int64_t p = 0; p < valid; ++p) {
-            sc[q][p] *= beta;
-            tile_max = sc[q][p] > tile_max ? sc[q][p] : tile_max;
-          }
+#pragma omp simd
+          for (int64_t p = 0; p < valid; ++p) sc[q][p] *= beta;
+          // (scores_max: on ymm / zmm for float; a NaN is caught by the exponentials below)
+          const acc_t tile_max = scores_max(sc[q], valid);
           if (tile_max > m[q]) {
             // exp(-inf) (first tile) is 0, times l = 0.
             l[q] *= exp_nonpositive(m[q] - tile_max);
@@ -234,8 +342,7 @@ void energy_kernel(const scalar_t* state, const scalar_t* stored, acc_t* energy,
             for (int64_t p = 0; p < valid; ++p)
               sum += sc[q][p] == mq ? acc_t(1) : exp_nonpositive(sc[q][p] - mq);
           } else {
-#pragma omp simd reduction(+ : sum)
-            for (int64_t p = 0; p < valid; ++p) sum += exp_nonpositive(sc[q][p] - mq);
+            sum = exp_sum_inplace(sc[q], valid, mq);  // sc is this tile's scratch: overwritten
           }
           l[q] += sum;
         }
@@ -405,114 +512,6 @@ void gemm_nn_acc(int64_t rows, int64_t cols, int64_t K, const T* A, int64_t lda,
     }
 }
 
-// Row kernels of the online softmax: the max of a row of scores, and p_j = exp(s_j - m) in
-// place with their sum.  Written with AVX-512 intrinsics for float: GCC left both loops scalar
-// (vmaxss / vfmadd...ss in perf annotate), which made the softmax cost as much as both GEMMs
-// together (S=1024 N=16384 D=64, one thread: 11 GFLOP/s against torch SDPA's 29 in the same run).
-template <typename T>
-inline T scores_max(const T* s, int64_t n) {
-  T best = -std::numeric_limits<T>::infinity();
-  for (int64_t j = 0; j < n; ++j) best = s[j] > best ? s[j] : best;
-  return best;
-}
-
-template <typename T>
-inline T exp_sum_inplace(T* s, int64_t n, T m) {
-  T sum = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const T p = exp_nonpositive(s[j] - m);
-    s[j] = p;
-    sum += p;
-  }
-  return sum;
-}
-
-#if defined(__AVX512F__)
-
-template <>
-inline float scores_max<float>(const float* s, int64_t n) {
-  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(s + j));
-  if (j < n) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1u);
-    best = _mm512_mask_max_ps(best, tail, best, _mm512_maskz_loadu_ps(tail, s + j));
-  }
-  return _mm512_reduce_max_ps(best);
-}
-
-template <>
-inline float exp_sum_inplace<float>(float* s, int64_t n, float m) {
-  const __m512 mv = _mm512_set1_ps(m);
-  __m512 sum = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const __m512 p = exp_nonpositive_v(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
-    _mm512_storeu_ps(s + j, p);
-    sum = _mm512_add_ps(sum, p);
-  }
-  if (j < n) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1u);
-    const __m512 p = exp_nonpositive_v(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mv));
-    _mm512_mask_storeu_ps(s + j, tail, p);
-    sum = _mm512_mask_add_ps(sum, tail, sum, p);
-  }
-  return _mm512_reduce_add_ps(sum);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-// The same two row kernels on ymm for AVX2 builds (AMD EPYC Zen 3): the generic loops above ran
-// scalar there too, and the update with many queries lost to SDPA per step (S=256 N=4096 D=64
-// float32, `bench --quick`: 0.80x).  exp_nonpositive's polynomial, eight lanes at a time: exp of
-// x < -87 is 0, NaN stays NaN.
-
-inline __m256 exp_nonpositive_v8(__m256 x) {
-  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ);
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // a NaN x stays (max returns its second operand)
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.42860682030941723212e-6f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
-template <>
-inline float scores_max<float>(const float* s, int64_t n) {
-  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(s + j));
-  float out = hmax8(best);
-  for (; j < n; ++j) out = s[j] > out ? s[j] : out;
-  return out;
-}
-
-template <>
-inline float exp_sum_inplace<float>(float* s, int64_t n, float m) {
-  const __m256 mv = _mm256_set1_ps(m);
-  __m256 sum = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 p = exp_nonpositive_v8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-    _mm256_storeu_ps(s + j, p);
-    sum = _mm256_add_ps(sum, p);
-  }
-  float total = hsum8(sum);
-  for (; j < n; ++j) {
-    const float p = exp_nonpositive(s[j] - m);
-    s[j] = p;
-    total += p;
-  }
-  return total;
-}
-#endif  // __AVX512F__ / __AVX2__
 
 // Folds one tile's row of scores s[0..bk) (already times beta) into its row's running (m, l) of
 // the online softmax, rescaling the row's sums acc [Dout] (and accx [D] when given) when the
