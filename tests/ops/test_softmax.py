@@ -690,3 +690,88 @@ def test_plain_call_still_routes_through_the_dispatcher(monkeypatch):
     monkeypatch.delenv("ATTNKIT_BACKEND")
     _call(backend="reference")
     assert ran == ["reference", "reference"]
+
+
+# ----------------------------------------------------------------------------------------------
+# grouped-query attention on the fast path (issue 25): enable_gqa with Hk = Hv dividing H skips
+# the full path's checks as plain calls do -- the same kernel call, so the full path's results
+# to the bit; anything unusual still reaches the full path and its errors
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("h,hk", [(6, 2), (6, 3), (4, 1)])
+@pytest.mark.parametrize("n", [1, 5])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_gqa_fast_path_is_the_full_path_bit_for_bit(h, hk, n, is_causal, dtype):
+    q, k, v = make_qkv(2, h, hk, n, 7, 6, 5, dtype=dtype, requires_grad=True)
+    g = torch.randn(2, h, n, 5, dtype=dtype)
+    g_lse = torch.randn(2, h, n, dtype=torch.float32 if dtype == torch.float32 else F64)
+    kw = dict(is_causal=is_causal, enable_gqa=True)
+    out, lse = attnkit.softmax_attention(q, k, v, return_lse=True, **kw)
+    assert attnkit.softmax_attention(q, k, v, **kw).shape == out.shape  # return_lse=False: out alone
+    grads = torch.autograd.grad((out, lse), (q, k, v), (g, g_lse))
+    # The full path for the same tensors: a leading batch dim of 1 (5-D) never takes the fast path.
+    out5, lse5 = attnkit.softmax_attention(q[None], k[None], v[None], return_lse=True, **kw)
+    grads5 = torch.autograd.grad((out5, lse5), (q, k, v), (g[None], g_lse[None]))
+    for got, want in zip((out, lse, *grads), (out5[0], lse5[0], *grads5)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # ... and the float64 ground truth (key/value head h // (H // Hk)), forward and gradients.
+    q64, k64, v64 = (t.detach().to(F64).requires_grad_() for t in (q, k, v))
+    out64, lse64 = loop_attention(q64, k64, v64, is_causal=is_causal)
+    assert_close_to_reference(out, out64)
+    assert_close_to_reference(lse, lse64, name="lse", dtype=dtype)
+    grads64 = torch.autograd.grad((out64, lse64), (q64, k64, v64), (g.to(F64), g_lse.to(F64)))
+    for name, got, want in zip("qkv", grads, grads64):
+        assert_close_to_reference(got, want, grad=True, name=f"grad {name}")
+
+
+def test_gqa_calls_take_the_fast_path(monkeypatch):
+    # The decode shape of a GQA model (H = 4 query heads per key/value head, one query row)
+    # must not pay the full path's checks and _Layout (issue 25: ~40 us of a ~50 us call).
+    import attnkit.ops.softmax as ops_softmax
+
+    layouts = []
+    original = ops_softmax._Layout
+    monkeypatch.setattr(ops_softmax, "_Layout", lambda *a: layouts.append(a) or original(*a))
+    q, k, v = make_qkv(2, 8, 2, 1, 9, 16, 16, dtype=torch.float32)
+    attnkit.softmax_attention(q, k, v, enable_gqa=True)
+    attnkit.softmax_attention(q.requires_grad_(), k, v, enable_gqa=True, is_causal=True, return_lse=True)
+    assert layouts == []
+    attnkit.softmax_attention(q, k, v[:, :1], enable_gqa=True)  # Hk != Hv (broadcast): the full path
+    assert len(layouts) == 1
+
+
+def _gqa_call(**changes):
+    q, k, v = make_qkv(2, 6, 2, 7, 9, 16, 8, dtype=torch.float32)
+    args = dict(query=q, key=k, value=v, enable_gqa=True)
+    args.update(changes)
+    return attnkit.softmax_attention(**args)
+
+
+@pytest.mark.parametrize("changes,exc,match", [
+    # GQA-shaped calls (query 6 heads, key / value 2) that the fast path must leave to the full
+    # path's errors.
+    (dict(enable_gqa=False), ValueError, "same number of heads unless enable_gqa=True; got query 6, key 2"),
+    (dict(enable_gqa=1), TypeError, "enable_gqa must be a bool; got 1"),
+    (dict(key=torch.randn(2, 4, 9, 16), value=torch.randn(2, 4, 9, 8)), ValueError,
+     "must be a multiple of the key's; got query 6, key 4"),
+    (dict(key=torch.randn(2, 0, 9, 16), value=torch.randn(2, 0, 9, 8)), ValueError,
+     "must be a multiple of the key's; got query 6, key 0"),
+    (dict(value=torch.randn(2, 3, 9, 8)), ValueError, "same number of heads Hk; got key 2, value 3"),
+    (dict(key=torch.randn(2, 2, 9, 15)), ValueError, "same head dim D; got query 16, key 15"),
+    (dict(value=torch.randn(2, 2, 8, 8)), ValueError, "same sequence length M; got key 9, value 8"),
+    (dict(key=torch.randn(3, 2, 9, 16)), ValueError,
+     r"batch dims .* must broadcast together; got query \[2\], key \[3\], value \[2\]"),
+    (dict(value=torch.randn(2, 2, 9, 8, dtype=F64)), ValueError, "value must have the dtype of query"),
+    (dict(key=torch.randn(2, 2, 9, 16, device="meta")), ValueError, "key must be on the device of query"),
+    (dict(scale=float("nan")), TypeError, "scale must be a finite real number"),
+    (dict(dropout_p=1.0), ValueError, "dropout_p must be < 1; got 1.0"),
+    (dict(is_causal=1), TypeError, "is_causal must be a bool; got 1"),
+    (dict(return_lse=0), TypeError, "return_lse must be a bool; got 0"),
+    (dict(attn_mask=torch.ones(7, 9, dtype=torch.bool), is_causal=True), ValueError,
+     "attn_mask and is_causal=True cannot be combined"),
+])
+def test_gqa_shaped_calls_still_checked(changes, exc, match):
+    with pytest.raises(exc, match=f"^{re.escape(OP)}: .*{match}"):
+        _gqa_call(**changes)
