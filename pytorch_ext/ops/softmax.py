@@ -270,12 +270,12 @@ def _call_native(q, k, v, mask, scale, is_causal):
     Eager calls skip the Python autograd kernel that register_autograd installs: straight to
     the kernel below autograd when no gradient is wanted, else through _NativeAttention (the
     same formula).  Under torch.compile the op itself, as registered."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return torch.ops.attnkit.softmax_fwd(q, k, v, mask, scale, is_causal)
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(q, k, v, mask):
+    if _grad_enabled() and torch._C._any_requires_grad(q, k, v, mask):
         return _NativeAttention.apply(q, k, v, mask, scale, is_causal)
     with _BELOW_AUTOGRAD():
-        return _FWD_OP(q, k, v, mask, scale, is_causal)
+        return _FWD_CALL(q, k, v, mask, scale, is_causal)
 
 
 def _call_native_options(q, k, v, mask, scale, is_causal, kernel_args):
@@ -810,19 +810,24 @@ class _Layout:
     """
 
     def __init__(self, query, key, value, enable_gqa):
-        self.rank = max(query.dim(), key.dim(), value.dim())
-        shapes = {
-            name: (1,) * (self.rank - t.dim()) + tuple(t.shape)
-            for name, t in (("query", query), ("key", key), ("value", value))
-        }
+        qs, ks, vs = query.shape, key.shape, value.shape
+        self.rank = max(len(qs), len(ks), len(vs))
         if self.rank == 2:
             self.batch, self.heads, self.kv_heads = (), 1, 1
         else:
-            self.batch = _broadcast_sizes(
-                "the batch dims (all before the head dim -3) of query, key and value",
-                {name: tuple(t.shape[:-3]) for name, t in (("query", query), ("key", key), ("value", value))},
-            )
-            hq, hk, hv = (shapes[name][-3] for name in ("query", "key", "value"))
+            if len(qs) == len(ks) == len(vs) and qs[:-3] == ks[:-3] == vs[:-3]:
+                # The usual call: equal batch dims, nothing to broadcast.  This shortcut and the
+                # head counts read without padded copies of the shapes: _Layout 7-12 -> 3-4 us
+                # a call (issue 25, q [1, 4, 1, 128], k / v [1, 1, 16, 128], timeit, one
+                # thread, loaded 2-core AMD EPYC Zen 3).
+                self.batch = tuple(qs[:-3])
+            else:
+                self.batch = _broadcast_sizes(
+                    "the batch dims (all before the head dim -3) of query, key and value",
+                    {name: tuple(t.shape[:-3]) for name, t in (("query", query), ("key", key), ("value", value))},
+                )
+            # A tensor of fewer dims counts as having leading 1s: one head.
+            hq, hk, hv = (shape[-3] if len(shape) >= 3 else 1 for shape in (qs, ks, vs))
             if hk != hv and 1 not in (hk, hv):
                 check_size_match(OP_NAME, "number of heads Hk", {"key": hk, "value": hv})
             kv_heads = max(hk, hv) if 1 in (hk, hv) else hk
@@ -867,6 +872,11 @@ class _Layout:
 
     def mask_to_kernel(self, mask: torch.Tensor) -> torch.Tensor:
         """The mask as ``[B or 1, H or 1, N or 1, M or 1]`` (the kernels expand it)."""
+        if self.rank == 4 and mask.dim() == 4:
+            # Already [B or 1, H or 1, N or 1, M or 1] (_check_mask): what the reshapes below
+            # would return, without their ~2-4 us a call (issue 25, timeit, loaded 2-core AMD
+            # EPYC Zen 3).
+            return mask
         rank = len(self.out_lead) + 2
         mask = mask.reshape((1,) * (rank - mask.dim()) + tuple(mask.shape))
         if self.rank == 2:
@@ -1113,11 +1123,17 @@ def softmax_attention(
     check_tensor(OP_NAME, "query", query, "[..., N, D]")
     check_tensor(OP_NAME, "key", key, "[..., M, D]")
     check_tensor(OP_NAME, "value", value, "[..., M, Dv]")
-    check_same_dtype_device(OP_NAME, {"query": query, "key": key, "value": value})
+    # The shared checks are called (to raise their errors) only when a test fails: building
+    # their dicts cost ~1.5 us each a call (issue 25, timeit, loaded 2-core AMD EPYC Zen 3).
+    dtype, device = query.dtype, query.device
+    if key.dtype != dtype or value.dtype != dtype or key.device != device or value.device != device:
+        check_same_dtype_device(OP_NAME, {"query": query, "key": key, "value": value})
     n, head_dim = query.shape[-2], query.shape[-1]
     m = key.shape[-2]
-    check_size_match(OP_NAME, "head dim D", {"query": head_dim, "key": key.shape[-1]})
-    check_size_match(OP_NAME, "sequence length M", {"key": m, "value": value.shape[-2]})
+    if key.shape[-1] != head_dim:
+        check_size_match(OP_NAME, "head dim D", {"query": head_dim, "key": key.shape[-1]})
+    if value.shape[-2] != m:
+        check_size_match(OP_NAME, "sequence length M", {"key": m, "value": value.shape[-2]})
     # Flags must be real bools, like SDPA, which rejects is_causal=1: a number there is
     # probably a misplaced positional argument.
     check_bool(OP_NAME, "is_causal", is_causal)
@@ -1139,7 +1155,7 @@ def softmax_attention(
     check_real(OP_NAME, "scale", scale, allow_none=True)
     # The score options (issue 28), validated once; None when all are default.
     options = score_options.build(OP_NAME, window, softcap, alibi_slopes, sinks, heads=layout.heads,
-                                  batch=layout.batch, device=query.device)
+                                  batch=layout.batch, device=device)
 
     # --- the kernels' layout [B, H, N, D]: views of the inputs where strides allow ---
     q4 = layout.to_kernel(query, layout.heads)
