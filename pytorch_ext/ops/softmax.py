@@ -207,7 +207,7 @@ def _native_backward(ctx, grad_out, grad_lse):
     if grad_lse is None and grad_out is not None:
         # The usual call (the lse unused): one kernel call, as _gradients would make it.
         if not kernel_args:
-            return (*_BWD_OP(grad_out, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal), None, None, None)
+            return (*_BWD_CALL(grad_out, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal), None, None, None)
         return (*_BWD_OP(grad_out, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal, *kernel_args), *no_grads)
     # The CUDA kernels need V's head dim equal to the query's.
     probe = q.shape[-1] if q.is_cuda else None
@@ -229,6 +229,7 @@ if _NATIVE_OPS:
     # The OpOverload's bound C++ function: calling it skips OpOverload.__call__'s Python frame
     # (*args / **kwargs repacked), 0.3-0.7 us of softmax_attention's 8 us at N=16 (issue 25).
     _FWD_CALL = getattr(_FWD_OP, "_op", _FWD_OP)
+    _BWD_CALL = getattr(_BWD_OP, "_op", _BWD_OP)  # (13.8 against 15.2 us a backward kernel call, N=16)
 
     class _NativeAttention(torch.autograd.Function):
         """The eager path of ``attnkit::softmax_fwd`` with its registered autograd: the same
@@ -246,15 +247,33 @@ if _NATIVE_OPS:
             # kernel_args: () or the score options (window_left, window_right, softcap, alibi).
             if kernel_args:
                 with _BELOW_AUTOGRAD():
-                    output = _FWD_OP(q, k, v, mask, scale, is_causal, *kernel_args)
+                    output = _FWD_CALL(q, k, v, mask, scale, is_causal, *kernel_args)
                 _native_setup_context(ctx, (q, k, v, mask, scale, is_causal, *kernel_args), output)
                 return output
             with _BELOW_AUTOGRAD():
-                output = _FWD_OP(q, k, v, mask, scale, is_causal)
+                output = _FWD_CALL(q, k, v, mask, scale, is_causal)
             _native_setup_context(ctx, (q, k, v, mask, scale, is_causal), output)
             return output
 
         backward = staticmethod(_native_backward)
+
+    # What _NativeAttention.apply (torch.autograd.Function.apply) calls once its Python wrapper
+    # has found no setup_context to bind and no functorch transform active: see _native_apply.
+    _NATIVE_APPLY = super(torch.autograd.Function, _NativeAttention).apply
+
+
+def _native_apply(q, k, v, mask, scale, is_causal):
+    """``_NativeAttention.apply(q, k, v, mask, scale, is_causal)``, without Function.apply's
+    Python wrapper where it does nothing: outside functorch transforms it only unwraps dead
+    functorch wrappers (done here for the tensors) before the C++ apply.  Issue 25, B=H=1 N=16
+    D=64 float32 with grad, one thread, loaded 2-core AMD EPYC Zen 3 (timeit): the wrapper was
+    ~5-6 us of a ~26 us apply.  Under a transform (vmap, grad, ...) the wrapper runs, and raises
+    its error (the Function has no setup_context)."""
+    if _functorch_active():
+        return _NativeAttention.apply(q, k, v, mask, scale, is_causal)
+    return _NATIVE_APPLY(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v),
+                         mask if mask is None else _unwrap_if_dead(mask), scale, is_causal)
+
 
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
 # Bound once for softmax_attention's fast path (two attribute reads a call less); torch.compile
@@ -262,6 +281,8 @@ _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
 _is_compiling = torch.compiler.is_compiling
 _Tensor = torch.Tensor
 _grad_enabled = torch.is_grad_enabled
+_functorch_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 def _call_native(q, k, v, mask, scale, is_causal):
@@ -273,7 +294,7 @@ def _call_native(q, k, v, mask, scale, is_causal):
     if _is_compiling():
         return torch.ops.attnkit.softmax_fwd(q, k, v, mask, scale, is_causal)
     if _grad_enabled() and torch._C._any_requires_grad(q, k, v, mask):
-        return _NativeAttention.apply(q, k, v, mask, scale, is_causal)
+        return _native_apply(q, k, v, mask, scale, is_causal)
     with _BELOW_AUTOGRAD():
         return _FWD_CALL(q, k, v, mask, scale, is_causal)
 
@@ -1109,7 +1130,7 @@ def softmax_attention(
                     and not _is_compiling()
                 ):
                     if (query.requires_grad or key.requires_grad or value.requires_grad) and _grad_enabled():
-                        result = _NativeAttention.apply(query, key, value, None, scale, is_causal)
+                        result = _native_apply(query, key, value, None, scale, is_causal)
                     else:
                         with _BELOW_AUTOGRAD():
                             result = _FWD_CALL(query, key, value, None, scale, is_causal)

@@ -775,3 +775,21 @@ def _gqa_call(**changes):
 def test_gqa_shaped_calls_still_checked(changes, exc, match):
     with pytest.raises(exc, match=f"^{re.escape(OP)}: .*{match}"):
         _gqa_call(**changes)
+
+
+def test_differentiable_fast_path_keeps_function_apply_rules():
+    # Differentiable calls skip torch.autograd.Function.apply's Python wrapper (issue 25) only
+    # where it does nothing: under a functorch transform it still runs, with its error (the
+    # kernels' Function has no setup_context), as before.
+    if not attnkit.backends()["softmax"]["cpu"].usable:
+        pytest.skip("no cpu backend here")
+    q, k, v = make_qkv(1, 2, 2, 5, 6, 8, 8, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="must override the setup_context staticmethod"):
+        torch.func.grad(lambda x: attnkit.softmax_attention(x, k, v).sum())(q)
+    with pytest.raises(RuntimeError, match="must override the setup_context staticmethod"):
+        torch.func.grad(lambda x: attnkit.softmax_attention(x, k, v, attn_mask=torch.ones(5, 6, dtype=torch.bool)).sum())(q)
+    # Plain autograd: the same gradients as the registered op's autograd formula.
+    q.requires_grad_()
+    got = torch.autograd.grad(attnkit.softmax_attention(q, k, v).sum(), q)[0]
+    want = torch.autograd.grad(torch.ops.attnkit.softmax_fwd(q, k, v, None, 8 ** -0.5, False)[0].sum(), q)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
