@@ -788,6 +788,11 @@ __attribute__((always_inline)) inline __m256 load8_as_float(const at::BFloat16* 
   const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
 }
+#if defined(__F16C__)
+__attribute__((always_inline)) inline __m256 load8_as_float(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
 #endif
 
 // dst[d] = src[d * sd] for d < n, converted to acc_t (bfloat16 rows with unit stride on AVX2: 8

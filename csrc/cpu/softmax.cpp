@@ -47,6 +47,7 @@
 // micro-kernels 1.86x / 2.19x; one thread, they reach ~157 GF/s forward, ~145 GF/s backward.
 #include "torch_headers.h"
 
+#include <cstring>
 #include <vector>
 
 #include "flash_tiles.h"
@@ -638,72 +639,165 @@ inline void decode_dot16(const float* q, const float* K, int64_t ldk, int64_t D,
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// AVX2 + FMA: S[r][j] = q_r . K[j] for RB query rows and KB keys at once (RB * KB <= 8
-// accumulators, each K vector loaded once for all RB rows), K rows in place (ldk floats apart),
-// keys past kn repeating the last one (their sums are not stored), D's last partial vector
-// under a lane mask.  The 8 sums are folded with horizontal adds into one vector.
-template <int RB, int KB>
-inline void decode_dots_block(const float* q, int64_t ldq, const float* K, int64_t ldk, int64_t D,
-                              int64_t kn, float* S, int64_t lds) {
-  static_assert(RB * KB <= 8, "at most 8 accumulators");
-  __m256 acc[8];
-  #pragma GCC unroll 8
-  for (int a = 0; a < 8; ++a) acc[a] = _mm256_setzero_ps();
-  const float* kr[KB];
-  #pragma GCC unroll 8
+// AVX2 + FMA decode tiles, K and V read in place as float32, bfloat16 or float16 (T): 16-bit
+// elements widened in registers (load8_as_float), so neither is converted into a scratch copy.
+// Measured against the tiles before (scores: 4 rows x 2 keys, 8 accumulators, float32 K only;
+// P V: the flash GEMM tile, 4 rows x 16 columns; 16-bit K transposed into float32 per tile and
+// V converted per tile), AMD EPYC Zen 3, B=8 Hq=32 Hk=8 N=1 D=128, 2 threads
+// (bench/softmax_cpu_speed.py decode): float32 M=16384 86-92 -> 73-78 ms; one thread, K and V
+// in cache (B=Hk=1 M=2048): float32 167 -> 150 us, bfloat16 225 -> 125 us a call.
+
+// The last n < 8 elements of a row as float32, zeros past n: float32 under a lane mask, 16 bits
+// through a zero-padded copy (a 16-byte load could read past the row's end).
+template <typename T>
+inline __m256 load8_tail(const T* p, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_maskload_ps(p, lanes_below8(n));
+  } else {
+    alignas(16) T t[8];
+    std::memset(static_cast<void*>(t), 0, sizeof(t));
+    std::memcpy(static_cast<void*>(t), p, static_cast<size_t>(n) * sizeof(T));
+    return load8_as_float(t);
+  }
+}
+
+// S[r][j] = q_r . K[j] for RB query rows and KB keys at once (RB * KB accumulators, each K
+// vector loaded once for all RB rows), K rows in place (ldk elements apart), keys past kn
+// repeating the last one (their sums are not stored), D's last partial vector masked.  The sums
+// are folded with horizontal adds, four at a time.
+template <int RB, int KB, typename T>
+inline void decode_dots_block(const float* q, int64_t ldq, const T* K, int64_t ldk, int64_t D, int64_t kn,
+                              float* S, int64_t lds) {
+  constexpr int A = RB * KB;
+  static_assert(A % 4 == 0 && A <= 12, "4, 8 or 12 accumulators");
+  __m256 acc[A];
+  #pragma GCC unroll 12
+  for (int a = 0; a < A; ++a) acc[a] = _mm256_setzero_ps();
+  const T* kr[KB];
+  #pragma GCC unroll 12
   for (int j = 0; j < KB; ++j) kr[j] = K + std::min<int64_t>(j, kn - 1) * ldk;
   const int64_t D8 = D / 8 * 8;
   for (int64_t d = 0; d < D8; d += 8) {
     __m256 kv[KB];
-    #pragma GCC unroll 8
-    for (int j = 0; j < KB; ++j) kv[j] = _mm256_loadu_ps(kr[j] + d);
-    #pragma GCC unroll 8
+    #pragma GCC unroll 12
+    for (int j = 0; j < KB; ++j) kv[j] = load8_as_float(kr[j] + d);
+    #pragma GCC unroll 12
     for (int r = 0; r < RB; ++r) {
       const __m256 qv = _mm256_loadu_ps(q + r * ldq + d);
-      #pragma GCC unroll 8
+      #pragma GCC unroll 12
       for (int j = 0; j < KB; ++j) acc[r * KB + j] = _mm256_fmadd_ps(qv, kv[j], acc[r * KB + j]);
     }
   }
   if (D8 < D) {
-    const __m256i m = lanes_below8(D - D8);
     __m256 kv[KB];
-    #pragma GCC unroll 8
-    for (int j = 0; j < KB; ++j) kv[j] = _mm256_maskload_ps(kr[j] + D8, m);
-    #pragma GCC unroll 8
+    #pragma GCC unroll 12
+    for (int j = 0; j < KB; ++j) kv[j] = load8_tail(kr[j] + D8, D - D8);
+    #pragma GCC unroll 12
     for (int r = 0; r < RB; ++r) {
-      const __m256 qv = _mm256_maskload_ps(q + r * ldq + D8, m);
-      #pragma GCC unroll 8
+      const __m256 qv = _mm256_maskload_ps(q + r * ldq + D8, lanes_below8(D - D8));
+      #pragma GCC unroll 12
       for (int j = 0; j < KB; ++j) acc[r * KB + j] = _mm256_fmadd_ps(qv, kv[j], acc[r * KB + j]);
     }
   }
-  // lane a of the result = the sum of acc[a]
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-  alignas(32) float t[8];
-  _mm256_store_ps(t, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+  // lane i of u = the sum of acc[4g + i] (lanes 0-3)
+  alignas(32) float t[12];
+  #pragma GCC unroll 3
+  for (int g = 0; g < A / 4; ++g) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[4 * g], acc[4 * g + 1]),
+                                    _mm256_hadd_ps(acc[4 * g + 2], acc[4 * g + 3]));
+    _mm_store_ps(t + 4 * g, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
   const int64_t kk = std::min<int64_t>(KB, kn);
-  #pragma GCC unroll 8
+  #pragma GCC unroll 12
   for (int r = 0; r < RB; ++r)
     for (int64_t j = 0; j < kk; ++j) S[r * lds + j] = t[r * KB + j];
 }
 
 // S[r][j] = q_r . K[j] for r < R, j < kn: key blocks outer (each block's K rows stay in L1 over
-// the row blocks), rows in blocks of 4 (two keys each), the last 1-3 rows with more keys each.
-inline void decode_dots_avx2(const float* q, int64_t R, int64_t D, const float* K, int64_t ldk,
-                             int64_t kn, float* S, int64_t lds) {
+// the row blocks), rows in blocks of 4 (three keys each: 12 accumulators), the last 1-3 rows
+// with more keys each.
+template <typename T>
+inline void decode_dots_avx2(const float* q, int64_t R, int64_t D, const T* K, int64_t ldk, int64_t kn,
+                             float* S, int64_t lds) {
   const int64_t R4 = R / 4 * 4, rt = R - R4;
-  const int64_t kb = rt == 0 || rt == 3 ? 2 : rt == 2 ? 4 : 8;  // keys per block
+  constexpr int64_t kb = 12;  // keys per block: a multiple of 3, 4 and 6
   for (int64_t j0 = 0; j0 < kn; j0 += kb) {
-    const int64_t n = kn - j0;
+    const int64_t je = std::min(kn, j0 + kb);
     for (int64_t r0 = 0; r0 < R4; r0 += 4)
-      for (int64_t j1 = j0; j1 < std::min(kn, j0 + kb); j1 += 2)
-        decode_dots_block<4, 2>(q + r0 * D, D, K + j1 * ldk, ldk, D, kn - j1, S + r0 * lds + j1, lds);
+      for (int64_t j1 = j0; j1 < je; j1 += 3)
+        decode_dots_block<4, 3>(q + r0 * D, D, K + j1 * ldk, ldk, D, kn - j1, S + r0 * lds + j1, lds);
     const float* qt = q + R4 * D;
-    float* st = S + R4 * lds + j0;
-    if (rt == 3) decode_dots_block<3, 2>(qt, D, K + j0 * ldk, ldk, D, n, st, lds);
-    else if (rt == 2) decode_dots_block<2, 4>(qt, D, K + j0 * ldk, ldk, D, n, st, lds);
-    else if (rt == 1) decode_dots_block<1, 8>(qt, D, K + j0 * ldk, ldk, D, n, st, lds);
+    float* st = S + R4 * lds;
+    for (int64_t j1 = j0; j1 < je; j1 += (rt == 3 ? 4 : rt == 2 ? 6 : 12)) {
+      if (rt == 3) decode_dots_block<3, 4>(qt, D, K + j1 * ldk, ldk, D, kn - j1, st + j1, lds);
+      else if (rt == 2) decode_dots_block<2, 6>(qt, D, K + j1 * ldk, ldk, D, kn - j1, st + j1, lds);
+      else if (rt == 1) decode_dots_block<1, 12>(qt, D, K + j1 * ldk, ldk, D, kn - j1, st + j1, lds);
+    }
   }
+}
+
+// O[r][c] += sum_{j < kn} P[r * ldp + j] V[j][c] for r < RB, c < 8 NV (the last vector under
+// `last`), V rows in place (ldv elements apart): RB x NV accumulators, each V vector loaded (and
+// widened) once for the RB rows.
+template <int RB, int NV, typename T, typename Mask>
+inline void decode_pv_block(int64_t kn, const float* __restrict P, int64_t ldp, const T* __restrict V, int64_t ldv,
+                            float* __restrict O, int64_t ldo, Mask last, int64_t tail) {
+  __m256 acc[RB][NV];
+  #pragma GCC unroll 12
+  for (int r = 0; r < RB; ++r)
+    #pragma GCC unroll 12
+    for (int c = 0; c < NV; ++c)
+      acc[r][c] = c == NV - 1 ? load_cols(O + r * ldo + 8 * c, last) : _mm256_loadu_ps(O + r * ldo + 8 * c);
+  for (int64_t j = 0; j < kn; ++j) {
+    const T* vr = V + j * ldv;
+    __m256 vv[NV];
+    #pragma GCC unroll 12
+    for (int c = 0; c < NV; ++c) {
+      if constexpr (std::is_same_v<Mask, FullCols>) vv[c] = load8_as_float(vr + 8 * c);
+      else vv[c] = c == NV - 1 ? load8_tail(vr + 8 * c, tail) : load8_as_float(vr + 8 * c);
+    }
+    #pragma GCC unroll 12
+    for (int r = 0; r < RB; ++r) {
+      const __m256 p = _mm256_broadcast_ss(P + r * ldp + j);
+      #pragma GCC unroll 12
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm256_fmadd_ps(p, vv[c], acc[r][c]);
+    }
+  }
+  #pragma GCC unroll 12
+  for (int r = 0; r < RB; ++r)
+    #pragma GCC unroll 12
+    for (int c = 0; c < NV; ++c) {
+      if (c == NV - 1) store_cols(O + r * ldo + 8 * c, last, acc[r][c]);
+      else _mm256_storeu_ps(O + r * ldo + 8 * c, acc[r][c]);
+    }
+}
+
+// Column panels of NV vectors (then the remainder, the last vector masked) for RB rows.
+template <int RB, int NV, typename T>
+inline void decode_pv_rows(int64_t kn, const float* P, int64_t ldp, const T* V, int64_t ldv, float* O,
+                           int64_t ldo, int64_t Dv) {
+  int64_t c0 = 0;
+  for (; c0 + 8 * NV <= Dv; c0 += 8 * NV)
+    decode_pv_block<RB, NV>(kn, P, ldp, V + c0, ldv, O + c0, ldo, FullCols{}, 0);
+  for (; c0 < Dv; c0 += 8) {  // the rest, one vector at a time (at most NV - 1 of them)
+    const int64_t w = std::min<int64_t>(8, Dv - c0);
+    if (w == 8) decode_pv_block<RB, 1>(kn, P, ldp, V + c0, ldv, O + c0, ldo, FullCols{}, 0);
+    else decode_pv_block<RB, 1>(kn, P, ldp, V + c0, ldv, O + c0, ldo, lanes_below8(w), w);
+  }
+}
+
+// O [R][Dv] += P [R][kn] V [kn][Dv]: rows in blocks of 4 (3 column vectors: 12 accumulators),
+// the last 1-3 rows with 4, 6 or 8 column vectors.
+template <typename T>
+inline void decode_pv_avx2(int64_t R, int64_t kn, const float* P, int64_t ldp, const T* V, int64_t ldv, float* O,
+                           int64_t Dv) {
+  const int64_t R4 = R / 4 * 4, rt = R - R4;
+  for (int64_t r0 = 0; r0 < R4; r0 += 4) decode_pv_rows<4, 3>(kn, P + r0 * ldp, ldp, V, ldv, O + r0 * Dv, Dv, Dv);
+  const float* pt = P + R4 * ldp;
+  float* ot = O + R4 * Dv;
+  if (rt == 3) decode_pv_rows<3, 4>(kn, pt, ldp, V, ldv, ot, Dv, Dv);
+  else if (rt == 2) decode_pv_rows<2, 6>(kn, pt, ldp, V, ldv, ot, Dv, Dv);
+  else if (rt == 1) decode_pv_rows<1, 8>(kn, pt, ldp, V, ldv, ot, Dv, Dv);
 }
 #endif
 
@@ -823,8 +917,15 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
   const bool vnni = brgemm_vnni_layout(path);
   const bool k_dot = !brgemm && kHaveBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && ks.d == 1;
   const bool q16 = k_dot || brgemm;  // Q packed in 16 bits
-  const bool k_in_place = std::is_same_v<scalar_t, float> && ks.d == 1;
-  const bool v_in_place = std::is_same_v<scalar_t, float> && vs.d == 1;
+  // AVX2 + FMA without AVX-512: every native tile below reads K and V in place in their own
+  // dtype (decode_dots_avx2, decode_pv_avx2: 16 bits widened in registers).
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  constexpr bool avx2 = true;
+#else
+  constexpr bool avx2 = false;
+#endif
+  const bool k_in_place = (std::is_same_v<scalar_t, float> || (avx2 && !brgemm)) && ks.d == 1;
+  const bool v_in_place = (std::is_same_v<scalar_t, float> || (avx2 && !brgemm)) && vs.d == 1;
   // bfloat16 P V with vdpbf16ps as well (P rounded to bfloat16, as the flash forward does),
   // on V rows interleaved in key pairs per tile.  Measured (B=8 Hq=32 Hk=8 N=1 D=128, one
   // thread): with K/V in cache, P V took 8.5 ns and V's float32 conversion 3.7 ns of 22 ns per
@@ -839,12 +940,8 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
   const int64_t dot_max_rows = std::is_same_v<scalar_t, float> ? 16 : 8;
   bool direct = R <= dot_max_rows && !brgemm;
 #if !defined(__AVX512F__)
-  // AVX2 + FMA: float32 only (decode_dots_avx2); 16-bit inputs keep the GEMM on a transposed
-  // tile.
-  direct = direct && std::is_same_v<scalar_t, float>;
-#if !(defined(__AVX2__) && defined(__FMA__))
-  direct = false;
-#endif
+  if (avx2) direct = R <= 16 && !brgemm;  // float32 and 16 bits alike (widened in registers)
+  else direct = false;
 #endif
   // Q's row length and K's packed depth: even (a bf16 pair), for brgemm a multiple of 32, zeros
   // past D in both operands: the K of S = Q K^T is zero-padded against oneDNN's AMX K-tail defect
@@ -918,7 +1015,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
         float* S = st.s.data();
         // The tile's K rows as float32 for the dot products: in place, or converted into st.kf.
         [[maybe_unused]] auto k_rows_f32 = [&](int64_t k0, int64_t kn, int64_t& ldk) -> const float* {
-          if (k_in_place) {
+          if (std::is_same_v<scalar_t, float> && k_in_place) {
             ldk = ks.n;
             return reinterpret_cast<const float*>(k + ks.at(b, hk, k0));
           }
@@ -930,16 +1027,24 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
         for (int64_t k0 = j_begin; k0 < j_end; k0 += T) {
           const int64_t kn = std::min(T, j_end - k0);
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-          // AVX2 + FMA, float32: the next tile's K and V rows into L2 at this tile's start
-          // (prefetcht1; this tile's were asked for one tile ago).  Measured (B=8 Hq=32 Hk=8 N=1
+          // AVX2 + FMA (every dtype: K and V are read in place): the next tile's K and V rows
+          // into L2 at this tile's start (prefetcht1; this tile's were asked for one tile ago).  Measured (B=8 Hq=32 Hk=8 N=1
           // M=4096 D=128 float32, AMD EPYC Zen 3, machine shared with a CI run, interleaved in one
           // process, see bench/softmax_cpu_speed.py decode): with the dot-product scores 1.08-1.16x
           // at 2 threads, 1.15-1.3x at one, over the transposed-tile GEMM without prefetch; the
           // dots alone, no prefetch: 0.98-1.05x.  Tried, no faster: this tile's V into L1 at its
           // start (as on AVX-512), K and V prefetched 8-256 keys ahead spread over the score
           // blocks (into L1 or L2), the next tile's V only before P V, prefetchnta, 32-key tiles
-          // (the same as 64), P V in groups of 4-32 keys (V read row-block by row-block).
-          if constexpr (std::is_same_v<scalar_t, float>) {
+          // (the same as 64), P V in groups of 4-32 keys (V read row-block by row-block).  With
+          // the 12-accumulator tiles (AMD EPYC Zen 3, M=16384 float32, 2 threads, interleaved,
+          // quiet; the spread of one setting between runs 5-10%): no prefetch 79-91 ms against
+          // 76-87 ms with it; K 16 keys ahead into L1 and V of the same keys into L2, spread over
+          // the score blocks, 68-79 ms (better in two runs of three: not kept); 16- and 32-key
+          // tiles; P V over 4-16 keys at a time for all columns (V read in address order): all
+          // within the noise.  Huge pages (THP_MEM_ALLOC_ENABLE=1) the same.  The call reads
+          // K and V at 14-15 GB/s, where torch.sum reads at 25-31: each thread stalls on memory
+          // for ~75% of the time (one thread: 150 ns a key, 35-55 ns of it compute).
+          {
             for (int64_t jj = k0 + T; jj < std::min(j_end, k0 + 2 * T); ++jj) {
               const char* row = reinterpret_cast<const char*>(k + ks.at(b, hk, jj));
               for (int64_t x = 0; x < D * ks.d * int64_t(sizeof(scalar_t)); x += 64)
@@ -987,10 +1092,14 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
             }
           }
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-          else if constexpr (std::is_same_v<scalar_t, float>) {
-            int64_t ldk;
-            const float* kt = k_rows_f32(k0, kn, ldk);
-            decode_dots_avx2(st.q.data(), R, D, kt, ldk, kn, S, T);
+          else if constexpr (avx2) {
+            if (k_in_place) {
+              decode_dots_avx2(st.q.data(), R, D, k + ks.at(b, hk, k0), ks.n, kn, S, T);
+            } else {
+              int64_t ldk;
+              const float* kt = k_rows_f32(k0, kn, ldk);
+              decode_dots_avx2(st.q.data(), R, D, kt, ldk, kn, S, T);
+            }
           }
 #endif
 #if defined(__AVX512F__)
@@ -1069,6 +1178,12 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
           }
 #endif
           // O [R][Dv] += P V.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+          if (v_in_place) {
+            decode_pv_avx2(R, kn, S, T, v + vs.at(b, hk, k0), vs.n, st.o.data(), Dv);
+            continue;
+          }
+#endif
           const float* Vt;
           int64_t ldv;
           if (v_in_place) {

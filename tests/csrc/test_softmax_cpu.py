@@ -536,6 +536,11 @@ DECODE_SHAPES = [
                                            # d tails (bf16: 17 of 32), odd key count, Dv pad
     (2, 4, 2, 16, 600, 64, 64, True),      # causal: rows see keys <= i only
     (1, 8, 8, 1, 64, 128, 128, True),
+    # AVX2 row blocks (decode_dots_avx2 / decode_pv_avx2): 4-row blocks plus one row (R = 9),
+    # D with a 4-element tail, Dv under one 24-column panel; plus two rows (R = 10), 128 columns
+    # = five 24-column panels and one vector
+    (1, 9, 1, 1, 700, 44, 20, False),
+    (1, 5, 1, 2, 333, 128, 128, False),
 ]
 
 
