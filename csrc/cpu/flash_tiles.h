@@ -795,6 +795,171 @@ __attribute__((always_inline)) inline __m256 load8_as_float(const at::Half* p) {
 #endif
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA tiles for few query rows against rows of keys read in place (the softmax decode,
+// csrc/cpu/softmax.cpp; Hopfield retrievals of few states, csrc/cpu/hopfield.cpp): K and V as
+// float32, bfloat16 or float16 (T), 16-bit elements widened in registers (load8_as_float), so
+// neither is converted into a scratch copy.
+// Measured against the tiles before (scores: 4 rows x 2 keys, 8 accumulators, float32 K only;
+// P V: the flash GEMM tile, 4 rows x 16 columns; 16-bit K transposed into float32 per tile and
+// V converted per tile), AMD EPYC Zen 3, B=8 Hq=32 Hk=8 N=1 D=128, 2 threads
+// (bench/softmax_cpu_speed.py decode): float32 M=16384 86-92 -> 73-78 ms; one thread, K and V
+// in cache (B=Hk=1 M=2048): float32 167 -> 150 us, bfloat16 225 -> 125 us a call.
+
+// The last n < 8 elements of a row as float32, zeros past n: float32 under a lane mask, 16 bits
+// through a zero-padded copy (a 16-byte load could read past the row's end).
+template <typename T>
+inline __m256 load8_tail(const T* p, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_maskload_ps(p, lanes_below8(n));
+  } else {
+    alignas(16) T t[8];
+    std::memset(static_cast<void*>(t), 0, sizeof(t));
+    std::memcpy(static_cast<void*>(t), p, static_cast<size_t>(n) * sizeof(T));
+    return load8_as_float(t);
+  }
+}
+
+// S[r][j] = q_r . K[j] for RB query rows and KB keys at once (RB * KB accumulators, each K
+// vector loaded once for all RB rows), K rows in place (ldk elements apart), keys past kn
+// repeating the last one (their sums are not stored), D's last partial vector masked.  The sums
+// are folded with horizontal adds, four at a time.
+template <int RB, int KB, typename T>
+inline void decode_dots_block(const float* q, int64_t ldq, const T* K, int64_t ldk, int64_t D, int64_t kn,
+                              float* S, int64_t lds) {
+  constexpr int A = RB * KB;
+  static_assert(A % 4 == 0 && A <= 12, "4, 8 or 12 accumulators");
+  __m256 acc[A];
+  #pragma GCC unroll 12
+  for (int a = 0; a < A; ++a) acc[a] = _mm256_setzero_ps();
+  const T* kr[KB];
+  #pragma GCC unroll 12
+  for (int j = 0; j < KB; ++j) kr[j] = K + std::min<int64_t>(j, kn - 1) * ldk;
+  const int64_t D8 = D / 8 * 8;
+  for (int64_t d = 0; d < D8; d += 8) {
+    __m256 kv[KB];
+    #pragma GCC unroll 12
+    for (int j = 0; j < KB; ++j) kv[j] = load8_as_float(kr[j] + d);
+    #pragma GCC unroll 12
+    for (int r = 0; r < RB; ++r) {
+      const __m256 qv = _mm256_loadu_ps(q + r * ldq + d);
+      #pragma GCC unroll 12
+      for (int j = 0; j < KB; ++j) acc[r * KB + j] = _mm256_fmadd_ps(qv, kv[j], acc[r * KB + j]);
+    }
+  }
+  if (D8 < D) {
+    __m256 kv[KB];
+    #pragma GCC unroll 12
+    for (int j = 0; j < KB; ++j) kv[j] = load8_tail(kr[j] + D8, D - D8);
+    #pragma GCC unroll 12
+    for (int r = 0; r < RB; ++r) {
+      const __m256 qv = _mm256_maskload_ps(q + r * ldq + D8, lanes_below8(D - D8));
+      #pragma GCC unroll 12
+      for (int j = 0; j < KB; ++j) acc[r * KB + j] = _mm256_fmadd_ps(qv, kv[j], acc[r * KB + j]);
+    }
+  }
+  // lane i of u = the sum of acc[4g + i] (lanes 0-3)
+  alignas(32) float t[12];
+  #pragma GCC unroll 3
+  for (int g = 0; g < A / 4; ++g) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[4 * g], acc[4 * g + 1]),
+                                    _mm256_hadd_ps(acc[4 * g + 2], acc[4 * g + 3]));
+    _mm_store_ps(t + 4 * g, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+  const int64_t kk = std::min<int64_t>(KB, kn);
+  #pragma GCC unroll 12
+  for (int r = 0; r < RB; ++r)
+    for (int64_t j = 0; j < kk; ++j) S[r * lds + j] = t[r * KB + j];
+}
+
+// S[r][j] = q_r . K[j] for r < R, j < kn: key blocks outer (each block's K rows stay in L1 over
+// the row blocks), rows in blocks of 4 (three keys each: 12 accumulators), the last 1-3 rows
+// with more keys each.
+template <typename T>
+inline void decode_dots_avx2(const float* q, int64_t R, int64_t D, const T* K, int64_t ldk, int64_t kn,
+                             float* S, int64_t lds) {
+  const int64_t R4 = R / 4 * 4, rt = R - R4;
+  constexpr int64_t kb = 12;  // keys per block: a multiple of 3, 4 and 6
+  for (int64_t j0 = 0; j0 < kn; j0 += kb) {
+    const int64_t je = std::min(kn, j0 + kb);
+    for (int64_t r0 = 0; r0 < R4; r0 += 4)
+      for (int64_t j1 = j0; j1 < je; j1 += 3)
+        decode_dots_block<4, 3>(q + r0 * D, D, K + j1 * ldk, ldk, D, kn - j1, S + r0 * lds + j1, lds);
+    const float* qt = q + R4 * D;
+    float* st = S + R4 * lds;
+    for (int64_t j1 = j0; j1 < je; j1 += (rt == 3 ? 4 : rt == 2 ? 6 : 12)) {
+      if (rt == 3) decode_dots_block<3, 4>(qt, D, K + j1 * ldk, ldk, D, kn - j1, st + j1, lds);
+      else if (rt == 2) decode_dots_block<2, 6>(qt, D, K + j1 * ldk, ldk, D, kn - j1, st + j1, lds);
+      else if (rt == 1) decode_dots_block<1, 12>(qt, D, K + j1 * ldk, ldk, D, kn - j1, st + j1, lds);
+    }
+  }
+}
+
+// O[r][c] += sum_{j < kn} P[r * ldp + j] V[j][c] for r < RB, c < 8 NV (the last vector under
+// `last`), V rows in place (ldv elements apart): RB x NV accumulators, each V vector loaded (and
+// widened) once for the RB rows.
+template <int RB, int NV, typename T, typename Mask>
+inline void decode_pv_block(int64_t kn, const float* __restrict P, int64_t ldp, const T* __restrict V, int64_t ldv,
+                            float* __restrict O, int64_t ldo, Mask last, int64_t tail) {
+  __m256 acc[RB][NV];
+  #pragma GCC unroll 12
+  for (int r = 0; r < RB; ++r)
+    #pragma GCC unroll 12
+    for (int c = 0; c < NV; ++c)
+      acc[r][c] = c == NV - 1 ? load_cols(O + r * ldo + 8 * c, last) : _mm256_loadu_ps(O + r * ldo + 8 * c);
+  for (int64_t j = 0; j < kn; ++j) {
+    const T* vr = V + j * ldv;
+    __m256 vv[NV];
+    #pragma GCC unroll 12
+    for (int c = 0; c < NV; ++c) {
+      if constexpr (std::is_same_v<Mask, FullCols>) vv[c] = load8_as_float(vr + 8 * c);
+      else vv[c] = c == NV - 1 ? load8_tail(vr + 8 * c, tail) : load8_as_float(vr + 8 * c);
+    }
+    #pragma GCC unroll 12
+    for (int r = 0; r < RB; ++r) {
+      const __m256 p = _mm256_broadcast_ss(P + r * ldp + j);
+      #pragma GCC unroll 12
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm256_fmadd_ps(p, vv[c], acc[r][c]);
+    }
+  }
+  #pragma GCC unroll 12
+  for (int r = 0; r < RB; ++r)
+    #pragma GCC unroll 12
+    for (int c = 0; c < NV; ++c) {
+      if (c == NV - 1) store_cols(O + r * ldo + 8 * c, last, acc[r][c]);
+      else _mm256_storeu_ps(O + r * ldo + 8 * c, acc[r][c]);
+    }
+}
+
+// Column panels of NV vectors (then the remainder, the last vector masked) for RB rows.
+template <int RB, int NV, typename T>
+inline void decode_pv_rows(int64_t kn, const float* P, int64_t ldp, const T* V, int64_t ldv, float* O,
+                           int64_t ldo, int64_t Dv) {
+  int64_t c0 = 0;
+  for (; c0 + 8 * NV <= Dv; c0 += 8 * NV)
+    decode_pv_block<RB, NV>(kn, P, ldp, V + c0, ldv, O + c0, ldo, FullCols{}, 0);
+  for (; c0 < Dv; c0 += 8) {  // the rest, one vector at a time (at most NV - 1 of them)
+    const int64_t w = std::min<int64_t>(8, Dv - c0);
+    if (w == 8) decode_pv_block<RB, 1>(kn, P, ldp, V + c0, ldv, O + c0, ldo, FullCols{}, 0);
+    else decode_pv_block<RB, 1>(kn, P, ldp, V + c0, ldv, O + c0, ldo, lanes_below8(w), w);
+  }
+}
+
+// O [R][Dv] += P [R][kn] V [kn][Dv]: rows in blocks of 4 (3 column vectors: 12 accumulators),
+// the last 1-3 rows with 4, 6 or 8 column vectors.
+template <typename T>
+inline void decode_pv_avx2(int64_t R, int64_t kn, const float* P, int64_t ldp, const T* V, int64_t ldv, float* O,
+                           int64_t Dv) {
+  const int64_t R4 = R / 4 * 4, rt = R - R4;
+  for (int64_t r0 = 0; r0 < R4; r0 += 4) decode_pv_rows<4, 3>(kn, P + r0 * ldp, ldp, V, ldv, O + r0 * Dv, Dv, Dv);
+  const float* pt = P + R4 * ldp;
+  float* ot = O + R4 * Dv;
+  if (rt == 3) decode_pv_rows<3, 4>(kn, pt, ldp, V, ldv, ot, Dv, Dv);
+  else if (rt == 2) decode_pv_rows<2, 6>(kn, pt, ldp, V, ldv, ot, Dv, Dv);
+  else if (rt == 1) decode_pv_rows<1, 8>(kn, pt, ldp, V, ldv, ot, Dv, Dv);
+}
+#endif
+
 // dst[d] = src[d * sd] for d < n, converted to acc_t (bfloat16 rows with unit stride on AVX2: 8
 // at a time).
 template <typename scalar_t, typename acc_t>
