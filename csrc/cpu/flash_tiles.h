@@ -250,10 +250,46 @@ __attribute__((always_inline)) inline void store_cols(float* p, Mask last, __m25
   else _mm256_maskstore_ps(p, last, x);
 }
 
-template <int R, int NV, typename Mask>
+// 8 consecutive elements as float32 (bfloat16: the bits shifted up by 16).
+__attribute__((always_inline)) inline __m256 load8_as_float(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((always_inline)) inline __m256 load8_as_float(const at::BFloat16* p) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+#if defined(__F16C__)
+__attribute__((always_inline)) inline __m256 load8_as_float(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
+// The last n < 8 elements of a row as float32, zeros past n: float32 under a lane mask, 16 bits
+// through a zero-padded copy (a 16-byte load could read past the row's end).
+template <typename T>
+inline __m256 load8_tail(const T* p, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_maskload_ps(p, lanes_below8(n));
+  } else {
+    alignas(16) T t[8];
+    std::memset(static_cast<void*>(t), 0, sizeof(t));
+    std::memcpy(static_cast<void*>(t), p, static_cast<size_t>(n) * sizeof(T));
+    return load8_as_float(t);
+  }
+}
+
+// The last vector of B's columns under `last` (tail: how many of its 8 columns are real).
+template <typename TB, typename Mask>
+__attribute__((always_inline)) inline __m256 load_last_cols(const TB* p, Mask last, int64_t tail) {
+  if constexpr (std::is_same_v<TB, float>) return load_cols(p, last);
+  else if constexpr (std::is_same_v<Mask, FullCols>) return load8_as_float(p);
+  else return load8_tail(p, tail);
+}
+
+// B may be float32 or 16 bits (TB: widened in registers as it is loaded; the decode's P V reads
+// V in place this way); tail: see load_last_cols.
+template <int R, int NV, typename Mask, typename TB = float>
 inline void micro_f32(int64_t K, const float* __restrict A, int64_t sar, int64_t sak,
-                      const float* __restrict B, int64_t ldb, float* __restrict C, int64_t ldc,
-                      Mask last, bool accumulate) {
+                      const TB* __restrict B, int64_t ldb, float* __restrict C, int64_t ldc,
+                      Mask last, bool accumulate, int64_t tail = 8) {
   __m256 acc[R][NV];
   #pragma GCC unroll 32
   for (int r = 0; r < R; ++r)
@@ -263,11 +299,11 @@ inline void micro_f32(int64_t K, const float* __restrict A, int64_t sar, int64_t
                   : v == NV - 1 ? load_cols(C + r * ldc + 8 * v, last)
                                 : _mm256_loadu_ps(C + r * ldc + 8 * v);
   for (int64_t k = 0; k < K; ++k) {
-    const float* b = B + k * ldb;
+    const TB* b = B + k * ldb;
     __m256 bv[NV];
     #pragma GCC unroll 32
     for (int v = 0; v < NV; ++v)
-      bv[v] = v == NV - 1 ? load_cols(b + 8 * v, last) : _mm256_loadu_ps(b + 8 * v);
+      bv[v] = v == NV - 1 ? load_last_cols(b + 8 * v, last, tail) : load8_as_float(b + 8 * v);
     const float* a = A + k * sak;
     #pragma GCC unroll 32
     for (int r = 0; r < R; ++r) {
@@ -782,17 +818,6 @@ __attribute__((always_inline)) inline void transpose8(__m256 (&r)[8]) {
   }
 }
 
-// 8 consecutive elements as float32 (bfloat16: the bits shifted up by 16).
-__attribute__((always_inline)) inline __m256 load8_as_float(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((always_inline)) inline __m256 load8_as_float(const at::BFloat16* p) {
-  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
-}
-#if defined(__F16C__)
-__attribute__((always_inline)) inline __m256 load8_as_float(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-#endif
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -806,19 +831,6 @@ __attribute__((always_inline)) inline __m256 load8_as_float(const at::Half* p) {
 // (bench/softmax_cpu_speed.py decode): float32 M=16384 86-92 -> 73-78 ms; one thread, K and V
 // in cache (B=Hk=1 M=2048): float32 167 -> 150 us, bfloat16 225 -> 125 us a call.
 
-// The last n < 8 elements of a row as float32, zeros past n: float32 under a lane mask, 16 bits
-// through a zero-padded copy (a 16-byte load could read past the row's end).
-template <typename T>
-inline __m256 load8_tail(const T* p, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_maskload_ps(p, lanes_below8(n));
-  } else {
-    alignas(16) T t[8];
-    std::memset(static_cast<void*>(t), 0, sizeof(t));
-    std::memcpy(static_cast<void*>(t), p, static_cast<size_t>(n) * sizeof(T));
-    return load8_as_float(t);
-  }
-}
 
 // S[r][j] = q_r . K[j] for RB query rows and KB keys at once (RB * KB accumulators, each K
 // vector loaded once for all RB rows), K rows in place (ldk elements apart), keys past kn
@@ -895,53 +907,20 @@ inline void decode_dots_avx2(const float* q, int64_t R, int64_t D, const T* K, i
   }
 }
 
-// O[r][c] += sum_{j < kn} P[r * ldp + j] V[j][c] for r < RB, c < 8 NV (the last vector under
-// `last`), V rows in place (ldv elements apart): RB x NV accumulators, each V vector loaded (and
-// widened) once for the RB rows.
-template <int RB, int NV, typename T, typename Mask>
-inline void decode_pv_block(int64_t kn, const float* __restrict P, int64_t ldp, const T* __restrict V, int64_t ldv,
-                            float* __restrict O, int64_t ldo, Mask last, int64_t tail) {
-  __m256 acc[RB][NV];
-  #pragma GCC unroll 12
-  for (int r = 0; r < RB; ++r)
-    #pragma GCC unroll 12
-    for (int c = 0; c < NV; ++c)
-      acc[r][c] = c == NV - 1 ? load_cols(O + r * ldo + 8 * c, last) : _mm256_loadu_ps(O + r * ldo + 8 * c);
-  for (int64_t j = 0; j < kn; ++j) {
-    const T* vr = V + j * ldv;
-    __m256 vv[NV];
-    #pragma GCC unroll 12
-    for (int c = 0; c < NV; ++c) {
-      if constexpr (std::is_same_v<Mask, FullCols>) vv[c] = load8_as_float(vr + 8 * c);
-      else vv[c] = c == NV - 1 ? load8_tail(vr + 8 * c, tail) : load8_as_float(vr + 8 * c);
-    }
-    #pragma GCC unroll 12
-    for (int r = 0; r < RB; ++r) {
-      const __m256 p = _mm256_broadcast_ss(P + r * ldp + j);
-      #pragma GCC unroll 12
-      for (int c = 0; c < NV; ++c) acc[r][c] = _mm256_fmadd_ps(p, vv[c], acc[r][c]);
-    }
-  }
-  #pragma GCC unroll 12
-  for (int r = 0; r < RB; ++r)
-    #pragma GCC unroll 12
-    for (int c = 0; c < NV; ++c) {
-      if (c == NV - 1) store_cols(O + r * ldo + 8 * c, last, acc[r][c]);
-      else _mm256_storeu_ps(O + r * ldo + 8 * c, acc[r][c]);
-    }
-}
 
-// Column panels of NV vectors (then the remainder, the last vector masked) for RB rows.
+// O[r][c] += sum_{j < kn} P[r * ldp + j] V[j][c] for RB rows: column panels of NV vectors
+// (micro_f32 on V's rows in place, RB x NV accumulators, each V vector loaded and widened once
+// for the RB rows), then the remainder one vector at a time, the last masked.
 template <int RB, int NV, typename T>
 inline void decode_pv_rows(int64_t kn, const float* P, int64_t ldp, const T* V, int64_t ldv, float* O,
                            int64_t ldo, int64_t Dv) {
   int64_t c0 = 0;
   for (; c0 + 8 * NV <= Dv; c0 += 8 * NV)
-    decode_pv_block<RB, NV>(kn, P, ldp, V + c0, ldv, O + c0, ldo, FullCols{}, 0);
+    micro_f32<RB, NV>(kn, P, ldp, 1, V + c0, ldv, O + c0, ldo, FullCols{}, true);
   for (; c0 < Dv; c0 += 8) {  // the rest, one vector at a time (at most NV - 1 of them)
     const int64_t w = std::min<int64_t>(8, Dv - c0);
-    if (w == 8) decode_pv_block<RB, 1>(kn, P, ldp, V + c0, ldv, O + c0, ldo, FullCols{}, 0);
-    else decode_pv_block<RB, 1>(kn, P, ldp, V + c0, ldv, O + c0, ldo, lanes_below8(w), w);
+    if (w == 8) micro_f32<RB, 1>(kn, P, ldp, 1, V + c0, ldv, O + c0, ldo, FullCols{}, true);
+    else micro_f32<RB, 1>(kn, P, ldp, 1, V + c0, ldv, O + c0, ldo, lanes_below8(w), true, w);
   }
 }
 
