@@ -1282,13 +1282,14 @@ void retrieve_range(const T* xi, int64_t rows, const T* X, const T* V, int64_t D
   // The AVX-512 kernels run on the packed patterns (tiles start at multiples of kPackRows).
   const bool fast = Xp != nullptr && n0 % kPackRows == 0;
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-  // AVX2 + FMA, few states read out through X: the scores as dot products of each state with
-  // the stored rows in place and the read-out as P X on those rows (flash_tiles.h, the softmax
+  // AVX2 + FMA, few states: the scores as dot products of each state with the stored rows in
+  // place and the read-out as P X (or P V, and P X when asked) on those rows (flash_tiles.h, the softmax
   // decode's tiles) rather than two BLAS calls a tile, which for one state are two
   // matrix-vector products reading the tile twice.  Measured (S=1 N=65536 D=64 float32, one
   // step, AMD EPYC Zen 3, 2 threads, old and new builds in alternating processes, 3 each):
-  // 1.0-1.45 -> 0.80-0.99 ms a call (attnkit's softmax on the same call: 0.70-0.86 ms).
-  const bool dots = std::is_same_v<T, float> && rows <= kDotMaxRows && V == X && accx == nullptr;
+  // 1.0-1.45 -> 0.80-0.99 ms a call (attnkit's softmax on the same call: 0.70-0.86 ms); with
+  // values (Dv = 64, two steps: the value step also sums P X) 3.45-3.9 -> 3.05-3.36 ms.
+  const bool dots = std::is_same_v<T, float> && rows <= kDotMaxRows;
 #endif
   for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
     const int64_t bk = std::min(kTileN, n1 - t0);
@@ -1300,9 +1301,10 @@ void retrieve_range(const T* xi, int64_t rows, const T* X, const T* V, int64_t D
           T* s = scores + r * kTileN;
 #pragma omp simd
           for (int64_t j = 0; j < bk; ++j) s[j] *= beta;
-          fold_scores_row<T>(s, bk, m[r], l[r], acc + r * Dout, Dout, nullptr, D);
+          fold_scores_row<T>(s, bk, m[r], l[r], acc + r * Dout, Dout, accx ? accx + r * D : nullptr, D);
         }
-        decode_pv_avx2(rows, bk, scores, kTileN, X + t0 * D, D, acc, D);
+        decode_pv_avx2(rows, bk, scores, kTileN, V + t0 * Dout, Dout, acc, Dout);
+        if (accx) decode_pv_avx2(rows, bk, scores, kTileN, X + t0 * D, D, accx, D);
         continue;
       }
     }
