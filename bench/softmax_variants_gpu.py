@@ -299,7 +299,8 @@ def format_summary(records: list[dict]) -> str:
                 names.append(name)
             val = None if (r["bad"] or not r.get("vs_sdpa")) else r["vs_sdpa"]
             prev = cells.get((name, i))
-            if val is not None and (prev is None or val > prev):
+            # a config flagged BAD ("BAD" marks the cell) never outranks a correct one
+            if val is not None and (not isinstance(prev, float) or val > prev):
                 cells[(name, i)] = val
             elif (name, i) not in cells:
                 cells[(name, i)] = "BAD" if r["bad"] and r.get("seconds") else None

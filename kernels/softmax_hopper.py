@@ -91,6 +91,10 @@ __all__ = [
     "HAS_WARP_SPECIALIZE",
     "HAS_TENSOR_DESCRIPTORS",
     "HAS_DESCRIPTOR_REDUCE",
+    "FAST_FWD",
+    "FAST_BWD",
+    "fast_fwd",
+    "fast_bwd",
 ]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -1052,3 +1056,44 @@ def hopper_bwd(grad_out, q, k, v, out, lse, scale=None, is_causal=False, *,
             H, N, M, H // Hk, EVEN_M=M % dq_config.kwargs["BLOCK_N"] == 0, **consts,
             **_meta(dq_config))
     return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# the fast path of kernels/softmax.py (issue 26)
+# ----------------------------------------------------------------------------------------------
+
+# The variant and config per (padded head dim, causal) that kernels/softmax.py's launchers take
+# for the fast case on sm_90.  Measured on an NVIDIA H200 (Triton 3.6, torch 2.11, 2026-11-27,
+# session 15; `bash .ci/gpu_speed softmax`, bf16 B=4 H=8 N=8192; bench/RESULTS.md), against
+# kernels/softmax.py autotuned over its own lists in the same run:
+#   backward, "split" on these tiles: D=128 full 8.197 -> 6.649 ms, causal 5.196 -> 4.052;
+#             D=64 full 4.360 -> 3.414, causal 2.746 -> 2.253 (same tile sizes as the autotuner's
+#             pick at D=64: the gain is the loop structure -- unmasked interior tiles, EVEN_*
+#             specializations -- not the tiles);
+#   forward:  D=128 full 2.183 -> 2.123 ms (base 128x128 w8 s3), causal 1.263 -> 1.181 (base
+#             128x64 w8 s3); D=64 full 1.267 -> 1.241 (fma 128x64 w8 s3), causal 0.700 -> 0.691
+#             (base 128x64 w8 s3).
+# Warp-specialized variants gave wrong results there (NaN lse) and are never taken.
+FAST_FWD = {
+    (64, False): ("fma", (128, 64, 8, 3)),
+    (64, True): ("base", (128, 64, 8, 3)),
+    (128, False): ("base", (128, 128, 8, 3)),
+    (128, True): ("base", (128, 64, 8, 3)),
+}
+FAST_BWD = {  # dq="split": (dK/dV tiles, dQ tiles); the same for causal and full
+    64: ((64, 64, 4, 3), (64, 64, 4, 3)),
+    128: ((64, 128, 8, 2), (64, 64, 4, 2)),
+}
+
+
+def fast_fwd(q, k, v, scale, is_causal):
+    """kernels/softmax.py's fast-case forward: ``(out, lse)`` with the measured variant."""
+    name, tiles = FAST_FWD[(pow2(q.shape[-1]), bool(is_causal))]
+    return hopper_fwd(q, k, v, scale, is_causal, variant=FWD_VARIANTS[name], config=_cfg(*tiles))
+
+
+def fast_bwd(grad_out, q, k, v, out, lse, scale, is_causal):
+    """kernels/softmax.py's fast-case backward: ``(dq, dk, dv)``, split scheme, measured tiles."""
+    kv, dq = FAST_BWD[pow2(q.shape[-1])]
+    return hopper_bwd(grad_out, q, k, v, out, lse, scale, is_causal, variant=BWD_VARIANTS["split"],
+                      config=(_cfg(*kv), _cfg(*dq)))

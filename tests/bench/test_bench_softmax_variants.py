@@ -211,3 +211,16 @@ def test_precompile_restarts_a_child_that_died():
     assert results["runs"] is None
     assert results["fails"].startswith("KeyError")
     assert any("exit code 7" in ln for ln in lines)
+
+
+def test_summary_takes_a_correct_config_after_a_bad_one_of_the_same_variant():
+    # The H200 run of session 15 had tma_ws BAD in one config and not in the next: the summary
+    # compared the float with the "BAD" marker and raised TypeError.
+    c = g.cases(quick=True)[0]
+    rows = _fake_rows(c)
+    sdpa_fwd = next(r["seconds"] for r in rows if r["impl"] == "SDPA fwd")
+    rows.append({"kind": "fwd", "mode": "fwd", "impl": "fwd tma 128x128 w8 s3", "variant": "tma",
+                 "seconds": sdpa_fwd / 0.8, "err": 4e-3, "lse_err": 1e-6})
+    summary = g.format_summary([g.finish_record(c, rows)])
+    line = next(ln for ln in summary.splitlines() if ln.strip().startswith("fwd tma"))
+    assert line.split()[2:] == ["0.80"]

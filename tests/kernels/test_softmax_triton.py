@@ -467,3 +467,110 @@ def test_nonfinite_inputs_propagate_like_the_reference(name, causal):
                                     v=v if name == "v_nan" else None)
     if name == "q_nan_on_masked_row":
         assert torch.equal(got[0][0, 0, 6].cpu(), torch.zeros(d)) and got[1][0, 0, 6] == float("-inf")
+
+
+# ----------------------------------------------------------------------------------------------
+# the fast case on Hopper: softmax_fwd / softmax_bwd hand it to kernels/softmax_hopper.py
+# ----------------------------------------------------------------------------------------------
+
+from attnkit.kernels import softmax_hopper  # noqa: E402
+
+
+@pytest.fixture
+def routed_calls(monkeypatch):
+    """Counts the calls that took the fast path (the real kernels still run)."""
+    calls = []
+    for name in ("fast_fwd", "fast_bwd"):
+        real = getattr(softmax_hopper, name)
+
+        def spy(*args, _real=real, _name=name):
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(softmax_hopper, name, spy)
+    return calls
+
+
+# (B, H, Hk, N, M, D, causal): odd lengths, N > M and N < M, GQA, both head dims of the table.
+FAST_CASES = {
+    "d64_n70_m45_gqa2": (1, 4, 2, 70, 45, 64, False),
+    "d64_n45_m70_causal": (2, 2, 2, 45, 70, 64, True),
+    "d128_n33_m129_causal_gqa4": (1, 4, 1, 33, 129, 128, True),
+    "d128_n129_m17": (1, 2, 2, 129, 17, 128, False),
+}
+
+
+@pytest.mark.parametrize("case", FAST_CASES.values(), ids=FAST_CASES.keys())
+def test_fast_path_matches_float64_reference(case, monkeypatch, routed_calls):
+    # ATTNKIT_TRITON_HOPPER=1 takes the path wherever the case holds (here: the interpreter,
+    # float16; bfloat16 is GPU-only there).
+    monkeypatch.setenv("ATTNKIT_TRITON_HOPPER", "1")
+    b, h, hk, n, m, d, causal = case
+    q, k, v, go = make_inputs(b, h, hk, n, m, d, d, F16)
+    got = run_kernels(q, k, v, go, None, causal)
+    assert routed_calls == ["fast_fwd", "fast_bwd"]
+    check_against_reference(got, q, k, v, go, None, causal)
+
+
+def _fast_call_variants():
+    """(id, kwargs of a softmax_fwd + softmax_bwd call) that must NOT take the fast path."""
+    q, k, v, go = make_inputs(1, 2, 1, 9, 11, 64, 64, F16)
+    base = dict(q=q, k=k, v=v, go=go, mask=None, fwd_kw={}, bwd_kw={})
+    f32 = [t.float() for t in (q, k, v, go)]
+    q96, k96, v96, go96 = make_inputs(1, 2, 1, 9, 11, 96, 96, F16)
+    strided = [torch.cat([t, t], dim=-1)[..., ::2] for t in (q, k, v, go)]
+    return {
+        "mask": dict(base, mask=torch.ones(9, 11, dtype=torch.bool, device=DEVICE)),
+        "dropout": dict(base, dropout_p=0.2),
+        "window": dict(base, fwd_kw=dict(window_left=3), bwd_kw=dict(window_left=3)),
+        "softcap": dict(base, fwd_kw=dict(softcap=5.0), bwd_kw=dict(softcap=5.0)),
+        "alibi": dict(base, fwd_kw=dict(alibi_slopes=torch.ones(2, device=DEVICE)),
+                      bwd_kw=dict(alibi_slopes=torch.ones(2, device=DEVICE))),
+        "config": dict(base, fwd_config=cfg(16, 16), bwd_config=cfg(16, 16)),
+        "float32": dict(base, q=f32[0], k=f32[1], v=f32[2], go=f32[3]),
+        "d96": dict(base, q=q96, k=k96, v=v96, go=go96),
+        "head_dim_stride_2": dict(base, q=strided[0], k=strided[1], v=strided[2], go=strided[3]),
+    }
+
+
+@pytest.mark.parametrize("name", list(_fast_call_variants()))
+def test_fast_path_only_for_its_case(name, monkeypatch, routed_calls):
+    monkeypatch.setenv("ATTNKIT_TRITON_HOPPER", "1")
+    c = _fast_call_variants()[name]
+    p, seed = c.get("dropout_p", 0.0), 5
+    out, lse = triton_softmax.softmax_fwd(c["q"], c["k"], c["v"], c["mask"], None, False, p, seed,
+                                          c.get("fwd_config"), **c["fwd_kw"])
+    triton_softmax.softmax_bwd(c["go"], c["q"], c["k"], c["v"], out, lse, c["mask"], None, False,
+                               p, seed, c.get("bwd_config"), **c["bwd_kw"])
+    assert routed_calls == []
+
+
+@pytest.mark.parametrize("mode", ["0", "auto"])
+def test_fast_path_off_and_auto_off_hopper(mode, monkeypatch, routed_calls):
+    # "auto" takes the path on compute capability 9.x only (where it was measured).
+    monkeypatch.setenv("ATTNKIT_TRITON_HOPPER", mode)
+    q, k, v, go = make_inputs(1, 2, 2, 9, 11, 64, 64, F16)
+    run_kernels(q, k, v, go, None, True)
+    on_hopper = (mode == "auto" and q.is_cuda and not triton_softmax.INTERPRETED
+                 and torch.cuda.get_device_capability(q.device)[0] == 9)
+    assert routed_calls == (["fast_fwd", "fast_bwd"] if on_hopper else [])
+
+
+def test_fast_path_still_rejects_bad_options(monkeypatch):
+    monkeypatch.setenv("ATTNKIT_TRITON_HOPPER", "1")
+    q, k, v, _ = make_inputs(1, 1, 1, 4, 4, 64, 64, F16)
+    with pytest.raises(ValueError, match="window"):
+        triton_softmax.softmax_fwd(q, k, v, None, None, False, window_left=-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_fast_path_bf16(d, causal, routed_calls):
+    # Default mode: taken on an sm_90 GPU, this file's kernels elsewhere; both must be right.
+    b, h, hk, n, m = 2, 4, 2, 1000, 777
+    q, k, v, go = make_inputs(b, h, hk, n, m, d, d, torch.bfloat16)
+    got = run_kernels(q, k, v, go, None, causal)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert routed_calls == ["fast_fwd", "fast_bwd"]
+    check_against_reference(got, q, k, v, go, None, causal)
