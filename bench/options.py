@@ -25,8 +25,8 @@ case's FLOP/s is its useful rate.
 CPU (B=1, H=8, D=64, float32): window (255, 0) at N=4096 and the band target (1023, 0) at
 N=16384 (forward; the dense-mask SDPA peer left out there: its N×N scores are 1 GiB a head);
 softcap 30, ALiBi and sinks at N=2048; ``--quick``: the N=2048 window forward only.  CUDA
-(bfloat16, B=4, H=8, D=128, N=8192): the window (1023, 0) forward and forward+backward with the
-8x target, softcap forward and forward+backward.
+(bfloat16, B=4, H=8, D=128): the window (1023, 0) at N=16384 forward and forward+backward with the
+8x target, softcap at N=8192 forward and forward+backward.
 """
 from __future__ import annotations
 
@@ -252,8 +252,10 @@ def cuda_cases(quick: bool, device: torch.device) -> list[Case]:
     if quick:
         return []
     bf16 = torch.bfloat16
-    out = [make_case("window", 4, 8, 8192, 128, bf16, "fwd", device, left=1023, targets=BAND_TARGET,
-                     priority=EXTRA)]
-    out.append(make_case("window", 4, 8, 8192, 128, bf16, "fwd+bwd", device, left=1023, priority=EXTRA))
+    # The band target at the issue's N = 16384 (the ideal ratio there is 8.26: causal pairs over
+    # window pairs).  Session 15's H200 run had N = 8192 (ideal 4.27): 3.14x forward, 3.70x
+    # forward+backward, i.e. 74-87% of ideal.
+    out = [make_case("window", 4, 8, 16384, 128, bf16, mode, device, left=1023, targets=BAND_TARGET,
+                     priority=EXTRA) for mode in ("fwd", "fwd+bwd")]
     out += [make_case("softcap", 4, 8, 8192, 128, bf16, mode, device, priority=EXTRA) for mode in ("fwd", "fwd+bwd")]
     return out
