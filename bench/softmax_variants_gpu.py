@@ -150,7 +150,7 @@ def compile_key(c: dict, row: dict) -> str | None:
     if row["kind"] in ("fwd", "bwd"):
         if row["kind"] == "fwd":
             v = sh.FWD_VARIANTS[row["variant"]]
-            sw = [v.exp, v.causal_split, v.tma, v.warp_specialize, bool(v.persistent)]
+            sw = [v.exp, v.causal_split, v.tma, v.warp_specialize, bool(v.persistent), v.lazy]
         else:
             v = sh.BWD_VARIANTS[row["variant"]]
             sw = [v.dq, v.causal_split, v.tma, v.warp_specialize]

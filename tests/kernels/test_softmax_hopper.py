@@ -19,6 +19,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from attnkit.kernels import softmax as triton_softmax  # noqa: E402
 from attnkit.kernels import softmax_hopper as sh  # noqa: E402
@@ -143,6 +144,51 @@ def test_scale_including_negative(exp):
         check((out, lse), q, k, v, go, True, scale=scale, names=("out", "lse"))
         grads = sh.hopper_bwd(go, q, k, v, out, lse, scale, True, config=cfg(16, 16))
         check((out, lse, *grads), q, k, v, go, True, scale=scale)
+
+
+@triton.jit
+def _exp2_on_fma_kernel(X, Y, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n)
+    tl.store(Y + offs, sh._exp2_on_fma(x), mask=offs < n)
+
+
+def test_exp2_on_fma_against_float64():
+    # the cubic of the "poly" variants: relative error <= 8.6e-5 (the fit's bound) over the
+    # exponent range scores take, exactly 0 below 2**-126 and for -inf, NaN kept
+    x = torch.cat([torch.linspace(-126.0, 0.0, 4001),
+                   torch.tensor([-0.0, -1e-7, -0.5, -1.0, -125.99])])
+    specials = torch.tensor([float("-inf"), -126.5, -300.0, float("nan")])
+    xs = torch.cat([x, specials]).to(DEVICE)
+    y = torch.empty_like(xs)
+    _exp2_on_fma_kernel[(1,)](xs, y, xs.numel(), BLOCK=triton.next_power_of_2(xs.numel()))
+    y = y.cpu()
+    want = torch.exp2(x.double())
+    rel = ((y[: x.numel()].double() - want) / want).abs().max().item()
+    assert rel <= 8.7e-5, rel
+    assert torch.equal(y[x.numel():x.numel() + 3], torch.zeros(3)) and y[-1].isnan()
+
+
+@pytest.mark.parametrize("name", ["lazy", "poly_lazy"])
+@pytest.mark.parametrize("dtype", [F32, F16], ids=["f32", "f16"])
+def test_lazy_rescale_both_branches(name, dtype):
+    # Keys whose scores grow along the sequence: the row max grows by more than the slack (8,
+    # log2 units) at some key tiles after the first (the rescale branch) and by less at others
+    # (the stale max: probabilities up to 2**8).  Checked on the data before the kernel runs.
+    n, m, d, bn = 16, 96, 16, 16
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 1, n, d, generator=g).abs() * 0.5 + 0.5
+    growth = torch.tensor([0.0, 0.3, 2.2, 2.5, 4.6, 4.8]).repeat_interleave(bn)
+    k = torch.randn(1, 1, m, d, generator=g) * 0.1 + growth[None, None, :, None]
+    v = torch.randn(1, 1, m, d, generator=g)
+    go = torch.randn(1, 1, n, d, generator=g)
+    q, k, v, go = (t.to(dtype).to(DEVICE) for t in (q, k, v, go))
+    s2 = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(d) * math.log2(math.e)
+    tile_max = s2[0, 0].cpu().unflatten(1, (m // bn, bn)).amax(-1)  # [n, tiles]
+    steps = tile_max.cummax(1).values.diff(dim=1)  # growth of each row's running max per tile
+    assert (steps.amax(0) > 8.0).any() and (steps.amax(0)[1:] < 8.0).any()
+    out, lse = poisoned_fwd(q, k, v, False, variant=sh.FWD_VARIANTS[name], config=cfg(16, bn))
+    check((out, lse), q, k, v, go, False, names=("out", "lse"))
 
 
 # ----------------------------------------------------------------------------------------------
