@@ -226,9 +226,23 @@ def config_list(*tiles):
     return [cfg(*t) for t in tiles]
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the host code (grids, padding).  Not triton.cdiv / next_power_of_2: they
+    are ConstexprFunctions since Triton 3.5, 4.8 us a call from Python on an AMD EPYC Zen 3 --
+    several per launch, most of a launcher's own host time."""
+    return -(-int(a) // int(b))
+
+
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (0 for 0, as triton.next_power_of_2), for the host code
+    (see :func:`cdiv`)."""
+    x = int(x)
+    return 1 << (x - 1).bit_length() if x > 0 else 0
+
+
 def pow2(x: int) -> int:
     # tl.dot needs every dimension >= 16 on GPUs, hence the floor.
-    return max(16, triton.next_power_of_2(int(x)))
+    return max(16, next_pow2(x))
 
 
 def fitting(configs, dmax, limit, names=TILE_NAMES):

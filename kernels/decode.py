@@ -80,9 +80,9 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._flash import (INTERPRETED, _LN2, _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, accumulate_pv,
-                     check_attention_shapes,
-                     finish_rows, launch, load_rows, online_softmax_update, pow2, scores)
+from ._flash import (INTERPRETED, MAX_HEAD_DIM, SUPPORTED_DTYPES, _LN2, _LOG2E, accumulate_pv, cdiv,
+                     check_attention_shapes, finish_rows, launch, load_rows, next_pow2,
+                     online_softmax_update, pow2, scores)
 
 __all__ = [
     "softmax_decode_fwd",
@@ -151,7 +151,7 @@ def _row_tile(rows: int, config, block_d: int, block_dv: int, esize: int) -> int
     """The row tile for ``rows`` stacked query rows under ``config``: the power of two covering
     them (at least 16, at most MAX_BLOCK_M), halved until the tiles fit (:func:`_fits`; a group
     too big for one tile takes several row blocks)."""
-    bm = max(16, min(triton.next_power_of_2(max(int(rows), 1)), MAX_BLOCK_M))
+    bm = max(16, min(next_pow2(max(int(rows), 1)), MAX_BLOCK_M))
     while bm > 16 and not _fits(config, bm, block_d, block_dv, esize):
         bm //= 2
     return bm
@@ -480,7 +480,7 @@ def _merge_tiles(splits: int, block_dv: int, rows: int | None = None) -> tuple[i
     that the grid has about MERGE_MIN_PROGRAMS programs (at least 2 rows each): the merge is a
     latency-bound gather, and 32 rows a program left GQA N = 1 (256 rows) with 8 programs on
     132 SMs."""
-    block_s = min(triton.next_power_of_2(splits), 16)
+    block_s = min(next_pow2(splits), 16)
     block_r = max(2, min(32, 8192 // (block_s * block_dv)))
     if rows is not None:
         spread = 1 << max(0, (max(int(rows), 1) // MERGE_MIN_PROGRAMS).bit_length() - 1)
@@ -509,7 +509,7 @@ def sm_count(device: torch.device) -> int:
 def wave_balance(ctas: int, sms: int) -> float:
     """How evenly ``ctas`` equal programs fill ``sms`` multiprocessors: ctas / (sms * waves), 1.0
     when every SM runs the same number of them (the busiest SM sets the time)."""
-    return ctas / (sms * triton.cdiv(ctas, sms))
+    return ctas / (sms * cdiv(ctas, sms))
 
 
 def default_num_splits(batch: int, kv_heads: int, rows: int, kv_len: int,
@@ -534,14 +534,14 @@ def default_num_splits(batch: int, kv_heads: int, rows: int, kv_len: int,
       (:func:`wave_balance` of ``P * S``; ties to the fewest splits): P = 64 on 132 SMs takes 6
       (384 programs, 2.9 per SM on every SM) rather than 5 (320: 56 SMs run 3, 76 run 2).
     """
-    row_blocks = triton.cdiv(max(int(rows), 1), MAX_BLOCK_M)
+    row_blocks = cdiv(max(int(rows), 1), MAX_BLOCK_M)
     programs = max(1, int(batch) * int(kv_heads) * row_blocks)
     sms = max(1, int(sms))
     if programs >= MIN_WAVES * sms:
         return 1
     cap = min(int(kv_len) // MIN_SPLIT_KEYS, int(PARTIAL_SHARE * int(kv_len) / (2 * max(int(rows), 1))))
     cap = max(1, cap)
-    lo = triton.cdiv(MIN_WAVES * sms, programs)
+    lo = cdiv(MIN_WAVES * sms, programs)
     if lo >= cap:
         return cap
     return max(range(lo, min(2 * lo, cap) + 1),
@@ -700,7 +700,7 @@ def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, co
         part_o = torch.empty((B, H, N, splits, Dv), dtype=torch.float32, device=q.device)
         part_l = torch.empty((B, H, N, splits), dtype=torch.float32, device=q.device)
     # Enough counters for the smallest row tile (16): the autotuner may pick any.
-    counters = _merge_counters(q.device, B * Hk * triton.cdiv(rows, 16)) if fused else lse
+    counters = _merge_counters(q.device, B * Hk * cdiv(rows, 16)) if fused else lse
     lens_t, lens_stride = (q, 0) if kv_lens is None else (kv_lens, kv_lens.stride(0))
 
     args = (q, k, v, lens_t, out, lse, part_o, part_l, counters, scale * 1.4426950408889634,
@@ -711,10 +711,10 @@ def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, co
                   FUSED_MERGE=fused, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
     launch(_decode_split_kernel, lambda: _autotuned(D, Dv, rows, q.dtype),
            lambda: configs_for(D, Dv, rows, q.dtype),
-           lambda bm, bn: (triton.cdiv(rows, bm) * splits, Hk, B), args, consts, config)
+           lambda bm, bn: (cdiv(rows, bm) * splits, Hk, B), args, consts, config)
     if not direct and not fused:
         block_s, block_r = _merge_tiles(splits, block_dv, B * H * N)
-        wrap_triton(_decode_merge_kernel)[(triton.cdiv(B * H * N, block_r),)](
+        wrap_triton(_decode_merge_kernel)[(cdiv(B * H * N, block_r),)](
             part_o, part_l, out, lse, *out.stride(), H, N, B * H * N, splits,
             HEAD_DV=Dv, BLOCK_DV=block_dv, BLOCK_S=block_s, BLOCK_R=block_r)
     return out, lse

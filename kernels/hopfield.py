@@ -59,8 +59,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._flash import (INTERPRETED, _LN2, MAX_HEAD_DIM, SUPPORTED_DTYPES, cfg, dot_precision,
-                     fitting, launch, pow2)
+from ._flash import (INTERPRETED, MAX_HEAD_DIM, SUPPORTED_DTYPES, _LN2, cdiv, cfg, dot_precision,
+                     fitting, launch, next_pow2, pow2)
 
 __all__ = [
     "hopfield_update_fwd",
@@ -449,8 +449,8 @@ def _split_rows_for(bh: int, n: int, block_n: int, device) -> int:
     # About 4 programs per SM over all b·h; at least 8 tiles per chunk so each program streams
     # enough rows to hide its start-up and the merge stays short.
     target = max(1, (4 * _sm_count(device)) // max(1, bh))
-    rows = triton.cdiv(n, target)
-    return max(8 * block_n, triton.cdiv(rows, block_n) * block_n)
+    rows = cdiv(n, target)
+    return max(8 * block_n, cdiv(rows, block_n) * block_n)
 
 
 def hopfield_update_fwd(state, stored, values, beta, steps, tol, final_state, *, split=None,
@@ -505,8 +505,8 @@ def hopfield_update_fwd(state, stored, values, beta, steps, tol, final_state, *,
                       HAS_VALUES=has_values, FINAL_STATE=final_state, HAS_TOL=has_tol,
                       DOT_PREC=dot_prec)
         dmax = max(block_d, block_dv)
-        launch(_update_fused_kernel, lambda: _autotuned(dmax, triton.next_power_of_2(S)),
-               lambda: configs_for(dmax, S), lambda bs, bn: (triton.cdiv(S, bs), BH), args,
+        launch(_update_fused_kernel, lambda: _autotuned(dmax, next_pow2(S)),
+               lambda: configs_for(dmax, S), lambda bs, bn: (cdiv(S, bs), BH), args,
                consts, config, names=_TILE_NAMES)
         return out, states, lse, applied
 
@@ -517,7 +517,7 @@ def hopfield_update_fwd(state, stored, values, beta, steps, tol, final_state, *,
     split_rows = int(split_rows)
     if split_rows < 1:
         raise ValueError(f"{fn}: split_rows must be >= 1; got {split_rows}")
-    splits = triton.cdiv(N, split_rows)
+    splits = cdiv(N, split_rows)
     block_w = max(block_d, block_dv)
     pm = torch.empty((BH, splits, block_s), dtype=f32, device=dev)
     pl = torch.empty_like(pm)
@@ -563,7 +563,7 @@ def hopfield_energy_fwd(state, stored, beta, config=None):
     else:
         block_s, block_n = config.kwargs["BLOCK_S"], config.kwargs["BLOCK_N"]
         num_warps = config.num_warps
-    wrap_triton(_energy_kernel)[(triton.cdiv(S, block_s), B * H)](
+    wrap_triton(_energy_kernel)[(cdiv(S, block_s), B * H)](
         state.contiguous(), stored.contiguous(), energy, lse, float(beta),
         float(beta) * 1.4426950408889634, math.log(N), S, N, HEAD_D=D, BLOCK_D=block_d,
         DOT_PREC=dot_precision(state.dtype), BLOCK_S=block_s, BLOCK_N=block_n,

@@ -91,7 +91,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._flash import INTERPRETED, SUPPORTED_DTYPES, cfg, launch, pow2
+from ._flash import INTERPRETED, SUPPORTED_DTYPES, cdiv, cfg, launch, pow2
 
 __all__ = [
     "linear_fwd",
@@ -818,14 +818,14 @@ def _run_state_fwd(k, v, s0, z0, S, Z, causal, feature, lowp, C, config):
     """Forward states: S_final / Z_final into S, Z; returns the chunk-state buffers."""
     B, H, M, D = k.shape
     Dv = v.shape[3]
-    nt = triton.cdiv(M, C)
+    nt = cdiv(M, C)
     hs, zs, hst, zst = _state_buffers(causal, B, H, nt, D, Dv, S, Z, k.device)
     has_init = s0 is not None
     args = (k, v, s0 if has_init else S, z0 if has_init else Z, hs, zs, S, Z,
             *k.stride(), *v.stride(), *hst, *zst, H, M, nt)
     consts = dict(HEAD_D=D, HEAD_DV=Dv, FEATURE=feature, HAS_INIT=has_init,
                   STORE_CHUNKS=bool(causal), LOWP=lowp, CHUNK=C)
-    _launch("state_fwd", lambda bk, bv: (triton.cdiv(D, bk) * triton.cdiv(Dv, bv), H, B),
+    _launch("state_fwd", lambda bk, bv: (cdiv(D, bk) * cdiv(Dv, bv), H, B),
             args, consts, config, D, Dv)
     return hs, zs, hst, zst
 
@@ -867,7 +867,7 @@ def linear_fwd(q, k, v, *, causal, feature_map, normalize, eps, scale, initial_s
             *hst, *zst, H, N, eps, scale)
     consts = dict(HEAD_D=D, HEAD_DV=Dv, FEATURE=feature, CAUSAL=bool(causal),
                   NORMALIZE=bool(normalize), LOWP=lowp, CHUNK=C)
-    _launch("output", lambda bk, bv: (triton.cdiv(N, C) * triton.cdiv(Dv, bv), H, B),
+    _launch("output", lambda bk, bv: (cdiv(N, C) * cdiv(Dv, bv), H, B),
             args, consts, config, D, Dv)
     return out, S, Z, den
 
@@ -936,7 +936,7 @@ def linear_bwd(grad_out, q, k, v, *, causal, feature_map, normalize, eps, scale,
         delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
         if N > 0:
             block_r = 32
-            wrap_triton(_delta_kernel)[(triton.cdiv(N, block_r), H, B)](
+            wrap_triton(_delta_kernel)[(cdiv(N, block_r), H, B)](
                 grad_out, out, delta, *grad_out.stride(), *out.stride(), H, N,
                 HEAD_DV=Dv, BLOCK_R=block_r, BLOCK_V=min(pow2(Dv), 128))
     else:
@@ -945,7 +945,7 @@ def linear_bwd(grad_out, q, k, v, *, causal, feature_map, normalize, eps, scale,
         gden = dS0  # stand-in, HAS_GDEN=False
 
     # Reverse states over the queries: per chunk (causal) or the total, which is dS0 / dz0.
-    nt_q = triton.cdiv(N, C)
+    nt_q = cdiv(N, C)
     dhs, dzs, dhst, dzst = _state_buffers(causal, B, H, nt_q, D, Dv, dS0, dz0, q.device)
     has_gden = grad_den is not None
     args = (q, grad_out, den, delta, gden, gs if gs is not None else dS0,
@@ -954,7 +954,7 @@ def linear_bwd(grad_out, q, k, v, *, causal, feature_map, normalize, eps, scale,
     consts = dict(HEAD_D=D, HEAD_DV=Dv, FEATURE=feature, NORMALIZE=normalize,
                   HAS_GDEN=has_gden, HAS_GS=gs is not None, HAS_GZ=gz is not None,
                   STORE_CHUNKS=bool(causal), LOWP=lowp, CHUNK=C)
-    _launch("state_bwd", lambda bk, bv: (triton.cdiv(D, bk) * triton.cdiv(Dv, bv), H, B),
+    _launch("state_bwd", lambda bk, bv: (cdiv(D, bk) * cdiv(Dv, bv), H, B),
             args, consts, config, D, Dv)
 
     common = dict(HEAD_D=D, HEAD_DV=Dv, FEATURE=feature, CAUSAL=bool(causal),
@@ -962,15 +962,15 @@ def linear_bwd(grad_out, q, k, v, *, causal, feature_map, normalize, eps, scale,
     if N > 0:
         args = (q, k, v, grad_out, den, delta, gden, hs, zs, dq, *q.stride(), *k.stride(),
                 *v.stride(), *grad_out.stride(), *hst, *zst, H, N, eps, scale)
-        _launch("dq", lambda bk, bv: (triton.cdiv(N, C) * triton.cdiv(D, bk), H, B),
+        _launch("dq", lambda bk, bv: (cdiv(N, C) * cdiv(D, bk), H, B),
                 args, common, config, D, Dv)
     if M > 0:
         args = (q, k, v, grad_out, den, delta, gden, dhs, dzs, dk, *q.stride(), *k.stride(),
                 *v.stride(), *grad_out.stride(), *dhst, *dzst, H, N, M, eps, scale)
-        _launch("dk", lambda bk, bv: (triton.cdiv(M, C) * triton.cdiv(D, bk), H, B),
+        _launch("dk", lambda bk, bv: (cdiv(M, C) * cdiv(D, bk), H, B),
                 args, common, config, D, Dv)
         args = (q, k, grad_out, den, delta, gden, dhs, dv, *q.stride(), *k.stride(),
                 *grad_out.stride(), *dhst, H, N, M, eps, scale)
-        _launch("dv", lambda bk, bv: (triton.cdiv(M, C) * triton.cdiv(Dv, bv), H, B),
+        _launch("dv", lambda bk, bv: (cdiv(M, C) * cdiv(Dv, bv), H, B),
                 args, common, config, D, Dv)
     return result

@@ -69,11 +69,11 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._flash import (INTERPRETED, _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, accumulate_pv,
+from ._flash import (INTERPRETED, MAX_HEAD_DIM, SUPPORTED_DTYPES, _LOG2E, accumulate_pv, cdiv,
                      check_attention_shapes, check_backward_inputs, config_list, dk_step,
                      dot_precision, dq_step, finish_rows, fitting, launch, load_bwd_rows,
-                     load_row_pair, load_rows, online_softmax_update, pow2, scores, split_config,
-                     store_rows, strides, tanh_and_grad, tanh_exp2)
+                     load_row_pair, load_rows, next_pow2, online_softmax_update, pow2, scores,
+                     split_config, store_rows, strides, tanh_and_grad, tanh_exp2)
 
 __all__ = [
     "softmax_fwd",
@@ -813,7 +813,12 @@ def _fast_path(q, k, v, mask, dropout_p, config, window_left, window_right, soft
         return False
     if mode == "1":
         return True
-    return (q.is_cuda and not INTERPRETED and torch.cuda.get_device_capability(q.device)[0] == 9)
+    return q.is_cuda and not INTERPRETED and _capability_major(q.device.index) == 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(index) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _launch(name, dmax, grid, args, consts, config):
@@ -862,7 +867,7 @@ def softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=0, config=N
     consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
                   IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout,
                   **opt_consts, DOT_PREC=dot_precision(q.dtype))
-    _launch("fwd", max(block_d, block_dv), lambda bm, bn: (triton.cdiv(N, bm), H, B), args,
+    _launch("fwd", max(block_d, block_dv), lambda bm, bn: (cdiv(N, bm), H, B), args,
             consts, config)
     return out, lse
 
@@ -905,7 +910,7 @@ def softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal, dropout_p=0
     delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     block_d, block_dv = pow2(D), pow2(Dv)
     pre_block = 64
-    wrap_triton(_attn_bwd_preprocess)[(triton.cdiv(N, pre_block), H, B)](
+    wrap_triton(_attn_bwd_preprocess)[(cdiv(N, pre_block), H, B)](
         out, grad_out, delta, *strides(out), *strides(grad_out), H, N,
         HEAD_DV=Dv, BLOCK_DV=block_dv, BLOCK_M=pre_block)
 
@@ -917,10 +922,10 @@ def softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal, dropout_p=0
                   IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout,
                   **opt_consts, DOT_PREC=dot_precision(q.dtype))
     dmax = max(block_d, block_dv)
-    _launch("dkdv", dmax, lambda bm, bn: (triton.cdiv(M, bn), Hk, B),
+    _launch("dkdv", dmax, lambda bm, bn: (cdiv(M, bn), Hk, B),
             (q, k, v, mask_t, alibi, grad_out, lse, delta, dk, dv, *common, *strides(dk),
              *strides(dv), H, N, M, H // Hk), consts, cfg_dkdv)
-    _launch("dq", dmax, lambda bm, bn: (triton.cdiv(N, bm), H, B),
+    _launch("dq", dmax, lambda bm, bn: (cdiv(N, bm), H, B),
             (q, k, v, mask_t, alibi, grad_out, lse, delta, dq, *common, *strides(dq), H, N, M,
              H // Hk), consts, cfg_dq)
     return dq, dk, dv
@@ -935,8 +940,8 @@ def dropout_keep_mask(B, H, N, M, dropout_p, seed, device):
     if keep.numel() == 0:
         return keep
     _check_device("dropout_keep_mask", keep)
-    bm = min(32, triton.next_power_of_2(N))  # no tl.dot here: tiles may be thin
-    bn = min(2048 // bm, triton.next_power_of_2(M))
-    wrap_triton(_dropout_keep_kernel)[(triton.cdiv(N, bm) * triton.cdiv(M, bn), H, B)](
+    bm = min(32, next_pow2(N))  # no tl.dot here: tiles may be thin
+    bn = min(2048 // bm, next_pow2(M))
+    wrap_triton(_dropout_keep_kernel)[(cdiv(N, bm) * cdiv(M, bn), H, B)](
         keep.view(torch.uint8), float(dropout_p), int(seed), H, N, M, BLOCK_M=bm, BLOCK_N=bn)
     return keep

@@ -80,8 +80,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._flash import (INTERPRETED, SUPPORTED_DTYPES, check_attention_shapes, check_backward_inputs,
-                     dot_precision, load_rows, pow2, store_rows)
+from ._flash import (INTERPRETED, SUPPORTED_DTYPES, cdiv, check_attention_shapes,
+                     check_backward_inputs, dot_precision, load_rows, pow2, store_rows)
 
 __all__ = [
     "hopper_fwd",
@@ -1033,13 +1033,13 @@ def hopper_fwd(q, k, v, scale=None, is_causal=False, *, variant: FwdVariant | No
     if exp_mode >= 3 and q.dtype == torch.float32:
         exp_mode = 2  # the cubic's 8.6e-5 relative error is below P's rounding in 16 bits only
     bm = config.kwargs["BLOCK_M"]
-    n_tiles = triton.cdiv(N, bm) * H * B
+    n_tiles = cdiv(N, bm) * H * B
     if variant.persistent:
         if num_programs is None:
             num_programs = 3 if INTERPRETED else variant.persistent * _sm_count(q.device)
         grid = (max(1, min(int(num_programs), n_tiles)), 1, 1)
     else:
-        grid = (triton.cdiv(N, bm), H, B)
+        grid = (cdiv(N, bm), H, B)
     _hopper_fwd_kernel[grid](
         q, k, v, out, lse, scale, scale * 1.4426950408889634,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), B, H, N, M, H // Hk,
@@ -1089,13 +1089,13 @@ def hopper_bwd(grad_out, q, k, v, out, lse, scale=None, is_causal=False, *,
     # The dQ accumulator: float32, padded to whole 128-row tiles (every BLOCK_M here divides
     # 128) and to BLOCK_D columns, so that the adds need no bounds mask.
     pre_block = 128
-    n_pad = triton.cdiv(N, pre_block) * pre_block
+    n_pad = cdiv(N, pre_block) * pre_block
     if dq_mode:
         dq_acc = torch.empty((B, H, n_pad, block_d), dtype=torch.float32, device=q.device)
     else:
         dq_acc = lse  # a stand-in pointer: DQ_MODE 0 never touches it
     delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
-    _bwd_pre_kernel[(triton.cdiv(n_pad if dq_mode else N, pre_block), H, B)](
+    _bwd_pre_kernel[(cdiv(n_pad if dq_mode else N, pre_block), H, B)](
         out, grad_out, delta, dq_acc, *_strides(out), *_strides(grad_out), H, N, n_pad,
         HEAD_DV=Dv, BLOCK_DV=block_dv, BLOCK_D=block_d, ZERO_DQ=bool(dq_mode),
         BLOCK_M=pre_block, num_warps=4)
@@ -1106,18 +1106,18 @@ def hopper_bwd(grad_out, q, k, v, out, lse, scale=None, is_causal=False, *,
                   TMA=bool(variant.tma), WARP_SPEC=bool(variant.warp_specialize),
                   DOT_PREC=dot_precision(q.dtype))
     bm, bn = kv_config.kwargs["BLOCK_M"], kv_config.kwargs["BLOCK_N"]
-    _hopper_bwd_kv_kernel[(triton.cdiv(M, bn), Hk, B)](
+    _hopper_bwd_kv_kernel[(cdiv(M, bn), Hk, B)](
         q, k, v, grad_out, lse, delta, dk, dv, dq_acc, scale, qk_scale,
         *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dk),
         *_strides(dv), H, N, M, H // Hk, n_pad, DQ_MODE=dq_mode, EVEN_N=N % bm == 0,
         EVEN_M=M % bn == 0, **consts, **_meta(kv_config))
     if dq_mode:
-        _dq_convert_kernel[(triton.cdiv(N, pre_block), H, B)](
+        _dq_convert_kernel[(cdiv(N, pre_block), H, B)](
             dq_acc, dq, scale, *_strides(dq), H, N, n_pad, HEAD_D=D, BLOCK_D=block_d,
             BLOCK_M=pre_block, num_warps=4)
     else:
         bm = dq_config.kwargs["BLOCK_M"]
-        _hopper_bwd_dq_kernel[(triton.cdiv(N, bm), H, B)](
+        _hopper_bwd_dq_kernel[(cdiv(N, bm), H, B)](
             q, k, v, grad_out, lse, delta, dq, scale, qk_scale,
             *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dq),
             H, N, M, H // Hk, EVEN_M=M % dq_config.kwargs["BLOCK_N"] == 0, **consts,

@@ -76,10 +76,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._flash import (INTERPRETED, _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, config_list, dk_step,
-                     dot_precision, dq_step, finish_rows, fitting, launch, load_bwd_rows,
-                     load_row_pair, load_rows, online_softmax_step, pow2, scores, split_config,
-                     store_rows, strides)
+from ._flash import (INTERPRETED, MAX_HEAD_DIM, SUPPORTED_DTYPES, _LOG2E, cdiv, config_list,
+                     dk_step, dot_precision, dq_step, finish_rows, fitting, launch, load_bwd_rows,
+                     load_row_pair, load_rows, next_pow2, online_softmax_step, pow2, scores,
+                     split_config, store_rows, strides)
 
 __all__ = [
     "sparse_range_fwd",
@@ -758,7 +758,7 @@ def _span(view, lo, hi, Nq, Nk):
 
     t = tq // 2
     width = min(f(t, hi), tk - 1) - max(f(t, lo), 0) + 1
-    return min(4096, triton.next_power_of_2(max(width, 1)))
+    return min(4096, next_pow2(max(width, 1)))
 
 
 def _range_common(view, lo, hi, Nq, Nk, H):
@@ -794,7 +794,7 @@ def sparse_range_fwd(q, k, v, view, lo, hi, scale, config=None):
     tq_max = _group_len_host(Nq, 0, q_pg, q_pt)
     args = (q, k, v, out, lse, scale, *strides(q), *strides(k), *strides(v), *strides(out),
             *_range_common(view, lo, hi, Nq, Nk, H), 0, _span(view, lo, hi, Nq, Nk))
-    _launch("range_fwd", lambda bm, bn: (triton.cdiv(tq_max, bm), G, B * H), args, _consts(q, v),
+    _launch("range_fwd", lambda bm, bn: (cdiv(tq_max, bm), G, B * H), args, _consts(q, v),
             config, D, Dv)
     return out, lse
 
@@ -846,7 +846,7 @@ def sparse_range_bwd(grad_out, q, k, v, lse, delta, view, lo, hi, scale, config=
     if keys_disjoint:
         dk = alloc_k(k.shape, dtype=k.dtype, device=k.device)
         dv = alloc_k(v.shape, dtype=v.dtype, device=v.device)
-        _launch("range_dkdv", lambda bm, bn: (triton.cdiv(tk_max, bn), G, B * H),
+        _launch("range_dkdv", lambda bm, bn: (cdiv(tk_max, bn), G, B * H),
                 (q, k, v, grad_out, lse, delta, dk, dv, scale, *bwd_strides, *strides(dk),
                  *strides(dv), *common, 0, span), dict(consts, ACCUMULATE=False), cfg_dkdv,
                 D, Dv)
@@ -858,12 +858,12 @@ def sparse_range_bwd(grad_out, q, k, v, lse, delta, view, lo, hi, scale, config=
         for g in range(G):
             if _group_len_host(Nk, g, k_pg, k_pt) == 0 or _group_len_host(Nq, g, q_pg, q_pt) == 0:
                 continue
-            _launch("range_dkdv", lambda bm, bn: (triton.cdiv(tk_max, bn), 1, B * H),
+            _launch("range_dkdv", lambda bm, bn: (cdiv(tk_max, bn), 1, B * H),
                     (q, k, v, grad_out, lse, delta, dk32, dv32, scale, *bwd_strides,
                      *strides(dk32), *strides(dv32), *common, g, span),
                     dict(consts, ACCUMULATE=True), cfg_dkdv, D, Dv, tune=False)
         dk, dv = dk32.to(k.dtype), dv32.to(v.dtype)
-    _launch("range_dq", lambda bm, bn: (triton.cdiv(tq_max, bm), G, B * H),
+    _launch("range_dq", lambda bm, bn: (cdiv(tq_max, bm), G, B * H),
             (q, k, v, grad_out, lse, delta, dq, scale, *bwd_strides, *strides(dq), *common, 0,
              span), consts, cfg_dq, D, Dv)
     return dq, dk, dv
@@ -916,7 +916,7 @@ def block_sparse_fwd(q, k, v, row_ptr, col_idx, block, causal, scale, config=Non
     args = (q, k, v, row_ptr, col_idx, out, lse, scale, *strides(q), *strides(k),
             *strides(v), *strides(out), H, N, block, head_stride)
     consts = dict(_consts(q, v), IS_CAUSAL=bool(causal))
-    _launch("block_fwd", lambda bm, bn: (nb * triton.cdiv(block, bm), B * H), args, consts,
+    _launch("block_fwd", lambda bm, bn: (nb * cdiv(block, bm), B * H), args, consts,
             config, D, Dv, block)
     return out, lse
 
@@ -944,11 +944,11 @@ def block_sparse_bwd(grad_out, q, k, v, lse, delta, row_ptr, col_idx, col_ptr, r
         return dq, dk, dv
     consts = dict(_consts(q, v), IS_CAUSAL=bool(causal))
     bwd_strides = (*strides(q), *strides(k), *strides(v), *strides(grad_out))
-    _launch("block_dkdv", lambda bm, bn: (nb * triton.cdiv(block, bn), B * H),
+    _launch("block_dkdv", lambda bm, bn: (nb * cdiv(block, bn), B * H),
             (q, k, v, grad_out, lse, delta, col_ptr, row_idx, dk, dv, scale, *bwd_strides,
              *strides(dk), *strides(dv), H, N, block, head_stride_t), consts, cfg_dkdv, D, Dv,
             block)
-    _launch("block_dq", lambda bm, bn: (nb * triton.cdiv(block, bm), B * H),
+    _launch("block_dq", lambda bm, bn: (nb * cdiv(block, bm), B * H),
             (q, k, v, grad_out, lse, delta, row_ptr, col_idx, dq, scale, *bwd_strides,
              *strides(dq), H, N, block, head_stride), consts, cfg_dq, D, Dv, block)
     return dq, dk, dv

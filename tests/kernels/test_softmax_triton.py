@@ -574,3 +574,15 @@ def test_gpu_fast_path_bf16(d, causal, routed_calls):
     if torch.cuda.get_device_capability()[0] == 9:
         assert routed_calls == ["fast_fwd", "fast_bwd"]
     check_against_reference(got, q, k, v, go, None, causal)
+
+
+def test_host_cdiv_and_next_pow2_match_triton():
+    # kernels/_flash.py's host helpers stand in for triton.cdiv / next_power_of_2 (ConstexprFunctions,
+    # ~5 us a call) in every launcher's grid and padding arithmetic.
+    from attnkit.kernels._flash import cdiv, next_pow2, pow2
+
+    for a in range(0, 600):
+        assert next_pow2(a) == triton.next_power_of_2(a), a
+        assert pow2(a) == max(16, triton.next_power_of_2(a)), a
+        for b in (1, 3, 16, 64, 128):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
