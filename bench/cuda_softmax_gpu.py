@@ -219,8 +219,9 @@ def main(argv=None):
         print("cuda_softmax_gpu: no CUDA device here; nothing to do (--dry-run shows the plan)")
         return 0
     import attnkit
-    if "cuda" not in attnkit.backends():
-        print("cuda_softmax_gpu: attnkit was built without its CUDA backend; nothing to do")
+    status = attnkit.backends()["softmax"]["cuda"]
+    if not status.usable:
+        print(f"cuda_softmax_gpu: attnkit's softmax cuda backend is not usable here ({status.reason}); nothing to do")
         return 0
     t0 = time.time()
     stop_at = t0 + args.deadline
