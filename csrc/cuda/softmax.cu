@@ -11,6 +11,10 @@
 // fiber, ldmatrix / mma.m16n8k16 / cp.async and its groups from the PTX ISA, shared memory exact
 // and NaN-filled, every access bounds-checked) against the float64 reference: fp16/bf16, D
 // 64/128, causal, GQA, bool/float masks, odd N and M, empty N or M, non-finite inputs.
+// Backward variants (session 15, ATTNKIT_CUDA_SOFTMAX_BWD=stream|fused, see BwdVariant; default:
+// the kernels above, unchanged): emulated on every unmasked case with mutants of their own, not
+// yet run on a GPU.  ptxas -v sm_80 / sm_90a, D = 128 | 64: stream dQ 255 / 255 | 226 / 168,
+// stream dK/dV 247 / 244 | 241 / 242, fused dK/dV 251 / 254 | 246 / 245; no spills.
 // On a GPU: tests/csrc/test_softmax_cuda.py (`pytest -m gpu`) passed in full on an H100 (sm_90,
 // torch 2.11 + CUDA 13.0, commit 4a5f870, bench/RESULTS.md "session 8") with the forward of
 // before issue 27 (4 warps x 16 rows, K/V tiles loaded synchronously into padded rows): 12.3 ms
@@ -65,7 +69,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "mma_sm80.cuh"
 #include "flash_tiles.cuh"
@@ -306,7 +315,34 @@ struct BwdParams {
   int H, Hk, group, N, M;
   float scale, scale_log2;
   bool causal;
+  // The variants only (kBwdStream, kBwdFused; unused by the default kernels): per query row, padded
+  // to n_pad = N rounded up to 64 (rows past N: lse2 = +inf, delta2 = 0), written by
+  // softmax_bwd_rows_kernel; fused: dQ accumulated in fp32 ([B, H, N, D], zeroed) by atomics.
+  const float* lse2;    // [B, H, n_pad]: base-2 lse as the backward uses it (lse_log2)
+  const float* delta2;  // [B, H, n_pad]
+  float* dq_accum;      // [B, H, N, D] (kBwdFused)
+  int n_pad;
 };
+
+// The backward's kernels (ATTNKIT_CUDA_SOFTMAX_BWD, read once by softmax_bwd_cuda; the default is
+// today's).  The variants run only without a mask (softmax_bwd_cuda falls back to the default
+// kernels with one) and differ from the default in:
+//  - kBwdStream: each query row's base-2 lse and delta come from padded per-row arrays
+//    (softmax_bwd_rows_kernel), which dK/dV copies into its ring stage with cp.async like Q and
+//    dO -- the default has the first 32 threads load them from global memory and store them to
+//    shared memory after the barrier, so warp 0 waits a global-memory latency per query tile
+//    while the other warps, done with their products, wait for it at the next barrier; and tiles
+//    wholly inside the visible region (no key past M, no query past N, causal: every key at or
+//    before every query) compute dS entry by entry without the visibility tests (straight-line
+//    code: the default's per-entry branches and mask switch cost ~20 instructions per entry,
+//    about as many issue slots per tile as the tensor-core products themselves).
+//  - kBwdFused: kBwdStream's dK/dV kernel also computes dQ (FlashAttention-2's 5 products per
+//    tile instead of 7: no dQ kernel, which recomputes S and dP): each warp stores its dSᵀ rows
+//    (key-major, rounded as in dK) to shared memory; after a barrier the block's 4 warps
+//    multiply dS (kBr x 64 keys) by K, split by head-dim columns, and add their share to the fp32
+//    dq_accum with atomicAdd (order of the additions not fixed: dQ is not bitwise deterministic
+//    on a GPU); softmax_bwd_dq_convert_kernel scales and rounds it.
+enum BwdVariant : int { kBwdDefault = 0, kBwdStream = 1, kBwdFused = 2 };
 
 // The base-2 lse of row i as the backward uses it (see lse_log2); rows past N get +inf too, so
 // that every P of theirs is 0.
@@ -340,6 +376,64 @@ __global__ void __launch_bounds__(256) softmax_bwd_delta_kernel(
   if (lane == 0) delta[row] = acc;
 }
 
+// The variants' per-row inputs (kBwdStream, kBwdFused): lse2[bh, i] = lse_log2 of row i and
+// delta2[bh, i] = rowsum(dO ∘ O) for i < N; +inf and 0 for N <= i < n_pad, so that the dK/dV
+// kernel can copy any query tile's rows with 16-byte cp.async (n_pad, a multiple of 64, keeps
+// every tile's rows 16-byte aligned) and a row past N gets P = 0.  One warp per padded row.
+template <bool kBF16, int kD>
+__global__ void __launch_bounds__(256) softmax_bwd_rows_kernel(
+    const uint16_t* out, int64_t o_sb, int64_t o_sh, int64_t o_sn, const uint16_t* dout, int64_t do_sb,
+    int64_t do_sh, int64_t do_sn, const float* lse, float* lse2, float* delta2, int H, int N, int n_pad,
+    int64_t rows) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= rows) return;  // uniform per warp
+  const int lane = threadIdx.x % 32;
+  const int i = static_cast<int>(row % n_pad);
+  const int64_t bh = row / n_pad;
+  if (i >= N) {  // padding: P = 0 for this row, and dS = 0
+    if (lane == 0) {
+      lse2[row] = INFINITY;
+      delta2[row] = 0.f;
+    }
+    return;
+  }
+  const int64_t h = bh % H, b = bh / H;
+  const uint16_t* o = out + b * o_sb + h * o_sh + i * o_sn;
+  const uint16_t* d = dout + b * do_sb + h * do_sh + i * do_sn;
+  float acc = 0.f;
+#pragma unroll
+  for (int c0 = 0; c0 < kD; c0 += 64) {  // lane's pair: columns c0 + 2 lane, c0 + 2 lane + 1
+    const uint32_t ov = *reinterpret_cast<const uint32_t*>(o + c0 + 2 * lane);
+    const uint32_t dv = *reinterpret_cast<const uint32_t*>(d + c0 + 2 * lane);
+    acc += to_float<kBF16>(static_cast<uint16_t>(ov & 0xffffu)) * to_float<kBF16>(static_cast<uint16_t>(dv & 0xffffu));
+    acc += to_float<kBF16>(static_cast<uint16_t>(ov >> 16)) * to_float<kBF16>(static_cast<uint16_t>(dv >> 16));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) {
+    lse2[row] = lse_log2(lse[bh * N + i]);
+    delta2[row] = acc;
+  }
+}
+
+// kBwdFused's last step: dq = dq_accum · scale, rounded to the input dtype; 8 elements per thread
+// and step (n, the element count B·H·N·D, is a multiple of 64).
+template <bool kBF16>
+__global__ void __launch_bounds__(256) softmax_bwd_dq_convert_kernel(const float* acc, uint16_t* dq, int64_t n,
+                                                                     float scale) {
+  for (int64_t e = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x * 8) {
+    const uint4 a = *reinterpret_cast<const uint4*>(acc + e);  // 2 x 4 floats, as bits
+    const uint4 c = *reinterpret_cast<const uint4*>(acc + e + 4);
+    uint4 r;
+    r.x = pack2<kBF16>(__uint_as_float(a.x) * scale, __uint_as_float(a.y) * scale);
+    r.y = pack2<kBF16>(__uint_as_float(a.z) * scale, __uint_as_float(a.w) * scale);
+    r.z = pack2<kBF16>(__uint_as_float(c.x) * scale, __uint_as_float(c.y) * scale);
+    r.w = pack2<kBF16>(__uint_as_float(c.z) * scale, __uint_as_float(c.w) * scale);
+    *reinterpret_cast<uint4*>(dq + e) = r;
+  }
+}
+
 // dQ for one tile of kBlockQ = 64 queries of one (b, h): warp w owns query rows 16w..16w+15.
 // Pipelined as the forward: Q and dO (group 0) and K/V tiles of 64 keys through a ring of
 // kDqStages<kD> cp.async stages, swizzled, one __syncthreads per key tile (see softmax_fwd_kernel
@@ -351,8 +445,11 @@ constexpr int kDqStages = kD <= 64 ? 3 : 2;
 template <int kD>
 constexpr size_t kDqSmemBytes = static_cast<size_t>(2 * kBlockQ + 2 * kDqStages<kD> * kBlockK) * kD * sizeof(uint16_t);
 
-template <bool kBF16, int kD>
+// kVariant (BwdVariant): kBwdDefault, or kBwdStream (padded per-row lse2 / delta2, and the
+// interior tiles' dS without visibility tests; no mask).
+template <bool kBF16, int kD, int kVariant = kBwdDefault>
 __global__ void __launch_bounds__(kThreads) softmax_bwd_dq_kernel(const BwdParams p) {
+  static_assert(kVariant == kBwdDefault || kVariant == kBwdStream, "kBwdFused has no dQ kernel");
   constexpr int kNt = kBlockK / 8;
   constexpr int kS = kDqStages<kD>;
   constexpr int kTile = kBlockK * kD;
@@ -394,8 +491,13 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dq_kernel(const BwdParam
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = row0 + 8 * r;
-    lse2[r] = lse_log2(p.lse, bh, p.N, i);
-    dlt[r] = i < p.N ? p.delta[bh * p.N + i] : 0.f;
+    if constexpr (kVariant == kBwdDefault) {
+      lse2[r] = lse_log2(p.lse, bh, p.N, i);
+      dlt[r] = i < p.N ? p.delta[bh * p.N + i] : 0.f;
+    } else {  // padded rows (i < q0 + kBlockQ <= n_pad): +inf and 0 past N
+      lse2[r] = p.lse2[bh * p.n_pad + i];
+      dlt[r] = p.delta2[bh * p.n_pad + i];
+    }
   }
   float dq[kD / 8][4] = {};
 
@@ -414,16 +516,24 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dq_kernel(const BwdParam
     float dp[kNt][4] = {};  // dP = dO Vᵀ
     mma_abt2<kBF16, kD, kNt, true>(s, q_s, k_t, dp, do_s, v_t, warp * 16, lane);
 
-    for_each_entry<kNt>(t, [&](int nt, int e, int c) {
-      const int i = row0 + (e / 2) * 8;
-      const int jj = k0 + c;
-      float x = s[nt][e] * p.scale_log2;
-      const bool visible =
-          jj < p.M && !(p.causal && jj > i) && (i >= p.N || apply_mask_log2(p.mask, mask_base, i, jj, x));
-      // Hidden entries get dS = 0 exactly (not 0 · (dP - delta)): a NaN row's delta must not
-      // reach the keys it cannot see (issue 15; SDPA's masked_fill gives them no gradient).
-      s[nt][e] = visible ? exp2_approx(x - lse2[e / 2]) * (dp[nt][e] - dlt[e / 2]) : 0.f;
-    });
+    // kBwdStream: a tile the warp sees entirely (every row < N, every key < M, causal: every key
+    // at or before the warp's first row; no mask in the variants) needs no per-entry test.
+    if (kVariant != kBwdDefault && w0 + 16 <= p.N && k0 + kBlockK <= p.M && !(p.causal && k0 + kBlockK - 1 > w0)) {
+      for_each_entry<kNt>(t, [&](int nt, int e, int) {
+        s[nt][e] = exp2_approx(s[nt][e] * p.scale_log2 - lse2[e / 2]) * (dp[nt][e] - dlt[e / 2]);
+      });
+    } else {
+      for_each_entry<kNt>(t, [&](int nt, int e, int c) {
+        const int i = row0 + (e / 2) * 8;
+        const int jj = k0 + c;
+        float x = s[nt][e] * p.scale_log2;
+        const bool visible =
+            jj < p.M && !(p.causal && jj > i) && (i >= p.N || apply_mask_log2(p.mask, mask_base, i, jj, x));
+        // Hidden entries get dS = 0 exactly (not 0 · (dP - delta)): a NaN row's delta must not
+        // reach the keys it cannot see (issue 15; SDPA's masked_fill gives them no gradient).
+        s[nt][e] = visible ? exp2_approx(x - lse2[e / 2]) * (dp[nt][e] - dlt[e / 2]) : 0.f;
+      });
+    }
 
     // dQ += dS K (the scale is applied once, at the end): K read transposed from its stage.
     mma_pb<kBF16, kD, kNt, true>(dq, s, k_t, lane);
@@ -436,22 +546,88 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dq_kernel(const BwdParam
 // on the transposed products (Sᵀ = K Qᵀ), so that its rows of dK and dV stay in registers.
 // K and V (group 0) are loaded once; the query tiles of kBr = kDkdvBlockQ<kD> rows of every
 // query head of the GQA group (in order: head, then query tile) stream through a ring of
-// kDkdvStages cp.async stages, swizzled, with their rows' base-2 lse and delta (plain loads
-// into the stage when the tile is issued); one __syncthreads per query tile (see
-// softmax_fwd_kernel for the group counting).  Shared memory: D = 128 (kBr = 32): 81 KiB;
-// D = 64 (kBr = 64): 65.5 KiB.
+// kDkdvStages cp.async stages, swizzled, with their rows' base-2 lse and delta (default: plain
+// loads into the stage when the tile is issued; the variants: cp.async from the padded per-row
+// arrays); one __syncthreads per query tile (see softmax_fwd_kernel for the group counting),
+// two for kBwdFused.  Shared memory: D = 128 (kBr = 32): 81 KiB; D = 64 (kBr = 64): 65.5 KiB;
+// kBwdFused adds the dSᵀ tile (kBlockK x (kBr + 8) 16-bit): 5 KiB, 9 KiB.
 constexpr int kDkdvStages = 3;
+// kBwdFused's dSᵀ tile: key-major rows of kBr queries padded by 8 elements (16 bytes), so that
+// both the quads' 4-byte stores (8 rows x 4 columns) and ldmatrix's 8 rows fall in distinct banks.
 template <int kD>
+constexpr int kDsLd = kDkdvBlockQ<kD> + 8;
+template <int kD, int kVariant = kBwdDefault>
 constexpr size_t kDkdvSmemBytes =
     static_cast<size_t>(2 * kBlockK + 2 * kDkdvStages * kDkdvBlockQ<kD>) * kD * sizeof(uint16_t) +
-    static_cast<size_t>(kDkdvStages * 2 * kDkdvBlockQ<kD>) * sizeof(float);
+    static_cast<size_t>(kDkdvStages * 2 * kDkdvBlockQ<kD>) * sizeof(float) +
+    (kVariant == kBwdFused ? static_cast<size_t>(kBlockK * kDsLd<kD>) * sizeof(uint16_t) : 0);
 
-template <bool kBF16, int kD>
+// kBwdFused: dQ[i0 .. i0 + kBr) += dS K over the block's kBlockK keys, dS read from the
+// key-major dSᵀ tile ds_s, K from its swizzled tile; the 4 warps split the kD columns (kD / 4
+// each: every product has all of the tile's rows).  dq_g points at row i0 of the (b, h) rows of
+// the fp32 dq_accum; rows >= valid are past N (not added).
+template <bool kBF16, int kD, int kBr>
+__device__ __forceinline__ void fused_dq_add(float* dq_g, int valid, const uint16_t* ds_s, const uint16_t* k_s,
+                                             int warp, int lane) {
+  constexpr int kCols = kD / (kThreads / 32);  // head-dim columns of each warp: 32 (D = 128) or 16
+  constexpr int kMt = kBr / 16, kNq = kCols / 8;
+  constexpr int kLd = kDsLd<kD>;
+  float acc[kMt][kNq][4] = {};
+#pragma unroll
+  for (int kc = 0; kc < kBlockK / 16; ++kc) {
+    uint32_t bf[kNq][2];
+#pragma unroll
+    for (int nq = 0; nq < kNq; nq += 2) load_b_kn2_swz<kD>(bf[nq], bf[nq + 1], k_s, kc * 16, warp * kCols + nq * 8, lane);
+#pragma unroll
+    for (int mt = 0; mt < kMt; ++mt) {
+      // A = dS[16 mt .., 16 kc ..]: matrix m (lanes 8m .. 8m + 7 give its rows) holds keys
+      // 16 kc + 8 (m / 2) .. and queries 16 mt + 8 (m % 2) .. of dSᵀ; .trans hands lane l
+      // dS[query g][key 2t, 2t + 1] of it, the A layout (registers: m 0-7 | 8-15 x k 0-7 | 8-15).
+      uint32_t a[4];
+      ldsm_x4_trans(a, ds_s + (kc * 16 + (lane / 16) * 8 + lane % 8) * kLd + mt * 16 + ((lane / 8) % 2) * 8);
+#pragma unroll
+      for (int nq = 0; nq < kNq; ++nq) mma16816<kBF16>(acc[mt][nq], a, bf[nq]);
+    }
+  }
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = mt * 16 + g + 8 * r;
+      if (row >= valid) continue;
+#pragma unroll
+      for (int nq = 0; nq < kNq; ++nq) {
+        float* at = dq_g + static_cast<int64_t>(row) * kD + warp * kCols + nq * 8 + 2 * t;
+        atomicAdd(at, acc[mt][nq][2 * r]);
+        atomicAdd(at + 1, acc[mt][nq][2 * r + 1]);
+      }
+    }
+  }
+}
+
+// kBwdFused: the warp's 16 rows (keys) of the block's dSᵀ tile from its accumulator, rounded
+// as dK += dSᵀ Q rounds them (acc_to_a), 2 queries per 4-byte store (entry e of n-tile nt: key
+// 16 warp + g + 8 (e / 2), query 8 nt + 2 t + e % 2).
+template <bool kBF16, int kD, int kNt>
+__device__ __forceinline__ void store_ds_rows(uint16_t* ds_s, const float (&dst)[kNt][4], int warp, int lane) {
+  uint16_t* row = ds_s + (warp * 16 + lane / 4) * kDsLd<kD> + 2 * (lane % 4);
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) {
+    *reinterpret_cast<uint32_t*>(row + nt * 8) = pack2<kBF16>(dst[nt][0], dst[nt][1]);
+    *reinterpret_cast<uint32_t*>(row + 8 * kDsLd<kD> + nt * 8) = pack2<kBF16>(dst[nt][2], dst[nt][3]);
+  }
+}
+
+// kVariant (BwdVariant): kBwdDefault; kBwdStream (rows by cp.async, interior tiles without
+// visibility tests; no mask); kBwdFused (kBwdStream plus dQ, see fused_dq_add).
+template <bool kBF16, int kD, int kVariant = kBwdDefault>
 __global__ void __launch_bounds__(kThreads) softmax_bwd_dkdv_kernel(const BwdParams p) {
   constexpr int kBr = kDkdvBlockQ<kD>;
   constexpr int kNt = kBr / 8;
   constexpr int kS = kDkdvStages;
   constexpr int kQTile = kBr * kD;  // elements of one Q or dO stage
+  constexpr bool kFused = kVariant == kBwdFused;
   extern __shared__ __align__(16) uint16_t smem[];
   uint16_t* k_s = smem;                   // kBlockK x kD, swizzled
   uint16_t* v_s = k_s + kBlockK * kD;     // kBlockK x kD, swizzled
@@ -459,6 +635,8 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dkdv_kernel(const BwdPar
   uint16_t* do_st = q_st + kS * kQTile;   // kS stages
   // kS stages of (base-2 lse, delta) x kBr floats; byte offset a multiple of 16
   float* rows_st = reinterpret_cast<float*>(do_st + kS * kQTile);
+  // kBwdFused: the block's dSᵀ (kBlockK keys x kBr queries, row length kDsLd); offset a multiple of 16
+  uint16_t* ds_s = reinterpret_cast<uint16_t*>(rows_st + kS * 2 * kBr);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int t = lane % 4;
@@ -479,10 +657,23 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dkdv_kernel(const BwdPar
     cp_async_tile<kThreads, kBr, kD>(do_st + stage * kQTile, p.dout + b * p.do_sb + h * p.do_sh + i0 * p.do_sn,
                                      p.do_sn, valid);
     float* rows = rows_st + stage * 2 * kBr;
-    for (int idx = threadIdx.x; idx < kBr; idx += kThreads) {
-      const int i = i0 + idx;
-      rows[idx] = lse_log2(p.lse, bh, p.N, i);
-      rows[kBr + idx] = i < p.N ? p.delta[bh * p.N + i] : 0.f;
+    if constexpr (kVariant == kBwdDefault) {
+      for (int idx = threadIdx.x; idx < kBr; idx += kThreads) {
+        const int i = i0 + idx;
+        rows[idx] = lse_log2(p.lse, bh, p.N, i);
+        rows[kBr + idx] = i < p.N ? p.delta[bh * p.N + i] : 0.f;
+      }
+    } else {
+      // The padded rows i0 .. i0 + kBr - 1 (< n_pad: i0 is a multiple of kBr, n_pad of 64) of
+      // lse2 and delta2, 4 floats per copy, in the tile's group: no thread waits for them here.
+      constexpr int kChunks = kBr / 4;
+      static_assert(2 * kChunks <= kThreads, "one copy per thread");
+      const int idx = threadIdx.x;
+      if (idx < 2 * kChunks) {
+        const float* src = (idx < kChunks ? p.lse2 : p.delta2) + bh * p.n_pad + i0 + (idx % kChunks) * 4;
+        cp_async16(reinterpret_cast<uint16_t*>(rows + (idx / kChunks) * kBr + (idx % kChunks) * 4),
+                   reinterpret_cast<const uint16_t*>(src));
+      }
     }
   };
 
@@ -512,32 +703,58 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dkdv_kernel(const BwdPar
 
     const int hg = j / per_head, i0 = i_begin + (j % per_head) * kBr;
     // Warp-uniform: no key row, or (causal) every query of the tile before the warp's first key.
-    if (!warp_keys || (p.causal && i0 + kBr - 1 < k0 + warp * 16)) continue;
+    const bool warp_work = warp_keys && !(p.causal && i0 + kBr - 1 < k0 + warp * 16);
+    if constexpr (!kFused) {
+      if (!warp_work) continue;
+    }
     const int h = hk * p.group + hg;
-    const int64_t mask_base = b * p.mask.sb + h * p.mask.sh;
-    const uint16_t* q_t = q_st + (j % kS) * kQTile;
-    const uint16_t* do_t = do_st + (j % kS) * kQTile;
-    const float* lse_t = rows_st + (j % kS) * 2 * kBr;
-    const float* dlt_t = lse_t + kBr;
+    if (warp_work) {
+      const int64_t mask_base = b * p.mask.sb + h * p.mask.sh;
+      const uint16_t* q_t = q_st + (j % kS) * kQTile;
+      const uint16_t* do_t = do_st + (j % kS) * kQTile;
+      const float* lse_t = rows_st + (j % kS) * 2 * kBr;
+      const float* dlt_t = lse_t + kBr;
 
-    // Sᵀ = K Qᵀ (warp's 16 keys x kBr queries) and dPᵀ = V dOᵀ.
-    float st[kNt][4] = {};
-    float dpt[kNt][4] = {};
-    mma_abt2<kBF16, kD, kNt, true>(st, k_s, q_t, dpt, v_s, do_t, warp * 16, lane);
+      // Sᵀ = K Qᵀ (warp's 16 keys x kBr queries) and dPᵀ = V dOᵀ.
+      float st[kNt][4] = {};
+      float dpt[kNt][4] = {};
+      mma_abt2<kBF16, kD, kNt, true>(st, k_s, q_t, dpt, v_s, do_t, warp * 16, lane);
 
-    // Pᵀ (in st) and dSᵀ = Pᵀ ∘ (dPᵀ - delta) (in dpt).
-    for_each_entry<kNt>(t, [&](int nt, int e, int il) {
-      const int jj = key0 + (e / 2) * 8;
-      const int i = i0 + il;
-      float x = st[nt][e] * p.scale_log2;
-      const bool visible = jj < p.M && i < p.N && !(p.causal && jj > i) && apply_mask_log2(p.mask, mask_base, i, jj, x);
-      const float prob = visible ? exp2_approx(x - lse_t[il]) : 0.f;
-      st[nt][e] = prob;
-      dpt[nt][e] = visible ? prob * (dpt[nt][e] - dlt_t[il]) : 0.f;  // hidden: exactly 0 (see dQ)
-    });
+      // Pᵀ (in st) and dSᵀ = Pᵀ ∘ (dPᵀ - delta) (in dpt).  The variants: a tile the warp sees
+      // entirely (its keys < M, the tile's queries < N, causal: its last key at or before the
+      // tile's first query; no mask) without the per-entry tests.
+      if (kVariant != kBwdDefault && k0 + warp * 16 + 16 <= p.M && i0 + kBr <= p.N &&
+          !(p.causal && k0 + warp * 16 + 15 > i0)) {
+        for_each_entry<kNt>(t, [&](int nt, int e, int il) {
+          const float prob = exp2_approx(st[nt][e] * p.scale_log2 - lse_t[il]);
+          st[nt][e] = prob;
+          dpt[nt][e] = prob * (dpt[nt][e] - dlt_t[il]);
+        });
+      } else {
+        for_each_entry<kNt>(t, [&](int nt, int e, int il) {
+          const int jj = key0 + (e / 2) * 8;
+          const int i = i0 + il;
+          float x = st[nt][e] * p.scale_log2;
+          const bool visible = jj < p.M && i < p.N && !(p.causal && jj > i) && apply_mask_log2(p.mask, mask_base, i, jj, x);
+          const float prob = visible ? exp2_approx(x - lse_t[il]) : 0.f;
+          st[nt][e] = prob;
+          dpt[nt][e] = visible ? prob * (dpt[nt][e] - dlt_t[il]) : 0.f;  // hidden: exactly 0 (see dQ)
+        });
+      }
 
-    // dV += Pᵀ dO,  dK += dSᵀ Q  (the scale is applied once, at the end): dO and Q read transposed.
-    mma_pb2<kBF16, kD, kNt, true>(dv, st, do_t, dk, dpt, q_t, lane);
+      // dV += Pᵀ dO,  dK += dSᵀ Q  (the scale is applied once, at the end): dO and Q read transposed.
+      mma_pb2<kBF16, kD, kNt, true>(dv, st, do_t, dk, dpt, q_t, lane);
+      if constexpr (kFused) store_ds_rows<kBF16, kD, kNt>(ds_s, dpt, warp, lane);
+    } else if constexpr (kFused) {
+      const float none[kNt][4] = {};  // no visible entry: dS = 0 in the warp's rows
+      store_ds_rows<kBF16, kD, kNt>(ds_s, none, warp, lane);
+    }
+
+    if constexpr (kFused) {
+      __syncthreads();  // fused dQ: every warp's dSᵀ rows written
+      const int64_t bh = static_cast<int64_t>(b) * p.H + h;
+      fused_dq_add<kBF16, kD, kBr>(p.dq_accum + (bh * p.N + i0) * kD, p.N - i0, ds_s, k_s, warp, lane);
+    }
   }
 
   const int64_t bhk = static_cast<int64_t>(b) * p.Hk + hk;
@@ -632,6 +849,74 @@ void launch_bwd(const BwdParams& p, const at::Tensor& out, const at::Tensor& dou
   }
 }
 
+// The backward of a variant (BwdVariant, not kBwdDefault; no mask): the per-row kernel into
+// padded lse2 / delta2, then kBwdStream: the dQ and dK/dV kernels of the variant; kBwdFused:
+// dK/dV with dQ accumulated in fp32 (zeroed first), then its conversion into dq.
+template <bool kBF16, int kD>
+void launch_bwd_variant(BwdParams p, BwdVariant variant, const at::Tensor& out, const at::Tensor& dout,
+                        const at::Tensor& lse, const at::Tensor& dq, int64_t B, cudaStream_t stream) {
+  const int64_t n_pad = (static_cast<int64_t>(p.N) + 63) / 64 * 64;
+  const int64_t rows = B * p.H * n_pad;
+  at::Tensor rows2 = at::empty({2, rows}, lse.options());
+  p.lse2 = rows2.data_ptr<float>();
+  p.delta2 = p.lse2 + rows;
+  p.n_pad = static_cast<int>(n_pad);
+  if (rows > 0) {
+    constexpr int kRowsPerBlock = 256 / 32;
+    softmax_bwd_rows_kernel<kBF16, kD><<<static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock), 256, 0, stream>>>(
+        bits(out), stride_or_zero(out, 0), stride_or_zero(out, 1), stride_or_zero(out, 2), bits(dout),
+        stride_or_zero(dout, 0), stride_or_zero(dout, 1), stride_or_zero(dout, 2), lse.data_ptr<float>(), rows2.data_ptr<float>(),
+        rows2.data_ptr<float>() + rows, p.H, p.N, p.n_pad, rows);
+  }
+  const dim3 kv_grid(static_cast<unsigned>((p.M + kBlockK - 1) / kBlockK), static_cast<unsigned>(p.Hk),
+                     static_cast<unsigned>(B));
+  const bool any_keys = B * p.Hk * static_cast<int64_t>(p.M) > 0;
+  if (variant == kBwdStream) {
+    if (rows > 0) {
+      constexpr size_t dq_smem = kDqSmemBytes<kD>;
+      allow_smem(softmax_bwd_dq_kernel<kBF16, kD, kBwdStream>, dq_smem);
+      const dim3 dq_grid(static_cast<unsigned>((p.N + kBlockQ - 1) / kBlockQ), static_cast<unsigned>(p.H),
+                         static_cast<unsigned>(B));
+      softmax_bwd_dq_kernel<kBF16, kD, kBwdStream><<<dq_grid, kThreads, dq_smem, stream>>>(p);
+    }
+    if (any_keys) {
+      constexpr size_t smem = kDkdvSmemBytes<kD, kBwdStream>;
+      allow_smem(softmax_bwd_dkdv_kernel<kBF16, kD, kBwdStream>, smem);
+      softmax_bwd_dkdv_kernel<kBF16, kD, kBwdStream><<<kv_grid, kThreads, smem, stream>>>(p);
+    }
+    return;
+  }
+  // kBwdFused
+  at::Tensor dq_accum = at::zeros(dq.sizes(), lse.options());
+  p.dq_accum = dq_accum.data_ptr<float>();
+  if (any_keys) {
+    constexpr size_t smem = kDkdvSmemBytes<kD, kBwdFused>;
+    allow_smem(softmax_bwd_dkdv_kernel<kBF16, kD, kBwdFused>, smem);
+    softmax_bwd_dkdv_kernel<kBF16, kD, kBwdFused><<<kv_grid, kThreads, smem, stream>>>(p);
+  }
+  const int64_t n = dq.numel();  // a multiple of 64 (D = 64 or 128)
+  if (n > 0) {
+    const int64_t blocks = std::min<int64_t>((n / 8 + 255) / 256, int64_t{1} << 16);
+    softmax_bwd_dq_convert_kernel<kBF16><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+        dq_accum.data_ptr<float>(), p.dq, n, p.scale);
+  }
+}
+
+// ATTNKIT_CUDA_SOFTMAX_BWD, read once per process: unset, empty or "default": today's kernels;
+// "stream" or "fused" (BwdVariant); anything else: a warning, then the default.
+BwdVariant bwd_variant() {
+  static const BwdVariant variant = [] {
+    const char* env = std::getenv("ATTNKIT_CUDA_SOFTMAX_BWD");
+    const std::string name = env != nullptr ? env : "";
+    if (name.empty() || name == "default") return kBwdDefault;
+    if (name == "stream") return kBwdStream;
+    if (name == "fused") return kBwdFused;
+    TORCH_WARN("attnkit: ATTNKIT_CUDA_SOFTMAX_BWD=", name, " is not one of default, stream, fused: using default");
+    return kBwdDefault;
+  }();
+  return variant;
+}
+
 }  // namespace
 
 // Entry points (csrc/cuda/launch.h: checked inputs; launch errors are left to the caller).
@@ -715,8 +1000,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cuda(
   p.scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale) * kLog2e;
   p.causal = is_causal;
+  p.lse2 = p.delta2 = nullptr;  // the variants' (launch_bwd_variant)
+  p.dq_accum = nullptr;
+  p.n_pad = 0;
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // The variants compute no mask: with one, the default kernels run whatever the variable says.
+  const BwdVariant variant = mk.kind == kNoMask ? bwd_variant() : kBwdDefault;
+  if (variant != kBwdDefault) {
+    const bool bf16 = q.scalar_type() == at::kBFloat16;
+    if (bf16) {
+      s.D == 64 ? launch_bwd_variant<true, 64>(p, variant, out, dout, lse, dq, s.B, stream)
+                : launch_bwd_variant<true, 128>(p, variant, out, dout, lse, dq, s.B, stream);
+    } else {
+      s.D == 64 ? launch_bwd_variant<false, 64>(p, variant, out, dout, lse, dq, s.B, stream)
+                : launch_bwd_variant<false, 128>(p, variant, out, dout, lse, dq, s.B, stream);
+    }
+    return {dq, dk, dv};
+  }
   float* delta_ptr = delta.data_ptr<float>();
   if (q.scalar_type() == at::kBFloat16) {
     s.D == 64 ? launch_bwd<true, 64>(p, out, dout, delta_ptr, s.B, stream)

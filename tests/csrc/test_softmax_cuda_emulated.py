@@ -18,9 +18,16 @@ softmax.cu (checks, copies, launch configuration as nvcc builds it; harness.cpp 
 launches), nvcc's own compilation, and anything about a real GPU (speed, memory model, ex2.approx
 rounding).  tests/csrc/test_softmax_cuda.py (``pytest -m gpu``) covers those on a GPU.
 See cuda_emulator/README.md.
+
+The backward variants (ATTNKIT_CUDA_SOFTMAX_BWD=stream|fused, softmax.cu's BwdVariant; the
+harness's emu_set_bwd_variant) run the same checks on every unmasked case here (a masked call
+falls back to the default kernels: checked bit for bit, and by which scratch buffers are used),
+with mutants of their own.
 """
+import contextlib
 import ctypes
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,9 +112,44 @@ BOUNDS_MUTATIONS = {
         "    if (local + 8 * r < valid + {on}) {\n      const int64_t i = base",
     ),
 }
+# The backward variants: softmax.cu's BwdVariant values (test_variant_ids_match_the_source).
+BWD_VARIANTS = {"default": 0, "stream": 1, "fused": 2}
+VARIANTS = ("stream", "fused")
+# Deliberate bugs of the variants' own code (each run with its variant: VARIANT_MUTANT_OF).
+VARIANT_MUTATIONS = {
+    # kBwdFused: no barrier between the warps' dSᵀ stores and the dQ product that reads all of them.
+    "fused_missing_ds_barrier": (
+        "      __syncthreads();  // fused dQ: every warp's dSᵀ rows written\n",
+        "      if (!{on}) __syncthreads();  // fused dQ: every warp's dSᵀ rows written\n",
+    ),
+    # dK/dV's interior tiles (the variants' fast path): the delta term dropped from dSᵀ.
+    "stream_dkdv_interior_drops_delta": (
+        "          dpt[nt][e] = prob * (dpt[nt][e] - dlt_t[il]);\n",
+        "          dpt[nt][e] = prob * (dpt[nt][e] - ({on} ? 0.f : dlt_t[il]));\n",
+    ),
+    # dQ's interior tiles: the same term dropped.
+    "stream_dq_interior_drops_delta": (
+        "        s[nt][e] = exp2_approx(s[nt][e] * p.scale_log2 - lse2[e / 2]) * (dp[nt][e] - dlt[e / 2]);\n",
+        "        s[nt][e] = exp2_approx(s[nt][e] * p.scale_log2 - lse2[e / 2]) * (dp[nt][e] - ({on} ? 0.f : dlt[e / 2]));\n",
+    ),
+    # kBwdStream's per-row copies: the last chunk of delta2 not copied (its rows read a stale stage).
+    "stream_rows_chunk_missing": (
+        "      if (idx < 2 * kChunks) {\n",
+        "      if (idx < 2 * kChunks - {on}) {\n",
+    ),
+}
+VARIANT_MUTANT_OF = {"fused_missing_ds_barrier": "fused", "stream_dkdv_interior_drops_delta": "stream",
+                     "stream_dq_interior_drops_delta": "stream", "stream_rows_chunk_missing": "stream"}
+VARIANT_BOUNDS_MUTATIONS = {
+    # kBwdFused's atomics: the row guard one off (the tile's first row past N is added too).
+    "fused_dq_row_guard": (
+        "      if (row >= valid) continue;\n",
+        "      if (row >= valid + {on}) continue;\n",
+    ),
+}
 # Every deliberate bug is in one build ("switched", built for fp16, D = 64
 # only), each on while configure(mutant=MUTANT[name]) (see emu_build.session_builds).
-SWITCHED = {**MUTATIONS, **BOUNDS_MUTATIONS}
+SWITCHED = {**MUTATIONS, **BOUNDS_MUTATIONS, **VARIANT_MUTATIONS, **VARIANT_BOUNDS_MUTATIONS}
 MUTANT = emu_build.switched_ids(SWITCHED)
 
 
@@ -129,9 +171,19 @@ class Emulator(emu_build.Library):
         lib.emu_softmax_fwd.argtypes = [_int, _int] + [_ptr, _i64p] * 3 + [_ptr, _ptr] + mask + shape
         lib.emu_softmax_bwd.argtypes = [_int, _int] + [_ptr, _i64p] * 5 + [_ptr] * 4 + mask + shape
         lib.emu_softmax_fwd.restype = lib.emu_softmax_bwd.restype = _int
+        lib.emu_set_bwd_variant.argtypes = [_int]
         kinds = (ctypes.c_int * 6)()
         lib.emu_mask_kinds(kinds)
         self.mask_kinds = dict(zip((None, torch.bool, torch.float32, torch.float16, torch.bfloat16, F64), kinds))
+
+    @contextlib.contextmanager
+    def bwd_variant(self, name):
+        """The backward kernels of variant `name` (BWD_VARIANTS) for the calls inside."""
+        self.lib.emu_set_bwd_variant(BWD_VARIANTS[name])
+        try:
+            yield self
+        finally:
+            self.lib.emu_set_bwd_variant(BWD_VARIANTS["default"])
 
     @staticmethod
     def _strides(x, dims):
@@ -563,3 +615,131 @@ def test_extract_inlines_the_shared_tile_steps_after_the_ptx_helpers():
     assert nested != headers["flash_tiles.cuh"]
     with pytest.raises(extract.ExtractError, match="one level deep"):
         extract.extract_device_code(SOURCE.read_text(), {**headers, "flash_tiles.cuh": nested})
+
+
+# ----------------------------------------------------------------------------------------------
+# the backward variants (ATTNKIT_CUDA_SOFTMAX_BWD)
+# ----------------------------------------------------------------------------------------------
+
+# The unmasked cases above (the variants compute no mask) and a few with more full tiles, where
+# the variants' interior fast path runs (dQ: a warp's 16 rows < N and 64 keys < M; dK/dV: the
+# tile's kBr = 32 (D = 128) or 64 (D = 64) queries < N and the warp's 16 keys < M; causal: the
+# tile below the diagonal), in GQA groups of 1, 2 and 4.
+VARIANT_CASES = [c for c in CASES + ODD_CASES if c.mask is None] + [
+    Case(BF16, 128, 1, 4, 2, 200, 190, False),
+    Case(F16, 128, 1, 2, 1, 161, 257, True),
+    Case(BF16, 64, 1, 4, 1, 257, 129, True),
+    Case(F16, 64, 2, 2, 2, 128, 192, False),
+]
+
+
+def test_variant_ids_match_the_source():
+    # BWD_VARIANTS is what emu_set_bwd_variant and softmax.cu's host side take.
+    enum = re.search(r"enum BwdVariant : int \{([^}]*)\}", SOURCE.read_text()).group(1)
+    values = {name: int(v) for name, v in re.findall(r"kBwd(\w+) = (\d+)", enum)}
+    assert values == {name.capitalize(): v for name, v in BWD_VARIANTS.items()}
+
+
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=str)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_matches_reference(emulator, variant, case):
+    emulator.configure(seed=21 + VARIANT_CASES.index(case))
+    with emulator.bwd_variant(variant):
+        out, lse, dq, dk, dv = check(emulator, case)
+    if case.m == 0:
+        assert torch.equal(dq, torch.zeros_like(dq))
+    if case.n == 0:
+        assert torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_uses_its_kernels_and_falls_back_with_a_mask(emulator, variant):
+    # Unmasked: the variant's scratch (padded rows; fused: the fp32 dQ) is used, the default's
+    # delta is not.  Masked: the default kernels run, bit for bit as without the variant.
+    case = Case(F16, 64, 1, 2, 1, 70, 129, True)
+    emulator.configure(seed=5)
+    with emulator.bwd_variant(variant):
+        run_emulated(emulator, case)
+    used = {name for name, n in emulator.accesses.items() if n > 0}  # (the harness registers delta anyway)
+    assert "lse2/delta2 (scratch)" in used and "delta (scratch)" not in used, used
+    assert ("dq_accum (scratch)" in used) == (variant == "fused"), used
+    masked = Case(F16, 64, 1, 2, 1, 70, 129, True, mask="bool")
+    emulator.configure(seed=5)
+    with emulator.bwd_variant(variant):
+        results, _ = run_emulated(emulator, masked)
+    used = {name for name, n in emulator.accesses.items() if n > 0}
+    assert "delta (scratch)" in used and not used & {"lse2/delta2 (scratch)", "dq_accum (scratch)"}, used
+    emulator.configure(seed=5)
+    default, _ = run_emulated(emulator, masked)
+    for x, y in zip(results, default):
+        assert torch.equal(_bits(x), _bits(y))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_independent_of_warp_schedule(emulator, variant):
+    # (fused: the warps add disjoint dQ columns; the emulator runs blocks in a fixed order.)
+    case = Case(F16, 64, 1, 2, 1, 70, 129, True)
+    results = []
+    for seed in (11, 12):
+        emulator.configure(seed=seed)
+        with emulator.bwd_variant(variant):
+            results.append(run_emulated(emulator, case)[0])
+    for x, y in zip(*results):
+        assert torch.equal(_bits(x), _bits(y))
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("name", ("q_nan", "k_nan", "k_posinf"))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_nonfinite_inputs_like_the_default(emulator, variant, name, causal):
+    # The variants' fast path keeps the default's arithmetic: on NaN / inf inputs (the unmasked
+    # ones of NONFINITE) they give the default's results bit for bit.
+    case = Case(F16, 64, 1, 2, 1, 70, 70, causal)
+    results = []
+    for v in ("default", variant):
+        emulator.configure(seed=5)
+        with emulator.bwd_variant(v):
+            results.append(run_emulated(emulator, case, edit=lambda *inputs: poison(NONFINITE[name], *inputs))[0])
+    for what, x, y in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert torch.equal(torch.isnan(x), torch.isnan(y)), what
+        if variant == "stream" or what not in ("dq",):
+            assert torch.equal(_bits(x), _bits(y)), what
+        else:  # fused: dQ summed over the key tiles in another order (fp32), then rounded
+            keep = ~torch.isnan(x)
+            assert torch.allclose(x[keep].double(), y[keep].double(), rtol=2e-3, atol=1e-3), what
+
+
+# The default backward's barrier mutants break the variants too (they share those lines; the
+# layout mutants are left out: they break the forward first), and the variants' own mutants:
+# each must fail under its variant (seen: NaN in dq / dk, or dq / dk past the tolerance).
+SHARED_MUTANTS = ("missing_syncthreads_dq", "missing_syncthreads_dkdv")
+
+
+@pytest.mark.parametrize("name,variant", [(n, v) for n in SHARED_MUTANTS for v in VARIANTS
+                                          if not (n == "missing_syncthreads_dq" and v == "fused")]
+                         + list(VARIANT_MUTANT_OF.items()), ids=lambda x: x)
+def test_catches_a_broken_variant(builds, name, variant):
+    emu = builds["switched"].emulator()
+    emu.configure(seed=3, mutant=MUTANT[name])
+    with emu.bwd_variant(variant), pytest.raises((AssertionError, EmulatorError)):
+        check(emu, MUTANT_CASE)
+
+
+def test_catches_an_out_of_bounds_dq_accum_add(builds):
+    # MUTANT_CASE: N = 70, D = 64 (query tiles of 64): the last tile of head 1 adds row 70 too, one
+    # row past the end of dq_accum.
+    emu = builds["switched"].emulator()
+    emu.configure(seed=3, mutant=MUTANT["fused_dq_row_guard"])
+    with emu.bwd_variant("fused"), pytest.raises(
+            EmulatorError, match=r"out-of-bounds access \(read or write\) of 4 bytes at byte offset 358\d\d of "
+                                 r"`dq_accum \(scratch\)` \(global memory, 35840 bytes: \d+ bytes past its end\) "
+                                 r"\(thread \d+ of block \(\d+, 0, 0\) of softmax_bwd_dkdv_kernel<fused>\)"):
+        run_emulated(emu, MUTANT_CASE)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_switched_mutants_off_pass_under_the_variants(builds, variant):
+    emu = builds["switched"].emulator()
+    emu.configure(seed=3, mutant=0)
+    with emu.bwd_variant(variant):
+        check(emu, MUTANT_CASE)

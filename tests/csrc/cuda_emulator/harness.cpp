@@ -749,6 +749,16 @@ inline void __syncthreads() {
   if (emu::arrive(emu::S.block_bar, "__syncthreads")) emu::release(emu::S.block_bar);
 }
 
+// atomicAdd on a float (softmax.cu's kBwdFused dQ): every fiber runs on the one OS thread and
+// none is switched out inside this function, so a checked read-modify-write is atomic.  (The
+// order of the additions follows the emulator's block and warp order; on a GPU it is not fixed.)
+inline float atomicAdd(emu::ptr<float> address, float value) {
+  float& x = *address;
+  const float old = x;
+  x = old + value;
+  return old;
+}
+
 inline float __shfl_xor_sync(unsigned mask, float value, int lane_mask) {
   if (mask != 0xffffffffu) emu::fail("__shfl_xor_sync with mask %#x: only full-warp shuffles are emulated", mask);
   struct In {
@@ -961,6 +971,62 @@ bool bwd(const BwdParams& p, const uint16_t* out, const int64_t* os, const uint1
   return true;
 }
 
+// softmax.cu's launch_bwd_variant (the variants of ATTNKIT_CUDA_SOFTMAX_BWD; no mask): the
+// per-row kernel into padded lse2 / delta2 (NaN-filled first: a row it missed poisons the
+// result), then kBwdStream's dQ and dK/dV kernels, or kBwdFused's dK/dV + dQ into a zeroed fp32
+// dq_accum and its conversion.
+template <bool BF, int D>
+bool bwd_variant(BwdParams p, int variant, const uint16_t* out, const int64_t* os, const uint16_t* dout,
+                 const int64_t* dos, int B) {
+  const int64_t n_pad = (int64_t(p.N) + 63) / 64 * 64;
+  const int64_t rows = int64_t(B) * p.H * n_pad;
+  std::vector<float> rows2(static_cast<size_t>(2 * rows), NAN);
+  std::vector<float> dq_accum(variant == kBwdFused ? static_cast<size_t>(B) * p.H * p.N * D : 0, 0.f);
+  emu::Buffers scratch;
+  scratch.add(rows2, "lse2/delta2 (scratch)");
+  if (variant == kBwdFused) scratch.add(dq_accum, "dq_accum (scratch)");
+  p.lse2 = rows2.data();
+  p.delta2 = rows2.data() + rows;
+  p.n_pad = static_cast<int>(n_pad);
+  p.dq_accum = dq_accum.data();
+  if (rows > 0) {
+    constexpr int kRowsPerBlock = 256 / 32;
+    const dim3 grid{static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock), 1, 1};
+    float* lse2 = rows2.data();
+    if (!emu::launch("softmax_bwd_rows_kernel", grid, 256, 0, [=] {
+          softmax_bwd_rows_kernel<BF, D>(out, os[0], os[1], os[2], dout, dos[0], dos[1], dos[2], p.lse, lse2,
+                                         lse2 + rows, p.H, p.N, static_cast<int>(n_pad), rows);
+        }))
+      return false;
+  }
+  const dim3 kv_grid{static_cast<unsigned>((p.M + kBlockK - 1) / kBlockK), static_cast<unsigned>(p.Hk),
+                     static_cast<unsigned>(B)};
+  const bool any_keys = int64_t(B) * p.Hk * p.M > 0;
+  if (variant == kBwdStream) {
+    if (rows > 0) {
+      const dim3 dq_grid{static_cast<unsigned>((p.N + kBlockQ - 1) / kBlockQ), static_cast<unsigned>(p.H),
+                         static_cast<unsigned>(B)};
+      if (!emu::launch("softmax_bwd_dq_kernel<stream>", dq_grid, kThreads, kDqSmemBytes<D>,
+                       [p] { softmax_bwd_dq_kernel<BF, D, kBwdStream>(p); }))
+        return false;
+    }
+    return !any_keys || emu::launch("softmax_bwd_dkdv_kernel<stream>", kv_grid, kThreads,
+                                    kDkdvSmemBytes<D, kBwdStream>,
+                                    [p] { softmax_bwd_dkdv_kernel<BF, D, kBwdStream>(p); });
+  }
+  if (any_keys && !emu::launch("softmax_bwd_dkdv_kernel<fused>", kv_grid, kThreads, kDkdvSmemBytes<D, kBwdFused>,
+                               [p] { softmax_bwd_dkdv_kernel<BF, D, kBwdFused>(p); }))
+    return false;
+  const int64_t n = int64_t(B) * p.H * p.N * D;
+  if (n == 0) return true;
+  const int64_t blocks = std::min<int64_t>((n / 8 + 255) / 256, int64_t{1} << 16);
+  return emu::launch("softmax_bwd_dq_convert_kernel", dim3{static_cast<unsigned>(blocks), 1, 1}, 256, 0,
+                     [p, n] { softmax_bwd_dq_convert_kernel<BF>(p.dq_accum, p.dq, n, p.scale); });
+}
+
+// The backward variant of the next emu_softmax_bwd calls (emu_set_bwd_variant; BwdVariant).
+int g_bwd_variant = kBwdDefault;
+
 bool unsupported([[maybe_unused]] int bf16, int D) {
 #ifdef EMU_ONLY_F16_D64
   if (bf16 || D != 64) {
@@ -996,6 +1062,8 @@ template <bool BF, int D>
 struct Bwd {
   static bool run(const BwdParams& p, const uint16_t* out, const int64_t* os, const uint16_t* dout,
                   const int64_t* dos, float* delta, int B) {
+    // As softmax_bwd_cuda: the variants compute no mask, so a masked call takes the default kernels.
+    if (g_bwd_variant != kBwdDefault && p.mask.kind == kNoMask) return bwd_variant<BF, D>(p, g_bwd_variant, out, os, dout, dos, B);
     return bwd<BF, D>(p, out, os, dout, dos, delta, B);
   }
 };
@@ -1057,6 +1125,12 @@ extern "C" int emu_softmax_bwd(int bf16, int D, const uint16_t* dout, const int6
 #endif  // EMU_CORE_ONLY
 
 extern "C" const char* emu_last_error() { return emu::S.error.c_str(); }
+
+#ifndef EMU_CORE_ONLY
+// softmax.cu's backward variant for the next emu_softmax_bwd calls (the values of BwdVariant,
+// as ATTNKIT_CUDA_SOFTMAX_BWD picks them on a GPU: 0 default, 1 stream, 2 fused).
+extern "C" void emu_set_bwd_variant(int variant) { g_bwd_variant = variant; }
+#endif  // EMU_CORE_ONLY
 
 // seed: the warp order of the scheduler; fault: a test hook that breaks the emulated hardware
 // (0 = none, 1 = mma's A layout, 2 = ldmatrix's .trans) to show that the tests notice.
