@@ -126,6 +126,15 @@ __device__ __forceinline__ bool apply_mask_log2(const Mask& mk, int64_t base, in
   return true;
 }
 
+// Whether (query i, key j) is visible -- a real key, causally allowed, not masked out -- with the
+// mask's bias added to the base-2 score x.  Rows past N (the last query tile's padding, whose
+// results are dropped) read no mask; callers for which such rows must count as hidden (dK/dV)
+// test i < N first.  P: FwdParams or BwdParams.
+template <class P>
+__device__ __forceinline__ bool visible_log2(const P& p, int64_t base, int i, int j, float& x) {
+  return j < p.M && !(p.causal && j > i) && (i >= p.N || apply_mask_log2(p.mask, base, i, j, x));
+}
+
 // ---------------------------------------------------------------------------------------------
 // element helpers, PTX helpers: mma_sm80.cuh (pack2, to_float, exp2_approx, mma16816, ldsm_x4,
 // ldsm_x4_trans, cp_async16, cp_async_commit, cp_async_wait, acc_to_a).
@@ -278,11 +287,8 @@ __global__ void __launch_bounds__(kFwdThreads, 1) softmax_fwd_kernel(const FwdPa
       for_each_entry<kNt>(t, [&](int nt, int e, int) { s[nt][e] *= p.scale_log2; });
     } else {
       for_each_entry<kNt>(t, [&](int nt, int e, int c) {
-        const int i = row0 + (e / 2) * 8;
-        const int jj = k0 + c;
-        float x = s[nt][e] * p.scale_log2;
-        const bool visible =
-            jj < p.M && !(p.causal && jj > i) && (i >= p.N || apply_mask_log2(p.mask, mask_base, i, jj, x));
+        float x = s[nt][e] * p.scale_log2;  // the entry's row: row0 + (e / 2) * 8, key k0 + c
+        const bool visible = visible_log2(p, mask_base, row0 + (e / 2) * 8, k0 + c, x);
         s[nt][e] = visible ? x : -INFINITY;
       });
     }
@@ -524,11 +530,8 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dq_kernel(const BwdParam
       });
     } else {
       for_each_entry<kNt>(t, [&](int nt, int e, int c) {
-        const int i = row0 + (e / 2) * 8;
-        const int jj = k0 + c;
-        float x = s[nt][e] * p.scale_log2;
-        const bool visible =
-            jj < p.M && !(p.causal && jj > i) && (i >= p.N || apply_mask_log2(p.mask, mask_base, i, jj, x));
+        float x = s[nt][e] * p.scale_log2;  // the entry's row: row0 + (e / 2) * 8, key k0 + c
+        const bool visible = visible_log2(p, mask_base, row0 + (e / 2) * 8, k0 + c, x);
         // Hidden entries get dS = 0 exactly (not 0 · (dP - delta)): a NaN row's delta must not
         // reach the keys it cannot see (issue 15; SDPA's masked_fill gives them no gradient).
         s[nt][e] = visible ? exp2_approx(x - lse2[e / 2]) * (dp[nt][e] - dlt[e / 2]) : 0.f;
@@ -735,7 +738,7 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_dkdv_kernel(const BwdPar
           const int jj = key0 + (e / 2) * 8;
           const int i = i0 + il;
           float x = st[nt][e] * p.scale_log2;
-          const bool visible = jj < p.M && i < p.N && !(p.causal && jj > i) && apply_mask_log2(p.mask, mask_base, i, jj, x);
+          const bool visible = i < p.N && visible_log2(p, mask_base, i, jj, x);
           const float prob = visible ? exp2_approx(x - lse_t[il]) : 0.f;
           st[nt][e] = prob;
           dpt[nt][e] = visible ? prob * (dpt[nt][e] - dlt_t[il]) : 0.f;  // hidden: exactly 0 (see dQ)
