@@ -442,10 +442,15 @@ _TRITON_FWD_DISPATCHED = torch.ops.attnkit.softmax_triton_fwd.default
 _TRITON_BWD_DISPATCHED = torch.ops.attnkit.softmax_triton_bwd.default
 
 
+_FUNCTORCH_WRAPPED = torch._C._functorch.is_functorch_wrapped_tensor
+
+
 def _plain_eager(*tensors) -> bool:
-    """Eager tensors of the plain type (no FakeTensor, FunctionalTensor or other subclass, not
-    under torch.compile): the Triton launchers can take them directly."""
-    return not torch.compiler.is_compiling() and all(type(t) is torch.Tensor for t in tensors)
+    """Eager tensors of the plain type (no FakeTensor, FunctionalTensor or other subclass, no
+    torch.func transform's wrapper -- those are of type Tensor --, not under torch.compile): the
+    Triton launchers can take them directly."""
+    return not torch.compiler.is_compiling() and all(
+        type(t) is torch.Tensor and not _FUNCTORCH_WRAPPED(t) for t in tensors)
 
 
 # Eager calls reach the launchers directly.  torch.library's dispatch of a Python custom op (the

@@ -392,6 +392,15 @@ def test_triton_eager_calls_skip_the_dispatcher_and_match_the_op(monkeypatch):
     with mode:
         fout, flse = ops_softmax._TRITON_FWD_OP(fq, fk, fv, None, 0.3, True, 0.0, fseed)
     assert tuple(fout.shape) == (1, 2, 7, 8) and tuple(flse.shape) == (1, 2, 7)
+    # torch.func's wrappers are of type Tensor too: they must take the op as well.
+    seen = []
+
+    def probe(qq):
+        seen.append(ops_softmax._plain_eager(qq, plain[1], plain[2]))
+        return qq.sum()
+
+    torch.func.grad(probe)(plain[0])
+    assert seen == [False] and ops_softmax._plain_eager(*plain)
 
 
 def _check_compiled_matches(backend, device):
