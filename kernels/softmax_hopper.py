@@ -1153,14 +1153,18 @@ FAST_BWD = {  # dq="split": (dK/dV tiles, dQ tiles); the same for causal and ful
 }
 
 
+# The tables as launch arguments, built once (a triton.Config per call is host time).
+_FAST_FWD_ARGS = {key: (FWD_VARIANTS[name], _cfg(*tiles)) for key, (name, tiles) in FAST_FWD.items()}
+_FAST_BWD_ARGS = {d: (_cfg(*kv), _cfg(*dq)) for d, (kv, dq) in FAST_BWD.items()}
+
+
 def fast_fwd(q, k, v, scale, is_causal):
     """kernels/softmax.py's fast-case forward: ``(out, lse)`` with the measured variant."""
-    name, tiles = FAST_FWD[(pow2(q.shape[-1]), bool(is_causal))]
-    return hopper_fwd(q, k, v, scale, is_causal, variant=FWD_VARIANTS[name], config=_cfg(*tiles))
+    variant, config = _FAST_FWD_ARGS[(pow2(q.shape[-1]), bool(is_causal))]
+    return hopper_fwd(q, k, v, scale, is_causal, variant=variant, config=config)
 
 
 def fast_bwd(grad_out, q, k, v, out, lse, scale, is_causal):
     """kernels/softmax.py's fast-case backward: ``(dq, dk, dv)``, split scheme, measured tiles."""
-    kv, dq = FAST_BWD[pow2(q.shape[-1])]
     return hopper_bwd(grad_out, q, k, v, out, lse, scale, is_causal, variant=BWD_VARIANTS["split"],
-                      config=(_cfg(*kv), _cfg(*dq)))
+                      config=_FAST_BWD_ARGS[pow2(q.shape[-1])])
