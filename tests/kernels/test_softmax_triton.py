@@ -563,6 +563,31 @@ def test_fast_path_still_rejects_bad_options(monkeypatch):
         triton_softmax.softmax_fwd(q, k, v, None, None, False, window_left=-5)
 
 
+def test_fast_bwd_takes_tma_reduce_only_where_it_runs(monkeypatch):
+    # FAST_BWD_REDUCE (D=64 causal): taken where this Triton can run descriptor reduce-adds and
+    # the tensors are aligned for descriptors; split everywhere else (the interpreter included).
+    taken = []
+    monkeypatch.setattr(softmax_hopper, "hopper_bwd",
+                        lambda *a, variant, config: taken.append(variant.dq) or (None, None, None))
+    q, k, v, go = make_inputs(1, 2, 2, 9, 11, 64, 64, F16)
+    out, lse = torch.zeros_like(q), torch.zeros(1, 2, 9, device=q.device)
+    softmax_hopper.fast_bwd(go, q, k, v, out, lse, None, True)
+    expected = "tma_reduce" if not softmax_hopper.variant_support(softmax_hopper.BWD_VARIANTS["tma_reduce"]) \
+        else "split"
+    assert taken == [expected]
+    monkeypatch.setattr(softmax_hopper, "variant_support", lambda variant: "")
+    taken.clear()
+    softmax_hopper.fast_bwd(go, q, k, v, out, lse, None, True)
+    softmax_hopper.fast_bwd(go, q, k, v, out, lse, None, False)  # not in the table
+    misaligned = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape).copy_(q)
+    softmax_hopper.fast_bwd(go, misaligned, k, v, out, lse, None, True)
+    assert taken == ["tma_reduce", "split", "split"]
+    q128, k128, v128, go128 = make_inputs(1, 2, 2, 9, 11, 128, 128, F16)
+    taken.clear()
+    softmax_hopper.fast_bwd(go128, q128, k128, v128, torch.zeros_like(q128), lse, None, True)
+    assert taken == ["split"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
