@@ -25,6 +25,8 @@
 #include <optional>
 #include <type_traits>
 
+#include "aligned_vector.h"
+
 namespace attnkit {
 namespace {
 

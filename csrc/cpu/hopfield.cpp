@@ -217,7 +217,7 @@ double row_lse_double(const scalar_t* q, const scalar_t* X, int64_t N, int64_t D
 // Rows prone to cancellation in float32 are redone in double from the inputs (see the top).
 template <typename scalar_t, typename acc_t>
 void finish_energy_row(acc_t m, acc_t l, acc_t xi_sq, double max_sq, double beta_in, const scalar_t* q_row,
-                       const scalar_t* X, int64_t N, int64_t D, std::vector<double>& scores, acc_t* lse,
+                       const scalar_t* X, int64_t N, int64_t D, avec<double>& scores, acc_t* lse,
                        acc_t* energy) {
   const acc_t beta = static_cast<acc_t>(beta_in);
   const acc_t log_n = std::log(static_cast<acc_t>(N));
@@ -257,8 +257,8 @@ void energy_kernel(const scalar_t* state, const scalar_t* stored, acc_t* energy,
   const acc_t beta = static_cast<acc_t>(beta_in);
   const int64_t tiles = (N + kP - 1) / kP;
   // Packed stored patterns: [BH][tiles][D][kP], zero-padded past N.
-  std::vector<acc_t> packed(static_cast<size_t>(BH * tiles * D * kP));
-  std::vector<double> max_sq(BH);  // in double for the cancellation fallback
+  avec<acc_t> packed(static_cast<size_t>(BH * tiles * D * kP));
+  avec<double> max_sq(BH);         // in double for the cancellation fallback
   at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const scalar_t* X = stored + bh * N * D;
@@ -287,8 +287,8 @@ void energy_kernel(const scalar_t* state, const scalar_t* stored, acc_t* energy,
 
   const int64_t query_tiles = (S + kQ - 1) / kQ;
   at::parallel_for(0, BH * query_tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> xi(static_cast<size_t>(kQ * D));
-    std::vector<double> scores;  // the fallback's scratch, allocated on first use
+    avec<acc_t> xi(static_cast<size_t>(kQ * D));
+    avec<double> scores;         // the fallback's scratch, allocated on first use
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / query_tiles;
       const int64_t q0 = (task % query_tiles) * kQ;
@@ -604,7 +604,7 @@ void parallel_tasks_on(GemmPath path, int64_t tasks, const F& body) {
 struct Stored16 {
   Gemm16 g;
   int64_t D = 0, Dv = 0, Dp = 0, tw = 0, tiles = 0;
-  std::vector<uint16_t> xt, xr, vr;
+  avec<uint16_t> xt, xr, vr;
 
   int64_t tile(int64_t bh, int64_t t) const { return bh * tiles + t; }
   const uint16_t* xt_tile(int64_t bh, int64_t t) const { return xt.data() + tile(bh, t) * Dp * tw; }
@@ -638,7 +638,7 @@ void retrieve_range16(const Stored16& p, int64_t bh, bool value_step, const floa
                       int64_t n1, float beta, float* m, float* l, float* acc, float* accx, float* scores) {
   const int64_t D = p.D, Dp = p.Dp, tw = p.tw;
   const int64_t Dout = value_step ? p.Dv : D;
-  thread_local std::vector<uint16_t> xi16, p16;
+  thread_local avec<uint16_t> xi16, p16;
   xi16.resize(static_cast<size_t>(rows * Dp));
   p16.resize(static_cast<size_t>(rows * tw));
   for (int64_t r = 0; r < rows; ++r) p.g.round(xi + r * D, D, xi16.data() + r * Dp, Dp);
@@ -1384,7 +1384,7 @@ inline void rows_to_float<at::Half>(const at::Half* src, int64_t n, float* dst) 
 inline void retrieve_converted(const UpdateCtx<float>& c, int64_t bh, bool value_step, const float* xi,
                                int64_t rows, int64_t n0, int64_t n1, float* m, float* l, float* acc, float* accx,
                                float* scores) {
-  thread_local std::vector<float> xbuf, vbuf;
+  thread_local avec<float> xbuf, vbuf;
   const int64_t D = c.D, Dv = c.Dv, Dout = value_step ? Dv : D;
   xbuf.resize(static_cast<size_t>(kTileN * D));
   if (value_step) vbuf.resize(static_cast<size_t>(kTileN * Dv));
@@ -1494,8 +1494,8 @@ double max_row_norm_sq(const T* X, int64_t rows, int64_t D) {
 }
 
 // ... and the maxima of `parts` consecutive partial maxima per (b, h), NaN winning as above.
-inline std::vector<double> max_per_head(const std::vector<double>& part, int64_t BH, int64_t parts) {
-  std::vector<double> out(static_cast<size_t>(BH), 0.0);
+inline avec<double> max_per_head(const avec<double>& part, int64_t BH, int64_t parts) {
+  avec<double> out(static_cast<size_t>(BH), 0.0);
   for (int64_t i = 0; i < BH * parts; ++i) {
     double& best = out[i / parts];
     best = (part[i] > best || std::isnan(part[i])) ? part[i] : best;
@@ -1564,7 +1564,7 @@ bool energy_fast(const float* state, const float* stored, float* energy, float* 
   const int64_t groups = stride / (16 * D);
   std::unique_ptr<float[]> packed(new float[BH * stride]);
   // Per group of 16 patterns, the largest squared norm (double, NaN kept); reduced per (b, h).
-  std::vector<double> group_max(BH * groups);
+  avec<double> group_max(BH * groups);
   // (Tasks on OpenMP threads: see parallel_tasks for why not on inter-op helpers.)
   constexpr int64_t kPackBlock = 64;  // groups of 16 patterns per packing task
   const int64_t pack_tasks = (BH * groups + kPackBlock - 1) / kPackBlock;
@@ -1576,12 +1576,12 @@ bool energy_fast(const float* state, const float* stored, float* energy, float* 
       group_max[i] = max_row_norm_sq(X + g * 16 * D, std::min<int64_t>(16, N - g * 16), D);
     }
   });
-  const std::vector<double> max_sq = max_per_head(group_max, BH, groups);
+  const avec<double> max_sq = max_per_head(group_max, BH, groups);
   const int64_t qblocks = (S + kEnergyRows - 1) / kEnergyRows;
   parallel_tasks(BH * qblocks, [&](int64_t task) {
-    thread_local std::vector<float> scores;
+    thread_local avec<float> scores;
     scores.resize(kEnergyRows * kEnergyTile);
-    std::vector<double> fallback;  // the cancellation fallback's scratch, allocated on first use
+    avec<double> fallback;         // the cancellation fallback's scratch, allocated on first use
     const int64_t bh = task / qblocks, q0 = (task % qblocks) * kEnergyRows;
     const int64_t rows = std::min(kEnergyRows, S - q0);
     const float* xi = state + (bh * S + q0) * D;
@@ -1621,22 +1621,22 @@ void energy_brgemm(const scalar_t* state, const scalar_t* stored, float* energy,
   const float beta = static_cast<float>(beta_in);
   const int64_t Dp = round_up(D, 32), tiles = ceil_div(N, kEnergyTile);
   const int64_t tw = std::min(kEnergyTile, round_up(N, 32));
-  std::vector<uint16_t> packed(static_cast<size_t>(BH * tiles * Dp * tw), 0);  // the padding stays zero
-  std::vector<double> tile_max_sq(BH * tiles);  // the largest squared norm per tile (double, NaN kept)
+  avec<uint16_t> packed(static_cast<size_t>(BH * tiles * Dp * tw), 0);         // the padding stays zero
+  avec<double> tile_max_sq(BH * tiles);         // the largest squared norm per tile (double, NaN kept)
   parallel_tasks(BH * tiles, [&](int64_t i) {
     const int64_t bh = i / tiles, r0 = (i % tiles) * kEnergyTile, kn = std::min(kEnergyTile, N - r0);
     const scalar_t* X = stored + (bh * N + r0) * D;
     pack_transposed_pairs(X, D, 1, kn, D, packed.data() + i * Dp * tw, tw, g.pairs());
     tile_max_sq[i] = max_row_norm_sq(X, kn, D);
   });
-  const std::vector<double> max_sq = max_per_head(tile_max_sq, BH, tiles);
+  const avec<double> max_sq = max_per_head(tile_max_sq, BH, tiles);
   const int64_t qblocks = ceil_div(S, kEnergyRows);
   parallel_tasks_on(path, BH * qblocks, [&](int64_t task) {
-    thread_local std::vector<float> scores;
-    thread_local std::vector<uint16_t> a16;
+    thread_local avec<float> scores;
+    thread_local avec<uint16_t> a16;
     scores.resize(kEnergyRows * kEnergyTile);
     a16.resize(static_cast<size_t>(kEnergyRows * Dp));
-    std::vector<double> fallback;  // the cancellation fallback's scratch, allocated on first use
+    avec<double> fallback;         // the cancellation fallback's scratch, allocated on first use
     const int64_t bh = task / qblocks, q0 = (task % qblocks) * kEnergyRows;
     const int64_t rows = std::min(kEnergyRows, S - q0);
     const scalar_t* xi = state + (bh * S + q0) * D;
@@ -1734,7 +1734,7 @@ void update_lanes(const UpdateCtx<T>& c) {
       // the backward, out) are transposed.  (The row-layout version transposed the states in
       // and the sums out every step and ran finish_step's scalar loop: S=256 N=4096 D=64 3 steps
       // on one thread, 3.47 ms against 12 x 0.28 ms for the retrievals alone.)
-      thread_local std::vector<float> xT, xiT, accT, S, m2, l2;
+      thread_local avec<float> xT, xiT, accT, S, m2, l2;
       xT.resize(kLaneGroup * D); xiT.resize(kLaneGroup * D); accT.resize(kLaneGroup * D);
       S.resize(kLaneChunk * kLaneGroup); m2.resize(kLaneGroup); l2.resize(kLaneGroup);
       const int64_t bh = task / qblocks;
@@ -1828,7 +1828,7 @@ void update_fused(const UpdateCtx<T>& c) {
   }
   const auto body = [&](int64_t task) {
     // Thread-local buffers: the block's states, the running softmax and the score tile.
-    thread_local std::vector<T> xi, m, l, scores, acc, accx;
+    thread_local avec<T> xi, m, l, scores, acc, accx;
     xi.resize(kBlockQ * D); m.resize(kBlockQ); l.resize(kBlockQ); scores.resize(kBlockQ * kTileN);
     acc.resize(kBlockQ * std::max(D, c.Dv)); accx.resize(c.final_state ? kBlockQ * D : 0);
     bool active[kBlockQ];
@@ -1868,13 +1868,13 @@ void update_split(const UpdateCtx<T>& c) {
   const int64_t S = c.S, D = c.D;
   const int64_t chunks = (c.N + kSplitRows - 1) / kSplitRows;
   const int64_t W = std::max(D, c.Dv);
-  std::vector<T> xi(c.BH * S * D);
+  avec<T> xi(c.BH * S * D);
   std::memcpy(xi.data(), c.states, sizeof(T) * c.BH * S * D);
   std::vector<char> active_store(c.BH * S, 1);
   bool* active = reinterpret_cast<bool*>(active_store.data());
   // Partials per (bh, chunk): m, l [S]; acc [S, Dout] in a slot of S * W; accx [S, D].
-  std::vector<T> pm(c.BH * chunks * S), pl(c.BH * chunks * S), pacc(c.BH * chunks * S * W);
-  std::vector<T> paccx(c.final_state ? c.BH * chunks * S * D : 0);
+  avec<T> pm(c.BH * chunks * S), pl(c.BH * chunks * S), pacc(c.BH * chunks * S * W);
+  avec<T> paccx(c.final_state ? c.BH * chunks * S * D : 0);
   std::vector<char> skip(c.BH, 0);
   const bool streams = c.p16 == nullptr && streaming_applies<T>(S, D);
   for (int64_t k = 0; k < c.R; ++k) {
@@ -1884,7 +1884,7 @@ void update_split(const UpdateCtx<T>& c) {
     const bool far = streams_from_dram(c, value_step);
     for (int64_t bh = 0; bh < c.BH; ++bh) skip[bh] = !value_step && all_frozen(c, active + bh * S, S);
     auto chunk_task = [&](int64_t task) {
-      thread_local std::vector<T> scores;
+      thread_local avec<T> scores;
       if (!streams) scores.resize(S * kTileN);
       {
         const int64_t bh = task / chunks, ch = task % chunks;
@@ -1906,7 +1906,7 @@ void update_split(const UpdateCtx<T>& c) {
     // calling thread: split-N runs only for BH < 2 threads, and the merge reads chunks x S x W
     // values (S=1 N=262144: 64 x 64), far less than a parallel region costs under load.
     const auto merge = [&](int64_t begin, int64_t end) {
-      std::vector<T> m(S), l(S), acc(S * Dout), ax(want_x ? S * D : 0);
+      avec<T> m(S), l(S), acc(S * Dout), ax(want_x ? S * D : 0);
       for (int64_t bh = begin; bh < end; ++bh) {
         if (skip[bh]) {
           skip_step(c, bh, 0, S, k, xi.data() + bh * S * D);

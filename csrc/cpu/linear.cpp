@@ -59,6 +59,7 @@
 #include <vector>
 
 #include "../checks/checks.h"
+#include "aligned_vector.h"
 #include "gemm_path.h"
 #include "parallel_tasks.h"
 #include "simd_f32.h"
@@ -314,7 +315,7 @@ bool brgemm_rounded(GemmPath path, int64_t m, int64_t n, int64_t K, const float*
                     bool accumulate) {
   if (m == 0 || n == 0 || K == 0) return false;
   const int64_t Kp = round_up(K, kBrgemmK);
-  thread_local std::vector<uint16_t> a16, b16;  // per worker, grown to the largest product
+  thread_local avec<uint16_t> a16, b16;         // per worker, grown to the largest product
   a16.resize(std::max<size_t>(a16.size(), static_cast<size_t>(m * Kp)));
   b16.resize(std::max<size_t>(b16.size(), static_cast<size_t>(Kp * n)));
   if (!pack_left16<scalar_t>(m, K, Kp, A, sar, sak, a16.data())) return false;
@@ -609,7 +610,7 @@ struct Problem {
 // Per-thread tiles of one chunk.
 template <typename T>
 struct Tiles {
-  std::vector<T> pq, pqT, pk, pkT, v, vT, dnum, dden, a, da, num, grad, gradT, S, z;
+  avec<T> pq, pqT, pk, pkT, v, vT, dnum, dden, a, da, num, grad, gradT, S, z;
   Tiles(int64_t Dp, int64_t Dvp)
       : pq(kChunk * Dp), pqT(Dp * kChunk), pk(kChunk * Dp), pkT(Dp * kChunk), v(kChunk * Dvp),
         vT(Dvp * kChunk), dnum(kChunk * Dvp), dden(kChunk), a(kChunk * kChunk),
@@ -859,7 +860,7 @@ void reduce_chunk_groups(GemmPath path, int64_t BH, int64_t rows, int64_t G, int
     TilesLease<T> lease(Dp, Dvp);
     Tiles<T>& t = *lease;
     const BrgemmRelease release(path);
-    std::vector<T> scratch(std::max(Dp, Dvp));
+    avec<T> scratch(std::max(Dp, Dvp));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / G, g = task % G;
       T* S = partial + task * state_size;
@@ -877,7 +878,7 @@ void noncausal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
   const int64_t D = P.D, Dv = P.Dv, Dp = P.Dp, Dvp = P.Dvp;
   const int64_t G = reduce_groups(P.BH, ceil_div(P.M, kChunk));
   const int64_t state_size = Dp * Dvp + Dp;  // S then z
-  std::vector<T> partial(static_cast<size_t>(P.BH * G * state_size), T(0));
+  avec<T> partial(static_cast<size_t>(P.BH * G * state_size), T(0));
   // 1. partial sums of K'^T V and colsum(K') over the key chunks of each group
   reduce_chunk_groups<T>(P.path, P.BH, P.M, G, Dp, Dvp, state_size, partial.data(),
                          [&](int64_t bh, int64_t j0, int64_t L, int64_t Lp, Tiles<T>& t, T*,
@@ -1121,7 +1122,7 @@ void causal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>& G)
     TilesLease<T> lease(P.Dp, P.Dvp);
     Tiles<T>& t = *lease;
     const BrgemmRelease release(P.path);
-    std::vector<T> scratch(std::max(P.Dp, P.Dvp));
+    avec<T> scratch(std::max(P.Dp, P.Dvp));
     for (int64_t task = begin; task < end; ++task) {
       if (task % 2 == 0)
         causal_dq_sweep(P, G, task / 2, t, scratch.data());
@@ -1138,7 +1139,7 @@ void noncausal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>&
   const int64_t qchunks = ceil_div(P.N, kChunk), kchunks = ceil_div(P.M, kChunk);
   const int64_t NG = reduce_groups(P.BH, qchunks);
   const int64_t state_size = Dp * Dvp + Dp;
-  std::vector<T> partial(static_cast<size_t>(P.BH * NG * state_size), T(0));
+  avec<T> partial(static_cast<size_t>(P.BH * NG * state_size), T(0));
   // 1. R = grad_S + P^T dnum, w = grad_z + P^T dden (partial sums over query-chunk groups)
   reduce_chunk_groups<T>(P.path, P.BH, P.N, NG, Dp, Dvp, state_size, partial.data(),
                          [&](int64_t bh, int64_t i0, int64_t L, int64_t Lp, Tiles<T>& t,
@@ -1149,7 +1150,7 @@ void noncausal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>&
                                                   t.dden.data(), R, G.use_den ? w : nullptr);
                          });
   // 2. totals (group 0's slot), S^T for the dq pass, the state gradients
-  std::vector<T> ST(static_cast<size_t>(P.BH * Dvp * Dp));
+  avec<T> ST(static_cast<size_t>(P.BH * Dvp * Dp));
   dynamic_for(P.BH, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const T* R = sum_partials(partial.data(), bh, NG, state_size, G.grad_S, G.grad_z, D, Dv,
@@ -1162,7 +1163,7 @@ void noncausal_backward(const Problem<scalar_t, T>& P, const Grads<scalar_t, T>&
   dynamic_for(P.BH * (qchunks + kchunks), [&](int64_t begin, int64_t end) {
     TilesLease<T> lease(Dp, Dvp);
     Tiles<T>& t = *lease;
-    std::vector<T> scratch(std::max(Dp, Dvp));
+    avec<T> scratch(std::max(Dp, Dvp));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / (qchunks + kchunks), c = task % (qchunks + kchunks);
       if (c < qchunks) {

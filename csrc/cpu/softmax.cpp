@@ -303,16 +303,16 @@ MaskView make_mask_view(const c10::optional<at::Tensor>& mask) {
 template <typename acc_t>
 struct FwdScratch {
   int64_t packed_head = -1;   // b * Hk + hk of the packed K / V below
-  std::vector<acc_t> kt;      // [nkb][D][kBK]  K transposed per key block, zero padded
-  std::vector<acc_t> v;       // [M][Dv]
-  std::vector<acc_t> q;       // [kBQ][D]
+  avec<acc_t> kt;             // [nkb][D][kBK]  K transposed per key block, zero padded
+  avec<acc_t> v;              // [M][Dv]
+  avec<acc_t> q;              // [kBQ][D]
   // 16-bit tiles (the bf16 dot path, brgemm): K [nkb][D2/2][kBK][2] (pairs of d) or, brgemm
   // without VNNI, [nkb][D2][kBK]; V [M2/2][Dvp][2] (pairs of keys) or [M2][Dvp]; Q [kBQ][D2];
   // P [kBQ][kBK].  Element (k, n) of a B operand at b16_index(k, n, ld, pairs).
-  std::vector<uint16_t> kb16, vb16, qb16, pb16;
-  std::vector<acc_t> s;       // [kBQ][kBK]
-  std::vector<acc_t> o;       // [kBQ][Dv]
-  std::vector<acc_t> m, l;    // [kBQ]
+  avec<uint16_t> kb16, vb16, qb16, pb16;
+  avec<acc_t> s;              // [kBQ][kBK]
+  avec<acc_t> o;              // [kBQ][Dv]
+  avec<acc_t> m, l;           // [kBQ]
   BrgemmRelease release;      // the thread's brgemm state, released when the worker ends
 };
 
@@ -592,19 +592,19 @@ bool use_decode(const Problem& p, at::ScalarType dtype) {
 }
 
 struct DecodeScratch {
-  std::vector<float> q;      // [R][D]: the task's query rows (float32 dots)
-  std::vector<uint16_t> qb;  // [R][D2]: the same in 16 bits (bf16 dots, brgemm)
-  std::vector<float> kf;     // [T][D]: K tile as float32 rows (when not read in place)
-  std::vector<float> kt;     // [D][T]: K tile transposed (float32 GEMM scores)
-  std::vector<uint16_t> kb;  // [D2/2][T][2]: K tile as pairs of d (bf16 GEMM scores; brgemm
+  avec<float> q;             // [R][D]: the task's query rows (float32 dots)
+  avec<uint16_t> qb;         // [R][D2]: the same in 16 bits (bf16 dots, brgemm)
+  avec<float> kf;            // [T][D]: K tile as float32 rows (when not read in place)
+  avec<float> kt;            // [D][T]: K tile transposed (float32 GEMM scores)
+  avec<uint16_t> kb;         // [D2/2][T][2]: K tile as pairs of d (bf16 GEMM scores; brgemm
                              // without VNNI: [D2][T])
-  std::vector<float> vf;     // [T][Dv]: V tile as float32 (when not read in place)
-  std::vector<uint16_t> pb;  // [R][T]: probabilities in 16 bits (bf16 P V, brgemm)
-  std::vector<uint16_t> vb;  // [T/2][Dvp][2]: V tile as pairs of keys (bf16 P V; brgemm without
+  avec<float> vf;            // [T][Dv]: V tile as float32 (when not read in place)
+  avec<uint16_t> pb;         // [R][T]: probabilities in 16 bits (bf16 P V, brgemm)
+  avec<uint16_t> vb;         // [T/2][Dvp][2]: V tile as pairs of keys (bf16 P V; brgemm without
                              // VNNI: [T][Dvp])
-  std::vector<float> s;      // [R][T]: scores, then probabilities
-  std::vector<float> o;      // [R][Dv]
-  std::vector<float> m, l;   // [R]
+  avec<float> s;             // [R][T]: scores, then probabilities
+  avec<float> o;             // [R][Dv]
+  avec<float> m, l;          // [R]
   BrgemmRelease release;     // the thread's brgemm state, released when the worker ends
 };
 
@@ -796,7 +796,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
   const int64_t span = round_up(ceil_div(Me, splits), T);
   splits = ceil_div(Me, span);
   // Partial results of every split, merged below (none when each pair is one task).
-  std::vector<float> part_m, part_l, part_o;
+  avec<float> part_m, part_l, part_o;
   if (splits > 1) {
     part_m.resize(static_cast<size_t>(pairs * splits * R));
     part_l.resize(static_cast<size_t>(pairs * splits * R));
@@ -1049,7 +1049,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
     // Merge the splits of each row: weights 2^(m_s - max), splits that saw no key skipped; a
     // NaN in any split (l_s NaN) makes the row NaN.
     at::parallel_for(0, pairs * R, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> o(static_cast<size_t>(Dv));
+      avec<float> o(static_cast<size_t>(Dv));
       for (int64_t x = begin; x < end; ++x) {
         const int64_t pair = x / R, r = x % R;
         float mx = neg_inf<float>();
@@ -1080,17 +1080,17 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
 // ---------------------------------------------------------------------------------------------
 template <typename acc_t>
 struct BwdScratch {
-  std::vector<acc_t> kt, vt;   // [D][kBKb], [Dv][kBKb]: K^T, V^T of the key block
-  std::vector<acc_t> kr;       // [kBKb][D]: K rows
-  std::vector<acc_t> dk, dv;   // [kBKb][D], [kBKb][Dv]
-  std::vector<acc_t> q, dout;  // [kBQb][D], [kBQb][Dv]
-  std::vector<acc_t> s, dp;    // [kBQb][kBKb]
-  std::vector<acc_t> dcap;     // [kBQb][kBKb]: softcap's 1 - tanh^2 (softcap only)
+  avec<acc_t> kt, vt;          // [D][kBKb], [Dv][kBKb]: K^T, V^T of the key block
+  avec<acc_t> kr;              // [kBKb][D]: K rows
+  avec<acc_t> dk, dv;          // [kBKb][D], [kBKb][Dv]
+  avec<acc_t> q, dout;         // [kBQb][D], [kBQb][Dv]
+  avec<acc_t> s, dp;           // [kBQb][kBKb]
+  avec<acc_t> dcap;            // [kBQb][kBKb]: softcap's 1 - tanh^2 (softcap only)
   // brgemm (16-bit operands, Element (k, n) of a B operand at b16_index(k, n, ld, pairs)):
   // A operands: Q rows [kBQb][D2], dO rows [kBQb][Dv2], P^T and dS^T [kBKb][kBQb], dS [kBQb][kBKb];
   // B operands: K^T [D2][kBKb], V^T [Dv2][kBKb], K rows [kBKb][Dp], Q rows [kBQb][Dp], dO rows
   // [kBQb][Dvp].
-  std::vector<uint16_t> qa, doa, pt, dst, ds, ktb, vtb, krb, qb, dob;
+  avec<uint16_t> qa, doa, pt, dst, ds, ktb, vtb, krb, qb, dob;
   BrgemmRelease release;       // the thread's brgemm state, released when the worker ends
 };
 
@@ -1120,7 +1120,7 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
   const int64_t Dp = round_up(D, 16), Dvp = round_up(Dv, 16);
 
   // Di = rowsum(dO o O), and lse in base 2 (-inf kept), both [B*H*N].
-  std::vector<acc_t> Di(static_cast<size_t>(B * H * N)), L2(static_cast<size_t>(B * H * N));
+  avec<acc_t> Di(static_cast<size_t>(B * H * N)), L2(static_cast<size_t>(B * H * N));
   at::parallel_for(0, B * H * N, 256, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / (H * N), h = (row / N) % H, i = row % N;
@@ -1141,7 +1141,7 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
   int64_t chunks = 1;
   if (B * Hk < 4 * threads && (B * Hk) % threads != 0) chunks = std::min(nkb, threads);
   const bool direct = chunks == 1 && std::is_same_v<scalar_t, acc_t>;
-  std::vector<acc_t> dq_partial;
+  avec<acc_t> dq_partial;
   acc_t* dq_acc;
   if (direct) {
     dq_acc = reinterpret_cast<acc_t*>(dq);

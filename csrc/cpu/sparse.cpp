@@ -248,7 +248,7 @@ class TileGemm {
 
   Operand16 type_ = Operand16::kNone;
   GemmPath path_ = GemmPath::kNative;
-  std::vector<uint16_t> a16_, b16_, line_;
+  avec<uint16_t> a16_, b16_, line_;
   BrgemmRelease release_;  // the worker's brgemm state, released with its scratch
 };
 
@@ -337,7 +337,7 @@ void bwd_tile(TileGemm<acc_t>& mm, int64_t qn, int64_t kn, int64_t D, int64_t Dv
     if (finite) {
       mm(kn, Dv, qn, S, 1, lds, dO, lddo, dV, lddv, true);
     } else {
-      std::vector<acc_t> clean(static_cast<size_t>(qn * Dv));
+      avec<acc_t> clean(static_cast<size_t>(qn * Dv));
       std::vector<char> bad(static_cast<size_t>(qn), 0);
       for (int64_t r = 0; r < qn; ++r) {
         for (int64_t c = 0; c < Dv; ++c) bad[r] |= !std::isfinite(dO[r * lddo + c]);
@@ -578,11 +578,11 @@ void strip_softmax(int64_t hn, int64_t w, const int64_t* a, const int64_t* e, ac
 template <typename acc_t>
 struct RangeFwdScratch {
   TileGemm<acc_t> mm;            // the tile GEMMs on the call's path (gemm_path.h)
-  std::vector<acc_t> kt;      // [D][ldk] K^T of the key chunk
-  std::vector<acc_t> vr;      // [chunk][Dv] V rows gathered / converted (when not read in place)
-  std::vector<acc_t> q;       // [kRangeQS][D] Q rows gathered / converted (idem)
-  std::vector<acc_t> s;       // [strip][lds] scores of one strip
-  std::vector<acc_t> o, m, l; // [kRangeQS][Dv], [kRangeQS]: the task's online-softmax state
+  avec<acc_t> kt;             // [D][ldk] K^T of the key chunk
+  avec<acc_t> vr;             // [chunk][Dv] V rows gathered / converted (when not read in place)
+  avec<acc_t> q;              // [kRangeQS][D] Q rows gathered / converted (idem)
+  avec<acc_t> s;              // [strip][lds] scores of one strip
+  avec<acc_t> o, m, l;        // [kRangeQS][Dv], [kRangeQS]: the task's online-softmax state
   std::vector<int64_t> lo, hi, a, e, slo, shi;
   std::vector<char> fresh, done;
 };
@@ -831,12 +831,12 @@ inline void column_chunks(int64_t t0, int64_t hn, int64_t tr, bool causal, int64
 template <typename acc_t>
 struct StridedFwdScratch {
   TileGemm<acc_t> mm;            // the tile GEMMs on the call's path (gemm_path.h)
-  std::vector<acc_t> ktr, vr, qr;  // one residue: K^T [D][ldt], V [T][Dv], Q rows [T][D] (converted)
-  std::vector<acc_t> oa, ma, la;   // the segment's row state, residue-major: [s][ldr], [s][Useg]
-  std::vector<acc_t> kt;           // band K^T [D][ldb]
-  std::vector<acc_t> qb, vb;       // band Q rows, V rows converted (non-float32 inputs)
-  std::vector<acc_t> s;            // scores [strip][lds]
-  std::vector<acc_t> o, m, l;      // a band strip's state (strides below the strip height)
+  avec<acc_t> ktr, vr, qr;         // one residue: K^T [D][ldt], V [T][Dv], Q rows [T][D] (converted)
+  avec<acc_t> oa, ma, la;          // the segment's row state, residue-major: [s][ldr], [s][Useg]
+  avec<acc_t> kt;                  // band K^T [D][ldb]
+  avec<acc_t> qb, vb;              // band Q rows, V rows converted (non-float32 inputs)
+  avec<acc_t> s;                   // scores [strip][lds]
+  avec<acc_t> o, m, l;             // a band strip's state (strides below the strip height)
   std::vector<int64_t> a, e;
 };
 
@@ -1059,13 +1059,13 @@ constexpr int64_t kStripBwdBand = 8;
 template <typename acc_t>
 struct StridedBwdScratch {
   TileGemm<acc_t> mm;            // the tile GEMMs on the call's path (gemm_path.h)
-  std::vector<acc_t> kt, vt;          // band: K^T, V^T [D][ldb] of a super-block's keys
-  std::vector<acc_t> qb, gb, kb;      // band: Q, dO, K rows converted (non-float32 inputs)
-  std::vector<acc_t> l2, di;          // [N] lse in base 2, delta of the head (band), or residue
-  std::vector<acc_t> ktr, vtr;        // columns: K^T, V^T [D][ldt] of one residue
-  std::vector<acc_t> kr, qr, gr;      // columns: K, Q, dO rows of one residue
-  std::vector<acc_t> dqr, dkr, dvr;   // columns: the head's gradients, residue-major
-  std::vector<acc_t> s, dp;           // [rows][lds]
+  avec<acc_t> kt, vt;                 // band: K^T, V^T [D][ldb] of a super-block's keys
+  avec<acc_t> qb, gb, kb;             // band: Q, dO, K rows converted (non-float32 inputs)
+  avec<acc_t> l2, di;                 // [N] lse in base 2, delta of the head (band), or residue
+  avec<acc_t> ktr, vtr;               // columns: K^T, V^T [D][ldt] of one residue
+  avec<acc_t> kr, qr, gr;             // columns: K, Q, dO rows of one residue
+  avec<acc_t> dqr, dkr, dvr;          // columns: the head's gradients, residue-major
+  avec<acc_t> s, dp;                  // [rows][lds]
   std::vector<int64_t> vlo, vhi;
 };
 
@@ -1148,7 +1148,7 @@ void strided_bwd_kernel(GemmPath path, int64_t BH, int64_t N, int64_t D, int64_t
         }
         // ---- the columns, per residue, into the residue-major copy (every row of it written:
         // 0 where a residue has no column); the outputs are untouched until the band ----
-        std::vector<acc_t> l2r(static_cast<size_t>(T)), dir(static_cast<size_t>(T));
+        avec<acc_t> l2r(static_cast<size_t>(T)), dir(static_cast<size_t>(T));
         for (int64_t r = 0; r < sN; ++r) {
           const int64_t tr = Tr(r);
           acc_t* dqr = st.dqr.data() + r * ldq;
@@ -1244,13 +1244,13 @@ void strided_bwd_kernel(GemmPath path, int64_t BH, int64_t N, int64_t D, int64_t
 template <typename acc_t>
 struct RangeBwdScratch {
   TileGemm<acc_t> mm;            // the tile GEMMs on the call's path (gemm_path.h)
-  std::vector<acc_t> kt, vt;     // [D][lds], [Dv][lds] K^T, V^T of the key tile
-  std::vector<acc_t> kr;         // [kRangeKb][D] K rows gathered / converted
-  std::vector<acc_t> qr, dor;    // [Tq][D], [Tq][Dv] Q, dO rows gathered / converted
-  std::vector<acc_t> dq;         // [Tq][D] dQ of a strided group (scattered at its end)
-  std::vector<acc_t> l2, di;     // [Tq] lse in base 2, delta of the group's rows
-  std::vector<acc_t> s, dp;      // [kRangeQb][lds]
-  std::vector<acc_t> dk, dv;     // [kRangeKb][D], [kRangeKb][Dv]
+  avec<acc_t> kt, vt;            // [D][lds], [Dv][lds] K^T, V^T of the key tile
+  avec<acc_t> kr;                // [kRangeKb][D] K rows gathered / converted
+  avec<acc_t> qr, dor;           // [Tq][D], [Tq][Dv] Q, dO rows gathered / converted
+  avec<acc_t> dq;                // [Tq][D] dQ of a strided group (scattered at its end)
+  avec<acc_t> l2, di;            // [Tq] lse in base 2, delta of the group's rows
+  avec<acc_t> s, dp;             // [kRangeQb][lds]
+  avec<acc_t> dk, dv;            // [kRangeKb][D], [kRangeKb][Dv]
   std::vector<int64_t> vlo, vhi;
 };
 
@@ -1497,12 +1497,12 @@ inline int64_t keys_up_to(const std::vector<Seg>& segs, int64_t i) {
 template <typename acc_t>
 struct BlockScratch {
   TileGemm<acc_t> mm;            // the tile GEMMs on the call's path (gemm_path.h)
-  std::vector<acc_t> kt, vt;   // [D][ld], [Dv][ld] transposed chunk of K, V
-  std::vector<acc_t> kr, vr;   // [cap][D], [cap][Dv] K, V rows of a chunk
-  std::vector<acc_t> qr, dor;  // Q, dO rows
-  std::vector<acc_t> l2, di;
-  std::vector<acc_t> s, dp, o, m, l;
-  std::vector<acc_t> dk, dv;
+  avec<acc_t> kt, vt;          // [D][ld], [Dv][ld] transposed chunk of K, V
+  avec<acc_t> kr, vr;          // [cap][D], [cap][Dv] K, V rows of a chunk
+  avec<acc_t> qr, dor;         // Q, dO rows
+  avec<acc_t> l2, di;
+  avec<acc_t> s, dp, o, m, l;
+  avec<acc_t> dk, dv;
   std::vector<int64_t> vlo, vhi;
   std::vector<Seg> segs;
 
@@ -1526,7 +1526,7 @@ struct BlockScratch {
 // conversion, else gathered (converted) into buf.
 template <typename scalar_t, typename acc_t>
 const acc_t* chunk_rows(const scalar_t* base, int64_t w, const std::vector<Seg>& segs,
-                        std::vector<acc_t>& buf, int64_t& ld) {
+                        avec<acc_t>& buf, int64_t& ld) {
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     if (segs.size() == 1) {
       ld = w;

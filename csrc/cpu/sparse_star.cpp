@@ -116,7 +116,7 @@ int64_t star_rows(int64_t j, int64_t N, int64_t relay, int64_t radius, bool cycl
 template <typename acc_t>
 struct StarScratch {
   std::vector<int64_t> list;
-  std::vector<acc_t> s, a, b, acc, acc2;
+  avec<acc_t> s, a, b, acc, acc2;
   StarScratch(int64_t N, int64_t D, int64_t Dv)
       : list(static_cast<size_t>(N)), s(static_cast<size_t>(N)), a(static_cast<size_t>(std::max(D, Dv))),
         b(static_cast<size_t>(Dv)), acc(static_cast<size_t>(std::max(D, Dv))), acc2(static_cast<size_t>(Dv)) {}
@@ -231,12 +231,12 @@ void star_bwd_kernel(int64_t BH, int64_t N, int64_t D, int64_t Dv, int64_t relay
                      acc_t* dk, acc_t* dv) {
   const acc_t scale = static_cast<acc_t>(scale_in);
   const acc_t inf = std::numeric_limits<acc_t>::infinity();
-  std::vector<acc_t> delta_buf;
+  avec<acc_t> delta_buf;
   const acc_t* delta = delta_in;
   if (delta == nullptr) {
     delta_buf.resize(static_cast<size_t>(BH * N));
     at::parallel_for(0, BH * N, 1024, [&](int64_t r0, int64_t r1) {
-      std::vector<acc_t> o(static_cast<size_t>(Dv));
+      avec<acc_t> o(static_cast<size_t>(Dv));
       for (int64_t r = r0; r < r1; ++r) {
         load_acc_row(out + r * Dv, Dv, o.data());
         delta_buf[r] = dot_acc(o.data(), dout + r * Dv, Dv);
