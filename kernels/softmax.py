@@ -62,13 +62,13 @@ import functools
 import math
 import numbers
 import operator
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from .._env import env_reader
 from ._flash import (INTERPRETED, MAX_HEAD_DIM, SUPPORTED_DTYPES, _LOG2E, accumulate_pv, cdiv,
                      check_attention_shapes, check_backward_inputs, config_list, dk_step,
                      dot_precision, dq_step, finish_rows, fitting, launch, load_bwd_rows,
@@ -799,7 +799,7 @@ def _fast_path(q, k, v, mask, dropout_p, config, window_left, window_right, soft
     ``ATTNKIT_TRITON_HOPPER``: ``auto`` (default: CUDA tensors on a compute-capability 9.x
     device -- the only chip it was measured on), ``1`` (wherever the case holds, the interpreter
     included: the tests), ``0`` (never)."""
-    mode = os.environ.get("ATTNKIT_TRITON_HOPPER", "auto")
+    mode = _TRITON_HOPPER() or "auto"
     if mode == "0" or config is not None or mask is not None or dropout_p > 0.0:
         return False
     if window_left != -1 or window_right != -1 or softcap != 0.0 or alibi_slopes is not None:
@@ -814,6 +814,9 @@ def _fast_path(q, k, v, mask, dropout_p, config, window_left, window_right, soft
     if mode == "1":
         return True
     return q.is_cuda and not INTERPRETED and _capability_major(q.device.index) == 9
+
+
+_TRITON_HOPPER = env_reader("ATTNKIT_TRITON_HOPPER")  # read on every call: the tests set it
 
 
 @functools.lru_cache(maxsize=None)

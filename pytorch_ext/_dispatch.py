@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from ._env import env_reader
+
 # "hopfield_energy" dispatches apart from "hopfield" (the update): it had a C++ kernel first.
 FAMILIES = ("softmax", "linear", "sparse", "hopfield", "hopfield_energy")
 BACKENDS = ("reference", "cpu", "triton", "cuda")
@@ -156,9 +158,12 @@ def _triton_import_error() -> str:
     return _PROBES["triton"]
 
 
+_TRITON_INTERPRET = env_reader("TRITON_INTERPRET")
+
+
 def triton_interpreted() -> bool:
     """Whether Triton kernels run in the interpreter (TRITON_INTERPRET=1, CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _TRITON_INTERPRET() == "1"
 
 
 def _kernels_text(backend: str, family: str | None = None) -> str:
@@ -300,13 +305,10 @@ def resolve(family: str, backend: str | None, device: torch.device, op: str) -> 
             # backend_status("cpu") and _device_problem("cpu", a CPU device) below, spelled out:
             # this is every default call on CPU tensors (6 us -> 1 us a call).
             return "cpu" if "cpu" in _IMPLEMENTED[family] and not _native_import_error() else "reference"
-        default = "triton" if kind == "cuda" else "reference"
-        if (
-            default in _IMPLEMENTED[family]
-            and backend_status(default).usable
-            and not _device_problem(default, device)
-        ):
-            return default
+        if kind == "cuda":
+            # backend_status("triton") and _device_problem("triton", a CUDA device), spelled out:
+            # a CUDA tensor means CUDA is available, so only Triton's import is in question.
+            return "triton" if "triton" in _IMPLEMENTED[family] and not _triton_import_error() else "reference"
         return "reference"
     if not isinstance(requested, str) or requested not in BACKENDS:
         source = "backend" if backend is not None else ENV_VAR

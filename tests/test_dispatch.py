@@ -83,6 +83,18 @@ def test_default_on_meta_device_is_reference(monkeypatch):
     assert resolve("softmax", None, torch.device("meta"), "op") == "reference"
 
 
+def test_default_on_cuda_tensors_is_triton_where_it_imports(monkeypatch):
+    # A CUDA tensor means CUDA is there: only Triton's import decides (the per-call fast path).
+    monkeypatch.delenv("ATTNKIT_BACKEND", raising=False)
+    cuda = torch.device("cuda")
+    monkeypatch.setitem(_dispatch._PROBES, "triton", "")
+    assert resolve("softmax", None, cuda, "op") == "triton"
+    monkeypatch.setitem(_dispatch._IMPLEMENTED, "linear", {"reference", "cpu"})
+    assert resolve("linear", None, cuda, "op") == "reference"
+    monkeypatch.setitem(_dispatch._PROBES, "triton", "triton is not installed (pip install triton)")
+    assert resolve("softmax", None, cuda, "op") == "reference"
+
+
 def test_unknown_backend_is_a_value_error():
     with pytest.raises(ValueError, match=r"op: unknown backend 'fast'; expected one of reference"):
         resolve("softmax", "fast", CPU, "op")
