@@ -21,19 +21,48 @@ ground truths.  ``from attnkit_testing import ...`` works from any test module: 
   *tolerance* reference on poisoned inputs without the NaN that a torch matmul can spread
   between rows, and :func:`nan_spreading_matmul`, which emulates that defect on any machine
   (issue 24).
+- :func:`triton_bf16_checkable`, :data:`TRITON_BF16`, :data:`TRITON_BF16_TEST` -- bfloat16 in
+  the Triton kernels' tests (a dtype parameter; a whole test): on a GPU, and on CPU under the
+  interpreter that tests/conftest.py fixed (tests/triton_interpreter_bf16.py).
 """
 import contextlib
 import math
 
+import pytest
 import torch
 
 F64 = torch.float64
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
+
+def triton_bf16_checkable() -> bool:
+    """Whether the Triton kernels' bfloat16 paths can be checked here: on a GPU, or under the
+    interpreter once tests/triton_interpreter_bf16.py is installed (tests/conftest.py does)."""
+    if torch.cuda.is_available():
+        return True
+    try:
+        import triton_interpreter_bf16
+    except ImportError:  # pragma: no cover
+        return False
+    return triton_interpreter_bf16.installed()
+
+
+_NO_BF16 = pytest.mark.skipif(
+    not triton_bf16_checkable(),
+    reason="bfloat16 Triton needs a GPU or tests/triton_interpreter_bf16.py's interpreter fix "
+           "(it did not install on this Triton)")
+# bfloat16 in a Triton test's dtype list: skipped, saying why, where it cannot be checked (a
+# Triton whose interpreter the fix does not fit) -- never silently dropped.
+TRITON_BF16 = pytest.param(torch.bfloat16, id="bf16", marks=_NO_BF16)
+# A bfloat16 Triton test at interpreter sizes: gpu-marked on a GPU machine (`pytest -m gpu`
+# selects it there), run under the fixed interpreter elsewhere.
+TRITON_BF16_TEST = pytest.mark.gpu if torch.cuda.is_available() else _NO_BF16
+
 __all__ = ["F64", "LOW_PRECISION", "assert_close_to_reference", "loop_attention", "loop_sparse_attention",
            "sparse_allowed_keys", "make_qkv", "make_mask", "state_reference", "has_cpu_kernel",
            "native_cuda_ops", "num_threads", "make_hopfield_inputs", "loop_hopfield_update",
-           "finite_inputs", "without_spread_nan", "spread_free_run", "nan_spreading_matmul"]
+           "finite_inputs", "without_spread_nan", "spread_free_run", "nan_spreading_matmul",
+           "triton_bf16_checkable", "TRITON_BF16", "TRITON_BF16_TEST"]
 
 
 @contextlib.contextmanager

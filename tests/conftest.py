@@ -30,6 +30,19 @@ os.environ.setdefault("ATTNKIT_TRITON_AUTOTUNE", "0")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# The interpreter's bfloat16 tl.dot multiplied the bits as integers (garbage): fixed here, for the
+# test session, so that the Triton kernels' bfloat16 paths are checked on CPU too
+# (tests/triton_interpreter_bf16.py).
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import triton_interpreter_bf16  # noqa: E402
+
+    triton_interpreter_bf16.install()
+
+# ATTNKIT_INTERPRET_GPU_TESTS=1 (no GPU): the gpu-marked tests are not skipped but run on CPU
+# tensors under the interpreter -- a developer's check of the GPU-only cases (bfloat16, larger
+# shapes) before a GPU run.  Those that need CUDA itself (the cuda backend) fail; slow.
+INTERPRET_GPU_TESTS = os.environ.get("ATTNKIT_INTERPRET_GPU_TESTS") == "1" and not _HAS_CUDA
+
 
 @pytest.fixture(autouse=True)
 def _autotune_where_marked(request):
@@ -52,6 +65,8 @@ def pytest_collection_modifyitems(config, items):
         # Issue 26: the tests that compile many Triton configs go first, so that on a GPU run
         # (`pytest -m gpu -n 16`) they start on every worker at once instead of forming the tail.
         items.sort(key=lambda item: not _compiles_many_configs(item))
+        return
+    if INTERPRET_GPU_TESTS:
         return
     no_gpu = pytest.mark.skip(reason="needs a CUDA device; run `pytest -m gpu` on a GPU machine")
     for item in items:

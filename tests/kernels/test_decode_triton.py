@@ -32,7 +32,7 @@ if TESTS_DIR not in sys.path:  # run as a script (the bounds child)
 
 from attnkit.kernels import decode  # noqa: E402
 from attnkit.reference.softmax import softmax_attention_reference  # noqa: E402
-from attnkit_testing import assert_close_to_reference  # noqa: E402
+from attnkit_testing import TRITON_BF16_TEST, assert_close_to_reference  # noqa: E402
 
 F16, F32, F64, BF16 = torch.float16, torch.float32, torch.float64, torch.bfloat16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -144,6 +144,12 @@ CASES = {
 MERGE_CASES = [pytest.param(case, "separate", id=f"{name}-separate") for name, case in CASES.items()]
 MERGE_CASES += [pytest.param(case, "fused", id=f"{name}-fused") for name, case in CASES.items()
                 if case[9] != 1]
+
+
+# Two float16 cases in bfloat16 (on CPU: the fixed interpreter, tests/conftest.py).
+MERGE_CASES += [pytest.param(CASES[name][:7] + (BF16,) + CASES[name][8:], merge, id=f"bf16_{name[4:]}-{merge}",
+                             marks=TRITON_BF16_TEST)
+                for name, merge in (("f16_n1_m300_gqa_splits2", "fused"), ("f16_n3_m7_mqa_lens01", "separate"))]
 
 
 @pytest.mark.parametrize("case, merge", MERGE_CASES)

@@ -22,7 +22,7 @@ triton = pytest.importorskip("triton")
 import attnkit  # noqa: E402
 from attnkit.kernels import hopfield as K  # noqa: E402
 from attnkit.reference.hopfield import hopfield_energy_reference, hopfield_update_reference  # noqa: E402
-from attnkit_testing import assert_close_to_reference, loop_hopfield_update, make_hopfield_inputs  # noqa: E402
+from attnkit_testing import TRITON_BF16, assert_close_to_reference, loop_hopfield_update, make_hopfield_inputs  # noqa: E402
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,7 +148,7 @@ def test_launcher_errors():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [F32, F16])
+@pytest.mark.parametrize("dtype", [F32, F16, TRITON_BF16])
 @pytest.mark.parametrize("s,n,d", [(7, 300, 16), (1, 1, 64), (20, 300, 64)])
 def test_energy(dtype, s, n, d):
     state, stored, _ = make(2, 1, s, n, d, dtype=dtype)

@@ -24,7 +24,7 @@ import triton.language as tl  # noqa: E402
 from attnkit.kernels import softmax as triton_softmax  # noqa: E402
 from attnkit.kernels import softmax_hopper as sh  # noqa: E402
 from attnkit.reference.softmax import softmax_attention_reference  # noqa: E402
-from attnkit_testing import assert_close_to_reference  # noqa: E402
+from attnkit_testing import TRITON_BF16, assert_close_to_reference  # noqa: E402
 
 F16, F32, F64, BF16 = torch.float16, torch.float32, torch.float64, torch.bfloat16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -170,7 +170,7 @@ def test_exp2_on_fma_against_float64():
 
 
 @pytest.mark.parametrize("name", ["lazy", "poly_lazy"])
-@pytest.mark.parametrize("dtype", [F32, F16], ids=["f32", "f16"])
+@pytest.mark.parametrize("dtype", [pytest.param(F32, id="f32"), pytest.param(F16, id="f16"), TRITON_BF16])
 def test_lazy_rescale_both_branches(name, dtype):
     # Keys whose scores grow along the sequence: the row max grows by more than the slack (8,
     # log2 units) at some key tiles after the first (the rescale branch) and by less at others

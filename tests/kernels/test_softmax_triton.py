@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 
 from attnkit.kernels import softmax as triton_softmax  # noqa: E402
 from attnkit.reference.softmax import softmax_attention_reference  # noqa: E402
-from attnkit_testing import assert_close_to_reference  # noqa: E402
+from attnkit_testing import TRITON_BF16, TRITON_BF16_TEST, assert_close_to_reference  # noqa: E402
 
 F16, F32, F64 = torch.float16, torch.float32, torch.float64
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,6 +148,17 @@ def test_forward_and_backward_match_float64_reference(case):
     mask = make_mask(mask_kind, b, h, n, m)
     got = run_kernels(q, k, v, go, mask, causal, fwd_config=fwd_cfg, bwd_config=bwd_cfg)
     check_against_reference(got, q, k, v, go, mask, causal)
+
+
+# The float16 cases above in bfloat16 (on CPU: the fixed interpreter, tests/conftest.py).
+BF16_CASES = {name.replace("f16_", "bf16_"): case[:9] + (torch.bfloat16,) + case[10:]
+              for name, case in CASES.items() if case[9] == F16}
+
+
+@TRITON_BF16_TEST
+@pytest.mark.parametrize("case", BF16_CASES.values(), ids=BF16_CASES.keys())
+def test_bf16_forward_and_backward_match_float64_reference(case):
+    test_forward_and_backward_match_float64_reference(case)
 
 
 @pytest.mark.parametrize("n, causal", [(1, False), (7, True)])
@@ -296,7 +307,7 @@ def test_dropout_keep_mask_is_philox_of_the_flat_index():
     assert triton_softmax.dropout_keep_mask(b, h, n, m, 0.0, 1234, DEVICE).all()
 
 
-@pytest.mark.parametrize("dtype", [F32, F16])
+@pytest.mark.parametrize("dtype", [F32, F16, TRITON_BF16])
 def test_dropout_forward_and_backward_use_the_keep_mask(dtype):
     b, h, hk, n, m, d, p, seed = 1, 2, 1, 45, 70, 32, 0.25, 2024
     q, k, v, go = make_inputs(b, h, hk, n, m, d, d, dtype)
@@ -500,13 +511,13 @@ FAST_CASES = {
 }
 
 
+@pytest.mark.parametrize("dtype", [F16, TRITON_BF16])
 @pytest.mark.parametrize("case", FAST_CASES.values(), ids=FAST_CASES.keys())
-def test_fast_path_matches_float64_reference(case, monkeypatch, routed_calls):
-    # ATTNKIT_TRITON_HOPPER=1 takes the path wherever the case holds (here: the interpreter,
-    # float16; bfloat16 is GPU-only there).
+def test_fast_path_matches_float64_reference(case, dtype, monkeypatch, routed_calls):
+    # ATTNKIT_TRITON_HOPPER=1 takes the path wherever the case holds (here: the interpreter).
     monkeypatch.setenv("ATTNKIT_TRITON_HOPPER", "1")
     b, h, hk, n, m, d, causal = case
-    q, k, v, go = make_inputs(b, h, hk, n, m, d, d, F16)
+    q, k, v, go = make_inputs(b, h, hk, n, m, d, d, dtype)
     got = run_kernels(q, k, v, go, None, causal)
     assert routed_calls == ["fast_fwd", "fast_bwd"]
     check_against_reference(got, q, k, v, go, None, causal)

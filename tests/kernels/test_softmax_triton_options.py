@@ -27,7 +27,7 @@ import triton.language as tl  # noqa: E402
 
 from attnkit.kernels import softmax as triton_softmax  # noqa: E402
 from attnkit.kernels._flash import tanh_and_grad, tanh_exp2  # noqa: E402
-from attnkit_testing import assert_close_to_reference  # noqa: E402
+from attnkit_testing import TRITON_BF16_TEST, assert_close_to_reference  # noqa: E402
 
 F16, F32, F64 = torch.float16, torch.float32, torch.float64
 BF16 = torch.bfloat16
@@ -539,11 +539,11 @@ def test_tune_key_has_the_option_flags():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.gpu
+@TRITON_BF16_TEST
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_gpu_bf16_options_match_float64_reference(case):
-    # The interpreter cases in bfloat16, with their tile configs (one compile per kernel each;
-    # the autotuned path is the large test's).
+def test_bf16_options_match_float64_reference(case):
+    # The interpreter cases in bfloat16, with their tile configs (one compile per kernel each on
+    # a GPU; the autotuned path is the large test's).  On CPU: the fixed interpreter.
     (q, k, v, go), kw, fwd_cfg, bwd_cfg = _case_inputs(case)
     q, k, v, go = (t.to(BF16) for t in (q, k, v, go))
     got = run_kernels(q, k, v, go, mask=kw["mask"], causal=kw["causal"], scale=kw["scale"],
@@ -579,8 +579,8 @@ def test_gpu_bf16_options_with_dropout():
     check(got, q, k, v, go, dropout_p=p, keep=keep, **kw)
 
 
-@pytest.mark.gpu
-def test_gpu_band_skipping_bf16():
+@TRITON_BF16_TEST
+def test_band_skipping_bf16():
     # The interpreter's poison checks on the compiled kernels, bfloat16, 64 x 64 tiles (fixed:
     # a 128-key tile would hold the poisoned key 5 and the visible keys 119.. together).
     for geometry, rows_ok, keys_ok in (

@@ -10,7 +10,7 @@ import torch
 import attnkit
 from attnkit._dispatch import backend_status
 from attnkit.reference.softmax import softmax_attention_reference
-from attnkit_testing import F64, LOW_PRECISION, assert_close_to_reference
+from attnkit_testing import F64, LOW_PRECISION, TRITON_BF16, assert_close_to_reference
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 SCORE_OPTIONS = {"window", "softcap", "alibi_slopes", "sinks"}
@@ -249,8 +249,8 @@ def test_bad_arguments_raise_before_the_cache_is_written(kwargs, error, match):
 
 # ----------------------------------------------------------------------------------------------
 # triton backend: one call of the split-KV decode kernel (attnkit.kernels.decode) per step
-# (under the Triton interpreter on CPU tensors without a GPU; float32 and float16 there -- the
-# interpreter's bfloat16 dot is wrong, DESIGN.md)
+# (under the Triton interpreter on CPU tensors without a GPU, its bfloat16 fixed by
+# tests/conftest.py)
 # ----------------------------------------------------------------------------------------------
 
 _TRITON = backend_status("triton")
@@ -287,7 +287,7 @@ def _on(device, *tensors):
 @needs_triton
 @pytest.mark.parametrize("is_causal", [True, False])
 @pytest.mark.parametrize("nq,nk", SHAPES)
-@pytest.mark.parametrize("dtype", [F32, F16], ids=str)
+@pytest.mark.parametrize("dtype", [F32, F16, TRITON_BF16], ids=str)
 def test_triton_backend_matches_the_reference(dtype, nq, nk, is_causal, routes):
     # Nq <= 16: one decode-kernel call for the whole batch -- lengths 3, 0, 21, 3 (+ Nk), so
     # L = 0 and L < Nq rows among them -- with kv_lens = cache_seqlens + Nk; Nq = 19 takes the
