@@ -89,14 +89,15 @@ def interpreted(backend: str, device: str) -> bool:
     return backend == "triton" and device == "cpu"
 
 
-def dtypes_for(backend: str, device: str, kernel_dtypes=None):
+def dtypes_for(backend: str, device: str, kernel_dtypes=None, interpreted_bf16: bool = True):
     """The dtypes a (backend, device) column fuzzes.  The Triton interpreter's bfloat16 is
     fixed for the tests (tests/triton_interpreter_bf16.py): bfloat16 is fuzzed there too, unless
-    the fix did not install on this Triton."""
+    the fix did not install on this Triton or the caller says ``interpreted_bf16=False``."""
     if backend == "reference" or backend == "cpu":
         return [torch.float32, torch.float64, torch.float16, torch.bfloat16]
     if interpreted(backend, device):
-        return [torch.float32, torch.float16] + ([torch.bfloat16] if triton_bf16_checkable() else [])
+        bf16 = interpreted_bf16 and triton_bf16_checkable()
+        return [torch.float32, torch.float16] + ([torch.bfloat16] if bf16 else [])
     return list(kernel_dtypes or (torch.float32, torch.float16, torch.bfloat16))
 
 
