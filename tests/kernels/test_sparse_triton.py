@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 from attnkit import patterns  # noqa: E402
 from attnkit.kernels import sparse as ks  # noqa: E402
 from attnkit.reference import sparse as ref  # noqa: E402
-from attnkit_testing import assert_close_to_reference  # noqa: E402
+from attnkit_testing import TRITON_BF16_TEST, assert_close_to_reference  # noqa: E402
 
 F16, F32, F64, BF16 = torch.float16, torch.float32, torch.float64, torch.bfloat16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,10 +148,13 @@ def test_range_part_matches_float64_reference(case):
                 bwd_config=cfg(16, 16))
 
 
-def test_range_part_float16_and_batches():
-    check_range(2, 1, 61, 61, 32, 32, F16, [S, 1, S, 1, S], [0, 1, 0, 0], [-2, 1, 1, 0],
+@pytest.mark.parametrize("dtype", [pytest.param(F16, id="f16"),
+                                   pytest.param(BF16, id="bf16", marks=TRITON_BF16_TEST)])
+def test_range_part_low_precision_and_batches(dtype):
+    # bfloat16 on CPU: the fixed interpreter (tests/conftest.py)
+    check_range(2, 1, 61, 61, 32, 32, dtype, [S, 1, S, 1, S], [0, 1, 0, 0], [-2, 1, 1, 0],
                 fwd_config=cfg(16, 16), bwd_config=cfg(16, 16))
-    check_range(1, 1, 37, 37, 16, 16, F16, V1, [-S, 1, 1, 0], [0, 1, 1, 0],
+    check_range(1, 1, 37, 37, 16, 16, dtype, V1, [-S, 1, 1, 0], [0, 1, 1, 0],
                 fwd_config=cfg(32, 32), bwd_config=cfg(32, 32))
 
 
@@ -284,8 +287,10 @@ def test_block_sparse_matches_float64_reference(case):
     check_block(b, h, hl, nb, block, causal, d, dv, F32, config)
 
 
-def test_block_sparse_float16():
-    check_block(1, 2, 2, 4, 16, True, 32, 32, F16, cfg(16, 16))
+@pytest.mark.parametrize("dtype", [pytest.param(F16, id="f16"),
+                                   pytest.param(BF16, id="bf16", marks=TRITON_BF16_TEST)])
+def test_block_sparse_low_precision(dtype):
+    check_block(1, 2, 2, 4, 16, True, 32, 32, dtype, cfg(16, 16))
 
 
 def test_block_sparse_empty_rows():
