@@ -1,8 +1,8 @@
 """Split-KV decoding kernel (attnkit.kernels.decode, issue 26): softmax_decode_fwd.
 
 Without a GPU the kernels run on CPU tensors under the Triton interpreter (tests/conftest.py sets
-TRITON_INTERPRET=1 before anything imports attnkit): float32 and float16 only (the interpreter's
-bfloat16 ``tl.dot`` is garbage, DESIGN.md), tiny shapes, fixed tile configs.  With a GPU the same
+TRITON_INTERPRET=1 before anything imports attnkit): float32 and float16, bfloat16 in two cases
+(its interpreter fixed for the tests: tests/triton_interpreter_bf16.py), tiny shapes, fixed tile configs.  With a GPU the same
 tests run on CUDA, plus the ``gpu``-marked ones (bfloat16 and float16 at decoding sizes, against
 torch SDPA).
 
@@ -600,7 +600,7 @@ def test_no_out_of_bounds_access():
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU: bfloat16 (wrong in the interpreter), decoding sizes, against torch SDPA
+# GPU: bfloat16 (its small cases run interpreted too), decoding sizes, against torch SDPA
 # ----------------------------------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from attnkit.kernels import linear as triton_linear  # noqa: E402
+from attnkit_testing import TRITON_BF16_TEST  # noqa: E402
 from attnkit.reference.linear import (  # noqa: E402
     feature_map_reference,
     linear_attention_reference,
@@ -500,7 +501,7 @@ def test_backward_errors():
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU: bfloat16 (wrong in the interpreter), large shapes, the autotuned path
+# GPU: bfloat16 (its small cases run interpreted too), large shapes, the autotuned path
 # ----------------------------------------------------------------------------------------------
 
 
@@ -516,14 +517,25 @@ def test_gpu_large_autotuned(dtype, feature_map, causal, normalize):
     check_against_reference(got, q, k, v, go, kw)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 7, 100, 513, 2049])
-@pytest.mark.parametrize("d", [16, 32, 64, 128])
-def test_gpu_sizes_bf16(n, d):
+@TRITON_BF16_TEST
+@pytest.mark.parametrize("n, d", [(1, 16), (7, 32), (100, 64)])
+def test_bf16_small_sizes(n, d):
+    # test_gpu_sizes_bf16's small cases, on CPU under the fixed interpreter (tests/conftest.py)
+    _sizes_bf16(n, d)
+
+
+def _sizes_bf16(n, d):
     q, k, v, go = make_inputs(1, 2, n, n, d, d + 16, BF16, seed=n + d)
     kw = kwargs(True, "elu", True)
     got, _ = run_kernels(q, k, v, go, kw)
     check_against_reference(got, q, k, v, go, kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 7, 100, 513, 2049])
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_gpu_sizes_bf16(n, d):
+    _sizes_bf16(n, d)
 
 
 @pytest.mark.gpu

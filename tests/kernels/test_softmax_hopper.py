@@ -7,7 +7,7 @@ float16.  Without a GPU they run under the Triton interpreter (tests/conftest.py
 TRITON_INTERPRET=1): small shapes with 16-32 wide tiles; warp specialization is accepted there
 and ignored (the tests then check the loop it wraps), tensor descriptors run, and descriptor
 reduce-adds do not (the "tma_reduce" backward is GPU-only).  The ``gpu``-marked tests run
-bfloat16 (wrong in the interpreter, DESIGN.md) at real sizes, every variant and every config of
+bfloat16 at real sizes (one small bfloat16 case per variant runs interpreted), every variant and every config of
 the lists.
 
 Ground truth: ``softmax_attention_reference`` in float64 on the same rounded inputs, gradients
@@ -357,7 +357,7 @@ def test_config_lists():
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU: bfloat16 (wrong in the interpreter), real sizes, every variant and config
+# GPU: bfloat16 (its small cases run interpreted too), real sizes, every variant and config
 # ----------------------------------------------------------------------------------------------
 
 

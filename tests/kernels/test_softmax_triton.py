@@ -373,7 +373,7 @@ def test_dropout_keep_mask_rejects_bad_probability():
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU: bfloat16 (wrong in the interpreter), large shapes, the autotuned path
+# GPU: bfloat16 (its small cases run interpreted too), large shapes, the autotuned path
 # ----------------------------------------------------------------------------------------------
 
 

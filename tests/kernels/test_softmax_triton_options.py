@@ -535,7 +535,7 @@ def test_tune_key_has_the_option_flags():
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU: bfloat16 (wrong in the interpreter), larger shapes, the autotuned path
+# GPU: bfloat16 (its small cases run interpreted too), larger shapes, the autotuned path
 # ----------------------------------------------------------------------------------------------
 
 

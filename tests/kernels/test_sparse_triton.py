@@ -371,7 +371,7 @@ def test_supports_and_float64_refusal():
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU: bfloat16 (wrong in the interpreter), real sizes, the autotuned path
+# GPU: bfloat16 (its small cases run interpreted too), real sizes, the autotuned path
 # ----------------------------------------------------------------------------------------------
 
 

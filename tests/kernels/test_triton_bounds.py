@@ -13,8 +13,7 @@ into a SIGSEGV.  Here every launcher of kernels/{softmax,linear,sparse,hopfield}
   those of the H200 report among them (linear dq: N = M in {1, 7} with D = 16, Dv = 32;
   N = 2049 with D = 32, Dv = 48, swept at N = 129: the same one-row tail; N = 300, D = Dv = 64
   with an initial state);
-- in float32 and float16 (the interpreter's bfloat16 ``tl.dot`` is garbage, DESIGN.md; the
-  addresses a bfloat16 run touches are the float16 ones).
+- in float32 and float16 (the addresses a bfloat16 run touches are the float16 ones).
 
 Under the interpreter a config is just its two tile sizes: num_warps / num_stages mean nothing
 there, so configs that differ only in those (or that clamp to the same tiles, as linear's do

@@ -4,8 +4,8 @@
   ``softmax_bwd``; skipped when attnkit._C is not built.
 - ``triton``: the Triton kernels through the custom ops ``attnkit::softmax_triton_fwd`` /
   ``_bwd``; without a GPU under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
-  on CPU tensors: small shapes, float32 and float16 only (the interpreter's bfloat16 tl.dot is
-  broken; bfloat16 is checked by the ``gpu`` tests).
+  on CPU tensors: small shapes, float32 and float16 (bfloat16 through the op in the ``gpu``
+  tests; the kernels' bfloat16 runs interpreted in tests/kernels).
 - ``cuda``: the CUDA C++ kernels, ``gpu``-marked tests only.
 
 Everything goes through the public function, gradients by autograd through it (so the

@@ -20,7 +20,7 @@ for M >= 1024) and its backward (64 x 64 tiles).  Sinks get their gradient from
 The Triton kernels run through the public function too (``backend="triton"``: the custom ops
 ``attnkit::softmax_triton_fwd`` / ``_bwd`` with the score options as trailing arguments).
 Without a GPU they run interpreted on CPU tensors (tests/conftest.py), in float32 and float16
-(the interpreter's bfloat16 dot is garbage, DESIGN.md) at N, M <= ~70, where the first tile
+(bfloat16 kernels: tests/kernels/test_softmax_triton_options.py, interpreted too) at N, M <= ~70, where the first tile
 config of each kernel (forward 128 x 64, dK/dV 32 x 128, dQ 128 x 32) still puts tile edges
 inside the sequences; the tile configs themselves are the launcher tests'
 (tests/kernels/test_softmax_triton_options.py).
@@ -47,7 +47,8 @@ needs_triton = pytest.mark.skipif(not _TRITON_STATUS.usable, reason=f"triton bac
 CUDA = torch.cuda.is_available()
 # Where the triton backend's inputs live: CUDA, or CPU tensors under the interpreter.
 TRITON_DEVICE = "cuda" if CUDA else "cpu"
-# The interpreter's bfloat16 tl.dot returns garbage (DESIGN.md): bfloat16 only on a GPU.
+# bfloat16 through the op on a GPU; without one the kernels' bfloat16 cases run interpreted in
+# tests/kernels/test_softmax_triton_options.py (the interpreter is slow: CI time).
 TRITON_DTYPES = [F32, F16, BF16] if CUDA else [F32, F16]
 CPU = pytest.param("cpu", marks=needs_cpu)
 TRITON = pytest.param("triton", marks=needs_triton)

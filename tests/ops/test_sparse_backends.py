@@ -5,8 +5,8 @@ The matrix of issue 4: n in {1, 33, 300, 1025} (not multiples of the strides), c
 strides 1..64, summary 1..stride, radius 1..3, cyclic or not, relay at 0 and in the middle,
 float32 / bfloat16, and block layouts.  ``cpu`` runs the whole matrix; ``triton`` runs under the
 interpreter in CI (TRITON_INTERPRET=1, tests/conftest.py) on a smaller one (n <= 100: the
-interpreter runs a tile step in milliseconds), float32 / float16 (the interpreter's bfloat16
-tl.dot is broken; bfloat16 Triton runs under ``pytest -m gpu``).
+interpreter runs a tile step in milliseconds), float32 / float16 (bfloat16 Triton through the
+op runs under ``pytest -m gpu``; the kernels' bfloat16 runs interpreted in tests/kernels).
 """
 import pytest
 import torch
