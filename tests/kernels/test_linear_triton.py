@@ -2,8 +2,9 @@
 
 Without a GPU these run on CPU tensors under the Triton interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 before anything imports attnkit), where a tile step costs milliseconds:
-shapes stay small (N <= 130, one N = 257 case).  The interpreter's tl.dot on bfloat16 is
-garbage, so bfloat16 is only checked in the ``gpu``-marked tests, with the large shapes.
+shapes stay small (N <= 130, one N = 257 case).  bfloat16: three small sizes interpreted (its
+interpreter fixed for the tests: tests/triton_interpreter_bf16.py), the rest in the ``gpu``-marked
+tests, with the large shapes.
 
 Ground truth: ``linear_attention_reference`` run in float64 on the same (already rounded)
 inputs, gradients by autograd.  With a recurrent state (initial state in, final state out),
