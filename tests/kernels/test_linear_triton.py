@@ -522,10 +522,10 @@ def test_gpu_large_autotuned(dtype, feature_map, causal, normalize):
 @pytest.mark.parametrize("n, d", [(1, 16), (7, 32), (100, 64)])
 def test_bf16_small_sizes(n, d):
     # test_gpu_sizes_bf16's small cases, on CPU under the fixed interpreter (tests/conftest.py)
-    _sizes_bf16(n, d)
+    check_sizes_bf16(n, d)
 
 
-def _sizes_bf16(n, d):
+def check_sizes_bf16(n, d):
     q, k, v, go = make_inputs(1, 2, n, n, d, d + 16, BF16, seed=n + d)
     kw = kwargs(True, "elu", True)
     got, _ = run_kernels(q, k, v, go, kw)
@@ -536,7 +536,7 @@ def _sizes_bf16(n, d):
 @pytest.mark.parametrize("n", [1, 7, 100, 513, 2049])
 @pytest.mark.parametrize("d", [16, 32, 64, 128])
 def test_gpu_sizes_bf16(n, d):
-    _sizes_bf16(n, d)
+    check_sizes_bf16(n, d)
 
 
 @pytest.mark.gpu

@@ -143,6 +143,10 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_forward_and_backward_match_float64_reference(case):
+    check_case(case)
+
+
+def check_case(case):
     b, h, hk, n, m, d, dv, causal, mask_kind, dtype, fwd_cfg, bwd_cfg = case
     q, k, v, go = make_inputs(b, h, hk, n, m, d, dv, dtype)
     mask = make_mask(mask_kind, b, h, n, m)
@@ -158,7 +162,7 @@ BF16_CASES = {name.replace("f16_", "bf16_"): case[:9] + (torch.bfloat16,) + case
 @TRITON_BF16_TEST
 @pytest.mark.parametrize("case", BF16_CASES.values(), ids=BF16_CASES.keys())
 def test_bf16_forward_and_backward_match_float64_reference(case):
-    test_forward_and_backward_match_float64_reference(case)
+    check_case(case)
 
 
 @pytest.mark.parametrize("n, causal", [(1, False), (7, True)])
