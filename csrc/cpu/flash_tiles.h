@@ -744,6 +744,62 @@ inline void to_bits16(const float* src, int64_t n, uint16_t* dst, int64_t n_pad)
   for (j = n; j < n_pad; ++j) dst[j] = 0;
 }
 
+// One row of P in 16 bits, in one pass: dst[j] = T16(exp2(c s[j] - mx)) (round to nearest even)
+// for j in [lo, hi), 0 for j in [0, lo) and [hi, n_pad); returns the float32 sum of the
+// exponentials before rounding.  Bit for bit exp2_scaled_sum(s + lo, hi - lo, c, mx) then
+// to_bits16 of the row with zeros outside [lo, hi) -- but the float32 exponentials never go back to memory and the row is
+// read once, not three times (the exponential pass, the zero fills, the conversion).  s[lo, hi)
+// may be overwritten (the fallback works in place).  The 16-bit forward tiles' hot loop on a
+// Xeon with AMX, where oneDNN's brgemm does the products: exp2_scaled_sum and the conversion were
+// 18% and ~10% of the bfloat16 forward's samples (B=1 H=8 N=1024 D=64, perf, session 17).
+template <typename T16>
+inline float exp2_scaled_sum_bits16(float* s, int64_t lo, int64_t hi, float c, float mx, uint16_t* dst,
+                                    int64_t n_pad) {
+#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+  constexpr bool kVector = true;
+#else
+  constexpr bool kVector = std::is_same_v<T16, at::Half>;
+#endif
+  if constexpr (kVector) {
+    const auto to16 = [](__m512 x) -> __m256i {
+      if constexpr (std::is_same_v<T16, at::Half>) {
+        return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      } else {
+#if defined(__AVX512BF16__)
+        return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+        return _mm256_setzero_si256();  // (not reached: kVector is false)
+#endif
+      }
+    };
+    if (lo > 0) std::memset(dst, 0, static_cast<size_t>(lo) * sizeof(uint16_t));
+    const __m512 cv = _mm512_set1_ps(c), mv = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    int64_t j = lo;
+    for (; j + 16 <= hi; j += 16) {
+      const __m512 p = exp2_ps(_mm512_fmsub_ps(cv, _mm512_loadu_ps(s + j), mv));
+      sum = _mm512_add_ps(sum, p);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), to16(p));
+    }
+    if (j < hi) {
+      const __mmask16 k = static_cast<__mmask16>((1u << (hi - j)) - 1u);
+      const __m512 p = exp2_ps(_mm512_fmsub_ps(cv, _mm512_maskz_loadu_ps(k, s + j), mv));
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, p));
+      _mm256_mask_storeu_epi16(dst + j, k, to16(p));
+      j = hi;
+    }
+    if (n_pad > j) std::memset(dst + j, 0, static_cast<size_t>(n_pad - j) * sizeof(uint16_t));
+    return _mm512_reduce_add_ps(sum);
+  }
+#endif
+  const float sum = hi > lo ? exp2_scaled_sum(s + lo, hi - lo, c, mx) : 0.f;
+  std::fill(s, s + lo, 0.f);
+  std::fill(s + hi, s + std::max(hi, n_pad), 0.f);
+  to_bits16<T16>(s, std::max(hi, n_pad), dst, n_pad);
+  return sum;
+}
+
 #if defined(__AVX512F__)
 // 16 x 16 transpose of 32-bit words in registers: r[i] becomes column i (64 shuffles).
 __attribute__((always_inline)) inline void tile_transpose16(__m512 (&r)[16]) {
@@ -1046,6 +1102,44 @@ void pack_transposed_pairs(const scalar_t* src, int64_t sn, int64_t sd, int64_t 
 template <typename scalar_t>
 void pack_rows16(const scalar_t* src, int64_t sn, int64_t sd, int64_t rows, int64_t cols, uint16_t* dst,
                  int64_t ldd, bool pairs, int64_t rows_pad) {
+#if defined(__AVX512BW__)
+  // Unit stride along the row: plain rows are copies of the bits, pairs interleave two rows 32
+  // columns at a time (vpermt2w).  The backward packs Q and dO per tile pair on AMX (session 17).
+  if (sd == 1) {
+    const auto row_bits = [&](int64_t r) { return reinterpret_cast<const uint16_t*>(src + r * sn); };
+    if (!pairs) {
+      for (int64_t r = 0; r < rows_pad; ++r) {
+        uint16_t* out = dst + r * ldd;
+        if (r < rows) std::memcpy(out, row_bits(r), static_cast<size_t>(cols) * sizeof(uint16_t));
+        else std::memset(out, 0, static_cast<size_t>(cols) * sizeof(uint16_t));
+      }
+      return;
+    }
+    alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                     8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    alignas(64) static constexpr uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53,
+                                                     22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59,
+                                                     28, 60, 29, 61, 30, 62, 31, 63};
+    const __m512i lo_idx = _mm512_load_si512(kLo), hi_idx = _mm512_load_si512(kHi);
+    for (int64_t r = 0; r < rows_pad; r += 2) {
+      uint16_t* out = dst + (r / 2) * ldd * 2;  // b16_index(r, 0, ldd, true)
+      for (int64_t d = 0; d < cols; d += 32) {
+        const int64_t dn = std::min<int64_t>(32, cols - d);
+        const __mmask32 m = static_cast<__mmask32>(dn == 32 ? ~0u : (1u << dn) - 1u);
+        const __m512i a = r < rows ? _mm512_maskz_loadu_epi16(m, row_bits(r) + d) : _mm512_setzero_si512();
+        const __m512i b = r + 1 < rows ? _mm512_maskz_loadu_epi16(m, row_bits(r + 1) + d) : _mm512_setzero_si512();
+        const __m512i lo = _mm512_permutex2var_epi16(a, lo_idx, b);  // columns d .. d + 15, as pairs
+        const __m512i hi = _mm512_permutex2var_epi16(a, hi_idx, b);  // columns d + 16 .. d + 31
+        const int64_t n_lo = std::min<int64_t>(16, dn), n_hi = dn - n_lo;
+        _mm512_mask_storeu_epi16(out + 2 * d, static_cast<__mmask32>(n_lo == 16 ? ~0u : (1u << (2 * n_lo)) - 1u), lo);
+        if (n_hi > 0)
+          _mm512_mask_storeu_epi16(out + 2 * d + 32,
+                                   static_cast<__mmask32>(n_hi == 16 ? ~0u : (1u << (2 * n_hi)) - 1u), hi);
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t r = 0; r < rows_pad; ++r) {
     uint16_t* out = dst + b16_index(r, 0, ldd, pairs);
     const int64_t step = pairs ? 2 : 1;
@@ -1061,9 +1155,48 @@ void pack_rows16(const scalar_t* src, int64_t sn, int64_t sd, int64_t rows, int6
 // A float tile transposed and rounded to 16-bit T16 (an A operand [cols][ldd] of a product over
 // the tile's rows): dst[c * ldd + r] = T16(src[r * lds + c]) for r < rows, c < cols, and zeros for
 // r in [rows, rows_pad) (the K tail padded with zeros).
+// Blocks of 16 x 16 transposed in registers (tile_transpose16) where the CPU converts 16 floats
+// at once (AVX512-BF16 for bfloat16, AVX-512F for float16): the scalar loop read src down its
+// columns, one element a cache line.  The backward on a Xeon with AMX transposes P and dS of
+// every tile pair (session 17).
 template <typename T16>
 void to_bits16_transposed(const float* src, int64_t lds, int64_t rows, int64_t cols, uint16_t* dst,
                           int64_t ldd, int64_t rows_pad) {
+#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+  constexpr bool kVector = true;
+#else
+  constexpr bool kVector = std::is_same_v<T16, at::Half>;
+#endif
+  if constexpr (kVector) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+      const int rn = static_cast<int>(std::min<int64_t>(16, rows - r0));
+      const __mmask16 rm = static_cast<__mmask16>((1u << rn) - 1u);
+      for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+        const int cn = static_cast<int>(std::min<int64_t>(16, cols - c0));
+        const __mmask16 cm = static_cast<__mmask16>((1u << cn) - 1u);
+        __m512 t[16];
+        for (int r = 0; r < 16; ++r)
+          t[r] = r < rn ? _mm512_maskz_loadu_ps(cm, src + (r0 + r) * lds + c0) : _mm512_setzero_ps();
+        tile_transpose16(t);
+        for (int c = 0; c < cn; ++c) {
+          __m256i h;
+          if constexpr (std::is_same_v<T16, at::Half>) {
+            h = _mm512_cvtps_ph(t[c], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          } else {
+#if defined(__AVX512BF16__)
+            h = (__m256i)_mm512_cvtneps_pbh(t[c]);
+#endif
+          }
+          _mm256_mask_storeu_epi16(dst + (c0 + c) * ldd + r0, rm, h);
+        }
+      }
+    }
+    if (rows_pad > rows)
+      for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * ldd + rows, dst + c * ldd + rows_pad, uint16_t(0));
+    return;
+  }
+#endif
   for (int64_t c = 0; c < cols; ++c) {
     uint16_t* out = dst + c * ldd;
     for (int64_t r = 0; r < rows; ++r) out[r] = bits16(T16(src[r * lds + c]));

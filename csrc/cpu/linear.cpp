@@ -35,8 +35,9 @@
 // register-blocked micro-kernel (AVX-512 / AVX2+FMA intrinsics, scalar fallback) on packed,
 // zero-padded tiles; the triangular products skip the blocks the mask zeroes.  bfloat16 /
 // float16 inputs off the native path (ATTNKIT_CPU_GEMM, gemm_path.h) run the products of chunk
-// tiles (scores, A V, dA, the state updates) on brgemm with 16-bit operands, and the products
-// that read the running state in float32 as above: see chunk_gemm.
+// tiles (scores, A V, dA, the backward's state updates) on brgemm with 16-bit operands, and the
+// products that read the running state, and the forward's state updates, in float32 as above:
+// see chunk_gemm and add_outer.
 #include "torch_headers.h"
 #include <ATen/Parallel.h>
 
@@ -726,7 +727,12 @@ void pack_kv(const Problem<scalar_t, T>& P, int64_t bh, int64_t j0, int64_t L, i
 // y [L][Dvp], ycol [L] (null: a column of ones, i.e. z += rowsum(xT)); z null: S only.  The
 // state updates of the forward (S += K'^T V, z += colsum(K')) and of the backward
 // (R += P^T dnum, w += P^T dden).
-// The product reads chunk tiles only (the state is its float32 C): on `path` (chunk_gemm).
+// The product reads chunk tiles only (the state is its float32 C): on `path` (chunk_gemm) in the
+// backward; the forward's callers pass kNative.  Its state is an output (return_state) that a
+// caller chains into the next call, promised float32-accurate to the float64 sums of the inputs:
+// K' = phi(K) is computed in float32 and rounding it to bfloat16 for brgemm put a 2.3e-3 error
+// into the returned state (test_state_dtype_for_low_precision_inputs_is_float32, which failed on
+// the first Xeon with AMX to run it, session 17).
 template <typename scalar_t, typename T>
 void add_outer(GemmPath path, int64_t D, int64_t Dvp, int64_t L, const T* xT, const T* y,
                const T* ycol, T* S, T* z) {
@@ -832,7 +838,7 @@ void causal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
         write_out(P, bh, i0, L, t.num.data(), den, static_cast<scalar_t*>(o.out),
                   static_cast<T*>(o.den));
         // S_prev += K'^T V, z_prev += colsum(K') (as a sum of K' rows: no horizontal sums)
-        add_outer<scalar_t, T>(P.path, D, Dvp, L, t.pkT.data(), t.v.data(), nullptr, S, nullptr);
+        add_outer<scalar_t, T>(GemmPath::kNative, D, Dvp, L, t.pkT.data(), t.v.data(), nullptr, S, nullptr);
         add_rows(t.pk.data(), Dp, L, D, z);
       }
       store_state(P, bh, S, z, static_cast<T*>(o.S), static_cast<T*>(o.z));
@@ -884,8 +890,8 @@ void noncausal_forward(const Problem<scalar_t, T>& P, const FwdOut& o) {
                          [&](int64_t bh, int64_t j0, int64_t L, int64_t Lp, Tiles<T>& t, T*,
                              T* S, T* z) {
                            pack_kv(P, bh, j0, L, Lp, true, false, t);
-                           add_outer<scalar_t, T>(P.path, D, Dvp, L, t.pkT.data(), t.v.data(), nullptr,
-                                                  S, z);
+                           add_outer<scalar_t, T>(GemmPath::kNative, D, Dvp, L, t.pkT.data(), t.v.data(),
+                                                  nullptr, S, z);
                          });
   // 2. S = S0 + sum of the groups (into group 0's slot), z likewise
   dynamic_for(P.BH, [&](int64_t begin, int64_t end) {

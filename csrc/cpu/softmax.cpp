@@ -340,6 +340,9 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
   // row's NaN in its own row.  (P, the left operand of O += P V, never holds a NaN: see below.)
   const int64_t D2 = round_up(D, brgemm ? 32 : 2), Dvp = round_up(Dv, 16), M2 = round_up(M, 2);
   const acc_t c = static_cast<acc_t>(p.scale * kLog2e);
+  // 16-bit tiles' raw scores with no score option or mask to apply: the scale goes into the max
+  // and the exponentials (exp2_scaled_sum_bits16) instead of a pass of its own (prepare_row).
+  const bool raw_plain = tiles16 && p.softcap <= 0.0 && p.alibi == nullptr && p.mask.kind == MaskKind::kNone;
   // Task order: (b, kv head) major so that a worker mostly reuses its packed K / V, then query
   // blocks last-first (the causal ones are the largest), then the heads of the GQA group.
   const int64_t ntasks = B * Hk * nqb * G;
@@ -498,38 +501,52 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
             // edges of a causal diagonal or a window's band are skipped); P = 0 elsewhere.
             int64_t lo, hi;
             p.tile_range(i, k0, kn, lo, hi);
-            // Q was multiplied by c while packing (the 16-bit tiles multiply raw scores).
-            prepare_row<acc_t>(s, kn, lo, hi, tiles16 ? c : acc_t(1), p, b, h, i, k0, nullptr, tiles16 ? 1.0 : double(c));
-            const acc_t mx = hi > lo ? max_nan(st.m[r], row_max(s + lo, hi - lo)) : st.m[r];
+            // Q was multiplied by c while packing (the 16-bit tiles multiply raw scores: without
+            // score options, c is folded into the max and the exponentials, no pass of its own).
+            acc_t cs = acc_t(1);  // the factor s still needs
+            if (raw_plain) {
+              cs = c;
+            } else {
+              prepare_row<acc_t>(s, kn, lo, hi, tiles16 ? c : acc_t(1), p, b, h, i, k0, nullptr,
+                                 tiles16 ? 1.0 : double(c));
+            }
+            const acc_t mx = hi > lo ? max_nan(st.m[r], scaled_max(s + lo, hi - lo, cs)) : st.m[r];
             if (mx == neg_inf<acc_t>() || hi == lo) {
               // Nothing visible yet in this row: contributes nothing -- unless the max dropped a
-              // NaN (flash_tiles.h): then the row is NaN from here on (m, l NaN are sticky).
+              // NaN (flash_tiles.h): then the row is NaN from here on (m, l NaN are sticky).  (The
+              // scale first where it is still to apply: 0 * inf is a NaN too.)
+              if (cs != acc_t(1))
+                for (int64_t j = lo; j < hi; ++j) s[j] *= cs;
               if (hi > lo && has_nan(s + lo, hi - lo)) {
                 st.m[r] = st.l[r] = std::numeric_limits<acc_t>::quiet_NaN();
                 std::fill(st.o.data() + r * Dv, st.o.data() + (r + 1) * Dv, st.m[r]);
               }
               std::fill(s, s + kn, acc_t(0));
+              if (tiles16) std::fill(st.pb16.data() + r * kBK, st.pb16.data() + r * kBK + round_up(kn, 2), uint16_t(0));
             } else {
               const acc_t alpha = std::exp2(st.m[r] - mx);  // 0 on the row's first visible block
-              const acc_t sum = exp2_sub_sum(s + lo, hi - lo, mx);
-              std::fill(s, s + lo, acc_t(0));
-              std::fill(s + hi, s + kn, acc_t(0));
+              acc_t sum;
+              if constexpr (k16 && std::is_same_v<acc_t, float>) {
+                // P in 16 bits straight from the scores (one pass), zero up to an even count: the
+                // pair of a VNNI product's odd tail.
+                if (tiles16) sum = exp2_scaled_sum_bits16<scalar_t>(s, lo, hi, cs, mx, st.pb16.data() + r * kBK, round_up(kn, 2));
+              }
+              if (!tiles16) {
+                sum = exp2_sub_sum(s + lo, hi - lo, mx);
+                std::fill(s, s + lo, acc_t(0));
+                std::fill(s + hi, s + kn, acc_t(0));
+              }
               if (alpha != acc_t(1)) {
                 acc_t* o = st.o.data() + r * Dv;
                 for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha;
               }
               st.l[r] = st.l[r] * alpha + sum;
               st.m[r] = mx;
-            }
-            if constexpr (k16) {
-              // P in 16 bits, zero up to an even count: the pair of a VNNI product's odd tail.  A
-              // row whose l is NaN (a NaN score, or inf - inf) is NaN already (o, m, l stay NaN) and
-              // gets P = 0: no NaN in the left operand of P V for the oneDNN defect above to spread
-              // into the row before it.
-              if (tiles16) {
-                if (std::isnan(st.l[r])) std::fill(s, s + kn, acc_t(0));
-                to_bits16<scalar_t>(s, kn, st.pb16.data() + r * kBK, round_up(kn, 2));
-              }
+              // A row whose l is NaN (a NaN score, or inf - inf) is NaN already (o, m, l stay NaN)
+              // and gets P = 0: no NaN in the left operand of P V for the oneDNN defect above to
+              // spread into the row before it.
+              if (tiles16 && std::isnan(st.l[r]))
+                std::fill(st.pb16.data() + r * kBK, st.pb16.data() + r * kBK + round_up(kn, 2), uint16_t(0));
             }
           }
           // O += P V, by the same groups (P is 0 outside a group's keys).
