@@ -464,6 +464,25 @@ inline __m512 exp2_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
+
+// exp2_ps for probabilities that are stored in 16 bits (bfloat16 / float16 P of the brgemm and
+// dot-product tiles): 2^f by a degree-4 polynomial fitted for relative error on [-1/2, 1/2] with
+// p(0) = 1 exactly, max 2.9e-6 evaluated in float32 -- 1/1300 of a bfloat16 ulp, 1/170 of a
+// float16 one -- where exp2_ps's degree 7 bought 5e-8 that the rounding to 16 bits throws away.
+// The sum l takes the same float32 values, so P / l stays consistent.  Clamp, rounding and NaN
+// rules as exp2_ps.  Three FMAs fewer per 16 scores: the exponential pass is the largest part
+// of the bfloat16 forward after the AMX products (perf, Xeon with AMX, session 17).
+inline __m512 exp2_ps_p16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-200.0f), x);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(0.009582852944731712f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.055906426161527634f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024099111557007f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931241750717163f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 // 8 lanes.  x is clamped at -127 first (max's second operand: a NaN x stays NaN), then
 // x = n + f with n = round(x) (to nearest even) taken with the magic-number addition
@@ -746,12 +765,13 @@ inline void to_bits16(const float* src, int64_t n, uint16_t* dst, int64_t n_pad)
 
 // One row of P in 16 bits, in one pass: dst[j] = T16(exp2(c s[j] - mx)) (round to nearest even)
 // for j in [lo, hi), 0 for j in [0, lo) and [hi, n_pad); returns the float32 sum of the
-// exponentials before rounding.  Bit for bit exp2_scaled_sum(s + lo, hi - lo, c, mx) then
-// to_bits16 of the row with zeros outside [lo, hi) -- but the float32 exponentials never go back to memory and the row is
-// read once, not three times (the exponential pass, the zero fills, the conversion).  s[lo, hi)
-// may be overwritten (the fallback works in place).  The 16-bit forward tiles' hot loop on a
-// Xeon with AMX, where oneDNN's brgemm does the products: exp2_scaled_sum and the conversion were
-// 18% and ~10% of the bfloat16 forward's samples (B=1 H=8 N=1024 D=64, perf, session 17).
+// exponentials before rounding.  What exp2_scaled_sum(s + lo, hi - lo, c, mx) and then to_bits16
+// of the row with zeros outside [lo, hi) give -- with exp2_ps_p16's polynomial on AVX-512 (2.9e-6
+// relative, under a 16-bit ulp) -- but the float32 exponentials never go back to memory and the
+// row is read once, not three times (the exponential pass, the zero fills, the conversion).
+// s[lo, hi) may be overwritten (the fallback works in place).  The 16-bit forward tiles' hot loop
+// on a Xeon with AMX, where oneDNN's brgemm does the products: exp2_scaled_sum and the conversion
+// were 18% and ~10% of the bfloat16 forward's samples (B=1 H=8 N=1024 D=64, perf, session 17).
 template <typename T16>
 inline float exp2_scaled_sum_bits16(float* s, int64_t lo, int64_t hi, float c, float mx, uint16_t* dst,
                                     int64_t n_pad) {
@@ -777,14 +797,28 @@ inline float exp2_scaled_sum_bits16(float* s, int64_t lo, int64_t hi, float c, f
     const __m512 cv = _mm512_set1_ps(c), mv = _mm512_set1_ps(mx);
     __m512 sum = _mm512_setzero_ps();
     int64_t j = lo;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T16, at::BFloat16>) {
+      // 32 at a time: one vcvtne2ps2bf16 rounds two vectors (vcvtneps2bf16 is as costly for one).
+      __m512 sum2 = _mm512_setzero_ps();
+      for (; j + 32 <= hi; j += 32) {
+        const __m512 p0 = exp2_ps_p16(_mm512_fmsub_ps(cv, _mm512_loadu_ps(s + j), mv));
+        const __m512 p1 = exp2_ps_p16(_mm512_fmsub_ps(cv, _mm512_loadu_ps(s + j + 16), mv));
+        sum = _mm512_add_ps(sum, p0);
+        sum2 = _mm512_add_ps(sum2, p1);
+        _mm512_storeu_si512(dst + j, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+      }
+      sum = _mm512_add_ps(sum, sum2);
+    }
+#endif
     for (; j + 16 <= hi; j += 16) {
-      const __m512 p = exp2_ps(_mm512_fmsub_ps(cv, _mm512_loadu_ps(s + j), mv));
+      const __m512 p = exp2_ps_p16(_mm512_fmsub_ps(cv, _mm512_loadu_ps(s + j), mv));
       sum = _mm512_add_ps(sum, p);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), to16(p));
     }
     if (j < hi) {
       const __mmask16 k = static_cast<__mmask16>((1u << (hi - j)) - 1u);
-      const __m512 p = exp2_ps(_mm512_fmsub_ps(cv, _mm512_maskz_loadu_ps(k, s + j), mv));
+      const __m512 p = exp2_ps_p16(_mm512_fmsub_ps(cv, _mm512_maskz_loadu_ps(k, s + j), mv));
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, p));
       _mm256_mask_storeu_epi16(dst + j, k, to16(p));
       j = hi;
