@@ -114,7 +114,8 @@ std::string cpu_kernel_isa() {
 
 // The path the softmax forward's tile GEMMs take in this process for a dtype named as torch
 // prints it without "torch." (ATTNKIT_CPU_GEMM and the CPU: csrc/cpu/gemm_path.h).
-std::string cpu_gemm_path_name(const std::string& dtype) {
+std::string cpu_gemm_path_name(const std::string& dtype, const std::string& use) {
+  ATTNKIT_CHECK(use == "tiles" || use == "decode", "cpu_gemm_path: use must be 'tiles' or 'decode'; got '", use, "'");
   at::ScalarType t = at::kFloat;
   if (dtype == "bfloat16") {
     t = at::kBFloat16;
@@ -126,7 +127,8 @@ std::string cpu_gemm_path_name(const std::string& dtype) {
     ATTNKIT_CHECK(dtype == "float32", "cpu_gemm_path: dtype must be one of bfloat16, float16, float32, float64; got '",
                   dtype, "'");
   }
-  return attnkit::gemm_path_name(attnkit::cpu_gemm_path(t));
+  return attnkit::gemm_path_name(
+      attnkit::cpu_gemm_path(t, use == "decode" ? attnkit::GemmUse::kDecode : attnkit::GemmUse::kTiles));
 }
 
 namespace checks = attnkit::checks;
@@ -169,9 +171,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("built_with_cuda", &built_with_cuda, "whether the CUDA kernels were compiled in");
   module.def("cpu_kernel_isa", &cpu_kernel_isa,
              "the vector instructions the CPU kernels were compiled for (compile-time choice)");
-  module.def("cpu_gemm_path", &cpu_gemm_path_name, pybind11::arg("dtype"),
-             "the tile-GEMM path of the CPU softmax forward for a dtype ('bfloat16', 'float16', 'float32', "
-             "'float64'), chosen at run time: 'native', 'brgemm (AMX, VNNI)', 'brgemm (no VNNI: reference "
+  module.def("cpu_gemm_path", &cpu_gemm_path_name, pybind11::arg("dtype"), pybind11::arg("use") = "tiles",
+             "the tile-GEMM path of the CPU kernels for a dtype ('bfloat16', 'float16', 'float32', "
+             "'float64') and use ('tiles': the flash tiles of every family; 'decode': the softmax decoding "
+             "kernel), chosen at run time: 'native', 'brgemm (AMX, VNNI)', 'brgemm (no VNNI: reference "
              "fallback)' or 'brgemm emulated (VNNI layout, scalar: tests)' "
              "(ATTNKIT_CPU_GEMM=auto|native|brgemm|emulate, read per call)");
   module.def("openmp_max_threads", []() { return at::get_num_threads(); },

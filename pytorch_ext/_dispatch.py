@@ -88,8 +88,18 @@ def cpu_kernels(family: str | None = None) -> str:
     except RuntimeError as exc:  # a bad ATTNKIT_CPU_GEMM: every forward call raises the same
         paths = str(exc).splitlines()[0]
     setting = os.environ.get(CPU_GEMM_ENV_VAR) or "auto"
-    return (f"{base}; chosen at build time (-march); {RUNTIME_GEMM_KERNELS[family]} chosen at run "
+    text = (f"{base}; chosen at build time (-march); {RUNTIME_GEMM_KERNELS[family]} chosen at run "
             f"time per dtype ({CPU_GEMM_ENV_VAR}={setting}): {paths}")
+    if family == "softmax":
+        # The decoding kernel's own choice (auto: native on every CPU; gemm_path.h), where it differs.
+        try:
+            decode = ", ".join(f"{dtype} {module.cpu_gemm_path(dtype, 'decode')}"
+                               for dtype in ("bfloat16", "float16", "float32"))
+        except (RuntimeError, TypeError):  # a bad setting (above), or an extension without `use`
+            decode = paths
+        if decode != paths:
+            text += f"; decoding (N <= 16): {decode}"
+    return text
 
 
 def register_kernel(family: str, backend: str) -> None:

@@ -54,7 +54,7 @@ bool cpu_has_amx(at::ScalarType dtype) {
   return false;
 }
 
-GemmPath cpu_gemm_path(at::ScalarType dtype) {
+GemmPath cpu_gemm_path(at::ScalarType dtype, GemmUse use) {
   const char* env = std::getenv("ATTNKIT_CPU_GEMM");
   const std::string_view want = env == nullptr || *env == '\0' ? std::string_view("auto") : std::string_view(env);
   ATTNKIT_CHECK(want == "auto" || want == "native" || want == "brgemm" || want == "emulate",
@@ -67,7 +67,7 @@ GemmPath cpu_gemm_path(at::ScalarType dtype) {
   static const bool could_pack_f16 = at::native::cpublas::could_pack(at::kHalf);
   const bool vnni = dtype == at::kBFloat16 ? could_pack_bf16 : could_pack_f16;
   if (want == "brgemm") return vnni ? GemmPath::kBrgemmVnni : GemmPath::kBrgemmPlain;
-  return cpu_has_amx(dtype) && vnni ? GemmPath::kBrgemmVnni : GemmPath::kNative;
+  return cpu_has_amx(dtype) && vnni && use == GemmUse::kTiles ? GemmPath::kBrgemmVnni : GemmPath::kNative;
 }
 
 std::string gemm_path_name(GemmPath path) {

@@ -45,9 +45,18 @@ inline bool brgemm_vnni_layout(GemmPath path) {
   return path == GemmPath::kBrgemmVnni || path == GemmPath::kBrgemmEmulated;
 }
 
-// The path the softmax kernels' tile GEMMs take for `dtype` in this call (reads
-// ATTNKIT_CPU_GEMM; raises on a value other than auto, native, brgemm, emulate).
-GemmPath cpu_gemm_path(at::ScalarType dtype);
+// What the GEMMs serve: the flash tiles (every family's forward and backward tiles) or the
+// softmax decoding kernel (N <= 16 query rows against a long KV cache: memory-bound).
+enum class GemmUse { kTiles, kDecode };
+
+// The path the kernels' tile GEMMs take for `dtype` in this call (reads ATTNKIT_CPU_GEMM; raises
+// on a value other than auto, native, brgemm, emulate).  auto gives the decoding kernel the native
+// path on every CPU: its bfloat16 K and V are read in place by AVX512-BF16 dot products there,
+// where brgemm needs them repacked per tile -- B=8 Hq=32 Hk=8 N=1 D=128 bfloat16 on a Xeon with
+// AMX (session 17, `bench/softmax_cpu_speed.py decode --dtype bfloat16`): 1.68x SDPA native
+// against 1.41x brgemm at M=4096, 1.94x against 1.82x at M=16384.  A forced path (brgemm,
+// emulate, native) holds for decoding too.
+GemmPath cpu_gemm_path(at::ScalarType dtype, GemmUse use = GemmUse::kTiles);
 
 // "native", "brgemm (AMX, VNNI)", "brgemm (no VNNI: reference fallback)" or
 // "brgemm emulated (VNNI layout, scalar: tests)".

@@ -85,6 +85,47 @@ def test_auto_follows_the_cpu(monkeypatch):
                 assert path in ("native", "brgemm (AMX, VNNI)"), (dtype, path)  # could_pack decides
 
 
+def test_decoding_kernel_takes_native_under_auto_and_a_forced_path_otherwise(monkeypatch):
+    # Session 17 (gemm_path.h, GemmUse::kDecode): on a Xeon with AMX the decoding kernel measured
+    # faster native (K, V read in place) than on brgemm; a forced path still holds for it.
+    native = _dispatch.native()
+    for setting in ("", "auto"):
+        monkeypatch.setenv(ENV, setting)
+        for dtype in ("bfloat16", "float16", "float32"):
+            assert native.cpu_gemm_path(dtype, "decode") == "native", (setting, dtype)
+    for setting in ("native", "brgemm", "emulate"):
+        monkeypatch.setenv(ENV, setting)
+        for dtype in ("bfloat16", "float16"):
+            assert native.cpu_gemm_path(dtype, "decode") == native.cpu_gemm_path(dtype), (setting, dtype)
+    with pytest.raises(RuntimeError, match="use must be 'tiles' or 'decode'; got 'prefill'"):
+        native.cpu_gemm_path("bfloat16", "prefill")
+    # the report names the decoding kernel's path where it differs from the tiles'
+    monkeypatch.delenv(ENV, raising=False)
+    kernels = attnkit.backends()["softmax"]["cpu"].kernels
+    differs = native.cpu_gemm_path("bfloat16") != "native"
+    assert ("; decoding (N <= 16): bfloat16 native, float16 native, float32 native" in kernels) == differs, kernels
+
+
+def test_decoding_under_auto_is_the_native_kernel_bit_for_bit(monkeypatch):
+    # The routing seen in the numbers: auto's decode output and float32 lse equal the forced
+    # native ones exactly.  Where auto takes brgemm for the tiles (a CPU with AMX: the one place
+    # the decoding kernel's own choice matters), the forced brgemm decode gives another lse on
+    # this input (the scores summed in another order: 4.7e-7 on a Xeon, session 17), so the
+    # comparison tells the paths apart there.
+    monkeypatch.delenv(ENV, raising=False)
+    tiles_take_brgemm = gemm_path(BF16) != "native"
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 8, 1, 64, generator=g).to(BF16)
+    k, v = (torch.randn(2, 2, 300, 64, generator=g).to(BF16) for _ in range(2))
+    outs = {}
+    for setting in ("auto", "native", "brgemm"):
+        monkeypatch.setenv(ENV, setting)
+        outs[setting] = attnkit.softmax_attention(q, k, v, enable_gqa=True, backend="cpu", return_lse=True)
+    assert torch.equal(outs["auto"][0], outs["native"][0]) and torch.equal(outs["auto"][1], outs["native"][1])
+    if tiles_take_brgemm:
+        assert not torch.equal(outs["brgemm"][1], outs["native"][1])
+
+
 def test_bad_value_names_the_allowed_ones(monkeypatch):
     monkeypatch.setenv(ENV, "amx")
     q = torch.randn(1, 1, 20, 8, dtype=BF16)
