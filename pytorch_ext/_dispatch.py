@@ -66,6 +66,11 @@ RUNTIME_GEMM_KERNELS = {
 }
 RUNTIME_GEMM_FAMILIES = tuple(RUNTIME_GEMM_KERNELS)
 CPU_GEMM_ENV_VAR = "ATTNKIT_CPU_GEMM"
+# Kernels whose tile-GEMM path under ATTNKIT_CPU_GEMM=auto is their own (csrc/cpu/gemm_path.h,
+# GemmUse: native where brgemm measured slower on a Xeon with AMX), as cpu_gemm_path's `use` and
+# the label the report gives them.
+_OWN_GEMM_USE = {"softmax": ("decode", "decoding (N <= 16)"),
+                 "sparse": ("ranges", "range and fused strided kernels")}
 
 
 def cpu_kernels(family: str | None = None) -> str:
@@ -90,16 +95,17 @@ def cpu_kernels(family: str | None = None) -> str:
     setting = os.environ.get(CPU_GEMM_ENV_VAR) or "auto"
     text = (f"{base}; chosen at build time (-march); {RUNTIME_GEMM_KERNELS[family]} chosen at run "
             f"time per dtype ({CPU_GEMM_ENV_VAR}={setting}): {paths}")
-    if family == "softmax":
-        # The decoding kernel's own choice (auto: native on every CPU; gemm_path.h), where it differs.
+    if family in _OWN_GEMM_USE:
+        # A kernel's own choice (auto: native on every CPU; gemm_path.h), where it differs.
+        use, label = _OWN_GEMM_USE[family]
         try:
-            decode = ", ".join(f"{dtype} {module.cpu_gemm_path(dtype, 'decode')}"
-                               for dtype in ("bfloat16", "float16", "float32"))
+            own = ", ".join(f"{dtype} {module.cpu_gemm_path(dtype, use)}" for dtype in ("bfloat16", "float16", "float32"))
         except (RuntimeError, TypeError):  # a bad setting (above), or an extension without `use`
-            decode = paths
-        if decode != paths:
-            text += f"; decoding (N <= 16): {decode}"
+            own = paths
+        if own != paths:
+            text += f"; {label}: {own}"
     return text
+
 
 
 def register_kernel(family: str, backend: str) -> None:

@@ -45,17 +45,21 @@ inline bool brgemm_vnni_layout(GemmPath path) {
   return path == GemmPath::kBrgemmVnni || path == GemmPath::kBrgemmEmulated;
 }
 
-// What the GEMMs serve: the flash tiles (every family's forward and backward tiles) or the
-// softmax decoding kernel (N <= 16 query rows against a long KV cache: memory-bound).
-enum class GemmUse { kTiles, kDecode };
+// What the GEMMs serve: the flash tiles (every family's forward and backward tiles, the
+// block-sparse ones included), the softmax decoding kernel (N <= 16 query rows against a long KV
+// cache: memory-bound), or the sparse range and fused strided kernels (short ragged key ranges).
+enum class GemmUse { kTiles, kDecode, kSparseRanges };
 
 // The path the kernels' tile GEMMs take for `dtype` in this call (reads ATTNKIT_CPU_GEMM; raises
 // on a value other than auto, native, brgemm, emulate).  auto gives the decoding kernel the native
 // path on every CPU: its bfloat16 K and V are read in place by AVX512-BF16 dot products there,
 // where brgemm needs them repacked per tile -- B=8 Hq=32 Hk=8 N=1 D=128 bfloat16 on a Xeon with
 // AMX (session 17, `bench/softmax_cpu_speed.py decode --dtype bfloat16`): 1.68x SDPA native
-// against 1.41x brgemm at M=4096, 1.94x against 1.82x at M=16384.  A forced path (brgemm,
-// emulate, native) holds for decoding too.
+// against 1.41x brgemm at M=4096, 1.94x against 1.82x at M=16384.  And the sparse range and fused
+// strided kernels (B=1 H=8 N=4096 D=64 bfloat16, same Xeon, /tmp/w/sparse_cmp.py, native speed over
+// brgemm's): strided(64) forward 2.00x, forward+backward 1.79x; fixed(64) 1.50x / 1.11x -- while
+// the block-sparse kernel (64-blocks, density 0.1) is faster on brgemm: 0.74x / 0.75x native.
+// A forced path (brgemm, emulate, native) holds for all of them.
 GemmPath cpu_gemm_path(at::ScalarType dtype, GemmUse use = GemmUse::kTiles);
 
 // "native", "brgemm (AMX, VNNI)", "brgemm (no VNNI: reference fallback)" or

@@ -1740,7 +1740,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_range_fwd_cpu(const at::Tensor& q_, co
                                                         double scale) {
   checks::sparse_range_fwd(checks::cpu_target(), q_, k_, v_, view, lo, hi, scale);
   // The tile GEMMs' path (gemm_path.h), read on every call, so that a bad ATTNKIT_CPU_GEMM raises here.
-  const GemmPath path = cpu_gemm_path(q_.scalar_type());
+  const GemmPath path = cpu_gemm_path(q_.scalar_type(), GemmUse::kSparseRanges);
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
   const int64_t Nk = k.size(2), Dv = v.size(3);
@@ -1776,7 +1776,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_strided_fwd_cpu(const at::Tensor& q_, 
   ATTNKIT_CHECK(k_.size(2) == q_.size(2), "attnkit::sparse_strided_fwd (cpu): self-attention: q and k ",
                 "must have the same length; got ", q_.sizes(), " and ", k_.sizes());
   // The tile GEMMs' path (gemm_path.h), read on every call, so that a bad ATTNKIT_CPU_GEMM raises here.
-  const GemmPath path = cpu_gemm_path(q_.scalar_type());
+  const GemmPath path = cpu_gemm_path(q_.scalar_type(), GemmUse::kSparseRanges);
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Dv = v.size(3);
   const auto acc = acc_type_of(q.scalar_type());
@@ -1803,7 +1803,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_strided_bwd_cpu(
                                                     lse_, delta_opt, out_opt, scale);
   ATTNKIT_CHECK(stride >= 1, "attnkit::sparse_strided_bwd (cpu): stride must be >= 1; got ", stride);
   // The tile GEMMs' path (gemm_path.h), read on every call, so that a bad ATTNKIT_CPU_GEMM raises here.
-  const GemmPath path = cpu_gemm_path(q_.scalar_type());
+  const GemmPath path = cpu_gemm_path(q_.scalar_type(), GemmUse::kSparseRanges);
   // The kernel writes every output row (each task its head's rows in order, from its columns'
   // gradients, before its band adds to them).
   return run_pattern_bwd(
@@ -1829,7 +1829,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_range_bwd_cpu(
     at::IntArrayRef hi, double scale) {
   checks::sparse_range_bwd(checks::cpu_target(), dout_, q_, k_, v_, lse_, delta_, view, lo, hi, scale);
   // The tile GEMMs' path (gemm_path.h), read on every call, so that a bad ATTNKIT_CPU_GEMM raises here.
-  const GemmPath path = cpu_gemm_path(q_.scalar_type());
+  const GemmPath path = cpu_gemm_path(q_.scalar_type(), GemmUse::kSparseRanges);
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   const at::Tensor dout = dout_.contiguous(), lse = lse_.contiguous(), delta = delta_.contiguous();
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);

@@ -85,25 +85,28 @@ def test_auto_follows_the_cpu(monkeypatch):
                 assert path in ("native", "brgemm (AMX, VNNI)"), (dtype, path)  # could_pack decides
 
 
-def test_decoding_kernel_takes_native_under_auto_and_a_forced_path_otherwise(monkeypatch):
+def test_decoding_and_sparse_range_kernels_take_native_under_auto_and_a_forced_path_otherwise(monkeypatch):
     # Session 17 (gemm_path.h, GemmUse::kDecode): on a Xeon with AMX the decoding kernel measured
     # faster native (K, V read in place) than on brgemm; a forced path still holds for it.
+    # Likewise the sparse range and fused strided kernels ("ranges").
     native = _dispatch.native()
-    for setting in ("", "auto"):
-        monkeypatch.setenv(ENV, setting)
-        for dtype in ("bfloat16", "float16", "float32"):
-            assert native.cpu_gemm_path(dtype, "decode") == "native", (setting, dtype)
-    for setting in ("native", "brgemm", "emulate"):
-        monkeypatch.setenv(ENV, setting)
-        for dtype in ("bfloat16", "float16"):
-            assert native.cpu_gemm_path(dtype, "decode") == native.cpu_gemm_path(dtype), (setting, dtype)
-    with pytest.raises(RuntimeError, match="use must be 'tiles' or 'decode'; got 'prefill'"):
+    for use in ("decode", "ranges"):
+        for setting in ("", "auto"):
+            monkeypatch.setenv(ENV, setting)
+            for dtype in ("bfloat16", "float16", "float32"):
+                assert native.cpu_gemm_path(dtype, use) == "native", (use, setting, dtype)
+        for setting in ("native", "brgemm", "emulate"):
+            monkeypatch.setenv(ENV, setting)
+            for dtype in ("bfloat16", "float16"):
+                assert native.cpu_gemm_path(dtype, use) == native.cpu_gemm_path(dtype), (use, setting, dtype)
+    with pytest.raises(RuntimeError, match="use must be 'tiles', 'decode' or 'ranges'; got 'prefill'"):
         native.cpu_gemm_path("bfloat16", "prefill")
-    # the report names the decoding kernel's path where it differs from the tiles'
+    # the report names these kernels' path where it differs from the tiles'
     monkeypatch.delenv(ENV, raising=False)
-    kernels = attnkit.backends()["softmax"]["cpu"].kernels
     differs = native.cpu_gemm_path("bfloat16") != "native"
-    assert ("; decoding (N <= 16): bfloat16 native, float16 native, float32 native" in kernels) == differs, kernels
+    for family, label in (("softmax", "decoding (N <= 16)"), ("sparse", "range and fused strided kernels")):
+        kernels = attnkit.backends()[family]["cpu"].kernels
+        assert (f"; {label}: bfloat16 native, float16 native, float32 native" in kernels) == differs, kernels
 
 
 def test_decoding_under_auto_is_the_native_kernel_bit_for_bit(monkeypatch):
@@ -124,6 +127,28 @@ def test_decoding_under_auto_is_the_native_kernel_bit_for_bit(monkeypatch):
     assert torch.equal(outs["auto"][0], outs["native"][0]) and torch.equal(outs["auto"][1], outs["native"][1])
     if tiles_take_brgemm:
         assert not torch.equal(outs["brgemm"][1], outs["native"][1])
+
+
+def test_sparse_range_kernels_under_auto_are_the_native_ones_bit_for_bit(monkeypatch):
+    # As the decoding test above, for the fused strided and range (fixed) kernels, forward and
+    # gradients; the block-sparse kernel keeps auto's tile path (brgemm on a CPU with AMX).
+    from attnkit import patterns
+
+    monkeypatch.delenv(ENV, raising=False)
+    tiles_take_brgemm = gemm_path(BF16) != "native"
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 200, 64, generator=g).to(BF16) for _ in range(3))
+    for pattern in (patterns.strided(32), patterns.fixed(32)):
+        res = {}
+        for setting in ("auto", "native", "brgemm"):
+            monkeypatch.setenv(ENV, setting)
+            qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+            out = attnkit.sparse_attention(qg, kg, vg, pattern, backend="cpu")
+            out.float().square().sum().backward()
+            res[setting] = (out, qg.grad, kg.grad, vg.grad)
+        assert all(torch.equal(a, b) for a, b in zip(res["auto"], res["native"])), pattern
+        if tiles_take_brgemm:
+            assert not all(torch.equal(a, b) for a, b in zip(res["brgemm"], res["native"])), pattern
 
 
 def test_bad_value_names_the_allowed_ones(monkeypatch):
