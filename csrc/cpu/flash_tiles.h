@@ -763,6 +763,31 @@ inline void to_bits16(const float* src, int64_t n, uint16_t* dst, int64_t n_pad)
   for (j = n; j < n_pad; ++j) dst[j] = 0;
 }
 
+#if defined(__AVX512F__)
+// Whether 16 floats round to T16 in one instruction here -- AVX512-BF16's vcvtneps2bf16 for
+// bfloat16, AVX-512F's vcvtps2ph for float16 -- and that rounding (to nearest even, as T16(x)).
+template <typename T16>
+inline constexpr bool kRound16Vector =
+#if defined(__AVX512BF16__)
+    true;
+#else
+    std::is_same_v<T16, at::Half>;
+#endif
+
+template <typename T16>
+inline __m256i round16_ps(__m512 x) {
+  if constexpr (std::is_same_v<T16, at::Half>) {
+    return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  } else {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+    return _mm256_setzero_si256();  // (not reached: kRound16Vector<T16> is false)
+#endif
+  }
+}
+#endif
+
 // One row of P in 16 bits, in one pass: dst[j] = T16(exp2(c s[j] - mx)) (round to nearest even)
 // for j in [lo, hi), 0 for j in [0, lo) and [hi, n_pad); returns the float32 sum of the
 // exponentials before rounding.  What exp2_scaled_sum(s + lo, hi - lo, c, mx) and then to_bits16
@@ -776,23 +801,7 @@ template <typename T16>
 inline float exp2_scaled_sum_bits16(float* s, int64_t lo, int64_t hi, float c, float mx, uint16_t* dst,
                                     int64_t n_pad) {
 #if defined(__AVX512F__)
-#if defined(__AVX512BF16__)
-  constexpr bool kVector = true;
-#else
-  constexpr bool kVector = std::is_same_v<T16, at::Half>;
-#endif
-  if constexpr (kVector) {
-    const auto to16 = [](__m512 x) -> __m256i {
-      if constexpr (std::is_same_v<T16, at::Half>) {
-        return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      } else {
-#if defined(__AVX512BF16__)
-        return (__m256i)_mm512_cvtneps_pbh(x);
-#else
-        return _mm256_setzero_si256();  // (not reached: kVector is false)
-#endif
-      }
-    };
+  if constexpr (kRound16Vector<T16>) {
     if (lo > 0) std::memset(dst, 0, static_cast<size_t>(lo) * sizeof(uint16_t));
     const __m512 cv = _mm512_set1_ps(c), mv = _mm512_set1_ps(mx);
     __m512 sum = _mm512_setzero_ps();
@@ -814,13 +823,13 @@ inline float exp2_scaled_sum_bits16(float* s, int64_t lo, int64_t hi, float c, f
     for (; j + 16 <= hi; j += 16) {
       const __m512 p = exp2_ps_p16(_mm512_fmsub_ps(cv, _mm512_loadu_ps(s + j), mv));
       sum = _mm512_add_ps(sum, p);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), to16(p));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), round16_ps<T16>(p));
     }
     if (j < hi) {
       const __mmask16 k = static_cast<__mmask16>((1u << (hi - j)) - 1u);
       const __m512 p = exp2_ps_p16(_mm512_fmsub_ps(cv, _mm512_maskz_loadu_ps(k, s + j), mv));
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, p));
-      _mm256_mask_storeu_epi16(dst + j, k, to16(p));
+      _mm256_mask_storeu_epi16(dst + j, k, round16_ps<T16>(p));
       j = hi;
     }
     if (n_pad > j) std::memset(dst + j, 0, static_cast<size_t>(n_pad - j) * sizeof(uint16_t));
@@ -1197,12 +1206,7 @@ template <typename T16>
 void to_bits16_transposed(const float* src, int64_t lds, int64_t rows, int64_t cols, uint16_t* dst,
                           int64_t ldd, int64_t rows_pad) {
 #if defined(__AVX512F__)
-#if defined(__AVX512BF16__)
-  constexpr bool kVector = true;
-#else
-  constexpr bool kVector = std::is_same_v<T16, at::Half>;
-#endif
-  if constexpr (kVector) {
+  if constexpr (kRound16Vector<T16>) {
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
       const int rn = static_cast<int>(std::min<int64_t>(16, rows - r0));
       const __mmask16 rm = static_cast<__mmask16>((1u << rn) - 1u);
@@ -1213,17 +1217,8 @@ void to_bits16_transposed(const float* src, int64_t lds, int64_t rows, int64_t c
         for (int r = 0; r < 16; ++r)
           t[r] = r < rn ? _mm512_maskz_loadu_ps(cm, src + (r0 + r) * lds + c0) : _mm512_setzero_ps();
         tile_transpose16(t);
-        for (int c = 0; c < cn; ++c) {
-          __m256i h;
-          if constexpr (std::is_same_v<T16, at::Half>) {
-            h = _mm512_cvtps_ph(t[c], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          } else {
-#if defined(__AVX512BF16__)
-            h = (__m256i)_mm512_cvtneps_pbh(t[c]);
-#endif
-          }
-          _mm256_mask_storeu_epi16(dst + (c0 + c) * ldd + r0, rm, h);
-        }
+        for (int c = 0; c < cn; ++c)
+          _mm256_mask_storeu_epi16(dst + (c0 + c) * ldd + r0, rm, round16_ps<T16>(t[c]));
       }
     }
     if (rows_pad > rows)

@@ -525,7 +525,7 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
               if (tiles16) std::fill(st.pb16.data() + r * kBK, st.pb16.data() + r * kBK + round_up(kn, 2), uint16_t(0));
             } else {
               const acc_t alpha = std::exp2(st.m[r] - mx);  // 0 on the row's first visible block
-              acc_t sum;
+              acc_t sum = 0;
               if constexpr (k16 && std::is_same_v<acc_t, float>) {
                 // P in 16 bits straight from the scores (one pass), zero up to an even count: the
                 // pair of a VNNI product's odd tail.
