@@ -1120,7 +1120,11 @@ def format_header(meta: dict) -> list[str]:
     if meta.get("cpu_kernels") and meta.get("device") == "cpu":
         lines.append("attnkit cpu kernels: " + meta["cpu_kernels"])
         if meta.get("cpu_kernels_softmax"):
-            lines.append("attnkit cpu softmax: " + meta["cpu_kernels_softmax"].rsplit("; ", 1)[-1])
+            # From the run-time choice on: the tiles' path per dtype, then the decoding kernel's
+            # where it differs (a CPU with AMX; attnkit._dispatch.cpu_kernels).
+            text = meta["cpu_kernels_softmax"]
+            start = text.find("; forward, backward and decode tile GEMMs")
+            lines.append("attnkit cpu softmax: " + (text[start + 2:] if start >= 0 else text.rsplit("; ", 1)[-1]))
     if machine:
         lines.append(format_machine(machine))
     lines.extend(format_legend(meta))

@@ -115,8 +115,8 @@ std::string cpu_kernel_isa() {
 // The path the softmax forward's tile GEMMs take in this process for a dtype named as torch
 // prints it without "torch." (ATTNKIT_CPU_GEMM and the CPU: csrc/cpu/gemm_path.h).
 std::string cpu_gemm_path_name(const std::string& dtype, const std::string& use) {
-  ATTNKIT_CHECK(use == "tiles" || use == "decode" || use == "ranges",
-                "cpu_gemm_path: use must be 'tiles', 'decode' or 'ranges'; got '", use, "'");
+  ATTNKIT_CHECK(use == "tiles" || use == "decode" || use == "ranges" || use == "linear",
+                "cpu_gemm_path: use must be 'tiles', 'decode', 'ranges' or 'linear'; got '", use, "'");
   at::ScalarType t = at::kFloat;
   if (dtype == "bfloat16") {
     t = at::kBFloat16;
@@ -131,6 +131,7 @@ std::string cpu_gemm_path_name(const std::string& dtype, const std::string& use)
   return attnkit::gemm_path_name(
       attnkit::cpu_gemm_path(t, use == "decode"   ? attnkit::GemmUse::kDecode
                                 : use == "ranges" ? attnkit::GemmUse::kSparseRanges
+                                : use == "linear" ? attnkit::GemmUse::kLinear
                                                   : attnkit::GemmUse::kTiles));
 }
 
@@ -177,7 +178,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("cpu_gemm_path", &cpu_gemm_path_name, pybind11::arg("dtype"), pybind11::arg("use") = "tiles",
              "the tile-GEMM path of the CPU kernels for a dtype ('bfloat16', 'float16', 'float32', "
              "'float64') and use ('tiles': the flash tiles of every family; 'decode': the softmax decoding "
-             "kernel; 'ranges': the sparse range and fused strided kernels), chosen at run time: 'native', 'brgemm (AMX, VNNI)', 'brgemm (no VNNI: reference "
+             "kernel; 'ranges': the sparse range and fused strided kernels; 'linear': the linear chunk products), chosen at run time: 'native', 'brgemm (AMX, VNNI)', 'brgemm (no VNNI: reference "
              "fallback)' or 'brgemm emulated (VNNI layout, scalar: tests)' "
              "(ATTNKIT_CPU_GEMM=auto|native|brgemm|emulate, read per call)");
   // attnkit::softmax_fwd / softmax_bwd without their score options, called through the dispatcher

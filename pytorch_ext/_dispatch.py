@@ -70,7 +70,8 @@ CPU_GEMM_ENV_VAR = "ATTNKIT_CPU_GEMM"
 # GemmUse: native where brgemm measured slower on a Xeon with AMX), as cpu_gemm_path's `use` and
 # the label the report gives them.
 _OWN_GEMM_USE = {"softmax": ("decode", "decoding (N <= 16)"),
-                 "sparse": ("ranges", "range and fused strided kernels")}
+                 "sparse": ("ranges", "range and fused strided kernels"),
+                 "linear": ("linear", "under auto")}
 
 
 def cpu_kernels(family: str | None = None) -> str:

@@ -1273,7 +1273,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd_cpu(
   auto S = at::empty({B, H, D, Dv}, q.options().dtype(acc));
   auto z = at::empty({B, H, D}, q.options().dtype(acc));
   if (B * H == 0) return {out, den, S, z};
-  const GemmPath path = cpu_gemm_path(q.scalar_type());  // once per call, before the kernels
+  const GemmPath path = cpu_gemm_path(q.scalar_type(), GemmUse::kLinear);  // once per call, before the kernels
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "linear_fwd", [&] {
     using T = acc_t<scalar_t>;
     auto P = make_problem<scalar_t, T>(q, k, v, S0, z0, fm, causal, normalize, eps, scale);
@@ -1324,7 +1324,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_bw
     dz0.copy_(gz.defined() ? gz : at::zeros_like(dz0));
     return {dq, dk, dv, dS0, dz0};
   }
-  const GemmPath path = cpu_gemm_path(q.scalar_type());  // once per call, before the kernels
+  const GemmPath path = cpu_gemm_path(q.scalar_type(), GemmUse::kLinear);  // once per call, before the kernels
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "linear_bwd", [&] {
     using T = acc_t<scalar_t>;
     auto P = make_problem<scalar_t, T>(q, k, v, S0, z0, fm, causal, normalize, eps, scale);

@@ -85,12 +85,12 @@ def test_auto_follows_the_cpu(monkeypatch):
                 assert path in ("native", "brgemm (AMX, VNNI)"), (dtype, path)  # could_pack decides
 
 
-def test_decoding_and_sparse_range_kernels_take_native_under_auto_and_a_forced_path_otherwise(monkeypatch):
+def test_decoding_sparse_range_and_linear_kernels_take_native_under_auto_and_a_forced_path_otherwise(monkeypatch):
     # Session 17 (gemm_path.h, GemmUse::kDecode): on a Xeon with AMX the decoding kernel measured
     # faster native (K, V read in place) than on brgemm; a forced path still holds for it.
-    # Likewise the sparse range and fused strided kernels ("ranges").
+    # Likewise the sparse range and fused strided kernels ("ranges") and the linear chunk products.
     native = _dispatch.native()
-    for use in ("decode", "ranges"):
+    for use in ("decode", "ranges", "linear"):
         for setting in ("", "auto"):
             monkeypatch.setenv(ENV, setting)
             for dtype in ("bfloat16", "float16", "float32"):
@@ -99,12 +99,13 @@ def test_decoding_and_sparse_range_kernels_take_native_under_auto_and_a_forced_p
             monkeypatch.setenv(ENV, setting)
             for dtype in ("bfloat16", "float16"):
                 assert native.cpu_gemm_path(dtype, use) == native.cpu_gemm_path(dtype), (use, setting, dtype)
-    with pytest.raises(RuntimeError, match="use must be 'tiles', 'decode' or 'ranges'; got 'prefill'"):
+    with pytest.raises(RuntimeError, match="use must be 'tiles', 'decode', 'ranges' or 'linear'; got 'prefill'"):
         native.cpu_gemm_path("bfloat16", "prefill")
     # the report names these kernels' path where it differs from the tiles'
     monkeypatch.delenv(ENV, raising=False)
     differs = native.cpu_gemm_path("bfloat16") != "native"
-    for family, label in (("softmax", "decoding (N <= 16)"), ("sparse", "range and fused strided kernels")):
+    for family, label in (("softmax", "decoding (N <= 16)"), ("sparse", "range and fused strided kernels"),
+                          ("linear", "under auto")):
         kernels = attnkit.backends()[family]["cpu"].kernels
         assert (f"; {label}: bfloat16 native, float16 native, float32 native" in kernels) == differs, kernels
 

@@ -237,12 +237,13 @@ def tolerance(dtype, ref64, *, grad=False, naive=None, huge_scores=0.0, unit=Non
     raise AssertionError(dtype)
 
 
-def check_exact(name, out, ref64, tol, required=None, zero_or_nan=None):
+def check_exact(name, out, ref64, tol, required=None, zero_or_nan=None, may_be_nan=None):
     """NaN / ±inf exactly where ``ref64`` has them; ``required`` (bool, broadcastable to out):
     entries that must be non-finite (checked on the reference too); finite entries within
     ``tol``.  ``zero_or_nan`` (bool, broadcastable): entries of rows that see no key but hold
     a NaN query -- 0 (nothing to attend) or NaN (the query's NaN) both stand there, whatever the
-    reference says."""
+    reference says.  ``may_be_nan`` (bool, broadcastable): entries that may be NaN where the
+    reference is finite (:func:`amx_spread_rows`); where they are not NaN they are checked as usual."""
     assert out.shape == ref64.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref64.shape)}"
     x = out.detach().to(device=ref64.device, dtype=F64)
     r = ref64.detach()
@@ -251,6 +252,8 @@ def check_exact(name, out, ref64, tol, required=None, zero_or_nan=None):
         ok = torch.isnan(x) | (x == 0)
         assert ok[loose].all(), f"{name}: a row without keys (NaN query) is neither 0 nor NaN"
         r = torch.where(loose, x, r)
+    if may_be_nan is not None:
+        r = torch.where(torch.broadcast_to(may_be_nan.to(r.device), r.shape) & torch.isnan(x), x, r)
     if required is not None:
         required = torch.broadcast_to(required.to(r.device), r.shape)
         assert not torch.isfinite(r[required]).any(), \
@@ -270,6 +273,24 @@ def check_exact(name, out, ref64, tol, required=None, zero_or_nan=None):
     finite = torch.isfinite(r)
     err = _finite_err(x, r, finite)
     assert err <= tol, f"{name}: max error {err:.3e} > tolerance {tol:.3e}"
+
+
+def amx_spread_rows(backend, dtype, ref64, rows_up=2):
+    """For ``backend="reference"`` in bfloat16 on a CPU with AMX-BF16: the rows (bool [..., N])
+    up to ``rows_up`` above a row that is non-finite in ``ref64`` [..., N, Dv] -- where torch
+    2.13's bfloat16 matmul writes the NaN of its left operand's row i + 1 into output row i too
+    (README, "backend='reference' inherits torch's matmul"; oneDNN on AMX, K > 32 and K % 32 != 0),
+    once per product the NaN passes through (two in linear attention: the scores, then A V).
+    None elsewhere: the kernels, other dtypes and other CPUs get the exact NaN pattern."""
+    from attnkit._cpuinfo import cpu_info
+
+    if backend != "reference" or dtype != torch.bfloat16 or "AMX BF16" not in cpu_info()["isa"]:
+        return None
+    poisoned = ~torch.isfinite(ref64.detach().cpu()).all(-1)
+    near = torch.zeros_like(poisoned)
+    for s in range(1, rows_up + 1):
+        near[..., :-s] |= poisoned[..., s:]
+    return near & ~poisoned
 
 
 def check_v_mode(name, out, clean64, tol, required, allowed):

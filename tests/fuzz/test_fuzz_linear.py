@@ -19,8 +19,8 @@ from attnkit.reference.linear import (
 )
 from attnkit_testing import F64, spread_free_run
 from fuzzing import (
-    BACKENDS, LAYOUTS, SPECIALS, base_support, base_term_max, check_exact, check_grad_with_specials,
-    check_v_mode, dtypes_for, fused_qkv, fuzz_settings, interpreted, leaves, make_input,
+    BACKENDS, LAYOUTS, SPECIALS, amx_spread_rows, base_support, base_term_max, check_exact,
+    check_grad_with_specials, check_v_mode, dtypes_for, fused_qkv, fuzz_settings, interpreted, leaves, make_input,
     require_backend, set_values, tolerance,
 )
 
@@ -183,8 +183,10 @@ def test_linear_attention_matches_float64_reference(backend, device, data):
         check_v_mode(f"{name} out", out, ref, tol, (vis.unsqueeze(-1) & v_bad.unsqueeze(-3)).any(-2),
                      v_bad.any(-2, keepdim=True))
     else:
+        spread = amx_spread_rows(backend, dtype, ref)
         check_exact(f"{name} out", out, ref, tol, required_rows.unsqueeze(-1),
-                    zero_or_nan=(q_nan & ~has_key).unsqueeze(-1))
+                    zero_or_nan=(q_nan & ~has_key).unsqueeze(-1),
+                    may_be_nan=None if spread is None else spread.unsqueeze(-1))
     if return_state:
         assert s_out.dtype == state_dtype(dtype) and z_out.dtype == state_dtype(dtype)
         # S sums φ(k) vᵀ: a special value of V reaches S's column; the float64 reference says where.
