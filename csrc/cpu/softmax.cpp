@@ -494,23 +494,37 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
                           kBK, S + r0 * kBK + c0, kBK, false);
             }
           }
+          // The online softmax of the tile, in three passes over its rows rather than one row
+          // after another: a row's chain of latencies (the max's reduction, the exponential of the
+          // max's change, the sum's reduction) then overlaps other rows' work.  bfloat16 B=1 H=8
+          // N=1024 D=64 forward, one thread, Xeon with AMX (brgemm, session 18, min of ~350 calls):
+          // 6.9 -> 6.0 ms.
+          // (1) The visible keys [lo, hi) of each row in the tile (the edges of a causal diagonal
+          // or a window's band are skipped; P = 0 elsewhere), its score options, the new max.
+          // Q was multiplied by c while packing (the 16-bit tiles multiply raw scores: without
+          // score options, c is folded into the max and the exponentials, no pass of its own).
+          const acc_t cs = raw_plain ? c : acc_t(1);  // the factor s still needs
+          int64_t row_lo[kBQ], row_hi[kBQ];
+          acc_t row_mx[kBQ], row_alpha[kBQ];
           for (int64_t r = 0; r < qn; ++r) {
             acc_t* s = S + r * kBK;
             const int64_t i = q0 + r;
-            // Max and exponentials over the row's visible keys [lo, hi) of the tile only (the
-            // edges of a causal diagonal or a window's band are skipped); P = 0 elsewhere.
-            int64_t lo, hi;
+            int64_t& lo = row_lo[r];
+            int64_t& hi = row_hi[r];
             p.tile_range(i, k0, kn, lo, hi);
-            // Q was multiplied by c while packing (the 16-bit tiles multiply raw scores: without
-            // score options, c is folded into the max and the exponentials, no pass of its own).
-            acc_t cs = acc_t(1);  // the factor s still needs
-            if (raw_plain) {
-              cs = c;
-            } else {
+            if (!raw_plain)
               prepare_row<acc_t>(s, kn, lo, hi, tiles16 ? c : acc_t(1), p, b, h, i, k0, nullptr,
                                  tiles16 ? 1.0 : double(c));
-            }
-            const acc_t mx = hi > lo ? max_nan(st.m[r], scaled_max(s + lo, hi - lo, cs)) : st.m[r];
+            row_mx[r] = hi > lo ? max_nan(st.m[r], scaled_max(s + lo, hi - lo, cs)) : st.m[r];
+          }
+          // (2) The rescale factors exp2(m - mx) of all rows at once (0 on a row's first visible
+          // block; unused where mx is -inf).
+          exp2_diff(st.m.data(), row_mx, row_alpha, qn);
+          // (3) P, its sums, and the running (m, l, o).
+          for (int64_t r = 0; r < qn; ++r) {
+            acc_t* s = S + r * kBK;
+            const int64_t lo = row_lo[r], hi = row_hi[r];
+            const acc_t mx = row_mx[r];
             if (mx == neg_inf<acc_t>() || hi == lo) {
               // Nothing visible yet in this row: contributes nothing -- unless the max dropped a
               // NaN (flash_tiles.h): then the row is NaN from here on (m, l NaN are sticky).  (The
@@ -524,7 +538,7 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
               std::fill(s, s + kn, acc_t(0));
               if (tiles16) std::fill(st.pb16.data() + r * kBK, st.pb16.data() + r * kBK + round_up(kn, 2), uint16_t(0));
             } else {
-              const acc_t alpha = std::exp2(st.m[r] - mx);  // 0 on the row's first visible block
+              const acc_t alpha = row_alpha[r];
               acc_t sum = 0;
               if constexpr (k16 && std::is_same_v<acc_t, float>) {
                 // P in 16 bits straight from the scores (one pass), zero up to an even count: the
