@@ -474,7 +474,7 @@ inline __m512 exp2_ps(__m512 x) {
 // of the bfloat16 forward after the AMX products (perf, Xeon with AMX, session 17).  f comes from
 // vreduceps (x - round(x), exact; n = x - f exact too) rather than vrndscaleps and a subtraction:
 // 64 x 256 exponentials with their sum and rounding to bfloat16, one thread, Xeon with AMX
-// (session 18): 4.10 -> 3.75 ns per 16 (/tmp/w/mb/exp.cpp), the same values.  NaN stays NaN.
+// (session 18): 4.10 -> 3.75 ns per 16 (bench/cpu_micro/exp2_variants.cpp), the same values.  NaN stays NaN.
 // And no clamp then: vreduceps gives f = 0 for x = -inf (and for any |x| >= 2^23), so
 // n = -inf and vscalefps returns exactly 0 -- what the clamp at -200 was for.
 inline __m512 exp2_ps_p16(__m512 x) {
