@@ -446,14 +446,22 @@ inline void gemm(int64_t rows, int64_t cols, int64_t K, const T* A, int64_t sar,
 // ---------------------------------------------------------------------------------------------
 #if defined(__AVX512F__)
 // x = n + f with n = round(x), |f| <= 1/2; 2^f by its degree-7 Taylor polynomial in f*ln2
-// (truncation < 5e-9 relative), times 2^n with vscalefps.  x is clamped at -200 first:
-// 2^-200 underflows to exactly 0, so masked scores (-inf) give p = 0 without a NaN.  The clamp
-// takes x as max's *second* operand, which vmaxps returns when either is NaN: a NaN x stays NaN
-// (with x first, NaN became -200 and then p = 0: the NaN was dropped, issue 15).
+// (truncation < 5e-9 relative), times 2^n with vscalefps.  With AVX512-DQ, f comes from vreduceps,
+// which gives f = 0 for x = -inf: n = -inf, and vscalefps returns exactly 0 for masked scores.
+// Without it, x is clamped at -200 first: 2^-200 underflows to exactly 0, so masked scores (-inf)
+// give p = 0 without a NaN.  The clamp takes x as max's *second* operand, which vmaxps returns
+// when either is NaN: a NaN x stays NaN (with x first, NaN became -200 and then p = 0: the NaN
+// was dropped, issue 15).  vreduceps keeps a NaN too.
 inline __m512 exp2_ps(__m512 x) {
+#if defined(__AVX512DQ__)
+  // f = x - round(x) by vreduceps, n = x - f (both exact), no clamp: as exp2_ps_p16 below.
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n = _mm512_sub_ps(x, f);
+#else
   x = _mm512_max_ps(_mm512_set1_ps(-200.0f), x);
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
+#endif
   __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));

@@ -760,6 +760,8 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
                            Strides4 ks, const scalar_t* v, Strides4 vs, scalar_t* out, float* lse) {
   const int64_t B = p.B, H = p.H, Hk = p.Hk, N = p.N, D = p.D, Dv = p.Dv;
   const int64_t G = H / Hk, R = G * N;
+  ATTNKIT_CHECK(R <= kDecodeMaxRows, "softmax_decode_kernel: ", R, " rows per task, at most ", kDecodeMaxRows,
+                " expected (use_decode)");
   // Keys per tile: 64 = four vectors of columns, the P V micro-kernel's widest panel (32 KiB of
   // float32 V at D = 128, prefetched into L1 at the tile's start); 32-key tiles measured 5-20%
   // slower.
@@ -989,14 +991,25 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
                              std::min<int64_t>(16, kn - j0));
           }
 #endif
-          // Online softmax per row, as in the flash forward (NaN rules in flash_tiles.h).
+          // Online softmax, as in the flash forward (NaN rules in flash_tiles.h), in its three
+          // passes over the rows: ranges, score options and maxima; every row's rescale factor
+          // at once (exp2_diff); P, sums, (m, l, o).
+          int64_t row_lo[kDecodeMaxRows], row_hi[kDecodeMaxRows];
+          float row_mx[kDecodeMaxRows], row_alpha[kDecodeMaxRows];
           for (int64_t r = 0; r < R; ++r) {
             float* s = S + r * T;
             const int64_t i = r % N, h = hk * G + r / N;
-            int64_t lo, hi;
+            int64_t& lo = row_lo[r];
+            int64_t& hi = row_hi[r];
             p.tile_range(i, k0, kn, lo, hi);
             prepare_row<float>(s, kn, lo, hi, c, p, b, h, i, k0);
-            const float mx = hi > lo ? max_nan(st.m[r], row_max(s + lo, hi - lo)) : st.m[r];
+            row_mx[r] = hi > lo ? max_nan(st.m[r], row_max(s + lo, hi - lo)) : st.m[r];
+          }
+          exp2_diff(st.m.data(), row_mx, row_alpha, R);
+          for (int64_t r = 0; r < R; ++r) {
+            float* s = S + r * T;
+            const int64_t lo = row_lo[r], hi = row_hi[r];
+            const float mx = row_mx[r];
             if (mx == neg_inf<float>() || hi == lo) {
               if (hi > lo && has_nan(s + lo, hi - lo)) {
                 st.m[r] = st.l[r] = std::numeric_limits<float>::quiet_NaN();
@@ -1004,7 +1017,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
               }
               std::fill(s, s + kn, 0.f);
             } else {
-              const float alpha = std::exp2(st.m[r] - mx);
+              const float alpha = row_alpha[r];
               const float sum = exp2_sub_sum(s + lo, hi - lo, mx);
               std::fill(s, s + lo, 0.f);
               std::fill(s + hi, s + kn, 0.f);
