@@ -37,6 +37,7 @@
 
 #include "../checks/checks.h"
 #include "flash_tiles.h"
+#include "empty_huge.h"
 #include "gemm_path.h"
 #include "parallel_tasks.h"
 #include "simd_f32.h"
@@ -601,10 +602,25 @@ void parallel_tasks_on(GemmPath path, int64_t tasks, const F& body) {
 //   X^T [Dp][tw]   the scores' B (pairs along d), zeros past D and past N
 //   X   [tw][D]    P.X's B (pairs along the rows), zero rows past N
 //   V   [tw][Dv]   P.V's B (with values)
+// 16-bit scratch of n elements, uninitialized, on empty_huge's huge-page blocks (empty_huge.h),
+// which are kept for the next call of the same size.  The packed copies of the stored patterns
+// are O(N D): with avec (zero-filled fresh pages) the page faults and their zeroing were ~55% of
+// the samples of an update with one state (bfloat16 S=1 N=65536 H=4 D=64, brgemm, perf, Xeon with
+// AMX, session 18).
+struct HugeScratch16 {
+  at::Tensor block;
+  uint16_t* ptr = nullptr;
+  void reset(int64_t n) {
+    block = empty_huge({std::max<int64_t>(n, 1)}, at::TensorOptions().dtype(at::kShort));
+    ptr = reinterpret_cast<uint16_t*>(block.data_ptr<int16_t>());
+  }
+  uint16_t* data() const { return ptr; }
+};
+
 struct Stored16 {
   Gemm16 g;
   int64_t D = 0, Dv = 0, Dp = 0, tw = 0, tiles = 0;
-  avec<uint16_t> xt, xr, vr;
+  HugeScratch16 xt, xr, vr;
 
   int64_t tile(int64_t bh, int64_t t) const { return bh * tiles + t; }
   const uint16_t* xt_tile(int64_t bh, int64_t t) const { return xt.data() + tile(bh, t) * Dp * tw; }
@@ -616,14 +632,15 @@ struct Stored16 {
 template <typename T16>
 void pack_stored16(const T16* X, const T16* V, int64_t BH, int64_t N, Stored16& p) {
   const int64_t D = p.D, Dv = p.Dv, tw = p.tw;
-  p.xt.assign(static_cast<size_t>(BH * p.tiles * p.Dp * tw), 0);  // the padding stays zero
-  p.xr.resize(static_cast<size_t>(BH * p.tiles * tw * D));         // written whole below
-  if (V != nullptr) p.vr.resize(static_cast<size_t>(BH * p.tiles * tw * Dv));
+  p.xt.reset(BH * p.tiles * p.Dp * tw);  // zeroed per tile below (the padding stays zero)
+  p.xr.reset(BH * p.tiles * tw * D);      // written whole below
+  if (V != nullptr) p.vr.reset(BH * p.tiles * tw * Dv);
   const bool pairs = p.g.pairs();
   parallel_tasks(BH * p.tiles, [&](int64_t i) {
     const int64_t bh = i / p.tiles, t = i % p.tiles;
     const int64_t r0 = t * kTileN, kn = std::min(kTileN, N - r0);
     const T16* x = X + (bh * N + r0) * D;
+    std::memset(p.xt.data() + i * p.Dp * tw, 0, static_cast<size_t>(p.Dp * tw) * sizeof(uint16_t));
     pack_transposed_pairs(x, D, 1, kn, D, p.xt.data() + i * p.Dp * tw, tw, pairs);
     pack_rows16(x, D, 1, kn, D, p.xr.data() + i * tw * D, D, pairs, tw);
     if (V != nullptr) pack_rows16(V + (bh * N + r0) * Dv, Dv, 1, kn, Dv, p.vr.data() + i * tw * Dv, Dv, pairs, tw);
@@ -1980,8 +1997,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hopfield_update_fwd_c
 #endif
   const bool keep16 = brgemm || convert_per_tile;
   auto st = state.to(acc_dtype).contiguous();
-  auto x = keep16 ? stored.contiguous() : stored.to(acc_dtype).contiguous();
-  auto v = !has_values ? at::Tensor() : keep16 ? values_opt->contiguous() : values_opt->to(acc_dtype).contiguous();
+  // The stored patterns' float32 copies are O(N D) too: on empty_huge's kept blocks, as above.
+  auto to_acc = [&](const at::Tensor& t) {
+    if (t.scalar_type() == acc_dtype && t.is_contiguous()) return t;
+    at::Tensor r = empty_huge(t.sizes(), opts);
+    r.copy_(t);
+    return r;
+  };
+  auto x = keep16 ? stored.contiguous() : to_acc(stored);
+  auto v = !has_values ? at::Tensor() : keep16 ? values_opt->contiguous() : to_acc(*values_opt);
   auto out = at::empty({B, H, S, Dv}, opts);
   auto states = at::empty({steps + 1, B, H, S, D}, opts);
   auto lse = at::empty({R, B, H, S}, opts);

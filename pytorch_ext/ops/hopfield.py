@@ -380,31 +380,25 @@ if _update_op is not None:
         backward = staticmethod(_update_backward)
 
 
-# A few 16-bit states against many stored patterns: each update is a softmax attention of the
-# states over keys = values = X, and the softmax's decoding kernel (N <= 16 query rows, keys split
-# over the threads, bfloat16 / float16 K and V read in place) runs it faster than this family's
-# fused kernel, whose 16-bit paths convert or pack all of X per call.  Measured on a Xeon with AMX
-# (session 18; B=1 H=4 D=64, 2 threads, min over 1 s of calls, fused time / per-step decoding time):
-#   bfloat16 (fused on brgemm): S=1: 1.15x-5.9x at N=256..4096, 9-31x at N=65536 (steps 1 and 3);
-#     S=16: 1.2x at steps=1 but 0.5x at steps=3 for N <= 4096, 1.9-5.4x at N=65536;
-#   float16 (fused native: no AMX-FP16 there): S=1 steps=1 1.4-8x; S=1 steps=3 0.6-1.0x for
-#     N <= 4096, 3.2x at 65536; S=16 0.56-0.88x for N <= 4096, 2.35x (steps=1) / 0.95x (steps=3)
-#     at 65536.
-# Hence: on a brgemm path, S == 1 or N >= 32768; on the native path, N >= 32768 with S == 1 or
-# one step.  The states between steps are then the attention's outputs in the inputs' dtype:
-# the next step's scores multiply them in that dtype on either path (brgemm rounds its left
-# operand), and the plain call returns only the last one, in that dtype.  tol, values and
-# return_energy keep the fused kernel (the full path).
-_DECODE_MAX_STATES = 16  # the softmax decoding kernel's rows per head (csrc/cpu/softmax.cpp)
-_DECODE_MANY_PATTERNS = 32768
+# One 16-bit state: each update is a softmax attention of the state over keys = values = X, and
+# the softmax's decoding kernel (keys split over the threads, bfloat16 / float16 K and V read in
+# place) runs it faster than this family's fused kernel, which packs or converts all of X per call
+# and gives each step's tiles a single row.  Measured on a Xeon with AMX (session 18; B=1 H=4
+# D=64, 2 threads, min over 1 s of calls, fused time / per-step decoding time):
+#   bfloat16 (fused on brgemm): S=1 1.2-3.5x at N=256..65536, steps 1 and 3; S=16 0.41-0.89x
+#     (N >= 1024), 1.26x at N=256 with one step;
+#   float16 (fused native: no AMX-FP16 there): S=1 one step 1.6-2.0x, three steps 0.67-0.98x;
+#     S=16 0.64-1.17x.
+# Hence: S == 1, every step count on a brgemm path, one step on the native path.  The state
+# between steps is then the attention's output in the inputs' dtype: the next step's scores
+# multiply it in that dtype on either path (brgemm rounds its left operand), and the plain call
+# returns only the last one, in that dtype.  tol, values and return_energy keep the fused kernel.
 
 
 def _steps_by_decoding(dtype, s, n, steps):
-    if dtype not in (torch.bfloat16, torch.float16) or not 1 <= s <= _DECODE_MAX_STATES:
+    if dtype not in (torch.bfloat16, torch.float16) or s != 1:
         return False
-    if native().cpu_gemm_path(str(dtype).removeprefix("torch.")) != "native":
-        return s == 1 or n >= _DECODE_MANY_PATTERNS
-    return n >= _DECODE_MANY_PATTERNS and (s == 1 or steps == 1)
+    return steps == 1 or native().cpu_gemm_path(str(dtype).removeprefix("torch.")) != "native"
 
 
 def _update_by_decoding(state, stored, beta, steps):
@@ -560,8 +554,8 @@ def hopfield_update(
             used as key and value), no S×N matrix, and for a few queries (S ≤ 16) against a
             long memory the patterns split across threads; its backward recomputes each step
             from the saved per-step states.  On the cpu backend, a plain call (no ``values``,
-            ``tol`` or ``return_energy``) with float16 / bfloat16 states, S ≤ 16, and one state
-            or very many patterns (see ``_steps_by_decoding``) runs each step as
+            ``tol`` or ``return_energy``) with one float16 / bfloat16 state (S = 1; all step
+            counts on AMX, one step elsewhere: ``_steps_by_decoding``) runs each step as
             :func:`attnkit.softmax_attention` of ξ over keys = values = X instead: the softmax's
             decoding kernel reads the 16-bit patterns in place (bfloat16 S=1 N=262144 on a Xeon
             with AMX: 0.28x -> 1.98x torch SDPA per step); its gradients are that op's, step
