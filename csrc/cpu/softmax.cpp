@@ -1163,16 +1163,35 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
   const int64_t D2 = round_up(D, 32), Dv2 = round_up(Dv, 32);
   const int64_t Dp = round_up(D, 16), Dvp = round_up(Dv, 16);
 
-  // Di = rowsum(dO o O), and lse in base 2 (-inf kept), both [B*H*N].
+  // Di = rowsum(dO o O), and lse in base 2 (-inf kept), both [B*H*N].  The rows are converted to
+  // acc_t a chunk at a time and summed in kLanes independent partial sums: one chain of dependent
+  // scalar FMAs per row (Dv x 4 cycles of latency, with a scalar conversion each) was ~5% of a
+  // bfloat16 forward+backward (B=1 H=8 N=1024 D=128, one thread, perf, Xeon with AMX, session 18).
   avec<acc_t> Di(static_cast<size_t>(B * H * N)), L2(static_cast<size_t>(B * H * N));
   at::parallel_for(0, B * H * N, 256, [&](int64_t begin, int64_t end) {
+    constexpr int64_t kChunk = 256, kLanes = 16;
+    alignas(64) acc_t ob[kChunk], gb[kChunk];
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / (H * N), h = (row / N) % H, i = row % N;
       const scalar_t* o = out + os.at(b, h, i);
       const scalar_t* g = dout + dos.at(b, h, i);
+      acc_t part[kLanes] = {};
+      for (int64_t d0 = 0; d0 < Dv; d0 += kChunk) {
+        const int64_t n = std::min(kChunk, Dv - d0);
+        if constexpr (std::is_same_v<acc_t, float>) {
+          row_to_float(o + d0 * os.d, os.d, n, ob);
+          row_to_float(g + d0 * dos.d, dos.d, n, gb);
+        } else {
+          convert_row(o + d0 * os.d, os.d, n, ob);
+          convert_row(g + d0 * dos.d, dos.d, n, gb);
+        }
+        const int64_t n_full = n / kLanes * kLanes;
+        for (int64_t d = 0; d < n_full; d += kLanes)
+          for (int64_t x = 0; x < kLanes; ++x) part[x] += ob[d + x] * gb[d + x];
+        for (int64_t d = n_full; d < n; ++d) part[d - n_full] += ob[d] * gb[d];
+      }
       acc_t sum = 0;
-      for (int64_t d = 0; d < Dv; ++d)
-        sum += static_cast<acc_t>(o[d * os.d]) * static_cast<acc_t>(g[d * dos.d]);
+      for (int64_t x = 0; x < kLanes; ++x) sum += part[x];
       Di[row] = sum;
       L2[row] = lse[ls.at(b, h, i)] * static_cast<acc_t>(kLog2e);
     }
