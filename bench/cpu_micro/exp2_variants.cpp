@@ -11,55 +11,37 @@
 #include <vector>
 #include <cmath>
 #include <random>
-static inline __m512 e2_p4(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-200.0f), x);
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(0.009582852944731712f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.055906426161527634f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024099111557007f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931241750717163f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+// 2^f on [-1/2, 1/2] by Horner's rule over coefficients from the highest degree down: degree 4 is
+// flash_tiles.h's exp2_ps_p16 polynomial (2.9e-6 relative), degree 3 a truncated Taylor one.
+constexpr float kP4[] = {0.009582852944731712f, 0.055906426161527634f, 0.24024099111557007f, 0.6931241750717163f, 1.0f};
+constexpr float kP3[] = {0.0555041086648215f, 0.2402265069591007f, 0.6931471805599453f, 1.0f};
+template <int K>
+static inline __m512 horner(__m512 f, const float (&c)[K]) {
+  __m512 p = _mm512_set1_ps(c[0]);
+  for (int i = 1; i < K; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+  return p;
 }
-// magic-number rounding, integer exponent add. x clamped to [-126, ...]
-static inline __m512 e2_magic(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-127.0f), x);
-  const __m512 magic = _mm512_set1_ps(12582912.0f + 127.0f);  // 1.5*2^23 + 127
-  const __m512 t = _mm512_add_ps(x, magic);
-  const __m512 n = _mm512_sub_ps(t, magic);  // n - 127 ... (t - magic) = round(x)
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(0.009582852944731712f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.055906426161527634f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024099111557007f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931241750717163f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_castps_si512(t), 23);  // (n+127) << 23
-  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_sub_epi32(e, _mm512_set1_epi32(127 << 23))));
-}
-static inline __m512 e2_reduce(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-200.0f), x);
-  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 n = _mm512_sub_ps(x, f);
-  __m512 p = _mm512_set1_ps(0.009582852944731712f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.055906426161527634f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024099111557007f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931241750717163f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-static inline __m512 e2_p3(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-200.0f), x);
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(0.0555041086648215f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+// Range reductions x = n + f.  V = 0: vrndscaleps, degree 4 (the kernel before session 18);
+// 1: the magic-number rounding with the exponent added as an integer; 2: vreduceps, degree 4;
+// 3: vrndscaleps, degree 3.  All clamp x at -200 (-127 for 1): 0 for -inf.
 template <int V>
-static inline __m512 e2(__m512 x) { if constexpr (V == 0) return e2_p4(x); else if constexpr (V == 1) return e2_magic(x); else if constexpr (V == 2) return e2_reduce(x); else return e2_p3(x); }
+static inline __m512 e2(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(V == 1 ? -127.0f : -200.0f), x);
+  if constexpr (V == 1) {
+    const __m512 magic = _mm512_set1_ps(12582912.0f + 127.0f);  // 1.5 * 2^23 + 127
+    const __m512 t = _mm512_add_ps(x, magic);                   // low mantissa bits: n + 127
+    const __m512 p = horner(_mm512_sub_ps(x, _mm512_sub_ps(t, magic)), kP4);
+    const __m512i e = _mm512_sub_epi32(_mm512_slli_epi32(_mm512_castps_si512(t), 23), _mm512_set1_epi32(127 << 23));
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+  } else if constexpr (V == 2) {
+    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_scalef_ps(horner(f, kP4), _mm512_sub_ps(x, f));
+  } else {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    return _mm512_scalef_ps(V == 0 ? horner(f, kP4) : horner(f, kP3), n);
+  }
+}
 
 template <int V, int U>
 __attribute__((noinline)) float expsum(const float* s, int n, float c, float mx, uint16_t* dst) {
@@ -114,6 +96,6 @@ int main() {
     printf(" exp magic U4 %.2f\n", ns(bench([&] { for (int r = 0; r < rows; ++r) sink = sink + expsum<1, 4>(&S[r * K], K, 0.18f, m[r], &P[r * K]); }, 2000)));
   }
   // accuracy of magic vs p4
-  double me = 0; for (float x = -30; x <= 0; x += 0.0013f) { float a[16], b[16]; _mm512_storeu_ps(a, e2_magic(_mm512_set1_ps(x))); double r = std::exp2((double)x); me = std::max(me, std::fabs(a[0] - r) / r); }
-  printf("magic rel err %.3g; x=-127 -> ", me); float a[16]; _mm512_storeu_ps(a, e2_magic(_mm512_set1_ps(-1000.f))); printf("%g, -inf -> ", a[0]); _mm512_storeu_ps(a, e2_magic(_mm512_set1_ps(-INFINITY))); printf("%g nan -> ", a[0]); _mm512_storeu_ps(a, e2_magic(_mm512_set1_ps(NAN))); printf("%g\n", a[0]);
+  double me = 0; for (float x = -30; x <= 0; x += 0.0013f) { float a[16], b[16]; _mm512_storeu_ps(a, e2<1>(_mm512_set1_ps(x))); double r = std::exp2((double)x); me = std::max(me, std::fabs(a[0] - r) / r); }
+  printf("magic rel err %.3g; x=-127 -> ", me); float a[16]; _mm512_storeu_ps(a, e2<1>(_mm512_set1_ps(-1000.f))); printf("%g, -inf -> ", a[0]); _mm512_storeu_ps(a, e2<1>(_mm512_set1_ps(-INFINITY))); printf("%g nan -> ", a[0]); _mm512_storeu_ps(a, e2<1>(_mm512_set1_ps(NAN))); printf("%g\n", a[0]);
 }
