@@ -108,7 +108,9 @@ def test_which_calls_take_the_route(monkeypatch, kwargs, routed):
         with pytest.raises(_Routed):
             attnkit.hopfield_update(state, stored, **extra)
     else:
-        attnkit.hopfield_update(state, stored, **extra)  # the fused kernel: no _Routed
+        result = attnkit.hopfield_update(state, stored, **extra)  # the fused kernel: no _Routed
+        out = result[0] if isinstance(result, tuple) else result
+        assert out.shape == state.shape and out.dtype == state.dtype
 
 
 @pytest.mark.parametrize("gemm,dtype,s,steps,routed", [
