@@ -557,12 +557,14 @@ void strip_softmax(int64_t hn, int64_t w, const int64_t* a, const int64_t* e, ac
   for (int64_t g0 = 0; g0 < hn; g0 += kRows) {
     const int64_t gn = std::min(kRows, hn - g0);
     acc_t m_old[kRows], mx[kRows], alpha[kRows];
+    int64_t ar[kRows], er[kRows];  // the row's visible columns, clamped to [0, w)
     bool live[kRows];
     for (int64_t i = 0; i < gn; ++i) {
       const int64_t r = g0 + i;
-      const int64_t ar = std::clamp<int64_t>(a[r], 0, w), er = std::clamp<int64_t>(e[r], 0, w);
+      ar[i] = std::clamp<int64_t>(a[r], 0, w);
+      er[i] = std::clamp<int64_t>(e[r], 0, w);
       m_old[i] = m[r];
-      live[i] = ar < er && row_new_max(S + r * lds + ar, er - ar, c, m[r], l[r], mx[i]);
+      live[i] = ar[i] < er[i] && row_new_max(S + r * lds + ar[i], er[i] - ar[i], c, m[r], l[r], mx[i]);
       if (!live[i]) m_old[i] = mx[i] = acc_t(0);  // (no factor needed)
     }
     if (fresh)
@@ -576,10 +578,9 @@ void strip_softmax(int64_t hn, int64_t w, const int64_t* a, const int64_t* e, ac
         std::fill(s, s + w, acc_t(0));
         continue;
       }
-      const int64_t ar = std::clamp<int64_t>(a[r], 0, w), er = std::clamp<int64_t>(e[r], 0, w);
-      const acc_t sum = exp2_scaled_sum(s + ar, er - ar, c, mx[i]);
-      std::fill(s, s + ar, acc_t(0));
-      std::fill(s + er, s + w, acc_t(0));
+      const acc_t sum = exp2_scaled_sum(s + ar[i], er[i] - ar[i], c, mx[i]);
+      std::fill(s, s + ar[i], acc_t(0));
+      std::fill(s + er[i], s + w, acc_t(0));
       if (!fresh && alpha[i] != acc_t(1)) {
         acc_t* o = O + r * ldo;
         for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha[i];

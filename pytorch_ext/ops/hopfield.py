@@ -34,6 +34,7 @@ import torch
 from .._dispatch import ENV_VAR, BackendUnavailableError, native, register_kernel, resolve
 from .._validation import FLOATING, RANK_HINT, check_int, check_real, check_same_dtype_device, check_size_match, check_tensor
 from ..reference.hopfield import hopfield_energy_reference, hopfield_update_reference
+from .softmax import softmax_attention
 
 __all__ = ["hopfield_update", "hopfield_energy"]
 
@@ -395,7 +396,7 @@ if _update_op is not None:
 # returns only the last one, in that dtype.  tol, values and return_energy keep the fused kernel.
 
 
-def _steps_by_decoding(dtype, s, n, steps):
+def _steps_by_decoding(dtype, s, steps):
     if dtype not in (torch.bfloat16, torch.float16) or s != 1:
         return False
     return steps == 1 or native().cpu_gemm_path(str(dtype).removeprefix("torch.")) != "native"
@@ -404,8 +405,6 @@ def _steps_by_decoding(dtype, s, n, steps):
 def _update_by_decoding(state, stored, beta, steps):
     """``steps`` updates ξ <- softmax(β ξ Xᵀ) X as softmax attentions on the cpu backend
     (differentiable through torch's autograd, step by step)."""
-    from .softmax import softmax_attention
-
     xi = state
     for _ in range(steps):
         xi = softmax_attention(xi, stored, stored, scale=beta, backend="cpu")
@@ -558,7 +557,7 @@ def hopfield_update(
             counts on AMX, one step elsewhere: ``_steps_by_decoding``) runs each step as
             :func:`attnkit.softmax_attention` of ξ over keys = values = X instead: the softmax's
             decoding kernel reads the 16-bit patterns in place (bfloat16 S=1 N=262144 on a Xeon
-            with AMX: 0.28x -> 1.98x torch SDPA per step); its gradients are that op's, step
+            with AMX: 0.28x -> 2.14x torch SDPA per step); its gradients are that op's, step
             by step.  CUDA tensors default to the Triton kernel
             (``"triton"``, also CPU tensors under ``TRITON_INTERPRET=1``): the same fused
             steps with the block's states kept on chip, and for S ≤ 16 against a long memory a
@@ -634,7 +633,7 @@ def hopfield_update(
             chosen = _route("hopfield", backend, state, None, fn)
             if chosen == "cpu" or chosen == "cuda":
                 beta = 1.0 / math.sqrt(d) if beta is None else float(beta)
-                if chosen == "cpu" and _steps_by_decoding(dtype, s, n, steps):
+                if chosen == "cpu" and _steps_by_decoding(dtype, s, steps):
                     return _update_by_decoding(state, stored, beta, steps)
                 return _call_update(state, stored, None, beta, steps, None, False)[0].to(dtype)
     _check_common(fn, state, stored)

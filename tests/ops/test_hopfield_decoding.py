@@ -30,7 +30,7 @@ def test_routed_update_within_twice_reference_error(monkeypatch, dtype, steps):
     if steps > 1:  # several steps take the route on a brgemm path only: forced (any CPU)
         monkeypatch.setenv("ATTNKIT_CPU_GEMM", "brgemm")
     state, stored = _inputs(1, N_ODD, 40, dtype)
-    assert hop_ops._steps_by_decoding(dtype, 1, N_ODD, steps)
+    assert hop_ops._steps_by_decoding(dtype, 1, steps)
     want = hopfield_update_reference(state.double(), stored.double(), beta=0.2, steps=steps)
     ref_err = (hopfield_update_reference(state, stored, beta=0.2, steps=steps).double() - want).abs().max()
     got = attnkit.hopfield_update(state, stored, beta=0.2, steps=steps, backend="cpu")
@@ -52,7 +52,7 @@ def test_routed_update_is_the_softmax_attention_steps_bit_for_bit(monkeypatch):
 def test_routed_update_gradients_within_twice_reference_error(monkeypatch, dtype):
     monkeypatch.setenv("ATTNKIT_CPU_GEMM", "brgemm")  # two steps: the route on any CPU
     state, stored = (t.requires_grad_() for t in _inputs(1, N_ODD, 24, dtype, seed=2))
-    assert hop_ops._steps_by_decoding(dtype, 1, N_ODD, 2)
+    assert hop_ops._steps_by_decoding(dtype, 1, 2)
     out = attnkit.hopfield_update(state, stored, beta=0.25, steps=2, backend="cpu")
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     (out.float() * weights).sum().backward()
@@ -74,7 +74,7 @@ def test_routed_update_nan_rows_as_the_reference(where, val):
         stored[0, 1, 11, 5] = val
     else:
         state[0, 0, 0, 7] = val
-    assert hop_ops._steps_by_decoding(BF16, 1, N_ODD, 1)
+    assert hop_ops._steps_by_decoding(BF16, 1, 1)
     want = hopfield_update_reference(state.double(), stored.double(), beta=0.2, steps=1)
     got = attnkit.hopfield_update(state, stored, beta=0.2, steps=1, backend="cpu")
     assert want.isnan().any()
@@ -120,4 +120,4 @@ def test_which_calls_take_the_route(monkeypatch, kwargs, routed):
 ])
 def test_the_route_follows_the_tile_gemm_path(monkeypatch, gemm, dtype, s, steps, routed):
     monkeypatch.setenv("ATTNKIT_CPU_GEMM", gemm)
-    assert hop_ops._steps_by_decoding(dtype, s, N_ODD, steps) is routed
+    assert hop_ops._steps_by_decoding(dtype, s, steps) is routed
