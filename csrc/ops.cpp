@@ -15,6 +15,7 @@
 
 #include "checks/checks.h"
 #include "cpu/gemm_path.h"
+#include "softmax_autograd.h"
 
 TORCH_LIBRARY(attnkit, m) {
   // Hopfield energy, fused log-sum-exp.  state [B,H,S,D], stored [B,H,N,D] ->
@@ -216,6 +217,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
         return op.call(grad_out, q, k, v, out, lse, mask, scale, is_causal, -1, -1, 0.0, std::nullopt);
       },
       "attnkit::softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal) through the dispatcher, typed");
+  attnkit::bind_softmax_autograd(module);
   module.def("openmp_max_threads", []() { return at::get_num_threads(); },
              "threads the CPU kernels use (torch's intra-op pool)");
 

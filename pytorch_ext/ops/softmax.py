@@ -198,26 +198,37 @@ def _native_backward(ctx, grad_out, grad_lse):
     else:  # 10 inputs: (window_left, window_right, softcap, alibi_slopes) passed on to the kernel
         q, k, v, out, lse, mask, alibi = saved
         kernel_args, no_grads = ctx.kernel_args + (alibi,), (None,) * 7
-        saved = saved[:6]
     # No gradient for the mask (a mask that requires grad is routed to the reference), scale,
     # is_causal or the score options (alibi_slopes that require grad go to the reference too).
+    grads = _native_gradients(q, k, v, out, lse, mask, ctx.scale, ctx.is_causal, kernel_args,
+                              grad_out, grad_lse)
+    return (*grads, *no_grads)
+
+
+def _native_gradients(q, k, v, out, lse, mask, scale, is_causal, kernel_args, grad_out, grad_lse):
+    """(dq, dk, dv) of attnkit::softmax_fwd from its saved tensors: the backward of
+    _NativeAttention, and of the C++ autograd (csrc/softmax_autograd.cpp) where that one does
+    not call the kernel itself (a gradient for the lse, a double backward)."""
     if torch.is_grad_enabled():  # create_graph=True: a double backward will follow
-        grads = _differentiable_gradients(q, k, v, mask, ctx.is_causal, ctx.scale,
-                                          _kernel_score_options(kernel_args), grad_out, grad_lse)
-        return (*grads, *no_grads)
+        return _differentiable_gradients(q, k, v, mask, is_causal, scale,
+                                         _kernel_score_options(kernel_args), grad_out, grad_lse)
     if grad_lse is None and grad_out is not None:
         # The usual call (the lse unused): one kernel call, as _gradients would make it.
         if not kernel_args:
-            return (*_BWD_CALL(grad_out, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal), None, None, None)
-        return (*_BWD_OP(grad_out, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal, *kernel_args), *no_grads)
+            return _BWD_CALL(grad_out, q, k, v, out, lse, mask, scale, is_causal)
+        return _BWD_OP(grad_out, q, k, v, out, lse, mask, scale, is_causal, *kernel_args)
     # The CUDA kernels need V's head dim equal to the query's.
     probe = q.shape[-1] if q.is_cuda else None
 
     def run_bwd(g, v, out, _with_dropout):  # no dropout in the C++ kernels
-        return _BWD_OP(g, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal, *kernel_args)
+        return _BWD_OP(g, q, k, v, out, lse, mask, scale, is_causal, *kernel_args)
 
-    dq, dk, dv = _gradients(run_bwd, saved, grad_out, grad_lse, probe)
-    return (dq, dk, dv, *no_grads)
+    return _gradients(run_bwd, (q, k, v, out, lse), grad_out, grad_lse, probe)
+
+
+def _cpp_autograd_backward(q, k, v, out, lse, mask, scale, is_causal, grad_out, grad_lse):
+    """The C++ autograd's fallback (attnkit._C.set_softmax_backward_fallback): no score options."""
+    return tuple(_native_gradients(q, k, v, out, lse, mask, scale, is_causal, (), grad_out, grad_lse))
 
 
 if _NATIVE_OPS:
@@ -238,6 +249,11 @@ if _NATIVE_OPS:
     _C_MODULE = native()
     _FWD_CALL = getattr(_C_MODULE, "softmax_fwd_call", _FWD_CALL_OPTIONS)
     _BWD_CALL = getattr(_C_MODULE, "softmax_bwd_call", getattr(_BWD_OP, "_op", _BWD_OP))
+    # The op with its autograd in C++ (csrc/softmax_autograd.cpp) for differentiable eager calls
+    # without score options: no Python frame in the forward's autograd or in the usual backward.
+    _FWD_AUTOGRAD = getattr(_C_MODULE, "softmax_fwd_autograd", None)
+    if _FWD_AUTOGRAD is not None:
+        _C_MODULE.set_softmax_backward_fallback(_cpp_autograd_backward)
 
     class _NativeAttention(torch.autograd.Function):
         """The eager path of ``attnkit::softmax_fwd`` with its registered autograd: the same
@@ -276,9 +292,13 @@ def _native_apply(q, k, v, mask, scale, is_causal):
     functorch wrappers (done here for the tensors) before the C++ apply.  Issue 25, B=H=1 N=16
     D=64 float32 with grad, one thread, loaded 2-core AMD EPYC Zen 3 (timeit): the wrapper was
     ~5-6 us of a ~26 us apply.  Under a transform (vmap, grad, ...) the wrapper runs, and raises
-    its error (the Function has no setup_context)."""
+    its error (the Function has no setup_context).  Outside them, the C++ autograd Function
+    (csrc/softmax_autograd.cpp) where attnkit._C has it: the same formula, no Python frame."""
     if _functorch_active():
         return _NativeAttention.apply(q, k, v, mask, scale, is_causal)
+    if _FWD_AUTOGRAD is not None:
+        return _FWD_AUTOGRAD(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v),
+                             mask if mask is None else _unwrap_if_dead(mask), scale, is_causal)
     return _NATIVE_APPLY(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v),
                          mask if mask is None else _unwrap_if_dead(mask), scale, is_causal)
 
