@@ -1310,11 +1310,27 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
               const acc_t* Qr = st.q.data();
               const acc_t* dOr = st.dout.data();
               int64_t ldq = D, lddo = Dv;
+              // As A operands, rows of a multiple of 32 with unit stride are read in place (the
+              // copies were 5.6% of a bfloat16 forward+backward, N=1024 D=128, one thread, perf,
+              // Xeon with AMX).
+              const uint16_t* Qa = st.qa.data();
+              const uint16_t* dOa = st.doa.data();
+              int64_t lda_q = D2, lda_do = Dv2;
               if (brgemm) {
                 if constexpr (k16) {
-                  pack_rows16(q + qs.at(b, h, q0), qs.n, qs.d, qn, D, st.qa.data(), D2, false, qn);
+                  if (qs.d == 1 && D == D2) {
+                    Qa = reinterpret_cast<const uint16_t*>(q + qs.at(b, h, q0));
+                    lda_q = qs.n;
+                  } else {
+                    pack_rows16(q + qs.at(b, h, q0), qs.n, qs.d, qn, D, st.qa.data(), D2, false, qn);
+                  }
                   pack_rows16(q + qs.at(b, h, q0), qs.n, qs.d, qn, D, st.qb.data(), Dp, pairs, qn2);
-                  pack_rows16(dout + dos.at(b, h, q0), dos.n, dos.d, qn, Dv, st.doa.data(), Dv2, false, qn);
+                  if (dos.d == 1 && Dv == Dv2) {
+                    dOa = reinterpret_cast<const uint16_t*>(dout + dos.at(b, h, q0));
+                    lda_do = dos.n;
+                  } else {
+                    pack_rows16(dout + dos.at(b, h, q0), dos.n, dos.d, qn, Dv, st.doa.data(), Dv2, false, qn);
+                  }
                   pack_rows16(dout + dos.at(b, h, q0), dos.n, dos.d, qn, Dv, st.dob.data(), Dvp, pairs, qn2);
                 }
               } else {
@@ -1326,7 +1342,7 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
               // S = Q K^T (brgemm: K = D2, zero-padded)
               if (brgemm) {
                 if constexpr (k16)
-                  brgemm16<scalar_t>(qn, kn, D2, D2, kBKb, kBKb, false, st.qa.data(), st.ktb.data(), S, path);
+                  brgemm16<scalar_t>(qn, kn, D2, lda_q, kBKb, kBKb, false, Qa, st.ktb.data(), S, path);
               } else {
                 gemm<acc_t>(qn, kn, D, Qr, ldq, 1, st.kt.data(), kBKb, S, kBKb, false);
               }
@@ -1365,7 +1381,7 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
                   to_bits16_transposed<scalar_t>(S, kBKb, qn, kn, st.pt.data(), kBQb, qn2);
                   brgemm16<scalar_t>(kn, Dv, qn2, kBQb, Dvp, Dv, true, st.pt.data(), st.dob.data(), st.dv.data(),
                                      path);
-                  brgemm16<scalar_t>(qn, kn, Dv2, Dv2, kBKb, kBKb, false, st.doa.data(), st.vtb.data(), dP, path);
+                  brgemm16<scalar_t>(qn, kn, Dv2, lda_do, kBKb, kBKb, false, dOa, st.vtb.data(), dP, path);
                 }
               } else {
                 // dV += P^T dO
