@@ -1122,18 +1122,19 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
 // ---------------------------------------------------------------------------------------------
 // Backward (accumulation type acc_t; inputs converted while packing).
 // ---------------------------------------------------------------------------------------------
+// BQb x BKb: the backward's tile (softmax_bwd_kernel).
 template <typename acc_t>
 struct BwdScratch {
-  avec<acc_t> kt, vt;          // [D][kBKb], [Dv][kBKb]: K^T, V^T of the key block
-  avec<acc_t> kr;              // [kBKb][D]: K rows
-  avec<acc_t> dk, dv;          // [kBKb][D], [kBKb][Dv]
-  avec<acc_t> q, dout;         // [kBQb][D], [kBQb][Dv]
-  avec<acc_t> s, dp;           // [kBQb][kBKb]
-  avec<acc_t> dcap;            // [kBQb][kBKb]: softcap's 1 - tanh^2 (softcap only)
+  avec<acc_t> kt, vt;          // [D][BKb], [Dv][BKb]: K^T, V^T of the key block
+  avec<acc_t> kr;              // [BKb][D]: K rows
+  avec<acc_t> dk, dv;          // [BKb][D], [BKb][Dv]
+  avec<acc_t> q, dout;         // [BQb][D], [BQb][Dv]
+  avec<acc_t> s, dp;           // [BQb][BKb]
+  avec<acc_t> dcap;            // [BQb][BKb]: softcap's 1 - tanh^2 (softcap only)
   // brgemm (16-bit operands, Element (k, n) of a B operand at b16_index(k, n, ld, pairs)):
-  // A operands: Q rows [kBQb][D2], dO rows [kBQb][Dv2], P^T and dS^T [kBKb][kBQb], dS [kBQb][kBKb];
-  // B operands: K^T [D2][kBKb], V^T [Dv2][kBKb], K rows [kBKb][Dp], Q rows [kBQb][Dp], dO rows
-  // [kBQb][Dvp].
+  // A operands: Q rows [BQb][D2], dO rows [BQb][Dv2], P^T and dS^T [BKb][BQb], dS [BQb][BKb];
+  // B operands: K^T [D2][BKb], V^T [Dv2][BKb], K rows [BKb][Dp], Q rows [BQb][Dp], dO rows
+  // [BQb][Dvp].
   avec<uint16_t> qa, doa, pt, dst, ds, ktb, vtb, krb, qb, dob;
   BrgemmRelease release;       // the thread's brgemm state, released when the worker ends
 };
@@ -1155,6 +1156,14 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
   constexpr bool k16 = std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>;
   const bool brgemm = k16 && path != GemmPath::kNative;
   const bool pairs = brgemm_vnni_layout(path);
+  // Tiles of BQb query rows x BKb keys: 128 x 128 on brgemm (its calls' fixed cost and the
+  // per-key-block packing of Q and dO spread over twice the work each way), 64 x 64 on the native
+  // tiles.  bfloat16 forward+backward, B=1 H=8, one thread, Xeon with AMX, min of ~100 calls,
+  // builds alternated: N=1024 D=128 38.7-43.5 -> 33.1-34.4 ms (64 x 128 and 64 x 256: 36.8-37.9;
+  // 256 x 128: 33.7-33.9), N=256 D=128 3.03 -> 2.71-2.76 ms, N=1024 D=64 causal 15.1-16.8 ->
+  // 13.9 ms, N=4096 D=64 causal 205-213 -> 181-186 ms.  float32 (native) at 128 x 128: within
+  // 1-3% either way, so the native tiles keep the size measured on AMD EPYC.
+  const int64_t BQb = brgemm ? 128 : kBQb, BKb = brgemm ? 128 : kBKb;
   // Every brgemm's K (reduction) dimension is zero-padded to a multiple of 32, zeros in both
   // operands: torch 2.13's bundled oneDNN, on AMX, writes a NaN of row i + 1 of the left operand
   // into output row i when K > 32 and K % 32 != 0 (DESIGN.md), and here every left operand may
@@ -1197,7 +1206,7 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
     }
   });
 
-  const int64_t nkb = ceil_div(M, kBKb);
+  const int64_t nkb = ceil_div(M, BKb);
   const int64_t threads = at::get_num_threads();
   // Chunks of key blocks per kv head: 1 unless there are too few (b, kv-head) pairs to keep
   // every thread busy; each extra chunk costs a dQ partial buffer.
@@ -1234,29 +1243,29 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
         if (brgemm) {
           // Zero-filled: the padding columns [D, D2) of Q's / dO's rows and the padding rows of
           // K^T / V^T are never written.
-          st.qa.resize(static_cast<size_t>(kBQb * D2));
-          st.doa.resize(static_cast<size_t>(kBQb * Dv2));
-          st.pt.resize(static_cast<size_t>(kBKb * kBQb));
-          st.dst.resize(static_cast<size_t>(kBKb * kBQb));
-          st.ds.resize(static_cast<size_t>(kBQb * kBKb));
-          st.ktb.resize(static_cast<size_t>(D2 * kBKb));
-          st.vtb.resize(static_cast<size_t>(Dv2 * kBKb));
-          st.krb.resize(static_cast<size_t>(kBKb * Dp));
-          st.qb.resize(static_cast<size_t>(kBQb * Dp));
-          st.dob.resize(static_cast<size_t>(kBQb * Dvp));
+          st.qa.resize(static_cast<size_t>(BQb * D2));
+          st.doa.resize(static_cast<size_t>(BQb * Dv2));
+          st.pt.resize(static_cast<size_t>(BKb * BQb));
+          st.dst.resize(static_cast<size_t>(BKb * BQb));
+          st.ds.resize(static_cast<size_t>(BQb * BKb));
+          st.ktb.resize(static_cast<size_t>(D2 * BKb));
+          st.vtb.resize(static_cast<size_t>(Dv2 * BKb));
+          st.krb.resize(static_cast<size_t>(BKb * Dp));
+          st.qb.resize(static_cast<size_t>(BQb * Dp));
+          st.dob.resize(static_cast<size_t>(BQb * Dvp));
           st.release = BrgemmRelease(path);
         } else {
-          st.kt.resize(static_cast<size_t>(D * kBKb));
-          st.vt.resize(static_cast<size_t>(Dv * kBKb));
-          st.kr.resize(static_cast<size_t>(kBKb * D));
-          st.q.resize(static_cast<size_t>(kBQb * D));
-          st.dout.resize(static_cast<size_t>(kBQb * Dv));
+          st.kt.resize(static_cast<size_t>(D * BKb));
+          st.vt.resize(static_cast<size_t>(Dv * BKb));
+          st.kr.resize(static_cast<size_t>(BKb * D));
+          st.q.resize(static_cast<size_t>(BQb * D));
+          st.dout.resize(static_cast<size_t>(BQb * Dv));
         }
-        st.dk.resize(static_cast<size_t>(kBKb * D));
-        st.dv.resize(static_cast<size_t>(kBKb * Dv));
-        st.s.resize(static_cast<size_t>(kBQb * kBKb));
-        st.dp.resize(static_cast<size_t>(kBQb * kBKb));
-        if (softcap) st.dcap.resize(static_cast<size_t>(kBQb * kBKb));
+        st.dk.resize(static_cast<size_t>(BKb * D));
+        st.dv.resize(static_cast<size_t>(BKb * Dv));
+        st.s.resize(static_cast<size_t>(BQb * BKb));
+        st.dp.resize(static_cast<size_t>(BQb * BKb));
+        if (softcap) st.dcap.resize(static_cast<size_t>(BQb * BKb));
         return st;
       },
       [&](BwdScratch<acc_t>& st, int64_t t) {
@@ -1265,8 +1274,8 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
         const int64_t b = bk / Hk, hk = bk % Hk;
         acc_t* dq_c = dq_acc + chunk * B * H * N * D;
         for (int64_t kb = chunk; kb < nkb; kb += chunks) {
-          const int64_t k0 = kb * kBKb;
-          const int64_t kn = std::min(kBKb, M - k0);
+          const int64_t k0 = kb * BKb;
+          const int64_t kn = std::min(BKb, M - k0);
           const int64_t kn2 = round_up(kn, 32);
           // The query rows that see a key of this block (causality: i >= k0; a window: its band).
           const int64_t i_begin = p.row_lo(k0), i_end = p.row_hi(k0 + kn);
@@ -1288,21 +1297,21 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
             // 16-bit K^T, V^T (B of S and dP; the GEMMs read kn columns) and K rows (B of dQ,
             // rows [kn, kn2) zeroed: the K tail).
             if constexpr (k16) {
-              pack_transposed_pairs(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.ktb.data(), kBKb, pairs);
-              pack_transposed_pairs(v + vs.at(b, hk, k0), vs.n, vs.d, kn, Dv, st.vtb.data(), kBKb, pairs);
+              pack_transposed_pairs(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.ktb.data(), BKb, pairs);
+              pack_transposed_pairs(v + vs.at(b, hk, k0), vs.n, vs.d, kn, Dv, st.vtb.data(), BKb, pairs);
               pack_rows16(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.krb.data(), Dp, pairs, kn2);
             }
           } else {
-            pack_transposed(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kt.data(), kBKb);
-            pack_transposed(v + vs.at(b, hk, k0), vs.n, vs.d, kn, Dv, st.vt.data(), kBKb);
+            pack_transposed(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kt.data(), BKb);
+            pack_transposed(v + vs.at(b, hk, k0), vs.n, vs.d, kn, Dv, st.vt.data(), BKb);
             Kr = acc_rows(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kr.data(), ldkr);
           }
           std::fill(st.dk.begin(), st.dk.begin() + kn * D, acc_t(0));
           std::fill(st.dv.begin(), st.dv.begin() + kn * Dv, acc_t(0));
           for (int64_t g = 0; g < G; ++g) {
             const int64_t h = hk * G + g;
-            for (int64_t q0 = i_begin; q0 < i_end; q0 += kBQb) {
-              const int64_t qn = std::min(kBQb, i_end - q0);
+            for (int64_t q0 = i_begin; q0 < i_end; q0 += BQb) {
+              const int64_t qn = std::min(BQb, i_end - q0);
               const int64_t qn2 = round_up(qn, 32);
               const int64_t row0 = (b * H + h) * N + q0;
               // Q and dO rows: read in place (float32, unit stride along D) or converted; brgemm:
@@ -1342,16 +1351,16 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
               // S = Q K^T (brgemm: K = D2, zero-padded)
               if (brgemm) {
                 if constexpr (k16)
-                  brgemm16<scalar_t>(qn, kn, D2, lda_q, kBKb, kBKb, false, Qa, st.ktb.data(), S, path);
+                  brgemm16<scalar_t>(qn, kn, D2, lda_q, BKb, BKb, false, Qa, st.ktb.data(), S, path);
               } else {
-                gemm<acc_t>(qn, kn, D, Qr, ldq, 1, st.kt.data(), kBKb, S, kBKb, false);
+                gemm<acc_t>(qn, kn, D, Qr, ldq, 1, st.kt.data(), BKb, S, BKb, false);
               }
               for (int64_t r = 0; r < qn; ++r) {
-                acc_t* s = S + r * kBKb;
+                acc_t* s = S + r * BKb;
                 const int64_t i = q0 + r;
                 int64_t lo, hi;
                 p.tile_range(i, k0, kn, lo, hi);
-                acc_t* dcap = softcap ? st.dcap.data() + r * kBKb : nullptr;
+                acc_t* dcap = softcap ? st.dcap.data() + r * BKb : nullptr;
                 const acc_t l2 = L2[row0 + r];
                 if (l2 == neg_inf<acc_t>()) {  // fully masked row: no gradient
                   std::fill(s, s + kn, acc_t(0));
@@ -1378,20 +1387,20 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
                 if constexpr (k16) {
                   // dV += P^T dO, P rounded to the dtype (K = qn2: P^T's columns and dO's rows
                   // [qn, qn2) zero);  dP = dO V^T (K = Dv2, zero-padded)
-                  to_bits16_transposed<scalar_t>(S, kBKb, qn, kn, st.pt.data(), kBQb, qn2);
-                  brgemm16<scalar_t>(kn, Dv, qn2, kBQb, Dvp, Dv, true, st.pt.data(), st.dob.data(), st.dv.data(),
+                  to_bits16_transposed<scalar_t>(S, BKb, qn, kn, st.pt.data(), BQb, qn2);
+                  brgemm16<scalar_t>(kn, Dv, qn2, BQb, Dvp, Dv, true, st.pt.data(), st.dob.data(), st.dv.data(),
                                      path);
-                  brgemm16<scalar_t>(qn, kn, Dv2, lda_do, kBKb, kBKb, false, dOa, st.vtb.data(), dP, path);
+                  brgemm16<scalar_t>(qn, kn, Dv2, lda_do, BKb, BKb, false, dOa, st.vtb.data(), dP, path);
                 }
               } else {
                 // dV += P^T dO
-                gemm<acc_t>(kn, Dv, qn, S, 1, kBKb, dOr, lddo, st.dv.data(), Dv, true);
+                gemm<acc_t>(kn, Dv, qn, S, 1, BKb, dOr, lddo, st.dv.data(), Dv, true);
                 // dP = dO V^T
-                gemm<acc_t>(qn, kn, Dv, dOr, lddo, 1, st.vt.data(), kBKb, dP, kBKb, false);
+                gemm<acc_t>(qn, kn, Dv, dOr, lddo, 1, st.vt.data(), BKb, dP, BKb, false);
               }
               for (int64_t r = 0; r < qn; ++r) {
-                const acc_t* pr = S + r * kBKb;
-                acc_t* dpr = dP + r * kBKb;
+                const acc_t* pr = S + r * BKb;
+                acc_t* dpr = dP + r * BKb;
                 const acc_t di = Di[row0 + r];
                 if (!std::isfinite(di)) {
                   // A NaN or infinite delta (the row's out is NaN, or sees an inf value): dS as
@@ -1406,7 +1415,7 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
                 }
                 if (softcap) {
                   // Through the cap: dS_raw = dS_capped (1 - tanh^2) (0 on hidden keys).
-                  const acc_t* dc = st.dcap.data() + r * kBKb;
+                  const acc_t* dc = st.dcap.data() + r * BKb;
 #pragma omp simd
                   for (int64_t j = 0; j < kn; ++j) dpr[j] *= dc[j];
                 }
@@ -1415,17 +1424,17 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
                 if constexpr (k16) {
                   // dS rounded to the dtype.  dK += dS^T Q (K = qn2: dS^T's columns and Q's rows
                   // [qn, qn2) zero);  dQ += dS K (K = kn2: dS's columns and K's rows [kn, kn2) zero)
-                  to_bits16_transposed<scalar_t>(dP, kBKb, qn, kn, st.dst.data(), kBQb, qn2);
+                  to_bits16_transposed<scalar_t>(dP, BKb, qn, kn, st.dst.data(), BQb, qn2);
                   for (int64_t r = 0; r < qn; ++r)
-                    to_bits16<scalar_t>(dP + r * kBKb, kn, st.ds.data() + r * kBKb, kn2);
-                  brgemm16<scalar_t>(kn, D, qn2, kBQb, Dp, D, true, st.dst.data(), st.qb.data(), st.dk.data(), path);
-                  brgemm16<scalar_t>(qn, D, kn2, kBKb, Dp, D, true, st.ds.data(), st.krb.data(), dq_c + row0 * D,
+                    to_bits16<scalar_t>(dP + r * BKb, kn, st.ds.data() + r * BKb, kn2);
+                  brgemm16<scalar_t>(kn, D, qn2, BQb, Dp, D, true, st.dst.data(), st.qb.data(), st.dk.data(), path);
+                  brgemm16<scalar_t>(qn, D, kn2, BKb, Dp, D, true, st.ds.data(), st.krb.data(), dq_c + row0 * D,
                                      path);
                 }
               } else {
                 // dK += dS^T Q;  dQ += dS K
-                gemm<acc_t>(kn, D, qn, dP, 1, kBKb, Qr, ldq, st.dk.data(), D, true);
-                gemm<acc_t>(qn, D, kn, dP, kBKb, 1, Kr, ldkr, dq_c + row0 * D, D, true);
+                gemm<acc_t>(kn, D, qn, dP, 1, BKb, Qr, ldq, st.dk.data(), D, true);
+                gemm<acc_t>(qn, D, kn, dP, BKb, 1, Kr, ldkr, dq_c + row0 * D, D, true);
               }
             }
           }

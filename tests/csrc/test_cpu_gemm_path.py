@@ -12,7 +12,8 @@ N <= 16 query rows) through the public function, then its backward through autog
 backward, on the same path: P and dS rounded to the dtype under brgemm), and both are held to the
 float64 reference by DESIGN.md's rule (bfloat16 / float16: twice the error of the reference run in
 that dtype, plus 1e-3), with the lse in the loss, on shapes that straddle the tiles (forward 64
-query rows x 256 keys, groups of 16 rows on a causal / window band; backward 64 x 64; decode 64-key
+query rows x 256 keys, groups of 16 rows on a causal / window band; backward 64 x 64 (native) and
+128 x 128 (brgemm); decode 64-key
 tiles) and K tails that are not a multiple of 32 (D = 17, 40, 72, 136: the AMX micro-kernels'
 edge; query and key blocks of 67, 131, 300 rows), with causality, a window, softcap, GQA, bool and
 float masks, one and two threads, and NaN / inf inputs by README's rules.  On a CPU without AMX
@@ -255,6 +256,8 @@ CASES = [
     ((1, 4, 2, 67, 131, 40, 40), False, None, {"softcap": 5.0}),
     ((1, 4, 1, 67, 67, 17, 9), True, None, {"window": (9, 0)}),
     ((1, 2, 1, 130, 300, 40, 72), False, None, {"window": (70, 40), "softcap": 3.0}),
+    # D and Dv multiples of 32: the backward reads Q and dO rows in place as brgemm's A operands.
+    ((1, 2, 1, 131, 140, 64, 96), True, None, {}),
 ]
 
 
@@ -390,3 +393,23 @@ def test_nan_behind_masked_keys(forced, dtype):
     import test_softmax_cpu
 
     test_softmax_cpu.test_nan_behind_masked_keys(dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_strided_rows_give_the_contiguous_bits(forced, dtype):
+    """Q, K, V and dO as [B, N, H, D] tensors seen as [B, H, N, D] (rows H * D apart: the backward
+    reads Q and dO rows in place on brgemm when D is a multiple of 32) give the same bits as
+    contiguous copies."""
+    b, h, n, m, d = 1, 2, 131, 140, 64
+    g = torch.Generator().manual_seed(3)
+    q, k, v, grad_out = (torch.randn(b, rows, h, d, generator=g).to(dtype) for rows in (n, m, m, n))
+    results = []
+    for layout in ("strided", "contiguous"):
+        ts = [t.transpose(1, 2) for t in (q, k, v, grad_out)]
+        if layout == "contiguous":
+            ts = [t.contiguous() for t in ts]
+        qq, kk, vv = (t.detach().requires_grad_() for t in ts[:3])
+        out = attnkit.softmax_attention(qq, kk, vv, is_causal=True, backend="cpu")
+        results.append((out.detach(), *torch.autograd.grad(out, (qq, kk, vv), ts[3])))
+    for name, a, c in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.equal(a, c), f"{name}: the strided rows changed the result"
