@@ -62,6 +62,7 @@ namespace {
 // 128x128 and backward 32x128, 128x64 were within the +-15% noise of this shared machine;
 // 512-key blocks (64x512 / 64x128) were slower (74 vs 92-103 GF/s forward).
 constexpr int64_t kBQ = 64;
+constexpr int64_t kBQMax = 128;  // the forward's query rows per task on brgemm (softmax_fwd_kernel)
 constexpr int64_t kBK = 256;
 constexpr int64_t kBQb = 64;
 constexpr int64_t kBKb = 64;
@@ -332,7 +333,14 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
   const bool pairs = brgemm ? brgemm_vnni_layout(path) : kDot;  // VNNI layout of K and V
   const int64_t B = p.B, H = p.H, Hk = p.Hk, N = p.N, M = p.M, D = p.D, Dv = p.Dv;
   const int64_t G = H / Hk;
-  const int64_t nqb = ceil_div(N, kBQ);
+  // Query rows per task: 128 on brgemm, 64 on the native tiles.  Forward, B=1 H=8, Xeon with
+  // AMX, min of 250-700 calls, builds alternated (bench/cpu_micro/min_of_calls.py): bfloat16
+  // N=1024 D=128 2 threads 3.96-4.00 -> 3.85-3.91 ms (one thread: 8.07-8.26 -> 7.45-7.72 in one
+  // window, within the noise in another), N=4096 D=64 causal 2 threads 23.4-23.8 -> 22.2-22.9 ms,
+  // N=1024 D=64 causal one thread 3.80-3.83 -> 3.64 ms; float32 (native) within 1-2% either way,
+  // so the native tiles keep the size measured on AMD EPYC.
+  const int64_t BQ = brgemm ? kBQMax : kBQ;
+  const int64_t nqb = ceil_div(N, BQ);
   const int64_t nkb = ceil_div(M, kBK);
   // Q's row length and K's packed depth: even (a bf16 pair), and a multiple of 32 for brgemm.
   // torch 2.13's bundled oneDNN, on AMX, writes a NaN of row i + 1 of the left operand into
@@ -353,18 +361,18 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
         if (tiles16) {
           st.kb16.resize(static_cast<size_t>(nkb * D2 * kBK));
           st.vb16.resize(static_cast<size_t>(M2 * Dvp));
-          st.qb16.resize(static_cast<size_t>(kBQ * D2));
-          st.pb16.resize(static_cast<size_t>(kBQ * kBK));
+          st.qb16.resize(static_cast<size_t>(BQ * D2));
+          st.pb16.resize(static_cast<size_t>(BQ * kBK));
           st.release = BrgemmRelease(path);
         } else {
           st.kt.resize(static_cast<size_t>(nkb * D * kBK));
           if (!(std::is_same_v<scalar_t, acc_t> && vs.d == 1)) st.v.resize(static_cast<size_t>(M * Dv));
-          st.q.resize(static_cast<size_t>(kBQ * D));
+          st.q.resize(static_cast<size_t>(BQ * D));
         }
-        st.s.resize(static_cast<size_t>(kBQ * kBK));
-        st.o.resize(static_cast<size_t>(kBQ * Dv));
-        st.m.resize(kBQ);
-        st.l.resize(kBQ);
+        st.s.resize(static_cast<size_t>(BQ * kBK));
+        st.o.resize(static_cast<size_t>(BQ * Dv));
+        st.m.resize(BQ);
+        st.l.resize(BQ);
         return st;
       },
       [&](FwdScratch<acc_t>& st, int64_t t) {
@@ -412,8 +420,8 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
             vrows = st.v.data();
           }
         }
-        const int64_t q0 = qb * kBQ;
-        const int64_t qn = std::min(kBQ, N - q0);
+        const int64_t q0 = qb * BQ;
+        const int64_t qn = std::min(BQ, N - q0);
         if (tiles16) {
           // Q rows [qn][D2]; the columns [D, D2) stay zero from the buffer's creation.
           if constexpr (k16) pack_rows16(q + qs.at(b, h, q0), qs.n, qs.d, qn, D, st.qb16.data(), D2, false, qn);
@@ -460,7 +468,7 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
           // skips are hidden for all its rows (prepare_row reads a row's [lo, hi) only, inside
           // [c0, c1)).
           const int64_t rows_per_group = (p.causal || p.has_window()) ? kWindowRows : qn;
-          int64_t groups[kBQ / kWindowRows + 1][4];  // r0, r1, c0, c1
+          int64_t groups[kBQMax / kWindowRows + 1][4];  // r0, r1, c0, c1
           int64_t ngroups = 0;
           for (int64_t r0 = 0; r0 < qn; r0 += rows_per_group) {
             const int64_t r1 = std::min(r0 + rows_per_group, qn);
@@ -504,8 +512,8 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
           // Q was multiplied by c while packing (the 16-bit tiles multiply raw scores: without
           // score options, c is folded into the max and the exponentials, no pass of its own).
           const acc_t cs = raw_plain ? c : acc_t(1);  // the factor s still needs
-          int64_t row_lo[kBQ], row_hi[kBQ];
-          acc_t row_mx[kBQ], row_alpha[kBQ];
+          int64_t row_lo[kBQMax], row_hi[kBQMax];
+          acc_t row_mx[kBQMax], row_alpha[kBQMax];
           for (int64_t r = 0; r < qn; ++r) {
             acc_t* s = S + r * kBK;
             const int64_t i = q0 + r;

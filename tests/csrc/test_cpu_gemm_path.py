@@ -12,7 +12,7 @@ N <= 16 query rows) through the public function, then its backward through autog
 backward, on the same path: P and dS rounded to the dtype under brgemm), and both are held to the
 float64 reference by DESIGN.md's rule (bfloat16 / float16: twice the error of the reference run in
 that dtype, plus 1e-3), with the lse in the loss, on shapes that straddle the tiles (forward 64
-query rows x 256 keys, groups of 16 rows on a causal / window band; backward 64 x 64 (native) and
+(native) or 128 (brgemm) query rows x 256 keys, groups of 16 rows on a causal / window band; backward 64 x 64 (native) and
 128 x 128 (brgemm); decode 64-key
 tiles) and K tails that are not a multiple of 32 (D = 17, 40, 72, 136: the AMX micro-kernels'
 edge; query and key blocks of 67, 131, 300 rows), with causality, a window, softcap, GQA, bool and
