@@ -190,32 +190,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // N=16 D=64 float32 forward under no_grad, Xeon with AMX, 2 threads, best of 5 x 20000 calls:
   // see pytorch_ext/ops/softmax.py (_FWD_CALL).
   module.def(
-      "softmax_fwd_call",
-      [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
-         double scale, bool is_causal) {
-        static const auto op =
-            c10::Dispatcher::singleton()
-                .findSchemaOrThrow("attnkit::softmax_fwd", "")
-                .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                          const std::optional<at::Tensor>&, double, bool, int64_t,
-                                                          int64_t, double, const std::optional<at::Tensor>&)>();
-        return op.call(q, k, v, mask, scale, is_causal, -1, -1, 0.0, std::nullopt);
-      },
+      "softmax_fwd_call", &attnkit::call_softmax_fwd,
       "attnkit::softmax_fwd(q, k, v, mask, scale, is_causal) through the dispatcher, typed (no score options)");
   module.def(
-      "softmax_bwd_call",
-      [](const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-         const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& mask, double scale,
-         bool is_causal) {
-        static const auto op =
-            c10::Dispatcher::singleton()
-                .findSchemaOrThrow("attnkit::softmax_bwd", "")
-                .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                    const at::Tensor&, const std::optional<at::Tensor>&, double, bool, int64_t, int64_t, double,
-                    const std::optional<at::Tensor>&)>();
-        return op.call(grad_out, q, k, v, out, lse, mask, scale, is_causal, -1, -1, 0.0, std::nullopt);
-      },
+      "softmax_bwd_call", &attnkit::call_softmax_bwd,
       "attnkit::softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal) through the dispatcher, typed");
   attnkit::bind_softmax_autograd(module);
   module.def("openmp_max_threads", []() { return at::get_num_threads(); },

@@ -34,17 +34,25 @@ using torch::autograd::variable_list;
 // destroyed after the interpreter, at exit.
 py::object* backward_fallback = nullptr;
 
-const auto& fwd_op() {
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> call_softmax_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const std::optional<at::Tensor>& mask, double scale,
+                                                    bool is_causal) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("attnkit::softmax_fwd", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const std::optional<at::Tensor>&, double, bool, int64_t, int64_t,
                                                     double, const std::optional<at::Tensor>&)>();
-  return op;
+  return op.call(q, k, v, mask, scale, is_causal, -1, -1, 0.0, std::nullopt);
 }
 
-const auto& bwd_op() {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_softmax_bwd(const at::Tensor& grad_out, const at::Tensor& q,
+                                                                const at::Tensor& k, const at::Tensor& v,
+                                                                const at::Tensor& out, const at::Tensor& lse,
+                                                                const std::optional<at::Tensor>& mask, double scale,
+                                                                bool is_causal) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("attnkit::softmax_bwd", "")
@@ -52,10 +60,8 @@ const auto& bwd_op() {
               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
               const at::Tensor&, const std::optional<at::Tensor>&, double, bool, int64_t, int64_t, double,
               const std::optional<at::Tensor>&)>();
-  return op;
+  return op.call(grad_out, q, k, v, out, lse, mask, scale, is_causal, -1, -1, 0.0, std::nullopt);
 }
-
-}  // namespace
 
 // Named outside the anonymous namespace: grad_fn.name() and profiles show
 // torch::autograd::CppNode<attnkit::SoftmaxAttentionFunction>.
@@ -64,7 +70,7 @@ struct SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttent
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const std::optional<at::Tensor>& mask, double scale, bool is_causal) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, lse] = fwd_op().call(q, k, v, mask, scale, is_causal, -1, -1, 0.0, std::nullopt);
+    auto [out, lse] = call_softmax_fwd(q, k, v, mask, scale, is_causal);
     ctx->save_for_backward({q, k, v, out, lse, mask ? *mask : at::Tensor()});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["is_causal"] = is_causal;
@@ -84,8 +90,7 @@ struct SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttent
     const std::optional<at::Tensor> mask_opt = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
     if (grad_out.defined() && !grad_lse.defined() && !at::GradMode::is_enabled()) {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      auto [dq, dk, dv] =
-          bwd_op().call(grad_out, q, k, v, out, lse, mask_opt, scale, is_causal, -1, -1, 0.0, std::nullopt);
+      auto [dq, dk, dv] = call_softmax_bwd(grad_out, q, k, v, out, lse, mask_opt, scale, is_causal);
       return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
     }
     ATTNKIT_CHECK(backward_fallback != nullptr,

@@ -7,6 +7,7 @@ Ground truth: the float64 reference on the same (rounded) inputs, gradients by t
 through it; tolerances as DESIGN.md's rule (attnkit_testing.assert_close_to_reference).  Odd
 shapes: N = 7 / 16 (the decoding kernel, N <= 16) / 70 (the flash tiles), M = 13 / 130, D = 24.
 """
+import contextlib
 import threading
 
 import pytest
@@ -146,29 +147,32 @@ def test_fallback_from_another_thread():
         assert torch.equal(a, b)
 
 
+@contextlib.contextmanager
+def fallback_replaced(fn):
+    """attnkit._C's softmax backward fallback swapped for ``fn`` (the module's own put back after)."""
+    native = softmax_ops._C_MODULE
+    native.set_softmax_backward_fallback(fn)
+    try:
+        yield
+    finally:
+        native.set_softmax_backward_fallback(softmax_ops._cpp_autograd_backward)
+
+
 def test_fallback_with_a_bad_result_raises_clearly():
     (q, k, v), _, _ = inputs(1, 1, 1, 5, 6, 8, torch.float32)
-    native = softmax_ops._C_MODULE
-    native.set_softmax_backward_fallback(lambda *args: (None, None))
-    try:
+    with fallback_replaced(lambda *args: (None, None)):
         _, lse = run(q, k, v, lse=True)
         with pytest.raises(RuntimeError, match="returned 2 values, 3 expected"):
             lse.sum().backward()
-    finally:
-        native.set_softmax_backward_fallback(softmax_ops._cpp_autograd_backward)
 
 
 def test_fallback_errors_reach_the_caller():
     (q, k, v), _, _ = inputs(1, 1, 1, 5, 6, 8, torch.float32)
-    native = softmax_ops._C_MODULE
 
     def failing(*args):
         raise ValueError("fallback failed on purpose")
 
-    native.set_softmax_backward_fallback(failing)
-    try:
+    with fallback_replaced(failing):
         _, lse = run(q, k, v, lse=True)
         with pytest.raises(ValueError, match="fallback failed on purpose"):
             lse.sum().backward()
-    finally:
-        native.set_softmax_backward_fallback(softmax_ops._cpp_autograd_backward)
