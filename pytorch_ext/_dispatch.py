@@ -55,7 +55,7 @@ _CPU_ISA_TEXT = {
 
 
 # The families whose CPU kernels choose their tile-GEMM path at run time (issue 25:
-# csrc/cpu/gemm_path.h, ATTNKIT_CPU_GEMM=auto|native|brgemm|emulate), and which of their tile
+# csrc/cpu/gemm_path.h, ATTNKIT_CPU_GEMM=auto|native|brgemm|amx|emulate), and which of their tile
 # GEMMs do (the rest stay on the build's kernels, or on torch: Hopfield's backward).
 RUNTIME_GEMM_KERNELS = {
     "softmax": "forward, backward and decode tile GEMMs",

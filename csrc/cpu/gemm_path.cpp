@@ -1,6 +1,8 @@
 // The CPU kernels' tile-GEMM path, chosen at run time: see gemm_path.h.
 #include "gemm_path.h"
 
+#include "amx_tiles.h"
+
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -11,6 +13,10 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "../message.h"
@@ -54,19 +60,45 @@ bool cpu_has_amx(at::ScalarType dtype) {
   return false;
 }
 
+bool amx_tile_state_permitted() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): granted once for the whole process
+  // (oneDNN asks the same before its first AMX kernel); 0 on success.
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+#else
+  return false;
+#endif
+}
+
+bool amx_tiles_available(at::ScalarType dtype) {
+  return kHaveAmxTiles && dtype == at::kBFloat16 && cpu_has_amx(dtype) && amx_tile_state_permitted();
+}
+
 GemmPath cpu_gemm_path(at::ScalarType dtype, GemmUse use) {
   const char* env = std::getenv("ATTNKIT_CPU_GEMM");
   const std::string_view want = env == nullptr || *env == '\0' ? std::string_view("auto") : std::string_view(env);
-  ATTNKIT_CHECK(want == "auto" || want == "native" || want == "brgemm" || want == "emulate",
-                "ATTNKIT_CPU_GEMM must be one of auto, native, brgemm, emulate; got '", want, "'");
+  ATTNKIT_CHECK(want == "auto" || want == "native" || want == "brgemm" || want == "amx" || want == "emulate",
+                "ATTNKIT_CPU_GEMM must be one of auto, native, brgemm, amx, emulate; got '", want, "'");
   // float32 / float64: the native tiles (brgemm float32 did not measure faster: not offered).
   if (want == "native" || (dtype != at::kBFloat16 && dtype != at::kHalf)) return GemmPath::kNative;
   if (want == "emulate") return GemmPath::kBrgemmEmulated;
+  // The decoding kernel's own AMX tiles (bfloat16): forced by amx (an error where they are not
+  // there), taken by auto where they are (see gemm_path.h for the measurement).
+  if (use == GemmUse::kDecode && dtype == at::kBFloat16 && (want == "amx" || want == "auto")) {
+    const bool here = amx_tiles_available(dtype);
+    ATTNKIT_CHECK(here || want == "auto",
+                  "ATTNKIT_CPU_GEMM=amx: the decoding kernel's own AMX tiles need a build for AMX-TILE, AMX-BF16 "
+                  "and AVX512-BF16 (this build: ", kHaveAmxTiles ? "yes" : "no", "), a CPU with them (this CPU: ",
+                  cpu_has_amx(dtype) ? "yes" : "no", ") and the AMX tile state granted by the OS (",
+                  amx_tile_state_permitted() ? "yes" : "no", ")");
+    if (here) return GemmPath::kAmxTiles;
+  }
   // could_pack: whether oneDNN runs brgemm on AMX with a VNNI-packed B (fixed for the process).
   static const bool could_pack_bf16 = at::native::cpublas::could_pack(at::kBFloat16);
   static const bool could_pack_f16 = at::native::cpublas::could_pack(at::kHalf);
   const bool vnni = dtype == at::kBFloat16 ? could_pack_bf16 : could_pack_f16;
-  if (want == "brgemm") return vnni ? GemmPath::kBrgemmVnni : GemmPath::kBrgemmPlain;
+  if (want == "brgemm" || want == "amx") return vnni ? GemmPath::kBrgemmVnni : GemmPath::kBrgemmPlain;
   return cpu_has_amx(dtype) && vnni && use == GemmUse::kTiles ? GemmPath::kBrgemmVnni : GemmPath::kNative;
 }
 
@@ -75,6 +107,7 @@ std::string gemm_path_name(GemmPath path) {
     case GemmPath::kBrgemmVnni: return "brgemm (AMX, VNNI)";
     case GemmPath::kBrgemmPlain: return "brgemm (no VNNI: reference fallback)";
     case GemmPath::kBrgemmEmulated: return "brgemm emulated (VNNI layout, scalar: tests)";
+    case GemmPath::kAmxTiles: return "own AMX tiles";
     default: return "native";
   }
 }

@@ -9,12 +9,16 @@
 //           oneDNN runs it on AMX -- and plain row-major [K][ld_b] elsewhere (torch's reference
 //           fallback: exact, slow; only for forcing the path on a CPU without AMX, the tests).
 //
+//   amx     the decoding kernel's own AMX tiles (GemmPath::kAmxTiles, csrc/cpu/amx_tiles.h):
+//           bfloat16 K read in place by tile loads, S^T = K Q^T and O += P V on AMX, the online
+//           softmax in AVX-512 between them.  Every other kernel takes brgemm under this setting.
+//
 //   emulate attnkit's scalar model of the AMX brgemm (brgemm16_emulated below): the VNNI packing of
 //           the brgemm path checked on any CPU, with oneDNN's K-tail NaN defect reproduced so that
 //           the guard against it is tested too.  Exact float32 sums of 16-bit products; slow: for
 //           the tests, never chosen by auto.
 //
-// The choice, per call and dtype: ATTNKIT_CPU_GEMM=auto (default) | native | brgemm | emulate.  auto takes
+// The choice, per call and dtype: ATTNKIT_CPU_GEMM=auto (default) | native | brgemm | amx | emulate.  auto takes
 // brgemm for bfloat16 / float16 only where the CPU has the AMX tiles of that dtype (CPUID) and
 // could_pack(dtype) holds -- never on AMD EPYC (no AMX), whose native kernels are the faster
 // ones -- and native otherwise.  float32 / float64 always run native.  Kernels with the choice:
@@ -38,7 +42,12 @@
 
 namespace attnkit {
 
-enum class GemmPath { kNative, kBrgemmVnni, kBrgemmPlain, kBrgemmEmulated };
+enum class GemmPath { kNative, kBrgemmVnni, kBrgemmPlain, kBrgemmEmulated, kAmxTiles };
+
+// Whether the path runs its products through brgemm16 (oneDNN's brgemm or its emulation).
+inline bool is_brgemm(GemmPath path) {
+  return path == GemmPath::kBrgemmVnni || path == GemmPath::kBrgemmPlain || path == GemmPath::kBrgemmEmulated;
+}
 
 // Whether the path's B operands are VNNI-packed (pairs of K rows interleaved).
 inline bool brgemm_vnni_layout(GemmPath path) {
@@ -64,12 +73,20 @@ enum class GemmUse { kTiles, kDecode, kSparseRanges, kLinear };
 // 2.87x / 2.87x, forward+backward 3.01x / 3.26x; non-causal N=1024 1.04x / 1.32x -- brgemm there
 // rounds each product's float32 tiles to 16 bits (scalar), and its bfloat16 phi(q), phi(k) were
 // one ulp off in tests/fuzz's recurrent-step column where the native float32 tiles were not.
-// A forced path (brgemm, emulate, native) holds for all of them.
+// A forced path (brgemm, emulate, native) holds for all of them.  Session 20: the bfloat16 decoding
+// kernel takes its own AMX tiles under auto where they run (amx_tiles_available; amx forces them):
+// same Xeon, one thread, K and V in cache (B=1 Hq=32 Hk=8 N=1 D=128 M=256) 45 -> 31 ns a key and
+// kv head; M=4096 (B=8) 68.5 -> 52-54 ns; `bench/softmax_cpu_speed.py decode --dtype bfloat16`, 2
+// threads: M=4096 1.62x -> 1.92x SDPA, M=16384 2.00x -> 2.64x (12.8-13.9 -> 17.6 GB/s of K and V).
 GemmPath cpu_gemm_path(at::ScalarType dtype, GemmUse use = GemmUse::kTiles);
 
 // "native", "brgemm (AMX, VNNI)", "brgemm (no VNNI: reference fallback)" or
 // "brgemm emulated (VNNI layout, scalar: tests)".
 std::string gemm_path_name(GemmPath path);
+
+// Whether the decoding kernel's own AMX tiles (GemmPath::kAmxTiles) can run `dtype` here: built
+// in (amx_tiles.h), bfloat16, the CPU's AMX-BF16, the OS's grant of the tile state.
+bool amx_tiles_available(at::ScalarType dtype);
 
 // Whether the CPU has AMX tiles for `dtype` (bfloat16: AMX-TILE + AMX-BF16; float16: AMX-TILE +
 // AMX-FP16), by CPUID leaf 7.

@@ -49,6 +49,7 @@
 
 #include <vector>
 
+#include "amx_tiles.h"
 #include "flash_tiles.h"
 #include "gemm_path.h"
 #include "simd_f32.h"
@@ -645,6 +646,11 @@ struct DecodeScratch {
   avec<float> o;             // [R][Dv]
   avec<float> m, l;          // [R]
   BrgemmRelease release;     // the thread's brgemm state, released when the worker ends
+  // Own AMX tiles (amx_decode_scores / amx_decode_pv):
+  avec<uint32_t> qt;         // [D/2][R]: Q^T as pairs of d
+  avec<float> st;            // [T][16]: S^T of a tile
+  avec<uint16_t> kpad;       // [16][D]: the rows of a tile's last, partial block of 16 keys
+  AmxTileScope tiles;        // the worker's tile configuration, released when the worker ends
 };
 
 #if defined(__AVX512F__)
@@ -731,6 +737,111 @@ inline void interleave_key_pairs(const uint16_t* src, int64_t sn, int64_t kn, in
 }
 #endif
 
+#if defined(ATTNKIT_HAVE_AMX_TILES)
+// The decoding kernel's own AMX tiles (GemmPath::kAmxTiles; amx_tiles.h), for R <= 16 rows of
+// bfloat16 queries, D a multiple of 32, Dv of 16, K and V with unit stride along d.  Per tile of
+// keys: S^T = K Q^T on AMX, K's rows read in place by the tile loads (A operand, 16 keys x 32 d)
+// against Q^T packed once per task as pairs of d (B operand); S gathered back into rows for the
+// online softmax shared with the other paths; O += P V on AMX, P in bfloat16 (A operand) and V
+// interleaved in key pairs (interleave_key_pairs, B operand), O read and written per 16 columns.
+// Why: on the dot products (decode_dot16_bf16, micro_bf16) the decoding kernel spent ~40 ns a key
+// with K and V in cache (B=1 Hq=32 Hk=8 N=1 D=128 M=256, one thread, Xeon with AMX), at the rate
+// of vdpbf16ps on this machine (0.8 ns each, 32 of them a key for four rows); the tiles multiply
+// a 16 x 16 x 32 block in 6-7 ns (bench/cpu_micro/amx_rates.cpp).
+// Tiles:  0, 1  S^T blocks [16 keys][R] float32 (C)     2  a Q^T chunk [16 d pairs][R] (B)
+//         3, 6  K blocks [16 keys][32 d] (A)             4, 5  P halves [R][32 keys] (A)
+//         6     also V blocks [16 key pairs][16 dv] (B)  7  an O block [R][16 dv] float32 (C)
+TileConfig decode_tile_config(int64_t R) {
+  TileConfig c;
+  c.set(0, 16, static_cast<int>(4 * R));
+  c.set(1, 16, static_cast<int>(4 * R));
+  c.set(2, 16, static_cast<int>(4 * R));
+  c.set(3, 16, 64);
+  c.set(4, static_cast<int>(R), 64);
+  c.set(5, static_cast<int>(R), 64);
+  c.set(6, 16, 64);
+  c.set(7, static_cast<int>(R), 64);
+  return c;
+}
+
+// Q^T as pairs of d: qt[k * R + r] = the k-th pair (32-bit word) of row r of qb [R][D2].
+inline void pack_q_pairs_transposed(const uint16_t* qb, int64_t R, int64_t D2, int64_t D, uint32_t* qt) {
+  for (int64_t r = 0; r < R; ++r) {
+    const uint16_t* row = qb + r * D2;
+    for (int64_t k = 0; k < D / 2; ++k) {
+      uint32_t w;
+      std::memcpy(&w, row + 2 * k, sizeof w);
+      qt[k * R + r] = w;
+    }
+  }
+}
+
+// S [R][ldS] (first kn columns) = Q K^T for keys K[0, kn) (rows ldk elements apart), through
+// st_buf [round_up(kn, 16)][16] (S^T) and kpad [16][D] (the last block's rows when kn % 16 != 0,
+// zeros past them: a tile load reads 16 rows, never past the keys it was given).
+inline void amx_decode_scores(const uint32_t* qt, int64_t R, int64_t D, const uint16_t* K, int64_t ldk, int64_t kn,
+                              float* st_buf, uint16_t* kpad, float* S, int64_t ldS) {
+  auto block = [&](int64_t j0, int64_t& ld) -> const uint16_t* {
+    if (kn - j0 >= 16) {
+      ld = ldk;
+      return K + j0 * ldk;
+    }
+    const int64_t rows = kn - j0;
+    for (int64_t j = 0; j < rows; ++j) std::memcpy(kpad + j * D, K + (j0 + j) * ldk, D * sizeof(uint16_t));
+    std::memset(kpad + rows * D, 0, (16 - rows) * D * sizeof(uint16_t));
+    ld = D;
+    return kpad;
+  };
+  for (int64_t j0 = 0; j0 < kn; j0 += 32) {
+    const bool two = j0 + 16 < kn;
+    int64_t ld0 = 0, ld1 = 0;
+    const uint16_t* k0 = block(j0, ld0);
+    const uint16_t* k1 = two ? block(j0 + 16, ld1) : nullptr;
+    _tile_zero(0);
+    if (two) _tile_zero(1);
+    for (int64_t d = 0; d < D; d += 32) {
+      _tile_loadd(2, qt + (d / 2) * R, static_cast<int>(4 * R));
+      _tile_loadd(3, k0 + d, static_cast<int>(2 * ld0));
+      _tile_dpbf16ps(0, 3, 2);
+      if (two) {
+        _tile_loadd(6, k1 + d, static_cast<int>(2 * ld1));
+        _tile_dpbf16ps(1, 6, 2);
+      }
+    }
+    _tile_stored(0, st_buf + j0 * 16, 64);
+    if (two) _tile_stored(1, st_buf + (j0 + 16) * 16, 64);
+  }
+  // Rows back out of S^T: S[r][j] = st_buf[j][r], 16 keys at a time.
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(16));
+  for (int64_t j0 = 0; j0 < kn; j0 += 16) {
+    const __mmask16 m = kn - j0 >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (kn - j0)) - 1u);
+    for (int64_t r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(S + r * ldS + j0, m,
+                            _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, st_buf + j0 * 16 + r, 4));
+  }
+}
+
+// O [R][Dv] += P V for kn <= 64 keys: P [R][ldp] bfloat16 with zeros in columns [kn, 32 * halves),
+// vb [32][Dv][2] (V in key pairs, interleave_key_pairs) with zero pairs up to 16 * halves.
+inline void amx_decode_pv(const uint16_t* pb, int64_t ldp, const uint16_t* vb, int64_t kn, int64_t Dv, float* O) {
+  const bool two = kn > 32;
+  _tile_loadd(4, pb, static_cast<int>(2 * ldp));
+  if (two) _tile_loadd(5, pb + 32, static_cast<int>(2 * ldp));
+  const int stride_o = static_cast<int>(4 * Dv), stride_v = static_cast<int>(4 * Dv);
+  for (int64_t c = 0; c < Dv; c += 16) {
+    _tile_loadd(7, O + c, stride_o);
+    _tile_loadd(6, vb + 2 * c, stride_v);
+    _tile_dpbf16ps(7, 4, 6);
+    if (two) {
+      _tile_loadd(6, vb + 2 * (16 * Dv + c), stride_v);
+      _tile_dpbf16ps(7, 5, 6);
+    }
+    _tile_stored(7, O + c, stride_o);
+  }
+}
+#endif
+
 // n elements of a row -> float (contiguous or strided).
 template <typename scalar_t>
 inline void row_to_float(const scalar_t* src, int64_t sd, int64_t n, float* dst) {
@@ -790,10 +901,14 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
   // sums), as in the flash forward; everything else in float32, K read in place when it is
   // float32 with unit stride along d, else converted per tile.
   constexpr bool k16 = std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>;
-  const bool brgemm = k16 && path != GemmPath::kNative;
+  const bool brgemm = k16 && is_brgemm(path);
   const bool vnni = brgemm_vnni_layout(path);
-  const bool k_dot = !brgemm && kHaveBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && ks.d == 1;
-  const bool q16 = k_dot || brgemm;  // Q packed in 16 bits
+  // Own AMX tiles (amx_decode_scores, amx_decode_pv) where the call fits them; otherwise the
+  // native dot products below.
+  const bool amx = kHaveAmxTiles && path == GemmPath::kAmxTiles && std::is_same_v<scalar_t, at::BFloat16> &&
+                   R <= 16 && D % 32 == 0 && Dv % 16 == 0 && ks.d == 1 && vs.d == 1;
+  const bool k_dot = !brgemm && !amx && kHaveBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && ks.d == 1;
+  const bool q16 = k_dot || brgemm || amx;  // Q packed in 16 bits
   // AVX2 + FMA without AVX-512: every native tile below reads K and V in place in their own
   // dtype (decode_dots_avx2, decode_pv_avx2: 16 bits widened in registers).
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -807,7 +922,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
   // on V rows interleaved in key pairs per tile.  Measured (B=8 Hq=32 Hk=8 N=1 D=128, one
   // thread): with K/V in cache, P V took 8.5 ns and V's float32 conversion 3.7 ns of 22 ns per
   // key in float32; the whole decode at M=2048 went 5.8-6.3 -> 4.6 ms.
-  const bool v_pairs = k_dot && vs.d == 1;
+  const bool v_pairs = (k_dot || amx) && vs.d == 1;
   // Scores by dot products (K rows in place) for few rows; for many, the K tile transposed once
   // and shared by a GEMM over all R rows (its cost per key is then spread over the rows, while
   // each dot product pays its horizontal sums).  Measured, dots against GEMM (B=2 Hq=32 Hk=8
@@ -815,7 +930,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
   // 1.17-1.25x at 8, 1.07-1.10x at 16, 0.94x at 32, 0.85x at 64; bfloat16 1.31-1.36x at 4,
   // 1.23x at 8, 0.96-1.03x at 16, 0.87x at 32, 0.75x at 64.
   const int64_t dot_max_rows = std::is_same_v<scalar_t, float> ? 16 : 8;
-  bool direct = R <= dot_max_rows && !brgemm;
+  bool direct = R <= dot_max_rows && !brgemm && !amx;
 #if !defined(__AVX512F__)
   if (avx2) direct = R <= 16 && !brgemm;  // float32 and 16 bits alike (widened in registers)
   else direct = false;
@@ -858,7 +973,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
         DecodeScratch st;
         if (q16) {
           st.qb.assign(static_cast<size_t>(R * D2), 0);  // an odd D's pad stays zero
-          if (!direct) st.kb.assign(static_cast<size_t>(D2 * T), 0);
+          if (!direct && !amx) st.kb.assign(static_cast<size_t>(D2 * T), 0);
           if (brgemm) {
             st.pb.resize(static_cast<size_t>(R * T));
             st.vb.assign(static_cast<size_t>(T * Dvp), 0);
@@ -875,6 +990,14 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
         } else if (!v_in_place && !brgemm) {
           st.vf.resize(static_cast<size_t>(T * Dv));
         }
+#if defined(ATTNKIT_HAVE_AMX_TILES)
+        if (amx) {
+          st.qt.resize(static_cast<size_t>(D / 2 * R));
+          st.st.resize(static_cast<size_t>(T * 16));
+          st.kpad.resize(static_cast<size_t>(16 * D));
+          st.tiles = AmxTileScope(decode_tile_config(R));
+        }
+#endif
         st.s.resize(static_cast<size_t>(R * T));
         st.o.resize(static_cast<size_t>(R * Dv));
         st.m.resize(R);
@@ -894,6 +1017,9 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
             row_to_float(src, qs.d, D, st.q.data() + r * D);
           }
         }
+#if defined(ATTNKIT_HAVE_AMX_TILES)
+        if (amx) pack_q_pairs_transposed(st.qb.data(), R, D2, D, st.qt.data());
+#endif
         std::fill(st.o.begin(), st.o.end(), 0.f);
         std::fill(st.m.begin(), st.m.end(), neg_inf<float>());
         std::fill(st.l.begin(), st.l.end(), 0.f);
@@ -963,6 +1089,11 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
               pack_transposed_pairs(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kb.data(), T, vnni);
               brgemm16<scalar_t>(R, kn, D2, D2, T, T, false, st.qb.data(), st.kb.data(), S, path);
             }
+          } else if (amx) {
+#if defined(ATTNKIT_HAVE_AMX_TILES)
+            amx_decode_scores(st.qt.data(), R, D, reinterpret_cast<const uint16_t*>(k + ks.at(b, hk, k0)), ks.n, kn,
+                              st.st.data(), st.kpad.data(), S, T);
+#endif
           } else if (!direct) {
             if (k_dot) {
 #if defined(__AVX512BF16__)
@@ -1076,10 +1207,19 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
 #if defined(__AVX512BF16__)
           if (v_pairs) {
             if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-              for (int64_t r = 0; r < R; ++r) to_bf16(S + r * T, kn, st.pb.data() + r * T, round_up(kn, 2));
+              // The AMX tiles read P and V's pairs in whole halves of 32 keys: zeros past kn there.
+              const int64_t width = amx ? round_up(kn, 32) : round_up(kn, 2);
+              for (int64_t r = 0; r < R; ++r) to_bf16(S + r * T, kn, st.pb.data() + r * T, width);
               interleave_key_pairs(reinterpret_cast<const uint16_t*>(v + vs.at(b, hk, k0)), vs.n, kn, Dv,
                                    st.vb.data(), Dvp);
-              gemm_bf16(R, Dv, kn, st.pb.data(), T, st.vb.data(), Dvp * 2, st.o.data(), Dv, true);
+              if (amx) {
+#if defined(ATTNKIT_HAVE_AMX_TILES)
+                std::fill(st.vb.data() + round_up(kn, 2) * Dvp, st.vb.data() + width * Dvp, uint16_t(0));
+                amx_decode_pv(st.pb.data(), T, st.vb.data(), kn, Dv, st.o.data());
+#endif
+              } else {
+                gemm_bf16(R, Dv, kn, st.pb.data(), T, st.vb.data(), Dvp * 2, st.o.data(), Dv, true);
+              }
             }
             continue;
           }

@@ -40,6 +40,21 @@ def gemm_path(dtype):
     return _dispatch.native().cpu_gemm_path(str(dtype).removeprefix("torch."))
 
 
+def amx_tiles_here(monkeypatch):
+    """Whether the decoding kernel's own AMX tiles run here (ATTNKIT_CPU_GEMM=amx takes them for a
+    bfloat16 decode, or raises where the build, the CPU or the OS lacks them)."""
+    monkeypatch.setenv(ENV, "amx")
+    try:
+        path = _dispatch.native().cpu_gemm_path("bfloat16", "decode")
+    except RuntimeError as exc:
+        assert "own AMX tiles need" in str(exc), exc
+        return False
+    finally:
+        monkeypatch.delenv(ENV, raising=False)
+    assert path == "own AMX tiles", path
+    return True
+
+
 def amx_in_cpuinfo():
     """The AMX flags /proc/cpuinfo lists (None where it cannot be read)."""
     try:
@@ -86,19 +101,25 @@ def test_auto_follows_the_cpu(monkeypatch):
                 assert path in ("native", "brgemm (AMX, VNNI)"), (dtype, path)  # could_pack decides
 
 
-def test_decoding_sparse_range_and_linear_kernels_take_native_under_auto_and_a_forced_path_otherwise(monkeypatch):
+def test_decoding_sparse_range_and_linear_kernels_take_their_own_path_under_auto_and_a_forced_path_otherwise(
+        monkeypatch):
     # Session 17 (gemm_path.h, GemmUse::kDecode): on a Xeon with AMX the decoding kernel measured
     # faster native (K, V read in place) than on brgemm; a forced path still holds for it.
     # Likewise the sparse range and fused strided kernels ("ranges") and the linear chunk products.
+    # Session 20: the bfloat16 decoding kernel takes its own AMX tiles where they run (auto, amx).
     native = _dispatch.native()
+    amx_here = amx_tiles_here(monkeypatch)
     for use in ("decode", "ranges", "linear"):
         for setting in ("", "auto"):
             monkeypatch.setenv(ENV, setting)
             for dtype in ("bfloat16", "float16", "float32"):
-                assert native.cpu_gemm_path(dtype, use) == "native", (use, setting, dtype)
-        for setting in ("native", "brgemm", "emulate"):
+                want = "own AMX tiles" if (use, dtype, amx_here) == ("decode", "bfloat16", True) else "native"
+                assert native.cpu_gemm_path(dtype, use) == want, (use, setting, dtype)
+        for setting in ("native", "brgemm", "amx", "emulate"):
             monkeypatch.setenv(ENV, setting)
             for dtype in ("bfloat16", "float16"):
+                if (use, dtype, setting) == ("decode", "bfloat16", "amx"):
+                    continue  # the own tiles, or an error (amx_tiles_here)
                 assert native.cpu_gemm_path(dtype, use) == native.cpu_gemm_path(dtype), (use, setting, dtype)
     with pytest.raises(RuntimeError, match="use must be 'tiles', 'decode', 'ranges' or 'linear'; got 'prefill'"):
         native.cpu_gemm_path("bfloat16", "prefill")
@@ -108,25 +129,33 @@ def test_decoding_sparse_range_and_linear_kernels_take_native_under_auto_and_a_f
     for family, label in (("softmax", "decoding (N <= 16)"), ("sparse", "range and fused strided kernels"),
                           ("linear", "under auto")):
         kernels = attnkit.backends()[family]["cpu"].kernels
+        if family == "softmax" and amx_here:
+            assert f"; {label}: bfloat16 own AMX tiles, float16 native, float32 native" in kernels, kernels
+            continue
         assert (f"; {label}: bfloat16 native, float16 native, float32 native" in kernels) == differs, kernels
 
 
-def test_decoding_under_auto_is_the_native_kernel_bit_for_bit(monkeypatch):
+def test_decoding_under_auto_is_its_own_kernel_bit_for_bit(monkeypatch):
     # The routing seen in the numbers: auto's decode output and float32 lse equal the forced
-    # native ones exactly.  Where auto takes brgemm for the tiles (a CPU with AMX: the one place
-    # the decoding kernel's own choice matters), the forced brgemm decode gives another lse on
-    # this input (the scores summed in another order: 4.7e-7 on a Xeon, session 17), so the
-    # comparison tells the paths apart there.
+    # native ones exactly -- or, where the own AMX tiles run (session 20), the forced amx ones,
+    # which differ from the native ones (the scores summed in another order).  Where auto takes
+    # brgemm for the tiles (a CPU with AMX: the one place the decoding kernel's own choice
+    # matters), the forced brgemm decode gives another lse on this input (4.7e-7 on a Xeon,
+    # session 17), so the comparison tells the paths apart there.
+    amx_here = amx_tiles_here(monkeypatch)
     monkeypatch.delenv(ENV, raising=False)
     tiles_take_brgemm = gemm_path(BF16) != "native"
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 8, 1, 64, generator=g).to(BF16)
     k, v = (torch.randn(2, 2, 300, 64, generator=g).to(BF16) for _ in range(2))
     outs = {}
-    for setting in ("auto", "native", "brgemm"):
+    for setting in ("auto", "native", "brgemm") + (("amx",) if amx_here else ()):
         monkeypatch.setenv(ENV, setting)
         outs[setting] = attnkit.softmax_attention(q, k, v, enable_gqa=True, backend="cpu", return_lse=True)
-    assert torch.equal(outs["auto"][0], outs["native"][0]) and torch.equal(outs["auto"][1], outs["native"][1])
+    own = "amx" if amx_here else "native"
+    assert torch.equal(outs["auto"][0], outs[own][0]) and torch.equal(outs["auto"][1], outs[own][1])
+    if amx_here:
+        assert not torch.equal(outs["amx"][1], outs["native"][1])
     if tiles_take_brgemm:
         assert not torch.equal(outs["brgemm"][1], outs["native"][1])
 
@@ -154,11 +183,12 @@ def test_sparse_range_kernels_under_auto_are_the_native_ones_bit_for_bit(monkeyp
 
 
 def test_bad_value_names_the_allowed_ones(monkeypatch):
-    monkeypatch.setenv(ENV, "amx")
+    monkeypatch.setenv(ENV, "amx-bf16")
     q = torch.randn(1, 1, 20, 8, dtype=BF16)
-    with pytest.raises(RuntimeError, match="ATTNKIT_CPU_GEMM must be one of auto, native, brgemm, emulate; got 'amx'"):
+    with pytest.raises(RuntimeError,
+                       match="ATTNKIT_CPU_GEMM must be one of auto, native, brgemm, amx, emulate; got 'amx-bf16'"):
         attnkit.softmax_attention(q, q, q, backend="cpu")
-    with pytest.raises(RuntimeError, match="auto, native, brgemm, emulate"):
+    with pytest.raises(RuntimeError, match="auto, native, brgemm, amx, emulate"):
         gemm_path(BF16)
     with pytest.raises(RuntimeError, match="bfloat16, float16, float32, float64"):
         _dispatch.native().cpu_gemm_path("int8")

@@ -46,7 +46,7 @@ def gemm_path(dtype):
 
 
 def test_bad_value_raises_in_every_sparse_op(monkeypatch):
-    monkeypatch.setenv(ENV, "amx")
+    monkeypatch.setenv(ENV, "amx-bf16")
     q = torch.randn(1, 1, 32, 8, dtype=BF16)
     lse = torch.zeros(1, 1, 32)
     ptr = torch.tensor([[0, 1, 2]], dtype=torch.int32)
@@ -61,7 +61,7 @@ def test_bad_value_raises_in_every_sparse_op(monkeypatch):
         "sparse_strided_bwd": lambda: ops.sparse_strided_bwd(q, q, q, q, lse, lse, 4, True, 0.3),
     }
     for name, call in calls.items():
-        with pytest.raises(RuntimeError, match="ATTNKIT_CPU_GEMM must be one of auto, native, brgemm, emulate"):
+        with pytest.raises(RuntimeError, match="ATTNKIT_CPU_GEMM must be one of auto, native, brgemm, amx, emulate"):
             call()
     # float32 inputs always run native, but the value is checked all the same
     with pytest.raises(RuntimeError, match="ATTNKIT_CPU_GEMM must be one of"):
