@@ -257,7 +257,8 @@ def attnkit_impls(
         if backend == "cpu" and device.type == "cpu" and dtype is not None and auto_cpu_gemm(family, dtype) not in (
                 "", "native"):
             impls.append(Impl(f"{name} native tiles", "attnkit", fn=call(backend), backend=backend,
-                              cpu_gemm="native", note="ATTNKIT_CPU_GEMM=native (the default here is brgemm)"))
+                              cpu_gemm="native",
+                              note="ATTNKIT_CPU_GEMM=native (auto here: AMX, by brgemm or the decoding kernel's own tiles)"))
     return impls
 
 
