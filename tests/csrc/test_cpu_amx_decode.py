@@ -69,7 +69,8 @@ def test_forcing_amx_where_the_tiles_cannot_run_raises(monkeypatch):
     assert _dispatch.native().cpu_gemm_path("float32", "decode") == "native"
 
 
-# (B, H, Hk, N, M, D, Dv), causal, mask, score options.  Rows per kv head R = (H / Hk) N <= 16.
+# (B, H, Hk, N, M, D, Dv), causal, mask, score options.  Rows per kv head R = (H / Hk) N: up to 16 in
+# one group of tile rows, more in groups of 16 (the last padded: R = 17, 32, 33, 40, 44, 64).
 AMX_CASES = [
     ((1, 4, 1, 1, 300, 64, 64), False, None, {}),
     ((2, 8, 2, 1, 1, 128, 128), False, None, {}),
@@ -82,6 +83,11 @@ AMX_CASES = [
     ((1, 2, 1, 8, 64, 32, 128), False, "float", {}),
     ((1, 4, 2, 2, 65, 64, 64), False, None, {"softcap": 5.0}),
     ((1, 4, 4, 12, 300, 64, 16), False, None, {"window": (50, 2)}),
+    ((1, 17, 1, 1, 100, 64, 64), False, None, {}),
+    ((1, 8, 1, 4, 77, 64, 48), True, None, {}),
+    ((2, 11, 1, 4, 65, 32, 32), False, "bool", {}),
+    ((1, 8, 2, 10, 130, 96, 64), False, None, {"window": (40, 3), "softcap": 3.0}),
+    ((1, 16, 1, 4, 300, 128, 128), True, "float", {}),
 ]
 
 
@@ -106,6 +112,7 @@ def test_split_keys_and_threads(amx, threads):
     with num_threads(threads):
         check((1, 8, 1, 1, 1101, 64, 64), BF16)
         check((1, 2, 1, 7, 2000, 128, 96), BF16, causal=True)
+        check((1, 33, 1, 1, 1500, 64, 32), BF16)
 
 
 def _strided_kv(m, hk, d, seed):
@@ -124,11 +131,10 @@ def test_strided_keys_give_the_contiguous_bits(amx):
 
 
 @needs_amx
-@pytest.mark.parametrize("dims", [(1, 4, 2, 1, 100, 40, 64), (1, 4, 2, 1, 100, 64, 24), (1, 34, 2, 1, 100, 64, 64)],
-                         ids=["D40", "Dv24", "R17"])
+@pytest.mark.parametrize("dims", [(1, 4, 2, 1, 100, 40, 64), (1, 4, 2, 1, 100, 64, 24)], ids=["D40", "Dv24"])
 def test_shapes_off_the_tiles_fall_back_to_the_dot_products(monkeypatch, dims):
-    """D not a multiple of 32, Dv not of 16, more than 16 rows per kv head: the native kernel's bits
-    under amx.  (A shape on the tiles differs from them: the last case of the test below.)"""
+    """D not a multiple of 32, Dv not of 16: the native kernel's bits under amx.  (A shape on the
+    tiles differs from them: the test below.)"""
     q, k, v, _, _, _ = make_case(*dims, None)
     q, k, v = (t.to(BF16) for t in (q, k, v))
     outs = {}
@@ -177,14 +183,17 @@ NAN_CASES = [("q", math.nan), ("k", math.nan), ("k", math.inf), ("k", -math.inf)
 
 
 @needs_amx
+@pytest.mark.parametrize("rows", [4, 20])
 @pytest.mark.parametrize("where,val", NAN_CASES, ids=[f"{w}-{v}" for w, v in NAN_CASES])
-def test_nan_and_inf_stay_in_their_rows(amx, where, val):
+def test_nan_and_inf_stay_in_their_rows(amx, where, val, rows):
     """A NaN / inf in one query row, one key or one value row of kv head 0 (key 70: the second tile,
     inside its second half): the outputs and lse of kv head 1's query heads are the clean ones, kv
     head 0's rows are what the float64 reference gives (NaN and inf where it has them, close elsewhere)."""
     g = torch.Generator().manual_seed(7)
     q = torch.randn(1, 8, 1, 64, generator=g).to(BF16)
     k, v = (torch.randn(1, 2, 100, 64, generator=g).to(BF16) for _ in range(2))
+    if rows == 20:  # two groups of tile rows for each kv head (16 + 4 padded)
+        q = torch.randn(1, 40, 1, 64, generator=g).to(BF16)
     clean = decode(q, k, v)
     t = {"q": q, "k": k, "v": v}[where].clone()
     if where == "q":
@@ -193,7 +202,8 @@ def test_nan_and_inf_stay_in_their_rows(amx, where, val):
         t[0, 0, 70, 5] = val
     q2, k2, v2 = (t if name == where else x for name, x in (("q", q), ("k", k), ("v", v)))
     out, lse = decode(q2, k2, v2)
-    assert torch.equal(out[:, 4:], clean[0][:, 4:]) and torch.equal(lse[:, 4:], clean[1][:, 4:])
+    h0 = q.shape[1] // 2  # the query heads of kv head 1 from here
+    assert torch.equal(out[:, h0:], clean[0][:, h0:]) and torch.equal(lse[:, h0:], clean[1][:, h0:])
     ref = torch.nn.functional.scaled_dot_product_attention(q2.double(), k2.double(), v2.double(), enable_gqa=True)
     assert torch.equal(out.isnan(), ref.isnan()), (where, val)
     infinite = ref.isinf()  # a value row's inf reaches the output as the same inf
