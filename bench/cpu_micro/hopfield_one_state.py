@@ -1,6 +1,7 @@
 """The fused Hopfield update (tol=0.0 forces it) against its steps as softmax_attention calls on the
 decoding kernel, float16 / bfloat16, S in {1, 16}, N from 256 to 65536: the table behind
-attnkit/ops/hopfield.py's _steps_by_decoding (session 18, RESULTS.md).  Not a test.
+attnkit/ops/hopfield.py's _steps_by_softmax (session 18, RESULTS.md; session 20's table of more
+states is in the comment above that function).  Not a test.
 
     python bench/cpu_micro/hopfield_one_state.py
 """

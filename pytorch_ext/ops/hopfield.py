@@ -394,15 +394,33 @@ if _update_op is not None:
 # between steps is then the attention's output in the inputs' dtype: the next step's scores
 # multiply it in that dtype on either path (brgemm rounds its left operand), and the plain call
 # returns only the last one, in that dtype.  tol, values and return_energy keep the fused kernel.
+# Session 20, bfloat16 where the decoding kernel runs on attnkit's own AMX tiles (its cost per key
+# nearly flat in the rows up to 16) and the flash kernel on brgemm; fused time / per-step
+# softmax_attention time (Xeon with AMX, 2 threads, min over 0.8 s of calls, D=64, H=4 for S <= 16,
+# else H=1; N = 1024 / 16384; steps 1 / 3):
+#   S=2: 3.10 / 3.06, 1.28 / 1.71     S=4: 2.65 / 2.72, 1.15 / 1.52
+#   S=8: 2.03 / 1.74, 0.97 / 1.08     S=16: 1.64 / 1.51, 0.94 / 0.96
+#   S=17: 1.48 / 0.77, 0.79 / 0.54    S=64: 1.55 / 0.99, 1.04 / 0.77   (the flash kernel, few tasks)
+#   S=256: 1.71 / 1.24, 1.38 / 1.10   S=1024: 1.89 / 1.42, 1.74 / 1.34
+# Hence also, bfloat16 there: S <= 4 every step count, S <= 16 one step, S >= 256 every step count.
 
 
-def _steps_by_decoding(dtype, s, steps):
-    if dtype not in (torch.bfloat16, torch.float16) or s != 1:
+def _steps_by_softmax(dtype, s, steps):
+    """Whether the plain 16-bit update of ``s`` states runs its steps as softmax_attention calls
+    (the decoding kernel for s <= 16, the flash kernel above) rather than the fused kernel."""
+    if dtype not in (torch.bfloat16, torch.float16) or s < 1:
         return False
-    return steps == 1 or native().cpu_gemm_path(str(dtype).removeprefix("torch.")) != "native"
+    name = str(dtype).removeprefix("torch.")
+    if s == 1 and (steps == 1 or native().cpu_gemm_path(name) != "native"):
+        return True
+    if dtype is not torch.bfloat16:
+        return False
+    if s <= 16:
+        return native().cpu_gemm_path(name, "decode") == "own AMX tiles" and (s <= 4 or steps == 1)
+    return s >= 256 and native().cpu_gemm_path(name) != "native"
 
 
-def _update_by_decoding(state, stored, beta, steps):
+def _update_by_softmax(state, stored, beta, steps):
     """``steps`` updates ξ <- softmax(β ξ Xᵀ) X as softmax attentions on the cpu backend
     (differentiable through torch's autograd, step by step)."""
     xi = state
@@ -554,11 +572,12 @@ def hopfield_update(
             long memory the patterns split across threads; its backward recomputes each step
             from the saved per-step states.  On the cpu backend, a plain call (no ``values``,
             ``tol`` or ``return_energy``) with one float16 / bfloat16 state (S = 1; all step
-            counts on AMX, one step elsewhere: ``_steps_by_decoding``) runs each step as
+            counts on AMX, one step elsewhere: ``_steps_by_softmax``) runs each step as
             :func:`attnkit.softmax_attention` of ξ over keys = values = X instead: the softmax's
             decoding kernel reads the 16-bit patterns in place (bfloat16 S=1 N=262144 on a Xeon
             with AMX: 0.28x -> 2.14x torch SDPA per step); its gradients are that op's, step
-            by step.  CUDA tensors default to the Triton kernel
+            by step.  So do bfloat16 calls on a Xeon with AMX with S <= 4 (every step count),
+            S <= 16 (one step) and S >= 256 (every step count), where that measured faster.  CUDA tensors default to the Triton kernel
             (``"triton"``, also CPU tensors under ``TRITON_INTERPRET=1``): the same fused
             steps with the block's states kept on chip, and for S ≤ 16 against a long memory a
             split over the stored patterns merged through log-sum-exps (flash-decoding);
@@ -633,8 +652,8 @@ def hopfield_update(
             chosen = _route("hopfield", backend, state, None, fn)
             if chosen == "cpu" or chosen == "cuda":
                 beta = 1.0 / math.sqrt(d) if beta is None else float(beta)
-                if chosen == "cpu" and _steps_by_decoding(dtype, s, steps):
-                    return _update_by_decoding(state, stored, beta, steps)
+                if chosen == "cpu" and _steps_by_softmax(dtype, s, steps):
+                    return _update_by_softmax(state, stored, beta, steps)
                 return _call_update(state, stored, None, beta, steps, None, False)[0].to(dtype)
     _check_common(fn, state, stored)
     if values is not None:
