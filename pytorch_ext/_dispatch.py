@@ -104,6 +104,8 @@ def cpu_kernels(family: str | None = None) -> str:
         except (RuntimeError, TypeError):  # a bad setting (above), or an extension without `use`
             own = paths
         if own != paths:
+            if setting == "auto":  # cpu_decode_path (gemm_path.h): the tiles from 4 rows per kv head
+                own = own.replace("own AMX tiles", "own AMX tiles (from 4 query rows per kv head; native below)")
             text += f"; {label}: {own}"
     return text
 

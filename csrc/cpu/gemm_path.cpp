@@ -102,6 +102,13 @@ GemmPath cpu_gemm_path(at::ScalarType dtype, GemmUse use) {
   return cpu_has_amx(dtype) && vnni && use == GemmUse::kTiles ? GemmPath::kBrgemmVnni : GemmPath::kNative;
 }
 
+GemmPath cpu_decode_path(at::ScalarType dtype, int64_t rows) {
+  const GemmPath path = cpu_gemm_path(dtype, GemmUse::kDecode);
+  if (path != GemmPath::kAmxTiles || rows >= 4) return path;
+  const char* env = std::getenv("ATTNKIT_CPU_GEMM");
+  return env != nullptr && std::string_view(env) == "amx" ? path : GemmPath::kNative;
+}
+
 std::string gemm_path_name(GemmPath path) {
   switch (path) {
     case GemmPath::kBrgemmVnni: return "brgemm (AMX, VNNI)";

@@ -80,6 +80,13 @@ enum class GemmUse { kTiles, kDecode, kSparseRanges, kLinear };
 // threads: M=4096 1.62x -> 1.92x SDPA, M=16384 2.00x -> 2.64x (12.8-13.9 -> 17.6 GB/s of K and V).
 GemmPath cpu_gemm_path(at::ScalarType dtype, GemmUse use = GemmUse::kTiles);
 
+// The decoding kernel's path for `rows` query rows per kv head (N G): cpu_gemm_path(dtype,
+// GemmUse::kDecode), except that under auto the own AMX tiles take 4 rows or more only -- the
+// native dot products measured faster below (B=2 Hk=8 M=16384 and B=1 Hk=1 M=262144, N=1,
+// bfloat16, 2 threads, Xeon with AMX; native time / tiles' time): G=1 0.65-0.88, G=2 0.89-1.04,
+// G=4 0.93-1.50, G=8 1.34-1.65 (D 64 and 128).  A forced amx takes them for any count.
+GemmPath cpu_decode_path(at::ScalarType dtype, int64_t rows);
+
 // "native", "brgemm (AMX, VNNI)", "brgemm (no VNNI: reference fallback)" or
 // "brgemm emulated (VNNI layout, scalar: tests)".
 std::string gemm_path_name(GemmPath path);

@@ -1709,7 +1709,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
   if (use_decode(p, q.scalar_type())) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_decode", [&] {
       if constexpr (!std::is_same_v<scalar_t, double>) {
-        softmax_decode_kernel<scalar_t>(p, cpu_gemm_path(q.scalar_type(), GemmUse::kDecode),
+        softmax_decode_kernel<scalar_t>(p, cpu_decode_path(q.scalar_type(), p.N * (p.H / p.Hk)),
                                         q.const_data_ptr<scalar_t>(), Strides4(q),
                                         k.const_data_ptr<scalar_t>(), Strides4(k),
                                         v.const_data_ptr<scalar_t>(), Strides4(v),

@@ -402,7 +402,9 @@ if _update_op is not None:
 #   S=8: 2.03 / 1.74, 0.97 / 1.08     S=16: 1.64 / 1.51, 0.94 / 0.96
 #   S=17: 1.48 / 0.77, 0.79 / 0.54    S=64: 1.55 / 0.99, 1.04 / 0.77   (the flash kernel, few tasks)
 #   S=256: 1.71 / 1.24, 1.38 / 1.10   S=1024: 1.89 / 1.42, 1.74 / 1.34
-# Hence also, bfloat16 there: S <= 4 every step count, S <= 16 one step, S >= 256 every step count.
+# and with the decoding kernel's rule (own tiles from 4 rows per kv head, the native dots below):
+#   S=2: 2.29 / 2.30, 0.96 / 1.29     S=3: 1.89 / 1.69, 0.85 / 1.10
+# Hence also, bfloat16 there: S <= 16 one step, S >= 256 every step count.
 
 
 def _steps_by_softmax(dtype, s, steps):
@@ -416,7 +418,7 @@ def _steps_by_softmax(dtype, s, steps):
     if dtype is not torch.bfloat16:
         return False
     if s <= 16:
-        return native().cpu_gemm_path(name, "decode") == "own AMX tiles" and (s <= 4 or steps == 1)
+        return steps == 1 and native().cpu_gemm_path(name, "decode") == "own AMX tiles"
     return s >= 256 and native().cpu_gemm_path(name) != "native"
 
 
@@ -576,8 +578,8 @@ def hopfield_update(
             :func:`attnkit.softmax_attention` of ξ over keys = values = X instead: the softmax's
             decoding kernel reads the 16-bit patterns in place (bfloat16 S=1 N=262144 on a Xeon
             with AMX: 0.28x -> 2.14x torch SDPA per step); its gradients are that op's, step
-            by step.  So do bfloat16 calls on a Xeon with AMX with S <= 4 (every step count),
-            S <= 16 (one step) and S >= 256 (every step count), where that measured faster.  CUDA tensors default to the Triton kernel
+            by step.  So do bfloat16 calls on a Xeon with AMX with S <= 16 (one step) and
+            S >= 256 (every step count), where that measured faster.  CUDA tensors default to the Triton kernel
             (``"triton"``, also CPU tensors under ``TRITON_INTERPRET=1``): the same fused
             steps with the block's states kept on chip, and for S ≤ 16 against a long memory a
             split over the stored patterns merged through log-sum-exps (flash-decoding);
