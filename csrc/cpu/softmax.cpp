@@ -780,10 +780,11 @@ inline void pack_q_pairs_transposed(const uint16_t* qb, int64_t R, int64_t Rg, i
   }
 }
 
-// S [rows][ldS] (first kn columns) = Q K^T for the R (tile) rows of one group, Q^T in qt (the group's
-// part of pack_q_pairs_transposed), rows <= R of them written out, keys K[0, kn) (rows ldk elements apart), through
-// st_buf [round_up(kn, 16)][16] (S^T) and kpad [16][D] (the last block's rows when kn % 16 != 0,
-// zeros past them: a tile load reads 16 rows, never past the keys it was given).
+// S [rows][ldS] (first kn columns) = Q K^T for the R tile rows of one group (Q^T in qt: the group's
+// part of pack_q_pairs_transposed; the first rows <= R of them written out), keys K[0, kn) (rows
+// ldk elements apart), through st_buf [round_up(kn, 16)][16] (S^T) and kpad [16][D]: the last
+// block's rows when kn % 16 != 0, so that a tile load of 16 rows never reads past the keys it was
+// given (the zeros after them give scores that are never read).
 inline void amx_decode_scores(const uint32_t* qt, int64_t R, int64_t rows, int64_t D, const uint16_t* K, int64_t ldk,
                               int64_t kn, float* st_buf, uint16_t* kpad, float* S, int64_t ldS) {
   auto block = [&](int64_t j0, int64_t& ld) -> const uint16_t* {
@@ -791,9 +792,9 @@ inline void amx_decode_scores(const uint32_t* qt, int64_t R, int64_t rows, int64
       ld = ldk;
       return K + j0 * ldk;
     }
-    const int64_t rows = kn - j0;
-    for (int64_t j = 0; j < rows; ++j) std::memcpy(kpad + j * D, K + (j0 + j) * ldk, D * sizeof(uint16_t));
-    std::memset(kpad + rows * D, 0, (16 - rows) * D * sizeof(uint16_t));
+    const int64_t tail = kn - j0;
+    for (int64_t j = 0; j < tail; ++j) std::memcpy(kpad + j * D, K + (j0 + j) * ldk, D * sizeof(uint16_t));
+    std::memset(kpad + tail * D, 0, (16 - tail) * D * sizeof(uint16_t));
     ld = D;
     return kpad;
   };
