@@ -579,8 +579,8 @@ def hopfield_update(
             decoding kernel reads the 16-bit patterns in place (bfloat16 S=1 N=262144 on a Xeon
             with AMX: 0.28x -> 2.14x torch SDPA per step); its gradients are that op's, step
             by step.  So do bfloat16 calls on a Xeon with AMX with S <= 16 (one step) and
-            S >= 256 (every step count), where that measured faster.  CUDA tensors default to the Triton kernel
-            (``"triton"``, also CPU tensors under ``TRITON_INTERPRET=1``): the same fused
+            S >= 256 (every step count), where that measured faster.  CUDA tensors default to
+            the Triton kernel (``"triton"``, also CPU tensors under ``TRITON_INTERPRET=1``): the same fused
             steps with the block's states kept on chip, and for S ≤ 16 against a long memory a
             split over the stored patterns merged through log-sum-exps (flash-decoding);
             ``"cuda"`` is the CUDA C++ kernel.  Both take float16, bfloat16 and float32 and head
