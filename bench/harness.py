@@ -258,14 +258,15 @@ def attnkit_impls(
                 "", "native"):
             impls.append(Impl(f"{name} native tiles", "attnkit", fn=call(backend), backend=backend,
                               cpu_gemm="native",
-                              note="ATTNKIT_CPU_GEMM=native (auto here: AMX, by brgemm or the decoding kernel's own tiles)"))
+                              note="ATTNKIT_CPU_GEMM=native (auto here: AMX, by brgemm -- float16 split in bfloat16 pairs "
+                                   "where AMX has no float16 -- or the decoding kernel's own tiles)"))
     return impls
 
 
 def auto_cpu_gemm(family: str, dtype: torch.dtype) -> str:
     """The tile-GEMM path the cpu backend of ``family`` takes for ``dtype`` under
     ``ATTNKIT_CPU_GEMM=auto`` ("" where the family or the build does not choose at run time)."""
-    from .._dispatch import RUNTIME_GEMM_FAMILIES, native
+    from .._dispatch import _MAIN_GEMM_USE, RUNTIME_GEMM_FAMILIES, native
 
     if family not in RUNTIME_GEMM_FAMILIES:
         return ""
@@ -276,7 +277,7 @@ def auto_cpu_gemm(family: str, dtype: torch.dtype) -> str:
     if not hasattr(module, "cpu_gemm_path"):
         return ""
     with cpu_gemm_env("auto"):
-        return module.cpu_gemm_path(str(dtype).removeprefix("torch."))
+        return module.cpu_gemm_path(str(dtype).removeprefix("torch."), _MAIN_GEMM_USE.get(family, "tiles"))
 
 
 @contextlib.contextmanager

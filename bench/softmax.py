@@ -6,7 +6,7 @@ counts 3.5× the forward (the backward's five matrix products against the forwar
 convention of FlashAttention-2).
 
 Full sizes (issue 3): B=1, H=8, N=4096, D=64 — float32 forward and forward+backward, causal and
-not, and bfloat16 forward.  ``--quick``: N=1024.  Masks (:func:`make_mask_case`, full runs only):
+not, and bfloat16 and float16 forward.  ``--quick``: N=1024.  Masks (:func:`make_mask_case`, full runs only):
 B=4, H=8, N=1024, D=64 float32 with a key-padding, a random bool and an additive mask, forward
 and forward+backward.
 
@@ -296,6 +296,7 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
         for causal in (False, True):
             out.append(make_case(1, 8, n, 64, torch.float32, causal, mode, device))
     out.append(make_case(1, 8, n, 64, torch.bfloat16, False, "fwd", device))
+    out.append(make_case(1, 8, n, 64, torch.float16, False, "fwd", device))
     if not quick:  # masks as model code passes them (B=4, N=1024: a padded batch)
         for kind in MASK_KINDS:
             for mode in ("fwd", "fwd+bwd"):

@@ -6,9 +6,9 @@ Ratios are what to quote (the machines are shared and noisy); name the CPU with 
     python bench/softmax_cpu_speed.py band [--heads 1] [--n 16384] [--rounds 3]
         issue 28: the window (1023, 0) band forward against the full causal forward (and
         (1024, 0)), attnkit's cpu backend both.
-    python bench/softmax_cpu_speed.py sdpa [--n 256 1024] [--d 64 128] [--rounds 5]
+    python bench/softmax_cpu_speed.py sdpa [--n 256 1024] [--d 64 128] [--rounds 5] [--dtypes float16]
         issue 25: attnkit's cpu forward (and forward+backward) against torch SDPA, float32 and
-        bfloat16, causal and not, B=1 H=8.
+        bfloat16 (--dtypes: others, float16 among them), causal and not, B=1 H=8.
     python bench/softmax_cpu_speed.py decode [--m 4096] [--variants 0 1] [--rounds 5] [--dtype bfloat16]
         issue 25: the decoding forward (float32 unless --dtype) (B=8 Hq=32 Hk=8 N=1 D=128) against torch SDPA,
         as GB/s of K and V read and as a fraction of the bench's copy bandwidth (64 MiB copy_,
@@ -88,7 +88,7 @@ def band(args) -> None:
 def sdpa(args) -> None:
     base = _load_base(args.base)
     print(f"sdpa: B=1 H=8, {torch.get_num_threads()} threads, min of {args.rounds} rounds x median of {args.reps}")
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (getattr(torch, name) for name in args.dtypes):
         for n in args.n:
             for d in args.d:
                 for causal in (False, True):
@@ -184,6 +184,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["fwd"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16", "float16"),
+                    help="sdpa: the dtypes to time")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                     help="decode: the dtype of Q, K and V")
     ap.add_argument("--base", default=None)

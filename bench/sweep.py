@@ -15,7 +15,7 @@ Writes ``DIR/sweep-cpu.json`` (default DIR: bench/out/).
 
 The grid (B=batch, H=query heads, Hk=kv heads):
 - softmax: N in {128, 256, 512} at B=4 H=8 and N in {1024, 2048} at B=1 H=8; D in {64, 128};
-  float32 forward and forward+backward, causal and not; bfloat16 forward; and B=4 N=1024 D=64
+  float32 forward and forward+backward, causal and not; bfloat16 and float16 forward; and B=4 N=1024 D=64
   float32 with a key-padding, a random bool and an additive mask.  Peer: torch SDPA.
 - decode: B=8 Hq=32, D=128, one query against M in {1024, 4096, 16384} (GQA Hk=8, float32 and
   bfloat16); 4 and 16 queries at M=4096; MQA (Hk=1) at M=16384.  Peer: torch SDPA (enable_gqa).
@@ -52,7 +52,7 @@ ATTNKIT = "attnkit[cpu]"
 
 def grid(families, device: torch.device) -> list[Case]:
     """The sweep's cases, in the order of ``families``."""
-    f32, bf16 = torch.float32, torch.bfloat16
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     out: list[Case] = []
     for family in families:
         if family == "softmax":
@@ -63,6 +63,7 @@ def grid(families, device: torch.device) -> list[Case]:
                         for causal in (False, True):
                             out.append(softmax_bench.make_case(b, 8, n, d, f32, causal, mode, device))
                     out.append(softmax_bench.make_case(b, 8, n, d, bf16, False, "fwd", device))
+                    out.append(softmax_bench.make_case(b, 8, n, d, f16, False, "fwd", device))
             for kind in softmax_bench.MASK_KINDS:
                 for mode in ("fwd", "fwd+bwd"):
                     out.append(softmax_bench.make_mask_case(4, 8, 1024, 64, f32, kind, mode, device))

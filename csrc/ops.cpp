@@ -116,8 +116,8 @@ std::string cpu_kernel_isa() {
 // The path the softmax forward's tile GEMMs take in this process for a dtype named as torch
 // prints it without "torch." (ATTNKIT_CPU_GEMM and the CPU: csrc/cpu/gemm_path.h).
 std::string cpu_gemm_path_name(const std::string& dtype, const std::string& use) {
-  ATTNKIT_CHECK(use == "tiles" || use == "decode" || use == "ranges" || use == "linear",
-                "cpu_gemm_path: use must be 'tiles', 'decode', 'ranges' or 'linear'; got '", use, "'");
+  ATTNKIT_CHECK(use == "tiles" || use == "softmax" || use == "decode" || use == "ranges" || use == "linear",
+                "cpu_gemm_path: use must be 'tiles', 'softmax', 'decode', 'ranges' or 'linear'; got '", use, "'");
   at::ScalarType t = at::kFloat;
   if (dtype == "bfloat16") {
     t = at::kBFloat16;
@@ -132,8 +132,9 @@ std::string cpu_gemm_path_name(const std::string& dtype, const std::string& use)
   return attnkit::gemm_path_name(
       attnkit::cpu_gemm_path(t, use == "decode"   ? attnkit::GemmUse::kDecode
                                 : use == "ranges" ? attnkit::GemmUse::kSparseRanges
-                                : use == "linear" ? attnkit::GemmUse::kLinear
-                                                  : attnkit::GemmUse::kTiles));
+                                : use == "linear"  ? attnkit::GemmUse::kLinear
+                                : use == "softmax" ? attnkit::GemmUse::kSoftmax
+                                                   : attnkit::GemmUse::kTiles));
 }
 
 namespace checks = attnkit::checks;

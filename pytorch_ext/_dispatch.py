@@ -69,6 +69,9 @@ CPU_GEMM_ENV_VAR = "ATTNKIT_CPU_GEMM"
 # Kernels whose tile-GEMM path under ATTNKIT_CPU_GEMM=auto is their own (csrc/cpu/gemm_path.h,
 # GemmUse: native where brgemm measured slower on a Xeon with AMX), as cpu_gemm_path's `use` and
 # the label the report gives them.
+# The `use` of a family's main tile GEMMs where it is not "tiles": the softmax flash tiles take the
+# float16 split (gemm_path.h, GemmUse::kSoftmax).
+_MAIN_GEMM_USE = {"softmax": "softmax"}
 _OWN_GEMM_USE = {"softmax": ("decode", "decoding (N <= 16)"),
                  "sparse": ("ranges", "range and fused strided kernels"),
                  "linear": ("linear", "under auto")}
@@ -90,7 +93,8 @@ def cpu_kernels(family: str | None = None) -> str:
     if family not in RUNTIME_GEMM_FAMILIES or not hasattr(module, "cpu_gemm_path"):
         return base + "; chosen at build time (-march), no AMX"
     try:
-        paths = ", ".join(f"{dtype} {module.cpu_gemm_path(dtype)}" for dtype in ("bfloat16", "float16", "float32"))
+        use = _MAIN_GEMM_USE.get(family, "tiles")
+        paths = ", ".join(f"{dtype} {module.cpu_gemm_path(dtype, use)}" for dtype in ("bfloat16", "float16", "float32"))
     except RuntimeError as exc:  # a bad ATTNKIT_CPU_GEMM: every forward call raises the same
         paths = str(exc).splitlines()[0]
     setting = os.environ.get(CPU_GEMM_ENV_VAR) or "auto"

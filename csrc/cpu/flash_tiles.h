@@ -889,6 +889,112 @@ inline float exp2_scaled_sum_bits16(float* s, int64_t lo, int64_t hi, float c, f
   return sum;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The float16 split (gemm_path.h, GemmPath::kSplitBf16): a value x as two bfloat16, hi = bf16(x)
+// (round to nearest even) and lo = bf16(x - hi).  For a float16 x the pair is exact (11
+// significant bits: hi holds 8, x - hi at most 3); for a float32 x (P) it keeps 16 bits, x - hi -
+// lo under 2^-17 |x|.  hi is zero, infinite or NaN where x is, so the product of two his carries
+// IEEE's rules for x y (0 inf = NaN, NaN spreads); every other partial product must stay finite,
+// or inf - inf and 0 inf would make NaNs that x y has not: so a non-finite x gets lo = 0, and
+// the partial products that pair a hi with a lo take hif -- hi with its non-finite values zeroed.
+// ---------------------------------------------------------------------------------------------
+inline void split_bf16_scalar(float x, uint16_t& hi, uint16_t& lo, uint16_t& hif) {
+  const at::BFloat16 h(x);
+  const float hf = static_cast<float>(h);
+  const bool finite = std::isfinite(hf);
+  hi = h.x;
+  lo = finite ? at::BFloat16(x - hf).x : uint16_t(0);
+  hif = finite ? h.x : uint16_t(0);
+}
+
+#if defined(__AVX512BF16__)
+// 16 floats: hi and lo as 16 bfloat16 each, and (where hif is not null) hif; lo and hif zero
+// where hi is not finite (the inputs: P is finite, hif not asked).
+inline void split_bf16_ps(__m512 x, __m256i& hi, __m256i& lo, __m256i* hif) {
+  hi = (__m256i)_mm512_cvtneps_pbh(x);
+  const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+  __m512 d = _mm512_sub_ps(x, hf);
+  if (hif != nullptr) {
+    const __mmask16 finite = static_cast<__mmask16>(~_mm512_fpclass_ps_mask(hf, 0x99));  // not NaN / inf
+    d = _mm512_maskz_mov_ps(finite, d);
+    *hif = _mm256_maskz_mov_epi16(finite, hi);
+  }
+  lo = (__m256i)_mm512_cvtneps_pbh(d);
+}
+#endif
+
+// rows x cols float16 values (element (r, c) at src[r * sn + c * sd]) split into bfloat16 bits:
+// hi[r * ld + c], lo[r * ld + c], hif[r * ld + c].
+inline void split_half_rows(const at::Half* src, int64_t sn, int64_t sd, int64_t rows, int64_t cols, uint16_t* hi,
+                            uint16_t* lo, uint16_t* hif, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const at::Half* in = src + r * sn;
+    uint16_t* h = hi + r * ld;
+    uint16_t* l = lo + r * ld;
+    uint16_t* hf = hif + r * ld;
+    int64_t c = 0;
+#if defined(__AVX512BF16__)
+    if (sd == 1) {
+      for (; c < cols; c += 16) {
+        const __mmask16 k = static_cast<__mmask16>(cols - c >= 16 ? 0xffffu : (1u << (cols - c)) - 1u);
+        const __m512 x = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, in + c));
+        __m256i vh, vl, vf;
+        split_bf16_ps(x, vh, vl, &vf);
+        _mm256_mask_storeu_epi16(h + c, k, vh);
+        _mm256_mask_storeu_epi16(l + c, k, vl);
+        _mm256_mask_storeu_epi16(hf + c, k, vf);
+      }
+    }
+#endif
+    for (; c < cols; ++c) split_bf16_scalar(static_cast<float>(in[c * sd]), h[c], l[c], hf[c]);
+  }
+}
+
+// One row of P split for the float16 split's O += P V (softmax.cpp): p[j] = exp2(c s[j] - mx) for
+// j in [lo, hi) -- exp2_ps_p16's polynomial, as exp2_scaled_sum_bits16 -- and 0 for j in [0, lo)
+// and [hi, n_pad), written as pdup[2 j] = pdup[2 j + 1] = bf16 hi of p[j] (to multiply V's pairs
+// (hi, lo) of key j) and plo[j] = its lo (to multiply V's hi).  Returns the float32 sum of the
+// p[j].  s[lo, hi) may be overwritten.
+inline float exp2_scaled_sum_split(float* s, int64_t lo, int64_t hi, float c, float mx, uint16_t* pdup,
+                                   uint16_t* plo, int64_t n_pad) {
+  int64_t j = lo;
+  float total = 0.f;
+  std::memset(pdup, 0, static_cast<size_t>(2 * lo) * sizeof(uint16_t));
+  std::memset(plo, 0, static_cast<size_t>(lo) * sizeof(uint16_t));
+#if defined(__AVX512BF16__)
+  {
+    const __m512 cv = _mm512_set1_ps(c), mv = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (; j < hi; j += 16) {
+      const __mmask16 k = static_cast<__mmask16>(hi - j >= 16 ? 0xffffu : (1u << (hi - j)) - 1u);
+      const __m512 p = _mm512_maskz_mov_ps(k, exp2_ps_p16(_mm512_fmsub_ps(cv, _mm512_maskz_loadu_ps(k, s + j), mv)));
+      sum = _mm512_add_ps(sum, p);
+      __m256i ph, pl;
+      split_bf16_ps(p, ph, pl, nullptr);
+      const __m512i w = _mm512_cvtepu16_epi32(ph);  // hi as 32-bit words, then doubled: (hi, hi)
+      _mm512_mask_storeu_epi32(pdup + 2 * j, k, _mm512_or_si512(w, _mm512_slli_epi32(w, 16)));
+      _mm256_mask_storeu_epi16(plo + j, k, pl);
+    }
+    j = std::max(j, hi);
+    total = _mm512_reduce_add_ps(sum);
+  }
+#else
+  if (hi > lo) total = exp2_scaled_sum(s + lo, hi - lo, c, mx);
+  for (; j < hi; ++j) {
+    uint16_t h, l, f;
+    split_bf16_scalar(s[j], h, l, f);
+    pdup[2 * j] = pdup[2 * j + 1] = h;
+    plo[j] = l;
+  }
+#endif
+  j = std::max(lo, hi);
+  if (n_pad > j) {
+    std::memset(pdup + 2 * j, 0, static_cast<size_t>(2 * (n_pad - j)) * sizeof(uint16_t));
+    std::memset(plo + j, 0, static_cast<size_t>(n_pad - j) * sizeof(uint16_t));
+  }
+  return total;
+}
+
 #if defined(__AVX512F__)
 // 16 x 16 transpose of 32-bit words in registers: r[i] becomes column i (64 shuffles).
 __attribute__((always_inline)) inline void tile_transpose16(__m512 (&r)[16]) {

@@ -78,28 +78,40 @@ bool amx_tiles_available(at::ScalarType dtype) {
 GemmPath cpu_gemm_path(at::ScalarType dtype, GemmUse use) {
   const char* env = std::getenv("ATTNKIT_CPU_GEMM");
   const std::string_view want = env == nullptr || *env == '\0' ? std::string_view("auto") : std::string_view(env);
-  ATTNKIT_CHECK(want == "auto" || want == "native" || want == "brgemm" || want == "amx" || want == "emulate",
-                "ATTNKIT_CPU_GEMM must be one of auto, native, brgemm, amx, emulate; got '", want, "'");
+  ATTNKIT_CHECK(want == "auto" || want == "native" || want == "brgemm" || want == "amx" || want == "split" ||
+                    want == "emulate",
+                "ATTNKIT_CPU_GEMM must be one of auto, native, brgemm, amx, split, emulate; got '", want, "'");
   // float32 / float64: the native tiles (brgemm float32 did not measure faster: not offered).
   if (want == "native" || (dtype != at::kBFloat16 && dtype != at::kHalf)) return GemmPath::kNative;
   if (want == "emulate") return GemmPath::kBrgemmEmulated;
+  // could_pack: whether oneDNN runs brgemm on AMX with a VNNI-packed B (fixed for the process).
+  static const bool could_pack_bf16 = at::native::cpublas::could_pack(at::kBFloat16);
+  static const bool could_pack_f16 = at::native::cpublas::could_pack(at::kHalf);
+  // The float16 split (softmax flash tiles only): forced by split -- on oneDNN's AMX where it
+  // packs bfloat16, else on the emulated brgemm -- and taken by auto where the CPU multiplies
+  // bfloat16 on AMX but not float16 (gemm_path.h has the measurement).  split sets nothing else:
+  // every other dtype and kernel as under auto.
+  if (dtype == at::kHalf && use == GemmUse::kSoftmax) {
+    if (want == "split") return could_pack_bf16 ? GemmPath::kSplitBf16 : GemmPath::kSplitBf16Emulated;
+    if (want == "auto" && !(cpu_has_amx(at::kHalf) && could_pack_f16) && cpu_has_amx(at::kBFloat16) && could_pack_bf16)
+      return GemmPath::kSplitBf16;
+  }
+  const std::string_view setting = want == "split" ? std::string_view("auto") : want;
   // The decoding kernel's own AMX tiles (bfloat16): forced by amx (an error where they are not
   // there), taken by auto where they are (see gemm_path.h for the measurement).
-  if (use == GemmUse::kDecode && dtype == at::kBFloat16 && (want == "amx" || want == "auto")) {
+  if (use == GemmUse::kDecode && dtype == at::kBFloat16 && (setting == "amx" || setting == "auto")) {
     const bool here = amx_tiles_available(dtype);
-    ATTNKIT_CHECK(here || want == "auto",
+    ATTNKIT_CHECK(here || setting == "auto",
                   "ATTNKIT_CPU_GEMM=amx: the decoding kernel's own AMX tiles need a build for AMX-TILE, AMX-BF16 "
                   "and AVX512-BF16 (this build: ", kHaveAmxTiles ? "yes" : "no", "), a CPU with them (this CPU: ",
                   cpu_has_amx(dtype) ? "yes" : "no", ") and the AMX tile state granted by the OS (",
                   amx_tile_state_permitted() ? "yes" : "no", ")");
     if (here) return GemmPath::kAmxTiles;
   }
-  // could_pack: whether oneDNN runs brgemm on AMX with a VNNI-packed B (fixed for the process).
-  static const bool could_pack_bf16 = at::native::cpublas::could_pack(at::kBFloat16);
-  static const bool could_pack_f16 = at::native::cpublas::could_pack(at::kHalf);
   const bool vnni = dtype == at::kBFloat16 ? could_pack_bf16 : could_pack_f16;
-  if (want == "brgemm" || want == "amx") return vnni ? GemmPath::kBrgemmVnni : GemmPath::kBrgemmPlain;
-  return cpu_has_amx(dtype) && vnni && use == GemmUse::kTiles ? GemmPath::kBrgemmVnni : GemmPath::kNative;
+  if (setting == "brgemm" || setting == "amx") return vnni ? GemmPath::kBrgemmVnni : GemmPath::kBrgemmPlain;
+  return cpu_has_amx(dtype) && vnni && (use == GemmUse::kTiles || use == GemmUse::kSoftmax) ? GemmPath::kBrgemmVnni
+                                                                                           : GemmPath::kNative;
 }
 
 GemmPath cpu_decode_path(at::ScalarType dtype, int64_t rows) {
@@ -115,6 +127,8 @@ std::string gemm_path_name(GemmPath path) {
     case GemmPath::kBrgemmPlain: return "brgemm (no VNNI: reference fallback)";
     case GemmPath::kBrgemmEmulated: return "brgemm emulated (VNNI layout, scalar: tests)";
     case GemmPath::kAmxTiles: return "own AMX tiles";
+    case GemmPath::kSplitBf16: return "brgemm split (float16 as bfloat16 pairs, AMX)";
+    case GemmPath::kSplitBf16Emulated: return "brgemm split emulated (float16 as bfloat16 pairs, scalar: tests)";
     default: return "native";
   }
 }

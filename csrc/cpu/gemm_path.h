@@ -13,12 +13,21 @@
 //           bfloat16 K read in place by tile loads, S^T = K Q^T and O += P V on AMX, the online
 //           softmax in AVX-512 between them.  Every other kernel takes brgemm under this setting.
 //
+//   split   float16 on a CPU whose AMX multiplies bfloat16 but not float16 (Sapphire / Emerald
+//           Rapids: AMX-BF16, no AMX-FP16): each float16 operand x is split into two bfloat16,
+//           hi = bf16(x) and lo = x - hi -- exact, a float16's 11 significant bits being at most
+//           8 + 3 -- and a product ab is taken as hi_a hi_b + hi_a lo_b + lo_a hi_b on brgemm's
+//           bfloat16 AMX tiles (GemmPath::kSplitBf16): the float32 products of the bfloat16 parts
+//           are exact, and the dropped lo_a lo_b is under 2^-18 |ab|.  The softmax flash tiles
+//           only (GemmUse::kSoftmax); kSplitBf16Emulated is the same on the emulated brgemm
+//           (scalar: the tests, on any CPU).
+//
 //   emulate attnkit's scalar model of the AMX brgemm (brgemm16_emulated below): the VNNI packing of
 //           the brgemm path checked on any CPU, with oneDNN's K-tail NaN defect reproduced so that
 //           the guard against it is tested too.  Exact float32 sums of 16-bit products; slow: for
 //           the tests, never chosen by auto.
 //
-// The choice, per call and dtype: ATTNKIT_CPU_GEMM=auto (default) | native | brgemm | amx | emulate.  auto takes
+// The choice, per call and dtype: ATTNKIT_CPU_GEMM=auto (default) | native | brgemm | amx | split | emulate.  auto takes
 // brgemm for bfloat16 / float16 only where the CPU has the AMX tiles of that dtype (CPUID) and
 // could_pack(dtype) holds -- never on AMD EPYC (no AMX), whose native kernels are the faster
 // ones -- and native otherwise.  float32 / float64 always run native.  Kernels with the choice:
@@ -42,23 +51,31 @@
 
 namespace attnkit {
 
-enum class GemmPath { kNative, kBrgemmVnni, kBrgemmPlain, kBrgemmEmulated, kAmxTiles };
+enum class GemmPath { kNative, kBrgemmVnni, kBrgemmPlain, kBrgemmEmulated, kAmxTiles, kSplitBf16, kSplitBf16Emulated };
 
-// Whether the path runs its products through brgemm16 (oneDNN's brgemm or its emulation).
+// Whether the path runs its products through brgemm16 on the operands' own dtype (oneDNN's brgemm
+// or its emulation).  The split paths run brgemm16 too, but on bfloat16 parts: see is_split.
 inline bool is_brgemm(GemmPath path) {
   return path == GemmPath::kBrgemmVnni || path == GemmPath::kBrgemmPlain || path == GemmPath::kBrgemmEmulated;
 }
 
+// Whether float16 operands are split into bfloat16 pairs (hi, lo) on brgemm (see "split" above).
+inline bool is_split(GemmPath path) {
+  return path == GemmPath::kSplitBf16 || path == GemmPath::kSplitBf16Emulated;
+}
+
 // Whether the path's B operands are VNNI-packed (pairs of K rows interleaved).
 inline bool brgemm_vnni_layout(GemmPath path) {
-  return path == GemmPath::kBrgemmVnni || path == GemmPath::kBrgemmEmulated;
+  return path == GemmPath::kBrgemmVnni || path == GemmPath::kBrgemmEmulated || is_split(path);
 }
 
 // What the GEMMs serve: the flash tiles (every family's forward and backward tiles, the
 // block-sparse ones included), the softmax decoding kernel (N <= 16 query rows against a long KV
 // cache: memory-bound), the sparse range and fused strided kernels (short ragged key ranges), or
 // the linear-attention chunk products (float32 tiles rounded to 16 bits per product).
-enum class GemmUse { kTiles, kDecode, kSparseRanges, kLinear };
+// kSoftmax: the softmax flash tiles, forward and backward -- kTiles, and the only use that takes
+// the float16 split (above).
+enum class GemmUse { kTiles, kDecode, kSparseRanges, kLinear, kSoftmax };
 
 // The path the kernels' tile GEMMs take for `dtype` in this call (reads ATTNKIT_CPU_GEMM; raises
 // on a value other than auto, native, brgemm, emulate).  auto gives the decoding kernel the native
@@ -114,12 +131,12 @@ void brgemm16_emulated(bool bf16, int64_t M, int64_t N, int64_t K, int64_t lda, 
 template <typename scalar_t>
 inline void brgemm16(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_C,
                      const uint16_t* A, const uint16_t* B, float* C, GemmPath path) {
-  if (path == GemmPath::kBrgemmEmulated) {
+  if (path == GemmPath::kBrgemmEmulated || path == GemmPath::kSplitBf16Emulated) {
     brgemm16_emulated(std::is_same_v<scalar_t, at::BFloat16>, M, N, K, lda, ldb, ldc, add_C, A, B, C);
     return;
   }
   at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, reinterpret_cast<const scalar_t*>(A),
-                              reinterpret_cast<const scalar_t*>(B), C, path == GemmPath::kBrgemmVnni);
+                              reinterpret_cast<const scalar_t*>(B), C, brgemm_vnni_layout(path));
 }
 
 // Ends a worker thread's use of brgemm (oneDNN's AMX tile state) when it dies: a member of the
@@ -131,8 +148,8 @@ class BrgemmRelease {
   BrgemmRelease() = default;
   // Active for oneDNN's paths only (the native and emulated ones hold no oneDNN state).
   explicit BrgemmRelease(GemmPath path)
-      : active_(path == GemmPath::kBrgemmVnni || path == GemmPath::kBrgemmPlain),
-        vnni_(path == GemmPath::kBrgemmVnni) {}
+      : active_(path == GemmPath::kBrgemmVnni || path == GemmPath::kBrgemmPlain || path == GemmPath::kSplitBf16),
+        vnni_(path == GemmPath::kBrgemmVnni || path == GemmPath::kSplitBf16) {}
   BrgemmRelease(BrgemmRelease&& o) noexcept : active_(o.active_), vnni_(o.vnni_) { o.active_ = false; }
   BrgemmRelease& operator=(BrgemmRelease&& o) noexcept {
     std::swap(active_, o.active_);

@@ -312,6 +312,11 @@ struct FwdScratch {
   // without VNNI, [nkb][D2][kBK]; V [M2/2][Dvp][2] (pairs of keys) or [M2][Dvp]; Q [kBQ][D2];
   // P [kBQ][kBK].  Element (k, n) of a B operand at b16_index(k, n, ld, pairs).
   avec<uint16_t> kb16, vb16, qb16, pb16;
+  // The float16 split (gemm_path.h, flash_tiles.h): K's packed depth is [hi; lo; hif; lo] (4 D2),
+  // Q's rows [hi | hif | lo | lo]; vb16 holds V's hif, va16 its (hi, lo) pairs per key
+  // [M][Dvp][2]; pb16 P's lo, pa16 its hi doubled per key [kBQ][2 kBK]; split16 the hi / lo / hif
+  // rows before packing.
+  avec<uint16_t> va16, pa16, split16;
   avec<acc_t> s;              // [kBQ][kBK]
   avec<acc_t> o;              // [kBQ][Dv]
   avec<acc_t> m, l;           // [kBQ]
@@ -332,6 +337,12 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
   const bool brgemm = k16 && path != GemmPath::kNative;
   const bool tiles16 = kDot || brgemm;  // Q, K, V, P packed as 16-bit
   const bool pairs = brgemm ? brgemm_vnni_layout(path) : kDot;  // VNNI layout of K and V
+  // float16 as bfloat16 pairs (hi, lo) on brgemm: S = Qh Kh + Qh Kl + Ql Kh + Ql Kl in one product
+  // of depth 4 D2 -- every product exact in float32, as float16's own -- and O += Ph (Vh + Vl) +
+  // Pl Vh in two (P kept to 16 bits, more than float16's 11; gemm_path.h).  The three-term S
+  // (Ql Kl dropped) was a quarter cheaper but its scores 2^-18 sum |q k| off: lse 1.1e-3 off at
+  // |s| ~ 300 (float16 inputs of scale 8, D=64), 1.0e-4 on the native tiles.
+  const bool split = std::is_same_v<scalar_t, at::Half> && is_split(path);
   const int64_t B = p.B, H = p.H, Hk = p.Hk, N = p.N, M = p.M, D = p.D, Dv = p.Dv;
   const int64_t G = H / Hk;
   // Query rows per task: 128 on brgemm, 64 on the native tiles.  Forward, B=1 H=8, Xeon with
@@ -348,6 +359,7 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
   // output row i when K > 32 and K % 32 != 0 (DESIGN.md): zero-padding D to 32 keeps a NaN query
   // row's NaN in its own row.  (P, the left operand of O += P V, never holds a NaN: see below.)
   const int64_t D2 = round_up(D, brgemm ? 32 : 2), Dvp = round_up(Dv, 16), M2 = round_up(M, 2);
+  const int64_t DS = split ? 4 * D2 : D2;  // the packed depth of S = Q K^T
   const acc_t c = static_cast<acc_t>(p.scale * kLog2e);
   // 16-bit tiles' raw scores with no score option or mask to apply: the scale goes into the max
   // and the exponentials (exp2_scaled_sum_bits16) instead of a pass of its own (prepare_row).
@@ -360,10 +372,16 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
       [&] {
         FwdScratch<acc_t> st;
         if (tiles16) {
-          st.kb16.resize(static_cast<size_t>(nkb * D2 * kBK));
+          st.kb16.resize(static_cast<size_t>(nkb * DS * kBK));
           st.vb16.resize(static_cast<size_t>(M2 * Dvp));
-          st.qb16.resize(static_cast<size_t>(BQ * D2));
+          st.qb16.resize(static_cast<size_t>(BQ * DS));
           st.pb16.resize(static_cast<size_t>(BQ * kBK));
+          if (split) {
+            st.va16.resize(static_cast<size_t>(2 * M * Dvp));
+            st.pa16.resize(static_cast<size_t>(BQ * 2 * kBK));
+            // K's block or Q's rows: hi, lo, hif [rows][D]; V: hi / lo rows [2 M][Dv], hif [M][2 Dv].
+            st.split16.resize(static_cast<size_t>(std::max({3 * kBK * D, 3 * BQ * D, 4 * M * Dv})));
+          }
           st.release = BrgemmRelease(path);
         } else {
           st.kt.resize(static_cast<size_t>(nkb * D * kBK));
@@ -388,7 +406,18 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
           // every head writes the same positions.
           for (int64_t k0 = 0; k0 < M; k0 += kBK) {
             const int64_t kn = std::min(kBK, M - k0);
-            if (tiles16) {
+            if (split) {
+              // Depth rows [0, D2): K's hi, then its lo, hif, lo (D2 each).
+              if constexpr (std::is_same_v<scalar_t, at::Half>) {
+                uint16_t *kh = st.split16.data(), *kl = kh + kBK * D, *kf = kl + kBK * D;
+                split_half_rows(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, kh, kl, kf, D);
+                uint16_t* dst = st.kb16.data() + (k0 / kBK) * DS * kBK;
+                const uint16_t* segs[4] = {kh, kl, kf, kl};
+                for (int64_t seg = 0; seg < 4; ++seg)
+                  pack_transposed_pairs(reinterpret_cast<const at::BFloat16*>(segs[seg]), D, 1, kn, D,
+                                        dst + seg * D2 * kBK, kBK, true);
+              }
+            } else if (tiles16) {
               // kb16[kb * D2 * kBK + b16_index(d, jj, kBK, pairs)] = k[b, hk, kb * kBK + jj, d]
               if constexpr (k16)
                 pack_transposed_pairs(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D,
@@ -399,7 +428,17 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
                               st.kt.data() + (k0 / kBK) * D * kBK, kBK);
             }
           }
-          if (tiles16) {
+          if (split) {
+            // V's rows split as hi / lo rows alternating ([2 M][Dv], hif after them), then packed
+            // twice: (hi, lo) pairs per key (va16), and hif in pairs of keys (vb16).
+            if constexpr (std::is_same_v<scalar_t, at::Half>) {
+              uint16_t *vhl = st.split16.data(), *vf = vhl + 2 * M * Dv;
+              split_half_rows(v + vs.at(b, hk, 0), vs.n, vs.d, M, Dv, vhl, vhl + Dv, vf, 2 * Dv);
+              pack_rows16(reinterpret_cast<const at::BFloat16*>(vhl), Dv, 1, 2 * M, Dv, st.va16.data(), Dvp, true,
+                          2 * M);
+              pack_rows16(reinterpret_cast<const at::BFloat16*>(vf), 2 * Dv, 1, M, Dv, st.vb16.data(), Dvp, true, M);
+            }
+          } else if (tiles16) {
             // vb16[b16_index(j, d, Dvp, pairs)] = v[b, hk, j, d]
             if constexpr (k16) pack_rows16(v + vs.at(b, hk, 0), vs.n, vs.d, M, Dv, st.vb16.data(), Dvp, pairs, M);
           } else if (!v_in_place) {
@@ -423,7 +462,18 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
         }
         const int64_t q0 = qb * BQ;
         const int64_t qn = std::min(BQ, N - q0);
-        if (tiles16) {
+        if (split) {
+          // Q rows [qn][4 D2]: hi | hif | lo | lo, each segment's columns [D, D2) zero from the
+          // buffer's creation.
+          if constexpr (std::is_same_v<scalar_t, at::Half>) {
+            uint16_t *qh = st.split16.data(), *ql = qh + BQ * D, *qf = ql + BQ * D;
+            split_half_rows(q + qs.at(b, h, q0), qs.n, qs.d, qn, D, qh, ql, qf, D);
+            const uint16_t* segs[4] = {qh, qf, ql, ql};
+            for (int64_t seg = 0; seg < 4; ++seg)
+              pack_rows16(reinterpret_cast<const at::BFloat16*>(segs[seg]), D, 1, qn, D, st.qb16.data() + seg * D2,
+                          DS, false, qn);
+          }
+        } else if (tiles16) {
           // Q rows [qn][D2]; the columns [D, D2) stay zero from the buffer's creation.
           if constexpr (k16) pack_rows16(q + qs.at(b, h, q0), qs.n, qs.d, qn, D, st.qb16.data(), D2, false, qn);
         } else {
@@ -488,7 +538,12 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
           for (int64_t g = 0; g < ngroups; ++g) {
             const int64_t r0 = groups[g][0], rn = groups[g][1] - r0, c0 = groups[g][2], c1 = groups[g][3];
             if (c1 == c0) continue;
-            if (brgemm) {
+            if (split) {
+              if constexpr (k16)
+                brgemm16<at::BFloat16>(rn, c1 - c0, DS, DS, kBK, kBK, false, st.qb16.data() + r0 * DS,
+                                       st.kb16.data() + kb * DS * kBK + b16_index(0, col + c0, kBK, true),
+                                       S + r0 * kBK + c0, path);
+            } else if (brgemm) {
               if constexpr (k16)
                 brgemm16<scalar_t>(rn, c1 - c0, D2, D2, kBK, kBK, false, st.qb16.data() + r0 * D2,
                                    st.kb16.data() + kb * D2 * kBK + b16_index(0, col + c0, kBK, pairs),
@@ -546,13 +601,19 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
               }
               std::fill(s, s + kn, acc_t(0));
               if (tiles16) std::fill(st.pb16.data() + r * kBK, st.pb16.data() + r * kBK + round_up(kn, 2), uint16_t(0));
+              if (split)
+                std::fill(st.pa16.data() + r * 2 * kBK, st.pa16.data() + r * 2 * kBK + 2 * round_up(kn, 2), uint16_t(0));
             } else {
               const acc_t alpha = row_alpha[r];
               acc_t sum = 0;
               if constexpr (k16 && std::is_same_v<acc_t, float>) {
                 // P in 16 bits straight from the scores (one pass), zero up to an even count: the
                 // pair of a VNNI product's odd tail.
-                if (tiles16) sum = exp2_scaled_sum_bits16<scalar_t>(s, lo, hi, cs, mx, st.pb16.data() + r * kBK, round_up(kn, 2));
+                if (split && k16)
+                  sum = exp2_scaled_sum_split(s, lo, hi, cs, mx, st.pa16.data() + r * 2 * kBK, st.pb16.data() + r * kBK,
+                                              round_up(kn, 2));
+                else if (tiles16)
+                  sum = exp2_scaled_sum_bits16<scalar_t>(s, lo, hi, cs, mx, st.pb16.data() + r * kBK, round_up(kn, 2));
               }
               if (!tiles16) {
                 sum = exp2_sub_sum(s + lo, hi - lo, mx);
@@ -568,15 +629,28 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
               // A row whose l is NaN (a NaN score, or inf - inf) is NaN already (o, m, l stay NaN)
               // and gets P = 0: no NaN in the left operand of P V for the oneDNN defect above to
               // spread into the row before it.
-              if (tiles16 && std::isnan(st.l[r]))
+              if (tiles16 && std::isnan(st.l[r])) {
                 std::fill(st.pb16.data() + r * kBK, st.pb16.data() + r * kBK + round_up(kn, 2), uint16_t(0));
+                if (split)
+                  std::fill(st.pa16.data() + r * 2 * kBK, st.pa16.data() + r * 2 * kBK + 2 * round_up(kn, 2), uint16_t(0));
+              }
             }
           }
           // O += P V, by the same groups (P is 0 outside a group's keys).
           for (int64_t g = 0; g < ngroups; ++g) {
             const int64_t r0 = groups[g][0], rn = groups[g][1] - r0, c0 = groups[g][2], c1 = groups[g][3];
             if (c1 == c0) continue;
-            if (brgemm) {
+            if (split) {
+              // Ph (Vh + Vl): depth 2 (c1 - c0), key j's pair (Ph, Ph) against (Vh, Vl); then Pl Vhif as
+              // below.  (P holds no NaN: the K-tail defect cannot reach these products.)
+              if constexpr (k16) {
+                brgemm16<at::BFloat16>(rn, Dv, 2 * (c1 - c0), 2 * kBK, Dvp, Dv, true,
+                                       st.pa16.data() + r0 * 2 * kBK + 2 * c0, st.va16.data() + (k0 + c0) * Dvp * 2,
+                                       st.o.data() + r0 * Dv, path);
+                brgemm16<at::BFloat16>(rn, Dv, round_up(c1 - c0, 2), kBK, Dvp, Dv, true, st.pb16.data() + r0 * kBK + c0,
+                                       st.vb16.data() + (k0 + c0) * Dvp, st.o.data() + r0 * Dv, path);
+              }
+            } else if (brgemm) {
               // VNNI: K even; P's columns from c1 on are 0 for these rows (their keys end at c1),
               // and V has row k0 + c1 (a zero row past an odd M).
               if constexpr (k16)
@@ -1698,7 +1772,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
                                  alibi_slopes);
   // The tile-GEMM path of the flash forward and of the decoding path (read here, so that a bad
   // ATTNKIT_CPU_GEMM raises on every call).
-  const GemmPath path = cpu_gemm_path(q.scalar_type());
+  const GemmPath path = cpu_gemm_path(q.scalar_type(), GemmUse::kSoftmax);
   auto out = at::empty({p.B, p.H, p.N, p.Dv}, q.options());
   auto lse = at::empty({p.B, p.H, p.N}, q.options().dtype(acc_type_of(q.scalar_type())));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
@@ -1750,7 +1824,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cpu(
   }
   // lse is read through strides as a 4-D view [B,H,N,1].
   const at::Tensor lse4 = lse.unsqueeze(-1);
-  const GemmPath path = cpu_gemm_path(q.scalar_type());
+  GemmPath path = cpu_gemm_path(q.scalar_type(), GemmUse::kSoftmax);
+  if (is_split(path)) path = GemmPath::kNative;  // (the backward's split: not yet)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_bwd", [&] {
     using acc_t = acc_of<scalar_t>;
     softmax_bwd_kernel<scalar_t, acc_t>(

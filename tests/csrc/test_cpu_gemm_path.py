@@ -121,18 +121,19 @@ def test_decoding_sparse_range_and_linear_kernels_take_their_own_path_under_auto
                 if (use, dtype, setting) == ("decode", "bfloat16", "amx"):
                     continue  # the own tiles, or an error (amx_tiles_here)
                 assert native.cpu_gemm_path(dtype, use) == native.cpu_gemm_path(dtype), (use, setting, dtype)
-    with pytest.raises(RuntimeError, match="use must be 'tiles', 'decode', 'ranges' or 'linear'; got 'prefill'"):
+    with pytest.raises(RuntimeError, match="use must be 'tiles', 'softmax', 'decode', 'ranges' or 'linear'; got 'prefill'"):
         native.cpu_gemm_path("bfloat16", "prefill")
     # the report names these kernels' path where it differs from the tiles'
     monkeypatch.delenv(ENV, raising=False)
-    differs = native.cpu_gemm_path("bfloat16") != "native"
-    for family, label in (("softmax", "decoding (N <= 16)"), ("sparse", "range and fused strided kernels"),
-                          ("linear", "under auto")):
+    for family, label, main in (("softmax", "decoding (N <= 16)", "softmax"),
+                                ("sparse", "range and fused strided kernels", "tiles"), ("linear", "under auto", "tiles")):
         kernels = attnkit.backends()[family]["cpu"].kernels
         if family == "softmax" and amx_here:
             assert (f"; {label}: bfloat16 own AMX tiles (from 4 query rows per kv head; native below), "
                     "float16 native, float32 native") in kernels, kernels
             continue
+        # (softmax's main tiles: GemmUse::kSoftmax, which may split float16: tests/csrc/test_cpu_split_f16.py)
+        differs = any(native.cpu_gemm_path(dtype, main) != "native" for dtype in ("bfloat16", "float16"))
         assert (f"; {label}: bfloat16 native, float16 native, float32 native" in kernels) == differs, kernels
 
 
@@ -187,9 +188,9 @@ def test_bad_value_names_the_allowed_ones(monkeypatch):
     monkeypatch.setenv(ENV, "amx-bf16")
     q = torch.randn(1, 1, 20, 8, dtype=BF16)
     with pytest.raises(RuntimeError,
-                       match="ATTNKIT_CPU_GEMM must be one of auto, native, brgemm, amx, emulate; got 'amx-bf16'"):
+                       match="ATTNKIT_CPU_GEMM must be one of auto, native, brgemm, amx, split, emulate; got 'amx-bf16'"):
         attnkit.softmax_attention(q, q, q, backend="cpu")
-    with pytest.raises(RuntimeError, match="auto, native, brgemm, amx, emulate"):
+    with pytest.raises(RuntimeError, match="auto, native, brgemm, amx, split, emulate"):
         gemm_path(BF16)
     with pytest.raises(RuntimeError, match="bfloat16, float16, float32, float64"):
         _dispatch.native().cpu_gemm_path("int8")

@@ -61,7 +61,7 @@ def test_bad_value_raises_in_every_sparse_op(monkeypatch):
         "sparse_strided_bwd": lambda: ops.sparse_strided_bwd(q, q, q, q, lse, lse, 4, True, 0.3),
     }
     for name, call in calls.items():
-        with pytest.raises(RuntimeError, match="ATTNKIT_CPU_GEMM must be one of auto, native, brgemm, amx, emulate"):
+        with pytest.raises(RuntimeError, match="ATTNKIT_CPU_GEMM must be one of auto, native, brgemm, amx, split, emulate"):
             call()
     # float32 inputs always run native, but the value is checked all the same
     with pytest.raises(RuntimeError, match="ATTNKIT_CPU_GEMM must be one of"):
