@@ -53,6 +53,7 @@
 #include "flash_tiles.h"
 #include "gemm_path.h"
 #include "simd_f32.h"
+#include "split16.h"
 #include "../checks/checks.h"
 
 namespace attnkit {
@@ -312,10 +313,10 @@ struct FwdScratch {
   // without VNNI, [nkb][D2][kBK]; V [M2/2][Dvp][2] (pairs of keys) or [M2][Dvp]; Q [kBQ][D2];
   // P [kBQ][kBK].  Element (k, n) of a B operand at b16_index(k, n, ld, pairs).
   avec<uint16_t> kb16, vb16, qb16, pb16;
-  // The float16 split (gemm_path.h, flash_tiles.h): K's packed depth is [hi; lo; hif; lo] (4 D2),
-  // Q's rows [hi | hif | lo | lo]; vb16 holds V's hif, va16 its (hi, lo) pairs per key
-  // [M][Dvp][2]; pb16 P's lo, pa16 its hi doubled per key [kBQ][2 kBK]; split16 the hi / lo / hif
-  // rows before packing.
+  // The float16 split (split16.h): K's packed depth is [hi; lo; hif; lo] (4 D2), Q's rows
+  // [hi | hif | lo | lo]; vb16 holds V's hif, va16 its (hi, lo) pairs per key [M2][Dvp][2]; pb16
+  // P's lo, pa16 its hi doubled per key [kBQ][2 kBK]; split16 the hi / lo / hif rows before
+  // packing.
   avec<uint16_t> va16, pa16, split16;
   avec<acc_t> s;              // [kBQ][kBK]
   avec<acc_t> o;              // [kBQ][Dv]
@@ -377,7 +378,7 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
           st.qb16.resize(static_cast<size_t>(BQ * DS));
           st.pb16.resize(static_cast<size_t>(BQ * kBK));
           if (split) {
-            st.va16.resize(static_cast<size_t>(2 * M * Dvp));
+            st.va16.resize(static_cast<size_t>(2 * M2 * Dvp));
             st.pa16.resize(static_cast<size_t>(BQ * 2 * kBK));
             // K's block or Q's rows: hi, lo, hif [rows][D]; V: hi / lo rows [2 M][Dv], hif [M][2 Dv].
             st.split16.resize(static_cast<size_t>(std::max({3 * kBK * D, 3 * BQ * D, 4 * M * Dv})));
@@ -407,16 +408,10 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
           for (int64_t k0 = 0; k0 < M; k0 += kBK) {
             const int64_t kn = std::min(kBK, M - k0);
             if (split) {
-              // Depth rows [0, D2): K's hi, then its lo, hif, lo (D2 each).
-              if constexpr (std::is_same_v<scalar_t, at::Half>) {
-                uint16_t *kh = st.split16.data(), *kl = kh + kBK * D, *kf = kl + kBK * D;
-                split_half_rows(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, kh, kl, kf, D);
-                uint16_t* dst = st.kb16.data() + (k0 / kBK) * DS * kBK;
-                const uint16_t* segs[4] = {kh, kl, kf, kl};
-                for (int64_t seg = 0; seg < 4; ++seg)
-                  pack_transposed_pairs(reinterpret_cast<const at::BFloat16*>(segs[seg]), D, 1, kn, D,
-                                        dst + seg * D2 * kBK, kBK, true);
-              }
+              // Depth rows: K's hi, lo, hif, lo (D2 each; split16.h).
+              if constexpr (std::is_same_v<scalar_t, at::Half>)
+                pack_split_transposed4(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, D2, st.split16.data(),
+                                       st.kb16.data() + (k0 / kBK) * DS * kBK, kBK);
             } else if (tiles16) {
               // kb16[kb * D2 * kBK + b16_index(d, jj, kBK, pairs)] = k[b, hk, kb * kBK + jj, d]
               if constexpr (k16)
@@ -429,15 +424,10 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
             }
           }
           if (split) {
-            // V's rows split as hi / lo rows alternating ([2 M][Dv], hif after them), then packed
-            // twice: (hi, lo) pairs per key (va16), and hif in pairs of keys (vb16).
-            if constexpr (std::is_same_v<scalar_t, at::Half>) {
-              uint16_t *vhl = st.split16.data(), *vf = vhl + 2 * M * Dv;
-              split_half_rows(v + vs.at(b, hk, 0), vs.n, vs.d, M, Dv, vhl, vhl + Dv, vf, 2 * Dv);
-              pack_rows16(reinterpret_cast<const at::BFloat16*>(vhl), Dv, 1, 2 * M, Dv, st.va16.data(), Dvp, true,
-                          2 * M);
-              pack_rows16(reinterpret_cast<const at::BFloat16*>(vf), 2 * Dv, 1, M, Dv, st.vb16.data(), Dvp, true, M);
-            }
+            // V's (hi, lo) pairs per key (va16) and its hif in pairs of keys (vb16; split16.h).
+            if constexpr (std::is_same_v<scalar_t, at::Half>)
+              pack_split_pairs(v + vs.at(b, hk, 0), vs.n, vs.d, M, M2, Dv, st.split16.data(), st.va16.data(),
+                               st.vb16.data(), Dvp);
           } else if (tiles16) {
             // vb16[b16_index(j, d, Dvp, pairs)] = v[b, hk, j, d]
             if constexpr (k16) pack_rows16(v + vs.at(b, hk, 0), vs.n, vs.d, M, Dv, st.vb16.data(), Dvp, pairs, M);
@@ -463,16 +453,10 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
         const int64_t q0 = qb * BQ;
         const int64_t qn = std::min(BQ, N - q0);
         if (split) {
-          // Q rows [qn][4 D2]: hi | hif | lo | lo, each segment's columns [D, D2) zero from the
-          // buffer's creation.
-          if constexpr (std::is_same_v<scalar_t, at::Half>) {
-            uint16_t *qh = st.split16.data(), *ql = qh + BQ * D, *qf = ql + BQ * D;
-            split_half_rows(q + qs.at(b, h, q0), qs.n, qs.d, qn, D, qh, ql, qf, D);
-            const uint16_t* segs[4] = {qh, qf, ql, ql};
-            for (int64_t seg = 0; seg < 4; ++seg)
-              pack_rows16(reinterpret_cast<const at::BFloat16*>(segs[seg]), D, 1, qn, D, st.qb16.data() + seg * D2,
-                          DS, false, qn);
-          }
+          // Q rows [qn][4 D2]: hi | hif | lo | lo (split16.h), each segment's columns [D, D2) zero
+          // from the buffer's creation.
+          if constexpr (std::is_same_v<scalar_t, at::Half>)
+            pack_split_rows4(q + qs.at(b, h, q0), qs.n, qs.d, qn, D, D2, st.split16.data(), st.qb16.data(), DS);
         } else if (tiles16) {
           // Q rows [qn][D2]; the columns [D, D2) stay zero from the buffer's creation.
           if constexpr (k16) pack_rows16(q + qs.at(b, h, q0), qs.n, qs.d, qn, D, st.qb16.data(), D2, false, qn);
@@ -1405,6 +1389,13 @@ struct BwdScratch {
   // B operands: K^T [D2][BKb], V^T [Dv2][BKb], K rows [BKb][Dp], Q rows [BQb][Dp], dO rows
   // [BQb][Dvp].
   avec<uint16_t> qa, doa, pt, dst, ds, ktb, vtb, krb, qb, dob;
+  // The float16 split (split16.h): qa, doa rows [hi | hif | lo | lo] (4 D2, 4 Dv2); ktb, vtb depth
+  // [hi; lo; hif; lo]; krb, qb, dob the (hi, lo) pairs per row (depth 2 x rows) and krf, qbf, dobf
+  // the hif rows; pt, dst, ds the (hi, hif) pairs of P^T, dS^T, dS (rows of 2 BQb, 2 BQb, 2 BKb)
+  // and ptlo, dstlo, dslo their lo; tr a float tile transposed ([BKb][BQb]); split16 the hi / lo /
+  // hif rows before packing.
+  avec<uint16_t> krf, qbf, dobf, ptlo, dstlo, dslo, split16;
+  avec<acc_t> tr;
   BrgemmRelease release;       // the thread's brgemm state, released when the worker ends
 };
 
@@ -1425,6 +1416,9 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
   constexpr bool k16 = std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>;
   const bool brgemm = k16 && path != GemmPath::kNative;
   const bool pairs = brgemm_vnni_layout(path);
+  // float16 as bfloat16 pairs on brgemm (split16.h): S and dP in one product each of depth 4 D2 /
+  // 4 Dv2; dV += P^T dO, dK += dS^T Q, dQ += dS K in two each, P and dS kept to 16 bits.
+  const bool split = std::is_same_v<scalar_t, at::Half> && is_split(path);
   // Tiles of BQb query rows x BKb keys: 128 x 128 on brgemm (its calls' fixed cost and the
   // per-key-block packing of Q and dO spread over twice the work each way), 64 x 64 on the native
   // tiles.  bfloat16 forward+backward, B=1 H=8, one thread, Xeon with AMX, min of ~100 calls,
@@ -1440,6 +1434,7 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
   // query rows of a block (K of dV, dK): qn2; the keys of a block (K of dQ): kn2.
   const int64_t D2 = round_up(D, 32), Dv2 = round_up(Dv, 32);
   const int64_t Dp = round_up(D, 16), Dvp = round_up(Dv, 16);
+  const int64_t DS = split ? 4 * D2 : D2, DvS = split ? 4 * Dv2 : Dv2;  // the depths of S and dP
 
   // Di = rowsum(dO o O), and lse in base 2 (-inf kept), both [B*H*N].  The rows are converted to
   // acc_t a chunk at a time and summed in kLanes independent partial sums: one chain of dependent
@@ -1512,16 +1507,27 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
         if (brgemm) {
           // Zero-filled: the padding columns [D, D2) of Q's / dO's rows and the padding rows of
           // K^T / V^T are never written.
-          st.qa.resize(static_cast<size_t>(BQb * D2));
-          st.doa.resize(static_cast<size_t>(BQb * Dv2));
-          st.pt.resize(static_cast<size_t>(BKb * BQb));
-          st.dst.resize(static_cast<size_t>(BKb * BQb));
-          st.ds.resize(static_cast<size_t>(BQb * BKb));
-          st.ktb.resize(static_cast<size_t>(D2 * BKb));
-          st.vtb.resize(static_cast<size_t>(Dv2 * BKb));
-          st.krb.resize(static_cast<size_t>(BKb * Dp));
-          st.qb.resize(static_cast<size_t>(BQb * Dp));
-          st.dob.resize(static_cast<size_t>(BQb * Dvp));
+          const int64_t x = split ? 2 : 1;  // the split's (hi, lo) pairs: twice the depth
+          st.qa.resize(static_cast<size_t>(BQb * DS));
+          st.doa.resize(static_cast<size_t>(BQb * DvS));
+          st.pt.resize(static_cast<size_t>(BKb * BQb * x));
+          st.dst.resize(static_cast<size_t>(BKb * BQb * x));
+          st.ds.resize(static_cast<size_t>(BQb * BKb * x));
+          st.ktb.resize(static_cast<size_t>(DS * BKb));
+          st.vtb.resize(static_cast<size_t>(DvS * BKb));
+          st.krb.resize(static_cast<size_t>(BKb * Dp * x));
+          st.qb.resize(static_cast<size_t>(BQb * Dp * x));
+          st.dob.resize(static_cast<size_t>(BQb * Dvp * x));
+          if (split) {
+            st.krf.resize(static_cast<size_t>(BKb * Dp));
+            st.qbf.resize(static_cast<size_t>(BQb * Dp));
+            st.dobf.resize(static_cast<size_t>(BQb * Dvp));
+            st.ptlo.resize(static_cast<size_t>(BKb * BQb));
+            st.dstlo.resize(static_cast<size_t>(BKb * BQb));
+            st.dslo.resize(static_cast<size_t>(BQb * BKb));
+            st.tr.resize(static_cast<size_t>(BKb * BQb));
+            st.split16.resize(static_cast<size_t>(4 * std::max(BKb, BQb) * std::max(D, Dv)));
+          }
           st.release = BrgemmRelease(path);
         } else {
           st.kt.resize(static_cast<size_t>(D * BKb));
@@ -1562,7 +1568,17 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
           // scalar pack, zero-filled K^T / V^T and Q / dO copies per key block took 88 us.
           const acc_t* Kr = st.kr.data();
           int64_t ldkr = D;
-          if (brgemm) {
+          if (split) {
+            // K^T, V^T of depth 4 D2 / 4 Dv2; K's (hi, lo) pairs and hif rows (rows [kn, kn2) zero).
+            if constexpr (std::is_same_v<scalar_t, at::Half>) {
+              pack_split_transposed4(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, D2, st.split16.data(), st.ktb.data(),
+                                     BKb);
+              pack_split_transposed4(v + vs.at(b, hk, k0), vs.n, vs.d, kn, Dv, Dv2, st.split16.data(),
+                                     st.vtb.data(), BKb);
+              pack_split_pairs(k + ks.at(b, hk, k0), ks.n, ks.d, kn, kn2, D, st.split16.data(), st.krb.data(),
+                               st.krf.data(), Dp);
+            }
+          } else if (brgemm) {
             // 16-bit K^T, V^T (B of S and dP; the GEMMs read kn columns) and K rows (B of dQ,
             // rows [kn, kn2) zeroed: the K tail).
             if constexpr (k16) {
@@ -1594,7 +1610,19 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
               const uint16_t* Qa = st.qa.data();
               const uint16_t* dOa = st.doa.data();
               int64_t lda_q = D2, lda_do = Dv2;
-              if (brgemm) {
+              if (split) {
+                if constexpr (std::is_same_v<scalar_t, at::Half>) {
+                  pack_split_rows4(q + qs.at(b, h, q0), qs.n, qs.d, qn, D, D2, st.split16.data(), st.qa.data(), DS);
+                  pack_split_pairs(q + qs.at(b, h, q0), qs.n, qs.d, qn, qn2, D, st.split16.data(), st.qb.data(),
+                                   st.qbf.data(), Dp);
+                  pack_split_rows4(dout + dos.at(b, h, q0), dos.n, dos.d, qn, Dv, Dv2, st.split16.data(),
+                                   st.doa.data(), DvS);
+                  pack_split_pairs(dout + dos.at(b, h, q0), dos.n, dos.d, qn, qn2, Dv, st.split16.data(),
+                                   st.dob.data(), st.dobf.data(), Dvp);
+                  lda_q = DS;
+                  lda_do = DvS;
+                }
+              } else if (brgemm) {
                 if constexpr (k16) {
                   if (qs.d == 1 && D == D2) {
                     Qa = reinterpret_cast<const uint16_t*>(q + qs.at(b, h, q0));
@@ -1617,8 +1645,10 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
               }
               acc_t* S = st.s.data();
               acc_t* dP = st.dp.data();
-              // S = Q K^T (brgemm: K = D2, zero-padded)
-              if (brgemm) {
+              // S = Q K^T (brgemm: K = D2, zero-padded; the split: 4 D2)
+              if (split) {
+                if constexpr (k16) brgemm16<at::BFloat16>(qn, kn, DS, lda_q, BKb, BKb, false, Qa, st.ktb.data(), S, path);
+              } else if (brgemm) {
                 if constexpr (k16)
                   brgemm16<scalar_t>(qn, kn, D2, lda_q, BKb, BKb, false, Qa, st.ktb.data(), S, path);
               } else {
@@ -1652,7 +1682,19 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
                 std::fill(s, s + lo, acc_t(0));
                 std::fill(s + hi, s + kn, acc_t(0));
               }
-              if (brgemm) {
+              if (split) {
+                if constexpr (k16) {
+                  // dV += P^T dO: P^T's (hi, hif) pairs against dO's (hi, lo), then P^T's lo against
+                  // dO's hif (K = 2 qn2, qn2: the rows [qn, qn2) zero);  dP = dO V^T (K = 4 Dv2)
+                  pack_transposed(S, BKb, 1, qn, kn, st.tr.data(), BQb);
+                  split_f32_rows(st.tr.data(), BQb, kn, qn, qn2, st.pt.data(), 2 * BQb, st.ptlo.data(), BQb);
+                  brgemm16<at::BFloat16>(kn, Dv, 2 * qn2, 2 * BQb, Dvp, Dv, true, st.pt.data(), st.dob.data(),
+                                         st.dv.data(), path);
+                  brgemm16<at::BFloat16>(kn, Dv, qn2, BQb, Dvp, Dv, true, st.ptlo.data(), st.dobf.data(), st.dv.data(),
+                                         path);
+                  brgemm16<at::BFloat16>(qn, kn, DvS, lda_do, BKb, BKb, false, dOa, st.vtb.data(), dP, path);
+                }
+              } else if (brgemm) {
                 if constexpr (k16) {
                   // dV += P^T dO, P rounded to the dtype (K = qn2: P^T's columns and dO's rows
                   // [qn, qn2) zero);  dP = dO V^T (K = Dv2, zero-padded)
@@ -1689,7 +1731,22 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
                   for (int64_t j = 0; j < kn; ++j) dpr[j] *= dc[j];
                 }
               }
-              if (brgemm) {
+              if (split) {
+                if constexpr (k16) {
+                  // dK += dS^T Q and dQ += dS K, each as dV above (K = 2 qn2 and qn2, 2 kn2 and kn2)
+                  pack_transposed(dP, BKb, 1, qn, kn, st.tr.data(), BQb);
+                  split_f32_rows(st.tr.data(), BQb, kn, qn, qn2, st.dst.data(), 2 * BQb, st.dstlo.data(), BQb);
+                  split_f32_rows(dP, BKb, qn, kn, kn2, st.ds.data(), 2 * BKb, st.dslo.data(), BKb);
+                  brgemm16<at::BFloat16>(kn, D, 2 * qn2, 2 * BQb, Dp, D, true, st.dst.data(), st.qb.data(),
+                                         st.dk.data(), path);
+                  brgemm16<at::BFloat16>(kn, D, qn2, BQb, Dp, D, true, st.dstlo.data(), st.qbf.data(), st.dk.data(),
+                                         path);
+                  brgemm16<at::BFloat16>(qn, D, 2 * kn2, 2 * BKb, Dp, D, true, st.ds.data(), st.krb.data(),
+                                         dq_c + row0 * D, path);
+                  brgemm16<at::BFloat16>(qn, D, kn2, BKb, Dp, D, true, st.dslo.data(), st.krf.data(), dq_c + row0 * D,
+                                         path);
+                }
+              } else if (brgemm) {
                 if constexpr (k16) {
                   // dS rounded to the dtype.  dK += dS^T Q (K = qn2: dS^T's columns and Q's rows
                   // [qn, qn2) zero);  dQ += dS K (K = kn2: dS's columns and K's rows [kn, kn2) zero)
@@ -1824,8 +1881,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cpu(
   }
   // lse is read through strides as a 4-D view [B,H,N,1].
   const at::Tensor lse4 = lse.unsqueeze(-1);
-  GemmPath path = cpu_gemm_path(q.scalar_type(), GemmUse::kSoftmax);
-  if (is_split(path)) path = GemmPath::kNative;  // (the backward's split: not yet)
+  const GemmPath path = cpu_gemm_path(q.scalar_type(), GemmUse::kSoftmax);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_bwd", [&] {
     using acc_t = acc_of<scalar_t>;
     softmax_bwd_kernel<scalar_t, acc_t>(
