@@ -7,8 +7,10 @@ Ratios are what to quote (the machines are shared and noisy); name the CPU with 
         issue 28: the window (1023, 0) band forward against the full causal forward (and
         (1024, 0)), attnkit's cpu backend both.
     python bench/softmax_cpu_speed.py sdpa [--n 256 1024] [--d 64 128] [--rounds 5] [--dtypes float16]
+            [--paths native auto]
         issue 25: attnkit's cpu forward (and forward+backward) against torch SDPA, float32 and
-        bfloat16 (--dtypes: others, float16 among them), causal and not, B=1 H=8.
+        bfloat16 (--dtypes: others, float16 among them), causal and not, B=1 H=8.  --paths: time
+        attnkit under each of these ATTNKIT_CPU_GEMM values, side by side ("attnkit[native]", ...).
     python bench/softmax_cpu_speed.py decode [--m 4096] [--variants 0 1] [--rounds 5] [--dtype bfloat16]
         issue 25: the decoding forward (float32 unless --dtype) (B=8 Hq=32 Hk=8 N=1 D=128) against torch SDPA,
         as GB/s of K and V read and as a fraction of the bench's copy bandwidth (64 MiB copy_,
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import statistics
 import time
 
@@ -85,6 +88,20 @@ def band(args) -> None:
         print(f"  {name:24s} {1e3 * t:9.1f} ms   full causal / this = {ref / t:5.2f}x")
 
 
+def _under_paths(paths, fn) -> dict:
+    """``fn`` as "attnkit" (paths None: the setting as it is), or as "attnkit[p]" under
+    ATTNKIT_CPU_GEMM=p for each p (the kernels read it on every call)."""
+    if not paths:
+        return {"attnkit": fn}
+
+    def under(path):
+        def call():
+            os.environ["ATTNKIT_CPU_GEMM"] = path
+            return fn()
+        return call
+    return {f"attnkit[{p}]": under(p) for p in paths}
+
+
 def sdpa(args) -> None:
     base = _load_base(args.base)
     print(f"sdpa: B=1 H=8, {torch.get_num_threads()} threads, min of {args.rounds} rounds x median of {args.reps}")
@@ -97,10 +114,9 @@ def sdpa(args) -> None:
                         q, k, v = (torch.randn(1, 8, n, d, generator=g).to(dtype) for _ in range(3))
                         scale = d ** -0.5
                         if mode == "fwd":
-                            impls = {
-                                "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                                "attnkit": lambda: attnkit.softmax_attention(q, k, v, is_causal=causal),
-                            }
+                            impls = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}
+                            impls.update(_under_paths(args.paths, lambda: attnkit.softmax_attention(
+                                q, k, v, is_causal=causal)))
                             if base is not None:
                                 impls["base"] = lambda: base.fwd(q, k, v, None, scale, causal, -1, -1, 0.0, None)
                             with torch.no_grad():
@@ -111,19 +127,22 @@ def sdpa(args) -> None:
 
                             def run(f):
                                 return lambda: torch.autograd.backward(f(qg, kg, vg), go)
-                            impls = {
-                                "sdpa": run(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal)),
-                                "attnkit": run(lambda a, b, c: attnkit.softmax_attention(a, b, c, is_causal=causal)),
-                            }
+                            impls = {"sdpa": run(lambda a, b, c: F.scaled_dot_product_attention(a, b, c,
+                                                                                                 is_causal=causal))}
+                            impls.update(_under_paths(args.paths, run(lambda a, b, c: attnkit.softmax_attention(
+                                a, b, c, is_causal=causal))))
                             best = interleaved(impls, args.rounds, args.reps)
                         pairs = n * n if not causal else n * (n + 1) // 2
                         gf = 4 * 8 * d * pairs * (3.5 if mode != "fwd" else 1.0) / 1e9
                         line = (f"  {str(dtype)[6:]:8s} N={n:5d} D={d:3d} {'causal' if causal else 'full  '} {mode:7s}"
-                                f" sdpa {1e3 * best['sdpa']:7.2f} ms ({gf / best['sdpa']:5.0f} GF/s)"
-                                f"  attnkit {1e3 * best['attnkit']:7.2f} ms ({gf / best['attnkit']:5.0f} GF/s)"
-                                f"  ratio {best['sdpa'] / best['attnkit']:5.2f}x")
+                                f" sdpa {1e3 * best['sdpa']:7.2f} ms ({gf / best['sdpa']:5.0f} GF/s)")
+                        for name in best:
+                            if name.startswith("attnkit"):
+                                line += (f"  {name} {1e3 * best[name]:7.2f} ms ({gf / best[name]:5.0f} GF/s)"
+                                         f"  ratio {best['sdpa'] / best[name]:5.2f}x")
                         if "base" in best:
-                            line += f"  base ratio {best['sdpa'] / best['base']:5.2f}x (new/base {best['base'] / best['attnkit']:4.2f}x)"
+                            new = next(name for name in best if name.startswith("attnkit"))
+                            line += f"  base ratio {best['sdpa'] / best['base']:5.2f}x (new/base {best['base'] / best[new]:4.2f}x)"
                         print(line, flush=True)
 
 
@@ -186,6 +205,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16", "float16"),
                     help="sdpa: the dtypes to time")
+    ap.add_argument("--paths", nargs="+", default=None,
+                    help="sdpa: ATTNKIT_CPU_GEMM values to time attnkit under, side by side")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                     help="decode: the dtype of Q, K and V")
     ap.add_argument("--base", default=None)
