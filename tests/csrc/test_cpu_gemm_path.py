@@ -313,6 +313,17 @@ def test_thread_counts(forced, threads, dtype):
         check((2, 4, 2, 130, 300, 40, 40), dtype, causal=True)
 
 
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_fewer_tasks_than_threads(forced, threads, dtype):
+    """One head of 100 query rows: on brgemm the forward's query blocks shrink from 128 rows to 64
+    (2 threads) or 32 (4) so that every thread gets a task; the blocks' edges then fall inside the
+    rows (a causal diagonal across them)."""
+    with num_threads(threads):
+        check((1, 1, 1, 100, 300, 72, 40), dtype, causal=True)
+        check((1, 1, 1, 45, 131, 40, 24), dtype, opts={"window": (30, 5)})
+
+
 def test_float32_ignores_a_forced_brgemm(forced):
     check((1, 2, 1, 67, 131, 40, 24), F32, causal=True)
 
