@@ -14,6 +14,7 @@
 //   python bench/cpu_micro/amx_flash_fwd.py [threads] [N] [rounds]
 #include <torch/extension.h>
 #include <ATen/native/CPUBlas.h>
+#include "../../csrc/cpu/flash_tiles.h"
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -27,16 +28,8 @@
 #include <algorithm>
 struct TileCfg { uint8_t palette; uint8_t start; uint8_t res[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 static TileCfg cfg;
-static inline __m512 exp2p(__m512 x) {
-  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 n = _mm512_sub_ps(x, f);
-  __m512 p = _mm512_set1_ps(0.009582852944731712f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.055906426161527634f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024099111557007f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931241750717163f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+// The exponential of attnkit's 16-bit P (degree 4, vreduceps): the forward's own.
+static inline __m512 exp2p(__m512 x) { return attnkit::exp2_ps_p16(x); }
 constexpr int D = 64, KB = 64, BQ = 16;
 static int MODE = 1;
 static float THR = 8.0f;
