@@ -66,12 +66,12 @@ RUNTIME_GEMM_KERNELS = {
 }
 RUNTIME_GEMM_FAMILIES = tuple(RUNTIME_GEMM_KERNELS)
 CPU_GEMM_ENV_VAR = "ATTNKIT_CPU_GEMM"
-# Kernels whose tile-GEMM path under ATTNKIT_CPU_GEMM=auto is their own (csrc/cpu/gemm_path.h,
-# GemmUse: native where brgemm measured slower on a Xeon with AMX), as cpu_gemm_path's `use` and
-# the label the report gives them.
 # The `use` of a family's main tile GEMMs where it is not "tiles": the softmax flash tiles take the
 # float16 split (gemm_path.h, GemmUse::kSoftmax).
 _MAIN_GEMM_USE = {"softmax": "softmax"}
+# Kernels whose tile-GEMM path under ATTNKIT_CPU_GEMM=auto is their own (csrc/cpu/gemm_path.h,
+# GemmUse: native where brgemm measured slower on a Xeon with AMX), as cpu_gemm_path's `use` and
+# the label the report gives them.
 _OWN_GEMM_USE = {"softmax": ("decode", "decoding (N <= 16)"),
                  "sparse": ("ranges", "range and fused strided kernels"),
                  "linear": ("linear", "under auto")}
