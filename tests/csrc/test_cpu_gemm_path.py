@@ -316,9 +316,10 @@ def test_thread_counts(forced, threads, dtype):
 @pytest.mark.parametrize("threads", [2, 4])
 @pytest.mark.parametrize("dtype", [BF16, F16])
 def test_fewer_tasks_than_threads(forced, threads, dtype):
-    """One head of 100 query rows: on brgemm the forward's query blocks shrink from 128 rows to 64
-    (2 threads) or 32 (4) so that every thread gets a task; the blocks' edges then fall inside the
-    rows (a causal diagonal across them)."""
+    """One head of 100 query rows: the forward's query blocks shrink so that every thread gets a
+    task -- on brgemm from 128 rows to 64 (2 threads) or 32 (4), on the native tiles from 64 to 32
+    (4) -- and the blocks' edges fall inside the rows (a causal diagonal, a window across them).
+    Checked: with the block count left at the unshrunk size, all 12 cases fail."""
     with num_threads(threads):
         check((1, 1, 1, 100, 300, 72, 40), dtype, causal=True)
         check((1, 1, 1, 45, 131, 40, 24), dtype, opts={"window": (30, 5)})
