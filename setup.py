@@ -89,6 +89,18 @@ def _extensions():
 
             if not torch.cuda.is_available():
                 os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+            else:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(
+                    "%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())
+                )
+        # Compute capability 9.0 builds for sm_90a, the target that has wgmma and setmaxnreg
+        # (csrc/cuda/softmax_sm90.cu; its code for plain sm_90 is a stub that the host never
+        # launches).  sm_90a code runs on 9.0 devices only, which is what "9.0" asked for.
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(
+            "9.0a" if arch.strip() == "9.0" else arch.strip()
+            for arch in os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";")
+            if arch.strip()
+        )
         cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
         ext = cpp_extension.CUDAExtension(
             "attnkit._C",

@@ -4,6 +4,7 @@
 # Under -std=c++17, the standard torch < 2.13 (the GPU image's 2.11) gives extensions and the
 # stricter of the two (torch 2.13 gives C++20); one nvcc call per file for both targets (a
 # second call under C++20 cost CI another minute of host compilation).
+# Files named *_sm90.cu are also checked by .ci/check_sm90_sass.py (their sm_90a machine code).
 # Skips, saying so, when nvcc is not installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,10 +24,16 @@ echo "compile_cuda: $(nvcc --version | tail -1); ${#sources[@]} file(s), sm_80 +
 printf '%s\n' "${sources[@]}" | xargs -P "${COMPILE_JOBS:-2}" -I{} sh -c '
   obj="$0/$(echo {} | tr / _).o"
   flags="-O3 -DATTNKIT_WITH_CUDA -DTORCH_EXTENSION_NAME=_C '"$includes"' -Xcompiler -fPIC"
+  case {} in *_sm90.cu) flags="$flags -Xptxas -v";; esac
   if nvcc -c {} -o "$obj" -std=c++17 $flags -gencode arch=compute_80,code=sm_80 \
        -gencode arch=compute_90a,code=sm_90a > "$obj.log" 2>&1; then
     echo "  ok   {}"
   else
     echo "  FAIL {}"; cat "$obj.log"; exit 255
-  fi' "$out"
+  fi
+  # The Hopper kernels: HGMMA / UTMALDG / USETMAXREG in their SASS, no local memory (issue 27).
+  case {} in *_sm90.cu)
+    python .ci/check_sm90_sass.py "$obj" "$obj.log" > "$obj.sass" 2>&1; rc=$?
+    sed "s/^/       /" "$obj.sass"; [ "$rc" -eq 0 ] || exit 255;;
+  esac' "$out"
 rm -rf "$out"

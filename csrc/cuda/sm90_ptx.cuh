@@ -167,6 +167,19 @@ __device__ __forceinline__ void acc_fence(float (&d)[kNt][4]) {
 #endif
 }
 
+// The same for registers that an issued wgmma reads (A from registers): they must keep their
+// values until the wait.
+template <int kNt>
+__device__ __forceinline__ void acc_fence(uint32_t (&a)[kNt][4]) {
+#if ATTNKIT_SM90A
+#pragma unroll
+  for (int i = 0; i < kNt; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e]) : : "memory");
+  }
+#endif
+}
+
 // d (64 x kN, fp32) = A B + (scale_d ? d : 0), A (64 x 16) and B (16 x kN) from shared memory
 // through descriptors; B K-major (kTransB = 0) or MN-major (kTransB = 1).
 template <bool kBF16, int kN, int kTransB>
