@@ -1,5 +1,7 @@
 """GPU bench of the CUDA C++ softmax backward variants (session 15; csrc/cuda/softmax.cu,
-ATTNKIT_CUDA_SOFTMAX_BWD = default | stream | fused) against torch SDPA, in one run.
+ATTNKIT_CUDA_SOFTMAX_BWD = default | stream | fused) and of the Hopper forward (session 22;
+csrc/cuda/softmax_sm90.cu, variant "sm90": ATTNKIT_CUDA_SM90=1 with the default backward) against
+torch SDPA, in one run.
 
     python bench/cuda_softmax_gpu.py [--deadline 150] [--out cuda_softmax_gpu.json]
     python bench/cuda_softmax_gpu.py --dry-run                       (the plan; no GPU)
@@ -30,7 +32,8 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("default", "stream", "fused")
+VARIANTS = ("default", "stream", "fused", "sm90")
+SM90_ENV = "ATTNKIT_CUDA_SM90"
 ERR_LIMIT = 2e-2
 ENV = "ATTNKIT_CUDA_SOFTMAX_BWD"
 MODES = ("fwd", "bwd", "fwd+bwd")
@@ -136,7 +139,9 @@ def run_child(args):
 
     variant = args.child
     # (the C++ side reads the variable once, at the first backward of this process)
-    assert os.environ.get(ENV, "default") == variant, f"{ENV}={os.environ.get(ENV)!r} in the child of {variant}"
+    want = "default" if variant == "sm90" else variant
+    assert os.environ.get(ENV, "default") == want, f"{ENV}={os.environ.get(ENV)!r} in the child of {variant}"
+    assert (os.environ.get(SM90_ENV) == "1") == (variant == "sm90"), f"{SM90_ENV} in the child of {variant}"
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     records = []
     for c in cases(args):
@@ -232,7 +237,7 @@ def main(argv=None):
         if time.time() > stop_at:
             records.append(dict(variant=variant, case="-", impl="-", mode="-", note="deadline: not run"))
             continue
-        env = {**os.environ, ENV: variant}
+        env = {**os.environ, ENV: "default" if variant == "sm90" else variant, SM90_ENV: "1" if variant == "sm90" else "0"}
         cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--stop-at", str(stop_at),
                "--d", ",".join(map(str, args.d)), "--n", str(args.n), "--batch", str(args.batch),
                "--heads", str(args.heads), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]

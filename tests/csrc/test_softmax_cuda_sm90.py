@@ -1,0 +1,73 @@
+"""The Hopper forward of the CUDA C++ softmax (csrc/cuda/softmax_sm90.cu, issue 27) on a GPU.
+
+Opt-in today (ATTNKIT_CUDA_SM90=1, set per test here): torch.ops.attnkit.softmax_fwd then takes
+the TMA / wgmma kernel for unmasked float16 / bfloat16 calls with D = 64 or 128 on a compute
+capability 9.0 device with an sm_90a build; the backward stays softmax.cu's.  Checked against
+the float64 reference under DESIGN.md's rule (test_softmax_cuda.run_and_check), and checked to
+have run: its results differ in the last bits from the default kernel's (another summation
+order), where a silent fallback would give them bit for bit.  Skipped (saying why) off Hopper.
+The same kernel runs on the CPU in tests/csrc/test_softmax_sm90_emulated.py.
+"""
+import pytest
+import torch
+
+from attnkit_testing import LOW_PRECISION as LOW
+from test_softmax_cuda import make_qkv, ops, run_and_check  # noqa: F401 - ops is a fixture
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def hopper(monkeypatch):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90a kernel runs on compute capability 9.0 devices (H100 / H200) only")
+    monkeypatch.setenv("ATTNKIT_CUDA_SM90", "1")
+
+
+SIZES = ((1, 1), (7, 129), (129, 7), (128, 128), (257, 100), (1000, 1000), (300, 2049))
+
+
+@pytest.mark.parametrize("n,m", SIZES)
+@pytest.mark.parametrize("group", (1, 4))
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("dtype", LOW)
+def test_matches_reference(ops, dtype, d, causal, group, n, m):
+    b, h = 2, 4
+    q, k, v = make_qkv(b, h, h // group, n, m, d, dtype, seed=n * 7 + m + group)
+    run_and_check(ops, q, k, v, causal=causal)
+
+
+def test_strided_inputs(ops):
+    b, h, hk, n, m, d = 2, 4, 2, 77, 300, 128
+    dtype = torch.bfloat16
+    q = torch.randn(b, n, h, d, device="cuda").to(dtype).transpose(1, 2)  # [B, N, H, D] storage
+    k = torch.randn(b, m, hk, d, device="cuda").to(dtype).transpose(1, 2)
+    v = torch.randn(b, hk, m, 2 * d, device="cuda").to(dtype)[..., d:]  # row stride 2 D
+    run_and_check(ops, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("causal", (False, True))
+def test_the_kernel_ran(ops, monkeypatch, d, causal):
+    q, k, v = make_qkv(2, 8, 2, 1000, 1500, d, torch.bfloat16, seed=3)
+    hopper_out, hopper_lse = ops.softmax_fwd(q, k, v, None, 0.1, causal)
+    monkeypatch.setenv("ATTNKIT_CUDA_SM90", "0")
+    out, lse = ops.softmax_fwd(q, k, v, None, 0.1, causal)
+    torch.testing.assert_close(hopper_out, out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(hopper_lse, lse, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(hopper_lse, lse), "ATTNKIT_CUDA_SM90=1 gave the default kernel's bits: not taken"
+
+
+@pytest.mark.parametrize("n,m", ((0, 5), (5, 0)))
+def test_empty_sequences_fall_back(ops, n, m):
+    q, k, v = make_qkv(1, 2, 1, n, m, 64, torch.float16)
+    out, lse = ops.softmax_fwd(q, k, v, None, 0.125, False)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_deterministic(ops):
+    q, k, v = make_qkv(1, 4, 1, 700, 900, 128, torch.float16, seed=5)
+    first = ops.softmax_fwd(q, k, v, None, 0.1, True)
+    again = ops.softmax_fwd(q, k, v, None, 0.1, True)
+    assert all(torch.equal(x, y) for x, y in zip(first, again))
