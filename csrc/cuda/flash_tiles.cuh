@@ -305,13 +305,14 @@ __device__ __forceinline__ void mma_pb2(float (&acc)[kD / 8][4], const float (&p
   }
 }
 
-// Online softmax over one key tile, in the base-2 domain: s holds the tile's scaled scores
-// (-inf where hidden) and becomes P = 2^(s - m_new); the running max m_run, this thread's part
-// of the running sum l_run and the output accumulator o are rescaled.  The 4 lanes of a quad
-// (same lane / 4) share a row.
-template <int kNt, int kDt>
-__device__ __forceinline__ void online_softmax_update(float (&s)[kNt][4], float (&o)[kDt][4], float (&m_run)[2],
-                                                      float (&l_run)[2]) {
+// Online softmax over one key tile, in the base-2 domain, without the output: s holds the tile's
+// scaled scores (-inf where hidden) and becomes P = 2^(s - m_new); the running max m_run and this
+// thread's part of the running sum l_run are updated, and alpha[r] = 2^(m_old - m_new) is what
+// the output accumulator of row slot r must be multiplied by (softmax_sm90.cu does that after
+// the product still running on it has finished).  The 4 lanes of a quad (same lane / 4) share a row.
+template <int kNt>
+__device__ __forceinline__ void online_softmax_scores(float (&s)[kNt][4], float (&m_run)[2], float (&l_run)[2],
+                                                      float (&alpha)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = -INFINITY;
@@ -322,7 +323,7 @@ __device__ __forceinline__ void online_softmax_update(float (&s)[kNt][4], float 
     const float m_new = fmaxf(m_run[r], mx);
     // A row that has seen only -inf: exponentiate against 0 (every term is then 0, no NaN).
     const float m_use = m_new == -INFINITY ? 0.f : m_new;
-    const float alpha = exp2_approx(m_run[r] - m_use);  // 0 when m_run was -inf
+    alpha[r] = exp2_approx(m_run[r] - m_use);  // 0 when m_run was -inf
     m_run[r] = m_new;
     float sum = 0.f;
 #pragma unroll
@@ -331,13 +332,29 @@ __device__ __forceinline__ void online_softmax_update(float (&s)[kNt][4], float 
       s[nt][2 * r + 1] = exp2_approx(s[nt][2 * r + 1] - m_use);
       sum += s[nt][2 * r] + s[nt][2 * r + 1];
     }
-    l_run[r] = l_run[r] * alpha + sum;
-#pragma unroll
-    for (int dt = 0; dt < kDt; ++dt) {
-      o[dt][2 * r] *= alpha;
-      o[dt][2 * r + 1] *= alpha;
-    }
+    l_run[r] = l_run[r] * alpha[r] + sum;
   }
+}
+
+// o's row slots multiplied by alpha (online_softmax_scores' factors).
+template <int kDt>
+__device__ __forceinline__ void rescale_rows(float (&o)[kDt][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int dt = 0; dt < kDt; ++dt) {
+    o[dt][0] *= alpha[0];
+    o[dt][1] *= alpha[0];
+    o[dt][2] *= alpha[1];
+    o[dt][3] *= alpha[1];
+  }
+}
+
+// The same with the output accumulator o rescaled at once.
+template <int kNt, int kDt>
+__device__ __forceinline__ void online_softmax_update(float (&s)[kNt][4], float (&o)[kDt][4], float (&m_run)[2],
+                                                      float (&l_run)[2]) {
+  float alpha[2];
+  online_softmax_scores<kNt>(s, m_run, l_run, alpha);
+  rescale_rows<kDt>(o, alpha);
 }
 
 // ---------------------------------------------------------------------------------------------

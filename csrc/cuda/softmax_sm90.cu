@@ -27,9 +27,10 @@
 //    the m16n8 C fragments of its 16 rows), P re-packed in registers as the A operand, O += P V by
 //    8 wgmma m64nDk16 with A from registers and V MN-major (imm-trans-b), then the stage is
 //    released.  Out-of-range keys (j >= M, zero-filled by TMA) and causally hidden ones are -inf.
-//  - The products of a warpgroup run one after the other (issue, commit, wait 0); overlapping the
-//    softmax of one tile with the products of the next (FA3's intra-warpgroup pipelining) and the
-//    two consumers' ping-pong are the next steps, measured on a GPU first.
+//  - Two consumer loops (ATTNKIT_CUDA_SM90=1 | simple, both emulated, to be timed on a GPU):
+//    "simple" waits for each product at once; the default overlaps the softmax of tile t with
+//    the P V product of tile t - 1 (FlashAttention-3's intra-warpgroup pipelining).  The two
+//    consumers' ping-pong (named barriers) and a persistent scheduler are the next steps.
 
 #include "host_utils.cuh"  // first: torch headers and host helpers
 
@@ -76,7 +77,61 @@ struct Sm90FwdParams {
   bool causal;
 };
 
+// S = Q Kᵀ for this consumer's 64 rows against the K tile of stage `stage`, issued (not waited
+// for): k-step kk reads columns 16 kk .. of panel kk / 4, 32 bytes further per step.
 template <bool kBF16, int kD>
+__device__ __forceinline__ void issue_scores(float (&sc)[kSm90BlockN / 8][4], const uint16_t* sq, const uint16_t* sk,
+                                             int stage, int wq) {
+  constexpr int kP = kD / kPanelCols;
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    const uint16_t* qa = sq + (kk / 4) * kPanelElems + wq * 64 * kPanelCols + (kk % 4) * 16;
+    const uint16_t* kb = sk + (stage * kP + kk / 4) * kPanelElems + (kk % 4) * 16;
+    wgmma_ss<kBF16, kSm90BlockN, 0>(sc, smem_desc_sw128(qa, 16, 1024), smem_desc_sw128(kb, 16, 1024), kk > 0);
+  }
+}
+
+// O += P V with P from registers and the V tile of stage `stage`, issued: k-step kc reads keys
+// 16 kc .. (16 rows of 128 bytes further); the D columns are kP panels kPanelBytes apart.
+template <bool kBF16, int kD>
+__device__ __forceinline__ void issue_pv(float (&o)[kD / 8][4], const uint32_t (&pa)[kSm90BlockN / 16][4],
+                                         const uint16_t* sv, int stage) {
+  constexpr int kP = kD / kPanelCols;
+#pragma unroll
+  for (int kc = 0; kc < kSm90BlockN / 16; ++kc) {
+    const uint16_t* vb = sv + stage * kP * kPanelElems + kc * 16 * kPanelCols;
+    wgmma_rs<kBF16, kD, 1>(o, pa[kc], smem_desc_sw128(vb, kPanelBytes, 1024), 1);
+  }
+}
+
+// Scores to base 2; keys past M and (causal) past the row hidden.  Warp-uniform test: only the
+// last tile and the tiles crossing this warp's diagonal need the per-entry check.
+__device__ __forceinline__ void scale_and_mask(float (&sc)[kSm90BlockN / 8][4], const Sm90FwdParams& p, int t,
+                                               int row0, int g, int tq) {
+  const int j0 = t * kSm90BlockN;
+  const bool edge = j0 + kSm90BlockN > p.M || (p.causal && j0 + kSm90BlockN - 1 > row0);
+#pragma unroll
+  for (int nt = 0; nt < kSm90BlockN / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float x = sc[nt][e] * p.scale_log2;
+      if (edge) {
+        const int j = j0 + 8 * nt + 2 * tq + (e & 1);
+        const int i = row0 + g + 8 * (e >> 1);
+        sc[nt][e] = (j < p.M && (!p.causal || j <= i)) ? x : -INFINITY;
+      } else {
+        sc[nt][e] = x;
+      }
+    }
+  }
+}
+
+// kOverlap = false ("simple"): per tile, S, softmax, then O += P V, each product waited for at
+// once.  kOverlap = true: the products of tile t (S_t) and of tile t - 1 (O += P_{t-1} V_{t-1})
+// are issued together; the softmax of S_t runs while the P V product is still on the tensor
+// cores, and O is rescaled once that product is done (FlashAttention-3's intra-warpgroup
+// overlap; P_{t-1} and S_t in registers at once: 32 + 64 more than O's).
+template <bool kBF16, int kD, bool kOverlap>
 __global__ void __launch_bounds__(kSm90Threads, 1)
     softmax_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                             const __grid_constant__ CUtensorMap tm_v, const Sm90FwdParams p) {
@@ -144,63 +199,75 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
 #pragma unroll
   for (int dt = 0; dt < kD / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  float sc[kNt][4];
+  uint32_t pa[kNt / 2][4];
+  auto stage_of = [](int t) { return t % kSm90Stages; };
+  auto parity_of = [](int t) { return static_cast<uint32_t>(t / kSm90Stages) & 1u; };
 
   mbar_wait(q_full, 0);
-  for (int t = 0; t < n_tiles; ++t) {
-    const int s = t % kSm90Stages;
-    const uint32_t parity = static_cast<uint32_t>(t / kSm90Stages) & 1u;
-    mbar_wait(&k_full[s], parity);
-
-    // S = Q Kᵀ: k-step kk reads columns 16 kk .. of panel kk / 4 (32 bytes further per step).
-    float sc[kNt][4];
-    wgmma_fence();
+  if constexpr (!kOverlap) {
+    for (int t = 0; t < n_tiles; ++t) {
+      mbar_wait(&k_full[stage_of(t)], parity_of(t));
+      wgmma_fence();
+      issue_scores<kBF16, kD>(sc, sq, sk, stage_of(t), wq);
+      wgmma_commit();
+      wgmma_wait<0>();
+      acc_fence(sc);
+      scale_and_mask(sc, p, t, row0, g, tq);
+      online_softmax_update<kNt, kD / 8>(sc, o, m_run, l_run);
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      const uint16_t* qa = sq + (kk / 4) * kPanelElems + wq * 64 * kPanelCols + (kk % 4) * 16;
-      const uint16_t* kb = sk + (s * kP + kk / 4) * kPanelElems + (kk % 4) * 16;
-      wgmma_ss<kBF16, kSm90BlockN, 0>(sc, smem_desc_sw128(qa, 16, 1024), smem_desc_sw128(kb, 16, 1024), kk > 0);
+      for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(pa[kc], sc, kc);
+      mbar_wait(&v_full[stage_of(t)], parity_of(t));
+      wgmma_fence();
+      issue_pv<kBF16, kD>(o, pa, sv, stage_of(t));
+      wgmma_commit();
+      wgmma_wait<0>();
+      acc_fence(o);
+      acc_fence(pa);  // P's registers stay P's until the products that read them are done
+      mbar_arrive(&kv_empty[stage_of(t)]);
     }
+  } else if (n_tiles > 0) {
+    mbar_wait(&k_full[0], 0);
+    wgmma_fence();
+    issue_scores<kBF16, kD>(sc, sq, sk, 0, wq);
     wgmma_commit();
     wgmma_wait<0>();
     acc_fence(sc);
-
-    // Scale to base 2; hide keys past M and (causal) past the row.  Warp-uniform test: only the
-    // last tile and the tiles crossing this warp's diagonal need the per-entry check.
-    const int j0 = t * kSm90BlockN;
-    const bool edge = j0 + kSm90BlockN > p.M || (p.causal && j0 + kSm90BlockN - 1 > row0);
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float x = sc[nt][e] * p.scale_log2;
-        if (edge) {
-          const int j = j0 + 8 * nt + 2 * tq + (e & 1);
-          const int i = row0 + g + 8 * (e >> 1);
-          sc[nt][e] = (j < p.M && (!p.causal || j <= i)) ? x : -INFINITY;
-        } else {
-          sc[nt][e] = x;
-        }
-      }
-    }
-    online_softmax_update<kNt, kD / 8>(sc, o, m_run, l_run);
-    uint32_t pa[kNt / 2][4];
+    scale_and_mask(sc, p, 0, row0, g, tq);
+    float alpha[2];
+    online_softmax_scores<kNt>(sc, m_run, l_run, alpha);  // o is still 0: no rescale
 #pragma unroll
     for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(pa[kc], sc, kc);
-
-    // O += P V: k-step kc reads keys 16 kc .. of the V tile (16 rows of 128 bytes further); the
-    // D columns are kP panels kPanelBytes apart.
-    mbar_wait(&v_full[s], parity);
-    wgmma_fence();
+    for (int t = 1; t < n_tiles; ++t) {
+      const int prev = t - 1;
+      mbar_wait(&k_full[stage_of(t)], parity_of(t));
+      wgmma_fence();
+      issue_scores<kBF16, kD>(sc, sq, sk, stage_of(t), wq);  // group 1: S_t
+      wgmma_commit();
+      mbar_wait(&v_full[stage_of(prev)], parity_of(prev));
+      issue_pv<kBF16, kD>(o, pa, sv, stage_of(prev));  // group 2: O += P_{t-1} V_{t-1}
+      wgmma_commit();
+      wgmma_wait<1>();  // S_t done; the P V product may still run
+      acc_fence(sc);
+      scale_and_mask(sc, p, t, row0, g, tq);
+      online_softmax_scores<kNt>(sc, m_run, l_run, alpha);
+      wgmma_wait<0>();
+      acc_fence(o);
+      acc_fence(pa);
+      mbar_arrive(&kv_empty[stage_of(prev)]);
+      rescale_rows<kD / 8>(o, alpha);
 #pragma unroll
-    for (int kc = 0; kc < kNt / 2; ++kc) {
-      const uint16_t* vb = sv + s * kP * kPanelElems + kc * 16 * kPanelCols;
-      wgmma_rs<kBF16, kD, 1>(o, pa[kc], smem_desc_sw128(vb, kPanelBytes, 1024), 1);
+      for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(pa[kc], sc, kc);
     }
+    const int last = n_tiles - 1;
+    mbar_wait(&v_full[stage_of(last)], parity_of(last));
+    wgmma_fence();
+    issue_pv<kBF16, kD>(o, pa, sv, stage_of(last));
     wgmma_commit();
     wgmma_wait<0>();
     acc_fence(o);
-    acc_fence(pa);  // P's registers stay P's until the products that read them are done
-    mbar_arrive(&kv_empty[s]);
+    acc_fence(pa);
+    mbar_arrive(&kv_empty[stage_of(last)]);
   }
 
   store_out_lse<kBF16, kD>(p.out, p.lse, (static_cast<int64_t>(b) * p.H + h) * p.N + row0, 1, g, p.N - row0, o,
@@ -214,10 +281,15 @@ __global__ void sm90a_probe_kernel(int* out) { *out = ATTNKIT_SM90A; }
 // host side
 // ---------------------------------------------------------------------------------------------
 
-// ATTNKIT_CUDA_SM90=1 turns the kernel on (read per call: cheap, and tests switch it).
-bool sm90_requested() {
+// ATTNKIT_CUDA_SM90 (read per call: cheap, and tests switch it): "1" turns the kernel on
+// (the overlapped consumer loop), "simple" the one without overlap; anything else, off.
+enum class Sm90Mode { kOff, kOverlap, kSimple };
+Sm90Mode sm90_requested() {
   const char* env = std::getenv("ATTNKIT_CUDA_SM90");
-  return env != nullptr && std::strcmp(env, "1") == 0;
+  if (env == nullptr) return Sm90Mode::kOff;
+  if (std::strcmp(env, "1") == 0) return Sm90Mode::kOverlap;
+  if (std::strcmp(env, "simple") == 0) return Sm90Mode::kSimple;
+  return Sm90Mode::kOff;
 }
 
 // Whether this build carries the sm_90a code and the current device is a compute capability 9.0
@@ -300,10 +372,15 @@ bool make_map(CUtensorMap* map, const at::Tensor& x, bool bf16) {
 
 template <bool kBF16, int kD>
 void launch_sm90(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Sm90FwdParams& p,
-                 dim3 grid, cudaStream_t stream) {
+                 dim3 grid, cudaStream_t stream, Sm90Mode mode) {
   constexpr size_t smem = sm90_smem_bytes<kD>();
-  allow_smem(softmax_fwd_sm90_kernel<kBF16, kD>, smem);
-  softmax_fwd_sm90_kernel<kBF16, kD><<<grid, kSm90Threads, smem, stream>>>(tq, tk, tv, p);
+  if (mode == Sm90Mode::kSimple) {
+    allow_smem(softmax_fwd_sm90_kernel<kBF16, kD, false>, smem);
+    softmax_fwd_sm90_kernel<kBF16, kD, false><<<grid, kSm90Threads, smem, stream>>>(tq, tk, tv, p);
+  } else {
+    allow_smem(softmax_fwd_sm90_kernel<kBF16, kD, true>, smem);
+    softmax_fwd_sm90_kernel<kBF16, kD, true><<<grid, kSm90Threads, smem, stream>>>(tq, tk, tv, p);
+  }
 }
 
 }  // namespace
@@ -312,7 +389,8 @@ void launch_sm90(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap
 std::optional<std::tuple<at::Tensor, at::Tensor>> softmax_fwd_cuda_sm90(const at::Tensor& q, const at::Tensor& k,
                                                                         const at::Tensor& v, double scale,
                                                                         bool is_causal) {
-  if (!sm90_requested()) return std::nullopt;
+  const Sm90Mode mode = sm90_requested();
+  if (mode == Sm90Mode::kOff) return std::nullopt;
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Hk = k.size(1), M = k.size(2);
   if ((D != 64 && D != 128) || v.size(3) != D || B == 0 || H == 0 || N == 0) return std::nullopt;
   if (!tma_strides_ok(q) || !tma_strides_ok(k) || !tma_strides_ok(v)) return std::nullopt;
@@ -337,10 +415,11 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> softmax_fwd_cuda_sm90(const at
                   static_cast<unsigned>(B));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (bf16) {
-    D == 64 ? launch_sm90<true, 64>(tq, tk, tv, p, grid, stream) : launch_sm90<true, 128>(tq, tk, tv, p, grid, stream);
+    D == 64 ? launch_sm90<true, 64>(tq, tk, tv, p, grid, stream, mode)
+            : launch_sm90<true, 128>(tq, tk, tv, p, grid, stream, mode);
   } else {
-    D == 64 ? launch_sm90<false, 64>(tq, tk, tv, p, grid, stream)
-            : launch_sm90<false, 128>(tq, tk, tv, p, grid, stream);
+    D == 64 ? launch_sm90<false, 64>(tq, tk, tv, p, grid, stream, mode)
+            : launch_sm90<false, 128>(tq, tk, tv, p, grid, stream, mode);
   }
   return std::make_tuple(out, lse);
 }
