@@ -1,6 +1,7 @@
 """GPU bench of the CUDA C++ softmax backward variants (session 15; csrc/cuda/softmax.cu,
 ATTNKIT_CUDA_SOFTMAX_BWD = default | stream | fused) and of the Hopper forward (session 22;
-csrc/cuda/softmax_sm90.cu, variant "sm90": ATTNKIT_CUDA_SM90=1 with the default backward) against
+csrc/cuda/softmax_sm90.cu, variants "sm90" and "sm90-simple": ATTNKIT_CUDA_SM90=1 | simple, with the
+default backward) against
 torch SDPA, in one run.
 
     python bench/cuda_softmax_gpu.py [--deadline 150] [--out cuda_softmax_gpu.json]
@@ -32,11 +33,16 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("default", "stream", "fused", "sm90")
+VARIANTS = ("default", "stream", "fused", "sm90", "sm90-simple")
 SM90_ENV = "ATTNKIT_CUDA_SM90"
 ERR_LIMIT = 2e-2
 ENV = "ATTNKIT_CUDA_SOFTMAX_BWD"
 MODES = ("fwd", "bwd", "fwd+bwd")
+
+
+def variant_env(variant):
+    """(ATTNKIT_CUDA_SOFTMAX_BWD, ATTNKIT_CUDA_SM90) of a variant's child process."""
+    return {"sm90": ("default", "1"), "sm90-simple": ("default", "simple")}.get(variant, (variant, "0"))
 
 
 def parse_args(argv=None):
@@ -139,9 +145,9 @@ def run_child(args):
 
     variant = args.child
     # (the C++ side reads the variable once, at the first backward of this process)
-    want = "default" if variant == "sm90" else variant
-    assert os.environ.get(ENV, "default") == want, f"{ENV}={os.environ.get(ENV)!r} in the child of {variant}"
-    assert (os.environ.get(SM90_ENV) == "1") == (variant == "sm90"), f"{SM90_ENV} in the child of {variant}"
+    bwd, sm90 = variant_env(variant)
+    assert os.environ.get(ENV, "default") == bwd, f"{ENV}={os.environ.get(ENV)!r} in the child of {variant}"
+    assert os.environ.get(SM90_ENV, "0") == sm90, f"{SM90_ENV}={os.environ.get(SM90_ENV)!r} in the child of {variant}"
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     records = []
     for c in cases(args):
@@ -237,7 +243,8 @@ def main(argv=None):
         if time.time() > stop_at:
             records.append(dict(variant=variant, case="-", impl="-", mode="-", note="deadline: not run"))
             continue
-        env = {**os.environ, ENV: "default" if variant == "sm90" else variant, SM90_ENV: "1" if variant == "sm90" else "0"}
+        bwd, sm90 = variant_env(variant)
+        env = {**os.environ, ENV: bwd, SM90_ENV: sm90}
         cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--stop-at", str(stop_at),
                "--d", ",".join(map(str, args.d)), "--n", str(args.n), "--batch", str(args.batch),
                "--heads", str(args.heads), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
