@@ -43,6 +43,13 @@ SHARED_MEMORY = {
         "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(emu::shared_memory());",
     # hopfield.cu (float32 tiles, no tensor cores)
     "extern __shared__ float smem_raw[];": "float* smem_raw = reinterpret_cast<float*>(emu::shared_memory());",
+    # Hopper kernels (sm90_ptx.cuh: TMA destinations with the 128-byte swizzle are 1024-byte aligned;
+    # the emulated shared memory starts 1024-byte aligned in the shared window, harness_sm90.h)
+    "extern __shared__ __align__(1024) unsigned char smem_raw[];":
+        "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(emu::shared_memory());",
+    "extern __shared__ __align__(128) unsigned char smem_raw[];":
+        "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(emu::shared_memory());",
+    "extern __shared__ uint8_t smem_raw[];": "uint8_t* smem_raw = reinterpret_cast<uint8_t*>(emu::shared_memory());",
 }
 # `#include "name"` (quotes, not angle brackets): a project header, whose device part is inlined.
 PROJECT_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.M)
@@ -104,6 +111,128 @@ PTX_HELPERS = {
     "cp_async_wait": (
         "template <int kN> __device__ __forceinline__ void cp_async_wait()",
         ['asm volatile("cp.async.wait_group %0;\\n" : : "n"(kN) : "memory");'],
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# csrc/cuda/sm90_ptx.cuh (Hopper): its PTX helpers are removed after checking that each body is
+# EXACTLY (comments and whitespace aside) the one below, whose PTX harness_sm90.h models; its other
+# functions (smem_addr, smem_desc_sw128) run as written.  The `#if ... #define ATTNKIT_SM90A`
+# guard of the header becomes `#define ATTNKIT_SM90A 1` (the emulator is an sm_90a device).
+# ---------------------------------------------------------------------------------------------
+
+SM90_HEADER = "sm90_ptx.cuh"
+SM90A_GUARD = re.compile(
+    r"#if defined\(__CUDA_ARCH__\) && \(__CUDA_ARCH__ == 900\) && defined\(__CUDA_ARCH_FEAT_SM90_ALL\)[ \t]*\n"
+    r"#define ATTNKIT_SM90A 1[ \t]*\n#else[ \t]*\n#define ATTNKIT_SM90A 0[ \t]*\n#endif[ \t]*\n")
+SM90A_EMULATED = "#define ATTNKIT_SM90A 1  // extract.py: the emulator models an sm_90a device\n"
+
+
+def _guarded(*statements):
+    return "#if ATTNKIT_SM90A " + " ".join(statements) + " #endif"
+
+
+def _wgmma_asm(n, dtype, rs):
+    """The asm statement of sm90_ptx.cuh's wgmma_ss / wgmma_rs for m64n{n}k16 and `dtype` (the
+    operand numbering: n / 2 accumulators, then A (a descriptor or 4 registers), B's descriptor,
+    scale-d, imm-trans-b)."""
+    nd = n // 2
+    regs = ", ".join(f"%{i}" for i in range(nd))
+    outs = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(nd))  # d[N / 8][4]: register 4j + e is d[j][e]
+    if rs:
+        scale, trans = nd + 5, nd + 6
+        operands = "{" + ", ".join(f"%{nd + i}" for i in range(4)) + f"}}, %{nd + 4}, p, 1, 1, %{trans}"
+        ins = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB)'
+    else:
+        scale, trans = nd + 2, nd + 3
+        operands = f"%{nd}, %{nd + 1}, p, 1, 1, 0, %{trans}"
+        ins = '"l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB)'
+    return (f'asm volatile( "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{scale}, 0;\\n" '
+            f'"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dtype}.{dtype} " "{{{regs}}}, " '
+            f'"{operands};\\n}}\\n" : {outs} : {ins});')
+
+
+def _wgmma_body(name, rs):
+    def pick(n):
+        return (f"if constexpr (kBF16) {{ {_wgmma_asm(n, 'bf16', rs)} }} "
+                f"else {{ {_wgmma_asm(n, 'f16', rs)} }}")
+    return (f'#if ATTNKIT_SM90A static_assert(kN == 64 || kN == 128, "{name}: N is 64 or 128"); '
+            f"if constexpr (kN == 64) {{ {pick(64)} }} else {{ {pick(128)} }} #else __trap(); #endif")
+
+
+def _acc_fence(c, x):
+    return ("#pragma unroll for (int i = 0; i < kNt; ++i) { #pragma unroll for (int e = 0; e < 4; ++e) "
+            f'asm volatile("" : "+{c}"({x}[i][e]) : : "memory"); }}')
+
+# name -> [(signature as harness_sm90.h defines it, the whole body)], one per overload.
+SM90_HELPERS = {
+    "mbar_init": (
+        "__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count)",
+        _guarded('asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\\n" : : "r"(smem_addr(bar)), "r"(count) '
+                 ': "memory");'),
+    ),
+    "mbar_arrive_expect_tx": (
+        "__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes)",
+        _guarded('asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\\n" : : '
+                 '"r"(smem_addr(bar)), "r"(bytes) : "memory");'),
+    ),
+    "mbar_arrive": (
+        "__device__ __forceinline__ void mbar_arrive(uint64_t* bar)",
+        _guarded('asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\\n" : : "r"(smem_addr(bar)) : "memory");'),
+    ),
+    "mbar_wait": (
+        "__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity)",
+        _guarded('asm volatile( "{\\n.reg .pred done;\\nWAIT_AGAIN:\\n" '
+                 '"mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\\n" "@!done bra WAIT_AGAIN;\\n}\\n" '
+                 ': : "r"(smem_addr(bar)), "r"(parity) : "memory");'),
+    ),
+    "fence_proxy_async": (
+        "__device__ __forceinline__ void fence_proxy_async()",
+        _guarded('asm volatile("fence.proxy.async.shared::cta;\\n" : : : "memory");'),
+    ),
+    "tma_load_4d": (
+        "__device__ __forceinline__ void tma_load_4d(void* dst, const void* tensor_map, int c0, int c1, int c2, "
+        "int c3, uint64_t* bar)",
+        _guarded('asm volatile( "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes " '
+                 '"[%0], [%1, {%3, %4, %5, %6}], [%2];\\n" : : "r"(smem_addr(dst)), "l"(tensor_map), '
+                 '"r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");'),
+    ),
+    "setmaxnreg_inc": (
+        "template <int kRegs> __device__ __forceinline__ void setmaxnreg_inc()",
+        _guarded('asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\\n" : : "n"(kRegs));'),
+    ),
+    "setmaxnreg_dec": (
+        "template <int kRegs> __device__ __forceinline__ void setmaxnreg_dec()",
+        _guarded('asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\\n" : : "n"(kRegs));'),
+    ),
+    "wgmma_fence": (
+        "__device__ __forceinline__ void wgmma_fence()",
+        _guarded('asm volatile("wgmma.fence.sync.aligned;\\n" : : : "memory");'),
+    ),
+    "wgmma_commit": (
+        "__device__ __forceinline__ void wgmma_commit()",
+        _guarded('asm volatile("wgmma.commit_group.sync.aligned;\\n" : : : "memory");'),
+    ),
+    "wgmma_wait": (
+        "template <int kPending> __device__ __forceinline__ void wgmma_wait()",
+        _guarded('asm volatile("wgmma.wait_group.sync.aligned %0;\\n" : : "n"(kPending) : "memory");'),
+    ),
+    "acc_fence": [
+        ("template <int kNt> __device__ __forceinline__ void acc_fence(float (&d)[kNt][4])",
+         _guarded(_acc_fence("f", "d"))),
+        ("template <int kNt> __device__ __forceinline__ void acc_fence(uint32_t (&a)[kNt][4])",
+         _guarded(_acc_fence("r", "a"))),
+    ],
+    "wgmma_ss": (
+        "template <bool kBF16, int kN, int kTransB> __device__ __forceinline__ void wgmma_ss("
+        "float (&d)[kN / 8][4], uint64_t desc_a, uint64_t desc_b, int scale_d)",
+        _wgmma_body("wgmma_ss", rs=False),
+    ),
+    "wgmma_rs": (
+        "template <bool kBF16, int kN, int kTransB> __device__ __forceinline__ void wgmma_rs("
+        "float (&d)[kN / 8][4], const uint32_t (&a)[4], uint64_t desc_b, int scale_d)",
+        _wgmma_body("wgmma_rs", rs=True),
     ),
 }
 
@@ -171,28 +300,58 @@ def _matching_brace(text, open_index):
     _fail("unbalanced braces")
 
 
+def _definition(text, m):
+    """(start, open brace, close brace) of the function definition whose name `m` matched: from
+    its `template <...>` line (if any) to its closing brace."""
+    start = text.rfind("\n", 0, m.start()) + 1
+    prev = text.rfind("\n", 0, start - 1) + 1
+    if text[prev:start].lstrip().startswith("template"):
+        start = prev
+    open_brace = text.index("{", m.end())
+    return start, open_brace, _matching_brace(text, open_brace)
+
+
 def _remove_function(text, name, signature, snippets, where):
     matches = list(re.finditer(r"__device__ __forceinline__ \w+ " + re.escape(name) + r"\(", text))
     if not matches and not re.search(r"(?<!\w)" + re.escape(name) + r"(?!\w)", _code_only(text)):
         return text  # a file that neither defines nor calls it (hopfield.cu: SIMT only, no mma_sm80.cuh)
     if len(matches) != 1:
         _fail(f"expected one definition of the PTX helper {name}() in {where}, found {len(matches)}", where)
-    m = matches[0]
-    start = text.rfind("\n", 0, m.start()) + 1
-    prev = text.rfind("\n", 0, start - 1) + 1
-    if text[prev:start].lstrip().startswith("template"):
-        start = prev
-    open_brace = text.index("{", m.end())
-    close_brace = _matching_brace(text, open_brace)
+    start, open_brace, close_brace = _definition(text, matches[0])
     head = _normalize(text[start:open_brace])
     if head != _normalize(signature):
         _fail(f"{name}(): signature is now `{head}`, the emulation implements `{signature}`", where)
-    body = _normalize(text[open_brace + 1:close_brace])
+    body = _normalize(_without_comments(text[open_brace + 1:close_brace]))
     for snippet in snippets:
         if _normalize(snippet) not in body:
             _fail(f"{name}(): its body no longer contains `{_normalize(snippet)}` (the PTX the emulation models)",
                   where)
     return text[:start] + text[close_brace + 1:]
+
+
+def _remove_overloads(text, name, variants, where):
+    """text without the definitions of `name`, one per (signature, body) of `variants`: each must
+    be there exactly once, with exactly that body, comments and whitespace aside (sm90_ptx.cuh's
+    helpers; its acc_fence has two overloads)."""
+    pattern = re.compile(r"__device__ __forceinline__ \w+ " + re.escape(name) + r"\(")
+    found = pattern.findall(text)
+    if not found and not re.search(r"(?<!\w)" + re.escape(name) + r"(?!\w)", _code_only(text)):
+        return text  # a file that neither defines nor calls it
+    if len(found) != len(variants):
+        _fail(f"expected {len(variants)} definition(s) of the PTX helper {name}() in {where}, found {len(found)}",
+              where)
+    expected = {_normalize(signature): body for signature, body in variants}
+    for _ in variants:
+        start, open_brace, close_brace = _definition(text, pattern.search(text))
+        head = _normalize(text[start:open_brace])
+        if head not in expected:
+            _fail(f"{name}(): a definition has the signature `{head}`; the emulation implements " +
+                  " and ".join(f"`{h}`" for h in expected), where)
+        body, wanted = _normalize(_without_comments(text[open_brace + 1:close_brace])), _normalize(expected.pop(head))
+        if body != wanted:
+            _fail(f"{name}(): its body is now `{body}`; the emulation models exactly `{wanted}`", where)
+        text = text[:start] + text[close_brace + 1:]
+    return text
 
 
 def _header_device_part(header, text):
@@ -256,8 +415,16 @@ def extract_device_code(source: str, headers=None, name="csrc/cuda/softmax.cu", 
                        f"// ---- end of {include} ----\n")
     body = source[start:opened.end()] + "".join(inlined) + source[opened.end():end]
     where = " + ".join([name, *includes])
+    sm90 = any(Path(include).name == SM90_HEADER for include in includes)
+    if sm90:
+        body, guards = SM90A_GUARD.subn(SM90A_EMULATED, body)
+        if guards != 1:
+            _fail(f"expected the `#if defined(__CUDA_ARCH__) ... #define ATTNKIT_SM90A 1 #else ... 0 #endif` guard "
+                  f"once in {SM90_HEADER}, found it {guards} times", where)
     for helper, (signature, snippets) in PTX_HELPERS.items():
         body = _remove_function(body, helper, signature, snippets, where)
+    for helper, variants in SM90_HELPERS.items():
+        body = _remove_overloads(body, helper, variants if isinstance(variants, list) else [variants], where)
     declared = sum(body.count(decl) for decl in SHARED_MEMORY)
     if declared == 0 or body.count("__shared__") != declared:
         _fail("every kernel must declare its shared memory in one of the forms " + " / ".join(
@@ -265,7 +432,9 @@ def extract_device_code(source: str, headers=None, name="csrc/cuda/softmax.cu", 
     for decl, emulated in SHARED_MEMORY.items():
         body = body.replace(decl, emulated)
     code = _code_only(body)
-    for word in ("asm", "__trap", "#include", "__CUDA_ARCH__"):
+    # (`__trap` may stay in a Hopper kernel's `#if ATTNKIT_SM90A ... #else __trap(); #endif`: the
+    # preprocessor drops it, ATTNKIT_SM90A being 1; harness_sm90.h defines it as a failure anyway.)
+    for word in ("asm", "#include", "__CUDA_ARCH__") + (() if sm90 else ("__trap",)):
         if re.search(r"(?<!\w)" + re.escape(word) + r"(?!\w)", code):
             _fail(f"`{word}` left in the device code after removing the PTX helpers", name)
     if checked_pointers:
@@ -283,7 +452,7 @@ def extract_device_code(source: str, headers=None, name="csrc/cuda/softmax.cu", 
 BUILTIN_TYPES = frozenset(
     "void bool char short int long float double unsigned signed auto size_t ptrdiff_t int8_t uint8_t "
     "int16_t uint16_t int32_t uint32_t int64_t uint64_t uintptr_t uint4 __half __nv_bfloat16 __half2 "
-    "__nv_bfloat162 Half BFloat16".split())
+    "__nv_bfloat162 Half BFloat16 CUtensorMap".split())
 _TOKEN = re.compile(r"[A-Za-z_]\w*|\d[\w.]*|::|->|\*=|&&|&=|\|\||==|!=|<=|>=|\+\+|--|\+=|-=|/=|%=|\|=|\^=|\S")
 # A `&` after one of these takes an address (unary); after anything else it is `and` or a
 # reference declarator (`const Acc<L, A>& acc`, `A& z`).

@@ -117,6 +117,7 @@ inline __half2 __floats2half2_rn(float lo, float hi) { return __half2{__float2ha
 inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) {
   return __nv_bfloat162{__float2bfloat16_rn(lo), __float2bfloat16_rn(hi)};
 }
+using std::max;
 using std::min;
 
 // ---------------------------------------------------------------------------------------------
@@ -354,6 +355,14 @@ uint64_t splitmix64(uint64_t& x) {
 
 bool waiting(const Fiber& f) { return f.wait_bar != nullptr && f.wait_bar->generation == f.wait_gen; }
 
+// The Hopper models (harness_sm90.h): their per-block state is reset before each block, and when
+// every thread waits, their asynchronous operations still in flight (TMA loads) land before the
+// scheduler calls it a deadlock (true: something landed, run on).
+namespace sm90 {
+void begin_block(unsigned threads);
+bool land_all();
+}  // namespace sm90
+
 void run_block(unsigned threads) {
   const unsigned nwarps = threads / 32;
   uint64_t rng = S.seed ^ (0x51ed2701ull * (1 + blockIdx.x + 65536ull * (blockIdx.y + 65536ull * blockIdx.z)));
@@ -387,6 +396,7 @@ void run_block(unsigned threads) {
       if (S.failed) return;
     }
     if (!progressed && finished < threads) {
+      if (sm90::land_all()) continue;
       std::string where;
       for (unsigned t = 0; t < threads; ++t) {
         const Fiber& f = S.fibers[t];
@@ -447,6 +457,7 @@ bool launch(const char* name, dim3 grid, unsigned threads, size_t smem_bytes, F 
         S.smem_bytes = smem_bytes;
         S.block_bar = Barrier{static_cast<int>(threads), 0, 0};
         for (auto& w : S.warps) w.bar = Barrier{32, 0, 0};
+        sm90::begin_block(threads);
         run_block(threads);
         for (size_t i = smem_bytes; i < alloc && !S.failed; ++i) {
           if (raw[i] != static_cast<unsigned char>(0xa5 ^ i)) {
@@ -924,6 +935,9 @@ inline void cp_async_wait() {
 }  // namespace
 }  // namespace attnkit
 
+// The Hopper (sm_90a) models: TMA, mbarriers, wgmma, setmaxnreg (csrc/cuda/sm90_ptx.cuh's helpers).
+#include "harness_sm90.h"
+
 // EMU_CORE_ONLY: the emulator alone (fibers, collectives, PTX helpers), for a harness of another
 // kernel file that includes this one (sparse_harness.cpp); the softmax part below is left out.
 #ifndef EMU_CORE_ONLY
@@ -1133,7 +1147,9 @@ extern "C" void emu_set_bwd_variant(int variant) { g_bwd_variant = variant; }
 #endif  // EMU_CORE_ONLY
 
 // seed: the warp order of the scheduler; fault: a test hook that breaks the emulated hardware
-// (0 = none, 1 = mma's A layout, 2 = ldmatrix's .trans) to show that the tests notice.
+// (0 = none, 1 = mma's A layout, 2 = ldmatrix's .trans; harness_sm90.h: 3 = TMA ignores the
+// 128-byte swizzle, 4 = wgmma reads B with imm-trans-b flipped, 5 = wgmma's accumulator rows g and
+// g + 8 swapped) to show that the tests notice.
 extern "C" void emu_configure(uint64_t seed, int fault) {
   emu::S.seed = seed;
   emu::S.fault = fault;
