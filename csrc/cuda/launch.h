@@ -54,12 +54,17 @@ constexpr int64_t kMaxGridYZ = 65535;
 std::tuple<at::Tensor, at::Tensor> softmax_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const std::optional<at::Tensor>& mask, double scale,
                                                     bool is_causal);
-// softmax_sm90.cu: the Hopper forward where it applies (ATTNKIT_CUDA_SM90=1, an sm_90a build on a
-// compute capability 9.0 device, D = Dv = 64 or 128, TMA-readable strides); nullopt otherwise.
-// softmax_fwd_cuda tries it first for unmasked calls.
+// softmax_sm90.cu: the Hopper kernels where they apply (ATTNKIT_CUDA_SM90 set, an sm_90a build on
+// a compute capability 9.0 device, D = Dv = 64 or 128, nonempty, TMA-readable strides); nullopt
+// otherwise.  softmax_fwd_cuda / softmax_bwd_cuda try them first for unmasked calls (the
+// backward with delta = rowsum(dO ∘ O) computed by softmax.cu's row kernel).
+bool softmax_sm90_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool backward);
 std::optional<std::tuple<at::Tensor, at::Tensor>> softmax_fwd_cuda_sm90(const at::Tensor& q, const at::Tensor& k,
                                                                         const at::Tensor& v, double scale,
                                                                         bool is_causal);
+std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> softmax_bwd_cuda_sm90(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse,
+    const at::Tensor& delta, double scale, bool is_causal);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& q,
                                                                 const at::Tensor& k, const at::Tensor& v,
                                                                 const at::Tensor& out, const at::Tensor& lse,

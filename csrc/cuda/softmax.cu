@@ -1011,6 +1011,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cuda(
   p.n_pad = 0;
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // The Hopper kernels (softmax_sm90.cu), where they apply: delta first, by the row kernel here.
+  if (mk.kind == kNoMask && softmax_sm90_applies(q, k, v, true)) {
+    const int64_t rows = s.B * p.H * static_cast<int64_t>(p.N);
+    constexpr int kRowsPerBlock = 256 / 32;
+    const unsigned blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+    const bool bf16 = q.scalar_type() == at::kBFloat16;
+    auto delta_kernel = bf16 ? (s.D == 64 ? softmax_bwd_delta_kernel<true, 64> : softmax_bwd_delta_kernel<true, 128>)
+                             : (s.D == 64 ? softmax_bwd_delta_kernel<false, 64> : softmax_bwd_delta_kernel<false, 128>);
+    delta_kernel<<<blocks, 256, 0, stream>>>(bits(out), stride_or_zero(out, 0), stride_or_zero(out, 1),
+                                             stride_or_zero(out, 2), bits(dout), stride_or_zero(dout, 0),
+                                             stride_or_zero(dout, 1), stride_or_zero(dout, 2), delta.data_ptr<float>(), p.H, p.N, rows);
+    if (auto hopper = softmax_bwd_cuda_sm90(dout, q, k, v, lse, delta, scale, is_causal)) return *hopper;
+  }
   // The variants compute no mask: with one, the default kernels run whatever the variable says.
   const BwdVariant variant = mk.kind == kNoMask ? bwd_variant() : kBwdDefault;
   if (variant != kBwdDefault) {

@@ -1,5 +1,5 @@
-// Softmax attention forward for Hopper (sm_90a), FlashAttention-3's design written for attnkit
-// (issue 27): TMA loads of Q, K and V tiles completing on mbarriers, wgmma for both products, and
+// Softmax attention forward and backward for Hopper (sm_90a), FlashAttention-3's design written
+// for attnkit (issue 27): TMA loads of Q, K and V tiles completing on mbarriers, wgmma for both products, and
 // warp specialization -- one producer warpgroup that only issues the tile loads (its registers
 // given back with setmaxnreg) and two consumer warpgroups of 64 query rows each.
 //
@@ -8,6 +8,11 @@
 // (tests/csrc/test_softmax_sm90_emulated.py: TMA with the 128-byte swizzle, mbarrier phases and
 // wgmma from the PTX ISA) against the float64 reference.  Not yet run on a GPU: opt-in with
 // ATTNKIT_CUDA_SM90=1 until `pytest -m gpu` passes with it on an H100/H200 (bench/RESULTS.md).
+//
+// BACKWARD (below the forward): a dQ kernel and a dK / dV kernel of the same shape (producer
+// warpgroup, two consumer warpgroups of 64 rows, wgmma for all five products per tile pair,
+// S and dP recomputed in each kernel, no atomics), taking delta = rowsum(dO ∘ O) from
+// softmax.cu's row kernel.  ATTNKIT_CUDA_SM90=fwd keeps softmax.cu's backward.
 //
 // WHAT IT COMPUTES.  The forward of softmax.cu's kernels (same entry point, same results up to
 // fp32 summation order) for the cases it takes: float16 / bfloat16, D = Dv = 64 or 128, no mask,
@@ -77,31 +82,50 @@ struct Sm90FwdParams {
   bool causal;
 };
 
-// S = Q Kᵀ for this consumer's 64 rows against the K tile of stage `stage`, issued (not waited
-// for): k-step kk reads columns 16 kk .. of panel kk / 4, 32 bytes further per step.
+// Tiles in shared memory are kD / 64 panels of kRows rows x 64 elements (128 bytes a row, the
+// 128-byte swizzle of TMA), panel c at tile + c * kRows * 64; a tile's panels and the tiles of a
+// ring are contiguous and 1024-byte aligned.
+
+// acc (64 x kN) = A Bᵀ over kD columns, issued (not waited for): A = rows a_row0 .. a_row0 + 63
+// of a tile of kRowsA rows, B = the first kN rows of a tile of kRowsB rows (both K-major); k-step
+// kk reads columns 16 kk .. of panel kk / 4, 32 bytes further per step.
+template <bool kBF16, int kN, int kD, int kRowsA, int kRowsB>
+__device__ __forceinline__ void issue_abt(float (&acc)[kN / 8][4], const uint16_t* a, int a_row0, const uint16_t* b) {
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    const uint16_t* ak = a + (kk / 4) * kRowsA * kPanelCols + a_row0 * kPanelCols + (kk % 4) * 16;
+    const uint16_t* bk = b + (kk / 4) * kRowsB * kPanelCols + (kk % 4) * 16;
+    wgmma_ss<kBF16, kN, 0>(acc, smem_desc_sw128(ak, 16, 1024), smem_desc_sw128(bk, 16, 1024), kk > 0);
+  }
+}
+
+// acc (64 x kD) += P B, issued: P (64 x kK) from registers (the A fragments of its 16-column
+// steps), B = the first kK rows of a tile of kRowsB rows (MN-major: its kD columns are the N of
+// the product); k-step kc reads rows 16 kc .. (16 rows of 128 bytes further), the panels
+// kRowsB * 128 bytes apart.
+template <bool kBF16, int kD, int kK, int kRowsB>
+__device__ __forceinline__ void issue_pb(float (&acc)[kD / 8][4], const uint32_t (&pa)[kK / 16][4], const uint16_t* b) {
+#pragma unroll
+  for (int kc = 0; kc < kK / 16; ++kc) {
+    const uint16_t* bk = b + kc * 16 * kPanelCols;
+    wgmma_rs<kBF16, kD, 1>(acc, pa[kc], smem_desc_sw128(bk, kRowsB * kPanelCols * 2, 1024), 1);
+  }
+}
+
+// The forward's two products: S = Q Kᵀ for consumer wq's 64 rows against the K tile of a stage,
+// and O += P V against the V tile of a stage.
 template <bool kBF16, int kD>
 __device__ __forceinline__ void issue_scores(float (&sc)[kSm90BlockN / 8][4], const uint16_t* sq, const uint16_t* sk,
                                              int stage, int wq) {
   constexpr int kP = kD / kPanelCols;
-#pragma unroll
-  for (int kk = 0; kk < kD / 16; ++kk) {
-    const uint16_t* qa = sq + (kk / 4) * kPanelElems + wq * 64 * kPanelCols + (kk % 4) * 16;
-    const uint16_t* kb = sk + (stage * kP + kk / 4) * kPanelElems + (kk % 4) * 16;
-    wgmma_ss<kBF16, kSm90BlockN, 0>(sc, smem_desc_sw128(qa, 16, 1024), smem_desc_sw128(kb, 16, 1024), kk > 0);
-  }
+  issue_abt<kBF16, kSm90BlockN, kD, kSm90BlockM, kSm90BlockN>(sc, sq, 64 * wq, sk + stage * kP * kPanelElems);
 }
 
-// O += P V with P from registers and the V tile of stage `stage`, issued: k-step kc reads keys
-// 16 kc .. (16 rows of 128 bytes further); the D columns are kP panels kPanelBytes apart.
 template <bool kBF16, int kD>
 __device__ __forceinline__ void issue_pv(float (&o)[kD / 8][4], const uint32_t (&pa)[kSm90BlockN / 16][4],
                                          const uint16_t* sv, int stage) {
   constexpr int kP = kD / kPanelCols;
-#pragma unroll
-  for (int kc = 0; kc < kSm90BlockN / 16; ++kc) {
-    const uint16_t* vb = sv + stage * kP * kPanelElems + kc * 16 * kPanelCols;
-    wgmma_rs<kBF16, kD, 1>(o, pa[kc], smem_desc_sw128(vb, kPanelBytes, 1024), 1);
-  }
+  issue_pb<kBF16, kD, kSm90BlockN, kSm90BlockN>(o, pa, sv + stage * kP * kPanelElems);
 }
 
 // Scores to base 2; keys past M and (causal) past the row hidden.  Warp-uniform test: only the
@@ -274,6 +298,286 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
                            m_run, l_run, tq);
 }
 
+// ---------------------------------------------------------------------------------------------
+// backward: dQ, and dK / dV, in two kernels of the forward's shape (a producer warpgroup and two
+// consumer warpgroups of 64 rows), recomputing S and dP in each (no atomics: deterministic).
+// delta = rowsum(dO ∘ O) comes from softmax.cu's row kernel.
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kBwdRows = 128;  // dQ: query rows per block; dK/dV: keys per block
+constexpr int kBwdStep = 64;   // dQ: keys per K / V tile; dK/dV: query rows per Q / dO tile
+constexpr int kStepElems = kBwdStep * kPanelCols;  // one 64-row panel: 8 KiB
+constexpr uint32_t kStepBytes = kStepElems * 2;
+
+// Both kernels: two 128-row tiles (Q and dO, or K and V), rings of two 64-row tiles (K and V,
+// or Q and dO), 1 + 3 kSm90Stages mbarriers.
+template <int kD>
+constexpr size_t sm90_bwd_smem_bytes() {
+  return 1024 + static_cast<size_t>(kD / kPanelCols) * (2 * kPanelBytes + 2 * kSm90Stages * kStepBytes) +
+         (1 + 3 * kSm90Stages) * sizeof(uint64_t);
+}
+
+struct Sm90BwdParams {
+  const float* lse;    // [B, H, N], natural log
+  const float* delta;  // [B, H, N]
+  uint16_t* dq;        // [B, H, N, D] contiguous
+  uint16_t* dk;        // [B, Hk, M, D] contiguous
+  uint16_t* dv;
+  int H, Hk, group, N, M;
+  float scale, scale_log2;
+  bool causal;
+};
+
+// The shared-memory tiles and barriers of a backward block.
+struct BwdSmem {
+  uint16_t *big0, *big1;    // the two 128-row tiles
+  uint16_t *ring0, *ring1;  // the two rings of 64-row tiles
+  uint64_t *big_full, *ring_full, *ring_empty;
+};
+
+template <int kD>
+__device__ __forceinline__ BwdSmem bwd_smem(uint8_t* smem_raw) {
+  constexpr int kP = kD / kPanelCols;
+  uint8_t* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  BwdSmem sm;
+  sm.big0 = reinterpret_cast<uint16_t*>(base);
+  sm.big1 = sm.big0 + kP * kPanelElems;
+  sm.ring0 = sm.big1 + kP * kPanelElems;
+  sm.ring1 = sm.ring0 + kSm90Stages * kP * kStepElems;
+  sm.big_full = reinterpret_cast<uint64_t*>(sm.ring1 + kSm90Stages * kP * kStepElems);
+  sm.ring_full = sm.big_full + 1;
+  sm.ring_empty = sm.ring_full + kSm90Stages;
+  return sm;
+}
+
+// Thread 0: the barriers (ring_empty released by every consumer thread), made visible to TMA.
+__device__ __forceinline__ void init_bwd_barriers(const BwdSmem& sm) {
+  if (threadIdx.x == 0) {
+    mbar_init(sm.big_full, 1);
+    for (int s = 0; s < kSm90Stages; ++s) {
+      mbar_init(&sm.ring_full[s], 1);
+      mbar_init(&sm.ring_empty[s], 256);
+    }
+    fence_proxy_async();
+  }
+  __syncthreads();
+}
+
+// The producer's part (thread 0 of warpgroup 0): the two 128-row tiles at row `row0` of (h0, b),
+// then `steps` pairs of 64-row ring tiles, step u at row `ring_row(u)` of head `ring_head(u)`.
+template <int kD, typename RowOf, typename HeadOf>
+__device__ __forceinline__ void produce_bwd(const BwdSmem& sm, const CUtensorMap* big0, const CUtensorMap* big1,
+                                            int row0, int h0, const CUtensorMap* ring0, const CUtensorMap* ring1,
+                                            int steps, RowOf ring_row, HeadOf ring_head, int b) {
+  constexpr int kP = kD / kPanelCols;
+  mbar_arrive_expect_tx(sm.big_full, 2 * kP * kPanelBytes);
+  for (int c = 0; c < kP; ++c) {
+    tma_load_4d(sm.big0 + c * kPanelElems, big0, c * kPanelCols, row0, h0, b, sm.big_full);
+    tma_load_4d(sm.big1 + c * kPanelElems, big1, c * kPanelCols, row0, h0, b, sm.big_full);
+  }
+  for (int u = 0; u < steps; ++u) {
+    const int s = u % kSm90Stages, use = u / kSm90Stages;
+    mbar_wait(&sm.ring_empty[s], (use & 1) ^ 1);
+    mbar_arrive_expect_tx(&sm.ring_full[s], 2 * kP * kStepBytes);
+    const int row = ring_row(u), head = ring_head(u);
+    for (int c = 0; c < kP; ++c) {
+      tma_load_4d(sm.ring0 + (s * kP + c) * kStepElems, ring0, c * kPanelCols, row, head, b, &sm.ring_full[s]);
+      tma_load_4d(sm.ring1 + (s * kP + c) * kStepElems, ring1, c * kPanelCols, row, head, b, &sm.ring_full[s]);
+    }
+  }
+}
+
+// dQ: one block per (128 query rows, h, b); Q and dO tiles once, K and V tiles of 64 keys
+// streamed.  Per tile, for consumer wq's 64 rows: S = Q Kᵀ and dP = dO Vᵀ (issued together),
+// P = 2^(S scale log2 e - lse2) (0 where hidden), dS = P (dP - delta), dQ += dS K.
+template <bool kBF16, int kD>
+__global__ void __launch_bounds__(kSm90Threads, 1)
+    softmax_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
+                               const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                               const Sm90BwdParams p) {
+  constexpr int kP = kD / kPanelCols;
+  constexpr int kNt = kBwdStep / 8;
+  extern __shared__ uint8_t smem_raw[];
+  const BwdSmem sm = bwd_smem<kD>(smem_raw);
+  const int q0 = static_cast<int>(blockIdx.x) * kBwdRows;
+  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int kv_end = p.causal ? min(p.M, min(q0 + kBwdRows, p.N)) : p.M;
+  const int n_tiles = (kv_end + kBwdStep - 1) / kBwdStep;
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  init_bwd_barriers(sm);
+
+  if (wg == 0) {
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      const int hk = h / p.group;
+      produce_bwd<kD>(sm, &tm_q, &tm_do, q0, h, &tm_k, &tm_v, n_tiles, [](int u) { return u * kBwdStep; },
+                      [hk](int) { return hk; }, b);
+    }
+    return;
+  }
+
+  setmaxnreg_inc<kConsumerRegs>();
+  const int wq = wg - 1;
+  const int tid = static_cast<int>(threadIdx.x) % 128;
+  const int warp = tid / 32, lane = tid % 32;
+  const int row0 = q0 + 64 * wq + 16 * warp;
+  const int g = lane / 4, tq = lane % 4;
+  const int64_t bh = static_cast<int64_t>(b) * p.H + h;
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row0 + g + 8 * r;
+    lse2[r] = i < p.N ? lse_log2(p.lse[bh * p.N + i]) : INFINITY;
+    delta[r] = i < p.N ? p.delta[bh * p.N + i] : 0.f;
+  }
+  float dq[kD / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < kD / 8; ++dt) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.f;
+
+  mbar_wait(sm.big_full, 0);
+  for (int t = 0; t < n_tiles; ++t) {
+    const int s = t % kSm90Stages;
+    mbar_wait(&sm.ring_full[s], static_cast<uint32_t>(t / kSm90Stages) & 1u);
+    const uint16_t* kt = sm.ring0 + s * kP * kStepElems;
+    const uint16_t* vt = sm.ring1 + s * kP * kStepElems;
+    float sc[kNt][4], dp[kNt][4];
+    wgmma_fence();
+    issue_abt<kBF16, kBwdStep, kD, kBwdRows, kBwdStep>(sc, sm.big0, 64 * wq, kt);
+    issue_abt<kBF16, kBwdStep, kD, kBwdRows, kBwdStep>(dp, sm.big1, 64 * wq, vt);
+    wgmma_commit();
+    wgmma_wait<0>();
+    acc_fence(sc);
+    acc_fence(dp);
+    const int j0 = t * kBwdStep;
+    const bool edge = j0 + kBwdStep > p.M || (p.causal && j0 + kBwdStep - 1 > row0);
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const int j = j0 + 8 * nt + 2 * tq + (e & 1);
+        const bool visible = !edge || (j < p.M && (!p.causal || j <= row0 + g + 8 * r));
+        const float pr = visible ? exp2_approx(sc[nt][e] * p.scale_log2 - lse2[r]) : 0.f;
+        sc[nt][e] = pr * (dp[nt][e] - delta[r]);  // dS
+      }
+    }
+    uint32_t da[kNt / 2][4];
+#pragma unroll
+    for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(da[kc], sc, kc);
+    wgmma_fence();
+    issue_pb<kBF16, kD, kBwdStep, kBwdStep>(dq, da, kt);  // dQ += dS K
+    wgmma_commit();
+    wgmma_wait<0>();
+    acc_fence(dq);
+    acc_fence(da);
+    mbar_arrive(&sm.ring_empty[s]);
+  }
+  store_rows<kBF16, kD>(p.dq, bh * p.N + row0, 1, g, p.N - row0, dq, p.scale, tq);
+}
+
+// dK / dV: one block per (128 keys, kv head, b); K and V tiles once, then for each query head of
+// the GQA group the Q and dO tiles of 64 rows (causal: from the first with a row >= the block's
+// first key).  Per tile, for consumer wk's 64 keys: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (issued together),
+// Pᵀ and dSᵀ as in the dQ kernel, dV += Pᵀ dO and dK += dSᵀ Q (issued together).
+template <bool kBF16, int kD>
+__global__ void __launch_bounds__(kSm90Threads, 1)
+    softmax_bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                                 const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
+                                 const Sm90BwdParams p) {
+  constexpr int kP = kD / kPanelCols;
+  constexpr int kNt = kBwdStep / 8;
+  extern __shared__ uint8_t smem_raw[];
+  const BwdSmem sm = bwd_smem<kD>(smem_raw);
+  const int k0 = static_cast<int>(blockIdx.x) * kBwdRows;
+  const int hk = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int first = p.causal ? k0 / kBwdStep : 0;  // rows i < k0 see none of these keys
+  const int q_tiles = (p.N + kBwdStep - 1) / kBwdStep;
+  const int per_head = max(q_tiles - first, 0);
+  const int steps = p.group * per_head;
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  init_bwd_barriers(sm);
+
+  if (wg == 0) {
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      const int group = p.group;
+      produce_bwd<kD>(sm, &tm_k, &tm_v, k0, hk, &tm_q, &tm_do, steps,
+                      [first, per_head](int u) { return (first + u % per_head) * kBwdStep; },
+                      [hk, group, per_head](int u) { return hk * group + u / per_head; }, b);
+    }
+    return;
+  }
+
+  setmaxnreg_inc<kConsumerRegs>();
+  const int wk = wg - 1;
+  const int tid = static_cast<int>(threadIdx.x) % 128;
+  const int warp = tid / 32, lane = tid % 32;
+  const int key0 = k0 + 64 * wk + 16 * warp;  // this warp's first key
+  const int g = lane / 4, tq = lane % 4;
+  float dk[kD / 8][4], dv[kD / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < kD / 8; ++dt) {
+    dk[dt][0] = dk[dt][1] = dk[dt][2] = dk[dt][3] = 0.f;
+    dv[dt][0] = dv[dt][1] = dv[dt][2] = dv[dt][3] = 0.f;
+  }
+
+  mbar_wait(sm.big_full, 0);
+  for (int u = 0; u < steps; ++u) {
+    const int s = u % kSm90Stages;
+    const int h = hk * p.group + u / per_head;
+    const int i0 = (first + u % per_head) * kBwdStep;
+    const int64_t row_base = (static_cast<int64_t>(b) * p.H + h) * p.N;
+    mbar_wait(&sm.ring_full[s], static_cast<uint32_t>(u / kSm90Stages) & 1u);
+    const uint16_t* qt = sm.ring0 + s * kP * kStepElems;
+    const uint16_t* dot = sm.ring1 + s * kP * kStepElems;
+    float st[kNt][4], dpt[kNt][4];
+    wgmma_fence();
+    issue_abt<kBF16, kBwdStep, kD, kBwdRows, kBwdStep>(st, sm.big0, 64 * wk, qt);
+    issue_abt<kBF16, kBwdStep, kD, kBwdRows, kBwdStep>(dpt, sm.big1, 64 * wk, dot);
+    wgmma_commit();
+    wgmma_wait<0>();
+    acc_fence(st);
+    acc_fence(dpt);
+    // Entry (key j, query i): j = key0 + g + 8 (e / 2), i = i0 + 8 nt + 2 tq + e % 2.
+    const bool edge = i0 + kBwdStep > p.N || (p.causal && key0 + 15 > i0);
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int i = i0 + 8 * nt + 2 * tq + c;
+        const float l2 = i < p.N ? lse_log2(p.lse[row_base + i]) : INFINITY;
+        const float dl = i < p.N ? p.delta[row_base + i] : 0.f;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int e = 2 * r + c;
+          const bool visible = !edge || (i < p.N && (!p.causal || key0 + g + 8 * r <= i));
+          const float pr = visible ? exp2_approx(st[nt][e] * p.scale_log2 - l2) : 0.f;
+          st[nt][e] = pr;
+          dpt[nt][e] = pr * (dpt[nt][e] - dl);  // dSᵀ
+        }
+      }
+    }
+    uint32_t pa[kNt / 2][4], da[kNt / 2][4];
+#pragma unroll
+    for (int kc = 0; kc < kNt / 2; ++kc) {
+      acc_to_a<kBF16, kNt>(pa[kc], st, kc);
+      acc_to_a<kBF16, kNt>(da[kc], dpt, kc);
+    }
+    wgmma_fence();
+    issue_pb<kBF16, kD, kBwdStep, kBwdStep>(dv, pa, dot);  // dV += Pᵀ dO
+    issue_pb<kBF16, kD, kBwdStep, kBwdStep>(dk, da, qt);   // dK += dSᵀ Q
+    wgmma_commit();
+    wgmma_wait<0>();
+    acc_fence(dv);
+    acc_fence(dk);
+    acc_fence(pa);
+    acc_fence(da);
+    mbar_arrive(&sm.ring_empty[s]);
+  }
+  store_dk_dv<kBF16, kD>(p.dk, p.dv, (static_cast<int64_t>(b) * p.Hk + hk) * p.M + key0, 1, g, p.M - key0, dk, dv,
+                         p.scale, tq);
+}
+
 // Writes 1 when the device code was built for sm_90a (wgmma and setmaxnreg present), else 0.
 __global__ void sm90a_probe_kernel(int* out) { *out = ATTNKIT_SM90A; }
 
@@ -281,14 +585,16 @@ __global__ void sm90a_probe_kernel(int* out) { *out = ATTNKIT_SM90A; }
 // host side
 // ---------------------------------------------------------------------------------------------
 
-// ATTNKIT_CUDA_SM90 (read per call: cheap, and tests switch it): "1" turns the kernel on
-// (the overlapped consumer loop), "simple" the one without overlap; anything else, off.
-enum class Sm90Mode { kOff, kOverlap, kSimple };
+// ATTNKIT_CUDA_SM90 (read per call: cheap, and tests switch it): "1" turns the kernels on (the
+// forward's overlapped consumer loop and the backward), "simple" the forward without overlap and
+// the backward, "fwd" the overlapped forward only (softmax.cu's backward); anything else, off.
+enum class Sm90Mode { kOff, kOverlap, kSimple, kForwardOnly };
 Sm90Mode sm90_requested() {
   const char* env = std::getenv("ATTNKIT_CUDA_SM90");
   if (env == nullptr) return Sm90Mode::kOff;
   if (std::strcmp(env, "1") == 0) return Sm90Mode::kOverlap;
   if (std::strcmp(env, "simple") == 0) return Sm90Mode::kSimple;
+  if (std::strcmp(env, "fwd") == 0) return Sm90Mode::kForwardOnly;
   return Sm90Mode::kOff;
 }
 
@@ -350,9 +656,9 @@ bool tma_strides_ok(const at::Tensor& x) {
   return true;
 }
 
-// The 4-d map (D, L, heads, B) of x [B, heads, L, D] with boxes of 64 x 128 x 1 x 1 elements and
-// the 128-byte swizzle.
-bool make_map(CUtensorMap* map, const at::Tensor& x, bool bf16) {
+// The 4-d map (D, L, heads, B) of x [B, heads, L, D] with boxes of 64 x `rows` x 1 x 1 elements
+// and the 128-byte swizzle.
+bool make_map(CUtensorMap* map, const at::Tensor& x, bool bf16, uint32_t rows) {
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(x.size(3)), static_cast<cuuint64_t>(x.size(2)),
                               static_cast<cuuint64_t>(x.size(1)), static_cast<cuuint64_t>(x.size(0))};
   cuuint64_t strides[3];
@@ -362,7 +668,7 @@ bool make_map(CUtensorMap* map, const at::Tensor& x, bool bf16) {
     strides[i] = x.size(d) > 1 ? static_cast<cuuint64_t>(x.stride(d)) * 2 : inner;
     inner = strides[i] * static_cast<cuuint64_t>(std::max<int64_t>(x.size(d), 1));
   }
-  const cuuint32_t box[4] = {kPanelCols, 128, 1, 1};
+  const cuuint32_t box[4] = {kPanelCols, rows, 1, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   return encode_tiled()(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
                         x.data_ptr(), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -383,23 +689,52 @@ void launch_sm90(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap
   }
 }
 
+// maps: the dQ kernel's q and dO (128-row boxes), k and v (64-row boxes), then the dK / dV
+// kernel's k and v (128-row boxes), q and dO (64-row boxes).
+template <bool kBF16, int kD>
+void launch_sm90_bwd(const CUtensorMap (&maps)[8], const Sm90BwdParams& p, int64_t B, cudaStream_t stream) {
+  constexpr size_t smem = sm90_bwd_smem_bytes<kD>();
+  if (p.N > 0) {
+    allow_smem(softmax_bwd_dq_sm90_kernel<kBF16, kD>, smem);
+    const dim3 grid(static_cast<unsigned>((p.N + kBwdRows - 1) / kBwdRows), static_cast<unsigned>(p.H),
+                    static_cast<unsigned>(B));
+    softmax_bwd_dq_sm90_kernel<kBF16, kD><<<grid, kSm90Threads, smem, stream>>>(maps[0], maps[1], maps[2], maps[3], p);
+  }
+  if (p.M > 0) {
+    allow_smem(softmax_bwd_dkdv_sm90_kernel<kBF16, kD>, smem);
+    const dim3 grid(static_cast<unsigned>((p.M + kBwdRows - 1) / kBwdRows), static_cast<unsigned>(p.Hk),
+                    static_cast<unsigned>(B));
+    softmax_bwd_dkdv_sm90_kernel<kBF16, kD><<<grid, kSm90Threads, smem, stream>>>(maps[4], maps[5], maps[6], maps[7], p);
+  }
+}
+
 }  // namespace
 
-// Entry point (csrc/cuda/launch.h): checked inputs, no mask.
+// Entry points (csrc/cuda/launch.h): checked inputs, no mask.
+
+bool softmax_sm90_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool backward) {
+  const Sm90Mode mode = sm90_requested();
+  if (mode == Sm90Mode::kOff || (backward && mode == Sm90Mode::kForwardOnly)) return false;
+  const int64_t D = q.size(3);
+  if ((D != 64 && D != 128) || v.size(3) != D || q.numel() == 0 || k.numel() == 0) return false;
+  if (!tma_strides_ok(q) || !tma_strides_ok(k) || !tma_strides_ok(v)) return false;
+  c10::cuda::CUDAGuard guard(q.device());
+  return sm90_available(q.device().index()) && encode_tiled() != nullptr;
+}
+
 std::optional<std::tuple<at::Tensor, at::Tensor>> softmax_fwd_cuda_sm90(const at::Tensor& q, const at::Tensor& k,
                                                                         const at::Tensor& v, double scale,
                                                                         bool is_causal) {
+  if (!softmax_sm90_applies(q, k, v, false)) return std::nullopt;
   const Sm90Mode mode = sm90_requested();
-  if (mode == Sm90Mode::kOff) return std::nullopt;
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Hk = k.size(1), M = k.size(2);
-  if ((D != 64 && D != 128) || v.size(3) != D || B == 0 || H == 0 || N == 0) return std::nullopt;
-  if (!tma_strides_ok(q) || !tma_strides_ok(k) || !tma_strides_ok(v)) return std::nullopt;
   c10::cuda::CUDAGuard guard(q.device());
-  if (!sm90_available(q.device().index()) || encode_tiled() == nullptr) return std::nullopt;
-
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   CUtensorMap tq, tk, tv;
-  if (!make_map(&tq, q, bf16) || !make_map(&tk, k, bf16) || !make_map(&tv, v, bf16)) return std::nullopt;
+  if (!make_map(&tq, q, bf16, kSm90BlockM) || !make_map(&tk, k, bf16, kSm90BlockN) ||
+      !make_map(&tv, v, bf16, kSm90BlockN)) {
+    return std::nullopt;
+  }
   at::Tensor out = at::empty({B, H, N, D}, q.options());
   at::Tensor lse = at::empty({B, H, N}, q.options().dtype(at::kFloat));
   Sm90FwdParams p;
@@ -422,6 +757,46 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> softmax_fwd_cuda_sm90(const at
             : launch_sm90<false, 128>(tq, tk, tv, p, grid, stream, mode);
   }
   return std::make_tuple(out, lse);
+}
+
+std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> softmax_bwd_cuda_sm90(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse,
+    const at::Tensor& delta, double scale, bool is_causal) {
+  if (!softmax_sm90_applies(q, k, v, true) || !tma_strides_ok(dout)) return std::nullopt;
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Hk = k.size(1), M = k.size(2);
+  c10::cuda::CUDAGuard guard(q.device());
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  CUtensorMap maps[8];
+  if (!make_map(&maps[0], q, bf16, kBwdRows) || !make_map(&maps[1], dout, bf16, kBwdRows) ||
+      !make_map(&maps[2], k, bf16, kBwdStep) || !make_map(&maps[3], v, bf16, kBwdStep) ||
+      !make_map(&maps[4], k, bf16, kBwdRows) || !make_map(&maps[5], v, bf16, kBwdRows) ||
+      !make_map(&maps[6], q, bf16, kBwdStep) || !make_map(&maps[7], dout, bf16, kBwdStep)) {
+    return std::nullopt;
+  }
+  at::Tensor dq = at::empty({B, H, N, D}, q.options());
+  at::Tensor dk = at::empty({B, Hk, M, D}, q.options());
+  at::Tensor dv = at::empty({B, Hk, M, D}, q.options());
+  Sm90BwdParams p;
+  p.lse = lse.data_ptr<float>();
+  p.delta = delta.data_ptr<float>();
+  p.dq = mutable_bits(dq);
+  p.dk = mutable_bits(dk);
+  p.dv = mutable_bits(dv);
+  p.H = static_cast<int>(H);
+  p.Hk = static_cast<int>(Hk);
+  p.group = static_cast<int>(H / Hk);
+  p.N = static_cast<int>(N);
+  p.M = static_cast<int>(M);
+  p.scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale) * kLog2e;
+  p.causal = is_causal;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (bf16) {
+    D == 64 ? launch_sm90_bwd<true, 64>(maps, p, B, stream) : launch_sm90_bwd<true, 128>(maps, p, B, stream);
+  } else {
+    D == 64 ? launch_sm90_bwd<false, 64>(maps, p, B, stream) : launch_sm90_bwd<false, 128>(maps, p, B, stream);
+  }
+  return std::make_tuple(dq, dk, dv);
 }
 
 }  // namespace attnkit
