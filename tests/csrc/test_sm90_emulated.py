@@ -209,7 +209,9 @@ def test_tma_read_before_it_completes_reads_nan(sm90, kind):
         r"initialized \(mbarrier.init\) or whose 8 bytes were overwritten since"),
     (7, r"mbarrier.arrive: more arrivals on the mbarrier at shared byte offset 0 than its count 1 in its phase 0 "
         r"\(which waits for 8192 transaction bytes\) \(thread 0 "),
-], ids=["tx_underflow", "deadlock", "misaligned_destination", "uninitialized", "extra_arrival"])
+    (8, r"cp.async.bulk.tensor.4d completing on the mbarrier at shared byte offset 0, which thread 0 initialized "
+        r"without a fence.proxy.async since"),
+], ids=["tx_underflow", "deadlock", "misaligned_destination", "uninitialized", "extra_arrival", "no_proxy_fence"])
 def test_tma_and_mbarrier_misuse_is_caught(sm90, kind, message):
     with pytest.raises(EmulatorError, match=message):
         sm90.tma(tensor(), DIMS, SW_BOX, SW_COORDS[:2], 3, 4096, kind=kind)

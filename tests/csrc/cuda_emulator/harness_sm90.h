@@ -61,8 +61,11 @@
 //   ops issued since the last one into a group; wait_group N computes every op of the groups
 //   older than the N most recent (ops not yet committed are never covered).  setmaxnreg: R in
 //   [24, 256], a multiple of 8 (checked at compile time); otherwise no-op.
-// fence.proxy.async and acc_fence: no-ops (the emulator has one memory proxy and no compiler
-//   reordering across these calls).
+// fence.proxy.async: makes the mbarriers its thread initialized usable by TMA loads (a load
+//   completing on a barrier whose initializing thread has not run one since is an error: the
+//   CUDA programming guide's pattern is mbarrier.init, fence.proxy.async.shared::cta,
+//   __syncthreads); otherwise a no-op: ordinary stores that wgmma reads are not tracked.
+// acc_fence: a no-op (no compiler reordering here).
 // Fault hooks (emu_configure): 3 = TMA ignores the swizzle, 4 = wgmma reads B with imm-trans-b
 // flipped, 5 = wgmma swaps the accumulator rows g and g + 8.
 #pragma once
@@ -89,6 +92,8 @@ struct MBar {
   int64_t tx = 0;        // transaction bytes expected minus completed in the current phase
   uint64_t phase = 0;    // phases completed (the current one's parity: phase & 1)
   Barrier done;          // its generation moves on at each phase completion; waiters block on it
+  unsigned init_thread = 0;    // the thread that initialized it ...
+  bool async_visible = false;  // ... and has since run fence.proxy.async (TMA may complete on it)
 };
 
 // The emulator's tensor map, in the bytes of a CUtensorMap.
@@ -548,6 +553,7 @@ __device__ __forceinline__ void mbar_init(emu::ptr<uint64_t> bar, uint32_t count
     m = &T.mbars.back();
   }
   m->off = off, m->count = count, m->pending = count, m->tx = 0, m->phase = 0;
+  m->init_thread = threadIdx.x, m->async_visible = false;
   ++m->done.generation;
   const uint64_t v = kMbarTag | index;
   std::memcpy(reinterpret_cast<unsigned char*>(emu::S.smem) + off, &v, 8);
@@ -582,7 +588,11 @@ __device__ __forceinline__ void mbar_wait(emu::ptr<uint64_t> bar, uint32_t parit
   }
 }
 
-__device__ __forceinline__ void fence_proxy_async() {}
+// Makes the barriers this thread initialized visible to the async proxy (TMA's complete_tx).
+__device__ __forceinline__ void fence_proxy_async() {
+  for (auto& m : emu::sm90::T.mbars)
+    if (m.init_thread == threadIdx.x) m.async_visible = true;
+}
 
 __device__ __forceinline__ void tma_load_4d(emu::ptr<void> dst, emu::ptr<const void> tensor_map, int c0, int c1,
                                             int c2, int c3, emu::ptr<uint64_t> bar) {
@@ -597,6 +607,10 @@ __device__ __forceinline__ void tma_load_4d(emu::ptr<void> dst, emu::ptr<const v
   const size_t bytes = b0 * b1 * b2 * b3 * e;
   const size_t off = shared_offset(dst, bytes, tm.swizzle ? 1024 : 128, "cp.async.bulk.tensor destination");
   MBar& m = mbar(bar, what);
+  if (!m.async_visible)
+    emu::fail("%s completing on the mbarrier at shared byte offset %zu, which thread %u initialized without a "
+              "fence.proxy.async since (mbarrier.init is a generic-proxy write; the TMA unit is the async proxy)",
+              what, m.off, m.init_thread);
   emu::Alloc* src = emu::find_alloc(reinterpret_cast<const void*>(tm.base));
   if (src == &emu::S.shared || std::strcmp(src->space, "local") == 0)
     emu::fail("%s: the tensor map's global address is not in global memory (it points into %s)", what,

@@ -26,7 +26,8 @@ struct TmaArgs {
   // 0: right; 1: no mbar_wait; 2: expect_tx 2 bytes short; 3: expect_tx 2 bytes over; 4: the
   // destination 128 bytes off its 1024-byte alignment; 5: the mbarrier never initialized;
   // 6: waits for parity 1 (a fresh barrier's "previous phase": returns at once); 7: a second
-  // arrival on the count-1 barrier while its phase waits for the loads' bytes.
+  // arrival on the count-1 barrier while its phase waits for the loads' bytes; 8: no
+  // fence.proxy.async after mbarrier.init.
   int kind;
 };
 
@@ -36,7 +37,7 @@ __global__ void tma_probe_kernel(const __grid_constant__ CUtensorMap tm, const T
   unsigned char* slots = smem_raw + 1024;
   if (threadIdx.x == 0 && a.kind != 5) {
     mbar_init(bar, 1);
-    fence_proxy_async();
+    if (a.kind != 8) fence_proxy_async();
   }
   __syncthreads();
   if (threadIdx.x == 0) {
