@@ -1,0 +1,223 @@
+"""The Hopper softmax kernels (csrc/cuda/softmax_sm90.cu, issue 27) run on the CPU by the emulator.
+
+As tests/csrc/test_softmax_cuda_emulated.py does for softmax.cu: cuda_emulator/extract.py cuts
+the device code out of softmax_sm90.cu (sm90_ptx.cuh's PTX helpers replaced by the emulator's
+models in cuda_emulator/harness_sm90.h: TMA boxes with the 128-byte swizzle landing as late as the
+mbarrier allows, NaN before; mbarrier phases and transaction counts; wgmma from the PTX ISA's
+fragment and shared-memory descriptor layouts, computed at the wait that covers it, its
+accumulators NaN until then; setmaxnreg), g++ compiles it with
+cuda_emulator/softmax_sm90_harness.cpp, and the forward (both consumer loops: overlapped and
+"simple") and the backward (dQ and dK / dV kernels, delta given) run on CPU tensors in NaN-guarded
+buffers.  out, lse, dq, dk, dv are checked against the float64 reference under DESIGN.md's rule;
+every global and shared access is bounds-checked; mutants (a causal mask off by one, a wrong
+k-step, a dK / dV loop that skips a query tile) must be caught.
+
+Not covered: the host side (softmax_sm90.cu's checks, cuTensorMapEncodeTiled, the probe of the
+sm_90a build; the harness re-creates the launches and the maps) and anything about a real GPU:
+tests/csrc/test_softmax_cuda_sm90.py (``pytest -m gpu``) covers those on an H100 / H200.
+"""
+import ctypes
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnkit_testing import F64, assert_close_to_reference
+from cuda_emulator import emu_build
+from cuda_emulator.emu_build import EmulatorError
+from test_softmax_cuda_emulated import PAD, Case, Guarded, _bits, _make_inputs, _reference
+
+HERE = Path(__file__).resolve().parent
+EMULATOR = HERE / "cuda_emulator"
+SOURCE = HERE.parents[1] / "csrc" / "cuda" / "softmax_sm90.cu"
+
+# Deliberate bugs, each switched on by configure(mutant=k) in one build (fp16, D = 64 only).
+SWITCHED = {
+    # the forward's causal test off by one (a key one past the diagonal visible).
+    "causal_off_by_one": (
+        "sc[nt][e] = (j < p.M && (!p.causal || j <= i)) ? x : -INFINITY;",
+        "sc[nt][e] = (j < p.M && (!p.causal || j <= i + {on})) ? x : -INFINITY;",
+    ),
+    # S = Q Kᵀ: the k-step's start inside the 128-byte row moved by 16 bytes too few.
+    "k_step_offset": (
+        "const uint16_t* ak = a + (kk / 4) * kRowsA * kPanelCols + a_row0 * kPanelCols + (kk % 4) * 16;",
+        "const uint16_t* ak = a + (kk / 4) * kRowsA * kPanelCols + a_row0 * kPanelCols + (kk % 4) * (16 - 8 * {on});",
+    ),
+    # dK / dV: the causal start one query tile too late.
+    "dkdv_first_tile": (
+        "const int first = p.causal ? k0 / kBwdStep : 0;",
+        "const int first = p.causal ? k0 / kBwdStep + {on} : 0;",
+    ),
+}
+MUTANT = emu_build.switched_ids(SWITCHED)
+
+_i64p = ctypes.POINTER(ctypes.c_int64)
+_ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class Emulator(emu_build.Library):
+    def __init__(self, path: Path):
+        super().__init__(path)
+        lib = self.lib
+        shape = [_int] * 5 + [_float, _int]  # B, H, Hk, N, M, scale, causal
+        lib.emu_softmax_sm90_fwd.argtypes = [_int, _int, _int] + [_ptr, _i64p] * 3 + [_ptr, _ptr] + shape
+        lib.emu_softmax_sm90_bwd.argtypes = [_int, _int] + [_ptr, _i64p] * 4 + [_ptr] * 5 + shape
+        lib.emu_softmax_sm90_fwd.restype = lib.emu_softmax_sm90_bwd.restype = _int
+
+    @staticmethod
+    def _strides(x):
+        """Element strides of dims 0-2, 0 where a dim has size 1 (as the host side)."""
+        return (ctypes.c_int64 * 3)(*(x.stride(i) if x.size(i) > 1 else 0 for i in range(3)))
+
+    @staticmethod
+    def _require_tma_strides(*tensors):
+        """What softmax_sm90_applies guarantees: a contiguous last dim, a 16-byte aligned start,
+        the other strides (of dims longer than 1) nonzero multiples of 16 bytes."""
+        for x in tensors:
+            assert x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+            assert all(x.stride(i) > 0 and x.stride(i) % 8 == 0 for i in range(3) if x.size(i) > 1)
+
+    def forward(self, q, k, v, scale, causal, out, lse, overlap=True):
+        self._require_tma_strides(q, k, v)
+        b, h, n, d = q.shape
+        hk, m = k.shape[1], k.shape[2]
+        s = self._strides
+        with self.buffers(q=q, k=k, v=v, out=out, lse=lse):
+            rc = self.lib.emu_softmax_sm90_fwd(int(q.dtype == torch.bfloat16), d, int(overlap), q.data_ptr(), s(q),
+                                               k.data_ptr(), s(k), v.data_ptr(), s(v), out.data_ptr(), lse.data_ptr(),
+                                               b, h, hk, n, m, scale, int(causal))
+            self.check(rc, "forward")
+
+    def backward(self, dout, q, k, v, lse, delta, scale, causal, dq, dk, dv):
+        self._require_tma_strides(dout, q, k, v)
+        b, h, n, d = q.shape
+        hk, m = k.shape[1], k.shape[2]
+        s = self._strides
+        with self.buffers(dout=dout, q=q, k=k, v=v, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv):
+            rc = self.lib.emu_softmax_sm90_bwd(int(q.dtype == torch.bfloat16), d, dout.data_ptr(), s(dout),
+                                               q.data_ptr(), s(q), k.data_ptr(), s(k), v.data_ptr(), s(v),
+                                               lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(),
+                                               dv.data_ptr(), b, h, hk, n, m, scale, int(causal))
+            self.check(rc, "backward")
+
+
+builds, emulator = emu_build.session_fixtures("cuda_emulator_sm90_softmax", SOURCE,
+                                              EMULATOR / "softmax_sm90_harness.cpp", "softmax_sm90_kernels.inc", {},
+                                              ("EMU_ONLY_F16_D64",), Emulator, SWITCHED)
+
+
+def run_emulated(emu, case, seed=0, overlap=True):
+    """Forward and backward on guarded buffers; (out, lse, dq, dk, dv) and the inputs."""
+    q, k, v, dout, _ = _make_inputs(case, seed)
+    b, h, hk, n, m, d, dtype = case.b, case.h, case.hk, case.n, case.m, case.d, case.dtype
+    scale = 1.0 / math.sqrt(d) if case.scale is None else case.scale
+    inputs = (q, k, v, dout)
+    before = [x.bits() for x in inputs]
+    dout_t = dout.tensor if dout.tensor.shape == (b, h, n, d) else None
+    assert dout_t is not None, "the Hopper kernels read dO with TMA: no stride-0 broadcast (the host copies it)"
+    out, lse = Guarded((b, h, n, d), dtype, float("nan")), Guarded((b, h, n), torch.float32, float("nan"))
+    emu.forward(q.tensor, k.tensor, v.tensor, scale, case.causal, out.tensor, lse.tensor, overlap)
+    # delta = rowsum(dO ∘ O), as softmax.cu's row kernel gives it (fp32 products of the 16-bit values).
+    delta = Guarded((b, h, n), torch.float32, float("nan"))
+    delta.tensor.copy_((dout_t.float() * out.tensor.float()).sum(-1))
+    dq = Guarded((b, h, n, d), dtype, float("nan"))
+    dk, dv = Guarded((b, hk, m, d), dtype, float("nan")), Guarded((b, hk, m, d), dtype, float("nan"))
+    emu.backward(dout_t, q.tensor, k.tensor, v.tensor, lse.tensor, delta.tensor, scale, case.causal, dq.tensor,
+                 dk.tensor, dv.tensor)
+    for name, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv)):
+        guards = torch.cat([x.buffer[:PAD], x.buffer[-PAD:]])
+        assert torch.isnan(guards).all(), f"{name}: written outside its bounds"
+    for x, bits in zip(inputs, before):
+        assert torch.equal(x.bits(), bits), "an input (or its guard) was written"
+    return tuple(x.tensor for x in (out, lse, dq, dk, dv)), (q.tensor, k.tensor, v.tensor, dout_t, scale)
+
+
+def check(emu, case, seed=0, overlap=True):
+    results, (q, k, v, dout, scale) = run_emulated(emu, case, seed, overlap)
+    ref64 = _reference(q, k, v, dout, None, scale, case.causal, F64)
+    ref_low = _reference(q, k, v, dout, None, scale, case.causal, case.dtype)
+    for name, x, r64, rlow in zip(("out", "lse", "dq", "dk", "dv"), results, ref64, ref_low):
+        assert_close_to_reference(x, r64, rlow, name=f"{name} [{case}]", dtype=case.dtype)
+    return results
+
+
+F16, BF16 = torch.float16, torch.bfloat16
+# Forward: 128 query rows x 128-key tiles, a 2-stage K/V ring (reused from M > 256); backward:
+# dQ 128 rows x 64-key tiles, dK/dV 128 keys x 64-row query tiles, 2-stage rings.  So 7, 65, 129,
+# 200, 300 straddle tile edges; M = 300 and N = 257 wrap the rings; GQA groups of 1, 2 and 4.
+CASES = [
+    Case(F16, 64, 1, 2, 1, 7, 129, True),
+    Case(BF16, 64, 1, 2, 2, 129, 7, True),
+    Case(F16, 64, 2, 2, 2, 1, 1, False),
+    Case(BF16, 64, 1, 4, 1, 65, 300, False, scale=0.3),
+    Case(F16, 128, 1, 2, 1, 200, 65, True),
+    Case(BF16, 128, 1, 2, 2, 33, 300, False),
+    Case(BF16, 128, 1, 4, 2, 257, 257, True),
+    Case(F16, 64, 1, 2, 1, 257, 300, True),
+]
+
+
+@pytest.mark.parametrize("overlap", (True, False), ids=("overlap", "simple"))
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_reference(emulator, case, overlap):
+    emulator.configure(seed=1 + CASES.index(case))
+    check(emulator, case, overlap=overlap)
+
+
+def test_strided_inputs(emulator):
+    # q as a [B, N, H, D] view (the usual projection layout): TMA reads it through its strides.
+    emulator.configure(seed=4)
+    case = Case(F16, 64, 2, 2, 1, 33, 70, False)
+    g = torch.Generator().manual_seed(9)
+    b, h, hk, n, m, d = case.b, case.h, case.hk, case.n, case.m, case.d
+    q = Guarded((b, n, h, d), F16, float("nan"), (0, 2, 1, 3))
+    q.tensor.copy_(torch.randn(q.tensor.shape, generator=g).to(F16))
+    k, v = (Guarded((b, hk, m, d), F16, float("nan")) for _ in range(2))
+    for x in (k, v):
+        x.tensor.copy_(torch.randn(x.tensor.shape, generator=g).to(F16))
+    out, lse = Guarded((b, h, n, d), F16, float("nan")), Guarded((b, h, n), torch.float32, float("nan"))
+    emulator.forward(q.tensor, k.tensor, v.tensor, 0.125, False, out.tensor, lse.tensor)
+    ref_out, ref_lse = _reference(q.tensor, k.tensor, v.tensor, torch.zeros(b, h, n, d), None, 0.125, False, F64)[:2]
+    low_out, low_lse = _reference(q.tensor, k.tensor, v.tensor, torch.zeros(b, h, n, d), None, 0.125, False, F16)[:2]
+    assert_close_to_reference(out.tensor, ref_out, low_out, name="out (strided q)", dtype=F16)
+    assert_close_to_reference(lse.tensor, ref_lse, low_lse, name="lse (strided q)", dtype=F16)
+
+
+def test_independent_of_warp_schedule(emulator):
+    case = Case(F16, 64, 1, 2, 1, 130, 300, True)
+    emulator.configure(seed=11)
+    first, _ = run_emulated(emulator, case)
+    emulator.configure(seed=12)
+    second, _ = run_emulated(emulator, case)
+    for x, y in zip(first, second):
+        assert torch.equal(_bits(x), _bits(y))
+
+
+def test_overlap_and_simple_give_the_same_bits(emulator):
+    # The two consumer loops do the same arithmetic in the same order, only issued differently.
+    case = Case(BF16, 64, 1, 2, 1, 100, 300, True)
+    emulator.configure(seed=5)
+    a, _ = run_emulated(emulator, case, overlap=True)
+    b, _ = run_emulated(emulator, case, overlap=False)
+    for x, y in zip(a[:2], b[:2]):
+        assert torch.equal(_bits(x), _bits(y))
+
+
+# M = 300: three key tiles, so the forward's 2-stage ring is reused; causal for the mask mutants.
+MUTANT_CASE = Case(F16, 64, 1, 2, 1, 200, 300, True)
+
+
+@pytest.mark.parametrize("name", SWITCHED)
+def test_catches_a_broken_kernel(builds, name):
+    emu = builds["switched"].emulator()
+    emu.configure(seed=3, mutant=MUTANT[name])
+    with pytest.raises((AssertionError, EmulatorError)):
+        check(emu, MUTANT_CASE)
+
+
+def test_switched_mutants_off_pass(builds):
+    emu = builds["switched"].emulator()
+    emu.configure(seed=3, mutant=0)
+    check(emu, MUTANT_CASE)
+    check(emu, MUTANT_CASE, overlap=False)
