@@ -457,8 +457,9 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
         const int r = e >> 1;
         const int j = j0 + 8 * nt + 2 * tq + (e & 1);
         const bool visible = !edge || (j < p.M && (!p.causal || j <= row0 + g + 8 * r));
-        const float pr = visible ? exp2_approx(sc[nt][e] * p.scale_log2 - lse2[r]) : 0.f;
-        sc[nt][e] = pr * (dp[nt][e] - delta[r]);  // dS
+        // A hidden entry's dS is 0 even where delta or dP is NaN (a row that saw a NaN), as the
+        // masked softmax's gradient is: no 0 · NaN.
+        sc[nt][e] = visible ? exp2_approx(sc[nt][e] * p.scale_log2 - lse2[r]) * (dp[nt][e] - delta[r]) : 0.f;  // dS
       }
     }
     uint32_t da[kNt / 2][4];
@@ -553,7 +554,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
           const bool visible = !edge || (i < p.N && (!p.causal || key0 + g + 8 * r <= i));
           const float pr = visible ? exp2_approx(st[nt][e] * p.scale_log2 - l2) : 0.f;
           st[nt][e] = pr;
-          dpt[nt][e] = pr * (dpt[nt][e] - dl);  // dSᵀ
+          dpt[nt][e] = visible ? pr * (dpt[nt][e] - dl) : 0.f;  // dSᵀ (0 where hidden: no 0 · NaN)
         }
       }
     }

@@ -23,7 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnkit_testing import F64, assert_close_to_reference
+from attnkit_testing import (
+    F64,
+    assert_close_to_reference,
+    assert_nonfinite_like_reference,
+    finite_inputs,
+    poison,
+    without_spread_nan,
+)
 from cuda_emulator import emu_build
 from cuda_emulator.emu_build import EmulatorError
 from test_softmax_cuda_emulated import PAD, Case, Guarded, _bits, _make_inputs, _reference
@@ -107,9 +114,12 @@ builds, emulator = emu_build.session_fixtures("cuda_emulator_sm90_softmax", SOUR
                                               ("EMU_ONLY_F16_D64",), Emulator, SWITCHED)
 
 
-def run_emulated(emu, case, seed=0, overlap=True):
-    """Forward and backward on guarded buffers; (out, lse, dq, dk, dv) and the inputs."""
+def run_emulated(emu, case, seed=0, overlap=True, edit=None):
+    """Forward and backward on guarded buffers; (out, lse, dq, dk, dv) and the inputs.
+    ``edit(q, k, v)`` may change the input tensors first."""
     q, k, v, dout, _ = _make_inputs(case, seed)
+    if edit is not None:
+        edit(q.tensor, k.tensor, v.tensor)
     b, h, hk, n, m, d, dtype = case.b, case.h, case.hk, case.n, case.m, case.d, case.dtype
     scale = 1.0 / math.sqrt(d) if case.scale is None else case.scale
     inputs = (q, k, v, dout)
@@ -202,6 +212,35 @@ def test_overlap_and_simple_give_the_same_bits(emulator):
     b, _ = run_emulated(emulator, case, overlap=False)
     for x, y in zip(a[:2], b[:2]):
         assert torch.equal(_bits(x), _bits(y))
+
+
+NAN, INF = float("nan"), float("inf")
+# (tensor, index, value) for attnkit_testing.poison
+NONFINITE = {
+    "q_nan": ("q", (0, 1, 3, 5), NAN),
+    "k_nan": ("k", (0, 0, 140, 0), NAN),
+    "k_posinf": ("k", (0, 0, 9), INF),
+    "v_nan": ("v", (0, 0, 66, 3), NAN),
+}
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("name", NONFINITE)
+def test_nonfinite_inputs_propagate_like_the_reference(emulator, name, causal):
+    # Issue 15's rule (attnkit_testing.assert_nonfinite_like_reference), as for softmax.cu.
+    case = Case(F16, 64, 1, 2, 1, 150, 200, causal)
+    emulator.configure(seed=5)
+    got, (q, k, v, dout, scale) = run_emulated(
+        emulator, case, edit=lambda q, k, v: poison(NONFINITE[name], q, k, v, None))
+    ref = _reference(q, k, v, dout, None, scale, causal, F64)
+    assert torch.isnan(ref[0]).any(), "the case poisons nothing (a test that cannot fail)"
+    # The tolerance run, without the NaN a torch matmul can spread between rows (issue 24).
+    low = without_spread_nan(_reference(q, k, v, dout, None, scale, causal, F16),
+                             _reference(*finite_inputs(q, k, v), dout, None, scale, causal, F16))
+    visible = torch.ones(case.b, case.h, case.n, case.m, dtype=torch.bool)
+    if causal:
+        visible &= torch.ones(case.n, case.m, dtype=torch.bool).tril()
+    assert_nonfinite_like_reference(got, ref, low, visible, dtype=F16, v=v if name == "v_nan" else None)
 
 
 # M = 300: three key tiles, so the forward's 2-stage ring is reused; causal for the mask mutants.
