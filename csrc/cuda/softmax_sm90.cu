@@ -171,7 +171,9 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   uint64_t* v_full = k_full + kSm90Stages;
   uint64_t* kv_empty = v_full + kSm90Stages;
 
-  const int q0 = static_cast<int>(blockIdx.x) * kSm90BlockM;
+  // Causal: the last query blocks (the most key tiles) first, so the longest blocks start in the
+  // first wave and the short ones fill the tail.
+  const int q0 = static_cast<int>(p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kSm90BlockM;
   const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
   // Keys [0, kv_end) can be visible to the block's rows (causal: j <= i < min(q0 + 128, N)).
   const int kv_end = p.causal ? min(p.M, min(q0 + kSm90BlockM, p.N)) : p.M;
@@ -399,7 +401,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   constexpr int kNt = kBwdStep / 8;
   extern __shared__ uint8_t smem_raw[];
   const BwdSmem sm = bwd_smem<kD>(smem_raw);
-  const int q0 = static_cast<int>(blockIdx.x) * kBwdRows;
+  const int q0 = static_cast<int>(p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBwdRows;  // longest first
   const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
   const int kv_end = p.causal ? min(p.M, min(q0 + kBwdRows, p.N)) : p.M;
   const int n_tiles = (kv_end + kBwdStep - 1) / kBwdStep;
