@@ -610,6 +610,14 @@ bool sm90_available(int device) {
   std::lock_guard<std::mutex> lock(mu);
   if (device < 0 || device >= 64) return false;
   if (known[device]) return cached[device] != 0;
+  // The probe allocates and copies: not inside a CUDA graph capture (answer "no" this time, and
+  // probe at the next call outside one).
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &capture) != cudaSuccess ||
+      capture != cudaStreamCaptureStatusNone) {
+    (void)cudaGetLastError();
+    return false;
+  }
   known[device] = true;
   cached[device] = 0;
   cudaDeviceProp prop;
