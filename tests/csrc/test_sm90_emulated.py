@@ -15,7 +15,12 @@ and that each misuse is caught: tx-count over- or underflow, deadlock, misaligne
 uninitialized barriers, divergent or non-uniform warpgroup collectives, a missing wgmma_fence,
 A registers changed before the wait, out-of-bounds tensor reads.  The fault hooks (a TMA that
 ignores the swizzle, a wgmma that flips imm-trans-b or swaps accumulator rows) make the results
-wrong, showing that the comparisons see a layout mismatch.
+wrong, showing that the comparisons see a layout mismatch.  The scheduler's release-first rule (a
+thread completing an mbarrier phase steps aside for the threads it releases): a consumer that
+releases a ring stage before the wgmma_wait of the product reading it is caught for every seed
+(fault 6, the rule off: for some only).  Named barriers (bar.sync / bar.arrive): a ping-pong
+between two warpgroups keeps its order, a missing arrive deadlocks with both barriers' state in
+the message, misuse is refused, and extract.py models the helpers wherever they are defined.
 
 These are the emulator's semantics, verified against the PTX ISA and CUTLASS (harness_sm90.h's
 header comment); no GPU runs here.
@@ -46,6 +51,9 @@ class Sm90(emu_build.Library):
                                           ctypes.c_int]
         self.lib.emu_sm90_ring.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
         self.lib.emu_sm90_mma.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+        self.lib.emu_sm90_wgmma_ring.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                                 ctypes.c_int]
+        self.lib.emu_sm90_pingpong.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
 
     def tma(self, full, dims, box, coords, swizzle, slot, kind=0, registered=None):
         """Loads the boxes at `coords` of the 4D tensor whose storage is `full` (int16; logical dims
@@ -75,6 +83,23 @@ class Sm90(emu_build.Library):
             self.check(self.lib.emu_sm90_mma(int(a.dtype == torch.bfloat16), n, trans, rs, a.data_ptr(),
                                              given.data_ptr(), d.data_ptr(), kind), "mma")
         return d
+
+    def wgmma_ring(self, a, bt, kind=0):
+        """d (64 x 64) = a (bt[0] + .. + bt[-1])ᵀ, tile by tile through a two-stage ring (a: 64 x 64
+        bf16, bt: tiles x 64 x 64 bf16, each tile Bᵀ)."""
+        d = torch.full((64, 64), float("nan"))
+        with self.buffers(a=a, bt=bt, d=d):
+            self.check(self.lib.emu_sm90_wgmma_ring(a.data_ptr(), bt.data_ptr(), bt.shape[0], d.data_ptr(), kind),
+                       "wgmma ring")
+        return d
+
+    def pingpong(self, rounds, kind=0):
+        out = torch.zeros(128, dtype=torch.int64)
+        out32 = torch.zeros(128, dtype=torch.int32)
+        with self.buffers(out=out32):
+            self.check(self.lib.emu_sm90_pingpong(rounds, out32.data_ptr(), kind), "ping-pong")
+        out.copy_(out32)
+        return out % 2**32
 
 
 @pytest.fixture(scope="module")
@@ -330,3 +355,127 @@ def test_wgmma_misuse_is_caught(sm90, kind, rs, message):
     a, b = operands(torch.bfloat16, 64)
     with pytest.raises(EmulatorError, match=message):
         sm90.mma(a, b, 0, rs, kind=kind)
+
+
+# ----------------------------------------------------------------------------------------------
+# the release-first rule: a thread that completes an mbarrier phase steps aside, and the threads
+# it releases run first (a stage released under a running wgmma is overwritten under it)
+# ----------------------------------------------------------------------------------------------
+
+
+def ring_operands(tiles=3):
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(64, 64, generator=g).to(torch.bfloat16), torch.randn(tiles, 64, 64, generator=g).to(
+        torch.bfloat16)
+
+
+def test_wgmma_ring_releasing_after_the_wait(sm90):
+    a, bt = ring_operands()
+    for seed in (1, 2, 3):
+        sm90.configure(seed=seed)
+        d = sm90.wgmma_ring(a, bt)
+        ref = a.double() @ bt.double().sum(0).t()
+        bound = 3 * 64 * 2.0 ** -24 * (a.double().abs() @ bt.double().abs().sum(0).t()) + 1e-30
+        assert torch.isfinite(d).all() and ((d.double() - ref).abs() <= bound).all()
+    sm90.configure()
+
+
+def test_wgmma_ring_releasing_before_the_wait_is_caught(sm90):
+    # The last consumer thread's early release completes the stage's phase; the producer, waiting
+    # for it, runs first and issues the next load into the stage (NaN until it lands), and the
+    # product, computed at its wgmma_wait, reads NaN: for every schedule.
+    a, bt = ring_operands()
+    for seed in range(1, 9):
+        sm90.configure(seed=seed)
+        assert torch.isnan(sm90.wgmma_ring(a, bt, kind=1)).all(), seed
+    sm90.configure()
+
+
+def test_without_the_release_first_rule_the_race_depends_on_the_schedule(sm90):
+    # fault 6 turns the rule off: the producer then runs only when the scheduler reaches its warp,
+    # sometimes after the product has been computed (the race is then missed).
+    a, bt = ring_operands()
+    missed = []
+    try:
+        for seed in range(1, 21):
+            sm90.configure(seed=seed, fault=6)
+            missed.append(not torch.isnan(sm90.wgmma_ring(a, bt, kind=1)).any())
+    finally:
+        sm90.configure()
+    assert any(missed) and not all(missed)
+
+
+# ----------------------------------------------------------------------------------------------
+# named barriers (bar.sync / bar.arrive id, count): a ping-pong between two warpgroups
+# ----------------------------------------------------------------------------------------------
+
+
+def pingpong_expected(rounds):
+    x = torch.arange(128, dtype=torch.int64)
+    for r in range(rounds):
+        x = (3 * x + r + 1) % 2**32
+        x = (5 * x + 2 * r + 7) % 2**32
+    return x
+
+
+def test_named_barriers_enforce_the_ping_pong_order(sm90):
+    for seed in (1, 2, 3, 4):
+        sm90.configure(seed=seed)
+        assert torch.equal(sm90.pingpong(4), pingpong_expected(4))
+    sm90.configure()
+
+
+def test_without_the_named_barriers_the_order_is_lost(sm90):
+    # Each warp then runs its rounds at once: A's four updates, then B's (or B's first).
+    for seed in (1, 2, 3, 4):
+        sm90.configure(seed=seed)
+        assert not torch.equal(sm90.pingpong(4, kind=1), pingpong_expected(4))
+    sm90.configure()
+
+
+@pytest.mark.parametrize("kind,message", [
+    (2, r"deadlock in block \(0, 0, 0\) of pingpong_kernel: 0 of 256 threads exited, the others wait "
+        r"\(thread:barrier\): 0:bar.sync 2 .*\(named barrier 1: 128 of 256 threads arrived, threads 128-255 wait at "
+        r"bar.sync 1; named barrier 2: 128 of 256 threads arrived, threads 0-127 wait at bar.sync 2\)$"),
+    (3, r"bar.(sync 1, 224|arrive 1, 256): named barrier 1's current use expects (256|224) threads \(\d+ arrived\): "
+        r"the thread counts of one use must agree"),
+    (4, r"bar.sync 1, 100: the thread count must be a positive multiple of the warp size \(32\), at most the "
+        r"block's 256 threads"),
+    (5, r"bar.arrive 0, 256: barrier 0 is not modelled \(1 .. 15; barrier 0 is __syncthreads'\)"),
+    (6, r"divergent warp: lane \d+ is at bar.arrive [23], lane \d+ at another collective"),
+], ids=["missing_arrive_deadlocks", "count_mismatch", "count_not_warp_multiple", "barrier_0", "divergent_warp"])
+def test_named_barrier_misuse_is_caught(sm90, kind, message):
+    for seed in (1, 2):
+        sm90.configure(seed=seed)
+        with pytest.raises(EmulatorError, match=message):
+            sm90.pingpong(4, kind=kind)
+    sm90.configure()
+
+
+NAMED_BARRIER_HELPERS = SELFTEST.read_text()[SELFTEST.read_text().index("// Named barrier `id`"):
+                                             SELFTEST.read_text().index("// ----")]
+
+
+def test_named_barrier_helpers_are_extracted_from_the_header_too():
+    # Once sm90_ptx.cuh defines them (and sm90_selftest.cu no longer does), they are removed there.
+    assert NAMED_BARRIER_HELPERS.count("__device__ __forceinline__ void named_bar_") == 2
+    source = SELFTEST.read_text().replace(NAMED_BARRIER_HELPERS, "")
+    headers = extract.included_headers(SELFTEST)
+    (name,) = [n for n in headers if Path(n).name == "sm90_ptx.cuh"]
+    marker = "// -----"
+    assert marker in headers[name]
+    headers[name] = headers[name].replace(marker, NAMED_BARRIER_HELPERS + marker, 1)
+    code = extract.extract_device_code(source, headers, name="selftest")
+    assert "named_bar_sync(2, 256)" in code
+    assert not re.search(r"__forceinline__ void named_bar_(sync|arrive)\(", code)
+
+
+@pytest.mark.parametrize("old,new,helper", [
+    ('"bar.sync %0, %1;\\n"', '"bar.sync %1, %0;\\n"', "named_bar_sync"),
+    ('"bar.arrive %0, %1;\\n"', '"barrier.arrive %0, %1;\\n"', "named_bar_arrive"),
+], ids=["sync_operands", "arrive_instruction"])
+def test_extraction_refuses_a_changed_named_barrier(old, new, helper):
+    source = SELFTEST.read_text()
+    assert source.count(old) == 1
+    with pytest.raises(extract.ExtractError, match=re.escape(f"{helper}(): its body is now")):
+        extract.extract_device_code(source.replace(old, new), extract.included_headers(SELFTEST), name="selftest")

@@ -56,6 +56,13 @@ SWITCHED = {
         "const int first = p.causal ? k0 / kBwdStep : 0;",
         "const int first = p.causal ? k0 / kBwdStep + {on} : 0;",
     ),
+    # the simple loop releases the K/V stage before its P V product has been waited for: the
+    # producer's next load into that stage overwrites V under the running product.
+    "release_before_wait": (
+        "      wgmma_commit();\n      wgmma_wait<0>();\n      acc_fence(o);\n      acc_fence(pa);  // P's registers",
+        "      if ({on}) mbar_arrive(&kv_empty[stage_of(t)]);\n      wgmma_commit();\n      wgmma_wait<0>();\n"
+        "      acc_fence(o);\n      acc_fence(pa);  // P's registers",
+    ),
 }
 MUTANT = emu_build.switched_ids(SWITCHED)
 
@@ -247,12 +254,21 @@ def test_nonfinite_inputs_propagate_like_the_reference(emulator, name, causal):
 MUTANT_CASE = Case(F16, 64, 1, 2, 1, 200, 300, True)
 
 
+# release_before_wait needs a reused K/V stage in the forward, which MUTANT_CASE never has (causal,
+# N = 200: a query block sees at most two key tiles): one query block per head with both consumer
+# warpgroups' rows valid, three key tiles.
+RELEASE_CASE = Case(F16, 64, 1, 2, 1, 128, 300, False)
+
+
 @pytest.mark.parametrize("name", SWITCHED)
 def test_catches_a_broken_kernel(builds, name):
     emu = builds["switched"].emulator()
     emu.configure(seed=3, mutant=MUTANT[name])
     with pytest.raises((AssertionError, EmulatorError)):
-        check(emu, MUTANT_CASE)
+        if name == "release_before_wait":
+            check(emu, RELEASE_CASE, overlap=False)
+        else:
+            check(emu, MUTANT_CASE)
 
 
 def test_switched_mutants_off_pass(builds):

@@ -224,6 +224,17 @@ SM90_HELPERS = {
         ("template <int kNt> __device__ __forceinline__ void acc_fence(uint32_t (&a)[kNt][4])",
          _guarded(_acc_fence("r", "a"))),
     ],
+    # Named barriers (bar.sync / bar.arrive id, count): harness_sm90.h's named_barrier.  Removed
+    # wherever they are defined with exactly this text: sm90_ptx.cuh, or a kernel file that defines
+    # them itself (sm90_selftest.cu, until the header has them).
+    "named_bar_sync": (
+        "__device__ __forceinline__ void named_bar_sync(int id, int count)",
+        _guarded('asm volatile("bar.sync %0, %1;\\n" : : "r"(id), "r"(count) : "memory");'),
+    ),
+    "named_bar_arrive": (
+        "__device__ __forceinline__ void named_bar_arrive(int id, int count)",
+        _guarded('asm volatile("bar.arrive %0, %1;\\n" : : "r"(id), "r"(count) : "memory");'),
+    ),
     "wgmma_ss": (
         "template <bool kBF16, int kN, int kTransB> __device__ __forceinline__ void wgmma_ss("
         "float (&d)[kN / 8][4], uint64_t desc_a, uint64_t desc_b, int scale_d)",

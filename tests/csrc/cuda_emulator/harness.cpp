@@ -11,7 +11,9 @@
 // kernels communicate.  The scheduler runs one warp at a time as far as it gets (to the next
 // __syncthreads), in an order drawn per block and per pass from a seeded generator: a missing
 // __syncthreads lets a warp overwrite or read a shared tile that another warp has not finished
-// with or not yet written, and the result goes wrong.  Warp collectives take the 32 lanes'
+// with or not yet written, and the result goes wrong.  (Hopper, harness_sm90.h: a thread whose
+// arrival completes an mbarrier phase or a named barrier steps aside, and the threads that the
+// completion releases run first: run_released_first.)  Warp collectives take the 32 lanes'
 // registers, and the last lane to arrive computes the warp's result from the PTX ISA's rules:
 //   ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lanes 8m .. 8m+7 give the row addresses
 //     of 8x8 matrix m (16 bytes each, 16-byte aligned, in shared memory); register m of lane l
@@ -241,7 +243,12 @@ struct State {
   bool failed = false;
   std::string error;
   uint64_t seed = 1;
-  int fault = 0;  // test hook: 1 = mma reads A's registers 1 and 2 swapped, 2 = ldmatrix ignores .trans
+  uint64_t rng = 0;        // the running block's schedule generator (from seed and blockIdx)
+  unsigned finished = 0;   // threads of the running block that have exited
+  // Threads that the running fiber has just released (an mbarrier phase or a named barrier it
+  // completed): it steps aside, and the scheduler runs these first (run_released_first).
+  std::vector<unsigned> released;
+  int fault = 0;  // test hook: 1 = mma reads A's registers 1 and 2 swapped, 2 = ldmatrix ignores .trans (emu_configure)
   int mutant = 0;  // test hook: the switched mutation that is on (emu_build's `switched`; 0: none)
   long long collectives = 0;
   // checked pointers: the registered global buffers (stable addresses: deque), the live ones, the
@@ -357,15 +364,80 @@ bool waiting(const Fiber& f) { return f.wait_bar != nullptr && f.wait_bar->gener
 
 // The Hopper models (harness_sm90.h): their per-block state is reset before each block, and when
 // every thread waits, their asynchronous operations still in flight (TMA loads) land before the
-// scheduler calls it a deadlock (true: something landed, run on).
+// scheduler calls it a deadlock (true: something landed, run on); blocked_detail() adds their
+// barriers' state to a deadlock message.
 namespace sm90 {
 void begin_block(unsigned threads);
 bool land_all();
+std::string blocked_detail();
 }  // namespace sm90
+
+// The threads of the running block (0 .. blockDim.x - 1) that wait on `bar` in its generation
+// `gen`, in thread order: those a completion of that generation releases.
+std::vector<unsigned> waiters(const Barrier& bar, uint64_t gen) {
+  std::vector<unsigned> out;
+  for (unsigned t = 0; t < blockDim.x; ++t) {
+    const Fiber& f = S.fibers[t];
+    if (!f.done && f.wait_bar == &bar && f.wait_gen == gen) out.push_back(t);
+  }
+  return out;
+}
+
+// The release-first rule (README, "Hopper"): the running thread has just completed a barrier
+// phase that `tids` waited for (an mbarrier arrival, a named barrier).  On a GPU the released
+// threads may run at once, before the releasing thread's next instruction; the emulator takes
+// that order, adversarially: the running thread steps aside and the scheduler runs the released
+// threads as far as they get (until each blocks or exits; recursively, the threads that they in
+// turn release first), then the releasing thread goes on.  So a stage released while its reader
+// is still reading it (a wgmma not yet waited for) is overwritten under that reader.
+void run_released_first(std::vector<unsigned> tids) {
+  if (tids.empty() || !S.in_fiber || S.failed || S.fault == 6) return;  // fault 6: the rule off
+  S.released = std::move(tids);
+  to_scheduler();
+}
+
+void run_set(std::vector<unsigned> tids);
+
+// Resumes f until it blocks, exits or steps aside; then runs the threads it released, if any.
+void step(Fiber& f) {
+  resume(f);
+  if (f.done) ++S.finished;
+  if (!S.released.empty() && !S.failed) {
+    std::vector<unsigned> tids = std::move(S.released);
+    S.released.clear();
+    run_set(std::move(tids));
+  }
+}
+
+// Runs the threads `tids` as far as they get: their warps in an order drawn from the block's
+// generator, each warp's listed lanes until none of them moves, until no listed thread moves.
+void run_set(std::vector<unsigned> tids) {
+  std::vector<unsigned> warps;
+  for (unsigned t : tids)
+    if (warps.empty() || warps.back() != t / 32) warps.push_back(t / 32);
+  for (size_t i = warps.size(); i > 1; --i) std::swap(warps[i - 1], warps[splitmix64(S.rng) % i]);
+  for (bool any = true; any && !S.failed;) {
+    any = false;
+    for (unsigned w : warps) {
+      for (bool moved = true; moved && !S.failed;) {
+        moved = false;
+        for (unsigned t : tids) {
+          if (t / 32 != w) continue;
+          Fiber& f = S.fibers[t];
+          if (f.done || waiting(f)) continue;
+          step(f);
+          moved = any = true;
+          if (S.failed) return;
+        }
+      }
+    }
+  }
+}
 
 void run_block(unsigned threads) {
   const unsigned nwarps = threads / 32;
-  uint64_t rng = S.seed ^ (0x51ed2701ull * (1 + blockIdx.x + 65536ull * (blockIdx.y + 65536ull * blockIdx.z)));
+  S.rng = S.seed ^ (0x51ed2701ull * (1 + blockIdx.x + 65536ull * (blockIdx.y + 65536ull * blockIdx.z)));
+  S.released.clear();
   std::vector<unsigned> order(nwarps);
   for (unsigned w = 0; w < nwarps; ++w) order[w] = w;
   for (unsigned t = 0; t < threads; ++t) {
@@ -377,9 +449,9 @@ void run_block(unsigned threads) {
     f.groups = 0;
     init_fiber(f);
   }
-  unsigned finished = 0;
-  while (finished < threads && !S.failed) {
-    for (unsigned i = nwarps; i > 1; --i) std::swap(order[i - 1], order[splitmix64(rng) % i]);
+  S.finished = 0;
+  while (S.finished < threads && !S.failed) {
+    for (unsigned i = nwarps; i > 1; --i) std::swap(order[i - 1], order[splitmix64(S.rng) % i]);
     bool progressed = false;
     for (unsigned w : order) {
       // Run this warp as far as it gets: each sweep takes its lanes through one collective.
@@ -388,14 +460,13 @@ void run_block(unsigned threads) {
         for (unsigned lane = 0; lane < 32 && !S.failed; ++lane) {
           Fiber& f = S.fibers[w * 32 + lane];
           if (f.done || waiting(f)) continue;
-          resume(f);
+          step(f);
           moved = progressed = true;
-          if (f.done) ++finished;
         }
       }
       if (S.failed) return;
     }
-    if (!progressed && finished < threads) {
+    if (!progressed && S.finished < threads) {
       if (sm90::land_all()) continue;
       std::string where;
       for (unsigned t = 0; t < threads; ++t) {
@@ -405,8 +476,8 @@ void run_block(unsigned threads) {
       S.failed = true;
       S.error = "deadlock in block (" + std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) + ", " +
                 std::to_string(blockIdx.z) + ")" + (S.kernel ? std::string(" of ") + S.kernel : std::string()) +
-                ": " + std::to_string(finished) + " of " + std::to_string(threads) +
-                " threads exited, the others wait (thread:barrier):" + where;
+                ": " + std::to_string(S.finished) + " of " + std::to_string(threads) +
+                " threads exited, the others wait (thread:barrier):" + where + sm90::blocked_detail();
     }
   }
 }
@@ -1149,7 +1220,7 @@ extern "C" void emu_set_bwd_variant(int variant) { g_bwd_variant = variant; }
 // seed: the warp order of the scheduler; fault: a test hook that breaks the emulated hardware
 // (0 = none, 1 = mma's A layout, 2 = ldmatrix's .trans; harness_sm90.h: 3 = TMA ignores the
 // 128-byte swizzle, 4 = wgmma reads B with imm-trans-b flipped, 5 = wgmma's accumulator rows g and
-// g + 8 swapped) to show that the tests notice.
+// g + 8 swapped; 6 = the scheduler's release-first rule off) to show that the tests notice.
 extern "C" void emu_configure(uint64_t seed, int fault) {
   emu::S.seed = seed;
   emu::S.fault = fault;

@@ -66,8 +66,20 @@
 //   CUDA programming guide's pattern is mbarrier.init, fence.proxy.async.shared::cta,
 //   __syncthreads); otherwise a no-op: ordinary stores that wgmma reads are not tracked.
 // acc_fence: a no-op (no compiler reordering here).
+// bar.sync / bar.arrive id, count (named_bar_sync / named_bar_arrive; PTX ISA "bar, barrier"):
+//   barriers 1 .. 15 of the block; a warp collective (.aligned: all 32 lanes, the same barrier and
+//   count), the warp's arrival counting 32 threads; a use completes when `count` threads (a
+//   positive multiple of 32, at most the block) have arrived, and the barrier is reusable at once;
+//   bar.sync blocks until the use its warp arrived in has completed, bar.arrive does not.  Errors:
+//   barrier 0 (__syncthreads'), a bad count, different counts within one use.
+// The release-first rule (harness.cpp's run_released_first): the thread whose arrival completes an
+//   mbarrier phase (mbarrier.arrive[.expect_tx]) or a named barrier's use steps aside, and the
+//   threads waiting for that completion run first, as far as they get; then it goes on.  A GPU may
+//   run them before the releaser's next instruction: so whatever the releaser still does with what
+//   it released (a wgmma not yet waited for, reading a released ring stage) happens after them
+//   (the producer's next TMA load NaN-fills that stage first).
 // Fault hooks (emu_configure): 3 = TMA ignores the swizzle, 4 = wgmma reads B with imm-trans-b
-// flipped, 5 = wgmma swaps the accumulator rows g and g + 8.
+// flipped, 5 = wgmma swaps the accumulator rows g and g + 8, 6 = the release-first rule off.
 #pragma once
 
 #define __grid_constant__
@@ -147,10 +159,16 @@ struct Warpgroup {
   bool fenced = false;
 };
 
+// A named barrier (bar.sync / bar.arrive id, count): bar.generation moves on at each completion;
+// bar.arrived counts the threads (32 per warp) of the current use, bar.expected its thread count.
+constexpr int kNamedBarriers = 16;
+
 struct State {
   std::deque<MBar> mbars;  // stable addresses: waiters point at `done`
   std::vector<TmaLoad> loads;
   std::vector<Warpgroup> wgs;
+  Barrier named[kNamedBarriers];
+  std::vector<unsigned> named_released;  // the threads the last completing warp released
   uint32_t window_base = 1024;
 };
 State T;
@@ -160,6 +178,45 @@ void begin_block(unsigned threads) {
   T.loads.clear();
   T.wgs.assign((threads + 127) / 128, Warpgroup{});
   for (auto& g : T.wgs) g.bar = Barrier{128, 0, 0};
+  for (auto& b : T.named) b = Barrier{};
+}
+
+// "0-127, 130": thread indices as ranges.
+inline std::string ranges(const std::vector<unsigned>& tids) {
+  std::string out;
+  for (size_t i = 0; i < tids.size();) {
+    size_t j = i;
+    while (j + 1 < tids.size() && tids[j + 1] == tids[j] + 1) ++j;
+    out += (out.empty() ? "" : ", ") + std::to_string(tids[i]) + (j > i ? "-" + std::to_string(tids[j]) : "");
+    i = j + 1;
+  }
+  return out;
+}
+
+// For a deadlock message: the named barriers with a use in progress, and the mbarriers that
+// threads wait on, with their state and who waits.
+std::string blocked_detail() {
+  std::string out;
+  char buf[200];
+  for (int id = 0; id < kNamedBarriers; ++id) {
+    const Barrier& b = T.named[id];
+    const std::vector<unsigned> w = waiters(b, b.generation);
+    if (b.arrived == 0 && w.empty()) continue;
+    std::snprintf(buf, sizeof buf, "%snamed barrier %d: %d of %d threads arrived", out.empty() ? "" : "; ", id,
+                  b.arrived, b.expected);
+    out += buf + (w.empty() ? std::string() : ", threads " + ranges(w) + " wait at bar.sync " + std::to_string(id));
+  }
+  for (const MBar& m : T.mbars) {
+    const std::vector<unsigned> w = waiters(m.done, m.done.generation);
+    if (w.empty()) continue;
+    std::snprintf(buf, sizeof buf,
+                  "%smbarrier at shared byte offset %zu (phase %llu, %lld of %u arrivals and %lld transaction bytes "
+                  "pending): threads ",
+                  out.empty() ? "" : "; ", m.off, static_cast<unsigned long long>(m.phase),
+                  static_cast<long long>(m.pending), m.count, static_cast<long long>(m.tx));
+    out += buf + ranges(w) + " wait";
+  }
+  return out.empty() ? out : " (" + out + ")";
 }
 
 // An error found by the emulator's own code: in a kernel thread, the launch's error (the thread
@@ -232,13 +289,17 @@ inline void tx_underflow(const MBar& m) {
          m.off, static_cast<long long>(-m.tx), static_cast<unsigned long long>(m.phase));
 }
 
+// An arrival of the running thread; if it completes the phase, the threads waiting for it run
+// first (run_released_first: the release-first rule).
 inline void arrive_on(MBar& m, const char* what) {
   if (m.pending <= 0)
     fail("%s: more arrivals on the mbarrier at shared byte offset %zu than its count %u in its phase %llu (which "
          "waits for %lld transaction bytes)",
          what, m.off, m.count, static_cast<unsigned long long>(m.phase), static_cast<long long>(m.tx));
   if (--m.pending == 0 && m.tx < 0) tx_underflow(m);
+  const uint64_t gen = m.done.generation;
   complete_if_done(m);
+  if (m.done.generation != gen) run_released_first(waiters(m.done, gen));
 }
 
 // Lands the TMA loads in flight (those completing on the barrier at `bar_off` only, unless it is
@@ -520,6 +581,73 @@ void wgmma(float* d, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, int sc
       });
 }
 
+// ---------------------------------------------------------------------------------------------
+// named barriers (bar.sync / bar.arrive id, count)
+// ---------------------------------------------------------------------------------------------
+
+// "bar.sync 3", "bar.arrive 3": what a blocked thread waits at, for messages.
+inline const char* named_what(int id, bool sync) {
+  static char names[2][kNamedBarriers][24];
+  char* s = names[sync][id];
+  if (s[0] == 0) std::snprintf(s, sizeof names[0][0], "%s %d", sync ? "bar.sync" : "bar.arrive", id);
+  return s;
+}
+
+// bar.sync / bar.arrive id, count (PTX ISA, "bar, barrier"; bar.sync is barrier.sync.aligned): a
+// warp collective (all 32 lanes, the same barrier and count: `.aligned`); the warp's arrival counts
+// 32 threads; the use completes when `count` threads have arrived, and the barrier starts its next
+// use.  bar.sync then blocks until the use its warp arrived in has completed; bar.arrive does not.
+// The warp that completes a use lets the threads it releases run first (run_released_first).
+inline void named_barrier(int id, int count, bool sync) {
+  const char* op = sync ? "bar.sync" : "bar.arrive";
+  if (id < 1 || id >= kNamedBarriers)
+    fail("%s %d, %d: barrier %d is not modelled (1 .. 15; barrier 0 is __syncthreads')", op, id, count, id);
+  if (count <= 0 || count % 32 != 0 || count > static_cast<int>(blockDim.x))
+    fail("%s %d, %d: the thread count must be a positive multiple of the warp size (32), at most the block's %u "
+         "threads",
+         op, id, count, blockDim.x);
+  const char* what = named_what(id, sync);
+  const int kind = (1 << 24) | (sync << 20) | (id << 12) | count;
+  Exchange& ex = collective(
+      kind, what,
+      [&](Exchange& e) {
+        Barrier& b = T.named[id];
+        if (b.arrived > 0 && b.expected != count)
+          fail("%s %d, %d: named barrier %d's current use expects %d threads (%d arrived): the thread counts of one "
+               "use must agree",
+               op, id, count, id, b.expected, b.arrived);
+        const uint64_t gen = b.generation;
+        b.expected = count;
+        b.arrived += 32;
+        const bool completed = b.arrived == count;
+        if (completed) {
+          T.named_released = waiters(b, gen);
+          b.arrived = 0;
+          ++b.generation;
+        }
+        e.r_out[0][0] = static_cast<uint32_t>(gen);
+        e.r_out[0][1] = static_cast<uint32_t>(gen >> 32);
+        e.r_out[0][2] = completed;
+        e.r_out[0][3] = threadIdx.x;  // the lane that completed the warp's arrival
+      },
+      [](Exchange&, unsigned, const void*) {}, nullptr);
+  const uint64_t gen = ex.r_out[0][0] | (static_cast<uint64_t>(ex.r_out[0][1]) << 32);
+  const bool completed = ex.r_out[0][2] != 0;
+  if (completed && ex.r_out[0][3] == threadIdx.x) {
+    std::vector<unsigned> tids = std::move(T.named_released);
+    T.named_released.clear();
+    run_released_first(std::move(tids));
+  }
+  Barrier& b = T.named[id];
+  if (sync && !completed && b.generation == gen) {
+    Fiber& f = *S.current;
+    f.wait_bar = &b;
+    f.wait_gen = gen;
+    f.wait_what = what;
+    to_scheduler();
+  }
+}
+
 }  // namespace sm90
 }  // namespace emu
 
@@ -683,6 +811,11 @@ template <int kNt>
 __device__ __forceinline__ void acc_fence(float (&)[kNt][4]) {}
 template <int kNt>
 __device__ __forceinline__ void acc_fence(uint32_t (&)[kNt][4]) {}
+
+// Named barriers (sm90_ptx.cuh's named_bar_sync / named_bar_arrive, once it has them; extract.py
+// removes them wherever they are defined with exactly the modelled text).
+__device__ __forceinline__ void named_bar_sync(int id, int count) { emu::sm90::named_barrier(id, count, true); }
+__device__ __forceinline__ void named_bar_arrive(int id, int count) { emu::sm90::named_barrier(id, count, false); }
 
 template <bool kBF16, int kN, int kTransB>
 __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 8][4], uint64_t desc_a, uint64_t desc_b, int scale_d) {

@@ -9,6 +9,23 @@
 namespace attnkit {
 namespace {
 
+// The named-barrier helpers, with the exact text they will have in sm90_ptx.cuh (extract.py
+// removes them wherever they are, and harness_sm90.h models them).  DELETE THESE TWO once the
+// header defines them (a second definition is refused by the extractor, and by nvcc).
+// Named barrier `id` (1..15; 0 is __syncthreads') for `count` threads (a multiple of 32): waits
+// until `count` threads have arrived (bar.sync) or only arrives (bar.arrive).
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+#if ATTNKIT_SM90A
+  asm volatile("bar.sync %0, %1;\n" : : "r"(id), "r"(count) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+#if ATTNKIT_SM90A
+  asm volatile("bar.arrive %0, %1;\n" : : "r"(id), "r"(count) : "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // 1. TMA: `n` boxes of a 4D tensor, each into its own slot (1024-byte aligned) of shared memory,
 //    all completing on one mbarrier; then the slots' raw bytes go to `out`.
@@ -217,6 +234,115 @@ __global__ void __launch_bounds__(kMmaThreads, 1)
     for (int e = 0; e < 4; ++e)
       a.d[(64 * c + 16 * w + g + 8 * (e / 2)) * kN + 8 * j + 2 * q + e % 2] = acc[j][e];
   if (a.kind == 1 || a.kind == 2) wgmma_wait<0>();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. A ring read by wgmma: warpgroup 0 (one thread) TMA-loads `tiles` tiles Bᵀ_i (64 n x 64 k,
+//    K-major, 128-byte swizzle) through kStages stages; warpgroup 1 accumulates D (64 x 64) +=
+//    A B_i with A (64 x 64) from registers, then releases the stage.  The wgmma reads the stage
+//    until its wgmma_wait: releasing the stage before that wait lets the producer's next load
+//    overwrite it under the running product (the emulator's release-first rule shows it).
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kWgRingThreads = 256;
+
+struct WgRingArgs {
+  int tiles;
+  const uint16_t* a;  // 64 x 64, row-major
+  float* d;           // 64 x 64
+  int kind;           // 0: right; 1: the stage released before wgmma_commit / wgmma_wait
+};
+
+__global__ void __launch_bounds__(kWgRingThreads, 1)
+    wgmma_ring_kernel(const __grid_constant__ CUtensorMap tm_b, const WgRingArgs a) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw);
+  uint64_t* empty = full + kStages;
+  unsigned char* tiles = smem_raw + 1024;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 128);
+    }
+    fence_proxy_async();
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < a.tiles; ++i) {
+        const int s = i % kStages, n = i / kStages;
+        mbar_wait(&empty[s], (n & 1) ^ 1);
+        mbar_arrive_expect_tx(&full[s], kTileBytes);
+        tma_load_4d(tiles + s * kTileBytes, &tm_b, 0, 64 * i, 0, 0, &full[s]);
+      }
+    }
+    return;
+  }
+  const int t = threadIdx.x - 128, w = t / 32, g = (t % 32) / 4, q = t % 4;
+  uint32_t afrag[4][4];
+  for (int kk = 0; kk < 4; ++kk)
+    for (int r = 0; r < 4; ++r) {
+      const int row = 16 * w + g + 8 * (r % 2), col = 16 * kk + 2 * q + 8 * (r / 2);
+      afrag[kk][r] = uint32_t(a.a[row * 64 + col]) | (uint32_t(a.a[row * 64 + col + 1]) << 16);
+    }
+  float acc[8][4];
+  for (int i = 0; i < a.tiles; ++i) {
+    const int s = i % kStages, n = i / kStages;
+    mbar_wait(&full[s], n & 1);
+    wgmma_fence();
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_rs<true, 64, 0>(acc, afrag[kk], smem_desc_sw128(tiles + s * kTileBytes + kk * 32, 16, 1024),
+                            i > 0 || kk > 0);
+    if (a.kind == 1) mbar_arrive(&empty[s]);
+    wgmma_commit();
+    wgmma_wait<0>();
+    acc_fence(acc);
+    acc_fence(afrag);
+    if (a.kind != 1) mbar_arrive(&empty[s]);
+  }
+  for (int j = 0; j < 8; ++j)
+    for (int e = 0; e < 4; ++e) a.d[(16 * w + g + 8 * (e / 2)) * 64 + 8 * j + 2 * q + e % 2] = acc[j][e];
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. Named barriers: a ping-pong between warpgroups A (0) and B (1).  Round r: A updates every
+//    element of a shared array (x -> 3x + r + 1), arrives on barrier 1 and syncs on barrier 2;
+//    B syncs on barrier 1, updates (x -> 5x + 2r + 7), arrives on barrier 2.  Only the order
+//    A0 B0 A1 B1 ... gives the expected values.
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kPingThreads = 256;
+
+struct PingArgs {
+  int rounds;
+  uint32_t* out;  // 128
+  // 0: right; 1: no named barriers (each warp runs all its rounds at once); 2: A's last arrival
+  // on barrier 1 missing; 3: B syncs on barrier 1 with count 224 (A arrives with 256); 4: count 100 (not a multiple of
+  // 32); 5: barrier id 0; 6: lane 7 of B's warps arrives on barrier 3 instead of 2.
+  int kind;
+};
+
+__global__ void __launch_bounds__(kPingThreads, 1) pingpong_kernel(const PingArgs a) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  uint32_t* x = reinterpret_cast<uint32_t*>(smem_raw);
+  const int t = threadIdx.x % 128;
+  if (threadIdx.x < 128) x[t] = t;
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    for (int r = 0; r < a.rounds; ++r) {
+      x[t] = 3 * x[t] + r + 1;
+      if (a.kind == 1) continue;
+      if (!(a.kind == 2 && r == a.rounds - 1)) named_bar_arrive(a.kind == 5 ? 0 : 1, 256);
+      named_bar_sync(2, 256);
+    }
+    a.out[t] = x[t];
+  } else {
+    for (int r = 0; r < a.rounds; ++r) {
+      if (a.kind != 1) named_bar_sync(1, a.kind == 3 ? 224 : a.kind == 4 ? 100 : 256);
+      x[t] = 5 * x[t] + 2 * r + 7;
+      if (a.kind != 1) named_bar_arrive(a.kind == 6 && t % 32 == 7 ? 3 : 2, 256);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

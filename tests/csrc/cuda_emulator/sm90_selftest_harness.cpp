@@ -83,3 +83,24 @@ extern "C" int emu_sm90_mma(int bf16, int n, int trans, int rs, const uint16_t* 
     default: return mma<true, 128, 1>(ta, tb, args) ? 0 : 1;
   }
 }
+
+// The wgmma ring: a (64 x 64 bf16, row-major), bt (tiles x 64 x 64 bf16: Bᵀ_i, K-major), d (64 x 64
+// fp32) = a (B_0 + .. + B_{tiles-1}) accumulated tile by tile.
+extern "C" int emu_sm90_wgmma_ring(const uint16_t* a, const uint16_t* bt, int tiles, float* d, int kind) {
+  begin();
+  CUtensorMap tm;
+  if (!matrix_map(tm, bt, 64, 64 * static_cast<uint64_t>(tiles), 64, 64)) return 1;
+  const WgRingArgs args{tiles, a, d, kind};
+  return emu::launch("wgmma_ring_kernel", dim3{1, 1, 1}, kWgRingThreads, 1024 + kStages * kTileBytes,
+                     [tm, args] { wgmma_ring_kernel(tm, args); })
+             ? 0
+             : 1;
+}
+
+// The named-barrier ping-pong: out (128 uint32) after `rounds` rounds.
+extern "C" int emu_sm90_pingpong(int rounds, uint32_t* out, int kind) {
+  begin();
+  const PingArgs args{rounds, out, kind};
+  return emu::launch("pingpong_kernel", dim3{1, 1, 1}, kPingThreads, 1024, [args] { pingpong_kernel(args); }) ? 0
+                                                                                                               : 1;
+}
