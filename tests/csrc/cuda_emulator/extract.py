@@ -224,9 +224,7 @@ SM90_HELPERS = {
         ("template <int kNt> __device__ __forceinline__ void acc_fence(uint32_t (&a)[kNt][4])",
          _guarded(_acc_fence("r", "a"))),
     ],
-    # Named barriers (bar.sync / bar.arrive id, count): harness_sm90.h's named_barrier.  Removed
-    # wherever they are defined with exactly this text: sm90_ptx.cuh, or a kernel file that defines
-    # them itself (sm90_selftest.cu, until the header has them).
+    # Named barriers (bar.sync / bar.arrive id, count): harness_sm90.h's named_barrier.
     "named_bar_sync": (
         "__device__ __forceinline__ void named_bar_sync(int id, int count)",
         _guarded('asm volatile("bar.sync %0, %1;\\n" : : "r"(id), "r"(count) : "memory");'),

@@ -812,8 +812,7 @@ __device__ __forceinline__ void acc_fence(float (&)[kNt][4]) {}
 template <int kNt>
 __device__ __forceinline__ void acc_fence(uint32_t (&)[kNt][4]) {}
 
-// Named barriers (sm90_ptx.cuh's named_bar_sync / named_bar_arrive, once it has them; extract.py
-// removes them wherever they are defined with exactly the modelled text).
+// Named barriers (sm90_ptx.cuh's named_bar_sync / named_bar_arrive).
 __device__ __forceinline__ void named_bar_sync(int id, int count) { emu::sm90::named_barrier(id, count, true); }
 __device__ __forceinline__ void named_bar_arrive(int id, int count) { emu::sm90::named_barrier(id, count, false); }
 

@@ -9,23 +9,6 @@
 namespace attnkit {
 namespace {
 
-// The named-barrier helpers, with the exact text they will have in sm90_ptx.cuh (extract.py
-// removes them wherever they are, and harness_sm90.h models them).  DELETE THESE TWO once the
-// header defines them (a second definition is refused by the extractor, and by nvcc).
-// Named barrier `id` (1..15; 0 is __syncthreads') for `count` threads (a multiple of 32): waits
-// until `count` threads have arrived (bar.sync) or only arrives (bar.arrive).
-__device__ __forceinline__ void named_bar_sync(int id, int count) {
-#if ATTNKIT_SM90A
-  asm volatile("bar.sync %0, %1;\n" : : "r"(id), "r"(count) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void named_bar_arrive(int id, int count) {
-#if ATTNKIT_SM90A
-  asm volatile("bar.arrive %0, %1;\n" : : "r"(id), "r"(count) : "memory");
-#endif
-}
-
 // ---------------------------------------------------------------------------------------------
 // 1. TMA: `n` boxes of a 4D tensor, each into its own slot (1024-byte aligned) of shared memory,
 //    all completing on one mbarrier; then the slots' raw bytes go to `out`.
