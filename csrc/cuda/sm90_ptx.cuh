@@ -135,6 +135,20 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 #endif
 }
 
+// Named barrier `id` (1..15; 0 is __syncthreads') for `count` threads (a multiple of 32): waits
+// until `count` threads have arrived (bar.sync) or only arrives (bar.arrive).
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+#if ATTNKIT_SM90A
+  asm volatile("bar.sync %0, %1;\n" : : "r"(id), "r"(count) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+#if ATTNKIT_SM90A
+  asm volatile("bar.arrive %0, %1;\n" : : "r"(id), "r"(count) : "memory");
+#endif
+}
+
 __device__ __forceinline__ void wgmma_fence() {
 #if ATTNKIT_SM90A
   asm volatile("wgmma.fence.sync.aligned;\n" : : : "memory");

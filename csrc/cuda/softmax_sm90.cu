@@ -154,8 +154,11 @@ __device__ __forceinline__ void scale_and_mask(float (&sc)[kSm90BlockN / 8][4], 
 // once.  kOverlap = true: the products of tile t (S_t) and of tile t - 1 (O += P_{t-1} V_{t-1})
 // are issued together; the softmax of S_t runs while the P V product is still on the tensor
 // cores, and O is rescaled once that product is done (FlashAttention-3's intra-warpgroup
-// overlap; P_{t-1} and S_t in registers at once: 32 + 64 more than O's).
-template <bool kBF16, int kD, bool kOverlap>
+// overlap; P_{t-1} and S_t in registers at once: 32 + 64 more than O's).  kPingPong (with
+// kOverlap): the two consumers take turns to issue their products (named barriers 1 and 2,
+// consumer 0 first), so that one's softmax runs while the other's products do (FlashAttention-3's
+// inter-warpgroup ping-pong).
+template <bool kBF16, int kD, bool kOverlap, bool kPingPong = false>
 __global__ void __launch_bounds__(kSm90Threads, 1)
     softmax_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                             const __grid_constant__ CUtensorMap tm_v, const Sm90FwdParams p) {
@@ -253,10 +256,26 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
       mbar_arrive(&kv_empty[stage_of(t)]);
     }
   } else if (n_tiles > 0) {
+    // A turn: this consumer's products of one step issued (ping-pong: between its own barrier's
+    // sync and the other consumer's barrier's arrive; consumer 1 opens consumer 0's first turn
+    // and skips the arrive after its last, which nobody waits for).
+    auto turn_begin = [wq] {
+      if constexpr (kPingPong) named_bar_sync(1 + wq, 256);
+    };
+    auto turn_end = [wq](bool last) {
+      if constexpr (kPingPong) {
+        if (!(last && wq == 1)) named_bar_arrive(2 - wq, 256);
+      }
+    };
+    if constexpr (kPingPong) {
+      if (wq == 1) named_bar_arrive(1, 256);
+    }
+    turn_begin();
     mbar_wait(&k_full[0], 0);
     wgmma_fence();
     issue_scores<kBF16, kD>(sc, sq, sk, 0, wq);
     wgmma_commit();
+    turn_end(false);
     wgmma_wait<0>();
     acc_fence(sc);
     scale_and_mask(sc, p, 0, row0, g, tq);
@@ -266,6 +285,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(pa[kc], sc, kc);
     for (int t = 1; t < n_tiles; ++t) {
       const int prev = t - 1;
+      turn_begin();
       mbar_wait(&k_full[stage_of(t)], parity_of(t));
       wgmma_fence();
       issue_scores<kBF16, kD>(sc, sq, sk, stage_of(t), wq);  // group 1: S_t
@@ -273,6 +293,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
       mbar_wait(&v_full[stage_of(prev)], parity_of(prev));
       issue_pv<kBF16, kD>(o, pa, sv, stage_of(prev));  // group 2: O += P_{t-1} V_{t-1}
       wgmma_commit();
+      turn_end(false);
       wgmma_wait<1>();  // S_t done; the P V product may still run
       acc_fence(sc);
       scale_and_mask(sc, p, t, row0, g, tq);
@@ -286,10 +307,12 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
       for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(pa[kc], sc, kc);
     }
     const int last = n_tiles - 1;
+    turn_begin();
     mbar_wait(&v_full[stage_of(last)], parity_of(last));
     wgmma_fence();
     issue_pv<kBF16, kD>(o, pa, sv, stage_of(last));
     wgmma_commit();
+    turn_end(true);
     wgmma_wait<0>();
     acc_fence(o);
     acc_fence(pa);
@@ -589,13 +612,15 @@ __global__ void sm90a_probe_kernel(int* out) { *out = ATTNKIT_SM90A; }
 // ---------------------------------------------------------------------------------------------
 
 // ATTNKIT_CUDA_SM90 (read per call: cheap, and tests switch it): "1" turns the kernels on (the
-// forward's overlapped consumer loop and the backward), "simple" the forward without overlap and
-// the backward, "fwd" the overlapped forward only (softmax.cu's backward); anything else, off.
-enum class Sm90Mode { kOff, kOverlap, kSimple, kForwardOnly };
+// forward's overlapped consumer loop and the backward), "pingpong" the overlapped loop with the
+// consumers' ping-pong and the backward, "simple" the forward without overlap and the backward,
+// "fwd" the overlapped forward only (softmax.cu's backward); anything else, off.
+enum class Sm90Mode { kOff, kOverlap, kPingPong, kSimple, kForwardOnly };
 Sm90Mode sm90_requested() {
   const char* env = std::getenv("ATTNKIT_CUDA_SM90");
   if (env == nullptr) return Sm90Mode::kOff;
   if (std::strcmp(env, "1") == 0) return Sm90Mode::kOverlap;
+  if (std::strcmp(env, "pingpong") == 0) return Sm90Mode::kPingPong;
   if (std::strcmp(env, "simple") == 0) return Sm90Mode::kSimple;
   if (std::strcmp(env, "fwd") == 0) return Sm90Mode::kForwardOnly;
   return Sm90Mode::kOff;
@@ -694,6 +719,9 @@ void launch_sm90(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap
   if (mode == Sm90Mode::kSimple) {
     allow_smem(softmax_fwd_sm90_kernel<kBF16, kD, false>, smem);
     softmax_fwd_sm90_kernel<kBF16, kD, false><<<grid, kSm90Threads, smem, stream>>>(tq, tk, tv, p);
+  } else if (mode == Sm90Mode::kPingPong) {
+    allow_smem(softmax_fwd_sm90_kernel<kBF16, kD, true, true>, smem);
+    softmax_fwd_sm90_kernel<kBF16, kD, true, true><<<grid, kSm90Threads, smem, stream>>>(tq, tk, tv, p);
   } else {
     allow_smem(softmax_fwd_sm90_kernel<kBF16, kD, true>, smem);
     softmax_fwd_sm90_kernel<kBF16, kD, true><<<grid, kSm90Threads, smem, stream>>>(tq, tk, tv, p);

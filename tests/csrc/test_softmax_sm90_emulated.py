@@ -6,9 +6,9 @@ models in cuda_emulator/harness_sm90.h: TMA boxes with the 128-byte swizzle land
 mbarrier allows, NaN before; mbarrier phases and transaction counts; wgmma from the PTX ISA's
 fragment and shared-memory descriptor layouts, computed at the wait that covers it, its
 accumulators NaN until then; setmaxnreg), g++ compiles it with
-cuda_emulator/softmax_sm90_harness.cpp, and the forward (both consumer loops: overlapped and
-"simple") and the backward (dQ and dK / dV kernels, delta given) run on CPU tensors in NaN-guarded
-buffers.  out, lse, dq, dk, dv are checked against the float64 reference under DESIGN.md's rule;
+cuda_emulator/softmax_sm90_harness.cpp, and the forward (its three consumer loops: overlapped,
+overlapped with the consumers' ping-pong, and "simple") and the backward (dQ and dK / dV kernels,
+delta given) run on CPU tensors in NaN-guarded buffers.  out, lse, dq, dk, dv are checked against the float64 reference under DESIGN.md's rule;
 every global and shared access is bounds-checked; mutants (a causal mask off by one, a wrong
 k-step, a dK / dV loop that skips a query tile) must be caught.
 
@@ -46,6 +46,11 @@ SWITCHED = {
         "sc[nt][e] = (j < p.M && (!p.causal || j <= i)) ? x : -INFINITY;",
         "sc[nt][e] = (j < p.M && (!p.causal || j <= i + {on})) ? x : -INFINITY;",
     ),
+    # the ping-pong: a consumer ends its turn on its own barrier instead of the other's.
+    "pingpong_wrong_barrier": (
+        "if (!(last && wq == 1)) named_bar_arrive(2 - wq, 256);",
+        "if (!(last && wq == 1)) named_bar_arrive({on} ? 1 + wq : 2 - wq, 256);",
+    ),
     # S = Q Kᵀ: the k-step's start inside the 128-byte row moved by 16 bytes too few.
     "k_step_offset": (
         "const uint16_t* ak = a + (kk / 4) * kRowsA * kPanelCols + a_row0 * kPanelCols + (kk % 4) * 16;",
@@ -65,6 +70,9 @@ SWITCHED = {
     ),
 }
 MUTANT = emu_build.switched_ids(SWITCHED)
+
+# The forward's consumer loops (ATTNKIT_CUDA_SM90=simple | 1 | pingpong), as the harness numbers them.
+LOOPS = {"simple": 0, "overlap": 1, "pingpong": 2}
 
 _i64p = ctypes.POINTER(ctypes.c_int64)
 _ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -92,13 +100,13 @@ class Emulator(emu_build.Library):
             assert x.stride(-1) == 1 and x.data_ptr() % 16 == 0
             assert all(x.stride(i) > 0 and x.stride(i) % 8 == 0 for i in range(3) if x.size(i) > 1)
 
-    def forward(self, q, k, v, scale, causal, out, lse, overlap=True):
+    def forward(self, q, k, v, scale, causal, out, lse, loop="overlap"):
         self._require_tma_strides(q, k, v)
         b, h, n, d = q.shape
         hk, m = k.shape[1], k.shape[2]
         s = self._strides
         with self.buffers(q=q, k=k, v=v, out=out, lse=lse):
-            rc = self.lib.emu_softmax_sm90_fwd(int(q.dtype == torch.bfloat16), d, int(overlap), q.data_ptr(), s(q),
+            rc = self.lib.emu_softmax_sm90_fwd(int(q.dtype == torch.bfloat16), d, LOOPS[loop], q.data_ptr(), s(q),
                                                k.data_ptr(), s(k), v.data_ptr(), s(v), out.data_ptr(), lse.data_ptr(),
                                                b, h, hk, n, m, scale, int(causal))
             self.check(rc, "forward")
@@ -121,7 +129,7 @@ builds, emulator = emu_build.session_fixtures("cuda_emulator_sm90_softmax", SOUR
                                               ("EMU_ONLY_F16_D64",), Emulator, SWITCHED)
 
 
-def run_emulated(emu, case, seed=0, overlap=True, edit=None):
+def run_emulated(emu, case, seed=0, loop="overlap", edit=None):
     """Forward and backward on guarded buffers; (out, lse, dq, dk, dv) and the inputs.
     ``edit(q, k, v)`` may change the input tensors first."""
     q, k, v, dout, _ = _make_inputs(case, seed)
@@ -134,7 +142,7 @@ def run_emulated(emu, case, seed=0, overlap=True, edit=None):
     dout_t = dout.tensor if dout.tensor.shape == (b, h, n, d) else None
     assert dout_t is not None, "the Hopper kernels read dO with TMA: no stride-0 broadcast (the host copies it)"
     out, lse = Guarded((b, h, n, d), dtype, float("nan")), Guarded((b, h, n), torch.float32, float("nan"))
-    emu.forward(q.tensor, k.tensor, v.tensor, scale, case.causal, out.tensor, lse.tensor, overlap)
+    emu.forward(q.tensor, k.tensor, v.tensor, scale, case.causal, out.tensor, lse.tensor, loop)
     # delta = rowsum(dO ∘ O), as softmax.cu's row kernel gives it (fp32 products of the 16-bit values).
     delta = Guarded((b, h, n), torch.float32, float("nan"))
     delta.tensor.copy_((dout_t.float() * out.tensor.float()).sum(-1))
@@ -150,8 +158,8 @@ def run_emulated(emu, case, seed=0, overlap=True, edit=None):
     return tuple(x.tensor for x in (out, lse, dq, dk, dv)), (q.tensor, k.tensor, v.tensor, dout_t, scale)
 
 
-def check(emu, case, seed=0, overlap=True):
-    results, (q, k, v, dout, scale) = run_emulated(emu, case, seed, overlap)
+def check(emu, case, seed=0, loop="overlap"):
+    results, (q, k, v, dout, scale) = run_emulated(emu, case, seed, loop)
     ref64 = _reference(q, k, v, dout, None, scale, case.causal, F64)
     ref_low = _reference(q, k, v, dout, None, scale, case.causal, case.dtype)
     for name, x, r64, rlow in zip(("out", "lse", "dq", "dk", "dv"), results, ref64, ref_low):
@@ -175,11 +183,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("overlap", (True, False), ids=("overlap", "simple"))
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_matches_reference(emulator, case, overlap):
+def test_matches_reference(emulator, case, loop):
     emulator.configure(seed=1 + CASES.index(case))
-    check(emulator, case, overlap=overlap)
+    check(emulator, case, loop=loop)
 
 
 def test_strided_inputs(emulator):
@@ -211,12 +219,13 @@ def test_independent_of_warp_schedule(emulator):
         assert torch.equal(_bits(x), _bits(y))
 
 
-def test_overlap_and_simple_give_the_same_bits(emulator):
-    # The two consumer loops do the same arithmetic in the same order, only issued differently.
+@pytest.mark.parametrize("loop", ("overlap", "pingpong"))
+def test_the_loops_give_the_same_bits(emulator, loop):
+    # The consumer loops do the same arithmetic in the same order, only issued differently.
     case = Case(BF16, 64, 1, 2, 1, 100, 300, True)
     emulator.configure(seed=5)
-    a, _ = run_emulated(emulator, case, overlap=True)
-    b, _ = run_emulated(emulator, case, overlap=False)
+    a, _ = run_emulated(emulator, case, loop=loop)
+    b, _ = run_emulated(emulator, case, loop="simple")
     for x, y in zip(a[:2], b[:2]):
         assert torch.equal(_bits(x), _bits(y))
 
@@ -250,7 +259,8 @@ def test_nonfinite_inputs_propagate_like_the_reference(emulator, name, causal):
     assert_nonfinite_like_reference(got, ref, low, visible, dtype=F16, v=v if name == "v_nan" else None)
 
 
-# M = 300: three key tiles, so the forward's 2-stage ring is reused; causal for the mask mutants.
+# Causal for the mask mutants; M = 300: the backward's 64-key / 64-row rings are reused (the causal
+# forward's query blocks see at most two key tiles here: RELEASE_CASE reuses its ring).
 MUTANT_CASE = Case(F16, 64, 1, 2, 1, 200, 300, True)
 
 
@@ -266,7 +276,9 @@ def test_catches_a_broken_kernel(builds, name):
     emu.configure(seed=3, mutant=MUTANT[name])
     with pytest.raises((AssertionError, EmulatorError)):
         if name == "release_before_wait":
-            check(emu, RELEASE_CASE, overlap=False)
+            check(emu, RELEASE_CASE, loop="simple")
+        elif name == "pingpong_wrong_barrier":
+            check(emu, MUTANT_CASE, loop="pingpong")
         else:
             check(emu, MUTANT_CASE)
 
@@ -274,5 +286,5 @@ def test_catches_a_broken_kernel(builds, name):
 def test_switched_mutants_off_pass(builds):
     emu = builds["switched"].emulator()
     emu.configure(seed=3, mutant=0)
-    check(emu, MUTANT_CASE)
-    check(emu, MUTANT_CASE, overlap=False)
+    for loop in LOOPS:
+        check(emu, MUTANT_CASE, loop=loop)

@@ -51,11 +51,15 @@ bool make_map(CUtensorMap& map, const uint16_t* x, const int64_t* st, int64_t B,
 
 template <bool BF, int D>
 bool fwd(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Sm90FwdParams& p, int B,
-         bool overlap) {
+         int loop) {
   const dim3 grid{static_cast<unsigned>((p.N + kSm90BlockM - 1) / kSm90BlockM), static_cast<unsigned>(p.H),
                   static_cast<unsigned>(B)};
   const size_t smem = sm90_smem_bytes<D>();
-  if (overlap) {
+  if (loop == 2) {
+    return emu::launch("softmax_fwd_sm90_kernel", grid, kSm90Threads, smem,
+                       [=] { softmax_fwd_sm90_kernel<BF, D, true, true>(tq, tk, tv, p); });
+  }
+  if (loop == 1) {
     return emu::launch("softmax_fwd_sm90_kernel", grid, kSm90Threads, smem,
                        [=] { softmax_fwd_sm90_kernel<BF, D, true>(tq, tk, tv, p); });
   }
@@ -103,8 +107,9 @@ bool dispatch(int bf16, int D, F&& f) {
 
 // The forward (softmax_fwd_cuda_sm90 after its checks: N, M > 0).  q [B, H, N, D], k and v
 // [B, Hk, M, D] (element strides of dims 0-2, 0 where a dim has size 1); out contiguous
-// [B, H, N, D], lse [B, H, N].  overlap: the default consumer loop (1) or "simple" (0).
-extern "C" int emu_softmax_sm90_fwd(int bf16, int D, int overlap, const uint16_t* q, const int64_t* qs,
+// [B, H, N, D], lse [B, H, N].  loop: 0 "simple", 1 the overlapped consumer loop (the default),
+// 2 overlapped with the consumers' ping-pong.
+extern "C" int emu_softmax_sm90_fwd(int bf16, int D, int loop, const uint16_t* q, const int64_t* qs,
                                     const uint16_t* k, const int64_t* ks, const uint16_t* v, const int64_t* vs,
                                     uint16_t* out, float* lse, int B, int H, int Hk, int N, int M, float scale,
                                     int causal) {
@@ -123,7 +128,7 @@ extern "C" int emu_softmax_sm90_fwd(int bf16, int D, int overlap, const uint16_t
   p.scale_log2 = scale * kLog2e;
   p.causal = causal != 0;
   return dispatch(bf16, D, [&](auto bf, auto d) { return fwd<decltype(bf)::value, decltype(d)::value>(
-                                                      tq, tk, tv, p, B, overlap != 0); })
+                                                      tq, tk, tv, p, B, loop); })
              ? 0
              : 1;
 }
