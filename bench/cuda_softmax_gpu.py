@@ -1,7 +1,7 @@
 """GPU bench of the CUDA C++ softmax backward variants (session 15; csrc/cuda/softmax.cu,
 ATTNKIT_CUDA_SOFTMAX_BWD = default | stream | fused) and of the Hopper forward (session 22;
-csrc/cuda/softmax_sm90.cu, variants "sm90" and "sm90-simple": ATTNKIT_CUDA_SM90=1 | simple, with the
-default backward) against
+csrc/cuda/softmax_sm90.cu, variants "sm90", "sm90-pingpong" and "sm90-simple": ATTNKIT_CUDA_SM90=1 |
+pingpong | simple, each with the Hopper backward) against
 torch SDPA, in one run.
 
     python bench/cuda_softmax_gpu.py [--deadline 150] [--out cuda_softmax_gpu.json]
@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("default", "stream", "fused", "sm90", "sm90-simple")
+VARIANTS = ("default", "stream", "fused", "sm90", "sm90-pingpong", "sm90-simple")
 SM90_ENV = "ATTNKIT_CUDA_SM90"
 ERR_LIMIT = 2e-2
 ENV = "ATTNKIT_CUDA_SOFTMAX_BWD"
@@ -42,7 +42,8 @@ MODES = ("fwd", "bwd", "fwd+bwd")
 
 def variant_env(variant):
     """(ATTNKIT_CUDA_SOFTMAX_BWD, ATTNKIT_CUDA_SM90) of a variant's child process."""
-    return {"sm90": ("default", "1"), "sm90-simple": ("default", "simple")}.get(variant, (variant, "0"))
+    sm90 = {"sm90": "1", "sm90-pingpong": "pingpong", "sm90-simple": "simple"}
+    return ("default", sm90[variant]) if variant in sm90 else (variant, "0")
 
 
 def parse_args(argv=None):
