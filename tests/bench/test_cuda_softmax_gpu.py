@@ -13,10 +13,19 @@ spec.loader.exec_module(g)
 
 def test_defaults_are_the_issue_cases():
     args = g.parse_args([])
-    assert args.variants == ["default", "stream", "fused"] and args.d == [128, 64] and args.n == 8192
+    assert args.variants == ["default", "stream", "fused", "sm90", "sm90-pingpong", "sm90-simple"]
+    assert args.d == [128, 64] and args.n == 8192
     cs = g.cases(args)
     assert [(c["D"], c["causal"]) for c in cs] == [(128, False), (128, True), (64, False), (64, True)]
     assert all((c["dtype"], c["B"], c["H"], c["N"], c["M"]) == ("bfloat16", 4, 8, 8192, 8192) for c in cs)
+
+
+def test_variant_environments():
+    # (ATTNKIT_CUDA_SOFTMAX_BWD, ATTNKIT_CUDA_SM90) of each child: the Hopper variants keep the
+    # default backward variable and switch the Hopper kernels' loop; the others leave them off.
+    assert g.variant_env("default") == ("default", "0") and g.variant_env("fused") == ("fused", "0")
+    assert g.variant_env("sm90") == ("default", "1") and g.variant_env("sm90-pingpong") == ("default", "pingpong")
+    assert g.variant_env("sm90-simple") == ("default", "simple")
 
 
 def test_unknown_variant_is_refused():
