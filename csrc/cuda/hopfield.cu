@@ -37,7 +37,9 @@
 //  - split-N (S <= 16, N >= 4096, fewer b*h than SMs; flash-decoding): per step a partial
 //    kernel, grid (chunks, B*H), writes (m, l, acc) per query for its chunk of stored rows, and a
 //    merge kernel, grid (B*H), combines them through their log-sum-exps and finishes the step
-//    (the next state goes to `states`, which the next step's partial kernel reads).
+//    (the next state goes to `states`, which the next step's partial kernel reads).  With one
+//    query (S = 1) the partial kernel spreads the stored rows over its 8 warps and reads them
+//    straight from global memory (retrieve_one_row; session 22, emulated, not yet timed on a GPU).
 // Scores are kept in base 2 (beta * log2 e) so the exponentials are exp2f; lse is natural log.
 // SIMT float32 FMAs throughout (no tensor cores): the Triton kernel is the default GPU path.
 
@@ -181,6 +183,110 @@ __device__ void retrieve(const Params<T>& p, const Smem& sm, int64_t bh, int64_t
       }
     }
   }
+}
+
+// retrieve's result for a block whose only query row is row 0 (S = 1, split-N partials): the
+// stored rows spread over the warps instead of the query rows -- retrieve would leave 7 of the 8
+// warps with no row and stage every tile through shared memory (0.87 ms for N = 2^20 bf16 on an
+// H100, 5% of the copy bandwidth).  Warp w reads rows n0 + w, n0 + w + 8, ... straight from global
+// memory, kUnroll of them per step (their loads in flight together); lane c holds columns c + 32 j
+// of q, of each row, and of its accumulators (retrieve's layout), so a score is a warp_sum.  Each
+// warp keeps its own (m, l, acc, accx); warp 0 then merges the 8 through shared memory (sm.xt,
+// sm.vt: unused here) into m[0], l[0], acc[0], accx[0].  Every warp's other outputs: m = -inf,
+// l = 0 (the partial rows past S, which the merge never reads).
+template <typename T, int RPW>
+__device__ void retrieve_one_row(const Params<T>& p, const Smem& sm, int64_t bh, int64_t n0, int64_t n1,
+                                 bool value_step, bool want_x, float (&m)[RPW], float (&l)[RPW],
+                                 float (&acc)[RPW][kCols], float (&accx)[RPW][kCols]) {
+  constexpr int kUnroll = 4;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int D = p.D, Dv = p.Dv, Dout = value_step ? Dv : D;
+  const T* X = p.X + bh * p.N * D;
+  const T* V = value_step ? p.V + bh * p.N * Dv : nullptr;
+  float qr[kCols];
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) qr[j] = lane + 32 * j < D ? sm.xi[lane + 32 * j] : 0.f;
+  float mw = -INFINITY, lw = 0.f, aw[kCols], xw[kCols];
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) aw[j] = 0.f, xw[j] = 0.f;
+  for (int64_t base = n0 + w; base < n1; base += kWarps * kUnroll) {
+    float x[kUnroll][kCols], sc[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t n = base + static_cast<int64_t>(kWarps) * u;
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        const int d = lane + 32 * j;
+        x[u][j] = n < n1 && d < D ? to_float(X[n * D + d]) : 0.f;
+      }
+    }
+    float mx = mw;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float dot = 0.f;
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) dot = fmaf(qr[j], x[u][j], dot);
+      const int64_t n = base + static_cast<int64_t>(kWarps) * u;
+      sc[u] = n < n1 ? warp_sum(dot) * p.beta2 : -INFINITY;
+      mx = fmaxf(mx, sc[u]);
+    }
+    const float alpha = exp2f(mw - mx);  // 0 on the warp's first step (mw = -inf)
+    mw = mx;
+    lw *= alpha;
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) aw[j] *= alpha, xw[j] *= alpha;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const float pr = exp2f(sc[u] - mx);  // 0 past n1
+      lw += pr;
+      const int64_t n = base + static_cast<int64_t>(kWarps) * u;
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        const int d = lane + 32 * j;
+        if (value_step) {
+          if (d < Dv && n < n1) aw[j] = fmaf(pr, to_float(V[n * Dv + d]), aw[j]);
+          if (want_x) xw[j] = fmaf(pr, x[u][j], xw[j]);
+        } else {
+          aw[j] = fmaf(pr, x[u][j], aw[j]);
+        }
+      }
+    }
+  }
+  // Merge the warps: acc rows in sm.vt (value step) or sm.xt, accx rows in sm.xt, then (m, l).
+  float* acc_s = value_step ? sm.vt : sm.xt;
+  float* accx_s = sm.xt;
+  float* ml_s = sm.xt + kWarps * D;  // 2 kWarps floats, past the accx rows
+  __syncthreads();  // (the block's earlier shared-memory reads are done)
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) {
+    const int d = lane + 32 * j;
+    if (d < Dout) acc_s[w * Dout + d] = aw[j];
+    if (want_x && d < D) accx_s[w * D + d] = xw[j];
+  }
+  if (lane == 0) ml_s[w] = mw, ml_s[kWarps + w] = lw;
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+    m[i] = -INFINITY;
+    l[i] = 0.f;
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) acc[i][j] = 0.f, accx[i][j] = 0.f;
+  }
+  if (w != 0) return;
+  float mm = -INFINITY;
+  for (int v = 0; v < kWarps; ++v) mm = fmaxf(mm, ml_s[v]);
+  for (int v = 0; v < kWarps; ++v) {
+    // A warp with no row (m = -inf, l = 0) weighs 0, also where every warp has m = -inf.
+    const float wv = ml_s[v] == -INFINITY ? 0.f : exp2f(ml_s[v] - mm);
+    l[0] += ml_s[kWarps + v] * wv;
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      const int d = lane + 32 * j;
+      if (d < Dout) acc[0][j] = fmaf(acc_s[v * Dout + d], wv, acc[0][j]);
+      if (want_x && d < D) accx[0][j] = fmaf(accx_s[v * D + d], wv, accx[0][j]);
+    }
+  }
+  m[0] = mm;
 }
 
 // Finish retrieval k for the block's rows [q0, q0 + rows) of b*h `bh` from (m, l, acc, accx):
@@ -355,7 +461,13 @@ __global__ void __launch_bounds__(kThreads) split_partial_kernel(Params<T> p, Pa
   const int64_t n1 = n0 + q.chunk < p.N ? n0 + q.chunk : p.N;
   float m[RPW], l[RPW], acc[RPW][kCols], accx[RPW][kCols];
   const bool want_x = value_step && p.final_state;
-  retrieve<T, RPW>(p, sm, bh, n0, n1, value_step, want_x, m, l, acc, accx);
+  bool one_row = false;
+  if constexpr (RPW == 1) one_row = rows == 1;  // (S > 8 takes RPW > 1)
+  if (one_row) {
+    if constexpr (RPW == 1) retrieve_one_row<T, RPW>(p, sm, bh, n0, n1, value_step, want_x, m, l, acc, accx);
+  } else {
+    retrieve<T, RPW>(p, sm, bh, n0, n1, value_step, want_x, m, l, acc, accx);
+  }
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int Dout = value_step ? p.Dv : p.D;
   const int64_t part = bh * q.splits + split;

@@ -187,6 +187,9 @@ CASES = [
     (7, 300, 16, None, 3, True),
     (7, 50, 64, 40, 3, True),
     (1, 1, 16, 16, 1, True),
+    # S = 1 on split-N: the stored rows spread over the warps (retrieve_one_row), four chunks, the
+    # last partial; values of another width and the final state (accx).
+    (1, 1000, 64, 40, 3, True),
 ]
 
 
