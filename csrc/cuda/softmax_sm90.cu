@@ -413,8 +413,9 @@ __device__ __forceinline__ void produce_bwd(const BwdSmem& sm, const CUtensorMap
 }
 
 // dQ: one block per (128 query rows, h, b); Q and dO tiles once, K and V tiles of 64 keys
-// streamed.  Per tile, for consumer wq's 64 rows: S = Q Kᵀ and dP = dO Vᵀ (issued together),
-// P = 2^(S scale log2 e - lse2) (0 where hidden), dS = P (dP - delta), dQ += dS K.
+// streamed.  Per tile, for consumer wq's 64 rows: S = Q Kᵀ and dP = dO Vᵀ (issued together, with
+// the previous tile's dQ product), P = 2^(S scale log2 e - lse2) (0 where hidden),
+// dS = P (dP - delta), dQ += dS K.
 template <bool kBF16, int kD>
 __global__ void __launch_bounds__(kSm90Threads, 1)
     softmax_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
@@ -459,20 +460,15 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
 #pragma unroll
   for (int dt = 0; dt < kD / 8; ++dt) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.f;
 
-  mbar_wait(sm.big_full, 0);
-  for (int t = 0; t < n_tiles; ++t) {
-    const int s = t % kSm90Stages;
-    mbar_wait(&sm.ring_full[s], static_cast<uint32_t>(t / kSm90Stages) & 1u);
-    const uint16_t* kt = sm.ring0 + s * kP * kStepElems;
-    const uint16_t* vt = sm.ring1 + s * kP * kStepElems;
-    float sc[kNt][4], dp[kNt][4];
-    wgmma_fence();
-    issue_abt<kBF16, kBwdStep, kD, kBwdRows, kBwdStep>(sc, sm.big0, 64 * wq, kt);
-    issue_abt<kBF16, kBwdStep, kD, kBwdRows, kBwdStep>(dp, sm.big1, 64 * wq, vt);
-    wgmma_commit();
-    wgmma_wait<0>();
-    acc_fence(sc);
-    acc_fence(dp);
+  // Tile t's S and dP are issued together with tile t - 1's dQ += dS K, and dS_t is computed
+  // while that product runs (the forward's intra-warpgroup overlap; dS_{t-1} stays in da until
+  // its product is done).
+  auto key_tile = [&](const uint16_t* ring, int t) { return ring + (t % kSm90Stages) * kP * kStepElems; };
+  float sc[kNt][4], dp[kNt][4];
+  uint32_t da[kNt / 2][4];
+  // sc <- dS of tile t (S and dP waited for): 0 where hidden, even where delta or dP is NaN (a
+  // row that saw a NaN), as the masked softmax's gradient is: no 0 · NaN.
+  auto ds_of = [&](int t) {
     const int j0 = t * kBwdStep;
     const bool edge = j0 + kBwdStep > p.M || (p.causal && j0 + kBwdStep - 1 > row0);
 #pragma unroll
@@ -482,21 +478,51 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
         const int r = e >> 1;
         const int j = j0 + 8 * nt + 2 * tq + (e & 1);
         const bool visible = !edge || (j < p.M && (!p.causal || j <= row0 + g + 8 * r));
-        // A hidden entry's dS is 0 even where delta or dP is NaN (a row that saw a NaN), as the
-        // masked softmax's gradient is: no 0 · NaN.
-        sc[nt][e] = visible ? exp2_approx(sc[nt][e] * p.scale_log2 - lse2[r]) * (dp[nt][e] - delta[r]) : 0.f;  // dS
+        sc[nt][e] = visible ? exp2_approx(sc[nt][e] * p.scale_log2 - lse2[r]) * (dp[nt][e] - delta[r]) : 0.f;
       }
     }
-    uint32_t da[kNt / 2][4];
+  };
+
+  auto issue_s_dp = [&](int t) {
+    mbar_wait(&sm.ring_full[t % kSm90Stages], static_cast<uint32_t>(t / kSm90Stages) & 1u);
+    issue_abt<kBF16, kBwdStep, kD, kBwdRows, kBwdStep>(sc, sm.big0, 64 * wq, key_tile(sm.ring0, t));
+    issue_abt<kBF16, kBwdStep, kD, kBwdRows, kBwdStep>(dp, sm.big1, 64 * wq, key_tile(sm.ring1, t));
+    wgmma_commit();
+  };
+
+  mbar_wait(sm.big_full, 0);
+  if (n_tiles > 0) {
+    wgmma_fence();
+    issue_s_dp(0);
+    wgmma_wait<0>();
+    acc_fence(sc);
+    acc_fence(dp);
+    ds_of(0);
 #pragma unroll
     for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(da[kc], sc, kc);
+    for (int t = 1; t < n_tiles; ++t) {
+      wgmma_fence();
+      issue_s_dp(t);
+      issue_pb<kBF16, kD, kBwdStep, kBwdStep>(dq, da, key_tile(sm.ring0, t - 1));  // dQ += dS K
+      wgmma_commit();
+      wgmma_wait<1>();  // S_t and dP_t done; dQ's product may still run
+      acc_fence(sc);
+      acc_fence(dp);
+      ds_of(t);
+      wgmma_wait<0>();
+      acc_fence(dq);
+      acc_fence(da);
+      mbar_arrive(&sm.ring_empty[(t - 1) % kSm90Stages]);
+#pragma unroll
+      for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(da[kc], sc, kc);
+    }
     wgmma_fence();
-    issue_pb<kBF16, kD, kBwdStep, kBwdStep>(dq, da, kt);  // dQ += dS K
+    issue_pb<kBF16, kD, kBwdStep, kBwdStep>(dq, da, key_tile(sm.ring0, n_tiles - 1));
     wgmma_commit();
     wgmma_wait<0>();
     acc_fence(dq);
     acc_fence(da);
-    mbar_arrive(&sm.ring_empty[s]);
+    mbar_arrive(&sm.ring_empty[(n_tiles - 1) % kSm90Stages]);
   }
   store_rows<kBF16, kD>(p.dq, bh * p.N + row0, 1, g, p.N - row0, dq, p.scale, tq);
 }

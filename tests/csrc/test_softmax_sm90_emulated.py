@@ -10,7 +10,9 @@ cuda_emulator/softmax_sm90_harness.cpp, and the forward (its three consumer loop
 overlapped with the consumers' ping-pong, and "simple") and the backward (dQ and dK / dV kernels,
 delta given) run on CPU tensors in NaN-guarded buffers.  out, lse, dq, dk, dv are checked against the float64 reference under DESIGN.md's rule;
 every global and shared access is bounds-checked; mutants (a causal mask off by one, a wrong
-k-step, a dK / dV loop that skips a query tile) must be caught.
+k-step, a dK / dV loop that skips a query tile, a stage released before its product is waited
+for, dQ's scores read before their wait, a ping-pong turn ended on the wrong barrier) must be
+caught.
 
 Not covered: the host side (softmax_sm90.cu's checks, cuTensorMapEncodeTiled, the probe of the
 sm_90a build; the harness re-creates the launches and the maps) and anything about a real GPU:
@@ -53,6 +55,12 @@ SWITCHED = {
     "causal_off_by_one": (
         "sc[nt][e] = (j < p.M && (!p.causal || j <= i)) ? x : -INFINITY;",
         "sc[nt][e] = (j < p.M && (!p.causal || j <= i + {on})) ? x : -INFINITY;",
+    ),
+    # dQ's overlap: dS computed before the S / dP products are waited for (a wait that still
+    # lets them run): their accumulators are read too early.
+    "dq_wait_too_weak": (
+        "      wgmma_wait<1>();  // S_t and dP_t done; dQ's product may still run",
+        "      if ({on}) wgmma_wait<2>(); else wgmma_wait<1>();  // S_t and dP_t done",
     ),
     # the ping-pong: a consumer ends its turn on its own barrier instead of the other's.
     "pingpong_wrong_barrier": (
