@@ -529,8 +529,9 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
 
 // dK / dV: one block per (128 keys, kv head, b); K and V tiles once, then for each query head of
 // the GQA group the Q and dO tiles of 64 rows (causal: from the first with a row >= the block's
-// first key).  Per tile, for consumer wk's 64 keys: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (issued together),
-// Pᵀ and dSᵀ as in the dQ kernel, dV += Pᵀ dO and dK += dSᵀ Q (issued together).
+// first key).  Per tile, for consumer wk's 64 keys: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (issued together,
+// with the previous tile's two products), Pᵀ and dSᵀ as in the dQ kernel, dV += Pᵀ dO and
+// dK += dSᵀ Q (issued together).
 template <bool kBF16, int kD>
 __global__ void __launch_bounds__(kSm90Threads, 1)
     softmax_bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -573,24 +574,29 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     dv[dt][0] = dv[dt][1] = dv[dt][2] = dv[dt][3] = 0.f;
   }
 
-  mbar_wait(sm.big_full, 0);
-  for (int u = 0; u < steps; ++u) {
-    const int s = u % kSm90Stages;
+  // D = 64, as the dQ kernel: step u's Sᵀ and dPᵀ are issued with step u - 1's dV and dK
+  // products, and Pᵀ, dSᵀ of step u are computed while those run (pa, da keep step u - 1's until
+  // they are done).
+  auto ring_tile = [&](const uint16_t* ring, int u) { return ring + (u % kSm90Stages) * kP * kStepElems; };
+  float st[kNt][4], dpt[kNt][4];
+  uint32_t pa[kNt / 2][4], da[kNt / 2][4];
+  auto issue_st_dpt = [&](int u) {
+    mbar_wait(&sm.ring_full[u % kSm90Stages], static_cast<uint32_t>(u / kSm90Stages) & 1u);
+    issue_abt<kBF16, kBwdStep, kD, kBwdRows, kBwdStep>(st, sm.big0, 64 * wk, ring_tile(sm.ring0, u));
+    issue_abt<kBF16, kBwdStep, kD, kBwdRows, kBwdStep>(dpt, sm.big1, 64 * wk, ring_tile(sm.ring1, u));
+    wgmma_commit();
+  };
+  auto issue_dv_dk = [&](int u) {
+    issue_pb<kBF16, kD, kBwdStep, kBwdStep>(dv, pa, ring_tile(sm.ring1, u));  // dV += Pᵀ dO
+    issue_pb<kBF16, kD, kBwdStep, kBwdStep>(dk, da, ring_tile(sm.ring0, u));  // dK += dSᵀ Q
+    wgmma_commit();
+  };
+  // st <- Pᵀ, dpt <- dSᵀ of step u (Sᵀ and dPᵀ waited for), packed into pa, da.  Entry (key j,
+  // query i): j = key0 + g + 8 (e / 2), i = i0 + 8 nt + 2 tq + e % 2.
+  auto p_ds_of = [&](int u) {
     const int h = hk * p.group + u / per_head;
     const int i0 = (first + u % per_head) * kBwdStep;
     const int64_t row_base = (static_cast<int64_t>(b) * p.H + h) * p.N;
-    mbar_wait(&sm.ring_full[s], static_cast<uint32_t>(u / kSm90Stages) & 1u);
-    const uint16_t* qt = sm.ring0 + s * kP * kStepElems;
-    const uint16_t* dot = sm.ring1 + s * kP * kStepElems;
-    float st[kNt][4], dpt[kNt][4];
-    wgmma_fence();
-    issue_abt<kBF16, kBwdStep, kD, kBwdRows, kBwdStep>(st, sm.big0, 64 * wk, qt);
-    issue_abt<kBF16, kBwdStep, kD, kBwdRows, kBwdStep>(dpt, sm.big1, 64 * wk, dot);
-    wgmma_commit();
-    wgmma_wait<0>();
-    acc_fence(st);
-    acc_fence(dpt);
-    // Entry (key j, query i): j = key0 + g + 8 (e / 2), i = i0 + 8 nt + 2 tq + e % 2.
     const bool edge = i0 + kBwdStep > p.N || (p.causal && key0 + 15 > i0);
 #pragma unroll
     for (int nt = 0; nt < kNt; ++nt) {
@@ -609,22 +615,69 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
         }
       }
     }
-    uint32_t pa[kNt / 2][4], da[kNt / 2][4];
+  };
+  auto pack = [&] {
 #pragma unroll
     for (int kc = 0; kc < kNt / 2; ++kc) {
       acc_to_a<kBF16, kNt>(pa[kc], st, kc);
       acc_to_a<kBF16, kNt>(da[kc], dpt, kc);
     }
+  };
+
+  mbar_wait(sm.big_full, 0);
+  if constexpr (kD > 64) {
+    // D = 128: dK and dV hold 128 registers; the overlap's extra live set (Sᵀ, dPᵀ of step u
+    // beside Pᵀ, dSᵀ of u - 1) spilled 208 bytes and made ptxas serialize the wgmmas: one step
+    // at a time.
+    for (int u = 0; u < steps; ++u) {
+      wgmma_fence();
+      issue_st_dpt(u);
+      wgmma_wait<0>();
+      acc_fence(st);
+      acc_fence(dpt);
+      p_ds_of(u);
+      pack();
+      wgmma_fence();
+      issue_dv_dk(u);
+      wgmma_wait<0>();
+      acc_fence(dv);
+      acc_fence(dk);
+      acc_fence(pa);
+      acc_fence(da);
+      mbar_arrive(&sm.ring_empty[u % kSm90Stages]);
+    }
+  } else if (steps > 0) {
     wgmma_fence();
-    issue_pb<kBF16, kD, kBwdStep, kBwdStep>(dv, pa, dot);  // dV += Pᵀ dO
-    issue_pb<kBF16, kD, kBwdStep, kBwdStep>(dk, da, qt);   // dK += dSᵀ Q
-    wgmma_commit();
+    issue_st_dpt(0);
+    wgmma_wait<0>();
+    acc_fence(st);
+    acc_fence(dpt);
+    p_ds_of(0);
+    pack();
+    for (int u = 1; u < steps; ++u) {
+      wgmma_fence();
+      issue_st_dpt(u);
+      issue_dv_dk(u - 1);
+      wgmma_wait<1>();  // Sᵀ and dPᵀ of step u done; dV and dK of step u - 1 may still run
+      acc_fence(st);
+      acc_fence(dpt);
+      p_ds_of(u);
+      wgmma_wait<0>();
+      acc_fence(dv);
+      acc_fence(dk);
+      acc_fence(pa);
+      acc_fence(da);
+      mbar_arrive(&sm.ring_empty[(u - 1) % kSm90Stages]);
+      pack();
+    }
+    wgmma_fence();
+    issue_dv_dk(steps - 1);
     wgmma_wait<0>();
     acc_fence(dv);
     acc_fence(dk);
     acc_fence(pa);
     acc_fence(da);
-    mbar_arrive(&sm.ring_empty[s]);
+    mbar_arrive(&sm.ring_empty[(steps - 1) % kSm90Stages]);
   }
   store_dk_dv<kBF16, kD>(p.dk, p.dv, (static_cast<int64_t>(b) * p.Hk + hk) * p.M + key0, 1, g, p.M - key0, dk, dv,
                          p.scale, tq);

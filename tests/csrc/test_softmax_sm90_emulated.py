@@ -11,7 +11,7 @@ overlapped with the consumers' ping-pong, and "simple") and the backward (dQ and
 delta given) run on CPU tensors in NaN-guarded buffers.  out, lse, dq, dk, dv are checked against the float64 reference under DESIGN.md's rule;
 every global and shared access is bounds-checked; mutants (a causal mask off by one, a wrong
 k-step, a dK / dV loop that skips a query tile, a stage released before its product is waited
-for, dQ's scores read before their wait, a ping-pong turn ended on the wrong barrier) must be
+for, dQ's and dK / dV's scores read before their wait, a ping-pong turn ended on the wrong barrier) must be
 caught.
 
 Not covered: the host side (softmax_sm90.cu's checks, cuTensorMapEncodeTiled, the probe of the
@@ -61,6 +61,11 @@ SWITCHED = {
     "dq_wait_too_weak": (
         "      wgmma_wait<1>();  // S_t and dP_t done; dQ's product may still run",
         "      if ({on}) wgmma_wait<2>(); else wgmma_wait<1>();  // S_t and dP_t done",
+    ),
+    # dK / dV's overlap (D = 64), the same: Pᵀ and dSᵀ computed before their products' wait.
+    "dkdv_wait_too_weak": (
+        "      wgmma_wait<1>();  // Sᵀ and dPᵀ of step u done; dV and dK of step u - 1 may still run",
+        "      if ({on}) wgmma_wait<2>(); else wgmma_wait<1>();  // Sᵀ and dPᵀ of step u done",
     ),
     # the ping-pong: a consumer ends its turn on its own barrier instead of the other's.
     "pingpong_wrong_barrier": (
