@@ -72,14 +72,22 @@ def ptxas_report(log: str) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def sass_functions(sass: str) -> dict[str, str]:
+def sass_functions(sass: str, arch: str = "sm_90a") -> dict[str, str]:
+    """Function name -> SASS, from the ELF of `arch` only (the object also holds sm_80 code, whose
+    Hopper kernels are stubs with the same names)."""
     funcs: dict[str, str] = {}
     name = None
+    in_arch = False
     for line in sass.splitlines():
+        m = re.match(r"\s*arch = (\S+)", line)
+        if m:
+            in_arch, name = m.group(1) == arch, None
+            continue
         m = re.match(r"\s*Function : (\S+)", line)
         if m:
-            name = m.group(1)
-            funcs[name] = ""
+            name = m.group(1) if in_arch else None
+            if name is not None:
+                funcs[name] = ""
         elif name is not None:
             funcs[name] += line + "\n"
     return funcs

@@ -58,7 +58,9 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cuda(const at::Tensor& q, const a
 // a compute capability 9.0 device, D = Dv = 64 or 128, nonempty, TMA-readable strides); nullopt
 // otherwise.  softmax_fwd_cuda / softmax_bwd_cuda try them first for unmasked calls (the
 // backward with delta = rowsum(dO ∘ O) computed by softmax.cu's row kernel).
-bool softmax_sm90_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool backward);
+// softmax_sm90_applies: for the forward (dout null) or the backward; softmax_bwd_cuda_sm90 assumes
+// it said yes (it checks nothing itself).
+bool softmax_sm90_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* dout);
 std::optional<std::tuple<at::Tensor, at::Tensor>> softmax_fwd_cuda_sm90(const at::Tensor& q, const at::Tensor& k,
                                                                         const at::Tensor& v, double scale,
                                                                         bool is_causal);

@@ -1012,7 +1012,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cuda(
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // The Hopper kernels (softmax_sm90.cu), where they apply: delta first, by the row kernel here.
-  if (mk.kind == kNoMask && softmax_sm90_applies(q, k, v, true)) {
+  if (mk.kind == kNoMask && softmax_sm90_applies(q, k, v, &dout)) {
     const int64_t rows = s.B * p.H * static_cast<int64_t>(p.N);
     constexpr int kRowsPerBlock = 256 / 32;
     const unsigned blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);

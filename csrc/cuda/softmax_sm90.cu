@@ -826,25 +826,31 @@ void launch_sm90_bwd(const CUtensorMap (&maps)[8], const Sm90BwdParams& p, int64
   }
 }
 
+// The mode the call takes: kOff where the kernels do not apply (backward: dout given).
+Sm90Mode sm90_mode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* dout) {
+  const Sm90Mode mode = sm90_requested();
+  if (mode == Sm90Mode::kOff || (dout != nullptr && mode == Sm90Mode::kForwardOnly)) return Sm90Mode::kOff;
+  const int64_t D = q.size(3);
+  if ((D != 64 && D != 128) || v.size(3) != D || q.numel() == 0 || k.numel() == 0) return Sm90Mode::kOff;
+  if (!tma_strides_ok(q) || !tma_strides_ok(k) || !tma_strides_ok(v) || (dout != nullptr && !tma_strides_ok(*dout)))
+    return Sm90Mode::kOff;
+  c10::cuda::CUDAGuard guard(q.device());
+  return sm90_available(q.device().index()) && encode_tiled() != nullptr ? mode : Sm90Mode::kOff;
+}
+
 }  // namespace
 
 // Entry points (csrc/cuda/launch.h): checked inputs, no mask.
 
-bool softmax_sm90_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool backward) {
-  const Sm90Mode mode = sm90_requested();
-  if (mode == Sm90Mode::kOff || (backward && mode == Sm90Mode::kForwardOnly)) return false;
-  const int64_t D = q.size(3);
-  if ((D != 64 && D != 128) || v.size(3) != D || q.numel() == 0 || k.numel() == 0) return false;
-  if (!tma_strides_ok(q) || !tma_strides_ok(k) || !tma_strides_ok(v)) return false;
-  c10::cuda::CUDAGuard guard(q.device());
-  return sm90_available(q.device().index()) && encode_tiled() != nullptr;
+bool softmax_sm90_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* dout) {
+  return sm90_mode(q, k, v, dout) != Sm90Mode::kOff;
 }
 
 std::optional<std::tuple<at::Tensor, at::Tensor>> softmax_fwd_cuda_sm90(const at::Tensor& q, const at::Tensor& k,
                                                                         const at::Tensor& v, double scale,
                                                                         bool is_causal) {
-  if (!softmax_sm90_applies(q, k, v, false)) return std::nullopt;
-  const Sm90Mode mode = sm90_requested();
+  const Sm90Mode mode = sm90_mode(q, k, v, nullptr);
+  if (mode == Sm90Mode::kOff) return std::nullopt;
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Hk = k.size(1), M = k.size(2);
   c10::cuda::CUDAGuard guard(q.device());
   const bool bf16 = q.scalar_type() == at::kBFloat16;
@@ -880,7 +886,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> softmax_fwd_cuda_sm90(const at
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> softmax_bwd_cuda_sm90(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse,
     const at::Tensor& delta, double scale, bool is_causal) {
-  if (!softmax_sm90_applies(q, k, v, true) || !tma_strides_ok(dout)) return std::nullopt;
+  // (softmax_bwd_cuda asked softmax_sm90_applies first, before computing delta.)
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Hk = k.size(1), M = k.size(2);
   c10::cuda::CUDAGuard guard(q.device());
   const bool bf16 = q.scalar_type() == at::kBFloat16;
