@@ -12,7 +12,9 @@
 // BACKWARD (below the forward): a dQ kernel and a dK / dV kernel of the same shape (producer
 // warpgroup, two consumer warpgroups of 64 rows, wgmma for all five products per tile pair,
 // S and dP recomputed in each kernel, no atomics), taking delta = rowsum(dO ∘ O) from
-// softmax.cu's row kernel.  ATTNKIT_CUDA_SM90=fwd keeps softmax.cu's backward.
+// softmax.cu's row kernel.  ATTNKIT_CUDA_SM90=fwd keeps softmax.cu's backward;
+// ATTNKIT_CUDA_SM90=atomic runs the dK / dV kernel alone, which adds dQ with float32 atomics
+// (FlashAttention-2/3's 5 products per tile pair; session 23, emulated, not yet on a GPU).
 //
 // WHAT IT COMPUTES.  The forward of softmax.cu's kernels (same entry point, same results up to
 // fp32 summation order) for the cases it takes: float16 / bfloat16, D = Dv = 64 or 128, no mask,
@@ -38,6 +40,7 @@
 //    consumers' ping-pong (named barriers) and a persistent scheduler are the next steps.
 
 #include "host_utils.cuh"  // first: torch headers and host helpers
+#include <ATen/ops/zeros.h>
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -63,6 +66,11 @@ constexpr int kPanelElems = 128 * kPanelCols;  // one 128-row panel (Q tile, K o
 constexpr uint32_t kPanelBytes = kPanelElems * 2;
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;       // 40 * 128 + 232 * 256 = 64512 <= 65536 registers
+// The backward kernel that adds dQ too (kDqAtomic) needs 8 more a consumer thread at D = 128
+// (ptxas -v: 68 bytes spilled at 232; 32 with its descriptors in uniform registers; none at
+// 240): FlashAttention-3's split, the producer at 24.
+constexpr int kProducerRegsTight = 24;
+constexpr int kConsumerRegsWide = 240;  // 24 * 128 + 240 * 256 = 64512
 static_assert(kSm90BlockM == 128 && kSm90BlockN == 128, "the panels hold 128 rows");
 
 // Dynamic shared memory: 1024 bytes of slack to align the tiles (the 128-byte swizzle repeats
@@ -335,17 +343,20 @@ constexpr int kStepElems = kBwdStep * kPanelCols;  // one 64-row panel: 8 KiB
 constexpr uint32_t kStepBytes = kStepElems * 2;
 
 // Both kernels: two 128-row tiles (Q and dO, or K and V), rings of two 64-row tiles (K and V,
-// or Q and dO), 1 + 3 kSm90Stages mbarriers.
-template <int kD>
+// or Q and dO), then (kWithDs: the dK / dV kernel that also adds dQ, below) two buffers of dS
+// for 64 query rows x 128 keys (two 64-row panels each), then 1 + 3 kSm90Stages mbarriers.
+constexpr int kDsBuffers = 2;
+template <int kD, bool kWithDs = false>
 constexpr size_t sm90_bwd_smem_bytes() {
   return 1024 + static_cast<size_t>(kD / kPanelCols) * (2 * kPanelBytes + 2 * kSm90Stages * kStepBytes) +
-         (1 + 3 * kSm90Stages) * sizeof(uint64_t);
+         (kWithDs ? kDsBuffers * 2 * kStepBytes : 0) + (1 + 3 * kSm90Stages) * sizeof(uint64_t);
 }
 
 struct Sm90BwdParams {
   const float* lse;    // [B, H, N], natural log
   const float* delta;  // [B, H, N]
   uint16_t* dq;        // [B, H, N, D] contiguous
+  float* dq_acc;       // [B, H, N, D] zeroed: dQ / scale, summed by atomics (ATTNKIT_CUDA_SM90=atomic)
   uint16_t* dk;        // [B, Hk, M, D] contiguous
   uint16_t* dv;
   int H, Hk, group, N, M;
@@ -357,10 +368,11 @@ struct Sm90BwdParams {
 struct BwdSmem {
   uint16_t *big0, *big1;    // the two 128-row tiles
   uint16_t *ring0, *ring1;  // the two rings of 64-row tiles
+  uint16_t* ds;              // kWithDs: kDsBuffers dS tiles of two 64-row panels
   uint64_t *big_full, *ring_full, *ring_empty;
 };
 
-template <int kD>
+template <int kD, bool kWithDs = false>
 __device__ __forceinline__ BwdSmem bwd_smem(uint8_t* smem_raw) {
   constexpr int kP = kD / kPanelCols;
   uint8_t* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -369,7 +381,8 @@ __device__ __forceinline__ BwdSmem bwd_smem(uint8_t* smem_raw) {
   sm.big1 = sm.big0 + kP * kPanelElems;
   sm.ring0 = sm.big1 + kP * kPanelElems;
   sm.ring1 = sm.ring0 + kSm90Stages * kP * kStepElems;
-  sm.big_full = reinterpret_cast<uint64_t*>(sm.ring1 + kSm90Stages * kP * kStepElems);
+  sm.ds = sm.ring1 + kSm90Stages * kP * kStepElems;
+  sm.big_full = reinterpret_cast<uint64_t*>(sm.ds + (kWithDs ? kDsBuffers * 2 * kStepElems : 0));
   sm.ring_full = sm.big_full + 1;
   sm.ring_empty = sm.ring_full + kSm90Stages;
   return sm;
@@ -527,12 +540,40 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   store_rows<kBF16, kD>(p.dq, bh * p.N + row0, 1, g, p.N - row0, dq, p.scale, tq);
 }
 
+// dSᵀ of a warp's 16 keys (ds_t: entry (key 16 warp + g + 8 r, query 8 nt + 2 tq + c), as the
+// dK / dV kernel holds it) stored transposed into a 64-row panel of shared memory: row = query,
+// column = key, 128 bytes a row in the 128-byte swizzle (the 16-byte chunk of row i at chunk
+// index ^ (i % 8), as TMA lays out a tile), i.e. the K-major A operand of dQ = dS K.  Rounded to
+// the input dtype as pack() rounds it for dK.
+template <bool kBF16>
+__device__ __forceinline__ void store_ds_transposed(uint16_t* panel, const float (&ds_t)[kBwdStep / 8][4], int warp,
+                                                    int g, int tq) {
+#pragma unroll
+  for (int nt = 0; nt < kBwdStep / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 8 * nt + 2 * tq + (e & 1);  // query row of the panel
+      const int j = 16 * warp + g + 8 * (e >> 1);  // key column
+      panel[i * kPanelCols + ((((j >> 3) ^ (i & 7)) << 3) | (j & 7))] =
+          static_cast<uint16_t>(pack2<kBF16>(ds_t[nt][e], 0.f) & 0xffffu);
+    }
+  }
+}
+
 // dK / dV: one block per (128 keys, kv head, b); K and V tiles once, then for each query head of
 // the GQA group the Q and dO tiles of 64 rows (causal: from the first with a row >= the block's
 // first key).  Per tile, for consumer wk's 64 keys: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (issued together,
 // with the previous tile's two products), Pᵀ and dSᵀ as in the dQ kernel, dV += Pᵀ dO and
 // dK += dSᵀ Q (issued together).
-template <bool kBF16, int kD>
+// kDqAtomic (ATTNKIT_CUDA_SM90=atomic; FlashAttention-2/3's backward): dQ too, so that no dQ
+// kernel recomputes S and dP (5 products per tile pair instead of 7).  Each step's dS goes to
+// shared memory (store_ds_transposed); at D = 128 consumer wk multiplies the block's dS (64
+// queries x 128 keys) by columns 64 wk .. 64 wk + 63 of K, at D = 64 its own 64 keys' dS by all
+// of K's columns (the two consumers' shares then meet in the atomics); the share is added to
+// p.dq_acc with float atomics (their order is not fixed: dQ is not bitwise deterministic), which
+// sm90_dq_convert_kernel scales and rounds.  One step at a time (the D = 128 registers: dK, dV,
+// Pᵀ, dSᵀ and 32 of dQ's share, 192, where the overlap would add Sᵀ and dPᵀ's 64).
+template <bool kBF16, int kD, bool kDqAtomic = false>
 __global__ void __launch_bounds__(kSm90Threads, 1)
     softmax_bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                                  const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
@@ -540,7 +581,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   constexpr int kP = kD / kPanelCols;
   constexpr int kNt = kBwdStep / 8;
   extern __shared__ uint8_t smem_raw[];
-  const BwdSmem sm = bwd_smem<kD>(smem_raw);
+  const BwdSmem sm = bwd_smem<kD, kDqAtomic>(smem_raw);
   const int k0 = static_cast<int>(blockIdx.x) * kBwdRows;
   const int hk = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
   const int first = p.causal ? k0 / kBwdStep : 0;  // rows i < k0 see none of these keys
@@ -551,7 +592,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   init_bwd_barriers(sm);
 
   if (wg == 0) {
-    setmaxnreg_dec<kProducerRegs>();
+    setmaxnreg_dec<kDqAtomic ? kProducerRegsTight : kProducerRegs>();
     if (threadIdx.x == 0) {
       const int group = p.group;
       produce_bwd<kD>(sm, &tm_k, &tm_v, k0, hk, &tm_q, &tm_do, steps,
@@ -561,8 +602,11 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     return;
   }
 
-  setmaxnreg_inc<kConsumerRegs>();
-  const int wk = wg - 1;
+  setmaxnreg_inc<kDqAtomic ? kConsumerRegsWide : kConsumerRegs>();
+  // kDqAtomic: the consumer index through a shuffle from lane 0, which ptxas knows to be
+  // warp-uniform: the shared-memory descriptors derived from it then live in uniform registers
+  // (at D = 128, held in ordinary ones, 24 bytes of them spilled).
+  const int wk = kDqAtomic ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
   const int tid = static_cast<int>(threadIdx.x) % 128;
   const int warp = tid / 32, lane = tid % 32;
   const int key0 = k0 + 64 * wk + 16 * warp;  // this warp's first key
@@ -597,7 +641,9 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     const int h = hk * p.group + u / per_head;
     const int i0 = (first + u % per_head) * kBwdStep;
     const int64_t row_base = (static_cast<int64_t>(b) * p.H + h) * p.N;
-    const bool edge = i0 + kBwdStep > p.N || (p.causal && key0 + 15 > i0);
+    // Keys past M (their K and V rows zero-filled by TMA) hidden too: their dK / dV are never
+    // stored, but dQ = dS K would meet 0 · inf where P = 2^(0 - lse2) overflows.
+    const bool edge = i0 + kBwdStep > p.N || key0 + 16 > p.M || (p.causal && key0 + 15 > i0);
 #pragma unroll
     for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
@@ -608,7 +654,8 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int e = 2 * r + c;
-          const bool visible = !edge || (i < p.N && (!p.causal || key0 + g + 8 * r <= i));
+          const bool visible =
+              !edge || (i < p.N && key0 + g + 8 * r < p.M && (!p.causal || key0 + g + 8 * r <= i));
           const float pr = visible ? exp2_approx(st[nt][e] * p.scale_log2 - l2) : 0.f;
           st[nt][e] = pr;
           dpt[nt][e] = visible ? pr * (dpt[nt][e] - dl) : 0.f;  // dSᵀ (0 where hidden: no 0 · NaN)
@@ -625,7 +672,69 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   };
 
   mbar_wait(sm.big_full, 0);
-  if constexpr (kD > 64) {
+  if constexpr (kDqAtomic) {
+    constexpr bool kSplitCols = kD == 128;
+    constexpr int kDsKeys = kSplitCols ? 128 : 64;  // the product's depth
+    const int col0 = kSplitCols ? 64 * wk : 0;      // dQ columns of this consumer's share
+    const int key_off = kSplitCols ? 0 : 64 * wk;   // keys of the block it multiplies
+    float dq[64 / 8][4];
+    for (int u = 0; u < steps; ++u) {
+      wgmma_fence();
+      issue_st_dpt(u);
+      wgmma_wait<0>();
+      acc_fence(st);
+      acc_fence(dpt);
+      p_ds_of(u);
+      // Buffer u % 2: its readers (step u - 2's products) are done, since every thread that
+      // stores here has passed step u - 1's barrier, after its own wait for those products.
+      uint16_t* ds = sm.ds + (u % kDsBuffers) * 2 * kStepElems;
+      store_ds_transposed<kBF16>(ds + wk * kStepElems, dpt, warp, g, tq);
+      pack();
+      fence_proxy_async();  // the stores, visible to the tensor cores' reads (the async proxy)
+      if constexpr (kSplitCols) {
+        named_bar_sync(1, 256);  // both consumers' dS in place
+      } else {
+        named_bar_sync(1 + wk, 128);
+      }
+      // Zeroed here (the first k-step ignores them anyway) so that dQ's registers are dead
+      // between the steps: read-modify-write operands of the wgmma asm, they were live across
+      // the loop, beside Sᵀ, dPᵀ, Pᵀ and dSᵀ, and spilled 72 bytes.
+#pragma unroll
+      for (int dt = 0; dt < 64 / 8; ++dt) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.f;
+      wgmma_fence();
+      issue_dv_dk(u);
+      const uint16_t* ds_a = ds + key_off / 64 * kStepElems;
+#pragma unroll
+      for (int kk = 0; kk < kDsKeys / 16; ++kk) {  // dQ share = dS K (K MN-major: imm-trans-b)
+        const uint16_t* ak = ds_a + (kk / 4) * kStepElems + (kk % 4) * 16;
+        const uint16_t* bk = sm.big0 + (col0 / kPanelCols) * kPanelElems + (key_off + 16 * kk) * kPanelCols;
+        wgmma_ss<kBF16, 64, 1>(dq, smem_desc_sw128(ak, 16, 1024), smem_desc_sw128(bk, kBwdRows * kPanelCols * 2, 1024),
+                               kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      acc_fence(dv);
+      acc_fence(dk);
+      acc_fence(pa);
+      acc_fence(da);
+      acc_fence(dq);
+      mbar_arrive(&sm.ring_empty[u % kSm90Stages]);
+      const int h = hk * p.group + u / per_head;
+      const int i0 = (first + u % per_head) * kBwdStep;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int i = i0 + 16 * warp + g + 8 * r;
+        if (i < p.N) {
+          float* at = p.dq_acc + ((static_cast<int64_t>(b) * p.H + h) * p.N + i) * kD + col0 + 2 * tq;
+#pragma unroll
+          for (int dt = 0; dt < 64 / 8; ++dt) {
+            atomicAdd(at + 8 * dt, dq[dt][2 * r]);
+            atomicAdd(at + 8 * dt + 1, dq[dt][2 * r + 1]);
+          }
+        }
+      }
+    }
+  } else if constexpr (kD > 64) {
     // D = 128: dK and dV hold 128 registers; the overlap's extra live set (Sᵀ, dPᵀ of step u
     // beside Pᵀ, dSᵀ of u - 1) spilled 208 bytes and made ptxas serialize the wgmmas: one step
     // at a time.
@@ -683,6 +792,18 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
                          p.scale, tq);
 }
 
+// dq = dq_acc · scale rounded to the input dtype (ATTNKIT_CUDA_SM90=atomic), 8 elements a thread
+// (n is a multiple of 8: D is 64 or 128).
+template <bool kBF16>
+__global__ void __launch_bounds__(256) sm90_dq_convert_kernel(const float* acc, uint16_t* dq, int64_t n, float scale) {
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
+  if (i >= n) return;
+#pragma unroll
+  for (int c = 0; c < 8; c += 2) {
+    *reinterpret_cast<uint32_t*>(dq + i + c) = pack2<kBF16>(acc[i + c] * scale, acc[i + c + 1] * scale);
+  }
+}
+
 // Writes 1 when the device code was built for sm_90a (wgmma and setmaxnreg present), else 0.
 __global__ void sm90a_probe_kernel(int* out) { *out = ATTNKIT_SM90A; }
 
@@ -693,8 +814,10 @@ __global__ void sm90a_probe_kernel(int* out) { *out = ATTNKIT_SM90A; }
 // ATTNKIT_CUDA_SM90 (read per call: cheap, and tests switch it): "1" turns the kernels on (the
 // forward's overlapped consumer loop and the backward), "pingpong" the overlapped loop with the
 // consumers' ping-pong and the backward, "simple" the forward without overlap and the backward,
-// "fwd" the overlapped forward only (softmax.cu's backward); anything else, off.
-enum class Sm90Mode { kOff, kOverlap, kPingPong, kSimple, kForwardOnly };
+// "fwd" the overlapped forward only (softmax.cu's backward), "atomic" the overlapped forward and
+// the backward in one kernel that adds dQ with atomics (not bitwise deterministic); anything
+// else, off.
+enum class Sm90Mode { kOff, kOverlap, kPingPong, kSimple, kForwardOnly, kAtomic };
 Sm90Mode sm90_requested() {
   const char* env = std::getenv("ATTNKIT_CUDA_SM90");
   if (env == nullptr) return Sm90Mode::kOff;
@@ -702,6 +825,7 @@ Sm90Mode sm90_requested() {
   if (std::strcmp(env, "pingpong") == 0) return Sm90Mode::kPingPong;
   if (std::strcmp(env, "simple") == 0) return Sm90Mode::kSimple;
   if (std::strcmp(env, "fwd") == 0) return Sm90Mode::kForwardOnly;
+  if (std::strcmp(env, "atomic") == 0) return Sm90Mode::kAtomic;
   return Sm90Mode::kOff;
 }
 
@@ -809,9 +933,27 @@ void launch_sm90(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap
 
 // maps: the dQ kernel's q and dO (128-row boxes), k and v (64-row boxes), then the dK / dV
 // kernel's k and v (128-row boxes), q and dO (64-row boxes).
+// atomic: the dK / dV kernel adds dQ / scale to p.dq_acc (zeroed), then sm90_dq_convert_kernel.
 template <bool kBF16, int kD>
-void launch_sm90_bwd(const CUtensorMap (&maps)[8], const Sm90BwdParams& p, int64_t B, cudaStream_t stream) {
+void launch_sm90_bwd(const CUtensorMap (&maps)[8], const Sm90BwdParams& p, int64_t B, cudaStream_t stream,
+                     bool atomic) {
   constexpr size_t smem = sm90_bwd_smem_bytes<kD>();
+  if (atomic) {
+    constexpr size_t smem_ds = sm90_bwd_smem_bytes<kD, true>();
+    if (p.M > 0) {
+      allow_smem(softmax_bwd_dkdv_sm90_kernel<kBF16, kD, true>, smem_ds);
+      const dim3 grid(static_cast<unsigned>((p.M + kBwdRows - 1) / kBwdRows), static_cast<unsigned>(p.Hk),
+                      static_cast<unsigned>(B));
+      softmax_bwd_dkdv_sm90_kernel<kBF16, kD, true>
+          <<<grid, kSm90Threads, smem_ds, stream>>>(maps[4], maps[5], maps[6], maps[7], p);
+    }
+    const int64_t n = B * p.H * static_cast<int64_t>(p.N) * kD;
+    if (n > 0) {
+      sm90_dq_convert_kernel<kBF16><<<static_cast<unsigned>((n / 8 + 255) / 256), 256, 0, stream>>>(p.dq_acc, p.dq, n,
+                                                                                                   p.scale);
+    }
+    return;
+  }
   if (p.N > 0) {
     allow_smem(softmax_bwd_dq_sm90_kernel<kBF16, kD>, smem);
     const dim3 grid(static_cast<unsigned>((p.N + kBwdRows - 1) / kBwdRows), static_cast<unsigned>(p.H),
@@ -900,7 +1042,10 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> softmax_bwd_cuda_s
   at::Tensor dq = at::empty({B, H, N, D}, q.options());
   at::Tensor dk = at::empty({B, Hk, M, D}, q.options());
   at::Tensor dv = at::empty({B, Hk, M, D}, q.options());
+  const bool atomic = sm90_requested() == Sm90Mode::kAtomic;
+  at::Tensor dq_acc = atomic ? at::zeros({B, H, N, D}, q.options().dtype(at::kFloat)) : at::Tensor();
   Sm90BwdParams p;
+  p.dq_acc = atomic ? dq_acc.data_ptr<float>() : nullptr;
   p.lse = lse.data_ptr<float>();
   p.delta = delta.data_ptr<float>();
   p.dq = mutable_bits(dq);
@@ -916,9 +1061,11 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> softmax_bwd_cuda_s
   p.causal = is_causal;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (bf16) {
-    D == 64 ? launch_sm90_bwd<true, 64>(maps, p, B, stream) : launch_sm90_bwd<true, 128>(maps, p, B, stream);
+    D == 64 ? launch_sm90_bwd<true, 64>(maps, p, B, stream, atomic)
+            : launch_sm90_bwd<true, 128>(maps, p, B, stream, atomic);
   } else {
-    D == 64 ? launch_sm90_bwd<false, 64>(maps, p, B, stream) : launch_sm90_bwd<false, 128>(maps, p, B, stream);
+    D == 64 ? launch_sm90_bwd<false, 64>(maps, p, B, stream, atomic)
+            : launch_sm90_bwd<false, 128>(maps, p, B, stream, atomic);
   }
   return std::make_tuple(dq, dk, dv);
 }

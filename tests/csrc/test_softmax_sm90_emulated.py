@@ -82,6 +82,13 @@ SWITCHED = {
         "const int first = p.causal ? k0 / kBwdStep : 0;",
         "const int first = p.causal ? k0 / kBwdStep + {on} : 0;",
     ),
+    # the backward that adds dQ with atomics: keys past M no longer hidden in Pᵀ / dSᵀ (their K
+    # rows are TMA's zero fill, but P = 2^(0 - lse2) overflows where every score is very
+    # negative, and dQ meets inf · 0).
+    "atomic_keys_past_m_visible": (
+        "!edge || (i < p.N && key0 + g + 8 * r < p.M && (!p.causal || key0 + g + 8 * r <= i));",
+        "!edge || (i < p.N && ({on} || key0 + g + 8 * r < p.M) && (!p.causal || key0 + g + 8 * r <= i));",
+    ),
     # the simple loop releases the K/V stage before its P V product has been waited for: the
     # producer's next load into that stage overwrites V under the running product.
     "release_before_wait": (
@@ -105,7 +112,7 @@ class Emulator(emu_build.Library):
         lib = self.lib
         shape = [_int] * 5 + [_float, _int]  # B, H, Hk, N, M, scale, causal
         lib.emu_softmax_sm90_fwd.argtypes = [_int, _int, _int] + [_ptr, _i64p] * 3 + [_ptr, _ptr] + shape
-        lib.emu_softmax_sm90_bwd.argtypes = [_int, _int] + [_ptr, _i64p] * 4 + [_ptr] * 5 + shape
+        lib.emu_softmax_sm90_bwd.argtypes = [_int, _int, _ptr] + [_ptr, _i64p] * 4 + [_ptr] * 5 + shape
         lib.emu_softmax_sm90_fwd.restype = lib.emu_softmax_sm90_bwd.restype = _int
 
     @staticmethod
@@ -132,13 +139,18 @@ class Emulator(emu_build.Library):
                                                b, h, hk, n, m, scale, int(causal))
             self.check(rc, "forward")
 
-    def backward(self, dout, q, k, v, lse, delta, scale, causal, dq, dk, dv):
+    def backward(self, dout, q, k, v, lse, delta, scale, causal, dq, dk, dv, dq_acc=None):
+        """dq_acc: None for the dQ and dK / dV kernels, else a zeroed float32 [B, H, N, D] for
+        the kernel that adds dQ with atomics (ATTNKIT_CUDA_SM90=atomic)."""
         self._require_tma_strides(dout, q, k, v)
         b, h, n, d = q.shape
         hk, m = k.shape[1], k.shape[2]
         s = self._strides
-        with self.buffers(dout=dout, q=q, k=k, v=v, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv):
-            rc = self.lib.emu_softmax_sm90_bwd(int(q.dtype == torch.bfloat16), d, dout.data_ptr(), s(dout),
+        extra = {} if dq_acc is None else {"dq_acc": dq_acc}
+        with self.buffers(dout=dout, q=q, k=k, v=v, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, **extra):
+            rc = self.lib.emu_softmax_sm90_bwd(int(q.dtype == torch.bfloat16), d,
+                                               None if dq_acc is None else dq_acc.data_ptr(),
+                                               dout.data_ptr(), s(dout),
                                                q.data_ptr(), s(q), k.data_ptr(), s(k), v.data_ptr(), s(v),
                                                lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(),
                                                dv.data_ptr(), b, h, hk, n, m, scale, int(causal))
@@ -150,9 +162,10 @@ builds, emulator = emu_build.session_fixtures("cuda_emulator_sm90_softmax", SOUR
                                               ("EMU_ONLY_F16_D64",), Emulator, SWITCHED)
 
 
-def run_emulated(emu, case, seed=0, loop="overlap", edit=None):
+def run_emulated(emu, case, seed=0, loop="overlap", edit=None, atomic=False):
     """Forward and backward on guarded buffers; (out, lse, dq, dk, dv) and the inputs.
-    ``edit(q, k, v)`` may change the input tensors first."""
+    ``edit(q, k, v)`` may change the input tensors first; ``atomic``: the backward that adds dQ
+    with atomics in the dK / dV kernel (ATTNKIT_CUDA_SM90=atomic) instead of the two kernels."""
     q, k, v, dout, _ = _make_inputs(case, seed)
     if edit is not None:
         edit(q.tensor, k.tensor, v.tensor)
@@ -169,14 +182,21 @@ def run_emulated(emu, case, seed=0, loop="overlap", edit=None):
     delta.tensor.copy_((dout_t.float() * out.tensor.float()).sum(-1))
     dq = Guarded((b, h, n, d), dtype, float("nan"))
     dk, dv = Guarded((b, hk, m, d), dtype, float("nan")), Guarded((b, hk, m, d), dtype, float("nan"))
+    dq_acc = None
+    if atomic:
+        dq_acc = Guarded((b, h, n, d), torch.float32, float("nan"))
+        dq_acc.tensor.zero_()  # as the host side's at::zeros
     emu.backward(dout_t, q.tensor, k.tensor, v.tensor, lse.tensor, delta.tensor, scale, case.causal, dq.tensor,
-                 dk.tensor, dv.tensor)
-    assert_untouched(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), inputs, before)
+                 dk.tensor, dv.tensor, None if dq_acc is None else dq_acc.tensor)
+    written = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    if atomic:
+        written["dq_acc"] = dq_acc
+    assert_untouched(written, inputs, before)
     return tuple(x.tensor for x in (out, lse, dq, dk, dv)), (q.tensor, k.tensor, v.tensor, dout_t, scale)
 
 
-def check(emu, case, seed=0, loop="overlap"):
-    results, (q, k, v, dout, scale) = run_emulated(emu, case, seed, loop)
+def check(emu, case, seed=0, loop="overlap", atomic=False):
+    results, (q, k, v, dout, scale) = run_emulated(emu, case, seed, loop, atomic=atomic)
     assert_matches_reference(results, q, k, v, dout, None, scale, case)
     return results
 
@@ -284,12 +304,46 @@ MUTANT_CASE = Case(F16, 64, 1, 2, 1, 200, 300, True)
 RELEASE_CASE = Case(F16, 64, 1, 2, 1, 128, 300, False)
 
 
+# Every score near -128 (q = -4, k = 4, D = 64, scale 1/8): lse ~ -122, so a key past M that
+# were not hidden would get P = 2^(-lse2) = inf (its K row is TMA's zero fill: dQ would meet inf · 0).
+NEGATIVE_CASE = Case(F16, 64, 1, 2, 1, 70, 300, False, scale=0.125)
+
+
+def _very_negative_scores(q, k, v):
+    q.fill_(-4.0)
+    k.fill_(4.0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_atomic_backward_matches_reference(emulator, case):
+    # ATTNKIT_CUDA_SM90=atomic: dQ added with atomics by the dK / dV kernel, no dQ kernel.
+    emulator.configure(seed=21 + CASES.index(case))
+    atomic = check(emulator, case, atomic=True)
+    # dK and dV are the same products in the same order as the two-kernel backward's: same bits.
+    emulator.configure(seed=21 + CASES.index(case))
+    two_kernels, _ = run_emulated(emulator, case)
+    for name, x, y in zip(("dk", "dv"), atomic[3:], two_kernels[3:]):
+        assert torch.equal(_bits(x), _bits(y)), f"{name}: the atomic backward changed its bits"
+
+
+def test_atomic_backward_hides_keys_past_m(emulator):
+    emulator.configure(seed=6)
+    results, (q, k, v, dout, scale) = run_emulated(emulator, NEGATIVE_CASE, edit=_very_negative_scores, atomic=True)
+    ref = _reference(q, k, v, dout, None, scale, False, F64)
+    assert ref[1].max() < -100 and torch.isfinite(ref[2]).all(), "the case does not make lse very negative"
+    assert_matches_reference(results, q, k, v, dout, None, scale, NEGATIVE_CASE)
+
+
 @pytest.mark.parametrize("name", SWITCHED)
 def test_catches_a_broken_kernel(builds, name):
     emu = builds["switched"].emulator()
     emu.configure(seed=3, mutant=MUTANT[name])
     with pytest.raises((AssertionError, EmulatorError)):
-        if name == "release_before_wait":
+        if name == "atomic_keys_past_m_visible":
+            results, (q, k, v, dout, scale) = run_emulated(emu, NEGATIVE_CASE, edit=_very_negative_scores,
+                                                           atomic=True)
+            assert_matches_reference(results, q, k, v, dout, None, scale, NEGATIVE_CASE)
+        elif name == "release_before_wait":
             check(emu, RELEASE_CASE, loop="simple")
         elif name == "pingpong_wrong_barrier":
             check(emu, MUTANT_CASE, loop="pingpong")
@@ -302,3 +356,5 @@ def test_switched_mutants_off_pass(builds):
     emu.configure(seed=3, mutant=0)
     for loop in LOOPS:
         check(emu, MUTANT_CASE, loop=loop)
+    results, (q, k, v, dout, scale) = run_emulated(emu, NEGATIVE_CASE, edit=_very_negative_scores, atomic=True)
+    assert_matches_reference(results, q, k, v, dout, None, scale, NEGATIVE_CASE)

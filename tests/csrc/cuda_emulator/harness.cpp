@@ -863,6 +863,18 @@ inline float __shfl_xor_sync(unsigned mask, float value, int lane_mask) {
   return ex.f_out[emu::my_lane()];
 }
 
+// shfl.sync.idx of an int with a full mask (__shfl_sync(mask, v, src): every lane reads lane
+// src's v), through the butterfly above: lane l reads lane l ^ (l ^ src).  The int's bits ride
+// in the float (copied, never computed on).
+inline int __shfl_sync(unsigned mask, int value, int src_lane) {
+  float bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  const float got = __shfl_xor_sync(mask, bits, static_cast<int>(emu::my_lane()) ^ src_lane);
+  int out;
+  std::memcpy(&out, &got, sizeof out);
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------
 // the PTX helpers that extract.py removed, with the same signatures
 // ---------------------------------------------------------------------------------------------

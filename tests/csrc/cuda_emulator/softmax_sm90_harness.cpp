@@ -68,9 +68,22 @@ bool fwd(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, co
 }
 
 template <bool BF, int D>
-bool bwd(const CUtensorMap* m, const Sm90BwdParams& p, int B) {
+bool bwd(const CUtensorMap* m, const Sm90BwdParams& p, int B, bool atomic) {
   const size_t smem = sm90_bwd_smem_bytes<D>();
   const CUtensorMap m0 = m[0], m1 = m[1], m2 = m[2], m3 = m[3], m4 = m[4], m5 = m[5], m6 = m[6], m7 = m[7];
+  if (atomic) {  // launch_sm90_bwd's atomic branch (p.dq_acc zeroed by the caller)
+    if (p.M > 0) {
+      const dim3 grid{static_cast<unsigned>((p.M + kBwdRows - 1) / kBwdRows), static_cast<unsigned>(p.Hk),
+                      static_cast<unsigned>(B)};
+      if (!emu::launch("softmax_bwd_dkdv_sm90_kernel", grid, kSm90Threads, sm90_bwd_smem_bytes<D, true>(),
+                       [=] { softmax_bwd_dkdv_sm90_kernel<BF, D, true>(m4, m5, m6, m7, p); }))
+        return false;
+    }
+    const int64_t n = static_cast<int64_t>(B) * p.H * p.N * D;
+    if (n == 0) return true;
+    return emu::launch("sm90_dq_convert_kernel", dim3{static_cast<unsigned>((n / 8 + 255) / 256), 1, 1}, 256, 0,
+                       [=] { sm90_dq_convert_kernel<BF>(p.dq_acc, p.dq, n, p.scale); });
+  }
   if (p.N > 0) {
     const dim3 grid{static_cast<unsigned>((p.N + kBwdRows - 1) / kBwdRows), static_cast<unsigned>(p.H),
                     static_cast<unsigned>(B)};
@@ -134,8 +147,10 @@ extern "C" int emu_softmax_sm90_fwd(int bf16, int D, int loop, const uint16_t* q
 }
 
 // The backward (softmax_bwd_cuda_sm90): delta = rowsum(dO ∘ O) [B, H, N] given (softmax.cu's row
-// kernel computes it on a GPU); dq [B, H, N, D], dk and dv [B, Hk, M, D] contiguous.
-extern "C" int emu_softmax_sm90_bwd(int bf16, int D, const uint16_t* dout, const int64_t* dos, const uint16_t* q,
+// kernel computes it on a GPU); dq [B, H, N, D], dk and dv [B, Hk, M, D] contiguous.  dq_acc:
+// nullptr for the two kernels (dQ, dK / dV), else a zeroed float [B, H, N, D] for the kernel that
+// adds dQ with atomics (ATTNKIT_CUDA_SM90=atomic).
+extern "C" int emu_softmax_sm90_bwd(int bf16, int D, float* dq_acc, const uint16_t* dout, const int64_t* dos, const uint16_t* q,
                                     const int64_t* qs, const uint16_t* k, const int64_t* ks, const uint16_t* v,
                                     const int64_t* vs, const float* lse, const float* delta, uint16_t* dq,
                                     uint16_t* dk, uint16_t* dv, int B, int H, int Hk, int N, int M, float scale,
@@ -151,6 +166,7 @@ extern "C" int emu_softmax_sm90_bwd(int bf16, int D, const uint16_t* dout, const
   p.lse = lse;
   p.delta = delta;
   p.dq = dq;
+  p.dq_acc = dq_acc;
   p.dk = dk;
   p.dv = dv;
   p.H = H;
@@ -161,7 +177,7 @@ extern "C" int emu_softmax_sm90_bwd(int bf16, int D, const uint16_t* dout, const
   p.scale = scale;
   p.scale_log2 = scale * kLog2e;
   p.causal = causal != 0;
-  return dispatch(bf16, D, [&](auto bf, auto d) { return bwd<decltype(bf)::value, decltype(d)::value>(m, p, B); })
+  return dispatch(bf16, D, [&](auto bf, auto d) { return bwd<decltype(bf)::value, decltype(d)::value>(m, p, B, dq_acc != nullptr); })
              ? 0
              : 1;
 }
