@@ -663,6 +663,15 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
       }
     }
   };
+  // Step u's Sᵀ and dPᵀ issued and waited for, then Pᵀ and dSᵀ (the one-step-at-a-time loops).
+  auto st_dpt_of = [&](int u) {
+    wgmma_fence();
+    issue_st_dpt(u);
+    wgmma_wait<0>();
+    acc_fence(st);
+    acc_fence(dpt);
+    p_ds_of(u);
+  };
   auto pack = [&] {
 #pragma unroll
     for (int kc = 0; kc < kNt / 2; ++kc) {
@@ -679,12 +688,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     const int key_off = kSplitCols ? 0 : 64 * wk;   // keys of the block it multiplies
     float dq[64 / 8][4];
     for (int u = 0; u < steps; ++u) {
-      wgmma_fence();
-      issue_st_dpt(u);
-      wgmma_wait<0>();
-      acc_fence(st);
-      acc_fence(dpt);
-      p_ds_of(u);
+      st_dpt_of(u);
       // Buffer u % 2: its readers (step u - 2's products) are done, since every thread that
       // stores here has passed step u - 1's barrier, after its own wait for those products.
       uint16_t* ds = sm.ds + (u % kDsBuffers) * 2 * kStepElems;
@@ -739,12 +743,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     // beside Pᵀ, dSᵀ of u - 1) spilled 208 bytes and made ptxas serialize the wgmmas: one step
     // at a time.
     for (int u = 0; u < steps; ++u) {
-      wgmma_fence();
-      issue_st_dpt(u);
-      wgmma_wait<0>();
-      acc_fence(st);
-      acc_fence(dpt);
-      p_ds_of(u);
+      st_dpt_of(u);
       pack();
       wgmma_fence();
       issue_dv_dk(u);
