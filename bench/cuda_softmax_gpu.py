@@ -2,7 +2,8 @@
 ATTNKIT_CUDA_SOFTMAX_BWD = default | stream | fused) and of the Hopper forward (session 22;
 csrc/cuda/softmax_sm90.cu, variants "sm90", "sm90-pingpong" and "sm90-simple": ATTNKIT_CUDA_SM90=1 |
 pingpong | simple, each with the Hopper backward; session 23: "sm90-atomic", ATTNKIT_CUDA_SM90=atomic,
-the overlapped forward and the backward whose dK / dV kernel adds dQ with atomics) against
+the overlapped forward and the backward whose dK / dV kernel adds dQ with atomics; "sm90-persistent",
+ATTNKIT_CUDA_SM90=persistent, the overlapped forward on the persistent scheduler) against
 torch SDPA, in one run.
 
     python bench/cuda_softmax_gpu.py [--deadline 150] [--out cuda_softmax_gpu.json]
@@ -34,7 +35,7 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("default", "stream", "fused", "sm90", "sm90-pingpong", "sm90-simple", "sm90-atomic")
+VARIANTS = ("default", "stream", "fused", "sm90", "sm90-pingpong", "sm90-simple", "sm90-atomic", "sm90-persistent")
 SM90_ENV = "ATTNKIT_CUDA_SM90"
 ERR_LIMIT = 2e-2
 ENV = "ATTNKIT_CUDA_SOFTMAX_BWD"
@@ -43,7 +44,8 @@ MODES = ("fwd", "bwd", "fwd+bwd")
 
 def variant_env(variant):
     """(ATTNKIT_CUDA_SOFTMAX_BWD, ATTNKIT_CUDA_SM90) of a variant's child process."""
-    sm90 = {"sm90": "1", "sm90-pingpong": "pingpong", "sm90-simple": "simple", "sm90-atomic": "atomic"}
+    sm90 = {"sm90": "1", "sm90-pingpong": "pingpong", "sm90-simple": "simple", "sm90-atomic": "atomic",
+            "sm90-persistent": "persistent"}
     return ("default", sm90[variant]) if variant in sm90 else (variant, "0")
 
 

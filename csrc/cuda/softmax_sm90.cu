@@ -34,10 +34,11 @@
 //    the m16n8 C fragments of its 16 rows), P re-packed in registers as the A operand, O += P V by
 //    8 wgmma m64nDk16 with A from registers and V MN-major (imm-trans-b), then the stage is
 //    released.  Out-of-range keys (j >= M, zero-filled by TMA) and causally hidden ones are -inf.
-//  - Two consumer loops (ATTNKIT_CUDA_SM90=1 | simple, both emulated, to be timed on a GPU):
-//    "simple" waits for each product at once; the default overlaps the softmax of tile t with
-//    the P V product of tile t - 1 (FlashAttention-3's intra-warpgroup pipelining).  The two
-//    consumers' ping-pong (named barriers) and a persistent scheduler are the next steps.
+//  - Consumer loops (ATTNKIT_CUDA_SM90=1 | pingpong | simple | persistent, all emulated, to be
+//    timed on a GPU): "simple" waits for each product at once; the default overlaps the softmax
+//    of tile t with the P V product of tile t - 1 (FlashAttention-3's intra-warpgroup
+//    pipelining); "pingpong" adds the two consumers' turns on named barriers; "persistent" runs
+//    the default loop on a grid of one block per SM (see kPersistent at the kernel).
 
 #include "host_utils.cuh"  // first: torch headers and host helpers
 #include <ATen/ops/zeros.h>
@@ -75,17 +76,18 @@ static_assert(kSm90BlockM == 128 && kSm90BlockN == 128, "the panels hold 128 row
 
 // Dynamic shared memory: 1024 bytes of slack to align the tiles (the 128-byte swizzle repeats
 // every 1024 bytes and TMA and wgmma read it from address bits 7-9), Q, the K and V rings, and
-// 1 + 3 kSm90Stages mbarriers.
+// 2 + 3 kSm90Stages mbarriers.
 template <int kD>
 constexpr size_t sm90_smem_bytes() {
   return 1024 + static_cast<size_t>(1 + 2 * kSm90Stages) * (kD / kPanelCols) * kPanelBytes +
-         (1 + 3 * kSm90Stages) * sizeof(uint64_t);
+         (2 + 3 * kSm90Stages) * sizeof(uint64_t);
 }
 
 struct Sm90FwdParams {
   uint16_t* out;  // [B, H, N, D] contiguous
   float* lse;     // [B, H, N]
   int H, group, N, M;
+  int B, q_blocks;   // the persistent kernel's tiles: q_blocks x H x B (q_blocks = ceil(N / 128))
   float scale_log2;  // scale * log2(e)
   bool causal;
 };
@@ -166,7 +168,13 @@ __device__ __forceinline__ void scale_and_mask(float (&sc)[kSm90BlockN / 8][4], 
 // kOverlap): the two consumers take turns to issue their products (named barriers 1 and 2,
 // consumer 0 first), so that one's softmax runs while the other's products do (FlashAttention-3's
 // inter-warpgroup ping-pong).
-template <bool kBF16, int kD, bool kOverlap, bool kPingPong = false>
+// kPersistent (ATTNKIT_CUDA_SM90=persistent, with kOverlap): a grid of at most one block per SM,
+// block i taking the tiles (128 query rows, h, b) i, i + gridDim.x, ... in the order causal
+// longest first (every head's last query block, then the ones before); the ring's uses and the
+// Q barrier's phases run on across the tiles, and the consumers release Q (q_empty) before
+// storing a tile's output, so that the producer loads the next tile's Q, K and V during that
+// store (FlashAttention-3's persistent scheduler, statically striped).
+template <bool kBF16, int kD, bool kOverlap, bool kPingPong = false, bool kPersistent = false>
 __global__ void __launch_bounds__(kSm90Threads, 1)
     softmax_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                             const __grid_constant__ CUtensorMap tm_v, const Sm90FwdParams p) {
@@ -178,21 +186,47 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   uint16_t* sk = sq + kP * kPanelElems;
   uint16_t* sv = sk + kSm90Stages * kP * kPanelElems;
   uint64_t* q_full = reinterpret_cast<uint64_t*>(sv + kSm90Stages * kP * kPanelElems);
-  uint64_t* k_full = q_full + 1;
+  uint64_t* q_empty = q_full + 1;  // kPersistent: Q read for the last time by both consumers
+  uint64_t* k_full = q_empty + 1;
   uint64_t* v_full = k_full + kSm90Stages;
   uint64_t* kv_empty = v_full + kSm90Stages;
 
+  // The block's k-th tile: its first query row, head and batch, and its number of key tiles.
   // Causal: the last query blocks (the most key tiles) first, so the longest blocks start in the
   // first wave and the short ones fill the tail.
-  const int q0 = static_cast<int>(p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kSm90BlockM;
-  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
-  // Keys [0, kv_end) can be visible to the block's rows (causal: j <= i < min(q0 + 128, N)).
-  const int kv_end = p.causal ? min(p.M, min(q0 + kSm90BlockM, p.N)) : p.M;
-  const int n_tiles = (kv_end + kSm90BlockN - 1) / kSm90BlockN;
+  struct Tile {
+    int q0, h, b, n_tiles;
+  };
+  auto tile_of = [&p](int k) {
+    Tile tile;
+    int qb;
+    if constexpr (kPersistent) {
+      const int w = static_cast<int>(blockIdx.x) + k * static_cast<int>(gridDim.x);
+      const int heads = p.H * p.B;
+      qb = w / heads;
+      tile.h = w % heads % p.H;
+      tile.b = w % heads / p.H;
+      if (p.causal) qb = p.q_blocks - 1 - qb;
+    } else {
+      qb = static_cast<int>(p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+      tile.h = static_cast<int>(blockIdx.y);
+      tile.b = static_cast<int>(blockIdx.z);
+    }
+    tile.q0 = qb * kSm90BlockM;
+    // Keys [0, kv_end) can be visible to the block's rows (causal: j <= i < min(q0 + 128, N)).
+    const int kv_end = p.causal ? min(p.M, min(tile.q0 + kSm90BlockM, p.N)) : p.M;
+    tile.n_tiles = (kv_end + kSm90BlockN - 1) / kSm90BlockN;
+    return tile;
+  };
+  const int my_tiles =
+      kPersistent ? (p.q_blocks * p.H * p.B - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
+                        static_cast<int>(gridDim.x)
+                  : 1;
   const int wg = static_cast<int>(threadIdx.x) / 128;
 
   if (threadIdx.x == 0) {
     mbar_init(q_full, 1);
+    mbar_init(q_empty, 256);  // every consumer thread releases Q
     for (int s = 0; s < kSm90Stages; ++s) {
       mbar_init(&k_full[s], 1);
       mbar_init(&v_full[s], 1);
@@ -205,20 +239,25 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   if (wg == 0) {
     setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 0) {
-      const int hk = h / p.group;
-      mbar_arrive_expect_tx(q_full, kP * kPanelBytes);
-      for (int c = 0; c < kP; ++c) tma_load_4d(sq + c * kPanelElems, &tm_q, c * kPanelCols, q0, h, b, q_full);
-      for (int t = 0; t < n_tiles; ++t) {
-        const int s = t % kSm90Stages, use = t / kSm90Stages;
-        // The stage's previous use released (a fresh barrier's "previous phase" counts as done).
-        mbar_wait(&kv_empty[s], (use & 1) ^ 1);
-        mbar_arrive_expect_tx(&k_full[s], kP * kPanelBytes);
-        for (int c = 0; c < kP; ++c) {
-          tma_load_4d(sk + (s * kP + c) * kPanelElems, &tm_k, c * kPanelCols, t * kSm90BlockN, hk, b, &k_full[s]);
-        }
-        mbar_arrive_expect_tx(&v_full[s], kP * kPanelBytes);
-        for (int c = 0; c < kP; ++c) {
-          tma_load_4d(sv + (s * kP + c) * kPanelElems, &tm_v, c * kPanelCols, t * kSm90BlockN, hk, b, &v_full[s]);
+      int it = 0;  // the ring's uses so far
+      for (int k = 0; k < my_tiles; ++k) {
+        const Tile tile = tile_of(k);
+        const int h = tile.h, b = tile.b, hk = h / p.group;
+        if (k > 0) mbar_wait(q_empty, static_cast<uint32_t>(k - 1) & 1u);  // the previous tile's Q read
+        mbar_arrive_expect_tx(q_full, kP * kPanelBytes);
+        for (int c = 0; c < kP; ++c) tma_load_4d(sq + c * kPanelElems, &tm_q, c * kPanelCols, tile.q0, h, b, q_full);
+        for (int t = 0; t < tile.n_tiles; ++t, ++it) {
+          const int s = it % kSm90Stages, use = it / kSm90Stages;
+          // The stage's previous use released (a fresh barrier's "previous phase" counts as done).
+          mbar_wait(&kv_empty[s], (use & 1) ^ 1);
+          mbar_arrive_expect_tx(&k_full[s], kP * kPanelBytes);
+          for (int c = 0; c < kP; ++c) {
+            tma_load_4d(sk + (s * kP + c) * kPanelElems, &tm_k, c * kPanelCols, t * kSm90BlockN, hk, b, &k_full[s]);
+          }
+          mbar_arrive_expect_tx(&v_full[s], kP * kPanelBytes);
+          for (int c = 0; c < kP; ++c) {
+            tma_load_4d(sv + (s * kP + c) * kPanelElems, &tm_v, c * kPanelCols, t * kSm90BlockN, hk, b, &v_full[s]);
+          }
         }
       }
     }
@@ -229,106 +268,113 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   const int wq = wg - 1;  // consumer 0 or 1: rows 64 wq .. 64 wq + 63 of the block
   const int tid = static_cast<int>(threadIdx.x) % 128;
   const int warp = tid / 32, lane = tid % 32;
-  const int row0 = q0 + 64 * wq + 16 * warp;  // this warp's first row
   const int g = lane / 4, tq = lane % 4;
+  int it = 0;  // the ring's uses by the tiles before this one
 
-  float o[kD / 8][4];
-#pragma unroll
-  for (int dt = 0; dt < kD / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-  float sc[kNt][4];
-  uint32_t pa[kNt / 2][4];
-  auto stage_of = [](int t) { return t % kSm90Stages; };
-  auto parity_of = [](int t) { return static_cast<uint32_t>(t / kSm90Stages) & 1u; };
+  for (int k = 0; k < my_tiles; ++k) {
+    const Tile tile = tile_of(k);
+    const int h = tile.h, b = tile.b, n_tiles = tile.n_tiles;
+    const int row0 = tile.q0 + 64 * wq + 16 * warp;  // this warp's first row
+    float o[kD / 8][4];
+  #pragma unroll
+    for (int dt = 0; dt < kD / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+    float sc[kNt][4];
+    uint32_t pa[kNt / 2][4];
+    auto stage_of = [it](int t) { return (it + t) % kSm90Stages; };
+    auto parity_of = [it](int t) { return static_cast<uint32_t>((it + t) / kSm90Stages) & 1u; };
 
-  mbar_wait(q_full, 0);
-  if constexpr (!kOverlap) {
-    for (int t = 0; t < n_tiles; ++t) {
-      mbar_wait(&k_full[stage_of(t)], parity_of(t));
-      wgmma_fence();
-      issue_scores<kBF16, kD>(sc, sq, sk, stage_of(t), wq);
-      wgmma_commit();
-      wgmma_wait<0>();
-      acc_fence(sc);
-      scale_and_mask(sc, p, t, row0, g, tq);
-      online_softmax_update<kNt, kD / 8>(sc, o, m_run, l_run);
-#pragma unroll
-      for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(pa[kc], sc, kc);
-      mbar_wait(&v_full[stage_of(t)], parity_of(t));
-      wgmma_fence();
-      issue_pv<kBF16, kD>(o, pa, sv, stage_of(t));
-      wgmma_commit();
-      wgmma_wait<0>();
-      acc_fence(o);
-      acc_fence(pa);  // P's registers stay P's until the products that read them are done
-      mbar_arrive(&kv_empty[stage_of(t)]);
-    }
-  } else if (n_tiles > 0) {
-    // A turn: this consumer's products of one step issued (ping-pong: between its own barrier's
-    // sync and the other consumer's barrier's arrive; consumer 1 opens consumer 0's first turn
-    // and skips the arrive after its last, which nobody waits for).
-    auto turn_begin = [wq] {
-      if constexpr (kPingPong) named_bar_sync(1 + wq, 256);
-    };
-    auto turn_end = [wq](bool last) {
-      if constexpr (kPingPong) {
-        if (!(last && wq == 1)) named_bar_arrive(2 - wq, 256);
+    mbar_wait(q_full, static_cast<uint32_t>(k) & 1u);
+    if constexpr (!kOverlap) {
+      for (int t = 0; t < n_tiles; ++t) {
+        mbar_wait(&k_full[stage_of(t)], parity_of(t));
+        wgmma_fence();
+        issue_scores<kBF16, kD>(sc, sq, sk, stage_of(t), wq);
+        wgmma_commit();
+        wgmma_wait<0>();
+        acc_fence(sc);
+        scale_and_mask(sc, p, t, row0, g, tq);
+        online_softmax_update<kNt, kD / 8>(sc, o, m_run, l_run);
+  #pragma unroll
+        for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(pa[kc], sc, kc);
+        mbar_wait(&v_full[stage_of(t)], parity_of(t));
+        wgmma_fence();
+        issue_pv<kBF16, kD>(o, pa, sv, stage_of(t));
+        wgmma_commit();
+        wgmma_wait<0>();
+        acc_fence(o);
+        acc_fence(pa);  // P's registers stay P's until the products that read them are done
+        mbar_arrive(&kv_empty[stage_of(t)]);
       }
-    };
-    if constexpr (kPingPong) {
-      if (wq == 1) named_bar_arrive(1, 256);
-    }
-    turn_begin();
-    mbar_wait(&k_full[0], 0);
-    wgmma_fence();
-    issue_scores<kBF16, kD>(sc, sq, sk, 0, wq);
-    wgmma_commit();
-    turn_end(false);
-    wgmma_wait<0>();
-    acc_fence(sc);
-    scale_and_mask(sc, p, 0, row0, g, tq);
-    float alpha[2];
-    online_softmax_scores<kNt>(sc, m_run, l_run, alpha);  // o is still 0: no rescale
-#pragma unroll
-    for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(pa[kc], sc, kc);
-    for (int t = 1; t < n_tiles; ++t) {
-      const int prev = t - 1;
+    } else if (n_tiles > 0) {
+      // A turn: this consumer's products of one step issued (ping-pong: between its own barrier's
+      // sync and the other consumer's barrier's arrive; consumer 1 opens consumer 0's first turn
+      // and skips the arrive after its last, which nobody waits for).
+      auto turn_begin = [wq] {
+        if constexpr (kPingPong) named_bar_sync(1 + wq, 256);
+      };
+      auto turn_end = [wq](bool last) {
+        if constexpr (kPingPong) {
+          if (!(last && wq == 1)) named_bar_arrive(2 - wq, 256);
+        }
+      };
+      if constexpr (kPingPong) {
+        if (wq == 1) named_bar_arrive(1, 256);
+      }
       turn_begin();
-      mbar_wait(&k_full[stage_of(t)], parity_of(t));
+      mbar_wait(&k_full[stage_of(0)], parity_of(0));
       wgmma_fence();
-      issue_scores<kBF16, kD>(sc, sq, sk, stage_of(t), wq);  // group 1: S_t
-      wgmma_commit();
-      mbar_wait(&v_full[stage_of(prev)], parity_of(prev));
-      issue_pv<kBF16, kD>(o, pa, sv, stage_of(prev));  // group 2: O += P_{t-1} V_{t-1}
+      issue_scores<kBF16, kD>(sc, sq, sk, stage_of(0), wq);
       wgmma_commit();
       turn_end(false);
-      wgmma_wait<1>();  // S_t done; the P V product may still run
+      wgmma_wait<0>();
       acc_fence(sc);
-      scale_and_mask(sc, p, t, row0, g, tq);
-      online_softmax_scores<kNt>(sc, m_run, l_run, alpha);
+      scale_and_mask(sc, p, 0, row0, g, tq);
+      float alpha[2];
+      online_softmax_scores<kNt>(sc, m_run, l_run, alpha);  // o is still 0: no rescale
+  #pragma unroll
+      for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(pa[kc], sc, kc);
+      for (int t = 1; t < n_tiles; ++t) {
+        const int prev = t - 1;
+        turn_begin();
+        mbar_wait(&k_full[stage_of(t)], parity_of(t));
+        wgmma_fence();
+        issue_scores<kBF16, kD>(sc, sq, sk, stage_of(t), wq);  // group 1: S_t
+        wgmma_commit();
+        mbar_wait(&v_full[stage_of(prev)], parity_of(prev));
+        issue_pv<kBF16, kD>(o, pa, sv, stage_of(prev));  // group 2: O += P_{t-1} V_{t-1}
+        wgmma_commit();
+        turn_end(false);
+        wgmma_wait<1>();  // S_t done; the P V product may still run
+        acc_fence(sc);
+        scale_and_mask(sc, p, t, row0, g, tq);
+        online_softmax_scores<kNt>(sc, m_run, l_run, alpha);
+        wgmma_wait<0>();
+        acc_fence(o);
+        acc_fence(pa);
+        mbar_arrive(&kv_empty[stage_of(prev)]);
+        rescale_rows<kD / 8>(o, alpha);
+  #pragma unroll
+        for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(pa[kc], sc, kc);
+      }
+      const int last = n_tiles - 1;
+      turn_begin();
+      mbar_wait(&v_full[stage_of(last)], parity_of(last));
+      wgmma_fence();
+      issue_pv<kBF16, kD>(o, pa, sv, stage_of(last));
+      wgmma_commit();
+      turn_end(true);
       wgmma_wait<0>();
       acc_fence(o);
       acc_fence(pa);
-      mbar_arrive(&kv_empty[stage_of(prev)]);
-      rescale_rows<kD / 8>(o, alpha);
-#pragma unroll
-      for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(pa[kc], sc, kc);
+      mbar_arrive(&kv_empty[stage_of(last)]);
     }
-    const int last = n_tiles - 1;
-    turn_begin();
-    mbar_wait(&v_full[stage_of(last)], parity_of(last));
-    wgmma_fence();
-    issue_pv<kBF16, kD>(o, pa, sv, stage_of(last));
-    wgmma_commit();
-    turn_end(true);
-    wgmma_wait<0>();
-    acc_fence(o);
-    acc_fence(pa);
-    mbar_arrive(&kv_empty[stage_of(last)]);
-  }
 
-  store_out_lse<kBF16, kD>(p.out, p.lse, (static_cast<int64_t>(b) * p.H + h) * p.N + row0, 1, g, p.N - row0, o,
-                           m_run, l_run, tq);
+    if constexpr (kPersistent) mbar_arrive(q_empty);  // the producer may load the next tile's Q
+    it += n_tiles;
+    store_out_lse<kBF16, kD>(p.out, p.lse, (static_cast<int64_t>(b) * p.H + h) * p.N + row0, 1, g, p.N - row0, o,
+                             m_run, l_run, tq);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -816,7 +862,9 @@ __global__ void sm90a_probe_kernel(int* out) { *out = ATTNKIT_SM90A; }
 // "fwd" the overlapped forward only (softmax.cu's backward), "atomic" the overlapped forward and
 // the backward in one kernel that adds dQ with atomics (not bitwise deterministic); anything
 // else, off.
-enum class Sm90Mode { kOff, kOverlap, kPingPong, kSimple, kForwardOnly, kAtomic };
+// "persistent": the overlapped forward on the persistent scheduler (kPersistent), the backward
+// as "1".
+enum class Sm90Mode { kOff, kOverlap, kPingPong, kSimple, kForwardOnly, kAtomic, kPersistent };
 Sm90Mode sm90_requested() {
   const char* env = std::getenv("ATTNKIT_CUDA_SM90");
   if (env == nullptr) return Sm90Mode::kOff;
@@ -825,6 +873,7 @@ Sm90Mode sm90_requested() {
   if (std::strcmp(env, "simple") == 0) return Sm90Mode::kSimple;
   if (std::strcmp(env, "fwd") == 0) return Sm90Mode::kForwardOnly;
   if (std::strcmp(env, "atomic") == 0) return Sm90Mode::kAtomic;
+  if (std::strcmp(env, "persistent") == 0) return Sm90Mode::kPersistent;
   return Sm90Mode::kOff;
 }
 
@@ -862,6 +911,23 @@ bool sm90_available(int device) {
   (void)cudaGetLastError();  // a build without sm_90 code fails the probe launch: not available
   cached[device] = host;
   return host != 0;
+}
+
+// The device's number of SMs (the persistent grid), asked once per device.
+int sm_count(int device) {
+  static std::mutex mu;
+  static int cached[64] = {};
+  std::lock_guard<std::mutex> lock(mu);
+  if (device < 0 || device >= 64) return 1;
+  if (cached[device] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) {
+      (void)cudaGetLastError();
+      n = 1;
+    }
+    cached[device] = n;
+  }
+  return cached[device];
 }
 
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -924,6 +990,9 @@ void launch_sm90(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap
   } else if (mode == Sm90Mode::kPingPong) {
     allow_smem(softmax_fwd_sm90_kernel<kBF16, kD, true, true>, smem);
     softmax_fwd_sm90_kernel<kBF16, kD, true, true><<<grid, kSm90Threads, smem, stream>>>(tq, tk, tv, p);
+  } else if (mode == Sm90Mode::kPersistent) {
+    allow_smem(softmax_fwd_sm90_kernel<kBF16, kD, true, false, true>, smem);
+    softmax_fwd_sm90_kernel<kBF16, kD, true, false, true><<<grid, kSm90Threads, smem, stream>>>(tq, tk, tv, p);
   } else {
     allow_smem(softmax_fwd_sm90_kernel<kBF16, kD, true>, smem);
     softmax_fwd_sm90_kernel<kBF16, kD, true><<<grid, kSm90Threads, smem, stream>>>(tq, tk, tv, p);
@@ -1009,10 +1078,15 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> softmax_fwd_cuda_sm90(const at
   p.group = static_cast<int>(H / Hk);
   p.N = static_cast<int>(N);
   p.M = static_cast<int>(M);
+  p.B = static_cast<int>(B);
+  p.q_blocks = static_cast<int>((N + kSm90BlockM - 1) / kSm90BlockM);
   p.scale_log2 = static_cast<float>(scale) * kLog2e;
   p.causal = is_causal;
-  const dim3 grid(static_cast<unsigned>((N + kSm90BlockM - 1) / kSm90BlockM), static_cast<unsigned>(H),
-                  static_cast<unsigned>(B));
+  // One block per tile, or (persistent) at most one per SM, each taking every gridDim.x-th tile.
+  const int64_t tiles = static_cast<int64_t>(p.q_blocks) * H * B;
+  const dim3 grid = mode == Sm90Mode::kPersistent
+                        ? dim3(static_cast<unsigned>(std::min<int64_t>(tiles, sm_count(q.device().index()))))
+                        : dim3(static_cast<unsigned>(p.q_blocks), static_cast<unsigned>(H), static_cast<unsigned>(B));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (bf16) {
     D == 64 ? launch_sm90<true, 64>(tq, tk, tv, p, grid, stream, mode)

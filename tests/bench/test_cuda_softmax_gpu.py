@@ -13,7 +13,8 @@ spec.loader.exec_module(g)
 
 def test_defaults_are_the_issue_cases():
     args = g.parse_args([])
-    assert args.variants == ["default", "stream", "fused", "sm90", "sm90-pingpong", "sm90-simple", "sm90-atomic"]
+    assert args.variants == ["default", "stream", "fused", "sm90", "sm90-pingpong", "sm90-simple", "sm90-atomic",
+                             "sm90-persistent"]
     assert args.d == [128, 64] and args.n == 8192
     cs = g.cases(args)
     assert [(c["D"], c["causal"]) for c in cs] == [(128, False), (128, True), (64, False), (64, True)]
@@ -27,6 +28,7 @@ def test_variant_environments():
     assert g.variant_env("sm90") == ("default", "1") and g.variant_env("sm90-pingpong") == ("default", "pingpong")
     assert g.variant_env("sm90-simple") == ("default", "simple")
     assert g.variant_env("sm90-atomic") == ("default", "atomic")
+    assert g.variant_env("sm90-persistent") == ("default", "persistent")
 
 
 def test_unknown_variant_is_refused():

@@ -1,6 +1,6 @@
 """The Hopper forward of the CUDA C++ softmax (csrc/cuda/softmax_sm90.cu, issue 27) on a GPU.
 
-Opt-in today (ATTNKIT_CUDA_SM90=1, =pingpong or =simple, each test run under all three): torch.ops.attnkit.softmax_fwd then takes
+Opt-in today (ATTNKIT_CUDA_SM90=1, =pingpong, =simple or =persistent, each test run under all four): torch.ops.attnkit.softmax_fwd then takes
 the TMA / wgmma kernel for unmasked float16 / bfloat16 calls with D = 64 or 128 on a compute
 capability 9.0 device with an sm_90a build; the backward stays softmax.cu's.  Checked against
 the float64 reference under DESIGN.md's rule (test_softmax_cuda.run_and_check), and checked to
@@ -20,9 +20,11 @@ from test_softmax_cuda import make_qkv, ops, run_and_check  # noqa: F401 - ops i
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True, params=("1", "pingpong", "simple"), ids=("overlap", "pingpong", "simple"))
+@pytest.fixture(autouse=True, params=("1", "pingpong", "simple", "persistent"),
+                ids=("overlap", "pingpong", "simple", "persistent"))
 def hopper(request, monkeypatch):
-    """Each test under the three consumer loops (ATTNKIT_CUDA_SM90=1: overlapped; =pingpong; =simple)."""
+    """Each test under the four forwards (ATTNKIT_CUDA_SM90=1: overlapped; =pingpong; =simple;
+    =persistent: overlapped, on the persistent scheduler)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90a kernel runs on compute capability 9.0 devices (H100 / H200) only")
     monkeypatch.setenv("ATTNKIT_CUDA_SM90", request.param)

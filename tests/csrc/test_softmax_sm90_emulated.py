@@ -89,18 +89,25 @@ SWITCHED = {
         "!edge || (i < p.N && key0 + g + 8 * r < p.M && (!p.causal || key0 + g + 8 * r <= i));",
         "!edge || (i < p.N && ({on} || key0 + g + 8 * r < p.M) && (!p.causal || key0 + g + 8 * r <= i));",
     ),
+    # the persistent forward: the producer loads the next tile's Q without waiting for the
+    # consumers to release the current one.
+    "persistent_q_not_released": (
+        "if (k > 0) mbar_wait(q_empty, static_cast<uint32_t>(k - 1) & 1u);",
+        "if (k > 0 && !{on}) mbar_wait(q_empty, static_cast<uint32_t>(k - 1) & 1u);",
+    ),
     # the simple loop releases the K/V stage before its P V product has been waited for: the
     # producer's next load into that stage overwrites V under the running product.
     "release_before_wait": (
-        "      wgmma_commit();\n      wgmma_wait<0>();\n      acc_fence(o);\n      acc_fence(pa);  // P's registers",
-        "      if ({on}) mbar_arrive(&kv_empty[stage_of(t)]);\n      wgmma_commit();\n      wgmma_wait<0>();\n"
-        "      acc_fence(o);\n      acc_fence(pa);  // P's registers",
+        "        wgmma_commit();\n        wgmma_wait<0>();\n        acc_fence(o);\n        acc_fence(pa);  // P's registers",
+        "        if ({on}) mbar_arrive(&kv_empty[stage_of(t)]);\n        wgmma_commit();\n        wgmma_wait<0>();\n"
+        "        acc_fence(o);\n        acc_fence(pa);  // P's registers",
     ),
 }
 MUTANT = emu_build.switched_ids(SWITCHED)
 
-# The forward's consumer loops (ATTNKIT_CUDA_SM90=simple | 1 | pingpong), as the harness numbers them.
-LOOPS = {"simple": 0, "overlap": 1, "pingpong": 2}
+# The forward's consumer loops (ATTNKIT_CUDA_SM90=simple | 1 | pingpong | persistent), as the
+# harness numbers them ("persistent": the overlapped loop, 2 blocks taking every other tile).
+LOOPS = {"simple": 0, "overlap": 1, "pingpong": 2, "persistent": 3}
 
 _i64p = ctypes.POINTER(ctypes.c_int64)
 _ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -162,10 +169,11 @@ builds, emulator = emu_build.session_fixtures("cuda_emulator_sm90_softmax", SOUR
                                               ("EMU_ONLY_F16_D64",), Emulator, SWITCHED)
 
 
-def run_emulated(emu, case, seed=0, loop="overlap", edit=None, atomic=False):
+def run_emulated(emu, case, seed=0, loop="overlap", edit=None, atomic=False, backward=True):
     """Forward and backward on guarded buffers; (out, lse, dq, dk, dv) and the inputs.
     ``edit(q, k, v)`` may change the input tensors first; ``atomic``: the backward that adds dQ
-    with atomics in the dK / dV kernel (ATTNKIT_CUDA_SM90=atomic) instead of the two kernels."""
+    with atomics in the dK / dV kernel (ATTNKIT_CUDA_SM90=atomic) instead of the two kernels;
+    ``backward=False``: the forward alone ((out, lse))."""
     q, k, v, dout, _ = _make_inputs(case, seed)
     if edit is not None:
         edit(q.tensor, k.tensor, v.tensor)
@@ -177,6 +185,9 @@ def run_emulated(emu, case, seed=0, loop="overlap", edit=None, atomic=False):
     assert dout_t is not None, "the Hopper kernels read dO with TMA: no stride-0 broadcast (the host copies it)"
     out, lse = Guarded((b, h, n, d), dtype, float("nan")), Guarded((b, h, n), torch.float32, float("nan"))
     emu.forward(q.tensor, k.tensor, v.tensor, scale, case.causal, out.tensor, lse.tensor, loop)
+    if not backward:
+        assert_untouched(dict(out=out, lse=lse), inputs, before)
+        return (out.tensor, lse.tensor), (q.tensor, k.tensor, v.tensor, dout_t, scale)
     # delta = rowsum(dO ∘ O), as softmax.cu's row kernel gives it (fp32 products of the 16-bit values).
     delta = Guarded((b, h, n), torch.float32, float("nan"))
     delta.tensor.copy_((dout_t.float() * out.tensor.float()).sum(-1))
@@ -221,7 +232,15 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_matches_reference(emulator, case, loop):
     emulator.configure(seed=1 + CASES.index(case))
-    check(emulator, case, loop=loop)
+    if loop == "overlap":
+        check(emulator, case, loop=loop)
+        return
+    # The other loops: the forward (the backward does not depend on the loop; it runs above).
+    results, (q, k, v, dout, scale) = run_emulated(emulator, case, loop=loop, backward=False)
+    ref64 = _reference(q, k, v, dout, None, scale, case.causal, F64)
+    ref_low = _reference(q, k, v, dout, None, scale, case.causal, case.dtype)
+    for name, x, r64, rlow in zip(("out", "lse"), results, ref64, ref_low):
+        assert_close_to_reference(x, r64, rlow, name=f"{name} [{case}, {loop}]", dtype=case.dtype)
 
 
 def test_strided_inputs(emulator):
@@ -253,14 +272,15 @@ def test_independent_of_warp_schedule(emulator):
         assert torch.equal(_bits(x), _bits(y))
 
 
-@pytest.mark.parametrize("loop", ("overlap", "pingpong"))
+@pytest.mark.parametrize("loop", ("overlap", "pingpong", "persistent"))
 def test_the_loops_give_the_same_bits(emulator, loop):
-    # The consumer loops do the same arithmetic in the same order, only issued differently.
-    case = Case(BF16, 64, 1, 2, 1, 100, 300, True)
+    # The consumer loops do the same arithmetic in the same order, only issued differently
+    # (N = 260: 3 query blocks x 2 heads, so each persistent block takes 3 tiles).
+    case = Case(BF16, 64, 1, 2, 1, 260, 300, True)
     emulator.configure(seed=5)
-    a, _ = run_emulated(emulator, case, loop=loop)
-    b, _ = run_emulated(emulator, case, loop="simple")
-    for x, y in zip(a[:2], b[:2]):
+    a, _ = run_emulated(emulator, case, loop=loop, backward=False)
+    b, _ = run_emulated(emulator, case, loop="simple", backward=False)
+    for x, y in zip(a, b):
         assert torch.equal(_bits(x), _bits(y))
 
 
@@ -347,6 +367,8 @@ def test_catches_a_broken_kernel(builds, name):
             check(emu, RELEASE_CASE, loop="simple")
         elif name == "pingpong_wrong_barrier":
             check(emu, MUTANT_CASE, loop="pingpong")
+        elif name == "persistent_q_not_released":
+            check(emu, MUTANT_CASE, loop="persistent")
         else:
             check(emu, MUTANT_CASE)
 

@@ -55,6 +55,11 @@ bool fwd(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, co
   const dim3 grid{static_cast<unsigned>((p.N + kSm90BlockM - 1) / kSm90BlockM), static_cast<unsigned>(p.H),
                   static_cast<unsigned>(B)};
   const size_t smem = sm90_smem_bytes<D>();
+  if (loop == 3) {  // persistent: 2 blocks (fewer than the tiles of most cases: each takes several)
+    const int tiles = p.q_blocks * p.H * p.B;
+    return emu::launch("softmax_fwd_sm90_kernel", dim3{static_cast<unsigned>(std::min(tiles, 2)), 1, 1},
+                       kSm90Threads, smem, [=] { softmax_fwd_sm90_kernel<BF, D, true, false, true>(tq, tk, tv, p); });
+  }
   if (loop == 2) {
     return emu::launch("softmax_fwd_sm90_kernel", grid, kSm90Threads, smem,
                        [=] { softmax_fwd_sm90_kernel<BF, D, true, true>(tq, tk, tv, p); });
@@ -121,7 +126,7 @@ bool dispatch(int bf16, int D, F&& f) {
 // The forward (softmax_fwd_cuda_sm90 after its checks: N, M > 0).  q [B, H, N, D], k and v
 // [B, Hk, M, D] (element strides of dims 0-2, 0 where a dim has size 1); out contiguous
 // [B, H, N, D], lse [B, H, N].  loop: 0 "simple", 1 the overlapped consumer loop (the default),
-// 2 overlapped with the consumers' ping-pong.
+// 2 overlapped with the consumers' ping-pong, 3 overlapped on the persistent scheduler (2 blocks).
 extern "C" int emu_softmax_sm90_fwd(int bf16, int D, int loop, const uint16_t* q, const int64_t* qs,
                                     const uint16_t* k, const int64_t* ks, const uint16_t* v, const int64_t* vs,
                                     uint16_t* out, float* lse, int B, int H, int Hk, int N, int M, float scale,
@@ -138,6 +143,8 @@ extern "C" int emu_softmax_sm90_fwd(int bf16, int D, int loop, const uint16_t* q
   p.group = H / Hk;
   p.N = N;
   p.M = M;
+  p.B = B;
+  p.q_blocks = (N + kSm90BlockM - 1) / kSm90BlockM;
   p.scale_log2 = scale * kLog2e;
   p.causal = causal != 0;
   return dispatch(bf16, D, [&](auto bf, auto d) { return fwd<decltype(bf)::value, decltype(d)::value>(
