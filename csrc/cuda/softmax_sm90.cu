@@ -178,6 +178,9 @@ template <bool kBF16, int kD, bool kOverlap, bool kPingPong = false, bool kPersi
 __global__ void __launch_bounds__(kSm90Threads, 1)
     softmax_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                             const __grid_constant__ CUtensorMap tm_v, const Sm90FwdParams p) {
+#if !ATTNKIT_SM90A
+  __trap();  // an sm_80 pass: never launched (sm90_available); no body to compile for it
+#else
   constexpr int kP = kD / kPanelCols;  // panels per tile
   constexpr int kNt = kSm90BlockN / 8;
   extern __shared__ uint8_t smem_raw[];
@@ -375,6 +378,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     store_out_lse<kBF16, kD>(p.out, p.lse, (static_cast<int64_t>(b) * p.H + h) * p.N + row0, 1, g, p.N - row0, o,
                              m_run, l_run, tq);
   }
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -480,6 +484,9 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     softmax_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                                const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                                const Sm90BwdParams p) {
+#if !ATTNKIT_SM90A
+  __trap();  // an sm_80 pass: never launched (sm90_available); no body to compile for it
+#else
   constexpr int kP = kD / kPanelCols;
   constexpr int kNt = kBwdStep / 8;
   extern __shared__ uint8_t smem_raw[];
@@ -584,6 +591,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     mbar_arrive(&sm.ring_empty[(n_tiles - 1) % kSm90Stages]);
   }
   store_rows<kBF16, kD>(p.dq, bh * p.N + row0, 1, g, p.N - row0, dq, p.scale, tq);
+#endif
 }
 
 // dSᵀ of a warp's 16 keys (ds_t: entry (key 16 warp + g + 8 r, query 8 nt + 2 tq + c), as the
@@ -624,6 +632,9 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     softmax_bwd_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                                  const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                                  const Sm90BwdParams p) {
+#if !ATTNKIT_SM90A
+  __trap();  // an sm_80 pass: never launched (sm90_available); no body to compile for it
+#else
   constexpr int kP = kD / kPanelCols;
   constexpr int kNt = kBwdStep / 8;
   extern __shared__ uint8_t smem_raw[];
@@ -835,6 +846,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   }
   store_dk_dv<kBF16, kD>(p.dk, p.dv, (static_cast<int64_t>(b) * p.Hk + hk) * p.M + key0, 1, g, p.M - key0, dk, dv,
                          p.scale, tq);
+#endif
 }
 
 // dq = dq_acc · scale rounded to the input dtype (ATTNKIT_CUDA_SM90=atomic), 8 elements a thread
