@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     const int h = tile.h, b = tile.b, n_tiles = tile.n_tiles;
     const int row0 = tile.q0 + 64 * wq + 16 * warp;  // this warp's first row
     float o[kD / 8][4];
-  #pragma unroll
+#pragma unroll
     for (int dt = 0; dt < kD / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
     float sc[kNt][4];
@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
         acc_fence(sc);
         scale_and_mask(sc, p, t, row0, g, tq);
         online_softmax_update<kNt, kD / 8>(sc, o, m_run, l_run);
-  #pragma unroll
+#pragma unroll
         for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(pa[kc], sc, kc);
         mbar_wait(&v_full[stage_of(t)], parity_of(t));
         wgmma_fence();
@@ -335,7 +335,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
       scale_and_mask(sc, p, 0, row0, g, tq);
       float alpha[2];
       online_softmax_scores<kNt>(sc, m_run, l_run, alpha);  // o is still 0: no rescale
-  #pragma unroll
+#pragma unroll
       for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(pa[kc], sc, kc);
       for (int t = 1; t < n_tiles; ++t) {
         const int prev = t - 1;
@@ -357,7 +357,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
         acc_fence(pa);
         mbar_arrive(&kv_empty[stage_of(prev)]);
         rescale_rows<kD / 8>(o, alpha);
-  #pragma unroll
+#pragma unroll
         for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(pa[kc], sc, kc);
       }
       const int last = n_tiles - 1;
