@@ -33,10 +33,15 @@ import torch  # noqa: E402
 # The interpreter's bfloat16 tl.dot multiplied the bits as integers (garbage): fixed here, for the
 # test session, so that the Triton kernels' bfloat16 paths are checked on CPU too
 # (tests/triton_interpreter_bf16.py).
+# And its @triton.jit helper calls re-patched triton.language on every call (45% of an interpreted
+# sparse kernel's time): skipped where the launch has already patched it
+# (tests/triton_interpreter_nested_calls.py).
 if os.environ.get("TRITON_INTERPRET") == "1":
     import triton_interpreter_bf16  # noqa: E402
+    import triton_interpreter_nested_calls  # noqa: E402
 
     triton_interpreter_bf16.install()
+    triton_interpreter_nested_calls.install()
 
 # ATTNKIT_INTERPRET_GPU_TESTS=1 (no GPU): the gpu-marked tests are not skipped but run on CPU
 # tensors under the interpreter -- a developer's check of the GPU-only cases (bfloat16, larger

@@ -603,6 +603,9 @@ def child_main(sweep, start, progress_path):
     """Run cases ``start..`` of ``sweep``; append one JSON line per event to progress_path, and
     let faulthandler write the Python stack to progress_path + '.fault' on a fault."""
     torch.set_num_threads(1)
+    import triton_interpreter_nested_calls  # as tests/conftest.py installs it (a script: no conftest)
+
+    triton_interpreter_nested_calls.install()
     fault_file = open(progress_path + ".fault", "a")
     faulthandler.enable(file=fault_file, all_threads=False)
     cases = SWEEPS[sweep]()
