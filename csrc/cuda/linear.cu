@@ -48,7 +48,11 @@
 //  operand stays in [-1, 1] (no float16 underflow), and that power of two multiplies the result.
 //  - state_fwd: one block per (D-block, Dv-block, h, b) walks the key chunks in order with the
 //    state tile in registers; causal: stores the state before each chunk (Hs [B,H,NT,D,Dv],
-//    Zs [B,H,NT,D]: N/64 states, never N); always stores S_final, z_final.
+//    Zs [B,H,NT,D]: N/64 states, never N); always stores S_final, z_final.  Only B H D/64 Dv/64
+//    blocks (8 for B=1 H=8 D=Dv=64), so a chunk's step is latency: the next chunk's K / V
+//    tiles are fetched into registers while this chunk's product runs (fetch_tile /
+//    stage_tile), and z's column sums are split over all 256 threads (column_parts).  state_bwd
+//    the same, backwards.
 //  - output: one block per (query chunk, Dv-block, h, b): phi(Q_c) Hs[c] (+ causal: the masked
 //    intra-chunk (phi(Q_c) phi(K_c)^T o tril) V_c); non-causal reads S_final for every chunk.
 //  - backward: delta_i = g_i . out_i; the forward chunk states recomputed by state_fwd
@@ -276,22 +280,104 @@ __device__ __forceinline__ void store_acc(A* dst, int64_t ld, int rows, int cols
 // tiles and products
 // ---------------------------------------------------------------------------------------------
 
-// dst[r][c] (tile of E's) = src[r * sr + c * sc] for r < rows, c < cols, else 0; computed in A:
+// A tile load in two halves: fetch_tile issues the loads of the thread's 16 elements of a 64 x 64
+// tile into registers, stage_tile converts them and stores them to shared memory.  In one loop
+// each load waited for the previous element's store (dst is a generic pointer: it might alias
+// src), so a tile cost 16 memory latencies in a row -- what the one-block-per-head state walks
+// (state_fwd, state_bwd) paid per chunk and per tile: ~17 us a chunk on an H200, session 15
+// (N = 1024 / 4096 / 16384: 0.286 / 1.102 / 4.354 ms, linear in the 64-row chunks).  The walks
+// also fetch chunk t + 1 while chunk t's products run.
+template <typename T>
+struct TileRegs {
+  static constexpr int kPer = kC * kT / kThreads;  // element u: row (tid + 256 u) / 64, column tid % 64
+  T v[kPer];
+  bool valid;  // src != nullptr: else a zero tile
+  int rows, cols;
+};
+
+// regs = src[r * sr + c * sc] for r < rows, c < cols (src == nullptr: a zero tile).
+template <typename T>
+__device__ __forceinline__ void fetch_tile(TileRegs<T>& regs, const T* src, int64_t sr, int64_t sc, int rows,
+                                           int cols) {
+  regs.valid = src != nullptr, regs.rows = rows, regs.cols = cols;
+#pragma unroll
+  for (int u = 0; u < TileRegs<T>::kPer; ++u) {
+    const int idx = static_cast<int>(threadIdx.x) + u * kThreads;
+    const int r = idx / kT, c = idx % kT;
+    if (src != nullptr && r < rows && c < cols) regs.v[u] = src[r * sr + c * sc];
+  }
+}
+
+// dst[r][c] (tile of E's) = the fetched element for r < rows, c < cols, else 0; computed in A:
 // phi applied when fm >= 0 (padding stays 0: phi(0) = 1 for elu would count it), each row times
-// row_scale[r] * mul when row_scale is given.  src == nullptr: a zero tile.
+// row_scale[r] * mul when row_scale is given.
 template <typename A, typename E, typename T>
-__device__ __forceinline__ void load_tile(E* dst, const T* src, int64_t sr, int64_t sc, int rows, int cols,
-                                          int fm = -1, const A* row_scale = nullptr, A mul = A(1)) {
-  for (int idx = threadIdx.x; idx < kC * kT; idx += kThreads) {
+__device__ __forceinline__ void stage_tile(E* dst, const TileRegs<T>& regs, int fm = -1,
+                                           const A* row_scale = nullptr, A mul = A(1)) {
+#pragma unroll
+  for (int u = 0; u < TileRegs<T>::kPer; ++u) {
+    const int idx = static_cast<int>(threadIdx.x) + u * kThreads;
     const int r = idx / kT, c = idx % kT;
     A x = A(0);
-    if (src != nullptr && r < rows && c < cols) {
-      x = to_acc<A>(src[r * sr + c * sc]);
+    if (regs.valid && r < regs.rows && c < regs.cols) {
+      x = to_acc<A>(regs.v[u]);
       if (fm >= 0) x = phi(x, fm);
       if (row_scale != nullptr) x *= row_scale[r] * mul;
     }
     dst[r * kLdOf<E> + c] = from_acc<E>(x);
   }
+}
+
+// Both halves at once: dst[r][c] = src[r * sr + c * sc] (rows x cols, zero padded), as stage_tile.
+// (Written out rather than as fetch_tile + stage_tile: through TileRegs the float64 dq / dk / dv
+// kernels spilled 8-84 bytes, ptxas -v sm_90a; this way none does.)
+template <typename A, typename E, typename T>
+__device__ __forceinline__ void load_tile(E* dst, const T* src, int64_t sr, int64_t sc, int rows, int cols,
+                                          int fm = -1, const A* row_scale = nullptr, A mul = A(1)) {
+  constexpr int kPer = TileRegs<T>::kPer;
+  T raw[kPer];
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int idx = static_cast<int>(threadIdx.x) + u * kThreads;
+    const int r = idx / kT, c = idx % kT;
+    if (src != nullptr && r < rows && c < cols) raw[u] = src[r * sr + c * sc];
+  }
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int idx = static_cast<int>(threadIdx.x) + u * kThreads;
+    const int r = idx / kT, c = idx % kT;
+    A x = A(0);
+    if (src != nullptr && r < rows && c < cols) {
+      x = to_acc<A>(raw[u]);
+      if (fm >= 0) x = phi(x, fm);
+      if (row_scale != nullptr) x *= row_scale[r] * mul;
+    }
+    dst[r * kLdOf<E> + c] = from_acc<E>(x);
+  }
+}
+
+// The column sums of a 64 x 64 tile, weighted by w[r] (w == nullptr: 1), split over the 256
+// threads: thread (part, col) = (tid / 64, tid % 64) sums rows 16 part .. 16 part + 15 of
+// column col into sums[64 part + col] (a 256-entry vector in shared memory: the four 64-vectors
+// of Smem); column_sum(sums, col) adds the four parts once the block has synchronized.  The
+// state walks' z and w sums ran as one chain of 64 shared-memory loads in each of 64 threads
+// while the other 192 waited.
+template <typename A, typename E>
+__device__ __forceinline__ void column_parts(A* sums, const E* tile, const A* w = nullptr) {
+  constexpr int kRowsPer = kC * kT / kThreads;
+  const int col = static_cast<int>(threadIdx.x) % kT, part = static_cast<int>(threadIdx.x) / kT;
+  A acc = A(0);
+#pragma unroll
+  for (int i = 0; i < kRowsPer; ++i) {
+    const int r = part * kRowsPer + i;
+    const A x = to_acc<A>(tile[r * kLdOf<E> + col]);
+    acc += w != nullptr ? w[r] * x : x;
+  }
+  sums[part * kT + col] = acc;
+}
+template <typename A>
+__device__ __forceinline__ A column_sum(const A* sums, int col) {
+  return (sums[col] + sums[kT + col]) + (sums[2 * kT + col] + sums[3 * kT + col]);
 }
 
 // A masked 64 x 64 matrix staged as a tile: dst[r][c] = keep ? x * col_scale[c] * mul : 0,
@@ -562,27 +648,35 @@ __global__ void __launch_bounds__(kThreads)
   const StateBlock at = state_block(p);
   const int d0 = at.d0, e0 = at.e0, dn = at.dn, en = at.en;
   const int tid = threadIdx.x;
+  A* zparts = sm.vec(0);  // chunk t's column sums of phi(K), in four parts (column_parts)
   Acc<L, A> s;
   A z;
   load_state(s, z, S0, z0, at, p.D, p.Dv);
 
   const int nt = static_cast<int>(ceil_div(p.M, kC));
+  TileRegs<T> kr, vr;  // chunk t's K and V tiles, fetched during chunk t - 1
+  const auto fetch = [&](int t) {
+    const int64_t row0 = static_cast<int64_t>(t) * kC;
+    const int rows = chunk_rows(p.M, row0);
+    fetch_tile(kr, p.k.at(at.b, at.h, row0, d0), p.k.sl, p.k.sx, rows, dn);
+    fetch_tile(vr, p.v.at(at.b, at.h, row0, e0), p.v.sl, p.v.sx, rows, en);
+  };
+  if (nt > 0) fetch(0);
   for (int t = 0; t < nt; ++t) {
+    if (t > 0 && tid < kT) z += column_sum(zparts, tid);  // chunk t - 1's
     if (chunks.p != nullptr) {
       store_acc(chunks.at(at.bh, t, d0, e0), chunks.ld, dn, en, s);
       if (at.z_owner) *zchunks.at(at.bh, t, 0, d0 + tid) = z;
     }
-    const int64_t row0 = static_cast<int64_t>(t) * kC;
-    const int rows = chunk_rows(p.M, row0);
-    load_tile<A>(kt, p.k.at(at.b, at.h, row0, d0), p.k.sl, p.k.sx, rows, dn, p.fm);
-    load_tile<A>(vt, p.v.at(at.b, at.h, row0, e0), p.v.sl, p.v.sx, rows, en);
+    stage_tile<A>(kt, kr, p.fm);
+    stage_tile<A>(vt, vr);
+    if (t + 1 < nt) fetch(t + 1);
     __syncthreads();
     mm<true, false>(s, kt, vt);  // s[d][e] += sum_c phi(k)[c][d] v[c][e]
-    if (tid < kT) {
-      for (int c = 0; c < kC; ++c) z += to_acc<A>(kt[c * kLdOf<E> + tid]);
-    }
+    column_parts(zparts, kt);
     __syncthreads();
   }
+  if (nt > 0 && tid < kT) z += column_sum(zparts, tid);
   store_state(S_out, z_out, s, z, at, p.D, p.Dv);
 }
 
@@ -669,6 +763,7 @@ __global__ void __launch_bounds__(kThreads)
   const Smem<A> sm{smem_raw};
   E *qt = sm.template tile<E>(0), *gt = sm.template tile<E>(1);
   A *rr = sm.vec(0), *cc = sm.vec(1);
+  A* wparts = sm.template tile<A>(2);  // chunk t's sums of c_i phi(q_i), in four parts (column_parts)
   const StateBlock at = state_block(p);
   const int d0 = at.d0, e0 = at.e0, dn = at.dn, en = at.en;
   const int tid = threadIdx.x;
@@ -677,28 +772,35 @@ __global__ void __launch_bounds__(kThreads)
   load_state(s, w, gS, gz, at, p.D, p.Dv);
 
   const int nt = static_cast<int>(ceil_div(p.N, kC));
+  TileRegs<T> qr, gr;  // chunk t's q and grad_out tiles, fetched during chunk t + 1
+  const auto fetch = [&](int t) {
+    const int64_t row0 = static_cast<int64_t>(t) * kC;
+    const int rows = chunk_rows(p.N, row0);
+    fetch_tile(qr, p.q.at(at.b, at.h, row0, d0), p.q.sl, p.q.sx, rows, dn);
+    fetch_tile(gr, x.g.at(at.b, at.h, row0, e0), x.g.sl, x.g.sx, rows, en);
+  };
+  if (nt > 0) fetch(nt - 1);
   for (int t = nt - 1; t >= 0; --t) {
+    if (t < nt - 1 && tid < kT) w += column_sum(wparts, tid);  // chunk t + 1's
     if (chunks.p != nullptr) {
       store_acc(chunks.at(at.bh, t, d0, e0), chunks.ld, dn, en, s);
       if (at.z_owner) *zchunks.at(at.bh, t, 0, d0 + tid) = w;
     }
     const int64_t row0 = static_cast<int64_t>(t) * kC;
-    const int rows = chunk_rows(p.N, row0);
     row_factors(p, x, at.bh, static_cast<int>(row0), rr, cc);
     __syncthreads();
     const A rs = absmax_pow2(rr);  // r_i / rs in [-1, 1]: no float16 underflow of r_i g_i
-    load_tile<A>(qt, p.q.at(at.b, at.h, row0, d0), p.q.sl, p.q.sx, rows, dn, p.fm);
-    load_tile<A>(gt, x.g.at(at.b, at.h, row0, e0), x.g.sl, x.g.sx, rows, en, -1, static_cast<const A*>(rr),
-                 A(1) / rs);
+    stage_tile<A>(qt, qr, p.fm);
+    stage_tile<A>(gt, gr, -1, static_cast<const A*>(rr), A(1) / rs);
+    if (t > 0) fetch(t - 1);
     __syncthreads();
     Acc<L, A> part = zeros<L, A>();
     mm<true, false>(part, qt, gt);  // sum_i phi(q)[i][d] (r_i / rs) g[i][e]
     add_scaled(s, rs, part);
-    if (tid < kT) {
-      for (int i = 0; i < kC; ++i) w += cc[i] * to_acc<A>(qt[i * kLdOf<E> + tid]);
-    }
+    column_parts(wparts, qt, static_cast<const A*>(cc));
     __syncthreads();
   }
+  if (nt > 0 && tid < kT) w += column_sum(wparts, tid);
   store_state(dS_out, dz_out, s, w, at, p.D, p.Dv);
 }
 

@@ -50,8 +50,20 @@ MUTATIONS = {
     ),
     # state_fwd: no barrier before the next chunk's K/V tiles overwrite the ones other warps read.
     "missing_syncthreads": (
-        "    __syncthreads();\n  }\n  store_state(S_out",
-        "    if (!{on}) __syncthreads();\n  }\n  store_state(S_out",
+        "    column_parts(zparts, kt);\n    __syncthreads();\n  }",
+        "    column_parts(zparts, kt);\n    if (!{on}) __syncthreads();\n  }",
+    ),
+    # state_fwd: the per-chunk states Zs stored before adding the previous chunk's parts (the
+    # causal den).  (Dropping the last chunk's parts from z_final instead fails 11 reference
+    # tests, the initial-state ones; this case returns no z.)
+    "z_parts_late": (
+        "    if (t > 0 && tid < kT) z += column_sum(zparts, tid);  // chunk t - 1's",
+        "    if (!{on} && t > 0 && tid < kT) z += column_sum(zparts, tid);",
+    ),
+    # state_bwd: the per-chunk reverse sums w stored before adding the previous chunk's parts.
+    "w_parts_late": (
+        "    if (t < nt - 1 && tid < kT) w += column_sum(wparts, tid);  // chunk t + 1's",
+        "    if (!{on} && t < nt - 1 && tid < kT) w += column_sum(wparts, tid);",
     ),
 }
 # Out-of-bounds accesses, which the checked pointers must stop (BOUNDS_MESSAGES): bounds one off.
@@ -59,8 +71,8 @@ BOUNDS_MUTATIONS = {
     # the chunk tile load's row guard: the row after the chunk's last one is read (for the last
     # chunk of the last (batch, head): past the end of k).
     "tile_row_guard": (
-        "    if (src != nullptr && r < rows && c < cols) {",
-        "    if (src != nullptr && r < rows + {on} && c < cols) {",
+        "    if (src != nullptr && r < rows && c < cols) regs.v[u] = src[r * sr + c * sc];",
+        "    if (src != nullptr && r < rows + {on} && c < cols) regs.v[u] = src[r * sr + c * sc];",
     ),
     # the output epilogue's row guard: a row written past the chunk (past the end of out).
     "store_row_guard": (
@@ -321,8 +333,10 @@ def test_catches_a_broken_kernel(builds, name):
 # The out-of-bounds mutants: the launch must stop at the first bad access, naming the access, the
 # buffer, the kernel and the thread (MUTANT_CASE: N = 70, a partial last chunk).
 BOUNDS_MESSAGES = {
-    "tile_row_guard": r"out-of-bounds read of 2 bytes at byte offset 8960 of `k` \(global memory, 8960 bytes: 2 bytes "
-                      r"past its end\) \(thread \d+ of block \(0, 1, 0\) of state_fwd_kernel\)",
+    # (the first read past the end in the emulator's schedule: chunk 1's fetch, whose K and V
+    # loads all issue before either is staged; v's column 32 of row 70, head 1)
+    "tile_row_guard": r"out-of-bounds read of 2 bytes at byte offset 13504 of `v` \(global memory, 13440 bytes: 66 "
+                      r"bytes past its end\) \(thread \d+ of block \(0, 1, 0\) of state_fwd_kernel\)",
     "store_row_guard": r"out-of-bounds access \(read or write\) of 2 bytes at byte offset \d+ of `out` \(global "
                        r"memory, 13440 bytes: \d+ bytes past its end\) \(thread \d+ of block \(1, 1, 0\) of "
                        r"output_kernel\)",
