@@ -44,7 +44,11 @@ constexpr int64_t kHopfieldMaxD = 256;
 // linear.cu: dynamic shared memory per block, by accumulation type (smem_bytes<A>() there):
 // three 64 x 65 tiles plus four 64-vectors of A.  float64 needs more than the 99 KiB of
 // compute capability 8.6 / 8.9 / 12.x.
-constexpr int64_t linear_smem_bytes(bool fp64) { return (3 * 64 * 65 + 4 * 64) * (fp64 ? 8 : 4); }
+constexpr int64_t linear_smem_bytes(bool fp64) {
+  // 3 tile slots and 4 64-vectors (csrc/cuda/linear.cu, smem_bytes): a float32 slot holds two
+  // 64 x 72 bfloat16 tiles (a split state), a float64 one a 64 x 65 tile of doubles.
+  return fp64 ? (3 * 64 * 65 + 4 * 64) * 8 : (3 * 64 * 72 + 4 * 64) * 4;
+}
 // CUDA grid: gridDim.y and gridDim.z are at most 65535 (B and H, or B * H).
 constexpr int64_t kMaxGridYZ = 65535;
 

@@ -83,8 +83,13 @@ constexpr int kC = 64;         // rows per chunk
 constexpr int kT = 64;         // D / Dv block width
 constexpr int kLd = kT + 1;    // leading dimension of A tiles (odd: conflict-free column walks)
 constexpr int kLd16 = kT + 8;  // of 16-bit tiles: 144-byte rows, 16-byte aligned for ldmatrix
-constexpr int kTile = kC * kLd;
-constexpr int kTiles = 3;  // tile slots per block (the most any kernel uses), kTile A's each
+// A tile slot: a 64 x kLd tile of A's, or a 16-bit tile (64 x kLd16), or two of them (a
+// bfloat16 state split in hi and lo: load_state_operand).  In A's.
+template <typename A>
+constexpr int kTileOf = kC * kLd > 2 * kC * kLd16 * 2 / static_cast<int>(sizeof(A))
+                            ? kC * kLd
+                            : 2 * kC * kLd16 * 2 / static_cast<int>(sizeof(A));
+constexpr int kTiles = 3;  // tile slots per block (the most any kernel uses), kTileOf<A> A's each
 constexpr int kVecs = 4;   // 64-vectors of A per block (den, r, c, z, ...)
 
 enum FeatureMap : int { kElu = 0, kRelu = 1, kIdentity = 2 };
@@ -460,22 +465,75 @@ __device__ __forceinline__ void mm(Acc<L, A>& acc, const EA* a, const EB* b) {
   }
 }
 
-// The dynamic shared memory of a block: kTiles slots of kTile A's (a 16-bit tile, 64 x kLd16,
+// The state operand of a chunk kernel's product (a tile of a float32 state S or R: the products
+// phi(Q) S, g S^T, V R^T, phi(K) R), staged in a tile slot `st`:
+//  - bfloat16 inputs: split in two bfloat16 tiles, hi = bf16(s) and lo = bf16(s - hi) (16
+//    significant bits, float32's range; a non-finite hi: lo = 0), so that mm_state runs
+//    the product on the tensor cores as two, the operand tile times hi plus times lo, each
+//    product exact in float32.  On CUDA cores (FMA in float32, before session 24) each was
+//    64 x 64 x 64 FMAs with 10 shared-memory loads per 16 FMAs;
+//  - float16 inputs: a tile of A's, the product on CUDA cores (float16's range cannot hold a
+//    state that grows like N, and two of its 11-bit halves would not reach float32's accuracy:
+//    the Triton kernels use 3xTF32 there);
+//  - float32 / float64 inputs: A tiles throughout.
+template <typename T, typename A>
+__device__ __forceinline__ void load_state_operand(A* st, const A* src, int64_t ld, int rows, int cols) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    static_assert(2 * kC * kLd16 * sizeof(T) <= kTileOf<A> * sizeof(A), "tile slot too small for hi and lo");
+    uint16_t* hi = reinterpret_cast<uint16_t*>(st);
+    uint16_t* lo = hi + kC * kLd16;
+    constexpr int kPer = kC * kT / kThreads;
+    A raw[kPer];
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int idx = static_cast<int>(threadIdx.x) + u * kThreads;
+      const int r = idx / kT, c = idx % kT;
+      raw[u] = r < rows && c < cols ? src[r * ld + c] : A(0);
+    }
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int idx = static_cast<int>(threadIdx.x) + u * kThreads;
+      const int r = idx / kT, c = idx % kT;
+      const float x = static_cast<float>(raw[u]);
+      const __nv_bfloat16 h = __float2bfloat16_rn(x);
+      const float hf = __bfloat162float(h);
+      const float rest = isfinite(hf) ? x - hf : 0.f;  // hf = inf: x was inf or rounded to it
+      hi[r * kLd16 + c] = __bfloat16_as_ushort(h);
+      lo[r * kLd16 + c] = __bfloat16_as_ushort(__float2bfloat16_rn(rest));
+    }
+  } else {
+    load_tile<A>(st, src, ld, int64_t{1}, rows, cols);
+  }
+}
+
+// acc += a S (kTransB: a S^T), the state operand st as load_state_operand<T> staged it.
+template <typename T, bool kTransB, class L, typename A, typename E>
+__device__ __forceinline__ void mm_state(Acc<L, A>& acc, const E* a, const A* st) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const T* hi = reinterpret_cast<const T*>(st);
+    mm<false, kTransB>(acc, a, hi);
+    mm<false, kTransB>(acc, a, hi + kC * kLd16);
+  } else {
+    mm<false, kTransB>(acc, a, st);
+  }
+}
+
+// The dynamic shared memory of a block: kTiles slots of kTileOf<A> A's (a 16-bit tile, 64 x kLd16,
 // fits in one), then kVecs vectors of 64 A's.
 template <typename A>
 struct Smem {
   unsigned char* base;
   template <typename E>
   __device__ E* tile(int slot) const {
-    static_assert(kC * kLdOf<E> * sizeof(E) <= kTile * sizeof(A), "tile slot too small");
-    return reinterpret_cast<E*>(base + static_cast<size_t>(slot) * kTile * sizeof(A));
+    static_assert(kC * kLdOf<E> * sizeof(E) <= kTileOf<A> * sizeof(A), "tile slot too small");
+    return reinterpret_cast<E*>(base + static_cast<size_t>(slot) * kTileOf<A> * sizeof(A));
   }
-  __device__ A* vec(int i) const { return reinterpret_cast<A*>(base + kTiles * kTile * sizeof(A)) + i * kT; }
+  __device__ A* vec(int i) const { return reinterpret_cast<A*>(base + kTiles * kTileOf<A> * sizeof(A)) + i * kT; }
 };
 
 template <typename A>
 constexpr size_t smem_bytes() {
-  return static_cast<size_t>(kTiles * kTile + kVecs * kT) * sizeof(A);
+  return static_cast<size_t>(kTiles * kTileOf<A> + kVecs * kT) * sizeof(A);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -702,10 +760,10 @@ __global__ void __launch_bounds__(kThreads)
     const int dn = min(kT, p.D - d0);
     load_tile<A>(qt, p.q.at(at.b, at.h, row0, d0), p.q.sl, p.q.sx, rows, dn, p.fm);
     if (p.causal) load_tile<A>(kt, p.k.at(at.b, at.h, row0, d0), p.k.sl, p.k.sx, rows, dn, p.fm);
-    load_tile<A>(st, static_cast<const A*>(states.at(at.bh, t, d0, e0)), states.ld, int64_t{1}, dn, en);
+    load_state_operand<T>(st, static_cast<const A*>(states.at(at.bh, t, d0, e0)), states.ld, dn, en);
     if (tid < kT) zv[tid] = tid < dn ? *zstates.at(at.bh, t, 0, d0 + tid) : A(0);
     __syncthreads();
-    mm<false, false>(acc, qt, st);              // phi(Q) S
+    mm_state<T, false>(acc, qt, st);            // phi(Q) S
     if (p.causal) mm<false, true>(pp, qt, kt);  // phi(Q) phi(K)^T
     if (tid < kC) {
       for (int d = 0; d < kT; ++d) den += to_acc<A>(qt[tid * ld + d]) * zv[d];
@@ -824,10 +882,10 @@ __global__ void __launch_bounds__(kThreads)
     for (int e0 = 0; e0 < p.Dv; e0 += kT) {
       const int en = min(kT, p.Dv - e0);
       load_tile<A>(gt, x.g.at(at.b, at.h, row0, e0), x.g.sl, x.g.sx, rows, en);
-      load_tile<A>(st, static_cast<const A*>(states.at(at.bh, t, d0, e0)), states.ld, int64_t{1}, dn, en);
+      load_state_operand<T>(st, static_cast<const A*>(states.at(at.bh, t, d0, e0)), states.ld, dn, en);
       if (p.causal) load_tile<A>(vt, p.v.at(at.b, at.h, row0, e0), p.v.sl, p.v.sx, rows, en);
       __syncthreads();
-      mm<false, true>(acc, gt, st);              // g S^T
+      mm_state<T, true>(acc, gt, st);            // g S^T
       if (p.causal) mm<false, true>(w, gt, vt);  // g V^T
       __syncthreads();
     }
@@ -874,10 +932,10 @@ __global__ void __launch_bounds__(kThreads)
   for (int e0 = 0; e0 < p.Dv; e0 += kT) {
     const int en = min(kT, p.Dv - e0);
     load_tile<A>(vt, p.v.at(at.b, at.h, row0, e0), p.v.sl, p.v.sx, rows, en);
-    load_tile<A>(st, static_cast<const A*>(rstates.at(at.bh, t, d0, e0)), rstates.ld, int64_t{1}, dn, en);
+    load_state_operand<T>(st, static_cast<const A*>(rstates.at(at.bh, t, d0, e0)), rstates.ld, dn, en);
     if (p.causal) load_tile<A>(gt, x.g.at(at.b, at.h, row0, e0), x.g.sl, x.g.sx, qrows, en);
     __syncthreads();
-    mm<false, true>(acc, vt, st);               // V R^T
+    mm_state<T, true>(acc, vt, st);             // V R^T
     if (p.causal) mm<false, true>(wt, vt, gt);  // wt[j][i] = v_j . g_i
     __syncthreads();
   }
@@ -924,10 +982,10 @@ __global__ void __launch_bounds__(kThreads)
   for (int d0 = 0; d0 < p.D; d0 += kT) {
     const int dn = min(kT, p.D - d0);
     load_tile<A>(kt, p.k.at(at.b, at.h, row0, d0), p.k.sl, p.k.sx, rows, dn, p.fm);
-    load_tile<A>(st, static_cast<const A*>(rstates.at(at.bh, t, d0, e0)), rstates.ld, int64_t{1}, dn, en);
+    load_state_operand<T>(st, static_cast<const A*>(rstates.at(at.bh, t, d0, e0)), rstates.ld, dn, en);
     if (p.causal) load_tile<A>(qt, p.q.at(at.b, at.h, row0, d0), p.q.sl, p.q.sx, qrows, dn, p.fm);
     __syncthreads();
-    mm<false, false>(acc, kt, st);              // phi(K) R
+    mm_state<T, false>(acc, kt, st);            // phi(K) R
     if (p.causal) mm<false, true>(pt, kt, qt);  // pt[j][i] = phi(k_j) . phi(q_i)
     __syncthreads();
   }

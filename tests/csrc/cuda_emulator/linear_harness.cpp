@@ -12,6 +12,7 @@
 #include "harness.cpp"
 
 #include <limits>
+using std::isfinite;  // CUDA declares isfinite(float) globally (linear.cu: load_state_operand)
 
 #define __host__
 
