@@ -40,8 +40,10 @@
 //    32 (w / 4) .. +31 of a product as four m16n8 accumulator fragments (MmaLayout).
 //    float32 / float64 inputs: FMA in A on CUDA cores, thread (ty, tx) = (tid / 16, tid % 16)
 //    owning entries (ty + 16 i, tx + 16 j) (SimtLayout); tiles in A, leading dimension 65.
-//  - state products (one operand a chunk state S / R, D x Dv, or z / w): always FMA in A, with
-//    the states in A, so a state that grows like N never leaves float16's range.
+//  - state products (one operand a chunk state S / R, D x Dv, or z / w): the states are kept in
+//    A, so a state that grows like N never leaves float16's range.  bfloat16 inputs: the state
+//    tile split in two bfloat16 tiles (hi + lo, 16 bits) and the product on the tensor cores as
+//    two (load_state_operand, mm_state); otherwise FMA in A.  The z / w vector products: FMA.
 //  Per-row factors that vary a lot (r_i ~ 1 / N) are applied to the fp32 accumulators after a
 //  product when they belong to its output rows; inside the product's k dimension (dk, dv,
 //  dS0) they are divided by a power of two >= max |factor| of the chunk first, so the 16-bit
