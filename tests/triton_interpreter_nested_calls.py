@@ -58,12 +58,11 @@ def install() -> bool:
         from triton.runtime import interpreter
     except ImportError:
         return False
-    grid_executor = getattr(interpreter, "GridExecutor", None)
-    device_function = getattr(interpreter, "InterpretedFunction", None)
-    error = getattr(interpreter, "InterpreterError", None)
-    if grid_executor is None or device_function is None or error is None \
-            or not hasattr(interpreter, "_patch_lang"):
+    needed = ("GridExecutor", "InterpretedFunction", "InterpreterError", "_patch_lang")
+    if not all(hasattr(interpreter, name) for name in needed):
         return False
+    grid_executor, device_function = interpreter.GridExecutor, interpreter.InterpretedFunction
+    error = interpreter.InterpreterError
     try:  # the device call must be exactly "patch, rewrite, call" for the replacement to match
         source = inspect.getsource(device_function.__call__)
     except (OSError, TypeError):
