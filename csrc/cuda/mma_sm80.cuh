@@ -193,18 +193,34 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c)[kNt]
 // elements, rows 16-byte aligned) to shared memory (leading dimension kD + kRowPad), 16 bytes
 // per thread and step, with kBlockThreads threads; rows >= `valid` are zero-filled (never read
 // from global memory).  A file that uses it fixes the block size and padding with a `load_tile`
-// alias.
+// alias.  The loads go in groups of two before their stores: in one loop each load waited for
+// the previous step's store (dst is a generic pointer: it might alias src), one memory latency a
+// step (the same pattern cost linear.cu's state walks ~17 us a chunk on an H200, session 24).
+// Groups of two, not all of a thread's: with all four (D = 128) sparse.cu's D = 128 range
+// forward spilled 8 bytes (ptxas -v, sm_90a); two spill nothing.
 template <int kBlockThreads, int kRowPad, int kR, int kD>
 __device__ __forceinline__ void load_rows16(uint16_t* dst, const uint16_t* src, int64_t stride, int valid) {
   constexpr int kChunks = kD / 8;
+  constexpr int kSteps = kR * kChunks / kBlockThreads;
+  constexpr int kGroup = kSteps < 2 ? kSteps : 2;
   static_assert((kR * kChunks) % kBlockThreads == 0, "tile must split evenly over the threads");
+  static_assert(kSteps % kGroup == 0, "steps must split evenly in groups");
 #pragma unroll
-  for (int it = 0; it < kR * kChunks / kBlockThreads; ++it) {
-    const int idx = it * kBlockThreads + static_cast<int>(threadIdx.x);
-    const int r = idx / kChunks, c = idx % kChunks;
-    uint4 val = make_uint4(0u, 0u, 0u, 0u);
-    if (r < valid) val = *reinterpret_cast<const uint4*>(src + r * stride + c * 8);
-    *reinterpret_cast<uint4*>(dst + r * (kD + kRowPad) + c * 8) = val;
+  for (int it0 = 0; it0 < kSteps; it0 += kGroup) {
+    uint4 vals[kGroup];
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      const int idx = (it0 + g) * kBlockThreads + static_cast<int>(threadIdx.x);
+      const int r = idx / kChunks, c = idx % kChunks;
+      vals[g] = make_uint4(0u, 0u, 0u, 0u);
+      if (r < valid) vals[g] = *reinterpret_cast<const uint4*>(src + r * stride + c * 8);
+    }
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      const int idx = (it0 + g) * kBlockThreads + static_cast<int>(threadIdx.x);
+      const int r = idx / kChunks, c = idx % kChunks;
+      *reinterpret_cast<uint4*>(dst + r * (kD + kRowPad) + c * 8) = vals[g];
+    }
   }
 }
 
