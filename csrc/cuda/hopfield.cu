@@ -124,11 +124,25 @@ size_t smem_bytes(int D, int Dv, bool has_values) {
 }
 
 // Stage rows [t0, t0 + cnt) of a [N, W] matrix (one b*h) into tile [kBN][W+1], zeros past cnt.
+// Four loads of a thread before their stores: in one loop each load waited for the previous
+// element's store (tile is a generic pointer: it might alias src), one memory latency an element
+// (linear.cu's state walks paid ~17 us a chunk for that pattern on an H200, session 24).
 template <typename T>
 __device__ void load_tile(float* tile, const T* src, int64_t t0, int cnt, int W) {
-  for (int e = threadIdx.x; e < kBN * W; e += kThreads) {
-    const int n = e / W, d = e - n * W;
-    tile[n * (W + 1) + d] = n < cnt ? to_float(src[(t0 + n) * W + d]) : 0.f;
+  constexpr int kGroup = 4;
+  const int total = kBN * W;
+  for (int e0 = threadIdx.x; e0 < total; e0 += kGroup * kThreads) {
+    float vals[kGroup];
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      const int e = e0 + g * kThreads, n = e / W, d = e - n * W;
+      vals[g] = e < total && n < cnt ? to_float(src[(t0 + n) * W + d]) : 0.f;
+    }
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      const int e = e0 + g * kThreads, n = e / W, d = e - n * W;
+      if (e < total) tile[n * (W + 1) + d] = vals[g];
+    }
   }
 }
 
