@@ -74,6 +74,12 @@ BOUNDS_MUTATIONS = {
         "    if (src != nullptr && r < rows && c < cols) regs.v[u] = src[r * sr + c * sc];",
         "    if (src != nullptr && r < rows + {on} && c < cols) regs.v[u] = src[r * sr + c * sc];",
     ),
+    # load_tile's row guard (the chunk kernels' one-shot tile loads): the row after the chunk's
+    # last one is read.
+    "chunk_tile_row_guard": (
+        "    if (src != nullptr && r < rows && c < cols) raw[u] = src[r * sr + c * sc];",
+        "    if (src != nullptr && r < rows + {on} && c < cols) raw[u] = src[r * sr + c * sc];",
+    ),
     # the output epilogue's row guard: a row written past the chunk (past the end of out).
     "store_row_guard": (
         "    if (r < rows && c < cols) out[r * ld + c] = from_acc<T>(f(acc.v[i][j], r, c));",
@@ -337,6 +343,10 @@ BOUNDS_MESSAGES = {
     # loads all issue before either is staged; v's column 32 of row 70, head 1)
     "tile_row_guard": r"out-of-bounds read of 2 bytes at byte offset 13504 of `v` \(global memory, 13440 bytes: 66 "
                       r"bytes past its end\) \(thread \d+ of block \(0, 1, 0\) of state_fwd_kernel\)",
+    # (float16: the state tile of the last chunk, through load_state_operand's load_tile)
+    "chunk_tile_row_guard": r"out-of-bounds read of 4 bytes at byte offset 24704 of `Hs \(chunk states, scratch\)` "
+                            r"\(global memory, 24576 bytes: 132 bytes past its end\) \(thread \d+ of block "
+                            r"\(1, 1, 0\) of output_kernel\)",
     "store_row_guard": r"out-of-bounds access \(read or write\) of 2 bytes at byte offset \d+ of `out` \(global "
                        r"memory, 13440 bytes: \d+ bytes past its end\) \(thread \d+ of block \(1, 1, 0\) of "
                        r"output_kernel\)",
