@@ -457,7 +457,17 @@ struct Partials {
   int splits, W;
 };
 
-template <typename T, int RPW>
+// Step k of the split-N path sums p X too (accx): the value step of a call that returns the
+// final state.
+template <typename T>
+__host__ __device__ inline bool split_partial_wants_x(const Params<T>& p, int k) {
+  return p.has_values && k == p.R - 1 && p.final_state;
+}
+
+// kWantX: the step that also sums p X (the value step of a call returning the final state).
+// The other steps' instantiation has no accx to keep: with it, RPW = 4 spilled 68 bytes (ptxas -v,
+// sm_90a, session 24); split_partial_launch picks.
+template <typename T, int RPW, bool kWantX>
 __global__ void __launch_bounds__(kThreads) split_partial_kernel(Params<T> p, Partials q, int k) {
   extern __shared__ float smem_raw[];
   const Smem sm = carve<RPW>(smem_raw, p.D, p.Dv, p.has_values);
@@ -474,7 +484,7 @@ __global__ void __launch_bounds__(kThreads) split_partial_kernel(Params<T> p, Pa
   const int64_t n0 = split * q.chunk;
   const int64_t n1 = n0 + q.chunk < p.N ? n0 + q.chunk : p.N;
   float m[RPW], l[RPW], acc[RPW][kCols], accx[RPW][kCols];
-  const bool want_x = value_step && p.final_state;
+  const bool want_x = kWantX && value_step && p.final_state;
   bool one_row = false;
   if constexpr (RPW == 1) one_row = rows == 1;  // (S > 8 takes RPW > 1)
   if (one_row) {
@@ -708,11 +718,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hopfield_update_fwd_c
       q.m = pm.data_ptr<float>(), q.l = pl.data_ptr<float>(), q.acc = pacc.data_ptr<float>();
       q.accx = paccx.data_ptr<float>();
       q.active = active.data_ptr<int8_t>();
-      allow_smem(split_partial_kernel<T, RPW>, smem);
+      allow_smem(split_partial_kernel<T, RPW, false>, smem);
+      allow_smem(split_partial_kernel<T, RPW, true>, smem);
       allow_smem(split_merge_kernel<T, RPW>, smem);
+      const dim3 pgrid(static_cast<unsigned>(q.splits), static_cast<unsigned>(BH));
       for (int k = 0; k < static_cast<int>(R); ++k) {
-        split_partial_kernel<T, RPW><<<dim3(static_cast<unsigned>(q.splits), static_cast<unsigned>(BH)), kThreads,
-                                       smem, stream>>>(p, q, k);
+        if (split_partial_wants_x(p, k)) {
+          split_partial_kernel<T, RPW, true><<<pgrid, kThreads, smem, stream>>>(p, q, k);
+        } else {
+          split_partial_kernel<T, RPW, false><<<pgrid, kThreads, smem, stream>>>(p, q, k);
+        }
         split_merge_kernel<T, RPW><<<static_cast<unsigned>(BH), kThreads, smem, stream>>>(p, q, k);
       }
     });

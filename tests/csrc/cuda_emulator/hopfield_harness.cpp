@@ -178,8 +178,12 @@ bool update(const Args& a, const void* state, const void* X, const void* V, floa
     q.m = pm.data(), q.l = pl.data(), q.acc = pacc.data(), q.accx = paccx.data(), q.active = active.data();
     for (int k = 0; k < static_cast<int>(R); ++k) {
       const dim3 pgrid{static_cast<unsigned>(q.splits), static_cast<unsigned>(a.BH), 1};
-      if (!hop_launch("split_partial_kernel", pgrid, smem, [p, q, k] { split_partial_kernel<T, RPW>(p, q, k); }))
-        return false;
+      const bool launched = split_partial_wants_x(p, k)
+                                ? hop_launch("split_partial_kernel", pgrid, smem,
+                                             [p, q, k] { split_partial_kernel<T, RPW, true>(p, q, k); })
+                                : hop_launch("split_partial_kernel", pgrid, smem,
+                                             [p, q, k] { split_partial_kernel<T, RPW, false>(p, q, k); });
+      if (!launched) return false;
       const dim3 mgrid{static_cast<unsigned>(a.BH), 1, 1};
       if (!hop_launch("split_merge_kernel", mgrid, smem, [p, q, k] { split_merge_kernel<T, RPW>(p, q, k); }))
         return false;
