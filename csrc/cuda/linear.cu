@@ -338,9 +338,12 @@ __device__ __forceinline__ void stage_tile(E* dst, const TileRegs<T>& regs, int 
 // Both halves at once: dst[r][c] = src[r * sr + c * sc] (rows x cols, zero padded), as stage_tile.
 // (Written out rather than as fetch_tile + stage_tile: through TileRegs the float64 dq / dk / dv
 // kernels spilled 8-84 bytes, ptxas -v sm_90a; this way none does.)
+// finite_dst (optional): a second copy with the infinities zeroed (finite_half: what mm_state
+// multiplies by a split state's lo).
 template <typename A, typename E, typename T>
 __device__ __forceinline__ void load_tile(E* dst, const T* src, int64_t sr, int64_t sc, int rows, int cols,
-                                          int fm = -1, const A* row_scale = nullptr, A mul = A(1)) {
+                                          int fm = -1, const A* row_scale = nullptr, A mul = A(1),
+                                          E* finite_dst = nullptr) {
   constexpr int kPer = TileRegs<T>::kPer;
   T raw[kPer];
 #pragma unroll
@@ -359,7 +362,9 @@ __device__ __forceinline__ void load_tile(E* dst, const T* src, int64_t sr, int6
       if (fm >= 0) x = phi(x, fm);
       if (row_scale != nullptr) x *= row_scale[r] * mul;
     }
-    dst[r * kLdOf<E> + c] = from_acc<E>(x);
+    const E e = from_acc<E>(x);
+    dst[r * kLdOf<E> + c] = e;
+    if (finite_dst != nullptr) finite_dst[r * kLdOf<E> + c] = isinf(to_acc<A>(e)) ? from_acc<E>(A(0)) : e;
   }
 }
 
@@ -508,13 +513,27 @@ __device__ __forceinline__ void load_state_operand(A* st, const A* src, int64_t 
   }
 }
 
-// acc += a S (kTransB: a S^T), the state operand st as load_state_operand<T> staged it.
+// Where a bfloat16 operand tile of a state product keeps its copy without infinities: the
+// second half of its slot (a 16-bit tile fills half of a float32 slot); nullptr otherwise.
+template <typename T, typename E>
+__device__ __forceinline__ E* finite_half(E* tile) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return tile + kC * kLd16;
+  } else {
+    return nullptr;
+  }
+}
+
+// acc += a S (kTransB: a S^T), the state operand st as load_state_operand<T> staged it.  In
+// bfloat16, a x hi + a_finite x lo with a_finite = a without its infinities (load_tile's
+// finite_dst): an inf in a meets hi alone, so a row of a with an inf gets inf x s as the FMA and
+// the float64 reference give it (inf x lo would add NaN wherever lo is 0 or of the other sign).
 template <typename T, bool kTransB, class L, typename A, typename E>
 __device__ __forceinline__ void mm_state(Acc<L, A>& acc, const E* a, const A* st) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const T* hi = reinterpret_cast<const T*>(st);
     mm<false, kTransB>(acc, a, hi);
-    mm<false, kTransB>(acc, a, hi + kC * kLd16);
+    mm<false, kTransB>(acc, finite_half<T>(a), hi + kC * kLd16);
   } else {
     mm<false, kTransB>(acc, a, st);
   }
@@ -760,7 +779,8 @@ __global__ void __launch_bounds__(kThreads)
   A den = A(0);  // threads 0..63: row tid
   for (int d0 = 0; d0 < p.D; d0 += kT) {
     const int dn = min(kT, p.D - d0);
-    load_tile<A>(qt, p.q.at(at.b, at.h, row0, d0), p.q.sl, p.q.sx, rows, dn, p.fm);
+    load_tile<A>(qt, p.q.at(at.b, at.h, row0, d0), p.q.sl, p.q.sx, rows, dn, p.fm, nullptr, A(1),
+                 finite_half<T>(qt));
     if (p.causal) load_tile<A>(kt, p.k.at(at.b, at.h, row0, d0), p.k.sl, p.k.sx, rows, dn, p.fm);
     load_state_operand<T>(st, static_cast<const A*>(states.at(at.bh, t, d0, e0)), states.ld, dn, en);
     if (tid < kT) zv[tid] = tid < dn ? *zstates.at(at.bh, t, 0, d0 + tid) : A(0);
@@ -883,7 +903,8 @@ __global__ void __launch_bounds__(kThreads)
   if (x.g.p != nullptr) {
     for (int e0 = 0; e0 < p.Dv; e0 += kT) {
       const int en = min(kT, p.Dv - e0);
-      load_tile<A>(gt, x.g.at(at.b, at.h, row0, e0), x.g.sl, x.g.sx, rows, en);
+      load_tile<A>(gt, x.g.at(at.b, at.h, row0, e0), x.g.sl, x.g.sx, rows, en, -1, nullptr, A(1),
+                   finite_half<T>(gt));
       load_state_operand<T>(st, static_cast<const A*>(states.at(at.bh, t, d0, e0)), states.ld, dn, en);
       if (p.causal) load_tile<A>(vt, p.v.at(at.b, at.h, row0, e0), p.v.sl, p.v.sx, rows, en);
       __syncthreads();
@@ -933,7 +954,8 @@ __global__ void __launch_bounds__(kThreads)
   Acc<L, A> acc = zeros<L, A>(), wt = zeros<L, A>();
   for (int e0 = 0; e0 < p.Dv; e0 += kT) {
     const int en = min(kT, p.Dv - e0);
-    load_tile<A>(vt, p.v.at(at.b, at.h, row0, e0), p.v.sl, p.v.sx, rows, en);
+    load_tile<A>(vt, p.v.at(at.b, at.h, row0, e0), p.v.sl, p.v.sx, rows, en, -1, nullptr, A(1),
+                 finite_half<T>(vt));
     load_state_operand<T>(st, static_cast<const A*>(rstates.at(at.bh, t, d0, e0)), rstates.ld, dn, en);
     if (p.causal) load_tile<A>(gt, x.g.at(at.b, at.h, row0, e0), x.g.sl, x.g.sx, qrows, en);
     __syncthreads();
@@ -983,7 +1005,8 @@ __global__ void __launch_bounds__(kThreads)
   Acc<L, A> acc = zeros<L, A>(), pt = zeros<L, A>();
   for (int d0 = 0; d0 < p.D; d0 += kT) {
     const int dn = min(kT, p.D - d0);
-    load_tile<A>(kt, p.k.at(at.b, at.h, row0, d0), p.k.sl, p.k.sx, rows, dn, p.fm);
+    load_tile<A>(kt, p.k.at(at.b, at.h, row0, d0), p.k.sl, p.k.sx, rows, dn, p.fm, nullptr, A(1),
+                 finite_half<T>(kt));
     load_state_operand<T>(st, static_cast<const A*>(rstates.at(at.bh, t, d0, e0)), rstates.ld, dn, en);
     if (p.causal) load_tile<A>(qt, p.q.at(at.b, at.h, row0, d0), p.q.sl, p.q.sx, qrows, dn, p.fm);
     __syncthreads();

@@ -469,3 +469,31 @@ def test_nonfinite_inputs_reach_the_rows_of_the_reference(emulator, where, causa
         assert_close_to_reference(torch.where(keep, x.double(), 0.0).to(x.dtype), torch.where(keep, r, 0.0),
                                   torch.where(keep, rl.double(), 0.0).to(rl.dtype), name=name, dtype=F16,
                                   grad=name != "out")
+
+
+# bfloat16 runs the state products as a x hi + a x lo (the state split in two bfloat16 tiles): an
+# inf in a (here phi(q), unnormalized) must meet hi alone, or inf x lo adds NaN wherever lo is 0 or
+# of the other sign than hi.  The inf row's out: +inf / -inf / NaN exactly where the float64
+# reference has them (the FMA path's inf x s); every other row finite.  Not causal: there the
+# reference's masked quadratic form makes the whole row NaN (inf x 0 at the masked keys), which
+# the kernels' masked intra-chunk products do not (issue 15's rule for a NaN, not for an inf).
+@pytest.mark.parametrize("feature_map", ["identity", "relu"])
+def test_an_infinite_query_meets_the_state_as_in_the_reference(emulator, feature_map):
+    case = Case(BF16, feature_map, False, False, 150, 150, 32, 48)
+    row, col = 100, 2  # in the second 64-row chunk: its state is a sum of 64+ keys
+
+    def edit(q, k, v):
+        q[0, 1, row, col] = float("inf")
+
+    emulator.configure(seed=2)
+    ((out, _, _, _), _), (q, k, v, go, _) = run_emulated(emulator, case, edit=edit)
+    with torch.no_grad():
+        ref = linear_attention_reference(*(t.detach().to(F64) for t in (q, k, v)), **case.kwargs())
+    x, r = out.to(F64), ref
+    assert torch.isinf(r[0, 1, row]).sum() > case.dv // 2, "the case must put infinities in the row"
+    for what, fn in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        diff = fn(x) != fn(r)
+        assert not diff.any(), f"{what} pattern differs from the float64 reference at {int(diff.sum())} entries"
+    others = torch.ones(out.shape[:3], dtype=torch.bool)
+    others[0, 1, row] = False
+    assert torch.isfinite(x[others]).all()

@@ -12,7 +12,8 @@
 #include "harness.cpp"
 
 #include <limits>
-using std::isfinite;  // CUDA declares isfinite(float) globally (linear.cu: load_state_operand)
+using std::isfinite;  // CUDA declares isfinite / isinf (float) globally (linear.cu: load_state_operand, load_tile)
+using std::isinf;
 
 #define __host__
 
