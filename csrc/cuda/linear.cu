@@ -315,6 +315,17 @@ __device__ __forceinline__ void fetch_tile(TileRegs<T>& regs, const T* src, int6
   }
 }
 
+// One element of a staged tile, in A: 0 outside the data (`in` false), else phi(raw) when fm >= 0,
+// times row_scale[r] * mul when row_scale is given.
+template <typename A, typename T>
+__device__ __forceinline__ A tile_value(const T& raw, bool in, int r, int fm, const A* row_scale, A mul) {
+  if (!in) return A(0);
+  A x = to_acc<A>(raw);
+  if (fm >= 0) x = phi(x, fm);
+  if (row_scale != nullptr) x *= row_scale[r] * mul;
+  return x;
+}
+
 // dst[r][c] (tile of E's) = the fetched element for r < rows, c < cols, else 0; computed in A:
 // phi applied when fm >= 0 (padding stays 0: phi(0) = 1 for elu would count it), each row times
 // row_scale[r] * mul when row_scale is given.
@@ -325,13 +336,8 @@ __device__ __forceinline__ void stage_tile(E* dst, const TileRegs<T>& regs, int 
   for (int u = 0; u < TileRegs<T>::kPer; ++u) {
     const int idx = static_cast<int>(threadIdx.x) + u * kThreads;
     const int r = idx / kT, c = idx % kT;
-    A x = A(0);
-    if (regs.valid && r < regs.rows && c < regs.cols) {
-      x = to_acc<A>(regs.v[u]);
-      if (fm >= 0) x = phi(x, fm);
-      if (row_scale != nullptr) x *= row_scale[r] * mul;
-    }
-    dst[r * kLdOf<E> + c] = from_acc<E>(x);
+    const bool in = regs.valid && r < regs.rows && c < regs.cols;
+    dst[r * kLdOf<E> + c] = from_acc<E>(tile_value(regs.v[u], in, r, fm, row_scale, mul));
   }
 }
 
@@ -356,13 +362,7 @@ __device__ __forceinline__ void load_tile(E* dst, const T* src, int64_t sr, int6
   for (int u = 0; u < kPer; ++u) {
     const int idx = static_cast<int>(threadIdx.x) + u * kThreads;
     const int r = idx / kT, c = idx % kT;
-    A x = A(0);
-    if (src != nullptr && r < rows && c < cols) {
-      x = to_acc<A>(raw[u]);
-      if (fm >= 0) x = phi(x, fm);
-      if (row_scale != nullptr) x *= row_scale[r] * mul;
-    }
-    const E e = from_acc<E>(x);
+    const E e = from_acc<E>(tile_value(raw[u], src != nullptr && r < rows && c < cols, r, fm, row_scale, mul));
     dst[r * kLdOf<E> + c] = e;
     if (finite_dst != nullptr) finite_dst[r * kLdOf<E> + c] = isinf(to_acc<A>(e)) ? from_acc<E>(A(0)) : e;
   }
