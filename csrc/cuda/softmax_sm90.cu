@@ -60,7 +60,7 @@ namespace {
 
 constexpr int kSm90Threads = 384;        // 3 warpgroups: producer, 2 consumers
 constexpr int kSm90BlockM = 128;         // query rows per block (64 per consumer warpgroup)
-constexpr int kSm90BlockN = 128;         // keys per K / V tile
+constexpr int kSm90BlockN = 128;         // keys per K / V tile (D = 64, 128; kFwdBlockN)
 constexpr int kSm90Stages = 2;           // K / V ring depth
 constexpr int kPanelCols = 64;           // elements per 128-byte swizzled row (one TMA box wide)
 constexpr int kPanelElems = 128 * kPanelCols;  // one 128-row panel (Q tile, K or V tile): 16 KiB
@@ -72,16 +72,28 @@ constexpr int kConsumerRegs = 232;       // 40 * 128 + 232 * 256 = 64512 <= 6553
 // 240): FlashAttention-3's split, the producer at 24.
 constexpr int kProducerRegsTight = 24;
 constexpr int kConsumerRegsWide = 240;  // 24 * 128 + 240 * 256 = 64512
-static_assert(kSm90BlockM == 128 && kSm90BlockN == 128, "the panels hold 128 rows");
+constexpr size_t kSm90MaxSmem = 232448;  // 227 KiB: the most dynamic shared memory a block can opt into
+static_assert(kSm90BlockM == 128, "Q's panels hold 128 rows");
+
+// The forward's keys per K / V tile: 128, except at D = 256, where a ring of two 128-key stages
+// (4 x 64 KiB) and Q (64 KiB) would not fit in shared memory: 64 there (Q and two stages of K
+// and V: 192 KiB).  FlashAttention-3 takes 80 at D = 256; 64 keeps the products at the wgmma
+// shapes the other head dims use (N = 64 / 128) and the tiles at whole 1024-byte swizzle atoms.
+// (A variable template: device code cannot call a constexpr host function without
+// --expt-relaxed-constexpr.)
+template <int kD>
+constexpr int kFwdBlockN = kD <= 128 ? kSm90BlockN : 64;
 
 // Dynamic shared memory: 1024 bytes of slack to align the tiles (the 128-byte swizzle repeats
 // every 1024 bytes and TMA and wgmma read it from address bits 7-9), Q, the K and V rings, and
 // 2 + 3 kSm90Stages mbarriers.
 template <int kD>
 constexpr size_t sm90_smem_bytes() {
-  return 1024 + static_cast<size_t>(1 + 2 * kSm90Stages) * (kD / kPanelCols) * kPanelBytes +
+  return 1024 + static_cast<size_t>(kD / kPanelCols) * (kSm90BlockM + 2 * kSm90Stages * kFwdBlockN<kD>) *
+                    kPanelCols * 2 +
          (2 + 3 * kSm90Stages) * sizeof(uint64_t);
 }
+static_assert(sm90_smem_bytes<256>() <= kSm90MaxSmem, "the D = 256 forward's tiles fit in shared memory");
 
 struct Sm90FwdParams {
   uint16_t* out;  // [B, H, N, D] contiguous
@@ -112,40 +124,48 @@ __device__ __forceinline__ void issue_abt(float (&acc)[kN / 8][4], const uint16_
 // acc (64 x kD) += P B, issued: P (64 x kK) from registers (the A fragments of its 16-column
 // steps), B = the first kK rows of a tile of kRowsB rows (MN-major: its kD columns are the N of
 // the product); k-step kc reads rows 16 kc .. (16 rows of 128 bytes further), the panels
-// kRowsB * 128 bytes apart.
+// kRowsB * 128 bytes apart.  kD = 256: two products of N = 128 a k-step (columns 0-127 and
+// 128-255, panels 0-1 and 2-3), on the two halves of acc.
 template <bool kBF16, int kD, int kK, int kRowsB>
 __device__ __forceinline__ void issue_pb(float (&acc)[kD / 8][4], const uint32_t (&pa)[kK / 16][4], const uint16_t* b) {
+  constexpr int kN = kD <= 128 ? kD : 128;  // the product's N (wgmma: at most 256; 64 and 128 are modelled)
 #pragma unroll
   for (int kc = 0; kc < kK / 16; ++kc) {
     const uint16_t* bk = b + kc * 16 * kPanelCols;
-    wgmma_rs<kBF16, kD, 1>(acc, pa[kc], smem_desc_sw128(bk, kRowsB * kPanelCols * 2, 1024), 1);
+    wgmma_rs<kBF16, kN, 1>(acc, pa[kc], smem_desc_sw128(bk, kRowsB * kPanelCols * 2, 1024), 1);
+    if constexpr (kD > kN) {
+      const uint16_t* bk2 = bk + (kN / kPanelCols) * kRowsB * kPanelCols;  // columns 128-255: panels 2-3
+      wgmma_rs<kBF16, kN, 1, kN / 8>(acc, pa[kc], smem_desc_sw128(bk2, kRowsB * kPanelCols * 2, 1024), 1);
+    }
   }
 }
 
 // The forward's two products: S = Q Kᵀ for consumer wq's 64 rows against the K tile of a stage,
 // and O += P V against the V tile of a stage.
-template <bool kBF16, int kD>
-__device__ __forceinline__ void issue_scores(float (&sc)[kSm90BlockN / 8][4], const uint16_t* sq, const uint16_t* sk,
+// (A K / V tile of kBN rows: kD / 64 panels of kBN x 64 elements.)
+template <bool kBF16, int kD, int kBN = kFwdBlockN<kD>>
+__device__ __forceinline__ void issue_scores(float (&sc)[kBN / 8][4], const uint16_t* sq, const uint16_t* sk,
                                              int stage, int wq) {
   constexpr int kP = kD / kPanelCols;
-  issue_abt<kBF16, kSm90BlockN, kD, kSm90BlockM, kSm90BlockN>(sc, sq, 64 * wq, sk + stage * kP * kPanelElems);
+  issue_abt<kBF16, kBN, kD, kSm90BlockM, kBN>(sc, sq, 64 * wq, sk + stage * kP * kBN * kPanelCols);
 }
 
-template <bool kBF16, int kD>
-__device__ __forceinline__ void issue_pv(float (&o)[kD / 8][4], const uint32_t (&pa)[kSm90BlockN / 16][4],
+template <bool kBF16, int kD, int kBN = kFwdBlockN<kD>>
+__device__ __forceinline__ void issue_pv(float (&o)[kD / 8][4], const uint32_t (&pa)[kBN / 16][4],
                                          const uint16_t* sv, int stage) {
   constexpr int kP = kD / kPanelCols;
-  issue_pb<kBF16, kD, kSm90BlockN, kSm90BlockN>(o, pa, sv + stage * kP * kPanelElems);
+  issue_pb<kBF16, kD, kBN, kBN>(o, pa, sv + stage * kP * kBN * kPanelCols);
 }
 
 // Scores to base 2; keys past M and (causal) past the row hidden.  Warp-uniform test: only the
 // last tile and the tiles crossing this warp's diagonal need the per-entry check.
-__device__ __forceinline__ void scale_and_mask(float (&sc)[kSm90BlockN / 8][4], const Sm90FwdParams& p, int t,
+template <int kBN>
+__device__ __forceinline__ void scale_and_mask(float (&sc)[kBN / 8][4], const Sm90FwdParams& p, int t,
                                                int row0, int g, int tq) {
-  const int j0 = t * kSm90BlockN;
-  const bool edge = j0 + kSm90BlockN > p.M || (p.causal && j0 + kSm90BlockN - 1 > row0);
+  const int j0 = t * kBN;
+  const bool edge = j0 + kBN > p.M || (p.causal && j0 + kBN - 1 > row0);
 #pragma unroll
-  for (int nt = 0; nt < kSm90BlockN / 8; ++nt) {
+  for (int nt = 0; nt < kBN / 8; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float x = sc[nt][e] * p.scale_log2;
@@ -182,13 +202,15 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   __trap();  // an sm_80 pass: never launched (sm90_available); no body to compile for it
 #else
   constexpr int kP = kD / kPanelCols;  // panels per tile
-  constexpr int kNt = kSm90BlockN / 8;
+  constexpr int kBN = kFwdBlockN<kD>;
+  constexpr int kKvPanelElems = kBN * kPanelCols;  // one panel of a K or V tile
+  constexpr int kNt = kBN / 8;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   uint16_t* sq = reinterpret_cast<uint16_t*>(base);
   uint16_t* sk = sq + kP * kPanelElems;
-  uint16_t* sv = sk + kSm90Stages * kP * kPanelElems;
-  uint64_t* q_full = reinterpret_cast<uint64_t*>(sv + kSm90Stages * kP * kPanelElems);
+  uint16_t* sv = sk + kSm90Stages * kP * kKvPanelElems;
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(sv + kSm90Stages * kP * kKvPanelElems);
   uint64_t* q_empty = q_full + 1;  // kPersistent: Q read for the last time by both consumers
   uint64_t* k_full = q_empty + 1;
   uint64_t* v_full = k_full + kSm90Stages;
@@ -218,7 +240,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     tile.q0 = qb * kSm90BlockM;
     // Keys [0, kv_end) can be visible to the block's rows (causal: j <= i < min(q0 + 128, N)).
     const int kv_end = p.causal ? min(p.M, min(tile.q0 + kSm90BlockM, p.N)) : p.M;
-    tile.n_tiles = (kv_end + kSm90BlockN - 1) / kSm90BlockN;
+    tile.n_tiles = (kv_end + kBN - 1) / kBN;
     return tile;
   };
   const int my_tiles =
@@ -253,13 +275,13 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
           const int s = it % kSm90Stages, use = it / kSm90Stages;
           // The stage's previous use released (a fresh barrier's "previous phase" counts as done).
           mbar_wait(&kv_empty[s], (use & 1) ^ 1);
-          mbar_arrive_expect_tx(&k_full[s], kP * kPanelBytes);
+          mbar_arrive_expect_tx(&k_full[s], kP * kKvPanelElems * 2);
           for (int c = 0; c < kP; ++c) {
-            tma_load_4d(sk + (s * kP + c) * kPanelElems, &tm_k, c * kPanelCols, t * kSm90BlockN, hk, b, &k_full[s]);
+            tma_load_4d(sk + (s * kP + c) * kKvPanelElems, &tm_k, c * kPanelCols, t * kBN, hk, b, &k_full[s]);
           }
-          mbar_arrive_expect_tx(&v_full[s], kP * kPanelBytes);
+          mbar_arrive_expect_tx(&v_full[s], kP * kKvPanelElems * 2);
           for (int c = 0; c < kP; ++c) {
-            tma_load_4d(sv + (s * kP + c) * kPanelElems, &tm_v, c * kPanelCols, t * kSm90BlockN, hk, b, &v_full[s]);
+            tma_load_4d(sv + (s * kP + c) * kKvPanelElems, &tm_v, c * kPanelCols, t * kBN, hk, b, &v_full[s]);
           }
         }
       }
@@ -296,7 +318,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
         wgmma_commit();
         wgmma_wait<0>();
         acc_fence(sc);
-        scale_and_mask(sc, p, t, row0, g, tq);
+        scale_and_mask<kBN>(sc, p, t, row0, g, tq);
         online_softmax_update<kNt, kD / 8>(sc, o, m_run, l_run);
 #pragma unroll
         for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(pa[kc], sc, kc);
@@ -332,7 +354,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
       turn_end(false);
       wgmma_wait<0>();
       acc_fence(sc);
-      scale_and_mask(sc, p, 0, row0, g, tq);
+      scale_and_mask<kBN>(sc, p, 0, row0, g, tq);
       float alpha[2];
       online_softmax_scores<kNt>(sc, m_run, l_run, alpha);  // o is still 0: no rescale
 #pragma unroll
@@ -350,7 +372,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
         turn_end(false);
         wgmma_wait<1>();  // S_t done; the P V product may still run
         acc_fence(sc);
-        scale_and_mask(sc, p, t, row0, g, tq);
+        scale_and_mask<kBN>(sc, p, t, row0, g, tq);
         online_softmax_scores<kNt>(sc, m_run, l_run, alpha);
         wgmma_wait<0>();
         acc_fence(o);
@@ -453,15 +475,17 @@ __device__ __forceinline__ void init_bwd_barriers(const BwdSmem& sm) {
 
 // The producer's part (thread 0 of warpgroup 0): the two 128-row tiles at row `row0` of (h0, b),
 // then `steps` pairs of 64-row ring tiles, step u at row `ring_row(u)` of head `ring_head(u)`.
-template <int kD, typename RowOf, typename HeadOf>
+// (kBigRows: the rows of the two tiles; 64 in the D = 256 kernels.)
+template <int kD, int kBigRows = kBwdRows, typename RowOf, typename HeadOf>
 __device__ __forceinline__ void produce_bwd(const BwdSmem& sm, const CUtensorMap* big0, const CUtensorMap* big1,
                                             int row0, int h0, const CUtensorMap* ring0, const CUtensorMap* ring1,
                                             int steps, RowOf ring_row, HeadOf ring_head, int b) {
   constexpr int kP = kD / kPanelCols;
-  mbar_arrive_expect_tx(sm.big_full, 2 * kP * kPanelBytes);
+  constexpr int kBigPanel = kBigRows * kPanelCols;
+  mbar_arrive_expect_tx(sm.big_full, 2 * kP * kBigPanel * 2);
   for (int c = 0; c < kP; ++c) {
-    tma_load_4d(sm.big0 + c * kPanelElems, big0, c * kPanelCols, row0, h0, b, sm.big_full);
-    tma_load_4d(sm.big1 + c * kPanelElems, big1, c * kPanelCols, row0, h0, b, sm.big_full);
+    tma_load_4d(sm.big0 + c * kBigPanel, big0, c * kPanelCols, row0, h0, b, sm.big_full);
+    tma_load_4d(sm.big1 + c * kBigPanel, big1, c * kPanelCols, row0, h0, b, sm.big_full);
   }
   for (int u = 0; u < steps; ++u) {
     const int s = u % kSm90Stages, use = u / kSm90Stages;
@@ -849,6 +873,261 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// backward at D = 256: the head dim split between the two consumers.  The kernels above give
+// each consumer 64 rows of its own; at D = 256 a consumer's dK and dV would be 256 registers
+// (dQ 128 beside S and dP), and the tiles of 128 rows with 2-stage rings 256 KiB of shared
+// memory.  Here both consumers own the same 64 rows of the block (query rows for dQ, keys for
+// dK / dV) and each accumulates half of the output columns (consumer c: columns 128 c .. +127),
+// and the one 64 x 64 score product per step that both need is not computed twice: consumer 0
+// forms S and P, consumer 1 dP, and they meet in shared memory:
+//   1. consumer 0: S = X0 Y0ᵀ -> P (0 where hidden); consumer 1: dP = X1 Y1ᵀ (each by 16
+//      wgmma m64n64k16 over D, at once);
+//   2. consumer 0 writes P (float32, each thread its own 32 slots) -> named barrier 1 ->
+//      consumer 1 reads P, writes dS = P (dP - delta) (0 where hidden) over it in the same slots
+//      -> named barrier 2 -> consumer 0 reads dS;
+//   3. both, from registers: dQ[:, half] += dS K[:, half] (the dQ kernel: X = Q, dO; Y = K, V),
+//      or dV[:, half] += Pᵀ dO[:, half] and dK[:, half] += dSᵀ Q[:, half] (the dK / dV kernel:
+//      X = K, V; Y = Q, dO; its "rows" are keys and its "columns" query rows).
+// The exchange buffer needs no second copy: consumer 0 writes P of step u + 1 after reading dS of
+// step u, consumer 1 writes dS of step u + 1 after barrier 1 of u + 1 (consumer 0 past its read).
+// Per consumer and step: a 64 x 64 x 256 product and 1 or 2 of 64 x 128 x 64, the 7 products per
+// tile pair of the two-kernel backward with none repeated.  Shared memory: the two 64-row tiles
+// (64 KiB), two 2-stage rings of 64-row tiles (128 KiB) and the exchange buffer (16 KiB).
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kWideD = 256;
+constexpr int kWideRows = 64;                      // the block's rows (both consumers')
+constexpr int kWideHalf = kWideD / 2;              // output columns per consumer
+constexpr int kWideSlots = kBwdStep / 8 * 4;       // a thread's entries of a 64 x 64 product: 32
+constexpr size_t kWideXchgBytes = kWideSlots * 128 * sizeof(float);
+
+constexpr size_t sm90_bwd_wide_smem_bytes() {
+  return 1024 + static_cast<size_t>(kWideD / kPanelCols) * (2 * kWideRows + 2 * kSm90Stages * kBwdStep) *
+                    kPanelCols * 2 +
+         kWideXchgBytes + (1 + 2 * kSm90Stages) * sizeof(uint64_t);
+}
+static_assert(sm90_bwd_wide_smem_bytes() <= kSm90MaxSmem, "the D = 256 backward's tiles fit in shared memory");
+
+// kKeys = false: dQ, one block per (64 query rows, h, b), K and V tiles of 64 keys streamed.
+// kKeys = true: dK / dV, one block per (64 keys, kv head, b), Q and dO tiles of 64 rows for each
+// query head of the GQA group (causal: from the first tile with a row >= the block's first key).
+template <bool kBF16, bool kKeys>
+__global__ void __launch_bounds__(kSm90Threads, 1)
+    softmax_bwd_wide_sm90_kernel(const __grid_constant__ CUtensorMap tm_x0, const __grid_constant__ CUtensorMap tm_x1,
+                                 const __grid_constant__ CUtensorMap tm_y0, const __grid_constant__ CUtensorMap tm_y1,
+                                 const Sm90BwdParams p) {
+#if !ATTNKIT_SM90A
+  __trap();  // an sm_80 pass: never launched (sm90_available); no body to compile for it
+#else
+  constexpr int kP = kWideD / kPanelCols;
+  constexpr int kNt = kBwdStep / 8;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  BwdSmem sm;
+  sm.big0 = reinterpret_cast<uint16_t*>(base);
+  sm.big1 = sm.big0 + kP * kStepElems;
+  sm.ring0 = sm.big1 + kP * kStepElems;
+  sm.ring1 = sm.ring0 + kSm90Stages * kP * kStepElems;
+  float* xchg = reinterpret_cast<float*>(sm.ring1 + kSm90Stages * kP * kStepElems);
+  sm.big_full = reinterpret_cast<uint64_t*>(xchg + kWideSlots * 128);
+  sm.ring_full = sm.big_full + 1;
+  sm.ring_empty = sm.ring_full + kSm90Stages;
+
+  const int bx = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  // dQ: causal blocks longest first.  x0: the block's first row (query row or key).
+  const int x0 = (kKeys || !p.causal ? bx : static_cast<int>(gridDim.x) - 1 - bx) * kWideRows;
+  int first = 0, per_head = 0, steps = 0;
+  if constexpr (kKeys) {
+    first = p.causal ? x0 / kBwdStep : 0;  // query rows i < x0 see none of these keys
+    per_head = max((p.N + kBwdStep - 1) / kBwdStep - first, 0);
+    steps = p.group * per_head;
+  } else {
+    const int kv_end = p.causal ? min(p.M, min(x0 + kWideRows, p.N)) : p.M;
+    steps = (kv_end + kBwdStep - 1) / kBwdStep;
+  }
+  // Step u's ring tile: its first row and its head.
+  auto ring_row = [=](int u) { return kKeys ? (first + u % per_head) * kBwdStep : u * kBwdStep; };
+  auto ring_head = [=](int u) { return kKeys ? head * p.group + u / per_head : head / p.group; };
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  init_bwd_barriers(sm);
+
+  if (wg == 0) {
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      produce_bwd<kWideD, kWideRows>(sm, &tm_x0, &tm_x1, x0, head, &tm_y0, &tm_y1, steps, ring_row, ring_head, b);
+    }
+    return;
+  }
+
+  setmaxnreg_inc<kConsumerRegs>();
+  const int wc = wg - 1;  // 0: S and P; 1: dP and dS.  Output columns 128 wc .. 128 wc + 127.
+  const int tid = static_cast<int>(threadIdx.x) % 128;
+  const int warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, tq = lane % 4;
+  const int xw = x0 + 16 * warp;  // this warp's first row
+  // dQ: the rows' lse (base 2) and delta, once.
+  float lse2[2] = {INFINITY, INFINITY}, delta[2] = {0.f, 0.f};
+  if constexpr (!kKeys) {
+    const int64_t row_base = (static_cast<int64_t>(b) * p.H + head) * p.N;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = xw + g + 8 * r;
+      if (i < p.N) {
+        lse2[r] = lse_log2(p.lse[row_base + i]);
+        delta[r] = p.delta[row_base + i];
+      }
+    }
+  }
+  float acc0[kWideHalf / 8][4], acc1[kKeys ? kWideHalf / 8 : 1][4];  // dQ; or dV, dK
+#pragma unroll
+  for (int dt = 0; dt < kWideHalf / 8; ++dt) {
+    acc0[dt][0] = acc0[dt][1] = acc0[dt][2] = acc0[dt][3] = 0.f;
+    if constexpr (kKeys) acc1[dt][0] = acc1[dt][1] = acc1[dt][2] = acc1[dt][3] = 0.f;
+  }
+  float sc[kNt][4];
+  uint32_t pa[kNt / 2][4], da[kNt / 2][4];
+  auto ring_tile = [&](const uint16_t* ring, int u) { return ring + (u % kSm90Stages) * kP * kStepElems; };
+  // Entry (nt, e) of this thread: block row xw + g + 8 (e / 2), tile column c0 + 8 nt + 2 tq + e % 2.
+  // A query row i and a key j: visible iff i < N, j < M and (causal) j <= i.
+  auto visible = [&](int c0, int nt, int e) {
+    const int x = xw + g + 8 * (e >> 1), y = c0 + 8 * nt + 2 * tq + (e & 1);
+    const int i = kKeys ? y : x, j = kKeys ? x : y;
+    return i < p.N && j < p.M && (!p.causal || j <= i);
+  };
+
+  mbar_wait(sm.big_full, 0);
+  for (int u = 0; u < steps; ++u) {
+    const int c0 = ring_row(u);
+    // Only tiles that cross N, M or the diagonal test each entry (warp-uniform).
+    const bool edge = kKeys ? (c0 + kBwdStep > p.N || xw + 16 > p.M || (p.causal && xw + 15 > c0))
+                            : (xw + 16 > p.N || c0 + kBwdStep > p.M || (p.causal && c0 + kBwdStep - 1 > xw));
+    mbar_wait(&sm.ring_full[u % kSm90Stages], static_cast<uint32_t>(u / kSm90Stages) & 1u);
+    wgmma_fence();
+    issue_abt<kBF16, kBwdStep, kWideD, kWideRows, kBwdStep>(sc, wc == 0 ? sm.big0 : sm.big1, 0,
+                                                             ring_tile(wc == 0 ? sm.ring0 : sm.ring1, u));
+    wgmma_commit();
+    wgmma_wait<0>();
+    acc_fence(sc);
+    if (wc == 0) {
+      // dK / dV: the columns' lse (base 2), per step.
+      float l2[kNt][2];
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          if constexpr (kKeys) {
+            const int i = c0 + 8 * nt + 2 * tq + c;
+            const int64_t row_base = (static_cast<int64_t>(b) * p.H + ring_head(u)) * p.N;
+            l2[nt][c] = i < p.N ? lse_log2(p.lse[row_base + i]) : INFINITY;
+          } else {
+            l2[nt][c] = 0.f;
+          }
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float l = kKeys ? l2[nt][e & 1] : lse2[e >> 1];
+          sc[nt][e] = !edge || visible(c0, nt, e) ? exp2_approx(sc[nt][e] * p.scale_log2 - l) : 0.f;
+          xchg[(4 * nt + e) * 128 + tid] = sc[nt][e];
+        }
+      }
+      if constexpr (kKeys) {
+#pragma unroll
+        for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(pa[kc], sc, kc);
+      }
+      named_bar_sync(1, 256);  // P in place
+      named_bar_sync(2, 256);  // dS in place
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nt][e] = xchg[(4 * nt + e) * 128 + tid];
+      }
+    } else {
+      float dl[kNt][2];
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          if constexpr (kKeys) {
+            const int i = c0 + 8 * nt + 2 * tq + c;
+            const int64_t row_base = (static_cast<int64_t>(b) * p.H + ring_head(u)) * p.N;
+            dl[nt][c] = i < p.N ? p.delta[row_base + i] : 0.f;
+          } else {
+            dl[nt][c] = 0.f;
+          }
+        }
+      }
+      named_bar_sync(1, 256);  // P in place
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+        float pr[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float& slot = xchg[(4 * nt + e) * 128 + tid];
+          pr[e] = slot;
+          const float d = kKeys ? dl[nt][e & 1] : delta[e >> 1];
+          // dS (0 where hidden, even where dP or delta is NaN: no 0 · NaN)
+          sc[nt][e] = !edge || visible(c0, nt, e) ? pr[e] * (sc[nt][e] - d) : 0.f;
+          slot = sc[nt][e];
+        }
+        if constexpr (kKeys) {
+          if (nt % 2 == 0) {
+            pa[nt / 2][0] = pack2<kBF16>(pr[0], pr[1]);
+            pa[nt / 2][1] = pack2<kBF16>(pr[2], pr[3]);
+          } else {
+            pa[nt / 2][2] = pack2<kBF16>(pr[0], pr[1]);
+            pa[nt / 2][3] = pack2<kBF16>(pr[2], pr[3]);
+          }
+        }
+      }
+      named_bar_sync(2, 256);  // dS in place
+    }
+#pragma unroll
+    for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(da[kc], sc, kc);
+    wgmma_fence();
+    const int half = wc * (kWideHalf / kPanelCols) * kStepElems;  // panels 2 wc, 2 wc + 1 of a ring tile
+    if constexpr (kKeys) {
+      issue_pb<kBF16, kWideHalf, kBwdStep, kBwdStep>(acc0, pa, ring_tile(sm.ring1, u) + half);  // dV += Pᵀ dO
+      issue_pb<kBF16, kWideHalf, kBwdStep, kBwdStep>(acc1, da, ring_tile(sm.ring0, u) + half);  // dK += dSᵀ Q
+    } else {
+      issue_pb<kBF16, kWideHalf, kBwdStep, kBwdStep>(acc0, da, ring_tile(sm.ring0, u) + half);  // dQ += dS K
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    acc_fence(acc0);
+    acc_fence(acc1);
+    acc_fence(pa);
+    acc_fence(da);
+    mbar_arrive(&sm.ring_empty[u % kSm90Stages]);
+  }
+
+  // The rows' halves: dQ · scale; or dV, and dK · scale.
+  const int64_t out_base = (static_cast<int64_t>(b) * (kKeys ? p.Hk : p.H) + head) * (kKeys ? p.M : p.N);
+  const int rows = kKeys ? p.M : p.N;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int x = xw + g + 8 * r;
+    if (x < rows) {
+      const int64_t at = (out_base + x) * kWideD + wc * kWideHalf + 2 * tq;
+#pragma unroll
+      for (int dt = 0; dt < kWideHalf / 8; ++dt) {
+        if constexpr (kKeys) {
+          *reinterpret_cast<uint32_t*>(p.dv + at + 8 * dt) = pack2<kBF16>(acc0[dt][2 * r], acc0[dt][2 * r + 1]);
+          *reinterpret_cast<uint32_t*>(p.dk + at + 8 * dt) =
+              pack2<kBF16>(acc1[dt][2 * r] * p.scale, acc1[dt][2 * r + 1] * p.scale);
+        } else {
+          *reinterpret_cast<uint32_t*>(p.dq + at + 8 * dt) =
+              pack2<kBF16>(acc0[dt][2 * r] * p.scale, acc0[dt][2 * r + 1] * p.scale);
+        }
+      }
+    }
+  }
+#endif
+}
+
 // dq = dq_acc · scale rounded to the input dtype (ATTNKIT_CUDA_SM90=atomic), 8 elements a thread
 // (n is a multiple of 8: D is 64 or 128).
 template <bool kBF16>
@@ -1011,12 +1290,12 @@ void launch_sm90(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap
   }
 }
 
-// maps: the dQ kernel's q and dO (128-row boxes), k and v (64-row boxes), then the dK / dV
-// kernel's k and v (128-row boxes), q and dO (64-row boxes).
+// maps: the dQ kernel's q and dO (128-row boxes; 64 at D = 256), k and v (64-row boxes), then the
+// dK / dV kernel's k and v (128-row boxes; 64 at D = 256), q and dO (64-row boxes).
 // atomic: the dK / dV kernel adds dQ / scale to p.dq_acc (zeroed), then sm90_dq_convert_kernel.
 template <bool kBF16, int kD>
-void launch_sm90_bwd(const CUtensorMap (&maps)[8], const Sm90BwdParams& p, int64_t B, cudaStream_t stream,
-                     bool atomic) {
+void launch_sm90_bwd_narrow(const CUtensorMap (&maps)[8], const Sm90BwdParams& p, int64_t B, cudaStream_t stream,
+                            bool atomic) {
   constexpr size_t smem = sm90_bwd_smem_bytes<kD>();
   if (atomic) {
     constexpr size_t smem_ds = sm90_bwd_smem_bytes<kD, true>();
@@ -1048,12 +1327,41 @@ void launch_sm90_bwd(const CUtensorMap (&maps)[8], const Sm90BwdParams& p, int64
   }
 }
 
+// D = 256: the two wide kernels (every map with 64-row boxes; `atomic` does not apply: dQ has
+// its own kernel).
+template <bool kBF16, int kD>
+void launch_sm90_bwd(const CUtensorMap (&maps)[8], const Sm90BwdParams& p, int64_t B, cudaStream_t stream,
+                     bool atomic) {
+  if constexpr (kD == kWideD) {
+    constexpr size_t wide = sm90_bwd_wide_smem_bytes();
+    if (p.N > 0) {
+      allow_smem(softmax_bwd_wide_sm90_kernel<kBF16, false>, wide);
+      const dim3 grid(static_cast<unsigned>((p.N + kWideRows - 1) / kWideRows), static_cast<unsigned>(p.H),
+                      static_cast<unsigned>(B));
+      softmax_bwd_wide_sm90_kernel<kBF16, false><<<grid, kSm90Threads, wide, stream>>>(maps[0], maps[1], maps[2],
+                                                                                         maps[3], p);
+    }
+    if (p.M > 0) {
+      allow_smem(softmax_bwd_wide_sm90_kernel<kBF16, true>, wide);
+      const dim3 grid(static_cast<unsigned>((p.M + kWideRows - 1) / kWideRows), static_cast<unsigned>(p.Hk),
+                      static_cast<unsigned>(B));
+      softmax_bwd_wide_sm90_kernel<kBF16, true><<<grid, kSm90Threads, wide, stream>>>(maps[4], maps[5], maps[6],
+                                                                                        maps[7], p);
+    }
+  } else {
+    launch_sm90_bwd_narrow<kBF16, kD>(maps, p, B, stream, atomic);
+  }
+}
+
 // The mode the call takes: kOff where the kernels do not apply (backward: dout given).
 Sm90Mode sm90_mode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* dout) {
   const Sm90Mode mode = sm90_requested();
-  if (mode == Sm90Mode::kOff || (dout != nullptr && mode == Sm90Mode::kForwardOnly)) return Sm90Mode::kOff;
   const int64_t D = q.size(3);
-  if ((D != 64 && D != 128) || v.size(3) != D || q.numel() == 0 || k.numel() == 0) return Sm90Mode::kOff;
+  // "fwd" keeps softmax.cu's backward, except at D = 256, which only these kernels take.
+  if (mode == Sm90Mode::kOff || (dout != nullptr && mode == Sm90Mode::kForwardOnly && D != kWideD))
+    return Sm90Mode::kOff;
+  if ((D != 64 && D != 128 && D != kWideD) || v.size(3) != D || q.numel() == 0 || k.numel() == 0)
+    return Sm90Mode::kOff;
   if (!tma_strides_ok(q) || !tma_strides_ok(k) || !tma_strides_ok(v) || (dout != nullptr && !tma_strides_ok(*dout)))
     return Sm90Mode::kOff;
   c10::cuda::CUDAGuard guard(q.device());
@@ -1077,8 +1385,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> softmax_fwd_cuda_sm90(const at
   c10::cuda::CUDAGuard guard(q.device());
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   CUtensorMap tq, tk, tv;
-  if (!make_map(&tq, q, bf16, kSm90BlockM) || !make_map(&tk, k, bf16, kSm90BlockN) ||
-      !make_map(&tv, v, bf16, kSm90BlockN)) {
+  const uint32_t block_n = D == 256 ? kFwdBlockN<256> : kFwdBlockN<128>;
+  if (!make_map(&tq, q, bf16, kSm90BlockM) || !make_map(&tk, k, bf16, block_n) || !make_map(&tv, v, bf16, block_n)) {
     return std::nullopt;
   }
   at::Tensor out = at::empty({B, H, N, D}, q.options());
@@ -1101,11 +1409,13 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> softmax_fwd_cuda_sm90(const at
                         : dim3(static_cast<unsigned>(p.q_blocks), static_cast<unsigned>(H), static_cast<unsigned>(B));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (bf16) {
-    D == 64 ? launch_sm90<true, 64>(tq, tk, tv, p, grid, stream, mode)
-            : launch_sm90<true, 128>(tq, tk, tv, p, grid, stream, mode);
+    D == 64    ? launch_sm90<true, 64>(tq, tk, tv, p, grid, stream, mode)
+    : D == 128 ? launch_sm90<true, 128>(tq, tk, tv, p, grid, stream, mode)
+               : launch_sm90<true, 256>(tq, tk, tv, p, grid, stream, mode);
   } else {
-    D == 64 ? launch_sm90<false, 64>(tq, tk, tv, p, grid, stream, mode)
-            : launch_sm90<false, 128>(tq, tk, tv, p, grid, stream, mode);
+    D == 64    ? launch_sm90<false, 64>(tq, tk, tv, p, grid, stream, mode)
+    : D == 128 ? launch_sm90<false, 128>(tq, tk, tv, p, grid, stream, mode)
+               : launch_sm90<false, 256>(tq, tk, tv, p, grid, stream, mode);
   }
   return std::make_tuple(out, lse);
 }
@@ -1118,16 +1428,17 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> softmax_bwd_cuda_s
   c10::cuda::CUDAGuard guard(q.device());
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   CUtensorMap maps[8];
-  if (!make_map(&maps[0], q, bf16, kBwdRows) || !make_map(&maps[1], dout, bf16, kBwdRows) ||
+  const uint32_t big = D == kWideD ? kWideRows : kBwdRows;  // the wide kernels' blocks: 64 rows
+  if (!make_map(&maps[0], q, bf16, big) || !make_map(&maps[1], dout, bf16, big) ||
       !make_map(&maps[2], k, bf16, kBwdStep) || !make_map(&maps[3], v, bf16, kBwdStep) ||
-      !make_map(&maps[4], k, bf16, kBwdRows) || !make_map(&maps[5], v, bf16, kBwdRows) ||
+      !make_map(&maps[4], k, bf16, big) || !make_map(&maps[5], v, bf16, big) ||
       !make_map(&maps[6], q, bf16, kBwdStep) || !make_map(&maps[7], dout, bf16, kBwdStep)) {
     return std::nullopt;
   }
   at::Tensor dq = at::empty({B, H, N, D}, q.options());
   at::Tensor dk = at::empty({B, Hk, M, D}, q.options());
   at::Tensor dv = at::empty({B, Hk, M, D}, q.options());
-  const bool atomic = sm90_requested() == Sm90Mode::kAtomic;
+  const bool atomic = sm90_requested() == Sm90Mode::kAtomic && D != kWideD;
   at::Tensor dq_acc = atomic ? at::zeros({B, H, N, D}, q.options().dtype(at::kFloat)) : at::Tensor();
   Sm90BwdParams p;
   p.dq_acc = atomic ? dq_acc.data_ptr<float>() : nullptr;
@@ -1146,11 +1457,13 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> softmax_bwd_cuda_s
   p.causal = is_causal;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (bf16) {
-    D == 64 ? launch_sm90_bwd<true, 64>(maps, p, B, stream, atomic)
-            : launch_sm90_bwd<true, 128>(maps, p, B, stream, atomic);
+    D == 64    ? launch_sm90_bwd<true, 64>(maps, p, B, stream, atomic)
+    : D == 128 ? launch_sm90_bwd<true, 128>(maps, p, B, stream, atomic)
+               : launch_sm90_bwd<true, 256>(maps, p, B, stream, atomic);
   } else {
-    D == 64 ? launch_sm90_bwd<false, 64>(maps, p, B, stream, atomic)
-            : launch_sm90_bwd<false, 128>(maps, p, B, stream, atomic);
+    D == 64    ? launch_sm90_bwd<false, 64>(maps, p, B, stream, atomic)
+    : D == 128 ? launch_sm90_bwd<false, 128>(maps, p, B, stream, atomic)
+               : launch_sm90_bwd<false, 256>(maps, p, B, stream, atomic);
   }
   return std::make_tuple(dq, dk, dv);
 }

@@ -294,11 +294,13 @@ NONFINITE = {
 }
 
 
+@pytest.mark.parametrize("d", (64, 256))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("name", NONFINITE)
-def test_nonfinite_inputs_propagate_like_the_reference(emulator, name, causal):
-    # Issue 15's rule (attnkit_testing.assert_nonfinite_like_reference), as for softmax.cu.
-    case = Case(F16, 64, 1, 2, 1, 150, 200, causal)
+def test_nonfinite_inputs_propagate_like_the_reference(emulator, name, causal, d):
+    # Issue 15's rule (attnkit_testing.assert_nonfinite_like_reference), as for softmax.cu.  D = 256:
+    # the wide backward's dS, 0 where hidden even where a NaN row's delta is NaN.
+    case = Case(F16, d, 1, 2, 1, 150, 200, causal)
     emulator.configure(seed=5)
     got, (q, k, v, dout, scale) = run_emulated(
         emulator, case, edit=lambda q, k, v: poison(NONFINITE[name], q, k, v, None))
@@ -380,3 +382,30 @@ def test_switched_mutants_off_pass(builds):
         check(emu, MUTANT_CASE, loop=loop)
     results, (q, k, v, dout, scale) = run_emulated(emu, NEGATIVE_CASE, edit=_very_negative_scores, atomic=True)
     assert_matches_reference(results, q, k, v, dout, None, scale, NEGATIVE_CASE)
+
+
+# D = 256: the forward's K / V tiles are 64 keys (kFwdBlockN), its P V product two N = 128
+# halves; the backward's two wide kernels (64-row blocks, the head dim split between the
+# consumers, P and dS exchanged through shared memory), 64-row ring tiles reused from 129 rows /
+# keys on.  GQA groups of 1, 2 and 4, causal and not, N and M across the tile edges.
+D256_CASES = [
+    Case(BF16, 256, 1, 2, 1, 130, 200, True),
+    Case(F16, 256, 1, 2, 2, 65, 129, False),
+    Case(BF16, 256, 1, 4, 1, 200, 70, False, scale=0.2),
+    Case(F16, 256, 1, 4, 2, 1, 1, True),
+    Case(F16, 256, 1, 2, 2, 150, 150, True),
+]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("case", D256_CASES, ids=str)
+def test_d256_matches_reference(emulator, case, loop):
+    emulator.configure(seed=31 + D256_CASES.index(case))
+    if loop == "overlap":
+        check(emulator, case, loop=loop)
+        return
+    results, (q, k, v, dout, scale) = run_emulated(emulator, case, loop=loop, backward=False)
+    ref64 = _reference(q, k, v, dout, None, scale, case.causal, F64)
+    ref_low = _reference(q, k, v, dout, None, scale, case.causal, case.dtype)
+    for name, x, r64, rlow in zip(("out", "lse"), results, ref64, ref_low):
+        assert_close_to_reference(x, r64, rlow, name=f"{name} [{case}, {loop}]", dtype=case.dtype)

@@ -139,7 +139,9 @@ def _wgmma_asm(n, dtype, rs):
     scale-d, imm-trans-b)."""
     nd = n // 2
     regs = ", ".join(f"%{i}" for i in range(nd))
-    outs = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(nd))  # d[N / 8][4]: register 4j + e is d[j][e]
+    # d[N / 8][4]: register 4j + e is d[j][e] (wgmma_rs: d[kOff + j][e], a part of a wider d)
+    off = "kOff + " if rs else ""
+    outs = ", ".join(f'"+f"(d[{off}{i // 4}][{i % 4}])' for i in range(nd))
     if rs:
         scale, trans = nd + 5, nd + 6
         operands = "{" + ", ".join(f"%{nd + i}" for i in range(4)) + f"}}, %{nd + 4}, p, 1, 1, %{trans}"
@@ -157,7 +159,9 @@ def _wgmma_body(name, rs):
     def pick(n):
         return (f"if constexpr (kBF16) {{ {_wgmma_asm(n, 'bf16', rs)} }} "
                 f"else {{ {_wgmma_asm(n, 'f16', rs)} }}")
-    return (f'#if ATTNKIT_SM90A static_assert(kN == 64 || kN == 128, "{name}: N is 64 or 128"); '
+    inside = (f' static_assert(kOff >= 0 && kOff + kN / 8 <= kNt, "{name}: the accumulators lie inside d");'
+              if rs else "")
+    return (f'#if ATTNKIT_SM90A static_assert(kN == 64 || kN == 128, "{name}: N is 64 or 128");{inside} '
             f"if constexpr (kN == 64) {{ {pick(64)} }} else {{ {pick(128)} }} #else __trap(); #endif")
 
 
@@ -239,8 +243,8 @@ SM90_HELPERS = {
         _wgmma_body("wgmma_ss", rs=False),
     ),
     "wgmma_rs": (
-        "template <bool kBF16, int kN, int kTransB> __device__ __forceinline__ void wgmma_rs("
-        "float (&d)[kN / 8][4], const uint32_t (&a)[4], uint64_t desc_b, int scale_d)",
+        "template <bool kBF16, int kN, int kTransB, int kOff = 0, int kNt = kN / 8> __device__ __forceinline__ "
+        "void wgmma_rs(float (&d)[kNt][4], const uint32_t (&a)[4], uint64_t desc_b, int scale_d)",
         _wgmma_body("wgmma_rs", rs=True),
     ),
 }

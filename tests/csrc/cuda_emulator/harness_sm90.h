@@ -821,9 +821,10 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 8][4], uint64_t desc_a,
   emu::sm90::wgmma<kBF16, kN, kTransB>(&d[0][0], nullptr, desc_a, desc_b, scale_d);
 }
 
-template <bool kBF16, int kN, int kTransB>
-__device__ __forceinline__ void wgmma_rs(float (&d)[kN / 8][4], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
-  emu::sm90::wgmma<kBF16, kN, kTransB>(&d[0][0], a, 0, desc_b, scale_d);
+template <bool kBF16, int kN, int kTransB, int kOff = 0, int kNt = kN / 8>
+__device__ __forceinline__ void wgmma_rs(float (&d)[kNt][4], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+  static_assert(kOff >= 0 && kOff + kN / 8 <= kNt, "wgmma_rs: the accumulators lie inside d");
+  emu::sm90::wgmma<kBF16, kN, kTransB>(&d[kOff][0], a, 0, desc_b, scale_d);
 }
 
 }  // namespace

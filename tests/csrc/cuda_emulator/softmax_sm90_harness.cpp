@@ -73,7 +73,36 @@ bool fwd(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, co
 }
 
 template <bool BF, int D>
+bool bwd_narrow(const CUtensorMap* m, const Sm90BwdParams& p, int B, bool atomic);
+
+template <bool BF, int D>
 bool bwd(const CUtensorMap* m, const Sm90BwdParams& p, int B, bool atomic) {
+  const CUtensorMap m0 = m[0], m1 = m[1], m2 = m[2], m3 = m[3], m4 = m[4], m5 = m[5], m6 = m[6], m7 = m[7];
+  if constexpr (D == kWideD) {  // launch_sm90_bwd's D = 256 branch (atomic does not apply)
+    if (atomic) return fail("the D = 256 backward has no atomic dQ");
+    const size_t wide = sm90_bwd_wide_smem_bytes();
+    if (p.N > 0) {
+      const dim3 grid{static_cast<unsigned>((p.N + kWideRows - 1) / kWideRows), static_cast<unsigned>(p.H),
+                      static_cast<unsigned>(B)};
+      if (!emu::launch("softmax_bwd_wide_sm90_kernel", grid, kSm90Threads, wide,
+                       [=] { softmax_bwd_wide_sm90_kernel<BF, false>(m0, m1, m2, m3, p); }))
+        return false;
+    }
+    if (p.M > 0) {
+      const dim3 grid{static_cast<unsigned>((p.M + kWideRows - 1) / kWideRows), static_cast<unsigned>(p.Hk),
+                      static_cast<unsigned>(B)};
+      if (!emu::launch("softmax_bwd_wide_sm90_kernel", grid, kSm90Threads, wide,
+                       [=] { softmax_bwd_wide_sm90_kernel<BF, true>(m4, m5, m6, m7, p); }))
+        return false;
+    }
+    return true;
+  } else {
+    return bwd_narrow<BF, D>(m, p, B, atomic);
+  }
+}
+
+template <bool BF, int D>
+bool bwd_narrow(const CUtensorMap* m, const Sm90BwdParams& p, int B, bool atomic) {
   const size_t smem = sm90_bwd_smem_bytes<D>();
   const CUtensorMap m0 = m[0], m1 = m[1], m2 = m[2], m3 = m[3], m4 = m[4], m5 = m[5], m6 = m[6], m7 = m[7];
   if (atomic) {  // launch_sm90_bwd's atomic branch (p.dq_acc zeroed by the caller)
@@ -112,13 +141,15 @@ bool dispatch(int bf16, int D, F&& f) {
   if (bf16 || D != 64) return fail("this build has only the fp16, D = 64 kernels (EMU_ONLY_F16_D64)");
   return f(std::false_type{}, std::integral_constant<int, 64>{});
 #else
-  if (D != 64 && D != 128) return fail("head dim " + std::to_string(D) + " not supported (64, 128)");
+  if (D != 64 && D != 128 && D != 256) return fail("head dim " + std::to_string(D) + " not supported (64, 128, 256)");
   if (bf16) {
-    return D == 64 ? f(std::true_type{}, std::integral_constant<int, 64>{})
-                   : f(std::true_type{}, std::integral_constant<int, 128>{});
+    return D == 64    ? f(std::true_type{}, std::integral_constant<int, 64>{})
+           : D == 128 ? f(std::true_type{}, std::integral_constant<int, 128>{})
+                      : f(std::true_type{}, std::integral_constant<int, 256>{});
   }
-  return D == 64 ? f(std::false_type{}, std::integral_constant<int, 64>{})
-                 : f(std::false_type{}, std::integral_constant<int, 128>{});
+  return D == 64    ? f(std::false_type{}, std::integral_constant<int, 64>{})
+         : D == 128 ? f(std::false_type{}, std::integral_constant<int, 128>{})
+                    : f(std::false_type{}, std::integral_constant<int, 256>{});
 #endif
 }
 }  // namespace
@@ -133,8 +164,9 @@ extern "C" int emu_softmax_sm90_fwd(int bf16, int D, int loop, const uint16_t* q
                                     int causal) {
   begin();
   CUtensorMap tq, tk, tv;
-  if (!make_map(tq, q, qs, B, H, N, D, kSm90BlockM) || !make_map(tk, k, ks, B, Hk, M, D, kSm90BlockN) ||
-      !make_map(tv, v, vs, B, Hk, M, D, kSm90BlockN))
+  const uint32_t block_n = D == 256 ? kFwdBlockN<256> : kFwdBlockN<128>;
+  if (!make_map(tq, q, qs, B, H, N, D, kSm90BlockM) || !make_map(tk, k, ks, B, Hk, M, D, block_n) ||
+      !make_map(tv, v, vs, B, Hk, M, D, block_n))
     return 1;
   Sm90FwdParams p;
   p.out = out;
@@ -164,9 +196,10 @@ extern "C" int emu_softmax_sm90_bwd(int bf16, int D, float* dq_acc, const uint16
                                     int causal) {
   begin();
   CUtensorMap m[8];
-  if (!make_map(m[0], q, qs, B, H, N, D, kBwdRows) || !make_map(m[1], dout, dos, B, H, N, D, kBwdRows) ||
+  const uint32_t big = D == kWideD ? kWideRows : kBwdRows;
+  if (!make_map(m[0], q, qs, B, H, N, D, big) || !make_map(m[1], dout, dos, B, H, N, D, big) ||
       !make_map(m[2], k, ks, B, Hk, M, D, kBwdStep) || !make_map(m[3], v, vs, B, Hk, M, D, kBwdStep) ||
-      !make_map(m[4], k, ks, B, Hk, M, D, kBwdRows) || !make_map(m[5], v, vs, B, Hk, M, D, kBwdRows) ||
+      !make_map(m[4], k, ks, B, Hk, M, D, big) || !make_map(m[5], v, vs, B, Hk, M, D, big) ||
       !make_map(m[6], q, qs, B, H, N, D, kBwdStep) || !make_map(m[7], dout, dos, B, H, N, D, kBwdStep))
     return 1;
   Sm90BwdParams p;
