@@ -141,9 +141,10 @@ namespace checks = attnkit::checks;
 
 // A target for the tests: backend "cpu" or "cuda"; device: the device type the tensors must have
 // (default: the backend's; "meta" runs the CUDA branch on meta tensors, without a GPU); cc and
-// smem_optin: the made-up CUDA device (default: an H100, compute capability 9.0, 227 KiB).
+// smem_optin: the made-up CUDA device (default: an H100, compute capability 9.0, 227 KiB); sm90:
+// whether the Hopper softmax kernels run there (default no: ATTNKIT_CUDA_SM90 is opt-in).
 checks::Target make_target(const std::string& backend, const std::optional<std::string>& device,
-                           std::tuple<int, int> cc, int64_t smem_optin) {
+                           std::tuple<int, int> cc, int64_t smem_optin, bool sm90) {
   ATTNKIT_CHECK(backend == "cpu" || backend == "cuda", "backend must be 'cpu' or 'cuda'; got '", backend, "'");
   checks::Target t;
   t.backend = backend == "cuda" ? checks::Backend::kCuda : checks::Backend::kCpu;
@@ -151,6 +152,7 @@ checks::Target make_target(const std::string& backend, const std::optional<std::
   t.cc_major = std::get<0>(cc);
   t.cc_minor = std::get<1>(cc);
   t.smem_optin = smem_optin;
+  t.sm90_kernels = sm90;
   return t;
 }
 
@@ -197,6 +199,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       "softmax_bwd_call", &attnkit::call_softmax_bwd,
       "attnkit::softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal) through the dispatcher, typed");
   attnkit::bind_softmax_autograd(module);
+  module.def(
+      "softmax_sm90_enabled",
+      [](int64_t device) {
+#ifdef ATTNKIT_WITH_CUDA
+        return attnkit::softmax_sm90_enabled(static_cast<int>(device));
+#else
+        (void)device;
+        return false;
+#endif
+      },
+      "whether the cuda softmax runs its Hopper kernels on CUDA device `device` (ATTNKIT_CUDA_SM90 set, an sm_90a "
+      "build, compute capability 9.0): then it takes D = Dv = 256 unmasked");
   module.def("openmp_max_threads", []() { return at::get_num_threads(); },
              "threads the CPU kernels use (torch's intra-op pool)");
 
@@ -207,7 +221,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   py::module_ c = module.def_submodule("_checks", "the ops' input checks, for the tests (csrc/checks/)");
   py::class_<checks::Target>(c, "Target")
       .def(py::init(&make_target), py::arg("backend"), py::kw_only(), py::arg("device") = py::none(),
-           py::arg("cc") = std::make_tuple(9, 0), py::arg("smem_optin") = int64_t{227 * 1024});
+           py::arg("cc") = std::make_tuple(9, 0), py::arg("smem_optin") = int64_t{227 * 1024},
+           py::arg("sm90") = false);
   // softmax: the score options default as in the schema.
   c.def("softmax_fwd", &checks::softmax_fwd, py::arg("target"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("mask"), py::arg("scale"), py::arg("is_causal"), py::arg("window_left") = -1,

@@ -50,6 +50,9 @@ struct Target {
   // in to (bytes).  Read from the device by cuda_target(); made up by the tests.
   int cc_major = 0, cc_minor = 0;
   int64_t smem_optin = 0;
+  // CUDA: the Hopper softmax kernels (csrc/cuda/softmax_sm90.cu) run on this device -- an sm_90a
+  // build, compute capability 9.0, ATTNKIT_CUDA_SM90 set -- so softmax takes D = 256 unmasked.
+  bool sm90_kernels = false;
 
   bool cuda() const { return backend == Backend::kCuda; }
 };
@@ -180,11 +183,13 @@ inline void check_flash_qkv_basics(const Op& op, const char* layout, const at::T
 
 // CUDA, the flash-style kernels' limits: D = Dv in {64, 128}, row indices in int (`n_name`,
 // `m_name`: the lengths' names in the message), B and H within the grid, compute capability 8.0.
+// wide: D = Dv = 256 too (softmax on the Hopper kernels); wide_hint: say when it would be.
 inline void check_flash_cuda_limits(const Op& op, int64_t B, int64_t H, const char* n_name, int64_t N,
-                                    const char* m_name, int64_t M, int64_t D, int64_t Dv) {
-  ATTNKIT_CHECK(cuda_limits::flash_head_dim(D) && Dv == D, op,
+                                    const char* m_name, int64_t M, int64_t D, int64_t Dv, bool wide = false,
+                                    const char* wide_hint = "") {
+  ATTNKIT_CHECK((cuda_limits::flash_head_dim(D) || (wide && D == cuda_limits::kSm90WideHeadDim)) && Dv == D, op,
                 ": the cuda kernels support head dims 64 and 128, with value's head dim equal to query's; got D = ", D,
-                ", Dv = ", Dv);
+                ", Dv = ", Dv, (D == cuda_limits::kSm90WideHeadDim ? wide_hint : ""));
   ATTNKIT_CHECK(N < (int64_t{1} << 30) && M < (int64_t{1} << 30), op, ": sequence lengths must be < 2^30; got ",
                 n_name, " = ", N, ", ", m_name, " = ", M);
   check_grid_bh(op, B, H);
@@ -209,6 +214,7 @@ inline Target cuda_target(const at::Tensor& lead) {
                 cudaGetErrorString(err));
   }
   t.smem_optin = smem;
+  t.sm90_kernels = softmax_sm90_enabled(dev);
   return t;
 }
 

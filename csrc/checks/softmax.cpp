@@ -3,7 +3,8 @@
 //
 // What differs by backend: the CPU kernel takes any floating dtype, any head dims (Dv may differ
 // from D) and a mask of exactly [B, H, N, M] (a stride-0 broadcast view is fine); the CUDA kernels
-// take float16 / bfloat16 on compute capability >= 8.0, D = Dv in {64, 128}, N, M < 2^30, B and H
+// take float16 / bfloat16 on compute capability >= 8.0, D = Dv in {64, 128} (and 256 unmasked where
+// the Hopper kernels run: Target::sm90_kernels), N, M < 2^30, B and H
 // within the grid, and a mask that may also have size 1 in any dim.
 #include "checks.h"
 
@@ -16,8 +17,9 @@ namespace attnkit {
 namespace checks {
 namespace {
 
-// q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,Dv]: ranks, devices, dtypes, shapes, the backend's limits.
-void check_qkv(const Op& op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+// q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,Dv]: ranks, devices, dtypes, shapes, the backend's limits
+// (CUDA: D = Dv = 256 on the Hopper kernels, which take no mask).
+void check_qkv(const Op& op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool masked) {
   check_flash_qkv_basics(op, "q [B,H,N,D], k [B,Hk,M,D], v [B,Hk,M,Dv]", q, k, v);
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
   const int64_t Hk = k.size(1), M = k.size(2);
@@ -28,7 +30,12 @@ void check_qkv(const Op& op, const at::Tensor& q, const at::Tensor& k, const at:
               v.sizes());
   ATTNKIT_CHECK(Hk > 0 ? H % Hk == 0 : H == 0, op,
               ": the query heads must be a multiple of the key/value heads; got H = ", H, ", Hk = ", Hk);
-  if (op.target.cuda()) check_flash_cuda_limits(op, B, H, "N", N, "M", M, D, v.size(3));
+  if (op.target.cuda()) {
+    const char* hint = masked ? " (256 runs on the Hopper kernels, which take no mask)"
+                              : " (256 runs on the Hopper kernels: ATTNKIT_CUDA_SM90 set, a compute capability 9.0 "
+                                "device, an sm_90a build)";
+    check_flash_cuda_limits(op, B, H, "N", N, "M", M, D, v.size(3), op.target.sm90_kernels && !masked, hint);
+  }
 }
 
 // mask: None, or bool / floating of shape [B,H,N,M] on q's device.
@@ -85,7 +92,7 @@ void softmax_fwd(const Target& t, const at::Tensor& q, const at::Tensor& k, cons
                  const std::optional<at::Tensor>& mask, double /*scale*/, bool /*is_causal*/, int64_t window_left,
                  int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const Op op{"softmax_fwd", t};
-  check_qkv(op, q, k, v);
+  check_qkv(op, q, k, v, defined(mask));
   check_mask(op, mask, q, k);
   check_score_options(op, q, window_left, window_right, softcap, alibi_slopes);
 }
@@ -95,7 +102,7 @@ void softmax_bwd(const Target& t, const at::Tensor& grad_out, const at::Tensor& 
                  const std::optional<at::Tensor>& mask, double /*scale*/, bool /*is_causal*/, int64_t window_left,
                  int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const Op op{"softmax_bwd", t};
-  check_qkv(op, q, k, v);
+  check_qkv(op, q, k, v, defined(mask));
   check_mask(op, mask, q, k);
   check_score_options(op, q, window_left, window_right, softcap, alibi_slopes);
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), Dv = v.size(3);

@@ -49,6 +49,8 @@ constexpr int64_t linear_smem_bytes(bool fp64) {
   // 64 x 72 bfloat16 tiles (a split state), a float64 one a 64 x 65 tile of doubles.
   return fp64 ? (3 * 64 * 65 + 4 * 64) * 8 : (3 * 64 * 72 + 4 * 64) * 4;
 }
+// softmax_sm90.cu: the head dim that only the Hopper kernels take (kWideD there).
+constexpr int64_t kSm90WideHeadDim = 256;
 // CUDA grid: gridDim.y and gridDim.z are at most 65535 (B and H, or B * H).
 constexpr int64_t kMaxGridYZ = 65535;
 
@@ -59,12 +61,16 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cuda(const at::Tensor& q, const a
                                                     const std::optional<at::Tensor>& mask, double scale,
                                                     bool is_causal);
 // softmax_sm90.cu: the Hopper kernels where they apply (ATTNKIT_CUDA_SM90 set, an sm_90a build on
-// a compute capability 9.0 device, D = Dv = 64 or 128, nonempty, TMA-readable strides); nullopt
+// a compute capability 9.0 device, D = Dv = 64, 128 or 256, nonempty, TMA-readable strides); nullopt
 // otherwise.  softmax_fwd_cuda / softmax_bwd_cuda try them first for unmasked calls (the
 // backward with delta = rowsum(dO ∘ O) computed by softmax.cu's row kernel).
 // softmax_sm90_applies: for the forward (dout null) or the backward; softmax_bwd_cuda_sm90 assumes
 // it said yes (it checks nothing itself).
 bool softmax_sm90_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* dout);
+// Whether the Hopper kernels run on CUDA device `device` (ATTNKIT_CUDA_SM90 set, an sm_90a build,
+// compute capability 9.0): then softmax takes D = Dv = 256 unmasked, on them alone
+// (softmax_fwd_cuda / softmax_bwd_cuda copy inputs whose strides TMA cannot read).
+bool softmax_sm90_enabled(int device);
 std::optional<std::tuple<at::Tensor, at::Tensor>> softmax_fwd_cuda_sm90(const at::Tensor& q, const at::Tensor& k,
                                                                         const at::Tensor& v, double scale,
                                                                         bool is_causal);

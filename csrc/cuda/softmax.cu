@@ -69,6 +69,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
@@ -920,6 +921,57 @@ BwdVariant bwd_variant() {
   return variant;
 }
 
+// D = 256 (the op's check let it through only unmasked where the Hopper kernels run: Target::
+// sm90_kernels): softmax_sm90.cu's kernels, the only ones for this head dim.  Empty sequences
+// are answered here (out 0, lse -inf; zero gradients), and inputs whose strides TMA cannot read
+// are copied to fresh contiguous storage first.  Should the kernels still refuse (a tensor map
+// the driver rejects: not for checked sizes), the results are NaN, never a silent number.
+at::Tensor tma_readable(const at::Tensor& x) {
+  const bool ok = x.stride(3) == 1 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+                  (x.size(0) <= 1 || (x.stride(0) * 2) % 16 == 0) && (x.size(1) <= 1 || (x.stride(1) * 2) % 16 == 0) &&
+                  (x.size(2) <= 1 || (x.stride(2) * 2) % 16 == 0);
+  return ok ? x : x.clone(at::MemoryFormat::Contiguous);
+}
+
+std::tuple<at::Tensor, at::Tensor> softmax_fwd_wide(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const Shape& s, double scale, bool is_causal) {
+  if (s.B * s.H * s.N == 0 || s.M == 0) {
+    return {at::zeros({s.B, s.H, s.N, s.D}, q.options()),
+            at::full({s.B, s.H, s.N}, -INFINITY, q.options().dtype(at::kFloat))};
+  }
+  if (auto hopper = softmax_fwd_cuda_sm90(tma_readable(q), tma_readable(k), tma_readable(v), scale, is_causal)) {
+    return *hopper;
+  }
+  return {at::full({s.B, s.H, s.N, s.D}, NAN, q.options()), at::full({s.B, s.H, s.N}, NAN, q.options().dtype(at::kFloat))};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_wide(const at::Tensor& dout_in, const at::Tensor& q_in,
+                                                                const at::Tensor& k_in, const at::Tensor& v_in,
+                                                                const at::Tensor& out, const at::Tensor& lse,
+                                                                const Shape& s, double scale, bool is_causal) {
+  if (s.B * s.H * s.N == 0 || s.M == 0) {
+    return {at::zeros({s.B, s.H, s.N, s.D}, q_in.options()), at::zeros({s.B, s.Hk, s.M, s.D}, q_in.options()),
+            at::zeros({s.B, s.Hk, s.M, s.D}, q_in.options())};
+  }
+  const at::Tensor q = tma_readable(q_in), k = tma_readable(k_in), v = tma_readable(v_in), dout = tma_readable(dout_in);
+  if (softmax_sm90_applies(q, k, v, &dout)) {
+    // delta = rowsum(dO ∘ O) by the row kernel, as for the other head dims.
+    at::Tensor delta = at::empty({s.B, s.H, s.N}, q.options().dtype(at::kFloat));
+    const int64_t rows = s.B * s.H * s.N;
+    constexpr int kRowsPerBlock = 256 / 32;
+    const unsigned blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+    auto delta_kernel = q.scalar_type() == at::kBFloat16 ? softmax_bwd_delta_kernel<true, 256>
+                                                         : softmax_bwd_delta_kernel<false, 256>;
+    delta_kernel<<<blocks, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        bits(out), stride_or_zero(out, 0), stride_or_zero(out, 1), stride_or_zero(out, 2), bits(dout),
+        stride_or_zero(dout, 0), stride_or_zero(dout, 1), stride_or_zero(dout, 2), delta.data_ptr<float>(),
+        static_cast<int>(s.H), static_cast<int>(s.N), rows);
+    if (auto hopper = softmax_bwd_cuda_sm90(dout, q, k, v, lse, delta, scale, is_causal)) return *hopper;
+  }
+  return {at::full({s.B, s.H, s.N, s.D}, NAN, q.options()), at::full({s.B, s.Hk, s.M, s.D}, NAN, q.options()),
+          at::full({s.B, s.Hk, s.M, s.D}, NAN, q.options())};
+}
+
 }  // namespace
 
 // Entry points (csrc/cuda/launch.h: checked inputs; launch errors are left to the caller).
@@ -931,6 +983,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cuda(const at::Tensor& q_in, cons
   const Mask mk = make_mask(mask);
   c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);
+  if (s.D == cuda_limits::kSm90WideHeadDim) return softmax_fwd_wide(q, k, v, s, scale, is_causal);
   if (mk.kind == kNoMask) {
     if (auto hopper = softmax_fwd_cuda_sm90(q, k, v, scale, is_causal)) return *hopper;
   }
@@ -977,6 +1030,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cuda(
   const at::Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);
   const at::Tensor dout = aligned_rows(dout_in), out = aligned_rows(out_in);
   const at::Tensor lse = lse_in.contiguous();
+  if (s.D == cuda_limits::kSm90WideHeadDim) return softmax_bwd_wide(dout, q, k, v, out, lse, s, scale, is_causal);
   at::Tensor dq = at::empty({s.B, s.H, s.N, s.D}, q.options());
   at::Tensor dk = at::empty({s.B, s.Hk, s.M, s.D}, q.options());
   at::Tensor dv = at::empty({s.B, s.Hk, s.M, s.D}, q.options());

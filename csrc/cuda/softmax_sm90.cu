@@ -18,12 +18,14 @@
 //
 // WHAT IT COMPUTES.  The forward of softmax.cu's kernels (same entry point, same results up to
 // fp32 summation order) for the cases it takes: float16 / bfloat16, D = Dv = 64 or 128, no mask,
+// and D = Dv = 256, which only these kernels take (the forward on K / V tiles of 64 keys, the
+// backward in the two "wide" kernels below the others; softmax.cu sends such calls here alone),
 // causal (top-left, j <= i) or not, GQA (query head h reads kv head h / (H / Hk)), any N and M,
 // q, k, v of shape [B, H|Hk, N|M, D] with a contiguous last dim and other strides multiples of
 // 16 bytes (what TMA reads).  Out [B, H, N, D] contiguous, lse [B, H, N] float32 (natural log;
 // -inf for a row that saw no key, whose out is 0).
 //
-// HOW.  One block of 384 threads per (128 query rows, h, b):
+// HOW.  One block of 384 threads per (128 query rows, h, b) (keys per K / V tile: 128; 64 at D = 256):
 //  - warpgroup 0 (producer, 40 registers): thread 0 loads Q (D / 64 boxes of 128 rows x 64
 //    elements, 128-byte swizzle) once, then streams K and V tiles of 128 keys through a ring of
 //    kStages stages: it waits for the stage to be released (kv_empty), then issues the TMA loads
@@ -1374,6 +1376,13 @@ Sm90Mode sm90_mode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 
 bool softmax_sm90_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* dout) {
   return sm90_mode(q, k, v, dout) != Sm90Mode::kOff;
+}
+
+bool softmax_sm90_enabled(int device) {
+  static_assert(kWideD == cuda_limits::kSm90WideHeadDim, "launch.h names the wide kernels' head dim");
+  if (sm90_requested() == Sm90Mode::kOff || encode_tiled() == nullptr) return false;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  return sm90_available(device);
 }
 
 std::optional<std::tuple<at::Tensor, at::Tensor>> softmax_fwd_cuda_sm90(const at::Tensor& q, const at::Tensor& k,

@@ -70,6 +70,19 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TRITON_MAX_HEAD_DIM = 256  # attnkit.kernels.softmax.MAX_HEAD_DIM (not imported: triton is slow to import)
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 CUDA_HEAD_DIMS = (64, 128)
+# D = Dv = 256 runs on the Hopper kernels alone (csrc/cuda/softmax_sm90.cu: unmasked; opt-in with
+# ATTNKIT_CUDA_SM90 until they have passed on a GPU): attnkit._C.softmax_sm90_enabled(device).
+CUDA_HOPPER_HEAD_DIM = 256
+
+
+def _cuda_hopper_kernels(device: torch.device) -> bool:
+    """Whether the cuda softmax runs its Hopper kernels on ``device``."""
+    if device.type != "cuda":
+        return False
+    try:
+        return bool(native().softmax_sm90_enabled(device.index if device.index is not None else 0))
+    except (BackendUnavailableError, AttributeError):
+        return False
 
 
 # ==============================================================================================
@@ -813,10 +826,16 @@ def _kernel_limitation(backend, query, key, value, attn_mask, dropout_p, options
     elif backend == "cuda":
         if dtype not in CUDA_DTYPES:
             return f"{_dtype_name(dtype)} inputs (the CUDA kernels take float16 and bfloat16)"
-        if head_dim not in CUDA_HEAD_DIMS or value_dim != head_dim:
+        hopper = (
+            head_dim == value_dim == CUDA_HOPPER_HEAD_DIM
+            and attn_mask is None
+            and _cuda_hopper_kernels(query.device)
+        )
+        if (head_dim not in CUDA_HEAD_DIMS or value_dim != head_dim) and not hopper:
             return (
                 f"head dims D = {head_dim}, Dv = {value_dim} (the CUDA kernels take D = Dv in "
-                f"{CUDA_HEAD_DIMS})"
+                f"{CUDA_HEAD_DIMS}, and {CUDA_HOPPER_HEAD_DIM} without a mask on the Hopper kernels: "
+                "ATTNKIT_CUDA_SM90 set, compute capability 9.0)"
             )
         if dropout_p > 0.0:
             return f"dropout_p > 0 (got {dropout_p}; the CUDA kernels have no dropout)"
@@ -1093,14 +1112,17 @@ def softmax_attention(
         ``cpu`` (C++ flash kernel, CPU tensors: float16 / bfloat16 / float32 / float64, any head
         dim, fp32 accumulation -- fp64 for float64), ``triton`` (flash kernels, CUDA tensors, or
         CPU tensors under ``TRITON_INTERPRET=1``: float16 / bfloat16 / float32, head dims
-        1..256), ``cuda`` (CUDA C++ kernels: float16 / bfloat16, D = Dv ∈ {64, 128}, sm_80+).
+        1..256), ``cuda`` (CUDA C++ kernels: float16 / bfloat16, D = Dv ∈ {64, 128}, sm_80+; and
+        D = Dv = 256 without a mask where the Hopper kernels run: ``ATTNKIT_CUDA_SM90`` set,
+        compute capability 9.0).
         ``backend=None`` (and no ``ATTNKIT_BACKEND`` in the environment) picks ``cpu`` for CPU
         tensors and ``triton`` for CUDA tensors (the reference where that backend is not
         usable here), then routes a call the picked kernel cannot run to the reference:
 
         - ``cpu``: ``dropout_p > 0`` (the C++ kernel has no dropout);
         - ``triton``: float64 inputs; a head dim D or Dv above 256;
-        - ``cuda``: dtypes other than float16 / bfloat16; head dims other than D = Dv ∈ {64, 128};
+        - ``cuda``: dtypes other than float16 / bfloat16; head dims other than D = Dv ∈ {64, 128}
+          (or 256 as above);
           ``dropout_p > 0``; ``window``, ``softcap``, ``alibi_slopes``;
         - every kernel: a floating ``attn_mask``, or ``alibi_slopes``, that requires grad while
           grad mode is on (the kernels compute no gradient for them).

@@ -216,6 +216,20 @@ def test_softmax_cuda_branch():
                     f"got D = {d}, Dv = {dv}")
     cuda_raises("softmax_fwd", (meta(1, 3, 4, 64), meta(1, 2, 5, 64), meta(1, 2, 5, 64), None, 1.0, False),
                 "multiple of the key/value heads")
+    # D = 256: only where the Hopper kernels run (Target sm90), and without a mask (they take none).
+    h256 = meta(1, 2, 4, 256)
+    hopper = checks.Target("cuda", device="meta", sm90=True)
+    checks.softmax_fwd(hopper, h256, h256, h256, None, 1.0, True)
+    checks.softmax_bwd(hopper, h256, h256, h256, h256, h256, meta(1, 2, 4, dtype=F32), None, 1.0, True)
+    cuda_raises("softmax_fwd", (h256, h256, h256, None, 1.0, False),
+                r"head dims 64 and 128, .*got D = 256, Dv = 256 \(256 runs on the Hopper kernels: ATTNKIT_CUDA_SM90 set")
+    cuda_raises("softmax_fwd", (h256, h256, h256, meta(1, 2, 4, 4, dtype=torch.bool), 1.0, False),
+                r"got D = 256, Dv = 256 \(256 runs on the Hopper kernels, which take no mask\)", target=hopper)
+    cuda_raises("softmax_fwd", (h256, h256, meta(1, 2, 4, 128), None, 1.0, False), r"got D = 256, Dv = 128",
+                target=hopper)
+    s256 = meta(1, 1, 64, 256)  # the sparse kernels have no D = 256, Hopper or not
+    cuda_raises("sparse_range_fwd", (s256, s256, s256, [1, 0, 1, 0, 1], [0, 1, 0, 0], [0, 1, 1, 0], 0.1),
+                "head dims 64 and 128", target=hopper)
     big = meta(1, 1, 1 << 30, 64)
     cuda_raises("softmax_fwd", (big, q[:, :1], q[:, :1], None, 1.0, False),
                 r"sequence lengths must be < 2\^30; got N = 1073741824, M = 4")
