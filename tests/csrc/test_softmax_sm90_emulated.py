@@ -95,6 +95,32 @@ SWITCHED = {
         "if (k > 0) mbar_wait(q_empty, static_cast<uint32_t>(k - 1) & 1u);",
         "if (k > 0 && !{on}) mbar_wait(q_empty, static_cast<uint32_t>(k - 1) & 1u);",
     ),
+    # D = 256 (the switched build has fp16 D = 64 and 256): the forward's P V product reads V's
+    # columns 0-127 for both halves of O.
+    "d256_pv_second_half": (
+        "const uint16_t* bk2 = bk + (kN / kPanelCols) * kRowsB * kPanelCols;",
+        "const uint16_t* bk2 = bk + (1 - {on}) * (kN / kPanelCols) * kRowsB * kPanelCols;",
+    ),
+    # the wide backward: both consumers multiply the first column half of K, dO and Q.
+    "wide_column_half": (
+        "const int half = wc * (kWideHalf / kPanelCols) * kStepElems;",
+        "const int half = (1 - {on}) * wc * (kWideHalf / kPanelCols) * kStepElems;",
+    ),
+    # the wide dK / dV kernel: the causal start one query tile too late.
+    "wide_first_tile": (
+        "first = p.causal ? x0 / kBwdStep : 0;",
+        "first = p.causal ? x0 / kBwdStep + {on} : 0;",
+    ),
+    # the wide dK / dV kernel: each entry's lse from the neighbouring query column.
+    "wide_lse_column": (
+        "const float l = kKeys ? l2[nt][e & 1] : lse2[e >> 1];",
+        "const float l = kKeys ? l2[nt][(e & 1) ^ {on}] : lse2[e >> 1];",
+    ),
+    # the wide backward's dS not forced to 0 where hidden: 0 · NaN where a row's delta is NaN.
+    "wide_ds_hidden": (
+        "sc[nt][e] = !edge || visible(c0, nt, e) ? pr[e] * (sc[nt][e] - d) : 0.f;",
+        "sc[nt][e] = !edge || {on} || visible(c0, nt, e) ? pr[e] * (sc[nt][e] - d) : 0.f;",
+    ),
     # the simple loop releases the K/V stage before its P V product has been waited for: the
     # producer's next load into that stage overwrites V under the running product.
     "release_before_wait": (
@@ -166,7 +192,7 @@ class Emulator(emu_build.Library):
 
 builds, emulator = emu_build.session_fixtures("cuda_emulator_sm90_softmax", SOURCE,
                                               EMULATOR / "softmax_sm90_harness.cpp", "softmax_sm90_kernels.inc", {},
-                                              ("EMU_ONLY_F16_D64",), Emulator, SWITCHED)
+                                              ("EMU_ONLY_F16_D64", "EMU_ALSO_D256"), Emulator, SWITCHED)
 
 
 def run_emulated(emu, case, seed=0, loop="overlap", edit=None, atomic=False, backward=True):
@@ -300,8 +326,16 @@ NONFINITE = {
 def test_nonfinite_inputs_propagate_like_the_reference(emulator, name, causal, d):
     # Issue 15's rule (attnkit_testing.assert_nonfinite_like_reference), as for softmax.cu.  D = 256:
     # the wide backward's dS, 0 where hidden even where a NaN row's delta is NaN.
-    case = Case(F16, d, 1, 2, 1, 150, 200, causal)
     emulator.configure(seed=5)
+    _check_nonfinite(emulator, Case(F16, d, 1, 2, 1, 150, 200, causal), name)
+
+
+# The D = 256 mutants' case: GQA group 2, causal, 3 query and 4 key tiles of 64 rows.
+D256_MUTANT_CASE = Case(F16, 256, 1, 2, 1, 150, 200, True)
+
+
+def _check_nonfinite(emulator, case, name):
+    causal = case.causal
     got, (q, k, v, dout, scale) = run_emulated(
         emulator, case, edit=lambda q, k, v: poison(NONFINITE[name], q, k, v, None))
     ref = _reference(q, k, v, dout, None, scale, causal, F64)
@@ -371,6 +405,10 @@ def test_catches_a_broken_kernel(builds, name):
             check(emu, MUTANT_CASE, loop="pingpong")
         elif name == "persistent_q_not_released":
             check(emu, MUTANT_CASE, loop="persistent")
+        elif name == "wide_ds_hidden":
+            _check_nonfinite(emu, D256_MUTANT_CASE, "v_nan")
+        elif name.startswith(("d256_", "wide_")):
+            check(emu, D256_MUTANT_CASE)
         else:
             check(emu, MUTANT_CASE)
 
@@ -380,6 +418,8 @@ def test_switched_mutants_off_pass(builds):
     emu.configure(seed=3, mutant=0)
     for loop in LOOPS:
         check(emu, MUTANT_CASE, loop=loop)
+    check(emu, D256_MUTANT_CASE)
+    _check_nonfinite(emu, D256_MUTANT_CASE, "v_nan")
     results, (q, k, v, dout, scale) = run_emulated(emu, NEGATIVE_CASE, edit=_very_negative_scores, atomic=True)
     assert_matches_reference(results, q, k, v, dout, None, scale, NEGATIVE_CASE)
 

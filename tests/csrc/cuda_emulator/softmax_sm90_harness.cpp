@@ -6,7 +6,8 @@
 //
 // Build (extract.py writes softmax_sm90_kernels.inc):
 //   g++ -std=c++20 -O1 -fno-strict-aliasing -shared -fPIC -I<dir of the .inc> softmax_sm90_harness.cpp -o libemu.so
-// Optional: -DEMU_ONLY_F16_D64 (fp16 / head dim 64 only: a quick build, for the test's mutants).
+// Optional: -DEMU_ONLY_F16_D64 (fp16 / head dim 64 only: a quick build, for the test's mutants),
+// with -DEMU_ALSO_D256 head dim 256 too (the mutants of the D = 256 kernels).
 #define EMU_CORE_ONLY
 #include "harness.cpp"
 
@@ -137,7 +138,12 @@ bool bwd_narrow(const CUtensorMap* m, const Sm90BwdParams& p, int B, bool atomic
 
 template <class F>
 bool dispatch(int bf16, int D, F&& f) {
-#ifdef EMU_ONLY_F16_D64
+#if defined(EMU_ONLY_F16_D64) && defined(EMU_ALSO_D256)
+  if (bf16 || (D != 64 && D != 256))
+    return fail("this build has only the fp16, D = 64 and 256 kernels (EMU_ONLY_F16_D64, EMU_ALSO_D256)");
+  return D == 64 ? f(std::false_type{}, std::integral_constant<int, 64>{})
+                 : f(std::false_type{}, std::integral_constant<int, 256>{});
+#elif defined(EMU_ONLY_F16_D64)
   if (bf16 || D != 64) return fail("this build has only the fp16, D = 64 kernels (EMU_ONLY_F16_D64)");
   return f(std::false_type{}, std::integral_constant<int, 64>{});
 #else
