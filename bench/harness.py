@@ -1058,6 +1058,11 @@ def make_meta(device: torch.device, *, quick: bool, warmup: int, repeats: int, f
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device.type,
         "device_name": device_name(device),
+        # CUDA: the compute capability ("9.0"), the key of attnkit's GPU dispatch table
+        # (attnkit/_gpu_table.py, built from this JSON by bench/gpu_dispatch_table.py)
+        "capability": ("%d.%d" % torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
+        # attnkit's switches in force (ATTNKIT_CUDA_SM90 picks the CUDA C++ kernels measured)
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("ATTNKIT_")},
         "torch": torch.__version__,
         "attnkit": __version__,
         "git_commit": _git_commit(),

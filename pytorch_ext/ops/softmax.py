@@ -40,9 +40,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .. import _gpu_table as gpu_table
 from .._dispatch import (
     ENV_VAR,
     BackendUnavailableError,
+    backend_status,
     native,
     native_cpu,
     native_ops_declared,
@@ -842,11 +844,23 @@ def _kernel_limitation(backend, query, key, value, attn_mask, dropout_p, options
     return ""
 
 
-def _route(backend, query, key, value, attn_mask, dropout_p, options=None) -> str:
+def _route(backend, query, key, value, attn_mask, dropout_p, options=None, is_causal=False) -> str:
     """The backend that runs this call: ``resolve``'s pick, unless that kernel cannot run the
     call -- then the reference when the backend was the default, an error when it was named.
-    ``options``: the call's ScoreOptions, or None."""
+    ``options``: the call's ScoreOptions, or None.  On a CUDA tensor with no backend named, the
+    ``cuda`` kernels where the GPU dispatch table measured them faster on this shape
+    (attnkit/_gpu_table.py) and they can run the call."""
     chosen = resolve(FAMILY, backend, query.device, OP_NAME)
+    if chosen == "triton" and query.is_cuda and backend is None and not os.environ.get(ENV_VAR):
+        training = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        n = query.shape[-2]
+        if (
+            key.shape[-2] == n
+            and gpu_table.pick(FAMILY, query.device, query.dtype, query.shape[-1], is_causal, n, training) == "cuda"
+            and backend_status("cuda").usable
+            and not _kernel_limitation("cuda", query, key, value, attn_mask, dropout_p, options)
+        ):
+            return "cuda"
     why_not = _kernel_limitation(chosen, query, key, value, attn_mask, dropout_p, options)
     if not why_not:
         return chosen
@@ -1233,7 +1247,7 @@ def softmax_attention(
                             result = _FWD_CALL(query, key, value, None, scale, is_causal)
                     return result if return_lse else result[0]
                 if query.device == key.device == value.device:
-                    chosen = _route(backend, query, key, value, None, 0.0)
+                    chosen = _route(backend, query, key, value, None, 0.0, None, is_causal)
                     implementation = _IMPLEMENTATIONS["reference" if b * h == 0 else chosen]
                     return implementation(query, key, value, None, 0.0, is_causal, scale, h != hk, return_lse)
 
@@ -1282,7 +1296,7 @@ def softmax_attention(
     mask4 = None if attn_mask is None else layout.mask_to_kernel(attn_mask)
     options4 = layout.options_to_kernel(options)
 
-    chosen = _route(backend, q4, k4, v4, mask4, dropout_p, options4)
+    chosen = _route(backend, q4, k4, v4, mask4, dropout_p, options4, is_causal)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     # No (batch, head) pair at all: the reference's empty result, attached to the graph (as

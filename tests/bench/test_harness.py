@@ -515,6 +515,8 @@ def test_the_cpu_is_recorded_with_its_vendor_and_isa():
     meta = harness.make_meta(torch.device("cpu"), quick=True, warmup=1, repeats=1, families=["softmax"],
                              memory=False, machine=None)
     assert set(meta["cpu"]) == {"model", "vendor", "isa"}
+    # the GPU dispatch table's keys (attnkit/_gpu_table.py): none on a CPU run; attnkit's switches
+    assert meta["capability"] is None and all(k.startswith("ATTNKIT_") for k in meta["env"])
     assert any(line.startswith("cpu: ") and meta["cpu"]["model"] in line for line in harness.format_header(meta))
     # issue 25: the softmax forward's tile-GEMM path per dtype, chosen at run time
     if meta["cpu_kernels_softmax"]:
