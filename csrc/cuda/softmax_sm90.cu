@@ -998,18 +998,29 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     return i < p.N && j < p.M && (!p.causal || j <= i);
   };
 
+  // Step u's score product (S for consumer 0, dP for consumer 1), issued and committed.
+  auto issue_score = [&](int u) {
+    mbar_wait(&sm.ring_full[u % kSm90Stages], static_cast<uint32_t>(u / kSm90Stages) & 1u);
+    issue_abt<kBF16, kBwdStep, kWideD, kWideRows, kBwdStep>(sc, wc == 0 ? sm.big0 : sm.big1, 0,
+                                                             ring_tile(wc == 0 ? sm.ring0 : sm.ring1, u));
+    wgmma_commit();
+  };
+  // Both kernels: step u's score product before its exchange.  The dQ kernel also overlaps: step
+  // u + 1's score product is issued with step u's dQ product, and its P / dS exchange runs while
+  // dQ's product does (FlashAttention-3's intra-warpgroup overlap; dQ, dS and the next scores:
+  // 112 registers).  The dK / dV kernel waits for each step's products (dK, dV 128 registers, P
+  // and dS 32 more while they run; consumer 1 packs P as it reads it, before dS overwrites it).
   mbar_wait(sm.big_full, 0);
+  if (steps > 0) {
+    wgmma_fence();
+    issue_score(0);
+    wgmma_wait<0>();
+  }
   for (int u = 0; u < steps; ++u) {
     const int c0 = ring_row(u);
     // Only tiles that cross N, M or the diagonal test each entry (warp-uniform).
     const bool edge = kKeys ? (c0 + kBwdStep > p.N || xw + 16 > p.M || (p.causal && xw + 15 > c0))
                             : (xw + 16 > p.N || c0 + kBwdStep > p.M || (p.causal && c0 + kBwdStep - 1 > xw));
-    mbar_wait(&sm.ring_full[u % kSm90Stages], static_cast<uint32_t>(u / kSm90Stages) & 1u);
-    wgmma_fence();
-    issue_abt<kBF16, kBwdStep, kWideD, kWideRows, kBwdStep>(sc, wc == 0 ? sm.big0 : sm.big1, 0,
-                                                             ring_tile(wc == 0 ? sm.ring0 : sm.ring1, u));
-    wgmma_commit();
-    wgmma_wait<0>();
     acc_fence(sc);
     if (wc == 0) {
       // dK / dV: the columns' lse (base 2), per step.
@@ -1087,6 +1098,14 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
       }
       named_bar_sync(2, 256);  // dS in place
     }
+    if constexpr (!kKeys) {
+      if (u > 0) {  // step u - 1's dQ product done: da free, its ring stage released
+        wgmma_wait<0>();
+        acc_fence(acc0);
+        acc_fence(da);
+        mbar_arrive(&sm.ring_empty[(u - 1) % kSm90Stages]);
+      }
+    }
 #pragma unroll
     for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(da[kc], sc, kc);
     wgmma_fence();
@@ -1094,16 +1113,32 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     if constexpr (kKeys) {
       issue_pb<kBF16, kWideHalf, kBwdStep, kBwdStep>(acc0, pa, ring_tile(sm.ring1, u) + half);  // dV += Pᵀ dO
       issue_pb<kBF16, kWideHalf, kBwdStep, kBwdStep>(acc1, da, ring_tile(sm.ring0, u) + half);  // dK += dSᵀ Q
+      wgmma_commit();
+      wgmma_wait<0>();
+      acc_fence(acc0);
+      acc_fence(acc1);
+      acc_fence(pa);
+      acc_fence(da);
+      mbar_arrive(&sm.ring_empty[u % kSm90Stages]);
+      if (u + 1 < steps) {
+        wgmma_fence();
+        issue_score(u + 1);
+        wgmma_wait<0>();
+      }
     } else {
+      if (u + 1 < steps) issue_score(u + 1);  // group 1: the next scores
       issue_pb<kBF16, kWideHalf, kBwdStep, kBwdStep>(acc0, da, ring_tile(sm.ring0, u) + half);  // dQ += dS K
+      wgmma_commit();                                                                       // group 2
+      if (u + 1 < steps) wgmma_wait<1>();  // the next scores done; dQ's product may still run
     }
-    wgmma_commit();
-    wgmma_wait<0>();
-    acc_fence(acc0);
-    acc_fence(acc1);
-    acc_fence(pa);
-    acc_fence(da);
-    mbar_arrive(&sm.ring_empty[u % kSm90Stages]);
+  }
+  if constexpr (!kKeys) {
+    if (steps > 0) {
+      wgmma_wait<0>();
+      acc_fence(acc0);
+      acc_fence(da);
+      mbar_arrive(&sm.ring_empty[(steps - 1) % kSm90Stages]);
+    }
   }
 
   // The rows' halves: dQ · scale; or dV, and dK · scale.

@@ -116,6 +116,11 @@ SWITCHED = {
         "const float l = kKeys ? l2[nt][e & 1] : lse2[e >> 1];",
         "const float l = kKeys ? l2[nt][(e & 1) ^ {on}] : lse2[e >> 1];",
     ),
+    # the wide dQ kernel's overlap: the next scores read before their product is waited for.
+    "wide_dq_wait_too_weak": (
+        "      if (u + 1 < steps) wgmma_wait<1>();  // the next scores done; dQ's product may still run",
+        "      if (u + 1 < steps) { if ({on}) wgmma_wait<2>(); else wgmma_wait<1>(); }",
+    ),
     # the wide backward's dS not forced to 0 where hidden: 0 · NaN where a row's delta is NaN.
     "wide_ds_hidden": (
         "sc[nt][e] = !edge || visible(c0, nt, e) ? pr[e] * (sc[nt][e] - d) : 0.f;",
