@@ -68,6 +68,11 @@ def _capability(index: int) -> str:
     return f"{major}.{minor}"
 
 
+def has_entries() -> bool:
+    """Whether any measurement is in the table (an empty one routes nothing: skip the lookup)."""
+    return bool(_index())
+
+
 def pick(family: str, device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool, n: int,
          training: bool) -> str | None:
     """The backend measured faster for this call's shape on this kind of device ("triton" or

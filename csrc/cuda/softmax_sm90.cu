@@ -1005,18 +1005,8 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
                                                              ring_tile(wc == 0 ? sm.ring0 : sm.ring1, u));
     wgmma_commit();
   };
-  // Both kernels: step u's score product before its exchange.  The dQ kernel also overlaps: step
-  // u + 1's score product is issued with step u's dQ product, and its P / dS exchange runs while
-  // dQ's product does (FlashAttention-3's intra-warpgroup overlap; dQ, dS and the next scores:
-  // 112 registers).  The dK / dV kernel waits for each step's products (dK, dV 128 registers, P
-  // and dS 32 more while they run; consumer 1 packs P as it reads it, before dS overwrites it).
-  mbar_wait(sm.big_full, 0);
-  if (steps > 0) {
-    wgmma_fence();
-    issue_score(0);
-    wgmma_wait<0>();
-  }
-  for (int u = 0; u < steps; ++u) {
+  // Step u's P / dS exchange (its score product waited for): sc <- dS, and (dK / dV) pa <- P.
+  auto exchange = [&](int u) {
     const int c0 = ring_row(u);
     // Only tiles that cross N, M or the diagonal test each entry (warp-uniform).
     const bool edge = kKeys ? (c0 + kBwdStep > p.N || xw + 16 > p.M || (p.causal && xw + 15 > c0))
@@ -1098,19 +1088,24 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
       }
       named_bar_sync(2, 256);  // dS in place
     }
-    if constexpr (!kKeys) {
-      if (u > 0) {  // step u - 1's dQ product done: da free, its ring stage released
-        wgmma_wait<0>();
-        acc_fence(acc0);
-        acc_fence(da);
-        mbar_arrive(&sm.ring_empty[(u - 1) % kSm90Stages]);
-      }
-    }
+  };
+  const int half = wc * (kWideHalf / kPanelCols) * kStepElems;  // panels 2 wc, 2 wc + 1 of a ring tile
+  auto pack_ds = [&] {
 #pragma unroll
     for (int kc = 0; kc < kNt / 2; ++kc) acc_to_a<kBF16, kNt>(da[kc], sc, kc);
-    wgmma_fence();
-    const int half = wc * (kWideHalf / kPanelCols) * kStepElems;  // panels 2 wc, 2 wc + 1 of a ring tile
-    if constexpr (kKeys) {
+  };
+
+  mbar_wait(sm.big_full, 0);
+  if constexpr (kKeys) {
+    // dK / dV: one step at a time (dK, dV 128 registers, P and dS 32 more while their products
+    // run: the next scores' 32 beside them measured nothing yet and would need P packed apart).
+    for (int u = 0; u < steps; ++u) {
+      wgmma_fence();
+      issue_score(u);
+      wgmma_wait<0>();
+      exchange(u);
+      pack_ds();
+      wgmma_fence();
       issue_pb<kBF16, kWideHalf, kBwdStep, kBwdStep>(acc0, pa, ring_tile(sm.ring1, u) + half);  // dV += Pᵀ dO
       issue_pb<kBF16, kWideHalf, kBwdStep, kBwdStep>(acc1, da, ring_tile(sm.ring0, u) + half);  // dK += dSᵀ Q
       wgmma_commit();
@@ -1120,25 +1115,37 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
       acc_fence(pa);
       acc_fence(da);
       mbar_arrive(&sm.ring_empty[u % kSm90Stages]);
-      if (u + 1 < steps) {
-        wgmma_fence();
-        issue_score(u + 1);
-        wgmma_wait<0>();
-      }
-    } else {
-      if (u + 1 < steps) issue_score(u + 1);  // group 1: the next scores
-      issue_pb<kBF16, kWideHalf, kBwdStep, kBwdStep>(acc0, da, ring_tile(sm.ring0, u) + half);  // dQ += dS K
-      wgmma_commit();                                                                       // group 2
-      if (u + 1 < steps) wgmma_wait<1>();  // the next scores done; dQ's product may still run
     }
-  }
-  if constexpr (!kKeys) {
-    if (steps > 0) {
+  } else if (steps > 0) {
+    // dQ, FlashAttention-3's intra-warpgroup overlap: step u's score product is issued with step
+    // u - 1's dQ product, and step u's exchange runs while that product does (dQ, dS and the
+    // scores: 112 registers).  The loop is the forward's shape (no product issued or waited for
+    // under a condition inside it: ptxas then serialized the wgmmas, C7514).
+    wgmma_fence();
+    issue_score(0);
+    wgmma_wait<0>();
+    exchange(0);
+    pack_ds();
+    for (int u = 1; u < steps; ++u) {
+      wgmma_fence();
+      issue_score(u);                                                                                  // group 1
+      issue_pb<kBF16, kWideHalf, kBwdStep, kBwdStep>(acc0, da, ring_tile(sm.ring0, u - 1) + half);  // dQ += dS K
+      wgmma_commit();                                                                                  // group 2
+      wgmma_wait<1>();  // step u's scores done; step u - 1's dQ product may still run
+      exchange(u);
       wgmma_wait<0>();
       acc_fence(acc0);
       acc_fence(da);
-      mbar_arrive(&sm.ring_empty[(steps - 1) % kSm90Stages]);
+      mbar_arrive(&sm.ring_empty[(u - 1) % kSm90Stages]);
+      pack_ds();
     }
+    wgmma_fence();
+    issue_pb<kBF16, kWideHalf, kBwdStep, kBwdStep>(acc0, da, ring_tile(sm.ring0, steps - 1) + half);
+    wgmma_commit();
+    wgmma_wait<0>();
+    acc_fence(acc0);
+    acc_fence(da);
+    mbar_arrive(&sm.ring_empty[(steps - 1) % kSm90Stages]);
   }
 
   // The rows' halves: dQ · scale; or dV, and dK · scale.

@@ -851,7 +851,8 @@ def _route(backend, query, key, value, attn_mask, dropout_p, options=None, is_ca
     ``cuda`` kernels where the GPU dispatch table measured them faster on this shape
     (attnkit/_gpu_table.py) and they can run the call."""
     chosen = resolve(FAMILY, backend, query.device, OP_NAME)
-    if chosen == "triton" and query.is_cuda and backend is None and not os.environ.get(ENV_VAR):
+    if chosen == "triton" and query.is_cuda and backend is None and gpu_table.has_entries() \
+            and not os.environ.get(ENV_VAR):
         training = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
         n = query.shape[-2]
         if (
