@@ -1,15 +1,15 @@
 """The measured choice between attnkit's two GPU kernel backends (issues 26 and 27).
 
 Without a backend named, a CUDA tensor goes to ``triton``.  Where a GPU bench measured the
-``cuda`` (CUDA C++) kernels faster on a shape, :func:`pick` says so, and the op takes ``cuda``
-there instead (when that backend can run the call: the op's routing rules decide, as for a
+``cuda`` (CUDA C++) kernels faster on a shape, :func:`pick` says so, and the op
+(``softmax_attention``, ``linear_attention``) takes ``cuda`` there instead (when that backend can run the call: the op's routing rules decide, as for a
 named backend).  The measurements are :data:`attnkit._gpu_table_data.ENTRIES`, written by
 ``python bench/gpu_dispatch_table.py BENCH_JSON...`` from the JSON of
 ``python -m attnkit bench --device cuda`` (both backends timed on the same inputs in the same
 run); nothing is hand-written there.  ``ATTNKIT_GPU_TABLE=0`` turns the table off (every CUDA
 tensor to ``triton``).
 
-One entry per measured case: ``family`` ("softmax"), ``capability`` ("9.0": the device's compute
+One entry per measured case: ``family`` ("softmax" or "linear"), ``capability`` ("9.0": the device's compute
 capability), ``dtype`` ("bfloat16"), ``head_dim``, ``causal``, ``mode`` ("fwd": a call whose inputs
 need no gradient; "fwd+bwd": one that will be differentiated), ``n`` (the sequence length,
 N = M), ``backend`` (the faster), ``ms`` ({backend: median ms}), ``cuda_env`` (the value of
@@ -93,11 +93,16 @@ def pick(family: str, device: torch.device, dtype: torch.dtype, head_dim: int, c
     return backend if distance <= math.log(N_REACH) + 1e-9 else None  # (exactly N_REACH away: in reach)
 
 
+# The families routed by the table (their public functions consult pick()).  Linear: its feature
+# map is not in the key (an elementwise map, the same cost in both backends' kernels).
+FAMILIES = ("softmax", "linear")
+
+
 def entries_from_bench(records: list[dict], meta: dict) -> list[dict]:
-    """Table entries from a GPU bench JSON's ``cases`` and ``meta``: for each unmasked softmax
-    case with N = M in which both ``attnkit[triton]`` and ``attnkit[cuda]`` ran ("ok", a median
-    time, an output within MAX_REL_DIFF of the baseline's), the faster of the two.  Cases where
-    either did not run are left out (no claim)."""
+    """Table entries from a GPU bench JSON's ``cases`` and ``meta``: for each unmasked case of
+    FAMILIES with N = M and Dv = D in which both ``attnkit[triton]`` and ``attnkit[cuda]`` ran
+    ("ok", a median time, an output within MAX_REL_DIFF of the baseline's), the faster of the
+    two.  Cases where either did not run are left out (no claim)."""
     capability = meta.get("capability") or meta.get("machine", {}).get("capability")
     if not capability:
         raise ValueError("the bench JSON's meta has no device capability (meta.capability); "
@@ -105,7 +110,7 @@ def entries_from_bench(records: list[dict], meta: dict) -> list[dict]:
     source = f"{meta.get('date', '?')} {meta.get('git_commit', '?')} {meta.get('device_name', '?')}"
     out = []
     for rec in records:
-        if rec.get("family") != "softmax":
+        if rec.get("family") not in FAMILIES:
             continue
         p = rec.get("params", {})
         if p.get("M", p.get("N")) != p.get("N") or p.get("Dv", p.get("D")) != p.get("D") or "mask" in p:
@@ -120,7 +125,7 @@ def entries_from_bench(records: list[dict], meta: dict) -> list[dict]:
         if len(ms) < len(BACKENDS):
             continue
         out.append({
-            "family": "softmax", "capability": capability, "dtype": p["dtype"], "head_dim": int(p["D"]),
+            "family": rec["family"], "capability": capability, "dtype": p["dtype"], "head_dim": int(p["D"]),
             "causal": bool(p.get("causal", False)), "mode": rec["mode"], "n": int(p["N"]),
             "backend": min(ms, key=ms.get), "ms": {b: round(t, 4) for b, t in ms.items()},
             "cuda_env": (meta.get("env") or {}).get(SM90_ENV, ""), "source": source,

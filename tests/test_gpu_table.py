@@ -28,11 +28,11 @@ def _row(backend, ms, status="ok", diff=1e-3):
             "median_s": None if ms is None else ms / 1e3, "max_rel_diff": diff}
 
 
-def _case(n, d=128, causal=False, mode="fwd", rows=(), m=None, **extra):
+def _case(n, d=128, causal=False, mode="fwd", rows=(), m=None, family="softmax", **extra):
     params = {"B": 4, "H": 8, "N": n, "M": n if m is None else m, "D": d, "dtype": "bfloat16", "causal": causal,
               **extra}
     sdpa = {"impl": "torch SDPA", "kind": "peer", "backend": None, "status": "ok", "median_s": 1e-3}
-    return {"family": "softmax", "mode": mode, "params": params, "results": [sdpa, *rows]}
+    return {"family": family, "mode": mode, "params": params, "results": [sdpa, *rows]}
 
 
 META = {"capability": "9.0", "date": "2026-11-29", "git_commit": "abc1234", "device_name": "NVIDIA H200",
@@ -50,10 +50,17 @@ def test_entries_take_the_faster_backend_where_both_ran():
         _case(2048, m=4096, rows=[_row("triton", 1.0), _row("cuda", 0.5)]),        # N != M
         _case(2048, mask="random", rows=[_row("triton", 1.0), _row("cuda", 0.5)]),  # masked
         _case(2048, rows=[_row("triton", 1.0)]),                                   # cuda not run
+        # linear (its bench's cases have no M; D = Dv): routed too
+        _case(16384, d=64, causal=True, family="linear", Dv=64, feature_map="elu",
+              rows=[_row("triton", 0.6), _row("cuda", 0.5)]),
+        _case(4096, d=64, causal=True, family="linear", Dv=32, rows=[_row("triton", 0.6), _row("cuda", 0.5)]),
+        _case(4096, family="sparse", rows=[_row("triton", 0.6), _row("cuda", 0.5)]),  # not a routed family
     ]
+    del cases[-3]["params"]["M"]
     entries = gpu_table.entries_from_bench(cases, META)
-    got = [(e["n"], e["causal"], e["mode"], e["backend"]) for e in entries]
-    assert got == [(8192, False, "fwd", "cuda"), (8192, True, "fwd", "triton"), (4096, False, "fwd+bwd", "cuda")]
+    got = [(e["family"], e["n"], e["causal"], e["mode"], e["backend"]) for e in entries]
+    assert got == [("softmax", 8192, False, "fwd", "cuda"), ("softmax", 8192, True, "fwd", "triton"),
+                   ("softmax", 4096, False, "fwd+bwd", "cuda"), ("linear", 16384, True, "fwd", "cuda")]
     first = entries[0]
     assert first["ms"] == {"triton": 2.0, "cuda": 1.5} and first["cuda_env"] == "1"
     assert first["capability"] == "9.0" and first["dtype"] == "bfloat16" and first["head_dim"] == 128
@@ -82,8 +89,8 @@ def table(monkeypatch):
 GPU = torch.device("cuda", 0)  # a device object only: pick() asks nothing of the GPU here
 
 
-def pick(n, causal=False, training=False, d=128, dtype=torch.bfloat16, device=GPU):
-    return gpu_table.pick("softmax", device, dtype, d, causal, n, training)
+def pick(n, causal=False, training=False, d=128, dtype=torch.bfloat16, device=GPU, family="softmax"):
+    return gpu_table.pick(family, device, dtype, d, causal, n, training)
 
 
 def test_pick_takes_the_nearest_measured_n_within_reach(table):
@@ -98,7 +105,7 @@ def test_pick_matches_mode_causal_dims_and_the_sm90_switch(table, monkeypatch):
     assert pick(8192, training=True) == "triton"       # the fwd+bwd entry
     assert pick(4096, causal=True) == "cuda" and pick(4096, causal=True, training=True) is None
     assert pick(8192, d=64) is None and pick(8192, dtype=torch.float16) is None
-    assert pick(8192, device=torch.device("cpu")) is None
+    assert pick(8192, device=torch.device("cpu")) is None and pick(8192, family="linear") is None
     monkeypatch.setenv("ATTNKIT_CUDA_SM90", "pingpong")  # other CUDA C++ kernels than measured
     assert pick(8192) is None
     monkeypatch.delenv("ATTNKIT_CUDA_SM90")
@@ -159,3 +166,27 @@ def test_softmax_routes_by_the_table(table, monkeypatch):
     monkeypatch.setenv("ATTNKIT_GPU_TABLE", "0")
     attnkit.softmax_attention(q, q, q)
     assert taken[-1] == "triton"
+
+
+@pytest.mark.gpu
+def test_linear_routes_by_the_table(monkeypatch):
+    from attnkit.ops import linear as linear_ops
+
+    if not attnkit.backends()["linear"]["cuda"].usable:
+        pytest.skip("attnkit._C has no CUDA kernels here")
+    entries = [_entry(4096, "cuda", causal=True, d=64, env="")]
+    entries[0]["family"] = "linear"
+    monkeypatch.setattr(gpu_table, "_INDEX", gpu_table.index_of(entries))
+    monkeypatch.setattr(gpu_table, "_capability", lambda index: "9.0")
+    monkeypatch.delenv("ATTNKIT_CUDA_SM90", raising=False)
+    monkeypatch.delenv("ATTNKIT_GPU_TABLE", raising=False)
+    taken = []
+    for name in ("triton", "cuda"):
+        real = linear_ops._IMPLEMENTATIONS[name]
+        monkeypatch.setitem(linear_ops._IMPLEMENTATIONS, name,
+                            lambda *a, _real=real, _name=name, **k: taken.append(_name) or _real(*a, **k))
+    q = torch.randn(1, 2, 4096, 64, device="cuda", dtype=torch.bfloat16)
+    attnkit.linear_attention(q, q, q, causal=True)
+    attnkit.linear_attention(q, q, q, causal=False)  # not measured: triton
+    attnkit.linear_attention(q, q, q[..., :32], causal=True)  # Dv != D: triton
+    assert taken == ["cuda", "triton", "triton"]

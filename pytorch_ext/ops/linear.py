@@ -34,9 +34,11 @@ from typing import Optional
 
 import torch
 
+from .. import _gpu_table as gpu_table
 from .._dispatch import (
     ENV_VAR,
     BackendUnavailableError,
+    backend_status,
     native_ops_declared,
     register_kernel,
     resolve,
@@ -373,10 +375,26 @@ def _kernel_limitation(backend: str, dtype: torch.dtype, head_dim: int, value_di
 
 
 def _route(fn: str, backend, device, dtype, head_dim: int, value_dim: int, batch: int = 1,
-           heads: int = 1) -> str:
+           heads: int = 1, n: int | None = None, causal: bool = False, training: bool = False) -> str:
     """The backend that runs this call: ``resolve``'s pick, unless that kernel cannot run the
-    call -- then the reference when the backend was the default, an error when it was named."""
+    call -- then the reference when the backend was the default, an error when it was named.
+    On a CUDA tensor with no backend named, a sequence of ``n`` rows (linear_attention) goes to
+    the ``cuda`` kernels where the GPU dispatch table measured them faster on its shape
+    (attnkit/_gpu_table.py) and they can run it."""
     chosen = resolve(FAMILY, backend, device, fn)
+    if (
+        chosen == "triton"
+        and n is not None
+        and device.type == "cuda"
+        and backend is None
+        and gpu_table.has_entries()
+        and not os.environ.get(ENV_VAR)
+        and head_dim == value_dim
+        and gpu_table.pick(FAMILY, device, dtype, head_dim, causal, n, training) == "cuda"
+        and backend_status("cuda").usable
+        and not _kernel_limitation("cuda", dtype, head_dim, value_dim, batch, heads)
+    ):
+        return "cuda"
     why_not = _kernel_limitation(chosen, dtype, head_dim, value_dim, batch, heads)
     if not why_not:
         return chosen
@@ -601,8 +619,9 @@ def linear_attention(
                                                   normalize, eps, scale, return_state)):
         _validate(query, key, value, causal, feature_map, normalize, eps, scale, initial_state,
                   return_state)
+    training = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     backend = _route(OP_NAME, backend, query.device, query.dtype, query.shape[3], value.shape[3],
-                     query.shape[0], query.shape[1])
+                     query.shape[0], query.shape[1], query.shape[2], causal, training)
     if initial_state is not None:
         initial_state = tuple(initial_state)
     return _IMPLEMENTATIONS[backend](query, key, value, causal, feature_map, normalize,
