@@ -145,6 +145,16 @@ def test_the_script_writes_and_merges_the_table(tmp_path):
     assert math.isclose(next(e for e in second if e["n"] == 8192)["ms"]["triton"], 1.0)
 
 
+def _record_backends(monkeypatch, ops_module):
+    """The backends an op module's calls run, in order (its _IMPLEMENTATIONS wrapped)."""
+    taken = []
+    for name in ("triton", "cuda"):
+        real = ops_module._IMPLEMENTATIONS[name]
+        monkeypatch.setitem(ops_module._IMPLEMENTATIONS, name,
+                            lambda *a, _real=real, _name=name, **k: taken.append(_name) or _real(*a, **k))
+    return taken
+
+
 @pytest.mark.gpu
 def test_softmax_routes_by_the_table(table, monkeypatch):
     from attnkit.ops import softmax as softmax_ops
@@ -152,11 +162,7 @@ def test_softmax_routes_by_the_table(table, monkeypatch):
     if not attnkit.backends()["softmax"]["cuda"].usable:
         pytest.skip("attnkit._C has no CUDA kernels here")
     monkeypatch.setattr(gpu_table, "_capability", lambda index: "9.0")
-    taken = []
-    for name in ("triton", "cuda"):
-        real = softmax_ops._IMPLEMENTATIONS[name]
-        monkeypatch.setitem(softmax_ops._IMPLEMENTATIONS, name,
-                            lambda *a, _real=real, _name=name, **k: taken.append(_name) or _real(*a, **k))
+    taken = _record_backends(monkeypatch, softmax_ops)
     q = torch.randn(1, 2, 8192, 128, device="cuda", dtype=torch.bfloat16)
     attnkit.softmax_attention(q, q, q)
     attnkit.softmax_attention(q[:, :, :1024], q[:, :, :1024], q[:, :, :1024])
@@ -180,11 +186,7 @@ def test_linear_routes_by_the_table(monkeypatch):
     monkeypatch.setattr(gpu_table, "_capability", lambda index: "9.0")
     monkeypatch.delenv("ATTNKIT_CUDA_SM90", raising=False)
     monkeypatch.delenv("ATTNKIT_GPU_TABLE", raising=False)
-    taken = []
-    for name in ("triton", "cuda"):
-        real = linear_ops._IMPLEMENTATIONS[name]
-        monkeypatch.setitem(linear_ops._IMPLEMENTATIONS, name,
-                            lambda *a, _real=real, _name=name, **k: taken.append(_name) or _real(*a, **k))
+    taken = _record_backends(monkeypatch, linear_ops)
     q = torch.randn(1, 2, 4096, 64, device="cuda", dtype=torch.bfloat16)
     attnkit.linear_attention(q, q, q, causal=True)
     attnkit.linear_attention(q, q, q, causal=False)  # not measured: triton
