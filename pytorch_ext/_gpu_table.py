@@ -1,9 +1,9 @@
 """The measured choice between attnkit's two GPU kernel backends (issues 26 and 27).
 
 Without a backend named, a CUDA tensor goes to ``triton``.  Where a GPU bench measured the
-``cuda`` (CUDA C++) kernels faster on a shape, :func:`pick` says so, and the op
-(``softmax_attention``, ``linear_attention``) takes ``cuda`` there instead (when that backend can run the call: the op's routing rules decide, as for a
-named backend).  The measurements are :data:`attnkit._gpu_table_data.ENTRIES`, written by
+``cuda`` (CUDA C++) kernels faster on a shape, :func:`prefers_cuda` says so, and the op
+(``softmax_attention``, ``linear_attention``) takes ``cuda`` there instead, when that backend
+can run the call (the op's routing rules decide, as for a named backend).  The measurements are :data:`attnkit._gpu_table_data.ENTRIES`, written by
 ``python bench/gpu_dispatch_table.py BENCH_JSON...`` from the JSON of
 ``python -m attnkit bench --device cuda`` (both backends timed on the same inputs in the same
 run); nothing is hand-written there.  ``ATTNKIT_GPU_TABLE=0`` turns the table off (every CUDA
@@ -18,8 +18,8 @@ applies only under the same value), and ``source`` (the bench run: date, commit,
 
 A call's entry: the same family, capability, dtype, head dim, causal flag, mode and
 ``ATTNKIT_CUDA_SM90``, and the measured ``n`` nearest to the call's N on a log scale, if within a
-factor of :data:`N_REACH` of it; otherwise no entry (``triton``).  Looked up once per distinct key
-(cached): the routing of a call adds a dict lookup.
+factor of :data:`N_REACH` of it; otherwise no entry (``triton``).  The table is indexed once; an
+empty table costs a call's routing one check (the table ships empty until a GPU bench fills it).
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ import os
 from functools import lru_cache
 
 import torch
+
+from ._dispatch import ENV_VAR as BACKEND_ENV_VAR
 
 ENV_VAR = "ATTNKIT_GPU_TABLE"
 SM90_ENV = "ATTNKIT_CUDA_SM90"
@@ -73,6 +75,20 @@ def has_entries() -> bool:
     return bool(_index())
 
 
+def prefers_cuda(family: str, backend: str | None, chosen: str, device: torch.device, dtype: torch.dtype,
+                 head_dim: int, causal: bool, n: int, inputs) -> bool:
+    """Whether a call that the default routing sent to ``triton`` (``chosen``; no backend named,
+    no ATTNKIT_BACKEND) should take ``cuda``, as the table measured for its shape.  ``inputs``:
+    the tensors whose ``requires_grad`` makes the call a training one.  The op then checks that
+    ``cuda`` can run the call."""
+    if chosen != "triton" or backend is not None or device.type != "cuda" or not has_entries():
+        return False
+    if os.environ.get(BACKEND_ENV_VAR):
+        return False
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    return pick(family, device, dtype, head_dim, causal, n, training) == "cuda"
+
+
 def pick(family: str, device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool, n: int,
          training: bool) -> str | None:
     """The backend measured faster for this call's shape on this kind of device ("triton" or
@@ -103,7 +119,7 @@ def entries_from_bench(records: list[dict], meta: dict) -> list[dict]:
     FAMILIES with N = M and Dv = D in which both ``attnkit[triton]`` and ``attnkit[cuda]`` ran
     ("ok", a median time, an output within MAX_REL_DIFF of the baseline's), the faster of the
     two.  Cases where either did not run are left out (no claim)."""
-    capability = meta.get("capability") or meta.get("machine", {}).get("capability")
+    capability = meta.get("capability")
     if not capability:
         raise ValueError("the bench JSON's meta has no device capability (meta.capability); "
                          "rerun the bench with this attnkit")

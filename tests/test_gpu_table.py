@@ -114,6 +114,25 @@ def test_pick_matches_mode_causal_dims_and_the_sm90_switch(table, monkeypatch):
     assert pick(4096) is None
 
 
+def test_prefers_cuda_only_for_default_triton_calls(table, monkeypatch):
+    x = torch.zeros(1)
+    grad = torch.zeros(1, requires_grad=True)
+
+    def prefers(backend=None, chosen="triton", n=8192, inputs=(x,)):
+        return gpu_table.prefers_cuda("softmax", backend, chosen, GPU, torch.bfloat16, 128, False, n, inputs)
+
+    assert prefers() and not prefers(n=1024)
+    assert not prefers(backend="triton") and not prefers(chosen="reference")
+    assert not prefers(inputs=(x, grad))  # a training call: the fwd+bwd entry says triton
+    with torch.no_grad():
+        assert prefers(inputs=(x, grad))
+    monkeypatch.setenv("ATTNKIT_BACKEND", "triton")
+    assert not prefers()
+    monkeypatch.delenv("ATTNKIT_BACKEND")
+    monkeypatch.setattr(gpu_table, "_INDEX", {})
+    assert not gpu_table.has_entries() and not prefers()
+
+
 def test_the_shipped_table_is_well_formed():
     from attnkit._gpu_table_data import ENTRIES
 

@@ -375,22 +375,18 @@ def _kernel_limitation(backend: str, dtype: torch.dtype, head_dim: int, value_di
 
 
 def _route(fn: str, backend, device, dtype, head_dim: int, value_dim: int, batch: int = 1,
-           heads: int = 1, n: int | None = None, causal: bool = False, training: bool = False) -> str:
+           heads: int = 1, causal: bool = False, inputs=None) -> str:
     """The backend that runs this call: ``resolve``'s pick, unless that kernel cannot run the
     call -- then the reference when the backend was the default, an error when it was named.
-    On a CUDA tensor with no backend named, a sequence of ``n`` rows (linear_attention) goes to
-    the ``cuda`` kernels where the GPU dispatch table measured them faster on its shape
+    On a CUDA tensor with no backend named, a sequence (linear_attention: ``inputs`` = q, k, v)
+    goes to the ``cuda`` kernels where the GPU dispatch table measured them faster on its shape
     (attnkit/_gpu_table.py) and they can run it."""
     chosen = resolve(FAMILY, backend, device, fn)
     if (
-        chosen == "triton"
-        and n is not None
-        and device.type == "cuda"
-        and backend is None
-        and gpu_table.has_entries()
-        and not os.environ.get(ENV_VAR)
+        inputs is not None
         and head_dim == value_dim
-        and gpu_table.pick(FAMILY, device, dtype, head_dim, causal, n, training) == "cuda"
+        and gpu_table.prefers_cuda(FAMILY, backend, chosen, device, dtype, head_dim, causal, inputs[0].shape[2],
+                                   inputs)
         and backend_status("cuda").usable
         and not _kernel_limitation("cuda", dtype, head_dim, value_dim, batch, heads)
     ):
@@ -619,9 +615,8 @@ def linear_attention(
                                                   normalize, eps, scale, return_state)):
         _validate(query, key, value, causal, feature_map, normalize, eps, scale, initial_state,
                   return_state)
-    training = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     backend = _route(OP_NAME, backend, query.device, query.dtype, query.shape[3], value.shape[3],
-                     query.shape[0], query.shape[1], query.shape[2], causal, training)
+                     query.shape[0], query.shape[1], causal, (query, key, value))
     if initial_state is not None:
         initial_state = tuple(initial_state)
     return _IMPLEMENTATIONS[backend](query, key, value, causal, feature_map, normalize,

@@ -851,17 +851,14 @@ def _route(backend, query, key, value, attn_mask, dropout_p, options=None, is_ca
     ``cuda`` kernels where the GPU dispatch table measured them faster on this shape
     (attnkit/_gpu_table.py) and they can run the call."""
     chosen = resolve(FAMILY, backend, query.device, OP_NAME)
-    if chosen == "triton" and query.is_cuda and backend is None and gpu_table.has_entries() \
-            and not os.environ.get(ENV_VAR):
-        training = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-        n = query.shape[-2]
-        if (
-            key.shape[-2] == n
-            and gpu_table.pick(FAMILY, query.device, query.dtype, query.shape[-1], is_causal, n, training) == "cuda"
-            and backend_status("cuda").usable
-            and not _kernel_limitation("cuda", query, key, value, attn_mask, dropout_p, options)
-        ):
-            return "cuda"
+    if (
+        key.shape[-2] == query.shape[-2]
+        and gpu_table.prefers_cuda(FAMILY, backend, chosen, query.device, query.dtype, query.shape[-1], is_causal,
+                                   query.shape[-2], (query, key, value))
+        and backend_status("cuda").usable
+        and not _kernel_limitation("cuda", query, key, value, attn_mask, dropout_p, options)
+    ):
+        return "cuda"
     why_not = _kernel_limitation(chosen, query, key, value, attn_mask, dropout_p, options)
     if not why_not:
         return chosen
