@@ -129,12 +129,28 @@ std::string cpu_gemm_path_name(const std::string& dtype, const std::string& use)
     ATTNKIT_CHECK(dtype == "float32", "cpu_gemm_path: dtype must be one of bfloat16, float16, float32, float64; got '",
                   dtype, "'");
   }
-  return attnkit::gemm_path_name(
-      attnkit::cpu_gemm_path(t, use == "decode"   ? attnkit::GemmUse::kDecode
-                                : use == "ranges" ? attnkit::GemmUse::kSparseRanges
-                                : use == "linear"  ? attnkit::GemmUse::kLinear
-                                : use == "softmax" ? attnkit::GemmUse::kSoftmax
-                                                   : attnkit::GemmUse::kTiles));
+  const attnkit::GemmUse u = use == "decode"    ? attnkit::GemmUse::kDecode
+                            : use == "ranges"  ? attnkit::GemmUse::kSparseRanges
+                            : use == "linear"  ? attnkit::GemmUse::kLinear
+                            : use == "softmax" ? attnkit::GemmUse::kSoftmax
+                                               : attnkit::GemmUse::kTiles;
+  return attnkit::gemm_path_name(attnkit::cpu_gemm_path(t, u));
+}
+
+// How the softmax kernels' native tiles multiply bfloat16 in this process (ATTNKIT_CPU_BF16:
+// csrc/cpu/gemm_path.h): "dot" (AVX512-BF16 dot products) or "float32" (widened); "" on a build
+// without AVX512-BF16 (always widened).  use: "softmax" (the flash kernels) or "decode".
+std::string cpu_bf16_products(const std::string& use) {
+  ATTNKIT_CHECK(use == "softmax" || use == "decode", "cpu_bf16_products: use must be 'softmax' or 'decode'; got '",
+                use, "'");
+  const bool dot = attnkit::cpu_bf16_dot_products(use == "decode" ? attnkit::GemmUse::kDecode
+                                                                   : attnkit::GemmUse::kSoftmax);
+#if defined(__AVX512BF16__)
+  return dot ? "dot" : "float32";
+#else
+  (void)dot;
+  return "";
+#endif
 }
 
 namespace checks = attnkit::checks;
@@ -179,6 +195,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("built_with_cuda", &built_with_cuda, "whether the CUDA kernels were compiled in");
   module.def("cpu_kernel_isa", &cpu_kernel_isa,
              "the vector instructions the CPU kernels were compiled for (compile-time choice)");
+  module.def("cpu_bf16_products", &cpu_bf16_products, pybind11::arg("use") = "softmax",
+             "How the softmax kernels' native tiles multiply bfloat16 here: 'dot', 'float32', or '' (no AVX512-BF16 build)");
   module.def("cpu_gemm_path", &cpu_gemm_path_name, pybind11::arg("dtype"), pybind11::arg("use") = "tiles",
              "the tile-GEMM path of the CPU kernels for a dtype ('bfloat16', 'float16', 'float32', "
              "'float64') and use ('tiles': the flash tiles of every family; 'decode': the softmax decoding "

@@ -47,7 +47,8 @@ class BackendStatus(NamedTuple):
 # What the CPU kernels' vector path does with each dtype (csrc/cpu/flash_tiles.h), by the ISA
 # attnkit._C reports (cpu_kernel_isa(): fixed at build time by -march).
 _CPU_ISA_TEXT = {
-    "avx512f+avx512bf16": "float32 FMA tiles on zmm; bfloat16 products by AVX512-BF16 dot products",
+    "avx512f+avx512bf16": ("float32 FMA tiles on zmm; bfloat16 by AVX512-BF16 dot products or widened to float32 "
+                           "(the softmax kernels: chosen at run time, ATTNKIT_CPU_BF16), the rest widened"),
     "avx512f": "float32 FMA tiles on zmm; bfloat16 / float16 widened to float32",
     "avx2+fma": "float32 FMA tiles on ymm; bfloat16 / float16 widened to float32",
     "scalar": "portable loops (the build has neither AVX2+FMA nor AVX-512)",
@@ -77,6 +78,23 @@ _OWN_GEMM_USE = {"softmax": ("decode", "decoding (N <= 16)"),
                  "linear": ("linear", "under auto")}
 
 
+_BF16_PRODUCTS_TEXT = {"dot": "AVX512-BF16 dot products", "float32": "widened to float32"}
+
+
+def _gemm_paths(module, use: str) -> str:
+    """"bfloat16 <path>, float16 <path>, float32 <path>" for the tile GEMMs of ``use``; the softmax
+    kernels' native bfloat16 says how it is multiplied (ATTNKIT_CPU_BF16: csrc/cpu/gemm_path.h)."""
+    parts = []
+    for dtype in ("bfloat16", "float16", "float32"):
+        path = module.cpu_gemm_path(dtype, use)
+        if dtype == "bfloat16" and path == "native" and use in ("softmax", "decode") and hasattr(
+                module, "cpu_bf16_products"):
+            how = _BF16_PRODUCTS_TEXT.get(module.cpu_bf16_products(use))
+            path += f" ({how})" if how else ""
+        parts.append(f"{dtype} {path}")
+    return ", ".join(parts)
+
+
 def cpu_kernels(family: str | None = None) -> str:
     """The CPU kernels' path on this build: ``"<isa>: <what it does>"`` ("" without attnkit._C,
     or "unknown" for an extension built before cpu_kernel_isa existed).  For a family in
@@ -94,8 +112,8 @@ def cpu_kernels(family: str | None = None) -> str:
         return base + "; chosen at build time (-march), no AMX"
     try:
         use = _MAIN_GEMM_USE.get(family, "tiles")
-        paths = ", ".join(f"{dtype} {module.cpu_gemm_path(dtype, use)}" for dtype in ("bfloat16", "float16", "float32"))
-    except RuntimeError as exc:  # a bad ATTNKIT_CPU_GEMM: every forward call raises the same
+        paths = _gemm_paths(module, use)
+    except RuntimeError as exc:  # a bad ATTNKIT_CPU_GEMM / _BF16: every forward call raises the same
         paths = str(exc).splitlines()[0]
     setting = os.environ.get(CPU_GEMM_ENV_VAR) or "auto"
     text = (f"{base}; chosen at build time (-march); {RUNTIME_GEMM_KERNELS[family]} chosen at run "
@@ -104,7 +122,7 @@ def cpu_kernels(family: str | None = None) -> str:
         # A kernel's own choice (auto: native on every CPU; gemm_path.h), where it differs.
         use, label = _OWN_GEMM_USE[family]
         try:
-            own = ", ".join(f"{dtype} {module.cpu_gemm_path(dtype, use)}" for dtype in ("bfloat16", "float16", "float32"))
+            own = _gemm_paths(module, use)
         except (RuntimeError, TypeError):  # a bad setting (above), or an extension without `use`
             own = paths
         if own != paths:

@@ -72,10 +72,12 @@ inline bool has_nan(const T* s, int64_t n) {
 // o[0..Dv)): dst = o / l, lse = ln 2 * m + ln l; a row that saw no key (l == 0): 0 and -inf.  A
 // row that saw a NaN (l NaN) comes out NaN, lse NaN: told apart from a fully masked one.
 template <typename scalar_t, typename acc_t>
+inline void store_scaled_row(const acc_t* src, acc_t f, int64_t n, scalar_t* dst);
+
+template <typename scalar_t, typename acc_t>
 inline void finish_row(const acc_t* o, acc_t m, acc_t l, int64_t Dv, scalar_t* dst, acc_t* lse) {
   if (l != acc_t(0)) {
-    const acc_t inv = acc_t(1) / l;
-    for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(o[d] * inv);
+    store_scaled_row(o, acc_t(1) / l, Dv, dst);
     *lse = m * static_cast<acc_t>(kLn2) + std::log(l);
   } else {
     for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(0);
@@ -834,6 +836,32 @@ inline __m256i round16_ps(__m512 x) {
 }
 #endif
 
+// dst[d] = scalar_t(src[d] * f) for d < n (float32 sources into 16-bit rows: 16 at a time where
+// the rounding is one instruction, kRound16Vector).  The scalar loop's conversions were ~12% of a
+// float16 forward (B=1 H=8 N=1024 D=64 causal, one thread, Xeon without AMX, perf, session 26)
+// together with the operands' widening below.
+template <typename scalar_t, typename acc_t>
+inline void store_scaled_row(const acc_t* src, acc_t f, int64_t n, scalar_t* dst) {
+  int64_t d = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if constexpr (std::is_same_v<acc_t, float> &&
+                (std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>)) {
+    if constexpr (kRound16Vector<scalar_t>) {
+      const __m512 fv = _mm512_set1_ps(f);
+      for (; d + 16 <= n; d += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                            round16_ps<scalar_t>(_mm512_mul_ps(_mm512_loadu_ps(src + d), fv)));
+      if (d < n) {
+        const __mmask16 k = static_cast<__mmask16>((1u << (n - d)) - 1u);
+        _mm256_mask_storeu_epi16(dst + d, k, round16_ps<scalar_t>(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, src + d), fv)));
+        d = n;
+      }
+    }
+  }
+#endif
+  for (; d < n; ++d) dst[d] = static_cast<scalar_t>(src[d] * f);
+}
+
 // One row of P in 16 bits, in one pass: dst[j] = T16(exp2(c s[j] - mx)) (round to nearest even)
 // for j in [lo, hi), 0 for j in [0, lo) and [hi, n_pad); returns the float32 sum of the
 // exponentials before rounding.  What exp2_scaled_sum(s + lo, hi - lo, c, mx) and then to_bits16
@@ -1086,11 +1114,56 @@ inline void decode_pv_avx2(int64_t R, int64_t kn, const float* P, int64_t ldp, c
 }
 #endif
 
-// dst[d] = src[d * sd] for d < n, converted to acc_t (bfloat16 rows with unit stride on AVX2: 8
-// at a time).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// Whether T is a 16-bit float (bfloat16 or float16): the types widened 16 at a time below.
+template <typename T>
+inline constexpr bool kIs16 = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
+
+// Up to 16 consecutive 16-bit floats as float32 (exact), the lanes outside `cm` zero (and not read).
+template <typename T16>
+__attribute__((always_inline)) inline __m512 load16_as_float(const T16* p, __mmask16 cm) {
+  const __m256i x = _mm256_maskz_loadu_epi16(cm, p);
+  if constexpr (std::is_same_v<T16, at::Half>) return _mm512_cvtph_ps(x);
+  else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+// 16-bit rows widened and transposed in 16 x 16 blocks: dst[c * ldd + r] = float(src[r * sn + c])
+// for r < rows, c < cols (strides in elements).
+template <typename T16>
+inline void transpose_widen16(const T16* src, int64_t sn, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 16)
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      const int rn = static_cast<int>(std::min<int64_t>(16, rows - r0));
+      const int cn = static_cast<int>(std::min<int64_t>(16, cols - c0));
+      const __mmask16 cm = static_cast<__mmask16>((1u << cn) - 1u);
+      const __mmask16 rm = static_cast<__mmask16>((1u << rn) - 1u);
+      __m512 r[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i)
+        r[i] = i < rn ? load16_as_float(src + (r0 + i) * sn + c0, cm) : _mm512_setzero_ps();
+      tile_transpose16(r);
+      for (int c = 0; c < cn; ++c) _mm512_mask_storeu_ps(dst + (c0 + c) * ldd + r0, rm, r[c]);
+    }
+}
+#endif
+
+// dst[d] = src[d * sd] for d < n, converted to acc_t (16-bit rows with unit stride: 16 at a time
+// on AVX-512, bfloat16 8 at a time on AVX2).
 template <typename scalar_t, typename acc_t>
 inline void convert_row(const scalar_t* src, int64_t sd, int64_t n, acc_t* dst) {
   int64_t d = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if constexpr (kIs16<scalar_t> && std::is_same_v<acc_t, float>) {
+    if (sd == 1) {
+      for (; d + 16 <= n; d += 16) _mm512_storeu_ps(dst + d, load16_as_float(src + d, __mmask16(0xFFFF)));
+      if (d < n) {
+        const __mmask16 k = static_cast<__mmask16>((1u << (n - d)) - 1u);
+        _mm512_mask_storeu_ps(dst + d, k, load16_as_float(src + d, k));
+        d = n;
+      }
+    }
+  }
+#endif
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<acc_t, float>) {
     if (sd == 1)
@@ -1129,6 +1202,16 @@ void pack_transposed(const scalar_t* src, int64_t sn, int64_t sd, int64_t kn, in
       return;
     }
   }
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  // 16-bit rows (sd = 1) widened in registers on the way: the scalar loop's conversions, with
+  // store_scaled_row's, were ~12% of a float16 forward (flash_tiles.h, session 26).
+  if constexpr (kIs16<scalar_t> && std::is_same_v<acc_t, float>) {
+    if (sd == 1) {
+      transpose_widen16(src, sn, kn, D, dst, ldd);
+      return;
+    }
+  }
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
   // float32 or bfloat16 rows (sd = 1) to float32: 8 x 8 blocks transposed in registers, the
   // edges (kn or D not a multiple of 8) by the scalar loop.  Measured (B=1 H=8 N=1024 D=64,

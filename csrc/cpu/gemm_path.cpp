@@ -9,6 +9,7 @@
 #include <cmath>
 #include <limits>
 #include <cstdlib>
+#include <cstring>
 #include <string_view>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -51,7 +52,38 @@ const AmxFlags& amx_flags() {
   return flags;
 }
 
+// CPUID leaf 0: the vendor string in EBX, EDX, ECX.
+bool cpu_is_amd() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid(0, &a, &b, &c, &d) == 0) return false;
+  char vendor[13];
+  std::memcpy(vendor, &b, 4);
+  std::memcpy(vendor + 4, &d, 4);
+  std::memcpy(vendor + 8, &c, 4);
+  vendor[12] = '\0';
+  return std::string_view(vendor) == "AuthenticAMD";
+#else
+  return false;
+#endif
+}
+
 }  // namespace
+
+bool cpu_bf16_dot_products(GemmUse use) {
+  const char* env = std::getenv("ATTNKIT_CPU_BF16");
+  const std::string_view want = env == nullptr || *env == '\0' ? std::string_view("auto") : std::string_view(env);
+  ATTNKIT_CHECK(want == "auto" || want == "dot" || want == "float32",
+                "ATTNKIT_CPU_BF16 must be one of auto, dot, float32; got '", want, "'");
+#if defined(__AVX512BF16__)
+  if (want != "auto") return want == "dot";
+  static const bool amd = cpu_is_amd();
+  return use == GemmUse::kDecode || amd;
+#else
+  (void)use;
+  return false;
+#endif
+}
 
 bool cpu_has_amx(at::ScalarType dtype) {
   const AmxFlags& f = amx_flags();

@@ -331,13 +331,15 @@ struct FwdScratch {
 // same pairs layout), every other case on float32 (float64) tiles.  Only the packing and the two
 // GEMM calls differ; the online softmax is the same for all.
 template <typename scalar_t, typename acc_t>
-void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Strides4 qs, const scalar_t* k,
-                        Strides4 ks, const scalar_t* v, Strides4 vs, scalar_t* out, acc_t* lse) {
+void softmax_fwd_kernel(const Problem& p, GemmPath path, bool bf16_dot, const scalar_t* q, Strides4 qs,
+                        const scalar_t* k, Strides4 ks, const scalar_t* v, Strides4 vs, scalar_t* out, acc_t* lse) {
   constexpr bool k16 = std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>;
-  constexpr bool kDot = kHaveBf16Dot && std::is_same_v<scalar_t, at::BFloat16>;
   const bool brgemm = k16 && path != GemmPath::kNative;
-  const bool tiles16 = kDot || brgemm;  // Q, K, V, P packed as 16-bit
-  const bool pairs = brgemm ? brgemm_vnni_layout(path) : kDot;  // VNNI layout of K and V
+  // bfloat16 on the native tiles: dot products where cpu_bf16_dot_products() says (gemm_path.h),
+  // else widened to float32 as float16 is.
+  const bool dot = kHaveBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && !brgemm && bf16_dot;
+  const bool tiles16 = dot || brgemm;  // Q, K, V, P packed as 16-bit
+  const bool pairs = brgemm ? brgemm_vnni_layout(path) : dot;  // VNNI layout of K and V
   // float16 as bfloat16 pairs (hi, lo) on brgemm: S = Qh Kh + Qh Kl + Ql Kh + Ql Kl in one product
   // of depth 4 D2 -- every product exact in float32, as float16's own -- and O += Ph (Vh + Vl) +
   // Pl Vh in two (P kept to 16 bits, more than float16's 11; gemm_path.h).  The three-term S
@@ -537,10 +539,11 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
                 brgemm16<scalar_t>(rn, c1 - c0, D2, D2, kBK, kBK, false, st.qb16.data() + r0 * D2,
                                    st.kb16.data() + kb * D2 * kBK + b16_index(0, col + c0, kBK, pairs),
                                    S + r0 * kBK + c0, path);
-            } else if constexpr (kDot) {
+            } else if (dot) {
 #if defined(__AVX512BF16__)
-              gemm_bf16(rn, c1 - c0, D, st.qb16.data() + r0 * D2, D2,
-                        st.kb16.data() + kb * D2 * kBK + (col + c0) * 2, kBK * 2, S + r0 * kBK + c0, kBK, false);
+              if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
+                gemm_bf16(rn, c1 - c0, D, st.qb16.data() + r0 * D2, D2,
+                          st.kb16.data() + kb * D2 * kBK + (col + c0) * 2, kBK * 2, S + r0 * kBK + c0, kBK, false);
 #endif
             } else {
               gemm<acc_t>(rn, c1 - c0, D, st.q.data() + r0 * D, D, 1, st.kt.data() + kb * D * kBK + col + c0,
@@ -646,10 +649,11 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, const scalar_t* q, Stri
                 brgemm16<scalar_t>(rn, Dv, pairs ? round_up(c1 - c0, 2) : c1 - c0, kBK, Dvp, Dv, true,
                                    st.pb16.data() + r0 * kBK + c0, st.vb16.data() + (k0 + c0) * Dvp,
                                    st.o.data() + r0 * Dv, path);
-            } else if constexpr (kDot) {
+            } else if (dot) {
 #if defined(__AVX512BF16__)
-              gemm_bf16(rn, Dv, c1 - c0, st.pb16.data() + r0 * kBK + c0, kBK, st.vb16.data() + (k0 + c0) * Dvp,
-                        Dvp * 2, st.o.data() + r0 * Dv, Dv, true);
+              if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
+                gemm_bf16(rn, Dv, c1 - c0, st.pb16.data() + r0 * kBK + c0, kBK, st.vb16.data() + (k0 + c0) * Dvp,
+                          Dvp * 2, st.o.data() + r0 * Dv, Dv, true);
 #endif
             } else {
               gemm<acc_t>(rn, Dv, c1 - c0, S + r0 * kBK + c0, kBK, 1, vrows + (k0 + c0) * ldv, ldv,
@@ -911,40 +915,11 @@ inline void amx_decode_pv(const uint16_t* pb, int64_t ldp, const uint16_t* vb, i
 }
 #endif
 
-// n elements of a row -> float (contiguous or strided).
-template <typename scalar_t>
-inline void row_to_float(const scalar_t* src, int64_t sd, int64_t n, float* dst) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    if (sd == 1) {
-      // bfloat16 -> float32 is a 16-bit shift of the bits.
-      int64_t d = 0;
-      for (; d + 16 <= n; d += 16) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
-        _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)));
-      }
-      for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
-      return;
-    }
-  }
-  if constexpr (std::is_same_v<scalar_t, at::Half>) {
-    if (sd == 1) {
-      int64_t d = 0;
-      for (; d + 16 <= n; d += 16)
-        _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
-      for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
-      return;
-    }
-  }
-#endif
-  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d * sd]);
-}
-
 // path (gemm_path.h, float16 / bfloat16 only): S = Q K^T and O += P V through oneDNN's brgemm on
 // 16-bit Q, K, P (rounded), V -- the K tile transposed per tile, V's rows packed per tile in its B
 // layout -- or the native dots / tiles below.  float32 is always native.
 template <typename scalar_t>
-void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, Strides4 qs, const scalar_t* k,
+void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const scalar_t* q, Strides4 qs, const scalar_t* k,
                            Strides4 ks, const scalar_t* v, Strides4 vs, scalar_t* out, float* lse) {
   const int64_t B = p.B, H = p.H, Hk = p.Hk, N = p.N, D = p.D, Dv = p.Dv;
   const int64_t G = H / Hk, R = G * N;
@@ -981,7 +956,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
   // AMX): R = 4 / 8 / 16 39 / 43 / 50 ns on the tiles against 55 / 86 / 140 ns native; R = 32 / 64
   // on the native GEMM path 246 / 452 ns.
   const int64_t Rg = R <= 16 ? R : 16, ngroups = ceil_div(R, Rg), Rp = ngroups * Rg;
-  const bool k_dot = !brgemm && !amx && kHaveBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && ks.d == 1;
+  const bool k_dot = !brgemm && !amx && kHaveBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && bf16_dot && ks.d == 1;
   const bool q16 = k_dot || brgemm || amx;  // Q packed in 16 bits
   // AVX2 + FMA without AVX-512: every native tile below reads K and V in place in their own
   // dtype (decode_dots_avx2, decode_pv_avx2: 16 bits widened in registers).
@@ -1088,7 +1063,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
           if (q16) {
             if constexpr (k16) pack_rows16(src, 0, qs.d, 1, D, st.qb.data() + r * D2, D2, false, 1);
           } else {
-            row_to_float(src, qs.d, D, st.q.data() + r * D);
+            convert_row(src, qs.d, D, st.q.data() + r * D);
           }
         }
 #if defined(ATTNKIT_HAVE_AMX_TILES)
@@ -1105,7 +1080,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
             return reinterpret_cast<const float*>(k + ks.at(b, hk, k0));
           }
           for (int64_t jj = 0; jj < kn; ++jj)
-            row_to_float(k + ks.at(b, hk, k0 + jj), ks.d, D, st.kf.data() + jj * D);
+            convert_row(k + ks.at(b, hk, k0 + jj), ks.d, D, st.kf.data() + jj * D);
           ldk = D;
           return st.kf.data();
         };
@@ -1329,7 +1304,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, const scalar_t* q, S
             ldv = vs.n;
           } else {
             for (int64_t jj = 0; jj < kn; ++jj)
-              row_to_float(v + vs.at(b, hk, k0 + jj), vs.d, Dv, st.vf.data() + jj * Dv);
+              convert_row(v + vs.at(b, hk, k0 + jj), vs.d, Dv, st.vf.data() + jj * Dv);
             Vt = st.vf.data();
             ldv = Dv;
           }
@@ -1456,13 +1431,8 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
       acc_t part[kLanes] = {};
       for (int64_t d0 = 0; d0 < Dv; d0 += kChunk) {
         const int64_t n = std::min(kChunk, Dv - d0);
-        if constexpr (std::is_same_v<acc_t, float>) {
-          row_to_float(o + d0 * os.d, os.d, n, ob);
-          row_to_float(g + d0 * dos.d, dos.d, n, gb);
-        } else {
-          convert_row(o + d0 * os.d, os.d, n, ob);
-          convert_row(g + d0 * dos.d, dos.d, n, gb);
-        }
+        convert_row(o + d0 * os.d, os.d, n, ob);
+        convert_row(g + d0 * dos.d, dos.d, n, gb);
         const int64_t n_full = n / kLanes * kLanes;
         for (int64_t d = 0; d < n_full; d += kLanes)
           for (int64_t x = 0; x < kLanes; ++x) part[x] += ob[d + x] * gb[d + x];
@@ -1500,8 +1470,7 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
       ld = sn;
       return reinterpret_cast<const acc_t*>(src);
     }
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t d = 0; d < cols; ++d) buf[r * cols + d] = static_cast<acc_t>(src[r * sn + d * sd]);
+    for (int64_t r = 0; r < rows; ++r) convert_row(src + r * sn, sd, cols, buf + r * cols);
     ld = cols;
     return buf;
   };
@@ -1771,9 +1740,8 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
           }
           for (int64_t jj = 0; jj < kn; ++jj) {
             const int64_t row = (b * Hk + hk) * M + k0 + jj;
-            for (int64_t d = 0; d < D; ++d) dk[row * D + d] = static_cast<scalar_t>(st.dk[jj * D + d]);
-            for (int64_t d = 0; d < Dv; ++d)
-              dv[row * Dv + d] = static_cast<scalar_t>(st.dv[jj * Dv + d]);
+            store_scaled_row(st.dk.data() + jj * D, acc_t(1), D, dk + row * D);
+            store_scaled_row(st.dv.data() + jj * Dv, acc_t(1), Dv, dv + row * Dv);
           }
         }
       });
@@ -1781,11 +1749,13 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
   if (!direct) {
     const int64_t total = B * H * N * D;
     at::parallel_for(0, total, 4096, [&](int64_t begin, int64_t end) {
-      for (int64_t x = begin; x < end; ++x) {
-        acc_t sum = 0;
-        for (int64_t ch = 0; ch < chunks; ++ch) sum += dq_partial[ch * total + x];
-        dq[x] = static_cast<scalar_t>(sum);
+      // The chunks' partials summed into the first (in chunk order), then converted 16 at a time.
+      acc_t* sum = dq_partial.data();
+      for (int64_t ch = 1; ch < chunks; ++ch) {
+        const acc_t* part = dq_partial.data() + ch * total;
+        for (int64_t x = begin; x < end; ++x) sum[x] += part[x];
       }
+      store_scaled_row(sum + begin, acc_t(1), end - begin, dq + begin);
     });
   }
 }
@@ -1835,6 +1805,9 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
   // The tile-GEMM path of the flash forward and of the decoding path (read here, so that a bad
   // ATTNKIT_CPU_GEMM raises on every call).
   const GemmPath path = cpu_gemm_path(q.scalar_type(), GemmUse::kSoftmax);
+  // And how the native kernels multiply bfloat16 (ATTNKIT_CPU_BF16, read on every call too).
+  const bool bf16_dot = cpu_bf16_dot_products(GemmUse::kSoftmax);
+  const bool bf16_dot_decode = cpu_bf16_dot_products(GemmUse::kDecode);
   auto out = at::empty({p.B, p.H, p.N, p.Dv}, q.options());
   auto lse = at::empty({p.B, p.H, p.N}, q.options().dtype(acc_type_of(q.scalar_type())));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
@@ -1846,7 +1819,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
   if (use_decode(p, q.scalar_type())) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_decode", [&] {
       if constexpr (!std::is_same_v<scalar_t, double>) {
-        softmax_decode_kernel<scalar_t>(p, cpu_decode_path(q.scalar_type(), p.N * (p.H / p.Hk)),
+        softmax_decode_kernel<scalar_t>(p, cpu_decode_path(q.scalar_type(), p.N * (p.H / p.Hk)), bf16_dot_decode,
                                         q.const_data_ptr<scalar_t>(), Strides4(q),
                                         k.const_data_ptr<scalar_t>(), Strides4(k),
                                         v.const_data_ptr<scalar_t>(), Strides4(v),
@@ -1857,7 +1830,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_fwd", [&] {
     using acc_t = acc_of<scalar_t>;
-    softmax_fwd_kernel<scalar_t, acc_t>(p, path, q.const_data_ptr<scalar_t>(), Strides4(q),
+    softmax_fwd_kernel<scalar_t, acc_t>(p, path, bf16_dot, q.const_data_ptr<scalar_t>(), Strides4(q),
                                         k.const_data_ptr<scalar_t>(), Strides4(k),
                                         v.const_data_ptr<scalar_t>(), Strides4(v),
                                         out.mutable_data_ptr<scalar_t>(),
