@@ -725,14 +725,71 @@ struct DecodeScratch {
 // (16 keys, D a multiple of 16) take unmasked loads: the masked loop below (masks along d, the
 // key index clamped to kn - 1) measured 8.0 vs 6.7 ms on the whole decode (N=1 M=1024, one
 // thread).
-inline void decode_dot16(const float* q, const float* K, int64_t ldk, int64_t D, float* s, int64_t kn) {
+// 16 elements of a K row as float32 under a lane mask: float32 loaded, 16 bits widened in registers.
+__attribute__((always_inline)) inline __m512 load_k16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+template <typename T16>
+__attribute__((always_inline)) inline __m512 load_k16(const T16* p, __mmask16 m) { return load16_as_float(p, m); }
+#endif
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+// O [R][ldo] (+)= P [R][ldp] V for keys j < kn, columns [0, cols <= 16 NV): 16-bit V rows read in
+// place (ldv apart), each widened in registers once for the R rows.
+template <int R, int NV, typename T16>
+inline void decode_pv_widen_rows(int64_t kn, const float* P, int64_t ldp, const T16* V, int64_t ldv, float* O,
+                                 int64_t ldo, int64_t cols) {
+  __mmask16 m[NV];
+  __m512 acc[R][NV];
+#pragma GCC unroll 8
+  for (int c = 0; c < NV; ++c) {
+    const int64_t n = std::clamp<int64_t>(cols - 16 * c, 0, 16);
+    m[c] = static_cast<__mmask16>((1u << n) - 1u);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r][c] = _mm512_maskz_loadu_ps(m[c], O + r * ldo + 16 * c);
+  }
+  for (int64_t j = 0; j < kn; ++j) {
+    __m512 vv[NV];
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) vv[c] = load16_as_float(V + j * ldv + 16 * c, m[c]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 pv = _mm512_set1_ps(P[r * ldp + j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pv, vv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < NV; ++c)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(O + r * ldo + 16 * c, m[c], acc[r][c]);
+}
+
+// O [R][Dv] += P [R][ldp] V [kn][Dv] (16-bit, in place): groups of 4 rows x 64 columns (16
+// accumulators), the last group of rows 1-3.
+template <typename T16>
+inline void decode_pv_widen(int64_t R, int64_t kn, const float* P, int64_t ldp, const T16* V, int64_t ldv, float* O,
+                            int64_t Dv) {
+  for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
+    const int64_t cols = std::min<int64_t>(64, Dv - c0);
+    int64_t r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) decode_pv_widen_rows<4, 4>(kn, P + r0 * ldp, ldp, V + c0, ldv, O + r0 * Dv + c0, Dv, cols);
+    const int64_t rt = R - r0;
+    if (rt == 3) decode_pv_widen_rows<3, 4>(kn, P + r0 * ldp, ldp, V + c0, ldv, O + r0 * Dv + c0, Dv, cols);
+    else if (rt == 2) decode_pv_widen_rows<2, 4>(kn, P + r0 * ldp, ldp, V + c0, ldv, O + r0 * Dv + c0, Dv, cols);
+    else if (rt == 1) decode_pv_widen_rows<1, 4>(kn, P + r0 * ldp, ldp, V + c0, ldv, O + r0 * Dv + c0, Dv, cols);
+  }
+}
+#endif
+
+template <typename T>
+inline void decode_dot16(const float* q, const T* K, int64_t ldk, int64_t D, float* s, int64_t kn) {
   __m512 acc[16];
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
   if (kn == 16 && D % 16 == 0) {
     for (int64_t d = 0; d < D; d += 16) {
       const __m512 qv = _mm512_loadu_ps(q + d);
       #pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(K + j * ldk + d), acc[j]);
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qv, load_k16(K + j * ldk + d, __mmask16(0xFFFF)), acc[j]);
     }
     _mm512_storeu_ps(s, reduce16(acc));
     return;
@@ -743,7 +800,7 @@ inline void decode_dot16(const float* q, const float* K, int64_t ldk, int64_t D,
     const __m512 qv = _mm512_maskz_loadu_ps(md, q + d);
     #pragma GCC unroll 16
     for (int j = 0; j < 16; ++j)
-      acc[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(md, K + std::min<int64_t>(j, kmax) * ldk + d), acc[j]);
+      acc[j] = _mm512_fmadd_ps(qv, load_k16(K + std::min<int64_t>(j, kmax) * ldk + d, md), acc[j]);
   }
   _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << kn) - 1u), reduce16(acc));
 }
@@ -992,6 +1049,18 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
   // thread 19.2-20.3 -> 18.2-18.7 ms; two threads 9.0-9.5 -> 8.9-10.0 ms (better in 5 of 7
   // pairs), M=16384 38.0-40.0 -> 37.0-37.6 ms.
   [[maybe_unused]] const bool spread_here = direct && k_dot && ks.d == 1 && vs.d == 1;
+  // 16-bit K and V without the dot products (float16; bfloat16 under ATTNKIT_CPU_BF16=float32),
+  // unit stride, few rows (direct): read in place and widened in registers (AVX-512BW) by the
+  // dots and by O += P V (decode_pv_widen), instead of converted into float32 rows per tile.
+  // B=8 Hq=32 Hk=8 N=1 M=4096 D=128, 2 threads, Xeon (model 207, no AMX), `bench/softmax_cpu_speed.py
+  // decode` (session 26): float16 11.57 -> 9.63 ms (2.90x -> 3.44x SDPA); bfloat16 under
+  // float32 12.02 -> 9.90 ms, still behind its dot products (9.43 ms): auto keeps those there.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const bool k_widen = direct && k16 && !k_dot && !brgemm && !amx && ks.d == 1;
+  const bool v_widen = direct && k16 && !v_pairs && !brgemm && !amx && vs.d == 1;
+#else
+  constexpr bool k_widen = false, v_widen = false;
+#endif
   // Q's row length and K's packed depth: even (a bf16 pair), for brgemm a multiple of 32, zeros
   // past D in both operands: the K of S = Q K^T is zero-padded against oneDNN's AMX K-tail defect
   // (a NaN of row i + 1 of the left operand written into row i when K > 32, K % 32 != 0;
@@ -1205,6 +1274,16 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
                 }
             }
 #endif
+          } else if (k_widen) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+            if constexpr (k16) {
+              const scalar_t* kt = k + ks.at(b, hk, k0);
+              for (int64_t r = 0; r < R; ++r)
+                for (int64_t j0 = 0; j0 < kn; j0 += 16)
+                  decode_dot16(st.q.data() + r * D, kt + j0 * ks.n, ks.n, D, S + r * T + j0,
+                               std::min<int64_t>(16, kn - j0));
+            }
+#endif
           } else {
             int64_t ldk;
             const float* kt = k_rows_f32(k0, kn, ldk);
@@ -1294,6 +1373,12 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
           if (v_in_place) {
             decode_pv_avx2(R, kn, S, T, v + vs.at(b, hk, k0), vs.n, st.o.data(), Dv);
+            continue;
+          }
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+          if (v_widen) {
+            if constexpr (k16) decode_pv_widen(R, kn, S, T, v + vs.at(b, hk, k0), vs.n, st.o.data(), Dv);
             continue;
           }
 #endif

@@ -140,15 +140,19 @@ def test_the_settings_differ_where_the_build_has_the_dot_products(monkeypatch):
 # (B, H, Hk, N, M, D, Dv), causal, score options: D, Dv = 17, 9, 40, 72 and 136 leave tails past
 # 16 (the conversions' vectors) and 8; N, M off the 64-row and 256-key blocks; N = 16 with a GQA
 # group of 4 takes the decoding kernel's tile GEMMs (64 rows; its K / V rows converted per 64-key
-# tile).  (Below 16 rows the decoding kernel's scores are dot products in float32 but, from 9 rows
-# on, tile GEMMs in 16 bits -- the crossover measured for each, softmax.cpp: the sums' order
-# differs there, so no bit-for-bit case with fewer rows.)
+# tile).  (From 9 to 16 rows the decoding kernel's scores are dot products in float32 but tile
+# GEMMs in 16 bits -- the crossover measured for each, softmax.cpp: the sums' order differs there,
+# so no bit-for-bit case with 9-16 rows.)
 WIDE_CASES = [
     ((1, 2, 1, 67, 131, 40, 24), False, {}),
     ((1, 2, 2, 67, 300, 72, 72), True, {}),
     ((1, 4, 1, 67, 67, 17, 9), True, {"window": (9, 0)}),
     ((1, 2, 1, 130, 300, 136, 40), False, {"softcap": 3.0}),
     ((1, 8, 2, 16, 31, 17, 9), True, {}),
+    # 8 rows a kv head: the decoding kernel's dot products in both (16-bit K and V read in place,
+    # widened in registers: decode_dot16, decode_pv_widen); Dv = 72 and 9: column tails.
+    ((1, 4, 2, 4, 300, 72, 72), False, {}),
+    ((2, 2, 1, 3, 131, 40, 9), True, {"softcap": 4.0}),
 ]
 
 
@@ -159,7 +163,10 @@ def test_widened_path_is_the_float32_kernel_bit_for_bit(monkeypatch, case, dtype
     widened values, its output rounded once: out and lse bit for bit.  (Checked with mutants of
     flash_tiles.h, each failing 40-42 of this file's 47 tests: convert_row's or store_scaled_row's
     last partial vector one lane short, transpose_widen16 one column short; and the last bit of
-    store_scaled_row's full vectors cleared fails every bit-for-bit case with Dv >= 16.)"""
+    store_scaled_row's full vectors cleared fails every bit-for-bit case with Dv >= 16; in
+    softmax.cpp's decoding kernel, decode_pv_widen's column tail one lane short or its last key
+    dropped, or decode_dot16's widened K one lane short, each fails 8 of the decode and
+    bit-for-bit tests here and in test_cpu_gemm_path.)"""
     dims, causal, opts = case
     monkeypatch.setenv("ATTNKIT_CPU_GEMM", "native")
     monkeypatch.setenv(ENV, "float32")
