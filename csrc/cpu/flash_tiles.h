@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "aligned_vector.h"
+#include "convert16.h"
 
 namespace attnkit {
 namespace {
@@ -71,9 +72,6 @@ inline bool has_nan(const T* s, int64_t n) {
 // Writes a finished row of the base-2 online softmax (running max m, sum l, unnormalized output
 // o[0..Dv)): dst = o / l, lse = ln 2 * m + ln l; a row that saw no key (l == 0): 0 and -inf.  A
 // row that saw a NaN (l NaN) comes out NaN, lse NaN: told apart from a fully masked one.
-template <typename scalar_t, typename acc_t>
-inline void store_scaled_row(const acc_t* src, acc_t f, int64_t n, scalar_t* dst);
-
 template <typename scalar_t, typename acc_t>
 inline void finish_row(const acc_t* o, acc_t m, acc_t l, int64_t Dv, scalar_t* dst, acc_t* lse) {
   if (l != acc_t(0)) {
@@ -811,57 +809,6 @@ inline void to_bits16(const float* src, int64_t n, uint16_t* dst, int64_t n_pad)
   for (j = n; j < n_pad; ++j) dst[j] = 0;
 }
 
-#if defined(__AVX512F__)
-// Whether 16 floats round to T16 in one instruction here -- AVX512-BF16's vcvtneps2bf16 for
-// bfloat16, AVX-512F's vcvtps2ph for float16 -- and that rounding (to nearest even, as T16(x)).
-template <typename T16>
-inline constexpr bool kRound16Vector =
-#if defined(__AVX512BF16__)
-    true;
-#else
-    std::is_same_v<T16, at::Half>;
-#endif
-
-template <typename T16>
-inline __m256i round16_ps(__m512 x) {
-  if constexpr (std::is_same_v<T16, at::Half>) {
-    return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  } else {
-#if defined(__AVX512BF16__)
-    return (__m256i)_mm512_cvtneps_pbh(x);
-#else
-    return _mm256_setzero_si256();  // (not reached: kRound16Vector<T16> is false)
-#endif
-  }
-}
-#endif
-
-// dst[d] = scalar_t(src[d] * f) for d < n (float32 sources into 16-bit rows: 16 at a time where
-// the rounding is one instruction, kRound16Vector).  The scalar loop's conversions were ~12% of a
-// float16 forward (B=1 H=8 N=1024 D=64 causal, one thread, Xeon without AMX, perf, session 26)
-// together with the operands' widening below.
-template <typename scalar_t, typename acc_t>
-inline void store_scaled_row(const acc_t* src, acc_t f, int64_t n, scalar_t* dst) {
-  int64_t d = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  if constexpr (std::is_same_v<acc_t, float> &&
-                (std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>)) {
-    if constexpr (kRound16Vector<scalar_t>) {
-      const __m512 fv = _mm512_set1_ps(f);
-      for (; d + 16 <= n; d += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
-                            round16_ps<scalar_t>(_mm512_mul_ps(_mm512_loadu_ps(src + d), fv)));
-      if (d < n) {
-        const __mmask16 k = static_cast<__mmask16>((1u << (n - d)) - 1u);
-        _mm256_mask_storeu_epi16(dst + d, k, round16_ps<scalar_t>(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, src + d), fv)));
-        d = n;
-      }
-    }
-  }
-#endif
-  for (; d < n; ++d) dst[d] = static_cast<scalar_t>(src[d] * f);
-}
-
 // One row of P in 16 bits, in one pass: dst[j] = T16(exp2(c s[j] - mx)) (round to nearest even)
 // for j in [lo, hi), 0 for j in [0, lo) and [hi, n_pad); returns the float32 sum of the
 // exponentials before rounding.  What exp2_scaled_sum(s + lo, hi - lo, c, mx) and then to_bits16
@@ -1115,18 +1062,6 @@ inline void decode_pv_avx2(int64_t R, int64_t kn, const float* P, int64_t ldp, c
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// Whether T is a 16-bit float (bfloat16 or float16): the types widened 16 at a time below.
-template <typename T>
-inline constexpr bool kIs16 = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
-
-// Up to 16 consecutive 16-bit floats as float32 (exact), the lanes outside `cm` zero (and not read).
-template <typename T16>
-__attribute__((always_inline)) inline __m512 load16_as_float(const T16* p, __mmask16 cm) {
-  const __m256i x = _mm256_maskz_loadu_epi16(cm, p);
-  if constexpr (std::is_same_v<T16, at::Half>) return _mm512_cvtph_ps(x);
-  else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-}
-
 // 16-bit rows widened and transposed in 16 x 16 blocks: dst[c * ldd + r] = float(src[r * sn + c])
 // for r < rows, c < cols (strides in elements).
 template <typename T16>
@@ -1155,12 +1090,8 @@ inline void convert_row(const scalar_t* src, int64_t sd, int64_t n, acc_t* dst) 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   if constexpr (kIs16<scalar_t> && std::is_same_v<acc_t, float>) {
     if (sd == 1) {
-      for (; d + 16 <= n; d += 16) _mm512_storeu_ps(dst + d, load16_as_float(src + d, __mmask16(0xFFFF)));
-      if (d < n) {
-        const __mmask16 k = static_cast<__mmask16>((1u << (n - d)) - 1u);
-        _mm512_mask_storeu_ps(dst + d, k, load16_as_float(src + d, k));
-        d = n;
-      }
+      widen16_row(src, n, dst);
+      return;
     }
   }
 #endif

@@ -39,6 +39,7 @@
 // products that read the running state, and the forward's state updates, in float32 as above:
 // see chunk_gemm and add_outer.
 #include "torch_headers.h"
+#include "convert16.h"
 #include <ATen/Parallel.h>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -517,6 +518,18 @@ struct View4 {
 // dst[0..n) = src row (converted), dst[n..ld) = 0.
 template <typename scalar_t, typename T>
 void load_row(const scalar_t* src, int64_t stride, int64_t n, T* dst, int64_t ld) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if constexpr (kIs16<scalar_t> && std::is_same_v<T, float>) {
+    // 16 at a time (convert16.h; c10::Half's scalar conversion does not vectorize: float16 causal
+    // forward+backward B=1 H=8 N=4096 D=64 took 31.2 ms against bfloat16's 19.3, Xeon model 207
+    // without AMX, 2 threads, session 26).
+    if (stride == 1) {
+      widen16_row(src, n, dst);
+      std::fill(dst + n, dst + ld, T(0));
+      return;
+    }
+  }
+#endif
   if (stride == 1) {
 #pragma omp simd
     for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<T>(src[d]);
@@ -1010,15 +1023,17 @@ void write_input_grad(const View4<scalar_t>& x, int64_t bh, int64_t i0, int64_t 
   for (int64_t i = 0; i < L; ++i) {
     load_row(src + i * x.sn, x.sd, X, scratch, X);
     apply_dphi(scratch, X, fm);
-    scalar_t* o = dst + (bh * total_rows + i0 + i) * X;
     const T* gr = gphi + i * ld;
     if (fm == FeatureMap::kRelu) {
       // torch's relu backward selects: 0 where x <= 0 even when the incoming gradient is NaN or
       // inf (a product 0 * NaN here made every such entry NaN: ~2x the reference's NaN count).
-      for (int64_t d = 0; d < X; ++d) o[d] = static_cast<scalar_t>(scratch[d] != T(0) ? gr[d] : T(0));
+      for (int64_t d = 0; d < X; ++d) scratch[d] = scratch[d] != T(0) ? gr[d] : T(0);
     } else {
-      for (int64_t d = 0; d < X; ++d) o[d] = static_cast<scalar_t>(gr[d] * scratch[d]);
+      for (int64_t d = 0; d < X; ++d) scratch[d] *= gr[d];
     }
+    // Rounded to the dtype 16 at a time (convert16.h): the scalar conversion was ~6% of a float16
+    // causal forward+backward (B=1 H=8 N=4096 D=64, one thread, Xeon model 207, perf, session 26).
+    store_scaled_row(scratch, T(1), X, dst + (bh * total_rows + i0 + i) * X);
   }
 }
 
