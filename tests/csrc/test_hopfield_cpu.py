@@ -66,6 +66,22 @@ def test_low_precision_inputs_accumulate_in_float32(dtype):
     _scale_close(energy, want, 2e-5)
 
 
+@pytest.mark.parametrize("d", [64, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_low_precision_energy_is_the_float32_kernel_bit_for_bit(monkeypatch, dtype, d):
+    """On the native path 16-bit inputs are widened (exactly) and run on the float32 kernels
+    (energy_fast at D = 64, the generic kernel at D = 40): energy and lse bit for bit those of the
+    widened inputs.  (Before session 26 the 16-bit energy ran the generic kernel at every D: at
+    D = 64 its sums differ from energy_fast's, and this test fails there.)"""
+    monkeypatch.setenv("ATTNKIT_CPU_GEMM", "native")
+    g = torch.Generator().manual_seed(11)
+    state = torch.randn(2, 3, 37, d, generator=g).to(dtype)
+    stored = torch.randn(2, 3, 300, d, generator=g).to(dtype)
+    energy, lse = _op(state, stored, 0.4)
+    energy32, lse32 = _op(state.float(), stored.float(), 0.4)
+    assert torch.equal(energy, energy32) and torch.equal(lse, lse32)
+
+
 @pytest.mark.parametrize("scale,beta", [(10.0, 10.0), (0.01, 0.01), (0.1, 0.001), (30.0, 1.0)])
 def test_extreme_scores_stay_finite_and_accurate(scale, beta):
     # Scores up to ~1e4 (exp would overflow without the running max) and ~1e-6.  In the small
