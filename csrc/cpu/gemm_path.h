@@ -118,7 +118,7 @@ std::string gemm_path_name(GemmPath path);
 // flash tiles on AMD only.  Why: one vdpbf16ps zmm is 32 multiply-adds, one vfmadd231ps 16, but
 // on the Xeon (Emerald Rapids, family 6 model 207, AMX hidden by its VM) the dot product issues
 // once per ~2 cycles against two FMAs a cycle: 0.743 ns against 0.182 ns an instruction, 86
-// against 176 GFLOP/s a core (12 independent chains each, session 26), so the float32 tiles are
+// against 176 GFLOP/s a core (bench/cpu_micro/dot_vs_fma.c, session 26), so the float32 tiles are
 // 2x the dot products' peak there: bfloat16 forward, B=1 H=8, 2 threads, against torch SDPA,
 // dot -> float32: N=1024 D=64 1.12x -> 1.83x, causal 1.60x -> 2.52x, N=2048 D=128 causal 1.30x ->
 // 2.13x.  On AMD EPYC (Zen 5) the dot path is the one that measured 2-3.5x torch SDPA in
