@@ -36,12 +36,16 @@ m = _dispatch.native()
 print("attnkit cpu kernels:", m.cpu_kernel_isa())
 for dtype in ("bfloat16", "float16", "float32"):
     print(f"  auto tile-GEMM path, {dtype}: {m.cpu_gemm_path(dtype)}")
+if hasattr(m, "cpu_bf16_products"):  # ATTNKIT_CPU_BF16's auto choice (gemm_path.h, session 26)
+    print(f"  native bfloat16 products: flash tiles {m.cpu_bf16_products('softmax') or 'widened (no AVX512-BF16)'}, "
+          f"decoding {m.cpu_bf16_products('decode') or 'widened (no AVX512-BF16)'}")
 for family, row in attnkit.backends().items():
     print(f"  {family}: {row['cpu'].kernels}")
 EOF
 
 # 1. numerics on every path (the brgemm ones are the new code on an AMX machine)
 stage gemm_path_tests 900 python -m pytest tests/csrc -n 2 -q -k "gemm_path"
+stage bf16_products_tests 600 python -m pytest tests/csrc/test_cpu_bf16_products.py -n 2 -q
 for path in brgemm native; do
   ATTNKIT_CPU_GEMM=$path stage "softmax_cpu_tests_$path" 900 \
     python -m pytest tests/csrc/test_softmax_cpu.py tests/csrc/test_softmax_cpu_options.py -n 2 -q
@@ -56,5 +60,14 @@ if [ -z "${QUICK:-}" ]; then
     --out "$out/sparse_hopfield_bf16" --no-progress --deadline 1080
   stage softmax_vs_sdpa 900 python bench/softmax_cpu_speed.py sdpa --n 256 1024 --d 64 128
   stage softmax_decode 600 python bench/softmax_cpu_speed.py decode
+  # ATTNKIT_CPU_BF16's auto choice checked on this CPU: the native bfloat16 forward (and decode)
+  # with the dot products and widened (auto takes the dot products on AMD only, measured on an
+  # Intel Xeon: csrc/cpu/gemm_path.h).  On a CPU with AMX, auto runs brgemm: native forced here.
+  for products in dot float32; do
+    ATTNKIT_CPU_GEMM=native ATTNKIT_CPU_BF16=$products stage "bf16_products_$products" 600 \
+      python bench/softmax_cpu_speed.py sdpa --n 256 1024 --d 64 128 --dtypes bfloat16
+    ATTNKIT_CPU_GEMM=native ATTNKIT_CPU_BF16=$products stage "bf16_decode_$products" 300 \
+      python bench/softmax_cpu_speed.py decode --dtype bfloat16
+  done
 fi
 say "== done: logs in $out (check.log holds each stage's tail)"
