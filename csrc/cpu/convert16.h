@@ -23,8 +23,6 @@ template <typename T>
 inline constexpr bool kIs16 = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-constexpr bool kWiden16Vector = true;
-
 // Up to 16 consecutive 16-bit floats as float32 (exact), the lanes outside `cm` zero (and not read).
 template <typename T16>
 __attribute__((always_inline)) inline __m512 load16_as_float(const T16* p, __mmask16 cm) {
@@ -43,8 +41,6 @@ inline void widen16_row(const T16* src, int64_t n, float* dst) {
     _mm512_mask_storeu_ps(dst + d, k, load16_as_float(src + d, k));
   }
 }
-#else
-constexpr bool kWiden16Vector = false;
 #endif
 
 #if defined(__AVX512F__)

@@ -1393,23 +1393,8 @@ struct UpdateCtx {
 // retrieval then read that: with one query the call streamed ~3x the bytes it needs.  Measured
 // (S=1 N=262144 D=64 bfloat16, AMD EPYC Zen 3, AVX2, `bench --family hopfield`): 9.6 ms against
 // 5.2 ms for attnkit's own softmax per step.  Here a tile of kTileN rows is converted into a
-// per-thread buffer that stays in L2 while retrieve_range reads it.
-template <typename T16>
-inline void rows_to_float(const T16* src, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-#if defined(__F16C__)
-// float16 through F16C, eight at a time (exact): c10::Half's scalar conversion left the one-query
-// update at 11 ms (S=1 N=262144 D=64, AMD EPYC Zen 3), twice its bfloat16 time.
-template <>
-inline void rows_to_float<at::Half>(const at::Half* src, int64_t n, float* dst) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-#endif
+// per-thread buffer that stays in L2 while retrieve_range reads it (convert_row, flash_tiles.h:
+// vector conversions of both 16-bit types).
 
 inline void retrieve_converted(const UpdateCtx<float>& c, int64_t bh, bool value_step, const float* xi,
                                int64_t rows, int64_t n0, int64_t n1, float* m, float* l, float* acc, float* accx,
@@ -1422,11 +1407,11 @@ inline void retrieve_converted(const UpdateCtx<float>& c, int64_t bh, bool value
     const int64_t cn = std::min(kTileN, n1 - c0);
     const int64_t xoff = (bh * c.N + c0) * D, voff = (bh * c.N + c0) * Dv;
     if (c.bf16) {
-      rows_to_float(static_cast<const at::BFloat16*>(c.X16) + xoff, cn * D, xbuf.data());
-      if (value_step) rows_to_float(static_cast<const at::BFloat16*>(c.V16) + voff, cn * Dv, vbuf.data());
+      convert_row(static_cast<const at::BFloat16*>(c.X16) + xoff, 1, cn * D, xbuf.data());
+      if (value_step) convert_row(static_cast<const at::BFloat16*>(c.V16) + voff, 1, cn * Dv, vbuf.data());
     } else {
-      rows_to_float(static_cast<const at::Half*>(c.X16) + xoff, cn * D, xbuf.data());
-      if (value_step) rows_to_float(static_cast<const at::Half*>(c.V16) + voff, cn * Dv, vbuf.data());
+      convert_row(static_cast<const at::Half*>(c.X16) + xoff, 1, cn * D, xbuf.data());
+      if (value_step) convert_row(static_cast<const at::Half*>(c.V16) + voff, 1, cn * Dv, vbuf.data());
     }
     // The running (m, l, acc) carry over from tile to tile: one online softmax over [n0, n1).
     retrieve_range<float>(xi, rows, xbuf.data(), value_step ? vbuf.data() : xbuf.data(), D, Dout, 0, cn, c.beta,

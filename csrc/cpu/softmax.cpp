@@ -1890,9 +1890,10 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
   // The tile-GEMM path of the flash forward and of the decoding path (read here, so that a bad
   // ATTNKIT_CPU_GEMM raises on every call).
   const GemmPath path = cpu_gemm_path(q.scalar_type(), GemmUse::kSoftmax);
-  // And how the native kernels multiply bfloat16 (ATTNKIT_CPU_BF16, read on every call too).
-  const bool bf16_dot = cpu_bf16_dot_products(GemmUse::kSoftmax);
-  const bool bf16_dot_decode = cpu_bf16_dot_products(GemmUse::kDecode);
+  // And how the native kernels of the call multiply bfloat16 (ATTNKIT_CPU_BF16, read on every
+  // call too).
+  const bool decode = use_decode(p, q.scalar_type());
+  const bool bf16_dot = cpu_bf16_dot_products(decode ? GemmUse::kDecode : GemmUse::kSoftmax);
   auto out = at::empty({p.B, p.H, p.N, p.Dv}, q.options());
   auto lse = at::empty({p.B, p.H, p.N}, q.options().dtype(acc_type_of(q.scalar_type())));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
@@ -1901,10 +1902,10 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
     lse.fill_(-std::numeric_limits<double>::infinity());
     return {out, lse};
   }
-  if (use_decode(p, q.scalar_type())) {
+  if (decode) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_decode", [&] {
       if constexpr (!std::is_same_v<scalar_t, double>) {
-        softmax_decode_kernel<scalar_t>(p, cpu_decode_path(q.scalar_type(), p.N * (p.H / p.Hk)), bf16_dot_decode,
+        softmax_decode_kernel<scalar_t>(p, cpu_decode_path(q.scalar_type(), p.N * (p.H / p.Hk)), bf16_dot,
                                         q.const_data_ptr<scalar_t>(), Strides4(q),
                                         k.const_data_ptr<scalar_t>(), Strides4(k),
                                         v.const_data_ptr<scalar_t>(), Strides4(v),
