@@ -77,8 +77,9 @@ bool cpu_bf16_dot_products(GemmUse use) {
                 "ATTNKIT_CPU_BF16 must be one of auto, dot, float32; got '", want, "'");
 #if defined(__AVX512BF16__)
   if (want != "auto") return want == "dot";
+  (void)use;  // the same rule for the flash tiles and the decoding kernel (gemm_path.h)
   static const bool amd = cpu_is_amd();
-  return use == GemmUse::kDecode || amd;
+  return amd;
 #else
   (void)use;
   return false;

@@ -114,18 +114,19 @@ std::string gemm_path_name(GemmPath path);
 // the softmax forward's Q K^T and P V, kSoftmax; the decoding kernel's scores and P V, kDecode) in
 // this call, rather than on operands widened to float32 (FMA tiles; P kept in float32).  False
 // where the build has no AVX512-BF16.  ATTNKIT_CPU_BF16=auto (default) | dot | float32 (raises on
-// another value, on every call).  auto: the decoding kernel always takes the dot products; the
-// flash tiles on AMD only.  Why: one vdpbf16ps zmm is 32 multiply-adds, one vfmadd231ps 16, but
+// another value, on every call).  auto: the dot products on AMD only, for the flash tiles and
+// the decoding kernel alike.  Why: one vdpbf16ps zmm is 32 multiply-adds, one vfmadd231ps 16, but
 // on the Xeon (Emerald Rapids, family 6 model 207, AMX hidden by its VM) the dot product issues
 // once per ~2 cycles against two FMAs a cycle: 0.743 ns against 0.182 ns an instruction, 86
 // against 176 GFLOP/s a core (bench/cpu_micro/dot_vs_fma.c, session 26), so the float32 tiles are
 // 2x the dot products' peak there: bfloat16 forward, B=1 H=8, 2 threads, against torch SDPA,
 // dot -> float32: N=1024 D=64 1.12x -> 1.83x, causal 1.60x -> 2.52x, N=2048 D=128 causal 1.30x ->
 // 2.13x.  On AMD EPYC (Zen 5) the dot path is the one that measured 2-3.5x torch SDPA in
-// bfloat16 (bench/RESULTS.md).  The decoding kernel is memory-bound and reads bfloat16 K and V in
-// place with the dot products, where float32 needs them converted per tile: B=8 Hq=32 Hk=8 N=1
-// M=4096 D=128, same Xeon, 1.30x SDPA with dot against 1.12x with float32
-// (`bench/softmax_cpu_speed.py decode --dtype bfloat16`).
+// bfloat16 (bench/RESULTS.md).  The decoding kernel (B=8 Hq=32 Hk=8 N=1 D=128, same Xeon,
+// 2 threads, `bench/softmax_cpu_speed.py decode --dtype bfloat16`): it took the dot products
+// under auto until its widened scores ran 4 rows x 4 keys at a time (softmax.cpp decode_dots4,
+// session 27): M=4096 8.05 ms widened against 9.87 ms dot (1.53x against 1.25x SDPA), M=16384
+// 32.4 against 38.6 ms (2.18x against 1.83x).
 bool cpu_bf16_dot_products(GemmUse use);
 
 // Whether the decoding kernel's own AMX tiles (GemmPath::kAmxTiles) can run `dtype` here: built

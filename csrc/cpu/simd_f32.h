@@ -13,7 +13,7 @@ namespace attnkit {
 namespace {
 
 // Lane r of the result = the sum of the 16 lanes of v[r].
-inline __m512 reduce16(const __m512* v) {
+__attribute__((always_inline)) inline __m512 reduce16(const __m512* v) {
   __m512 t[8];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3], a = v[2i], b = v[2i+1]
     t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));

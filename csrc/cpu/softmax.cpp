@@ -677,8 +677,8 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, bool bf16_dot, const sc
 // block, with K written out and read back.  Here a task is (b, kv head, split of the keys): the
 // R = G * N rows of every query head of the GQA group are processed together, so each K and V
 // row is read from memory once for all of them.  Per tile of 64 keys: the scores S [R][64] as
-// dot products of each query row with 16 K rows at a time, read in place (decode_dot16: one
-// vector accumulator per key, the 16 horizontal sums folded into one vector at the end), the
+// dot products of 4 query rows with 4 K rows at a time, read in place (decode_dots4: one vector
+// accumulator per row and key, their 16 horizontal sums folded into one vector), the
 // online softmax per row, O += P V with V read in place (float32) or converted per tile.  Keys
 // are split over tasks when there are too few (b, kv head) pairs for the threads; the splits'
 // (max, sum, out) are merged with the usual log-sum-exp weights at the end.
@@ -721,10 +721,6 @@ struct DecodeScratch {
 };
 
 #if defined(__AVX512F__)
-// s[j] = q . K[j] for j < kn <= 16 (K rows ldk floats apart, D floats each).  Full blocks
-// (16 keys, D a multiple of 16) take unmasked loads: the masked loop below (masks along d, the
-// key index clamped to kn - 1) measured 8.0 vs 6.7 ms on the whole decode (N=1 M=1024, one
-// thread).
 // 16 elements of a K row as float32 under a lane mask: float32 loaded, 16 bits widened in registers.
 __attribute__((always_inline)) inline __m512 load_k16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -735,7 +731,7 @@ __attribute__((always_inline)) inline __m512 load_k16(const T16* p, __mmask16 m)
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 // O [R][ldo] (+)= P [R][ldp] V for keys j < kn, columns [0, cols <= 16 NV): 16-bit V rows read in
 // place (ldv apart), each widened in registers once for the R rows.
-template <int R, int NV, typename T16>
+template <int R, int NV, bool Full, typename T16>
 inline void decode_pv_widen_rows(int64_t kn, const float* P, int64_t ldp, const T16* V, int64_t ldv, float* O,
                                  int64_t ldo, int64_t cols) {
   __mmask16 m[NV];
@@ -743,7 +739,7 @@ inline void decode_pv_widen_rows(int64_t kn, const float* P, int64_t ldp, const 
 #pragma GCC unroll 8
   for (int c = 0; c < NV; ++c) {
     const int64_t n = std::clamp<int64_t>(cols - 16 * c, 0, 16);
-    m[c] = static_cast<__mmask16>((1u << n) - 1u);
+    m[c] = Full ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r][c] = _mm512_maskz_loadu_ps(m[c], O + r * ldo + 16 * c);
   }
@@ -764,6 +760,18 @@ inline void decode_pv_widen_rows(int64_t kn, const float* P, int64_t ldp, const 
     for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(O + r * ldo + 16 * c, m[c], acc[r][c]);
 }
 
+// One panel of cols <= 64 columns for all R rows: groups of 4 rows, the last one 1-3 rows.
+template <bool Full, typename T16>
+inline void decode_pv_widen_cols(int64_t R, int64_t kn, const float* P, int64_t ldp, const T16* V, int64_t ldv,
+                                 float* O, int64_t ldo, int64_t cols) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= R; r0 += 4) decode_pv_widen_rows<4, 4, Full>(kn, P + r0 * ldp, ldp, V, ldv, O + r0 * ldo, ldo, cols);
+  const int64_t rt = R - r0;
+  if (rt == 3) decode_pv_widen_rows<3, 4, Full>(kn, P + r0 * ldp, ldp, V, ldv, O + r0 * ldo, ldo, cols);
+  else if (rt == 2) decode_pv_widen_rows<2, 4, Full>(kn, P + r0 * ldp, ldp, V, ldv, O + r0 * ldo, ldo, cols);
+  else if (rt == 1) decode_pv_widen_rows<1, 4, Full>(kn, P + r0 * ldp, ldp, V, ldv, O + r0 * ldo, ldo, cols);
+}
+
 // O [R][Dv] += P [R][ldp] V [kn][Dv] (16-bit, in place): groups of 4 rows x 64 columns (16
 // accumulators), the last group of rows 1-3.
 template <typename T16>
@@ -771,38 +779,80 @@ inline void decode_pv_widen(int64_t R, int64_t kn, const float* P, int64_t ldp, 
                             int64_t Dv) {
   for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
     const int64_t cols = std::min<int64_t>(64, Dv - c0);
-    int64_t r0 = 0;
-    for (; r0 + 4 <= R; r0 += 4) decode_pv_widen_rows<4, 4>(kn, P + r0 * ldp, ldp, V + c0, ldv, O + r0 * Dv + c0, Dv, cols);
-    const int64_t rt = R - r0;
-    if (rt == 3) decode_pv_widen_rows<3, 4>(kn, P + r0 * ldp, ldp, V + c0, ldv, O + r0 * Dv + c0, Dv, cols);
-    else if (rt == 2) decode_pv_widen_rows<2, 4>(kn, P + r0 * ldp, ldp, V + c0, ldv, O + r0 * Dv + c0, Dv, cols);
-    else if (rt == 1) decode_pv_widen_rows<1, 4>(kn, P + r0 * ldp, ldp, V + c0, ldv, O + r0 * Dv + c0, Dv, cols);
+    if (cols == 64) decode_pv_widen_cols<true>(R, kn, P, ldp, V + c0, ldv, O + c0, Dv, cols);
+    else decode_pv_widen_cols<false>(R, kn, P, ldp, V + c0, ldv, O + c0, Dv, cols);
   }
 }
 #endif
 
-template <typename T>
-inline void decode_dot16(const float* q, const T* K, int64_t ldk, int64_t D, float* s, int64_t kn) {
-  __m512 acc[16];
-  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-  if (kn == 16 && D % 16 == 0) {
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 qv = _mm512_loadu_ps(q + d);
-      #pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qv, load_k16(K + j * ldk + d, __mmask16(0xFFFF)), acc[j]);
+// S [r][j] (rows ldS apart) = q_r . K[j] for RG <= 4 rows of q (float32, D each, rows D apart) and
+// keys j < kn (rows ldk apart, read in place), 4 keys at a time: each 16-element chunk of a K row
+// is loaded (16 bits: widened) once for the RG rows, into 4 x 4 accumulators that one reduce16
+// folds (lane 4 r + j: row r, key j).  Keys past kn repeat the last one (their sums are not
+// stored); D's last partial chunk is read under a lane mask.
+// Why: the dot products one query row at a time (16 keys, one accumulator each) loaded and
+// widened every K chunk once per row: three 512-bit ALU instructions (vpmovzxwd, vpslld,
+// vfmadd231ps) per multiply-add on the two ports that take them, one in six here (4 rows).  And
+// reduce16 is forced inline (simd_f32.h): called out of line, the 16 accumulators were stored to
+// the stack on every chunk.  Measured, B=8 Hq=32 Hk=8 N=1 M=4096 D=128, 2 threads, Xeon (model
+// 207, no AMX), `bench/softmax_cpu_speed.py decode` (session 27): float16 9.25 -> 7.46 ms (3.56x
+// -> 4.42x SDPA), bfloat16 widened 9.53 -> 8.05 ms, now ahead of the dot products (9.87 ms, same
+// run; cpu_bf16_dot_products); float32 13.51 / 13.78 ms (memory-bound, the same).
+template <int RG, typename T>
+inline void decode_dots4_rows(const float* q, int64_t D, const T* K, int64_t ldk, int64_t kn, float* S,
+                              int64_t ldS) {
+  for (int64_t j0 = 0; j0 < kn; j0 += 4) {
+    const int64_t nj = std::min<int64_t>(4, kn - j0);
+    const T* kr[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) kr[j] = K + (j0 + std::min<int64_t>(j, nj - 1)) * ldk;  // past kn: the last key again
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+      __m512 kv[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) kv[j] = load_k16(kr[j] + d, __mmask16(0xFFFF));
+#pragma GCC unroll 4
+      for (int r = 0; r < RG; ++r) {
+        const __m512 qv = _mm512_loadu_ps(q + r * D + d);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) acc[4 * r + j] = _mm512_fmadd_ps(qv, kv[j], acc[4 * r + j]);
+      }
     }
-    _mm512_storeu_ps(s, reduce16(acc));
-    return;
+    if (d < D) {
+      const __mmask16 md = static_cast<__mmask16>((1u << (D - d)) - 1u);
+      __m512 kv[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) kv[j] = load_k16(kr[j] + d, md);
+#pragma GCC unroll 4
+      for (int r = 0; r < RG; ++r) {
+        const __m512 qv = _mm512_maskz_loadu_ps(md, q + r * D + d);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) acc[4 * r + j] = _mm512_fmadd_ps(qv, kv[j], acc[4 * r + j]);
+      }
+    }
+    // Lanes 4 r .. 4 r + nj - 1 to row r: a masked store based 4 r floats early (the lanes outside
+    // the mask are neither read nor written, so the early base never touches memory).
+    const __m512 sums = reduce16(acc);
+    const unsigned mj = (1u << nj) - 1u;
+#pragma GCC unroll 4
+    for (int r = 0; r < RG; ++r)
+      _mm512_mask_storeu_ps(S + r * ldS + j0 - 4 * r, static_cast<__mmask16>(mj << (4 * r)), sums);
   }
-  const int64_t kmax = kn - 1;  // rows past kn repeat the last one (their sums are not stored)
-  for (int64_t d = 0; d < D; d += 16) {
-    const __mmask16 md = D - d >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (D - d)) - 1u);
-    const __m512 qv = _mm512_maskz_loadu_ps(md, q + d);
-    #pragma GCC unroll 16
-    for (int j = 0; j < 16; ++j)
-      acc[j] = _mm512_fmadd_ps(qv, load_k16(K + std::min<int64_t>(j, kmax) * ldk + d, md), acc[j]);
-  }
-  _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << kn) - 1u), reduce16(acc));
+}
+
+// S [R][ldS] = Q K^T for all R rows (groups of 4, the last one 1-3 rows), keys j < kn.
+template <typename T>
+inline void decode_dots4(const float* q, int64_t R, int64_t D, const T* K, int64_t ldk, int64_t kn, float* S,
+                         int64_t ldS) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= R; r0 += 4) decode_dots4_rows<4>(q + r0 * D, D, K, ldk, kn, S + r0 * ldS, ldS);
+  const int64_t rt = R - r0;
+  if (rt == 3) decode_dots4_rows<3>(q + r0 * D, D, K, ldk, kn, S + r0 * ldS, ldS);
+  else if (rt == 2) decode_dots4_rows<2>(q + r0 * D, D, K, ldk, kn, S + r0 * ldS, ldS);
+  else if (rt == 1) decode_dots4_rows<1>(q + r0 * D, D, K, ldk, kn, S + r0 * ldS, ldS);
 }
 #endif
 
@@ -1054,7 +1104,9 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
   // dots and by O += P V (decode_pv_widen), instead of converted into float32 rows per tile.
   // B=8 Hq=32 Hk=8 N=1 M=4096 D=128, 2 threads, Xeon (model 207, no AMX), `bench/softmax_cpu_speed.py
   // decode` (session 26): float16 11.57 -> 9.63 ms (2.90x -> 3.44x SDPA); bfloat16 under
-  // float32 12.02 -> 9.90 ms, still behind its dot products (9.43 ms): auto keeps those there.
+  // float32 12.02 -> 9.90 ms, then behind its dot products (9.43 ms).  With the scores 4 rows x 4
+  // keys at a time (decode_dots4, session 27): bfloat16 8.05 ms against the dot products' 9.87 ms,
+  // so auto widens bfloat16 here too except on AMD (gemm_path.h cpu_bf16_dot_products).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   const bool k_widen = direct && k16 && !k_dot && !brgemm && !amx && ks.d == 1;
   const bool v_widen = direct && k16 && !v_pairs && !brgemm && !amx && vs.d == 1;
@@ -1277,20 +1329,13 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
           } else if (k_widen) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
             if constexpr (k16) {
-              const scalar_t* kt = k + ks.at(b, hk, k0);
-              for (int64_t r = 0; r < R; ++r)
-                for (int64_t j0 = 0; j0 < kn; j0 += 16)
-                  decode_dot16(st.q.data() + r * D, kt + j0 * ks.n, ks.n, D, S + r * T + j0,
-                               std::min<int64_t>(16, kn - j0));
+              decode_dots4(st.q.data(), R, D, k + ks.at(b, hk, k0), ks.n, kn, S, T);
             }
 #endif
           } else {
             int64_t ldk;
             const float* kt = k_rows_f32(k0, kn, ldk);
-            for (int64_t r = 0; r < R; ++r)
-              for (int64_t j0 = 0; j0 < kn; j0 += 16)
-                decode_dot16(st.q.data() + r * D, kt + j0 * ldk, ldk, D, S + r * T + j0,
-                             std::min<int64_t>(16, kn - j0));
+            decode_dots4(st.q.data(), R, D, kt, ldk, kn, S, T);
           }
 #endif
           // Online softmax, as in the flash forward (NaN rules in flash_tiles.h), in its three
