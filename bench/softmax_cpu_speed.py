@@ -149,7 +149,7 @@ def sdpa(args) -> None:
 def decode(args) -> None:
     import os
 
-    b, h, hk, n, m, d = 8, 32, 8, 1, args.m, 128
+    b, h, hk, n, m, d = 8, 32, 8, (args.n or [1])[0], args.m, 128  # --n: query rows per head (N <= 16)
     g = torch.Generator().manual_seed(0)
     dtype = getattr(torch, args.dtype)
     q = torch.randn(b, h, n, d, generator=g).to(dtype)
@@ -197,7 +197,7 @@ def main() -> None:
     ap.add_argument("what", choices=("band", "sdpa", "decode"))
     ap.add_argument("--m", type=int, default=4096)
     ap.add_argument("--variants", nargs="+", default=["0"])
-    ap.add_argument("--n", type=int, nargs="+", default=None)
+    ap.add_argument("--n", type=int, nargs="+", default=None, help="decode: the first is N (query rows, default 1)")
     ap.add_argument("--d", type=int, nargs="+", default=[64])
     ap.add_argument("--heads", type=int, default=1)
     ap.add_argument("--modes", nargs="+", default=["fwd"])

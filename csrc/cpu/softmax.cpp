@@ -786,10 +786,11 @@ inline void decode_pv_widen(int64_t R, int64_t kn, const float* P, int64_t ldp, 
 #endif
 
 // S [r][j] (rows ldS apart) = q_r . K[j] for RG <= 4 rows of q (float32, D each, rows D apart) and
-// keys j < kn (rows ldk apart, read in place), 4 keys at a time: each 16-element chunk of a K row
-// is loaded (16 bits: widened) once for the RG rows, into 4 x 4 accumulators that one reduce16
-// folds (lane 4 r + j: row r, key j).  Keys past kn repeat the last one (their sums are not
-// stored); D's last partial chunk is read under a lane mask.
+// keys j < kn (rows ldk apart, read in place), KB = 16 / 8 / 4 keys at a time for 1 / 2 / 3-4
+// rows: each 16-element chunk of a K row is loaded (16 bits: widened) once for the RG rows, into
+// RG x KB accumulators that one reduce16 folds (lane KB r + j: row r, key j).  Keys past kn
+// repeat the last one (their sums are not stored); D's last partial chunk is read under a lane
+// mask.  (KB = 4 for one row too measured 5-14% slower there: four times the horizontal sums.)
 // Why: the dot products one query row at a time (16 keys, one accumulator each) loaded and
 // widened every K chunk once per row: three 512-bit ALU instructions (vpmovzxwd, vpslld,
 // vfmadd231ps) per multiply-add on the two ports that take them, one in six here (4 rows).  And
@@ -801,45 +802,46 @@ inline void decode_pv_widen(int64_t R, int64_t kn, const float* P, int64_t ldp, 
 template <int RG, typename T>
 inline void decode_dots4_rows(const float* q, int64_t D, const T* K, int64_t ldk, int64_t kn, float* S,
                               int64_t ldS) {
-  for (int64_t j0 = 0; j0 < kn; j0 += 4) {
-    const int64_t nj = std::min<int64_t>(4, kn - j0);
-    const T* kr[4];
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) kr[j] = K + (j0 + std::min<int64_t>(j, nj - 1)) * ldk;  // past kn: the last key again
+  constexpr int KB = RG == 1 ? 16 : RG == 2 ? 8 : 4;  // keys a block: RG x KB <= 16 accumulators
+  for (int64_t j0 = 0; j0 < kn; j0 += KB) {
+    const int64_t nj = std::min<int64_t>(KB, kn - j0);
+    const T* kr[KB];
+#pragma GCC unroll 16
+    for (int j = 0; j < KB; ++j) kr[j] = K + (j0 + std::min<int64_t>(j, nj - 1)) * ldk;  // past kn: the last key again
     __m512 acc[16];
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
     int64_t d = 0;
     for (; d + 16 <= D; d += 16) {
-      __m512 kv[4];
+      __m512 qv[RG];
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) kv[j] = load_k16(kr[j] + d, __mmask16(0xFFFF));
+      for (int r = 0; r < RG; ++r) qv[r] = _mm512_loadu_ps(q + r * D + d);
+#pragma GCC unroll 16
+      for (int j = 0; j < KB; ++j) {
+        const __m512 kv = load_k16(kr[j] + d, __mmask16(0xFFFF));
 #pragma GCC unroll 4
-      for (int r = 0; r < RG; ++r) {
-        const __m512 qv = _mm512_loadu_ps(q + r * D + d);
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) acc[4 * r + j] = _mm512_fmadd_ps(qv, kv[j], acc[4 * r + j]);
+        for (int r = 0; r < RG; ++r) acc[KB * r + j] = _mm512_fmadd_ps(qv[r], kv, acc[KB * r + j]);
       }
     }
     if (d < D) {
       const __mmask16 md = static_cast<__mmask16>((1u << (D - d)) - 1u);
-      __m512 kv[4];
+      __m512 qv[RG];
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) kv[j] = load_k16(kr[j] + d, md);
+      for (int r = 0; r < RG; ++r) qv[r] = _mm512_maskz_loadu_ps(md, q + r * D + d);
+#pragma GCC unroll 16
+      for (int j = 0; j < KB; ++j) {
+        const __m512 kv = load_k16(kr[j] + d, md);
 #pragma GCC unroll 4
-      for (int r = 0; r < RG; ++r) {
-        const __m512 qv = _mm512_maskz_loadu_ps(md, q + r * D + d);
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) acc[4 * r + j] = _mm512_fmadd_ps(qv, kv[j], acc[4 * r + j]);
+        for (int r = 0; r < RG; ++r) acc[KB * r + j] = _mm512_fmadd_ps(qv[r], kv, acc[KB * r + j]);
       }
     }
-    // Lanes 4 r .. 4 r + nj - 1 to row r: a masked store based 4 r floats early (the lanes outside
-    // the mask are neither read nor written, so the early base never touches memory).
+    // Lanes KB r .. KB r + nj - 1 to row r: a masked store based KB r floats early (the lanes
+    // outside the mask are neither read nor written, so the early base never touches memory).
     const __m512 sums = reduce16(acc);
     const unsigned mj = (1u << nj) - 1u;
 #pragma GCC unroll 4
     for (int r = 0; r < RG; ++r)
-      _mm512_mask_storeu_ps(S + r * ldS + j0 - 4 * r, static_cast<__mmask16>(mj << (4 * r)), sums);
+      _mm512_mask_storeu_ps(S + r * ldS + j0 - KB * r, static_cast<__mmask16>(mj << (KB * r)), sums);
   }
 }
 

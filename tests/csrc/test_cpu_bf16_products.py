@@ -170,8 +170,10 @@ def test_widened_path_is_the_float32_kernel_bit_for_bit(monkeypatch, case, dtype
     last partial vector one lane short, transpose_widen16 one column short; and the last bit of
     store_scaled_row's full vectors cleared fails every bit-for-bit case with Dv >= 16; in
     softmax.cpp's decoding kernel, decode_pv_widen's column tail one lane short or its last key
-    dropped, or decode_dot16's widened K one lane short, each fails 8 of the decode and
-    bit-for-bit tests here and in test_cpu_gemm_path.)"""
+    dropped, each fails 8 of the decode and bit-for-bit tests here and in test_cpu_gemm_path; and
+    decode_dots4's partial last chunk of D one lane short, its group of 3 rows dropped, its partial
+    last block of keys one key short, or a one-row group's partial last block skipped, fail 38,
+    12, 61 and 5 tests of this file, test_cpu_gemm_path, test_softmax_cpu and test_kvcache.)"""
     dims, causal, opts = case
     monkeypatch.setenv("ATTNKIT_CPU_GEMM", "native")
     monkeypatch.setenv(ENV, "float32")
