@@ -47,6 +47,13 @@ TORCH_LIBRARY(attnkit, m) {
   // these ops: attnkit/score_options.py.)  The cuda kernels take the defaults only.
   // Returns out [B,H,N,Dv] (q's dtype) and lse [B,H,N] (float32; float64 for float64 inputs).
   m.def("softmax_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal, int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor, Tensor)");
+  // The decoding forward against a paged KV cache, read in place (CPU; issue 28's
+  // attention_with_kvcache): q [B,H,N,D] (N <= 16, N * H / Hk <= 64), k_cache / v_cache
+  // [num_blocks, Hk, block_size, D / Dv], block_table int64 [B, max_blocks]: key position p < length
+  // of batch element b is row p % block_size of block block_table[b, p / block_size].  Every query
+  // row sees all `length` keys (no mask, no score option).  Returns out [B,H,N,Dv] (q's dtype) and
+  // lse [B,H,N] float32; length 0: out 0, lse -inf.
+  m.def("softmax_decode_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int length, float scale) -> (Tensor, Tensor)");
   // Gradients recomputed from lse (no N x M tensor stored): returns (dq, dk, dv) shaped like
   // q, k, v (dk, dv summed over the query heads of each GQA group).  No gradient for alibi_slopes.
   m.def("softmax_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, float scale, bool is_causal, int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)");

@@ -97,6 +97,44 @@ void softmax_fwd(const Target& t, const at::Tensor& q, const at::Tensor& k, cons
   check_score_options(op, q, window_left, window_right, softcap, alibi_slopes);
 }
 
+void softmax_decode_paged(const Target& t, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_table, int64_t length) {
+  const Op op{"softmax_decode_paged", t};
+  check_flash_qkv_basics(op, "q [B,H,N,D], k_cache [num_blocks,Hk,block_size,D], v_cache [num_blocks,Hk,block_size,Dv]",
+                         q, k_cache, v_cache);
+  const auto st = q.scalar_type();
+  ATTNKIT_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, op,
+                ": the paged decoding kernel takes float32, bfloat16 or float16; got ", st);
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
+  const int64_t blocks = k_cache.size(0), Hk = k_cache.size(1), block_size = k_cache.size(2);
+  ATTNKIT_CHECK(k_cache.size(3) == D, op, ": q and k_cache must share the head dim; got ", q.sizes(), " and ",
+                k_cache.sizes());
+  ATTNKIT_CHECK(v_cache.size(0) == blocks && v_cache.size(1) == Hk && v_cache.size(2) == block_size, op,
+                ": k_cache and v_cache must agree on num_blocks, Hk and block_size; got ", k_cache.sizes(), " and ",
+                v_cache.sizes());
+  ATTNKIT_CHECK(Hk > 0 && H % Hk == 0, op, ": the query heads must be a multiple of the key/value heads; got H = ", H,
+                ", Hk = ", Hk);
+  ATTNKIT_CHECK(N <= 16 && N * (H / Hk) <= 64, op,
+                ": the paged decoding kernel takes N <= 16 query rows and N * H / Hk <= 64 rows a kv head; got N = ", N,
+                ", H = ", H, ", Hk = ", Hk);
+  ATTNKIT_CHECK(length >= 0, op, ": length must be >= 0; got ", length);
+  ATTNKIT_CHECK(block_size > 0 || length == 0, op, ": the cache has block_size 0; got ", k_cache.sizes());
+  ATTNKIT_CHECK(block_table.dim() == 2 && block_table.size(0) == B, op, ": block_table must be [B, max_blocks] with B = ",
+                B, "; got ", block_table.sizes());
+  ATTNKIT_CHECK(block_table.scalar_type() == at::kLong, op, ": block_table must be int64; got ",
+                block_table.scalar_type());
+  check_same_device(op, "block_table", block_table, "q", q);
+  const int64_t used = block_size > 0 ? (length + block_size - 1) / block_size : 0;
+  ATTNKIT_CHECK(used <= block_table.size(1), op, ": length ", length, " needs ", used, " blocks of ", block_size,
+                "; block_table has ", block_table.size(1));
+  if (used > 0 && B > 0) {
+    const at::Tensor head = block_table.narrow(1, 0, used);
+    const int64_t lo = head.min().item<int64_t>(), hi = head.max().item<int64_t>();
+    ATTNKIT_CHECK(lo >= 0 && hi < blocks, op, ": block_table's first ", used, " entries of each row must be blocks of ",
+                  "the cache, in [0, ", blocks, "); got values in [", lo, ", ", hi, "]");
+  }
+}
+
 void softmax_bwd(const Target& t, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                  const std::optional<at::Tensor>& mask, double /*scale*/, bool /*is_causal*/, int64_t window_left,

@@ -1024,13 +1024,34 @@ inline void amx_decode_pv(const uint16_t* pb, int64_t ldp, const uint16_t* vb, i
 }
 #endif
 
+// A paged KV cache (softmax_decode_paged, issue 28): key j of batch element b is row
+// j % block_size of block table[b * table_b + j / block_size] of the cache [num_blocks, Hk,
+// block_size, D]; the kernel reads the rows in place, its K / V Strides4 being the cache's (.b
+// steps from one block to the next).
+struct KvPages {
+  const int64_t* table;
+  int64_t table_b;     // the table's row stride
+  int64_t block_size;
+};
+
 // path (gemm_path.h, float16 / bfloat16 only): S = Q K^T and O += P V through oneDNN's brgemm on
 // 16-bit Q, K, P (rounded), V -- the K tile transposed per tile, V's rows packed per tile in its B
 // layout -- or the native dots / tiles below.  float32 is always native.
 template <typename scalar_t>
 void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const scalar_t* q, Strides4 qs, const scalar_t* k,
-                           Strides4 ks, const scalar_t* v, Strides4 vs, scalar_t* out, float* lse) {
+                           Strides4 ks, const scalar_t* v, Strides4 vs, scalar_t* out, float* lse,
+                           const KvPages* pages = nullptr) {
   const int64_t B = p.B, H = p.H, Hk = p.Hk, N = p.N, D = p.D, Dv = p.Dv;
+  // Element offsets of key j's row of (b, kv head hk) in K and V: through the block table when
+  // the cache is paged (ks.b / vs.b then step from block to block).
+  auto k_at = [&](int64_t b, int64_t hk, int64_t j) -> int64_t {
+    if (pages == nullptr) return ks.at(b, hk, j);
+    return pages->table[b * pages->table_b + j / pages->block_size] * ks.b + hk * ks.h + (j % pages->block_size) * ks.n;
+  };
+  auto v_at = [&](int64_t b, int64_t hk, int64_t j) -> int64_t {
+    if (pages == nullptr) return vs.at(b, hk, j);
+    return pages->table[b * pages->table_b + j / pages->block_size] * vs.b + hk * vs.h + (j % pages->block_size) * vs.n;
+  };
   const int64_t G = H / Hk, R = G * N;
   ATTNKIT_CHECK(R <= kDecodeMaxRows, "softmax_decode_kernel: ", R, " rows per task, at most ", kDecodeMaxRows,
                 " expected (use_decode)");
@@ -1200,15 +1221,18 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
         [[maybe_unused]] auto k_rows_f32 = [&](int64_t k0, int64_t kn, int64_t& ldk) -> const float* {
           if (std::is_same_v<scalar_t, float> && k_in_place) {
             ldk = ks.n;
-            return reinterpret_cast<const float*>(k + ks.at(b, hk, k0));
+            return reinterpret_cast<const float*>(k + k_at(b, hk, k0));
           }
           for (int64_t jj = 0; jj < kn; ++jj)
-            convert_row(k + ks.at(b, hk, k0 + jj), ks.d, D, st.kf.data() + jj * D);
+            convert_row(k + k_at(b, hk, k0 + jj), ks.d, D, st.kf.data() + jj * D);
           ldk = D;
           return st.kf.data();
         };
-        for (int64_t k0 = j_begin; k0 < j_end; k0 += T) {
-          const int64_t kn = std::min(T, j_end - k0);
+        // Tiles of T keys -- in a paged cache cut at the blocks' ends too, so that a tile's rows
+        // lie ks.n / vs.n apart as in a dense one (blocks of fewer than T keys give shorter tiles).
+        for (int64_t k0 = j_begin, kn = 0; k0 < j_end; k0 += kn) {
+          kn = std::min(T, j_end - k0);
+          if (pages != nullptr) kn = std::min(kn, pages->block_size - k0 % pages->block_size);
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
           // AVX2 + FMA (every dtype: K and V are read in place): the next tile's K and V rows
           // into L2 at this tile's start (prefetcht1; this tile's were asked for one tile ago).  Measured (B=8 Hq=32 Hk=8 N=1
@@ -1229,10 +1253,10 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
           // for ~75% of the time (one thread: 150 ns a key, 35-55 ns of it compute).
           {
             for (int64_t jj = k0 + T; jj < std::min(j_end, k0 + 2 * T); ++jj) {
-              const char* row = reinterpret_cast<const char*>(k + ks.at(b, hk, jj));
+              const char* row = reinterpret_cast<const char*>(k + k_at(b, hk, jj));
               for (int64_t x = 0; x < D * ks.d * int64_t(sizeof(scalar_t)); x += 64)
                 _mm_prefetch(row + x, _MM_HINT_T1);
-              row = reinterpret_cast<const char*>(v + vs.at(b, hk, jj));
+              row = reinterpret_cast<const char*>(v + v_at(b, hk, jj));
               for (int64_t x = 0; x < Dv * vs.d * int64_t(sizeof(scalar_t)); x += 64)
                 _mm_prefetch(row + x, _MM_HINT_T1);
             }
@@ -1251,19 +1275,19 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
           // 28.5-36.1).  prefetcht2 4, 8 or 16 tiles ahead, or K and V one tile ahead into L2: no better.
           if (amx) {
             for (int64_t jj = k0 + 2 * T; jj < std::min(j_end, k0 + 3 * T); ++jj) {
-              const char* krow = reinterpret_cast<const char*>(k + ks.at(b, hk, jj));
-              const char* vrow = reinterpret_cast<const char*>(v + vs.at(b, hk, jj));
+              const char* krow = reinterpret_cast<const char*>(k + k_at(b, hk, jj));
+              const char* vrow = reinterpret_cast<const char*>(v + v_at(b, hk, jj));
               for (int64_t x = 0; x < D * 2; x += 64) _mm_prefetch(krow + x, _MM_HINT_T2);
               for (int64_t x = 0; x < Dv * 2; x += 64) _mm_prefetch(vrow + x, _MM_HINT_T2);
             }
           }
           if (!spread_here && !amx) for (int64_t jj = 0; jj < kn; ++jj) {
-            const char* row = reinterpret_cast<const char*>(v + vs.at(b, hk, k0 + jj));
+            const char* row = reinterpret_cast<const char*>(v + v_at(b, hk, k0 + jj));
             for (int64_t x = 0; x < Dv * vs.d * int64_t(sizeof(scalar_t)); x += 64)
               _mm_prefetch(row + x, _MM_HINT_T0);
           }
           if (!spread_here && !amx) for (int64_t jj = k0 + T; jj < std::min(j_end, k0 + 2 * T); ++jj) {
-            const char* row = reinterpret_cast<const char*>(k + ks.at(b, hk, jj));
+            const char* row = reinterpret_cast<const char*>(k + k_at(b, hk, jj));
             for (int64_t x = 0; x < D * ks.d * int64_t(sizeof(scalar_t)); x += 64)
               _mm_prefetch(row + x, _MM_HINT_T1);
           }
@@ -1272,33 +1296,33 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
           if (brgemm) {
             // K = D2: zero-padded (K^T's rows past D are never written).
             if constexpr (k16) {
-              pack_transposed_pairs(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kb.data(), T, vnni);
+              pack_transposed_pairs(k + k_at(b, hk, k0), ks.n, ks.d, kn, D, st.kb.data(), T, vnni);
               brgemm16<scalar_t>(R, kn, D2, D2, T, T, false, st.qb.data(), st.kb.data(), S, path);
             }
           } else if (amx) {
 #if defined(ATTNKIT_HAVE_AMX_TILES)
             for (int64_t g = 0; g < ngroups; ++g)
               amx_decode_scores(st.qt.data() + g * (D / 2) * Rg, Rg, std::min(Rg, R - g * Rg), D,
-                                reinterpret_cast<const uint16_t*>(k + ks.at(b, hk, k0)), ks.n, kn, st.st.data(),
+                                reinterpret_cast<const uint16_t*>(k + k_at(b, hk, k0)), ks.n, kn, st.st.data(),
                                 st.kpad.data(), S + g * Rg * T, T);
 #endif
           } else if (!direct) {
             if (k_dot) {
 #if defined(__AVX512BF16__)
               if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-                pack_transposed_pairs(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kb.data(), T);
+                pack_transposed_pairs(k + k_at(b, hk, k0), ks.n, ks.d, kn, D, st.kb.data(), T);
                 gemm_bf16(R, kn, D, st.qb.data(), D2, st.kb.data(), T * 2, S, T, false);
               }
 #endif
             } else {
-              pack_transposed(k + ks.at(b, hk, k0), ks.n, ks.d, kn, D, st.kt.data(), T);
+              pack_transposed(k + k_at(b, hk, k0), ks.n, ks.d, kn, D, st.kt.data(), T);
               gemm<float>(R, kn, D, st.q.data(), D, 1, st.kt.data(), T, S, T, false);
             }
           }
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
           else if constexpr (avx2) {
             if (k_in_place) {
-              decode_dots_avx2(st.q.data(), R, D, k + ks.at(b, hk, k0), ks.n, kn, S, T);
+              decode_dots_avx2(st.q.data(), R, D, k + k_at(b, hk, k0), ks.n, kn, S, T);
             } else {
               int64_t ldk;
               const float* kt = k_rows_f32(k0, kn, ldk);
@@ -1310,16 +1334,16 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
           else if (k_dot) {
 #if defined(__AVX512BF16__)
             if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-              const uint16_t* kt = reinterpret_cast<const uint16_t*>(k + ks.at(b, hk, k0));
+              const uint16_t* kt = reinterpret_cast<const uint16_t*>(k + k_at(b, hk, k0));
               for (int64_t r = 0; r < R; ++r)
                 for (int64_t j0 = 0; j0 < kn; j0 += 16) {
                   if (spread_here && r == 0) {
                     for (int64_t jj = j0; jj < std::min(kn, j0 + 16); ++jj) {
-                      const char* row = reinterpret_cast<const char*>(v + vs.at(b, hk, k0 + jj));
+                      const char* row = reinterpret_cast<const char*>(v + v_at(b, hk, k0 + jj));
                       for (int64_t x = 0; x < Dv * 2; x += 64) _mm_prefetch(row + x, _MM_HINT_T0);
                     }
                     for (int64_t jj = k0 + T + j0; jj < std::min(j_end, k0 + T + j0 + 16); ++jj) {
-                      const char* row = reinterpret_cast<const char*>(k + ks.at(b, hk, jj));
+                      const char* row = reinterpret_cast<const char*>(k + k_at(b, hk, jj));
                       for (int64_t x = 0; x < D * 2; x += 64) _mm_prefetch(row + x, _MM_HINT_T1);
                     }
                   }
@@ -1331,7 +1355,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
           } else if (k_widen) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
             if constexpr (k16) {
-              decode_dots4(st.q.data(), R, D, k + ks.at(b, hk, k0), ks.n, kn, S, T);
+              decode_dots4(st.q.data(), R, D, k + k_at(b, hk, k0), ks.n, kn, S, T);
             }
 #endif
           } else {
@@ -1390,7 +1414,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
                 if (std::isnan(st.l[r])) std::fill(S + r * T, S + r * T + kn, 0.f);
                 to_bits16<scalar_t>(S + r * T, kn, st.pb.data() + r * T, kn2);
               }
-              pack_rows16(v + vs.at(b, hk, k0), vs.n, vs.d, kn, Dv, st.vb.data(), Dvp, vnni, kn2);
+              pack_rows16(v + v_at(b, hk, k0), vs.n, vs.d, kn, Dv, st.vb.data(), Dvp, vnni, kn2);
               brgemm16<scalar_t>(R, Dv, kn2, T, Dvp, Dv, true, st.pb.data(), st.vb.data(), st.o.data(), path);
             }
             continue;
@@ -1401,7 +1425,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
               // The AMX tiles read P and V's pairs in whole halves of 32 keys: zeros past kn there.
               const int64_t width = amx ? round_up(kn, 32) : round_up(kn, 2);
               for (int64_t r = 0; r < R; ++r) to_bf16(S + r * T, kn, st.pb.data() + r * T, width);
-              interleave_key_pairs(reinterpret_cast<const uint16_t*>(v + vs.at(b, hk, k0)), vs.n, kn, Dv,
+              interleave_key_pairs(reinterpret_cast<const uint16_t*>(v + v_at(b, hk, k0)), vs.n, kn, Dv,
                                    st.vb.data(), Dvp);
               if (amx) {
 #if defined(ATTNKIT_HAVE_AMX_TILES)
@@ -1419,24 +1443,24 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
           // O [R][Dv] += P V.
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
           if (v_in_place) {
-            decode_pv_avx2(R, kn, S, T, v + vs.at(b, hk, k0), vs.n, st.o.data(), Dv);
+            decode_pv_avx2(R, kn, S, T, v + v_at(b, hk, k0), vs.n, st.o.data(), Dv);
             continue;
           }
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
           if (v_widen) {
-            if constexpr (k16) decode_pv_widen(R, kn, S, T, v + vs.at(b, hk, k0), vs.n, st.o.data(), Dv);
+            if constexpr (k16) decode_pv_widen(R, kn, S, T, v + v_at(b, hk, k0), vs.n, st.o.data(), Dv);
             continue;
           }
 #endif
           const float* Vt;
           int64_t ldv;
           if (v_in_place) {
-            Vt = reinterpret_cast<const float*>(v + vs.at(b, hk, k0));
+            Vt = reinterpret_cast<const float*>(v + v_at(b, hk, k0));
             ldv = vs.n;
           } else {
             for (int64_t jj = 0; jj < kn; ++jj)
-              convert_row(v + vs.at(b, hk, k0 + jj), vs.d, Dv, st.vf.data() + jj * Dv);
+              convert_row(v + v_at(b, hk, k0 + jj), vs.d, Dv, st.vf.data() + jj * Dv);
             Vt = st.vf.data();
             ldv = Dv;
           }
@@ -1972,6 +1996,46 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
   return {out, lse};
 }
 
+// The decoding forward against a paged KV cache, read in place (ops.cpp says what it takes).
+std::tuple<at::Tensor, at::Tensor> softmax_decode_paged_cpu(const at::Tensor& q, const at::Tensor& k_cache,
+                                                            const at::Tensor& v_cache, const at::Tensor& block_table,
+                                                            int64_t length, double scale) {
+  checks::softmax_decode_paged(checks::cpu_target(), q, k_cache, v_cache, block_table, length);
+  Problem p;
+  p.B = q.size(0);
+  p.H = q.size(1);
+  p.N = q.size(2);
+  p.D = q.size(3);
+  p.Hk = k_cache.size(1);
+  p.M = length;
+  p.Dv = v_cache.size(3);
+  p.scale = scale;
+  p.causal = false;
+  // Read here as in softmax_fwd_cpu, so that a bad ATTNKIT_CPU_GEMM / ATTNKIT_CPU_BF16 raises.
+  (void)cpu_gemm_path(q.scalar_type(), GemmUse::kSoftmax);
+  const bool bf16_dot = cpu_bf16_dot_products(GemmUse::kDecode);
+  auto out = at::empty({p.B, p.H, p.N, p.Dv}, q.options());
+  auto lse = at::empty({p.B, p.H, p.N}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
+  if (p.M == 0) {
+    out.zero_();
+    lse.fill_(-std::numeric_limits<double>::infinity());
+    return {out, lse};
+  }
+  const at::Tensor table = block_table.contiguous();
+  const KvPages pages{table.const_data_ptr<int64_t>(), table.stride(0), k_cache.size(2)};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_decode_paged", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      softmax_decode_kernel<scalar_t>(p, cpu_decode_path(q.scalar_type(), p.N * (p.H / p.Hk)), bf16_dot,
+                                      q.const_data_ptr<scalar_t>(), Strides4(q),
+                                      k_cache.const_data_ptr<scalar_t>(), Strides4(k_cache),
+                                      v_cache.const_data_ptr<scalar_t>(), Strides4(v_cache),
+                                      out.mutable_data_ptr<scalar_t>(), lse.mutable_data_ptr<float>(), &pages);
+    }
+  });
+  return {out, lse};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& mask,
@@ -2010,6 +2074,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cpu(
 TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
   m.impl("softmax_fwd", &softmax_fwd_cpu);
   m.impl("softmax_bwd", &softmax_bwd_cpu);
+  m.impl("softmax_decode_paged", &softmax_decode_paged_cpu);
 }
 
 }  // namespace attnkit

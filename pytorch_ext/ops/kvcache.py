@@ -31,9 +31,12 @@ How a call becomes kernel calls on the second route:
   Measured (AMD EPYC, AVX2, float32, B=8, Hq=32, Hk=8, D=128, max_len 4096, lengths in
   [2048, 4096), interleaved medians): one thread, 8 calls 42-82 ms against one padded call
   53-107 ms (the 2-core machine was shared; see bench/varlen.py); two threads at a quiet moment
-  24.7 against 29.2 ms.  A paged cache is gathered: the blocks of each batch element (block_table)
-  into one contiguous copy per group of equal L_b (no paged kernel yet), one ``cat`` of block
-  views each.
+  24.7 against 29.2 ms.  A paged cache on the cpu backend, where every query sees all L_b keys
+  (Nq = 1, or not causal) and no score option is given, is read in place: one call of the
+  decoding kernel per group of equal L_b (``attnkit::softmax_decode_paged``: its key tiles cut at
+  the blocks' ends, each tile's rows read from their block).  Otherwise it is gathered: the
+  blocks of each batch element (block_table) into one contiguous copy per group of equal L_b,
+  one ``cat`` of block views each.
 - **bottom-right causality** (query j of Nq sees keys < L - Nq + j + 1): Nq = 1 needs no mask
   at all.  For Nq > 1 the visible keys split into the prefix ``[0, L - Nq)``, which every query
   sees, and the last Nq keys, which the queries see causally *top-left* -- so two calls of
@@ -79,6 +82,24 @@ def _decode_kernel_fits(backend, q, value_dim, score_options) -> bool:
     return (backend == "triton" and 1 <= q.shape[2] <= _DECODE_MAX_QUERIES and not score_options
             and q.dtype in _DECODE_DTYPES and 1 <= q.shape[3] <= _DECODE_MAX_HEAD_DIM
             and 1 <= value_dim <= _DECODE_MAX_HEAD_DIM)
+
+
+def _paged_kernel_fits(backend, q, kv_heads, is_causal, score_options) -> bool:
+    """Whether a paged call reads its blocks in place through the CPU decoding kernel
+    (``attnkit::softmax_decode_paged``, one call per group of equal L_b) rather than through a
+    gathered copy: the cpu backend, 1..16 new queries and at most 64 rows a kv head (the decoding
+    kernel's), every query seeing all L_b keys (Nq = 1, or not causal), no score option, float32 /
+    bfloat16 / float16."""
+    nq, heads = q.shape[2], q.shape[1]
+    return (backend == "cpu" and q.device.type == "cpu" and not score_options
+            and q.dtype in _DECODE_DTYPES and 1 <= nq <= _DECODE_MAX_QUERIES
+            and nq * (heads // kv_heads) <= 64 and (nq == 1 or not is_causal))
+
+
+def _decode_paged_cpu(q, k_cache, v_cache, table, length, scale):
+    """(out, lse) of q [g, H, Nq, D] against the first ``length`` positions of each row of
+    ``table`` (int64 [g, max_blocks]), the blocks read in place by the CPU decoding kernel."""
+    return torch.ops.attnkit.softmax_decode_paged(q, k_cache, v_cache, table, length, scale)
 
 
 def _decode_triton(q, k_cache, v_cache, visible, tables, is_causal, scale):
@@ -203,8 +224,10 @@ def attention_with_kvcache(
             lives in block ``block_table[b, p // block_size]`` at offset ``p % block_size``.
             Only the entries covering ``[0, L_b)`` are read (they must be valid block indices);
             blocks may be shared between batch elements for reading, but two batch elements may
-            not write the same slot.  The blocks are gathered into a contiguous copy (one
-            kernel call per group of equal L_b): a paged decode step costs that copy on top.
+            not write the same slot.  On the cpu backend with Nq <= 16 queries that see every
+            key (Nq = 1, or ``is_causal=False``) and no score option, the decoding kernel reads
+            the blocks in place (one call per group of equal L_b); otherwise they are gathered
+            into a contiguous copy first, which a decode step pays on top.
         is_causal: query j (of Nq) sees the keys ``< L_b - Nq + j + 1``: causal **bottom-right**
             -- the new queries are the last Nq positions of the sequence, so the last one sees
             every key and earlier ones one key fewer each (what decoding and chunked prefill
@@ -235,9 +258,9 @@ def attention_with_kvcache(
     Cost: see the module docstring.  On the triton backend with Nq <= 16 and no score option:
     one split-KV decode kernel call for the whole batch (per-sequence lengths, causal or not;
     a paged cache costs one padded gather first).  Otherwise views of a contiguous cache (one
-    kernel call per run of adjacent batch elements with equal L_b), a gathered copy of a paged
-    cache; Nq <= 16 takes softmax_attention's decode kernel on CPU; causal Nq > 1 is two calls
-    and a merge.
+    kernel call per run of adjacent batch elements with equal L_b); a paged cache read in place
+    on the cpu backend (see ``block_table``), else a gathered copy of it; Nq <= 16 takes
+    softmax_attention's decode kernel on CPU; causal Nq > 1 is two calls and a merge.
 
     Raises:
         TypeError: non-tensors, non-floating q / k / v / caches, cache_seqlens or block_table of
@@ -362,13 +385,20 @@ def attention_with_kvcache(
             groups: dict[int, list[int]] = {}
             for b, length in enumerate(visible):
                 groups.setdefault(length, []).append(b)
+            in_place = _paged_kernel_fits(chosen, q, kv_heads, is_causal, score_options)
+            table64 = block_table.to(torch.int64) if in_place else None
             for length, members in groups.items():
                 index = torch.tensor(members, dtype=torch.int64, device=q.device)
-                kg, vg = _gather_pages(k_cache, v_cache, [tables[b] for b in members], length)
                 qg = q if len(members) == batch else q.index_select(0, index)
                 rows = index.cpu() if len(members) < batch else slice(0, batch)
-                o, l = _attend(qg, kg, vg, is_causal, scale, enable_gqa, backend,
-                               options_for(fn, score_options, rows, batch))
+                if in_place:
+                    tg = table64 if len(members) == batch else table64.index_select(0, index)
+                    o, l = _decode_paged_cpu(qg, k_cache, v_cache, tg, length,
+                                             head_dim ** -0.5 if scale is None else float(scale))
+                else:
+                    kg, vg = _gather_pages(k_cache, v_cache, [tables[b] for b in members], length)
+                    o, l = _attend(qg, kg, vg, is_causal, scale, enable_gqa, backend,
+                                   options_for(fn, score_options, rows, batch))
                 if len(members) == batch:
                     out.copy_(o)
                     lse.copy_(l)

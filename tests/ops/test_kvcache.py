@@ -253,6 +253,132 @@ def test_bad_arguments_raise_before_the_cache_is_written(kwargs, error, match):
 # tests/conftest.py)
 # ----------------------------------------------------------------------------------------------
 
+# ----------------------------------------------------------------------------------------------
+# a paged cache read in place on the cpu backend (attnkit::softmax_decode_paged)
+# ----------------------------------------------------------------------------------------------
+
+_CPU = backend_status("cpu")
+needs_cpu_kernels = pytest.mark.skipif(not _CPU.usable, reason=f"cpu backend unusable: {_CPU.reason}")
+
+
+def _paged_copy(k_cache, v_cache, block_size, seed, spare=3):
+    """The contiguous caches [B, Hk, max_len, *] cut into blocks scattered over a pool with
+    `spare` extra blocks holding NaN (never read); returns the pages and the int32 table."""
+    b, hk, max_len, _ = k_cache.shape
+    blocks = -(-max_len // block_size)
+    pad = blocks * block_size - max_len
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randperm(b * blocks + spare, generator=g)[:b * blocks].view(b, blocks).to(torch.int32)
+    pages = []
+    for cache in (k_cache, v_cache):
+        full = torch.nn.functional.pad(cache, (0, 0, 0, pad), value=float("nan"))
+        paged = torch.full((b * blocks + spare, hk, block_size, cache.shape[3]), float("nan"), dtype=cache.dtype)
+        for i in range(b):
+            for j in range(blocks):
+                paged[table[i, j]] = full[i, :, j * block_size:(j + 1) * block_size]
+        pages.append(paged)
+    return pages[0], pages[1], table
+
+
+@pytest.fixture
+def paged_calls(monkeypatch):
+    """Counts the calls of the in-place paged kernel made by the kvcache op."""
+    from attnkit.ops import kvcache as op
+
+    calls = []
+    real = op._decode_paged_cpu
+
+    def spy(q, k_cache, v_cache, table, length, scale):
+        calls.append((tuple(q.shape), length))
+        return real(q, k_cache, v_cache, table, length, scale)
+
+    monkeypatch.setattr(op, "_decode_paged_cpu", spy)
+    return calls
+
+
+# block sizes: 64 and 128 (whole key tiles: the tiles of the contiguous call, so the same bits),
+# 16, 5 and 48 (tiles cut at every block's end, a block size that does not divide the 64-key tile).
+@needs_cpu_kernels
+@pytest.mark.parametrize("block_size", [64, 128, 16, 5, 48])
+@pytest.mark.parametrize("nq,is_causal", [(1, True), (3, False), (16, False)])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=str)
+def test_cpu_paged_cache_is_read_in_place(dtype, nq, is_causal, block_size, paged_calls):
+    # Lengths 0, 1, 130 and 200 (+ Nk = 1): distinct, so one kernel call per batch element.
+    seqlens, max_len = [130, 0, 200, 1], 208
+    hk, heads, d, dv = 2, 8, 40, 24
+    g = torch.Generator().manual_seed(block_size + nq)
+    q = torch.randn(len(seqlens), heads, nq, d, generator=g).to(dtype)
+    k = torch.randn(len(seqlens), hk, 1, d, generator=g).to(dtype)
+    v = torch.randn(len(seqlens), hk, 1, dv, generator=g).to(dtype)
+    k_cache = torch.randn(len(seqlens), hk, max_len, d, generator=g).to(dtype)
+    v_cache = torch.randn(len(seqlens), hk, max_len, dv, generator=g).to(dtype)
+    lengths = torch.tensor(seqlens, dtype=torch.int32)
+    k_pages, v_pages, table = _paged_copy(k_cache, v_cache, block_size, seed=block_size)
+    out_p, lse_p = attnkit.attention_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=lengths,
+                                                  block_table=table, is_causal=is_causal, enable_gqa=True,
+                                                  return_lse=True, backend="cpu")
+    assert sorted(paged_calls) == sorted(((1, heads, nq, d), n + 1) for n in seqlens)
+    out_c, lse_c = attnkit.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
+                                                  is_causal=is_causal, enable_gqa=True, return_lse=True,
+                                                  backend="cpu")
+    assert len(paged_calls) == len(seqlens)  # the contiguous call does not take the paged kernel
+    if block_size % 64 == 0:
+        assert torch.equal(out_p, out_c) and torch.equal(lse_p, lse_c)
+    _check(out_p, lse_p, q, k_cache, v_cache, seqlens, 1, is_causal, dtype)
+    assert not torch.isnan(out_p).any()  # the NaN spare blocks and block tails were never read
+
+
+@needs_cpu_kernels
+def test_cpu_paged_cache_splits_long_sequences_over_threads(paged_calls):
+    # One kv head of one batch element: the decoding kernel splits the keys over tasks (merged by
+    # their log-sum-exps); blocks of 48 keys cut the splits' 64-key tiles.
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 1, 64, generator=g)
+    k_cache, v_cache = torch.randn(1, 1, 3000, 64, generator=g), torch.randn(1, 1, 3000, 64, generator=g)
+    k_pages, v_pages, table = _paged_copy(k_cache, v_cache, 48, seed=1)
+    out, lse = attnkit.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=2999, block_table=table,
+                                              enable_gqa=True, return_lse=True, backend="cpu")
+    assert paged_calls == [((1, 4, 1, 64), 2999)]
+    _check(out, lse, q, k_cache, v_cache, [2999], 0, True, F32)
+
+
+@needs_cpu_kernels
+def test_cpu_paged_cache_gathers_where_the_kernel_does_not_fit(paged_calls):
+    # Causal Nq > 1 (the last Nq keys are seen causally), a score option, more than 16 queries:
+    # the blocks are gathered, and the results still match the reference.
+    q, k, v, k_cache, v_cache, seqlens = _inputs(F32, 5, 5, seed=90)
+    want_k, want_v = _appended(k_cache, v_cache, k, v, SEQLENS)
+    k_pages, v_pages, table = _paged_copy(k_cache, v_cache, 8, seed=2)
+    out, lse = attnkit.attention_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=seqlens, block_table=table,
+                                              enable_gqa=True, return_lse=True, backend="cpu")
+    assert paged_calls == []
+    _check(out, lse, q, want_k, want_v, SEQLENS, 5, True, F32)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("change,match", [
+    (dict(table=lambda t: t.to(torch.int32)), "block_table must be int64; got Int"),
+    (dict(table=lambda t: t + 100), r"must be blocks of the cache, in \[0, 11\)"),
+    (dict(table=lambda t: t[:, :2]), "length 40 needs 5 blocks of 8; block_table has 2"),
+    (dict(table=lambda t: t[:1]), r"block_table must be \[B, max_blocks\] with B = 2"),
+    (dict(length=-1), "length must be >= 0; got -1"),
+    (dict(q=lambda q: q.expand(2, 4, 17, 8)), "N <= 16 query rows"),
+    (dict(q=lambda q: q.double(), k=lambda k: k.double(), v=lambda v: v.double()),
+     "takes float32, bfloat16 or float16; got Double"),
+    (dict(q=lambda q: q.half()), "q, k and v must share a dtype; got Half, Float and Float"),
+    (dict(q=lambda q: q[..., :4]), "q and k_cache must share the head dim"),
+    (dict(v=lambda v: v[:, :1]), "k_cache and v_cache must agree on num_blocks, Hk and block_size"),
+])
+def test_cpu_paged_kernel_raises_on_bad_input(change, match):
+    q = torch.randn(2, 4, 1, 8)
+    k_pages, v_pages = torch.randn(11, 2, 8, 8), torch.randn(11, 2, 8, 6)
+    table = torch.arange(10, dtype=torch.int64).view(2, 5)
+    args = dict(q=q, k=k_pages, v=v_pages, table=table, length=40)
+    for name, fn in change.items():
+        args[name] = fn(args[name]) if callable(fn) else fn
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.attnkit.softmax_decode_paged(args["q"], args["k"], args["v"], args["table"], args["length"], 0.5)
+
 _TRITON = backend_status("triton")
 needs_triton = pytest.mark.skipif(not _TRITON.usable, reason=f"triton backend unusable: {_TRITON.reason}")
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
