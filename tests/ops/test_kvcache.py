@@ -299,12 +299,14 @@ def paged_calls(monkeypatch):
 # block sizes: 64 and 128 (whole key tiles: the tiles of the contiguous call, so the same bits),
 # 16, 5 and 48 (tiles cut at every block's end, a block size that does not divide the 64-key tile).
 @needs_cpu_kernels
+@pytest.mark.parametrize("seqlens", [[130, 0, 200, 1], [150, 150, 150, 150]], ids=["distinct", "equal"])
 @pytest.mark.parametrize("block_size", [64, 128, 16, 5, 48])
 @pytest.mark.parametrize("nq,is_causal", [(1, True), (3, False), (16, False)])
 @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=str)
-def test_cpu_paged_cache_is_read_in_place(dtype, nq, is_causal, block_size, paged_calls):
-    # Lengths 0, 1, 130 and 200 (+ Nk = 1): distinct, so one kernel call per batch element.
-    seqlens, max_len = [130, 0, 200, 1], 208
+def test_cpu_paged_cache_is_read_in_place(dtype, nq, is_causal, block_size, seqlens, paged_calls):
+    # Lengths 0, 1, 130 and 200 (+ Nk = 1), distinct: one kernel call per batch element; or all
+    # equal: one call for the batch, each element through its own row of the table.
+    max_len = 208
     hk, heads, d, dv = 2, 8, 40, 24
     g = torch.Generator().manual_seed(block_size + nq)
     q = torch.randn(len(seqlens), heads, nq, d, generator=g).to(dtype)
@@ -317,11 +319,12 @@ def test_cpu_paged_cache_is_read_in_place(dtype, nq, is_causal, block_size, page
     out_p, lse_p = attnkit.attention_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=lengths,
                                                   block_table=table, is_causal=is_causal, enable_gqa=True,
                                                   return_lse=True, backend="cpu")
-    assert sorted(paged_calls) == sorted(((1, heads, nq, d), n + 1) for n in seqlens)
+    groups = {n: seqlens.count(n) for n in seqlens}
+    assert sorted(paged_calls) == sorted(((g, heads, nq, d), n + 1) for n, g in groups.items())
     out_c, lse_c = attnkit.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
                                                   is_causal=is_causal, enable_gqa=True, return_lse=True,
                                                   backend="cpu")
-    assert len(paged_calls) == len(seqlens)  # the contiguous call does not take the paged kernel
+    assert len(paged_calls) == len(groups)  # the contiguous call does not take the paged kernel
     if block_size % 64 == 0:
         assert torch.equal(out_p, out_c) and torch.equal(lse_p, lse_c)
     _check(out_p, lse_p, q, k_cache, v_cache, seqlens, 1, is_causal, dtype)
