@@ -256,14 +256,18 @@ def fitting(configs, dmax, limit, names=TILE_NAMES):
     return fit or [min(configs, key=area)]
 
 
-def check_attention_shapes(fn: str, q, k, v, max_head_dim: int = MAX_HEAD_DIM) -> None:
+def check_attention_shapes(fn: str, q, k, v, max_head_dim: int = MAX_HEAD_DIM, paged: bool = False) -> None:
     """The checks every attention launcher shares, for q [B, H, N, D], k [B, Hk, M, D],
     v [B, Hk, M, Dv]: one dtype, equal batches, k and v alike, k's head dim q's, H a multiple
-    of Hk, head dims in 1..max_head_dim.  Raises TypeError / ValueError naming ``fn``."""
+    of Hk, head dims in 1..max_head_dim.  ``paged``: k and v are caches [num_blocks, Hk,
+    block_size, *], whose first dim is not the batch.  Raises TypeError / ValueError naming ``fn``."""
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{fn}: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     B, H, _, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
+    if paged and k.shape[0] != v.shape[0]:
+        raise ValueError(f"{fn}: the k and v caches must have the same number of blocks; got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if not paged and (k.shape[0] != B or v.shape[0] != B):
         raise ValueError(f"{fn}: batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
         raise ValueError(f"{fn}: k and v must have the same heads and length; got "

@@ -7,7 +7,10 @@ backend for N <= 16 new queries.
 Launcher
 --------
 ``softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, config=None,
-is_causal=True, merge=None)`` -> ``(out [B, H, N, Dv] in q.dtype, lse [B, H, N] float32)``
+is_causal=True, merge=None, block_table=None)`` -> ``(out [B, H, N, Dv] in q.dtype, lse [B, H, N]
+float32)``.  With ``block_table`` (int32 / int64 ``[B, max_blocks]``) k / v are a paged cache
+``[num_blocks, Hk, block_size, *]`` read in place: each key tile's rows are addressed through the
+table (one table load per key), so the tiles -- and the results' bits -- are the dense call's.
 
 Shapes: q ``[B, H, N, D]`` with ``1 <= N <= 16`` (N = 0 gives empty results), k ``[B, Hk, M, D]``,
 v ``[B, Hk, M, Dv]``, ``H % Hk == 0`` (GQA / MQA; query head h reads kv head ``h // (H // Hk)``),
@@ -81,7 +84,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ._flash import (INTERPRETED, MAX_HEAD_DIM, SUPPORTED_DTYPES, _LN2, _LOG2E, accumulate_pv, cdiv,
-                     check_attention_shapes, finish_rows, launch, load_rows, next_pow2,
+                     check_attention_shapes, finish_rows, launch, load_2d, load_rows, next_pow2,
                      online_softmax_update, pow2, scores)
 
 __all__ = [
@@ -220,12 +223,16 @@ def _autotuned(head_dim: int, value_dim: int, rows: int, dtype: torch.dtype):
 @triton.jit
 def _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, bound, qk_scale,
                   stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
+                  table_row, block_size, stride_kblk, stride_vblk,
                   HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASKED: tl.constexpr):
+                  MASKED: tl.constexpr, PAGED: tl.constexpr):
     """The key tiles [lo, hi) (lo a multiple of BLOCK_N) folded into (acc, l_i, m_i).
     MASKED=False: every key of every tile is in range and seen by every row.  MASKED: keys at or
-    past ``hi`` are not loaded, and row r sees key j iff j <= bound[r]."""
+    past ``hi`` are not loaded, and row r sees key j iff j <= bound[r].  PAGED: key j is row
+    ``j % block_size`` of block ``table_row[j // block_size]`` (blocks ``stride_kblk`` /
+    ``stride_vblk`` elements apart from k_base / v_base): each tile's rows are gathered through
+    the table, in place."""
     offs = tl.arange(0, BLOCK_N)
     # Tile pointers advanced from an int64 start: lo * stride can pass 2**31 elements on long
     # caches (offsets inside a tile stay small).
@@ -233,14 +240,27 @@ def _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, bound, qk_scale,
     v_tile = v_base + lo.to(tl.int64) * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         in_range = offs < hi - start_n
-        k = load_rows(k_tile, offs, stride_kn, offs_d, stride_kd, in_range, HEAD_D, BLOCK_D,
-                      MASKED)
+        if PAGED:
+            keys = start_n + offs
+            block = tl.load(table_row + keys // block_size, mask=in_range, other=0).to(tl.int64)
+            slot = (keys % block_size).to(tl.int64)
+            k = load_2d(k_base + (block * stride_kblk + slot * stride_kn)[:, None]
+                        + offs_d[None, :] * stride_kd, in_range, offs_d < HEAD_D, MASKED,
+                        BLOCK_D != HEAD_D)
+        else:
+            k = load_rows(k_tile, offs, stride_kn, offs_d, stride_kd, in_range, HEAD_D, BLOCK_D,
+                          MASKED)
         s = scores(q, k, qk_scale, DOT_PREC)
         if MASKED:
             s = tl.where((start_n + offs)[None, :] <= bound[:, None], s, float("-inf"))
         p, alpha, l_i, m_i = online_softmax_update(s, m_i, l_i)
-        v = load_rows(v_tile, offs, stride_vn, offs_dv, stride_vd, in_range, HEAD_DV, BLOCK_DV,
-                      MASKED)
+        if PAGED:
+            v = load_2d(v_base + (block * stride_vblk + slot * stride_vn)[:, None]
+                        + offs_dv[None, :] * stride_vd, in_range, offs_dv < HEAD_DV, MASKED,
+                        BLOCK_DV != HEAD_DV)
+        else:
+            v = load_rows(v_tile, offs, stride_vn, offs_dv, stride_vd, in_range, HEAD_DV, BLOCK_DV,
+                          MASKED)
         acc = accumulate_pv(acc, alpha, p, v, DOT_PREC)
         k_tile += BLOCK_N * stride_kn
         v_tile += BLOCK_N * stride_vn
@@ -321,17 +341,17 @@ def _fused_merge(PartO, PartL, Out, Lse, b, hk, rb, H, N, GROUP, NUM_SPLITS,
 
 @triton.jit(do_not_specialize=["M", "NUM_SPLITS"])
 def _decode_split_kernel(
-    Q, K, V, KvLens, Out, Lse, PartO, PartL, Counters,
+    Q, K, V, KvLens, Out, Lse, PartO, PartL, Counters, Table,
     qk_scale,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_on, stride_od,
-    stride_lens,
+    stride_lens, stride_tb, block_size,
     H, N, M, GROUP, NUM_SPLITS,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LENS: tl.constexpr, DIRECT: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, DOT_PREC: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, DOT_PREC: tl.constexpr, PAGED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One (row block, split) x kv head x batch program: the group's stacked query rows against
@@ -383,17 +403,24 @@ def _decode_split_kernel(
               + offs_d[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
 
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    if PAGED:  # K / V [num_blocks, Hk, block_size, *]: the batch element's blocks via its table row
+        k_base = K + hk * stride_kh
+        v_base = V + hk * stride_vh
+    else:
+        k_base = K + b * stride_kb + hk * stride_kh
+        v_base = V + b * stride_vb + hk * stride_vh
+    table_row = Table + b * stride_tb
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, full_hi, bound, qk_scale,
                                   stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
-                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, False)
+                                  table_row, block_size, stride_kb, stride_vb,
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, False, PAGED)
     acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, k_base, v_base, full_hi, hi, bound, qk_scale,
                                   stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
-                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, True)
+                                  table_row, block_size, stride_kb, stride_vb,
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, True, PAGED)
     out, lse = finish_rows(acc, l_i, m_i)
 
     row = (b * H + h) * N + qi  # flat (b, h, i) index: lse [B, H, N] and the partials
@@ -555,7 +582,7 @@ def _check_device(fn: str, t: torch.Tensor) -> None:
             f"attnkit.kernels.decode is imported, for CPU tensors); got a {t.device.type} tensor")
 
 
-def _check_inputs(fn, q, k, v):
+def _check_inputs(fn, q, k, v, paged=False):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a tensor; got {type(t).__name__}")
@@ -570,8 +597,27 @@ def _check_inputs(fn, q, k, v):
     if N > MAX_QUERY_ROWS:
         raise ValueError(f"{fn}: at most {MAX_QUERY_ROWS} query rows (decoding); got N = {N} "
                          f"(use attnkit.kernels.softmax.softmax_fwd for prefill)")
-    check_attention_shapes(fn, q, k, v)
+    check_attention_shapes(fn, q, k, v, paged=paged)
     _check_device(fn, q)
+
+
+def _check_block_table(fn, block_table, q, k):
+    """None, or int32 / int64 [B, max_blocks] on q's device (its entries are not read here)."""
+    if block_table is None:
+        return None
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"{fn}: block_table must be an int32 tensor [B, max_blocks] (or None); got "
+                        f"{type(block_table).__name__}")
+    if block_table.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{fn}: block_table must be int32 (or int64); got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0]:
+        raise ValueError(f"{fn}: block_table must be [B, max_blocks] with B = {q.shape[0]}; got "
+                         f"{tuple(block_table.shape)}")
+    if block_table.device != q.device:
+        raise ValueError(f"{fn}: block_table must be on q's device ({q.device}); got {block_table.device}")
+    if k.shape[2] == 0:
+        raise ValueError(f"{fn}: a paged cache needs block_size >= 1; got k {tuple(k.shape)}")
+    return block_table
 
 
 def _check_kv_lens(fn, kv_lens, q, B):
@@ -646,7 +692,7 @@ def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, config=None,
-                       is_causal=True, merge=None):
+                       is_causal=True, merge=None, block_table=None):
     """Split-KV decoding forward.  Returns ``(out [B, H, N, Dv] in q.dtype, lse [B, H, N]
     float32)``; see the module docstring for the semantics (bottom-right causal alignment,
     ``kv_lens``, dead rows, NaN).
@@ -660,12 +706,21 @@ def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, co
     ``j <= L_b - N + i``); False lets every query see all L_b keys.  ``merge``: how several
     splits are combined -- ``"separate"`` (a second kernel), ``"fused"`` (the last split program
     of each row block merges, see the module docstring) or None (``DEFAULT_MERGE``); one split
-    needs no merge either way.  No autograd: the results carry no graph.
+    needs no merge either way.  ``block_table``: None, or int32 / int64 ``[B, max_blocks]`` for a
+    paged cache -- k / v ``[num_blocks, Hk, block_size, D / Dv]``, key j of batch element b
+    being row ``j % block_size`` of block ``block_table[b, j // block_size]``, read in place
+    (M = max_blocks * block_size; the entries that cover ``[0, L_b)`` must be blocks of the
+    cache: not checked on the device).  No autograd: the results carry no graph.
     """
     fn = "softmax_decode_fwd"
-    _check_inputs(fn, q, k, v)
+    paged = block_table is not None
+    _check_inputs(fn, q, k, v, paged=paged)
+    block_table = _check_block_table(fn, block_table, q, k)
     B, H, N, D = q.shape
     Hk, M, Dv = k.shape[1], k.shape[2], v.shape[3]
+    block_size = M
+    if paged:
+        M = block_table.shape[1] * block_size
     kv_lens = _check_kv_lens(fn, kv_lens, q, B)
     num_splits = _check_num_splits(fn, num_splits)
     if scale is None:
@@ -703,12 +758,14 @@ def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, co
     counters = _merge_counters(q.device, B * Hk * cdiv(rows, 16)) if fused else lse
     lens_t, lens_stride = (q, 0) if kv_lens is None else (kv_lens, kv_lens.stride(0))
 
-    args = (q, k, v, lens_t, out, lse, part_o, part_l, counters, scale * 1.4426950408889634,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), lens_stride,
-            H, N, M, group, splits)
+    table_t, table_stride = (block_table, block_table.stride(0)) if paged else (lens_t, 0)
+    args = (q, k, v, lens_t, out, lse, part_o, part_l, counters, table_t, scale * 1.4426950408889634,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), lens_stride, table_stride,
+            block_size, H, N, M, group, splits)
     consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
                   HAS_LENS=kv_lens is not None, DIRECT=direct, IS_CAUSAL=is_causal,
-                  FUSED_MERGE=fused, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
+                  FUSED_MERGE=fused, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                  PAGED=paged)
     launch(_decode_split_kernel, lambda: _autotuned(D, Dv, rows, q.dtype),
            lambda: configs_for(D, Dv, rows, q.dtype),
            lambda bm, bn: (cdiv(rows, bm) * splits, Hk, B), args, consts, config)

@@ -11,7 +11,7 @@ the last positions of the sequence).  Two routes:
   batch, with per-sequence lengths ``kv_lens = cache_seqlens + Nk`` and the kernel's own
   bottom-right causal alignment (``is_causal=False``: every query sees all L_b keys).  It reads
   each sequence's first L_b cache positions straight from the cache (one view of the first
-  ``max_b L_b`` positions; a paged cache is gathered into one padded copy first), with no
+  ``max_b L_b`` positions; a paged cache read in place through its block table), with no
   grouping by length, no mask and no merge of a prefix and a causal part.  Forward only:
   nothing here takes a gradient anyway (see below).
 - **otherwise** (the reference, cpu and cuda backends, more queries, score options, dtypes or
@@ -104,18 +104,23 @@ def _decode_paged_cpu(q, k_cache, v_cache, table, length, scale):
 
 def _decode_triton(q, k_cache, v_cache, visible, tables, is_causal, scale):
     """(out, lse) of every batch element at once from the split-KV Triton kernel: the cache's
-    first max(L_b) positions (a view; a paged cache gathered into one padded copy), kv_lens =
-    L_b.  Cache positions at or past L_b -- the padding included -- are never read (the kernel
-    loads only keys < kv_lens[b])."""
+    first max(L_b) positions (a view; a paged cache read in place through its block table),
+    kv_lens = L_b.  Cache positions at or past L_b are never read (the kernel loads only keys
+    < kv_lens[b])."""
     from ..kernels.decode import softmax_decode_fwd
 
-    longest = max(visible)
-    if tables is not None:
-        keys, values = _gather_pages_padded(k_cache, v_cache, tables, visible, longest)
-    else:
-        keys, values = k_cache[:, :, :longest], v_cache[:, :, :longest]
     kv_lens = torch.tensor(visible, dtype=torch.int32, device=q.device)
-    return softmax_decode_fwd(q, keys, values, scale, kv_lens=kv_lens, is_causal=is_causal)
+    if tables is not None:
+        # The blocks read in place: the table's rows cut to the longest L_b's blocks (entries
+        # past a row's own blocks are never read: zeros).
+        width = max((len(row) for row in tables), default=0)
+        table = torch.tensor([row + [0] * (width - len(row)) for row in tables] if width else [[0]] * len(tables),
+                             dtype=torch.int32, device=q.device)
+        return softmax_decode_fwd(q, k_cache, v_cache, scale, kv_lens=kv_lens, is_causal=is_causal,
+                                  block_table=table)
+    longest = max(visible)
+    return softmax_decode_fwd(q, k_cache[:, :, :longest], v_cache[:, :, :longest], scale, kv_lens=kv_lens,
+                              is_causal=is_causal)
 
 
 def _lengths(fn: str, cache_seqlens, batch: int) -> list[int]:
@@ -224,10 +229,11 @@ def attention_with_kvcache(
             lives in block ``block_table[b, p // block_size]`` at offset ``p % block_size``.
             Only the entries covering ``[0, L_b)`` are read (they must be valid block indices);
             blocks may be shared between batch elements for reading, but two batch elements may
-            not write the same slot.  On the cpu backend with Nq <= 16 queries that see every
-            key (Nq = 1, or ``is_causal=False``) and no score option, the decoding kernel reads
-            the blocks in place (one call per group of equal L_b); otherwise they are gathered
-            into a contiguous copy first, which a decode step pays on top.
+            not write the same slot.  The decoding kernels read the blocks in place: on the
+            triton backend with Nq <= 16 and no score option, and on the cpu backend with
+            Nq <= 16 queries that see every key (Nq = 1, or ``is_causal=False``) and no score
+            option (one call per group of equal L_b); otherwise the blocks are gathered into a
+            contiguous copy first, which a decode step pays on top.
         is_causal: query j (of Nq) sees the keys ``< L_b - Nq + j + 1``: causal **bottom-right**
             -- the new queries are the last Nq positions of the sequence, so the last one sees
             every key and earlier ones one key fewer each (what decoding and chunked prefill
@@ -257,7 +263,7 @@ def attention_with_kvcache(
 
     Cost: see the module docstring.  On the triton backend with Nq <= 16 and no score option:
     one split-KV decode kernel call for the whole batch (per-sequence lengths, causal or not;
-    a paged cache costs one padded gather first).  Otherwise views of a contiguous cache (one
+    a paged cache read in place).  Otherwise views of a contiguous cache (one
     kernel call per run of adjacent batch elements with equal L_b); a paged cache read in place
     on the cpu backend (see ``block_table``), else a gathered copy of it; Nq <= 16 takes
     softmax_attention's decode kernel on CPU; causal Nq > 1 is two calls and a merge.
@@ -435,24 +441,6 @@ def _append(k_cache, v_cache, k, v, seqlens, tables, paged):
     # cache[first[i], :, second[i]] = row i of the new rows [B * Nk, Hk, D] (b major, t minor).
     k_cache[first, :, second] = k.transpose(1, 2).reshape(batch * new, k.shape[1], k.shape[3])
     v_cache[first, :, second] = v.transpose(1, 2).reshape(batch * new, v.shape[1], v.shape[3])
-
-
-def _gather_pages_padded(k_cache, v_cache, tables, lengths, longest):
-    """Each batch element's first ``lengths[b]`` positions from its blocks, in one
-    [B, Hk, longest, D] / [B, Hk, longest, Dv] copy (one ``cat`` of block views per batch
-    element); positions at or past lengths[b] are left unwritten (the decode kernel never reads
-    them)."""
-
-    def gather(cache):
-        _, hk, block_size, dim = cache.shape
-        out = cache.new_empty((len(tables), hk, longest, dim))
-        for j, (row, length) in enumerate(zip(tables, lengths)):
-            views = [cache[block, :, :min(block_size, length - i * block_size)] for i, block in enumerate(row)]
-            if views:
-                torch.cat(views, dim=1, out=out[j, :, :length])
-        return out
-
-    return gather(k_cache), gather(v_cache)
 
 
 def _gather_pages(k_cache, v_cache, tables, length):

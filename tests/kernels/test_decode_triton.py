@@ -164,6 +164,55 @@ def test_matches_float64_reference(case, merge):
         assert_counters_clear()
 
 
+def to_pages(k, v, block_size, seed=0, spare=2):
+    """A paged copy of the dense k / v [B, Hk, M, *]: blocks of block_size keys scattered over a
+    pool with `spare` extra blocks, the pool's unused rows NaN (never read); the int32 table."""
+    b, hk, m, _ = k.shape
+    blocks = -(-m // block_size)
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randperm(b * blocks + spare, generator=g)[:b * blocks].view(b, blocks).to(torch.int32)
+    pages = []
+    for x in (k, v):
+        pool = torch.full((b * blocks + spare, hk, block_size, x.shape[3]), float("nan"), dtype=x.dtype,
+                          device=x.device)
+        for i in range(b):
+            for j in range(blocks):
+                rows = x[i, :, j * block_size:(j + 1) * block_size]
+                pool[table[i, j], :, :rows.shape[1]] = rows
+        pages.append(pool)
+    return pages[0], pages[1], table.to(x.device)
+
+
+# (B, H, Hk, N, M, D, Dv, dtype, kv_lens, num_splits, config, block_size, merge): key tiles of
+# 64 / 128 over blocks of 5, 16 and 256 keys (a tile spanning many blocks, part of one block).
+PAGED_CASES = {
+    "n1_gqa_bs16_splits3": (2, 8, 2, 1, 300, 24, 40, F32, [300, 17], 3, cfg(64), 16, "separate"),
+    "n3_mqa_bs5_lens01": (3, 4, 1, 3, 37, 33, 20, F32, [0, 1, 37], 2, cfg(64), 5, "fused"),
+    "f16_n16_gqa_bs256_one_split": (1, 8, 2, 16, 600, 32, 48, F16, [599], 1, cfg(128), 256, None),
+    "bf16_n1_gqa_bs16": (2, 8, 2, 1, 100, 16, 16, BF16, None, 2, cfg(64), 16, "fused"),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=name, marks=TRITON_BF16_TEST if c[7] == BF16 else ())
+                                  for name, c in PAGED_CASES.items()])
+@pytest.mark.parametrize("causal", [True, False])
+def test_paged_cache_read_in_place_equals_dense(case, causal):
+    """block_table: the blocks read in place through the table give the dense call's bits (the
+    key tiles are the same; only the rows' addresses differ), and the reference's numbers."""
+    b, h, hk, n, m, d, dv, dtype, kv, splits, config, block_size, merge = case
+    q, k, v = make_inputs(b, h, hk, n, m, d, dv, dtype, seed=block_size)
+    kv_lens = lens_t(kv if kv is not None else [m] * b)
+    k_pages, v_pages, table = to_pages(k, v, block_size, seed=n)
+    got = decode.softmax_decode_fwd(q, k_pages, v_pages, kv_lens=kv_lens, num_splits=splits, config=config,
+                                    merge=merge, is_causal=causal, block_table=table)
+    want = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, num_splits=splits, config=config, merge=merge,
+                                     is_causal=causal)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    check(got, q, k, v, kv_lens, causal=causal)
+    if merge == "fused":
+        assert_counters_clear()
+
+
 def assert_counters_clear():
     """The fused merge leaves every counter at 0 (the next launch relies on it)."""
     for buf in decode._COUNTERS.values():
@@ -454,6 +503,14 @@ def _small(d=16, dv=16, h=4, hk=2, n=3, dtype=F32):
     (lambda: _small(), {"config": "fast"}, TypeError, r"config must be a triton.Config"),
     (lambda: _small(), {"merge": "both"}, ValueError, r"merge must be one of 'separate', 'fused'"),
     (lambda: _small(), {"is_causal": 1}, TypeError, r"is_causal must be a bool"),
+    (lambda: _small(), {"block_table": torch.zeros(1, 2)}, TypeError, r"block_table must be int32"),
+    (lambda: _small(), {"block_table": torch.zeros(2, 2, dtype=torch.int32)}, ValueError,
+     r"block_table must be \[B, max_blocks\] with B = 1"),
+    (lambda: _small(), {"block_table": [[0]]}, TypeError, r"block_table must be an int32 tensor"),
+    (lambda: [_small()[0], _small()[1][:, :, :0], _small()[2][:, :, :0]],
+     {"block_table": torch.zeros(1, 2, dtype=torch.int32)}, ValueError, r"block_size >= 1"),
+    (lambda: [_small()[0], torch.zeros(3, 2, 5, 16), torch.zeros(4, 2, 5, 16)],
+     {"block_table": torch.zeros(1, 2, dtype=torch.int32)}, ValueError, r"same number of blocks"),
 ])
 def test_launcher_errors(inputs, extra, exc, match):
     q, k, v = inputs()

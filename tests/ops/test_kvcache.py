@@ -446,8 +446,9 @@ def test_triton_backend_matches_the_reference(dtype, nq, nk, is_causal, routes):
 @pytest.mark.parametrize("is_causal", [True, False])
 @pytest.mark.parametrize("nq,nk", [(1, 1), (6, 2), (3, 0)])
 def test_triton_paged_cache_with_shuffled_blocks_equals_contiguous(nq, nk, is_causal, routes):
-    # The pages gathered into one padded copy (positions past L_b never written nor read: the
-    # spare blocks and unused table entries hold NaN / garbage), one kernel call.
+    # The pages read in place through the table (positions past L_b never written nor read: the
+    # spare blocks and unused table entries hold NaN / garbage), one kernel call, bit for bit the
+    # contiguous call (the same key tiles, gathered row by row).
     q, k, v, k_cache, v_cache, seqlens = _inputs(F32, nq, nk, seed=50 + nq)
     block_size = 8
     blocks = MAX_LEN // block_size
@@ -473,6 +474,7 @@ def test_triton_paged_cache_with_shuffled_blocks_equals_contiguous(nq, nk, is_ca
                                                   block_table=table, is_causal=is_causal, enable_gqa=True,
                                                   return_lse=True, backend="triton")
     assert len(routes["decode"]) == 1 and routes["softmax_attention"] == 0
+    assert routes["decode"][0]["shape"] == tuple(k_pages.shape) and "block_table" in routes["decode"][0]
     assert not torch.isnan(out_p).any() and not torch.isnan(lse_p).any()
     out_c, lse_c = attnkit.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
                                                   is_causal=is_causal, enable_gqa=True, return_lse=True,
