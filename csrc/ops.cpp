@@ -51,9 +51,10 @@ TORCH_LIBRARY(attnkit, m) {
   // attention_with_kvcache): q [B,H,N,D] (N <= 16, N * H / Hk <= 64), k_cache / v_cache
   // [num_blocks, Hk, block_size, D / Dv], block_table int64 [B, max_blocks]: key position p < length
   // of batch element b is row p % block_size of block block_table[b, p / block_size].  Every query
-  // row sees all `length` keys (no mask, no score option).  Returns out [B,H,N,Dv] (q's dtype) and
-  // lse [B,H,N] float32; length 0: out 0, lse -inf.
-  m.def("softmax_decode_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int length, float scale) -> (Tensor, Tensor)");
+  // row sees the `length` keys, limited by the score options as in softmax_fwd (window and ALiBi
+  // bottom-right aligned, M = length: window_right = 0 is bottom-right causality).  Returns out
+  // [B,H,N,Dv] (q's dtype) and lse [B,H,N] float32; no key seen: out 0, lse -inf.
+  m.def("softmax_decode_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int length, float scale, int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor, Tensor)");
   // Gradients recomputed from lse (no N x M tensor stored): returns (dq, dk, dv) shaped like
   // q, k, v (dk, dv summed over the query heads of each GQA group).  No gradient for alibi_slopes.
   m.def("softmax_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, float scale, bool is_causal, int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)");

@@ -84,9 +84,11 @@ void softmax_fwd(const Target& t, const at::Tensor& q, const at::Tensor& k, cons
                  const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
 // The paged decoding forward (CPU): q [B,H,N,D] with N <= 16 and N * H / Hk <= 64 (the decoding
 // kernel's rows), caches [num_blocks, Hk, block_size, D / Dv], block_table int64 [B, max_blocks]
-// whose first ceil(length / block_size) entries of each row are blocks of the cache, length >= 0.
+// whose first ceil(length / block_size) entries of each row are blocks of the cache, length >= 0;
+// the score options as softmax_fwd's.
 void softmax_decode_paged(const Target& t, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& block_table, int64_t length);
+                          const at::Tensor& block_table, int64_t length, int64_t window_left, int64_t window_right,
+                          double softcap, const std::optional<at::Tensor>& alibi_slopes);
 void softmax_bwd(const Target& t, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                  const std::optional<at::Tensor>& mask, double scale, bool is_causal, int64_t window_left = -1,

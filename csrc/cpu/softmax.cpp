@@ -1999,8 +1999,11 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
 // The decoding forward against a paged KV cache, read in place (ops.cpp says what it takes).
 std::tuple<at::Tensor, at::Tensor> softmax_decode_paged_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                                             const at::Tensor& v_cache, const at::Tensor& block_table,
-                                                            int64_t length, double scale) {
-  checks::softmax_decode_paged(checks::cpu_target(), q, k_cache, v_cache, block_table, length);
+                                                            int64_t length, double scale, int64_t window_left,
+                                                            int64_t window_right, double softcap,
+                                                            const c10::optional<at::Tensor>& alibi_slopes) {
+  checks::softmax_decode_paged(checks::cpu_target(), q, k_cache, v_cache, block_table, length, window_left,
+                               window_right, softcap, alibi_slopes);
   Problem p;
   p.B = q.size(0);
   p.H = q.size(1);
@@ -2011,6 +2014,15 @@ std::tuple<at::Tensor, at::Tensor> softmax_decode_paged_cpu(const at::Tensor& q,
   p.Dv = v_cache.size(3);
   p.scale = scale;
   p.causal = false;
+  const int64_t wmax = p.N + p.M;  // as make_problem: a bound of N + M or more hides nothing
+  p.wl = window_left < 0 ? -1 : std::min(window_left, wmax);
+  p.wr = window_right < 0 ? -1 : std::min(window_right, wmax);
+  p.softcap = softcap;
+  if (alibi_slopes.has_value() && alibi_slopes->defined()) {
+    p.alibi = alibi_slopes->const_data_ptr<float>();
+    p.alibi_sb = alibi_slopes->stride(0);
+    p.alibi_sh = alibi_slopes->stride(1);
+  }
   // Read here as in softmax_fwd_cpu, so that a bad ATTNKIT_CPU_GEMM / ATTNKIT_CPU_BF16 raises.
   (void)cpu_gemm_path(q.scalar_type(), GemmUse::kSoftmax);
   const bool bf16_dot = cpu_bf16_dot_products(GemmUse::kDecode);

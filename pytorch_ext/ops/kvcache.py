@@ -31,12 +31,13 @@ How a call becomes kernel calls on the second route:
   Measured (AMD EPYC, AVX2, float32, B=8, Hq=32, Hk=8, D=128, max_len 4096, lengths in
   [2048, 4096), interleaved medians): one thread, 8 calls 42-82 ms against one padded call
   53-107 ms (the 2-core machine was shared; see bench/varlen.py); two threads at a quiet moment
-  24.7 against 29.2 ms.  A paged cache on the cpu backend, where every query sees all L_b keys
-  (Nq = 1, or not causal) and no score option is given, is read in place: one call of the
-  decoding kernel per group of equal L_b (``attnkit::softmax_decode_paged``: its key tiles cut at
-  the blocks' ends, each tile's rows read from their block).  Otherwise it is gathered: the
-  blocks of each batch element (block_table) into one contiguous copy per group of equal L_b,
-  one ``cat`` of block views each.
+  24.7 against 29.2 ms.  A paged cache on the cpu backend with Nq <= 16 (and Nq * H / Hk <= 64)
+  is read in place: one call of the decoding kernel per group of equal L_b
+  (``attnkit::softmax_decode_paged``: its key tiles cut at the blocks' ends, each tile's rows
+  read from their block), bottom-right causality as its window's right bound 0, the score
+  options in the kernel, sinks applied to its (out, lse).  Otherwise (more queries) it is
+  gathered: the blocks of each batch element (block_table) into one contiguous copy per group
+  of equal L_b, one ``cat`` of block views each.
 - **bottom-right causality** (query j of Nq sees keys < L - Nq + j + 1): Nq = 1 needs no mask
   at all.  For Nq > 1 the visible keys split into the prefix ``[0, L - Nq)``, which every query
   sees, and the last Nq keys, which the queries see causally *top-left* -- so two calls of
@@ -52,6 +53,7 @@ from typing import Optional, Union
 
 import torch
 
+from .. import score_options as _score_options
 from .._dispatch import resolve
 from .._validation import check_bool, check_real, check_same_dtype_device, check_tensor
 from .merge import merge_attention_states
@@ -84,22 +86,36 @@ def _decode_kernel_fits(backend, q, value_dim, score_options) -> bool:
             and 1 <= value_dim <= _DECODE_MAX_HEAD_DIM)
 
 
-def _paged_kernel_fits(backend, q, kv_heads, is_causal, score_options) -> bool:
+def _paged_kernel_fits(backend, q, kv_heads) -> bool:
     """Whether a paged call reads its blocks in place through the CPU decoding kernel
     (``attnkit::softmax_decode_paged``, one call per group of equal L_b) rather than through a
     gathered copy: the cpu backend, 1..16 new queries and at most 64 rows a kv head (the decoding
-    kernel's), every query seeing all L_b keys (Nq = 1, or not causal), no score option, float32 /
-    bfloat16 / float16."""
+    kernel's), float32 / bfloat16 / float16.  Causality and every score option go with it."""
     nq, heads = q.shape[2], q.shape[1]
-    return (backend == "cpu" and q.device.type == "cpu" and not score_options
-            and q.dtype in _DECODE_DTYPES and 1 <= nq <= _DECODE_MAX_QUERIES
-            and nq * (heads // kv_heads) <= 64 and (nq == 1 or not is_causal))
+    return (backend == "cpu" and q.device.type == "cpu" and q.dtype in _DECODE_DTYPES
+            and 1 <= nq <= _DECODE_MAX_QUERIES and nq * (heads // kv_heads) <= 64)
 
 
-def _decode_paged_cpu(q, k_cache, v_cache, table, length, scale):
+def _decode_paged_cpu(q, k_cache, v_cache, table, length, scale, is_causal, options):
     """(out, lse) of q [g, H, Nq, D] against the first ``length`` positions of each row of
-    ``table`` (int64 [g, max_blocks]), the blocks read in place by the CPU decoding kernel."""
-    return torch.ops.attnkit.softmax_decode_paged(q, k_cache, v_cache, table, length, scale)
+    ``table`` (int64 [g, max_blocks]), the blocks read in place by the CPU decoding kernel:
+    causality bottom-right as the window's right bound 0 (query i sees keys <= length - Nq + i),
+    the other score options as softmax_attention takes them (validated by the same code), sinks
+    applied to the kernel's (out, lse) afterwards."""
+    group, heads = q.shape[0], q.shape[1]
+    opts = _score_options.build(OP_NAME, options.get("window"), options.get("softcap", 0.0),
+                               options.get("alibi_slopes"), options.get("sinks"), heads=heads, batch=(group,),
+                               device=q.device)
+    left, right = opts.window if opts is not None else (-1, -1)
+    if is_causal and q.shape[2] > 1:
+        right = 0  # with a window's right bound r >= 0 as well: min(r, 0) = 0
+    slopes = opts.to_kernel(group, heads).alibi_slopes if opts is not None else None
+    softcap = opts.softcap if opts is not None else 0.0
+    out, lse = torch.ops.attnkit.softmax_decode_paged(q, k_cache, v_cache, table, length, scale, left, right,
+                                                      softcap, slopes)
+    if opts is not None and opts.sinks is not None:
+        out, lse = _score_options.add_sinks(out, lse, opts.sinks)
+    return out, lse
 
 
 def _decode_triton(q, k_cache, v_cache, visible, tables, is_causal, scale):
@@ -231,9 +247,9 @@ def attention_with_kvcache(
             blocks may be shared between batch elements for reading, but two batch elements may
             not write the same slot.  The decoding kernels read the blocks in place: on the
             triton backend with Nq <= 16 and no score option, and on the cpu backend with
-            Nq <= 16 queries that see every key (Nq = 1, or ``is_causal=False``) and no score
-            option (one call per group of equal L_b); otherwise the blocks are gathered into a
-            contiguous copy first, which a decode step pays on top.
+            Nq <= 16 (one call per group of equal L_b, causal or not, any score option);
+            otherwise the blocks are gathered into a contiguous copy first, which a call pays
+            on top.
         is_causal: query j (of Nq) sees the keys ``< L_b - Nq + j + 1``: causal **bottom-right**
             -- the new queries are the last Nq positions of the sequence, so the last one sees
             every key and earlier ones one key fewer each (what decoding and chunked prefill
@@ -391,7 +407,7 @@ def attention_with_kvcache(
             groups: dict[int, list[int]] = {}
             for b, length in enumerate(visible):
                 groups.setdefault(length, []).append(b)
-            in_place = _paged_kernel_fits(chosen, q, kv_heads, is_causal, score_options)
+            in_place = _paged_kernel_fits(chosen, q, kv_heads)
             table64 = block_table.to(torch.int64) if in_place else None
             for length, members in groups.items():
                 index = torch.tensor(members, dtype=torch.int64, device=q.device)
@@ -400,7 +416,8 @@ def attention_with_kvcache(
                 if in_place:
                     tg = table64 if len(members) == batch else table64.index_select(0, index)
                     o, l = _decode_paged_cpu(qg, k_cache, v_cache, tg, length,
-                                             head_dim ** -0.5 if scale is None else float(scale))
+                                             head_dim ** -0.5 if scale is None else float(scale), is_causal,
+                                             options_for(fn, score_options, rows, batch))
                 else:
                     kg, vg = _gather_pages(k_cache, v_cache, [tables[b] for b in members], length)
                     o, l = _attend(qg, kg, vg, is_causal, scale, enable_gqa, backend,

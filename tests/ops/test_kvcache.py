@@ -288,9 +288,9 @@ def paged_calls(monkeypatch):
     calls = []
     real = op._decode_paged_cpu
 
-    def spy(q, k_cache, v_cache, table, length, scale):
+    def spy(q, k_cache, v_cache, table, length, *args):
         calls.append((tuple(q.shape), length))
-        return real(q, k_cache, v_cache, table, length, scale)
+        return real(q, k_cache, v_cache, table, length, *args)
 
     monkeypatch.setattr(op, "_decode_paged_cpu", spy)
     return calls
@@ -346,16 +346,37 @@ def test_cpu_paged_cache_splits_long_sequences_over_threads(paged_calls):
 
 
 @needs_cpu_kernels
+@pytest.mark.parametrize("nq,nk", [(5, 5), (6, 2), (16, 16)])
+@pytest.mark.parametrize("which", ["none", "window-alibi", "softcap-sinks", "alibi-per-batch"])
+def test_cpu_paged_cache_in_place_with_causality_and_score_options(which, nq, nk, paged_calls):
+    # A chunk of a prefill (causal bottom-right: the window's right bound 0 in the kernel) with
+    # every score option, lengths 3, 0, 21, 3 (+ Nk; so L < Nq rows too): in place, one call per
+    # group of equal L (b = 0 and 3 share one), against the float64 reference.
+    q, k, v, k_cache, v_cache, seqlens = _inputs(F32, nq, nk, seed=90 + nq)
+    want_k, want_v = _appended(k_cache, v_cache, k, v, SEQLENS)
+    g = torch.Generator().manual_seed(7)
+    options = {"none": {}, "window-alibi": dict(window=(4, 2), alibi=torch.rand(H, generator=g)),
+               "softcap-sinks": dict(softcap=1.5, sinks=torch.randn(H, generator=g)),
+               "alibi-per-batch": dict(alibi=torch.rand(B, H, generator=g), window=(-1, 3))}[which]
+    call = {("alibi_slopes" if name == "alibi" else name): x for name, x in options.items()}
+    k_pages, v_pages, table = _paged_copy(k_cache, v_cache, 8, seed=2)
+    out, lse = attnkit.attention_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=seqlens, block_table=table,
+                                              enable_gqa=True, return_lse=True, backend="cpu", **call)
+    assert sorted(length for _, length in paged_calls) == sorted({n + nk for n in SEQLENS})
+    _check(out, lse, q, want_k, want_v, SEQLENS, nk, True, F32, **options)
+
+
+@needs_cpu_kernels
 def test_cpu_paged_cache_gathers_where_the_kernel_does_not_fit(paged_calls):
-    # Causal Nq > 1 (the last Nq keys are seen causally), a score option, more than 16 queries:
-    # the blocks are gathered, and the results still match the reference.
-    q, k, v, k_cache, v_cache, seqlens = _inputs(F32, 5, 5, seed=90)
+    # More than 16 queries (the decoding kernel's rows): the blocks are gathered, and the results
+    # still match the reference.
+    q, k, v, k_cache, v_cache, seqlens = _inputs(F32, 19, 19, seed=90)
     want_k, want_v = _appended(k_cache, v_cache, k, v, SEQLENS)
     k_pages, v_pages, table = _paged_copy(k_cache, v_cache, 8, seed=2)
     out, lse = attnkit.attention_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=seqlens, block_table=table,
                                               enable_gqa=True, return_lse=True, backend="cpu")
     assert paged_calls == []
-    _check(out, lse, q, want_k, want_v, SEQLENS, 5, True, F32)
+    _check(out, lse, q, want_k, want_v, SEQLENS, 19, True, F32)
 
 
 @needs_cpu_kernels
@@ -369,6 +390,9 @@ def test_cpu_paged_cache_gathers_where_the_kernel_does_not_fit(paged_calls):
     (dict(q=lambda q: q.double(), k=lambda k: k.double(), v=lambda v: v.double()),
      "takes float32, bfloat16 or float16; got Double"),
     (dict(q=lambda q: q.half()), "q, k and v must share a dtype; got Half, Float and Float"),
+    (dict(window_left=-2), "window bounds must be -1 \\(unbounded\\) or >= 0; got window_left = -2"),
+    (dict(softcap=-1.0), "softcap must be finite and >= 0"),
+    (dict(alibi=torch.zeros(2, 3)), r"alibi_slopes must have shape \[B, H\] = \[2, 4\]"),
     (dict(q=lambda q: q[..., :4]), "q and k_cache must share the head dim"),
     (dict(v=lambda v: v[:, :1]), "k_cache and v_cache must agree on num_blocks, Hk and block_size"),
 ])
@@ -376,11 +400,12 @@ def test_cpu_paged_kernel_raises_on_bad_input(change, match):
     q = torch.randn(2, 4, 1, 8)
     k_pages, v_pages = torch.randn(11, 2, 8, 8), torch.randn(11, 2, 8, 6)
     table = torch.arange(10, dtype=torch.int64).view(2, 5)
-    args = dict(q=q, k=k_pages, v=v_pages, table=table, length=40)
+    args = dict(q=q, k=k_pages, v=v_pages, table=table, length=40, window_left=-1, softcap=0.0, alibi=None)
     for name, fn in change.items():
         args[name] = fn(args[name]) if callable(fn) else fn
     with pytest.raises(RuntimeError, match=match):
-        torch.ops.attnkit.softmax_decode_paged(args["q"], args["k"], args["v"], args["table"], args["length"], 0.5)
+        torch.ops.attnkit.softmax_decode_paged(args["q"], args["k"], args["v"], args["table"], args["length"], 0.5,
+                                               args["window_left"], -1, args["softcap"], args["alibi"])
 
 _TRITON = backend_status("triton")
 needs_triton = pytest.mark.skipif(not _TRITON.usable, reason=f"triton backend unusable: {_TRITON.reason}")
