@@ -257,6 +257,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("mask"), py::arg("scale"), py::arg("is_causal"),
         py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.0,
         py::arg("alibi_slopes") = py::none());
+  c.def("softmax_decode_paged", &checks::softmax_decode_paged, py::arg("target"), py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_table"), py::arg("length"), py::arg("scale"), py::arg("window_left") = -1,
+        py::arg("window_right") = -1, py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none());
   c.def("linear_fwd", &linear_fwd_check);
   c.def("linear_bwd", &linear_bwd_check);
   c.def("sparse_range_fwd", &checks::sparse_range_fwd);

@@ -1,4 +1,4 @@
-// Input checks of attnkit::softmax_fwd / softmax_bwd (csrc/checks/checks.h says why they live
+// Input checks of attnkit::softmax_fwd / softmax_bwd / softmax_decode_paged (CPU only) (csrc/checks/checks.h says why they live
 // here), and, in a CUDA build, the CUDA registration of both ops: check, then csrc/cuda/softmax.cu.
 //
 // What differs by backend: the CPU kernel takes any floating dtype, any head dims (Dv may differ
@@ -98,8 +98,8 @@ void softmax_fwd(const Target& t, const at::Tensor& q, const at::Tensor& k, cons
 }
 
 void softmax_decode_paged(const Target& t, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& block_table, int64_t length, int64_t window_left, int64_t window_right,
-                          double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+                          const at::Tensor& block_table, int64_t length, double /*scale*/, int64_t window_left,
+                          int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const Op op{"softmax_decode_paged", t};
   check_flash_qkv_basics(op, "q [B,H,N,D], k_cache [num_blocks,Hk,block_size,D], v_cache [num_blocks,Hk,block_size,Dv]",
                          q, k_cache, v_cache);

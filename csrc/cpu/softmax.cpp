@@ -2002,7 +2002,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_decode_paged_cpu(const at::Tensor& q,
                                                             int64_t length, double scale, int64_t window_left,
                                                             int64_t window_right, double softcap,
                                                             const c10::optional<at::Tensor>& alibi_slopes) {
-  checks::softmax_decode_paged(checks::cpu_target(), q, k_cache, v_cache, block_table, length, window_left,
+  checks::softmax_decode_paged(checks::cpu_target(), q, k_cache, v_cache, block_table, length, scale, window_left,
                                window_right, softcap, alibi_slopes);
   Problem p;
   p.B = q.size(0);

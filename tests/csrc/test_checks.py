@@ -34,6 +34,9 @@ CPU = checks.Target("cpu")
 CUDA = checks.Target("cuda", device="meta")  # compute capability 9.0, 227 KiB: an H100
 OPS = ("softmax_fwd", "softmax_bwd", "linear_fwd", "linear_bwd", "sparse_range_fwd", "sparse_range_bwd",
        "block_sparse_fwd", "block_sparse_bwd", "hopfield_update_fwd", "hopfield_energy_fwd")
+# Ops with a CPU kernel only (no CUDA registration: a CUDA call gets the dispatcher's "could not
+# run ... with arguments from the 'CUDA' backend"): the paged KV-cache decode (issue 28).
+CPU_ONLY_OPS = ("softmax_decode_paged",)
 
 
 def cpu(*shape, dtype=F32):
@@ -68,8 +71,8 @@ def cuda_raises(op, args, match, target=CUDA):
 
 def test_every_op_has_a_check_bound():
     declared = re.findall(r'm\.def\("(\w+)\(', (ROOT / "csrc/ops.cpp").read_text())
-    assert sorted(declared) == sorted(OPS)
-    assert all(hasattr(checks, op) for op in OPS)
+    assert sorted(declared) == sorted(OPS + CPU_ONLY_OPS)
+    assert all(hasattr(checks, op) for op in OPS + CPU_ONLY_OPS)
 
 
 def test_the_native_code_is_wired_to_the_checks():
@@ -78,6 +81,9 @@ def test_the_native_code_is_wired_to_the_checks():
     after; nothing in csrc/cuda/ checks inputs, throws on a CUDA error, or registers itself."""
     cpu_src = "".join(p.read_text() for p in (ROOT / "csrc/cpu").glob("*.cpp"))
     checks_src = "".join(p.read_text() for p in (ROOT / "csrc/checks").glob("*.cpp"))
+    for op in CPU_ONLY_OPS:
+        assert f"checks::{op}(checks::cpu_target()," in cpu_src, op
+        assert f'm.impl("{op}"' not in checks_src, op
     for op in OPS:
         assert f"checks::{op}(checks::cpu_target()," in cpu_src, op
         assert f'm.impl("{op}", &attnkit::{op}_cuda_checked);' in checks_src, op
@@ -198,6 +204,26 @@ def test_softmax_cpu_rejects_bad_masks_and_backward_inputs():
                  r"mask must be on q's device \(cpu\); got meta")
     cpu_check_raises("softmax_bwd", (out, q, k, v, out, meta(1, 4, 8, dtype=F32), None, 1.0, False),
                  r"lse must be on q's device \(cpu\); got meta")
+
+
+def test_softmax_decode_paged_cpu_checks():
+    """attnkit::softmax_decode_paged (CPU only): the caches [num_blocks, Hk, block_size, *], the
+    int64 table's shape, dtype, device and used entries, the decoding kernel's row limits, the
+    score options -- through the op and the check alike."""
+    q, kc, vc = cpu(2, 4, 1, 8), cpu(11, 2, 8, 8), cpu(11, 2, 8, 6)
+    table = torch.arange(10, dtype=I64).view(2, 5)
+    checks.softmax_decode_paged(CPU, q, kc, vc, table, 40, 0.5)  # valid: no raise
+    cpu_raises("softmax_decode_paged", (q, kc, vc, table.int(), 40, 0.5), "block_table must be int64; got Int")
+    cpu_raises("softmax_decode_paged", (q, kc, vc, table, 41, 0.5), "length 41 needs 6 blocks of 8; block_table has 5")
+    cpu_raises("softmax_decode_paged", (q, kc, vc, table - 1, 40, 0.5),
+               r"first 5 entries of each row must be blocks of the cache, in \[0, 11\); got values in \[-1, 8\]")
+    cpu_raises("softmax_decode_paged", (cpu(2, 4, 17, 8), kc, vc, table, 40, 0.5), "N <= 16 query rows")
+    cpu_raises("softmax_decode_paged", (cpu(2, 3, 1, 8), kc, vc, table, 40, 0.5),
+               "the query heads must be a multiple of the key/value heads; got H = 3, Hk = 2")
+    cpu_raises("softmax_decode_paged", (q, kc, vc, table, 40, 0.5, -1, -1, 0.0, cpu(2, 4, dtype=F64)),
+               "alibi_slopes must be Float; got Double")
+    cpu_check_raises("softmax_decode_paged", (q, kc, vc, meta(2, 5, dtype=I64), 40, 0.5),
+                     r"block_table must be on q's device \(cpu\); got meta")
 
 
 def test_softmax_cuda_branch():
