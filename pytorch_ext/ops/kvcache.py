@@ -54,7 +54,7 @@ from typing import Optional, Union
 import torch
 
 from .. import score_options as _score_options
-from .._dispatch import resolve
+from .._dispatch import native_ops_declared, resolve
 from .._validation import check_bool, check_real, check_same_dtype_device, check_tensor
 from .merge import merge_attention_states
 from .softmax import softmax_attention
@@ -94,6 +94,17 @@ def _paged_kernel_fits(backend, q, kv_heads) -> bool:
     nq, heads = q.shape[2], q.shape[1]
     return (backend == "cpu" and q.device.type == "cpu" and q.dtype in _DECODE_DTYPES
             and 1 <= nq <= _DECODE_MAX_QUERIES and nq * (heads // kv_heads) <= 64)
+
+
+def _decode_paged_fake(q, k_cache, v_cache, block_table, length, scale, window_left=-1, window_right=-1,
+                       softcap=0.0, alibi_slopes=None):
+    """Shapes of attnkit::softmax_decode_paged's results (torch.compile, meta tensors)."""
+    batch, heads, nq, _ = q.shape
+    return q.new_empty((batch, heads, nq, v_cache.shape[3])), q.new_empty((batch, heads, nq), dtype=torch.float32)
+
+
+if native_ops_declared("softmax_decode_paged"):
+    torch.library.register_fake("attnkit::softmax_decode_paged", _decode_paged_fake)
 
 
 def _decode_paged_cpu(q, k_cache, v_cache, table, length, scale, is_causal, options):
