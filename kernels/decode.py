@@ -601,39 +601,35 @@ def _check_inputs(fn, q, k, v, paged=False):
     _check_device(fn, q)
 
 
+def _check_index_tensor(fn, name, t, q, layout, shape_ok, want):
+    """``t``: None, or an int32 / int64 tensor on q's device whose shape passes ``shape_ok``
+    (``layout``, ``want``: the expected shape in words, for the messages)."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be an int32 tensor {layout} (or None); got {type(t).__name__}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{fn}: {name} must be int32 (or int64); got {t.dtype}")
+    if not shape_ok(t.shape):
+        raise ValueError(f"{fn}: {name} must {want}; got {tuple(t.shape)}")
+    if t.device != q.device:
+        raise ValueError(f"{fn}: {name} must be on q's device ({q.device}); got {t.device}")
+    return t
+
+
 def _check_block_table(fn, block_table, q, k):
     """None, or int32 / int64 [B, max_blocks] on q's device (its entries are not read here)."""
-    if block_table is None:
-        return None
-    if not isinstance(block_table, torch.Tensor):
-        raise TypeError(f"{fn}: block_table must be an int32 tensor [B, max_blocks] (or None); got "
-                        f"{type(block_table).__name__}")
-    if block_table.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{fn}: block_table must be int32 (or int64); got {block_table.dtype}")
-    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0]:
-        raise ValueError(f"{fn}: block_table must be [B, max_blocks] with B = {q.shape[0]}; got "
-                         f"{tuple(block_table.shape)}")
-    if block_table.device != q.device:
-        raise ValueError(f"{fn}: block_table must be on q's device ({q.device}); got {block_table.device}")
-    if k.shape[2] == 0:
+    B = q.shape[0]
+    block_table = _check_index_tensor(fn, "block_table", block_table, q, "[B, max_blocks]",
+                                      lambda s: len(s) == 2 and s[0] == B, f"be [B, max_blocks] with B = {B}")
+    if block_table is not None and k.shape[2] == 0:
         raise ValueError(f"{fn}: a paged cache needs block_size >= 1; got k {tuple(k.shape)}")
     return block_table
 
 
 def _check_kv_lens(fn, kv_lens, q, B):
-    if kv_lens is None:
-        return None
-    if not isinstance(kv_lens, torch.Tensor):
-        raise TypeError(f"{fn}: kv_lens must be an int32 tensor [B] (or None); got "
-                        f"{type(kv_lens).__name__}")
-    if kv_lens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{fn}: kv_lens must be int32 (or int64); got {kv_lens.dtype}")
-    if tuple(kv_lens.shape) != (B,):
-        raise ValueError(f"{fn}: kv_lens must have shape [B] = [{B}]; got {tuple(kv_lens.shape)}")
-    if kv_lens.device != q.device:
-        raise ValueError(f"{fn}: kv_lens must be on q's device ({q.device}); got "
-                         f"{kv_lens.device}")
-    return kv_lens
+    return _check_index_tensor(fn, "kv_lens", kv_lens, q, "[B]", lambda s: tuple(s) == (B,),
+                               f"have shape [B] = [{B}]")
 
 
 def _check_num_splits(fn, num_splits):

@@ -1919,22 +1919,20 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
 // ---------------------------------------------------------------------------------------------
 // Entry points.
 // ---------------------------------------------------------------------------------------------
-// The Problem of inputs that passed checks::softmax_fwd / softmax_bwd (csrc/checks/softmax.cpp).
-Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const c10::optional<at::Tensor>& mask, double scale, bool is_causal,
-                     int64_t window_left, int64_t window_right, double softcap,
-                     const c10::optional<at::Tensor>& alibi_slopes) {
+// The Problem of checked inputs: q [B,H,N,D] against M keys of Hk kv heads, values of Dv, no mask
+// and causal false until the caller sets them; the score options as the ops take them.
+Problem make_problem(const at::Tensor& q, int64_t Hk, int64_t M, int64_t Dv, double scale, int64_t window_left,
+                     int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes) {
   Problem p;
   p.B = q.size(0);
   p.H = q.size(1);
   p.N = q.size(2);
   p.D = q.size(3);
-  p.Hk = k.size(1);
-  p.M = k.size(2);
-  p.Dv = v.size(3);
+  p.Hk = Hk;
+  p.M = M;
+  p.Dv = Dv;
   p.scale = scale;
-  p.causal = is_causal;
-  p.mask = make_mask_view(mask);
+  p.causal = false;
   // A bound of N + M or more hides nothing: clamped there, so that i + M - N -+ w cannot overflow.
   const int64_t wmax = p.N + p.M;
   p.wl = window_left < 0 ? -1 : std::min(window_left, wmax);
@@ -1945,6 +1943,17 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     p.alibi_sb = alibi_slopes->stride(0);
     p.alibi_sh = alibi_slopes->stride(1);
   }
+  return p;
+}
+
+// The Problem of inputs that passed checks::softmax_fwd / softmax_bwd (csrc/checks/softmax.cpp).
+Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const c10::optional<at::Tensor>& mask, double scale, bool is_causal,
+                     int64_t window_left, int64_t window_right, double softcap,
+                     const c10::optional<at::Tensor>& alibi_slopes) {
+  Problem p = make_problem(q, k.size(1), k.size(2), v.size(3), scale, window_left, window_right, softcap, alibi_slopes);
+  p.causal = is_causal;
+  p.mask = make_mask_view(mask);
   return p;
 }
 
@@ -2004,25 +2013,8 @@ std::tuple<at::Tensor, at::Tensor> softmax_decode_paged_cpu(const at::Tensor& q,
                                                             const c10::optional<at::Tensor>& alibi_slopes) {
   checks::softmax_decode_paged(checks::cpu_target(), q, k_cache, v_cache, block_table, length, scale, window_left,
                                window_right, softcap, alibi_slopes);
-  Problem p;
-  p.B = q.size(0);
-  p.H = q.size(1);
-  p.N = q.size(2);
-  p.D = q.size(3);
-  p.Hk = k_cache.size(1);
-  p.M = length;
-  p.Dv = v_cache.size(3);
-  p.scale = scale;
-  p.causal = false;
-  const int64_t wmax = p.N + p.M;  // as make_problem: a bound of N + M or more hides nothing
-  p.wl = window_left < 0 ? -1 : std::min(window_left, wmax);
-  p.wr = window_right < 0 ? -1 : std::min(window_right, wmax);
-  p.softcap = softcap;
-  if (alibi_slopes.has_value() && alibi_slopes->defined()) {
-    p.alibi = alibi_slopes->const_data_ptr<float>();
-    p.alibi_sb = alibi_slopes->stride(0);
-    p.alibi_sh = alibi_slopes->stride(1);
-  }
+  const Problem p = make_problem(q, k_cache.size(1), length, v_cache.size(3), scale, window_left, window_right, softcap,
+                                 alibi_slopes);
   // Read here as in softmax_fwd_cpu, so that a bad ATTNKIT_CPU_GEMM / ATTNKIT_CPU_BF16 raises.
   (void)cpu_gemm_path(q.scalar_type(), GemmUse::kSoftmax);
   const bool bf16_dot = cpu_bf16_dot_products(GemmUse::kDecode);
