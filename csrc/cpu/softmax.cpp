@@ -1957,6 +1957,19 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return p;
 }
 
+// The decoding kernel on checked inputs (float32 / bfloat16 / float16; dense K / V, or a paged cache).
+void run_decode(const Problem& p, bool bf16_dot, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                at::Tensor& out, at::Tensor& lse, const KvPages* pages) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_decode", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      softmax_decode_kernel<scalar_t>(p, cpu_decode_path(q.scalar_type(), p.N * (p.H / p.Hk)), bf16_dot,
+                                      q.const_data_ptr<scalar_t>(), Strides4(q), k.const_data_ptr<scalar_t>(),
+                                      Strides4(k), v.const_data_ptr<scalar_t>(), Strides4(v),
+                                      out.mutable_data_ptr<scalar_t>(), lse.mutable_data_ptr<float>(), pages);
+    }
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& v,
                                                    const c10::optional<at::Tensor>& mask,
@@ -1983,15 +1996,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
     return {out, lse};
   }
   if (decode) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_decode", [&] {
-      if constexpr (!std::is_same_v<scalar_t, double>) {
-        softmax_decode_kernel<scalar_t>(p, cpu_decode_path(q.scalar_type(), p.N * (p.H / p.Hk)), bf16_dot,
-                                        q.const_data_ptr<scalar_t>(), Strides4(q),
-                                        k.const_data_ptr<scalar_t>(), Strides4(k),
-                                        v.const_data_ptr<scalar_t>(), Strides4(v),
-                                        out.mutable_data_ptr<scalar_t>(), lse.mutable_data_ptr<float>());
-      }
-    });
+    run_decode(p, bf16_dot, q, k, v, out, lse, nullptr);
     return {out, lse};
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_fwd", [&] {
@@ -2028,15 +2033,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_decode_paged_cpu(const at::Tensor& q,
   }
   const at::Tensor table = block_table.contiguous();
   const KvPages pages{table.const_data_ptr<int64_t>(), table.stride(0), k_cache.size(2)};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_decode_paged", [&] {
-    if constexpr (!std::is_same_v<scalar_t, double>) {
-      softmax_decode_kernel<scalar_t>(p, cpu_decode_path(q.scalar_type(), p.N * (p.H / p.Hk)), bf16_dot,
-                                      q.const_data_ptr<scalar_t>(), Strides4(q),
-                                      k_cache.const_data_ptr<scalar_t>(), Strides4(k_cache),
-                                      v_cache.const_data_ptr<scalar_t>(), Strides4(v_cache),
-                                      out.mutable_data_ptr<scalar_t>(), lse.mutable_data_ptr<float>(), &pages);
-    }
-  });
+  run_decode(p, bf16_dot, q, k_cache, v_cache, out, lse, &pages);
   return {out, lse};
 }
 
