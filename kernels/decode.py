@@ -221,6 +221,15 @@ def _autotuned(head_dim: int, value_dim: int, rows: int, dtype: torch.dtype):
 
 
 @triton.jit
+def _paged_rows(base, block, slot, stride_blk, stride_n, offs_d, stride_d, row_ok, HEAD_D: tl.constexpr,
+                BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """Rows ``slot`` of blocks ``block`` ([R] int64 each) of a paged cache at ``base`` -> [R, BLOCK_D],
+    zeros where masked (as load_rows)."""
+    return load_2d(base + (block * stride_blk + slot * stride_n)[:, None] + offs_d[None, :] * stride_d, row_ok,
+                   offs_d < HEAD_D, CHECK_ROWS, BLOCK_D != HEAD_D)
+
+
+@triton.jit
 def _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, bound, qk_scale,
                   stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
                   table_row, block_size, stride_kblk, stride_vblk,
@@ -244,9 +253,8 @@ def _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, bound, qk_scale,
             keys = start_n + offs
             block = tl.load(table_row + keys // block_size, mask=in_range, other=0).to(tl.int64)
             slot = (keys % block_size).to(tl.int64)
-            k = load_2d(k_base + (block * stride_kblk + slot * stride_kn)[:, None]
-                        + offs_d[None, :] * stride_kd, in_range, offs_d < HEAD_D, MASKED,
-                        BLOCK_D != HEAD_D)
+            k = _paged_rows(k_base, block, slot, stride_kblk, stride_kn, offs_d, stride_kd, in_range,
+                            HEAD_D, BLOCK_D, MASKED)
         else:
             k = load_rows(k_tile, offs, stride_kn, offs_d, stride_kd, in_range, HEAD_D, BLOCK_D,
                           MASKED)
@@ -255,9 +263,8 @@ def _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, bound, qk_scale,
             s = tl.where((start_n + offs)[None, :] <= bound[:, None], s, float("-inf"))
         p, alpha, l_i, m_i = online_softmax_update(s, m_i, l_i)
         if PAGED:
-            v = load_2d(v_base + (block * stride_vblk + slot * stride_vn)[:, None]
-                        + offs_dv[None, :] * stride_vd, in_range, offs_dv < HEAD_DV, MASKED,
-                        BLOCK_DV != HEAD_DV)
+            v = _paged_rows(v_base, block, slot, stride_vblk, stride_vn, offs_dv, stride_vd, in_range,
+                            HEAD_DV, BLOCK_DV, MASKED)
         else:
             v = load_rows(v_tile, offs, stride_vn, offs_dv, stride_vd, in_range, HEAD_DV, BLOCK_DV,
                           MASKED)
