@@ -1,6 +1,7 @@
 """Packed sequences and KV-cache decoding (issue 28): ``attnkit.softmax_attention_varlen`` and
-``attnkit.attention_with_kvcache`` against what a user would write instead.  CPU only, full
-runs only (nothing under ``--quick``; no GPU cases yet).
+``attnkit.attention_with_kvcache`` against what a user would write instead.  Full runs only
+(nothing under ``--quick``); the varlen cases on CPU only, the decoding cases on a GPU too (in
+bfloat16 there).
 
 **varlen** (:func:`make_varlen_case`): H=8, D=64, float32, a pack of sequences of seeded random
 lengths, self-attention (n_i = m_i), causal and not, forward and forward+backward:
@@ -18,10 +19,12 @@ visible pairs within the sequences only (softmax.py's convention, summed over se
 the dense-mask peer's FLOP/s is its useful rate.
 
 **kvcache** (:func:`make_kvcache_case`): one decoding step, B=8, Hq=32, Hk=8 (GQA), D=128,
-float32, appending one key / value per batch element (at fixed positions: every timed call
+float32 (bfloat16 on a GPU), appending one key / value per batch element (at fixed positions: every timed call
 writes the same rows), cache lengths either all ``max_len`` - 1 or distinct (seeded, in
 [max_len / 2, max_len)), max_len = 4096, contiguous and paged (block size 256, shuffled block
-table).  Peers: torch SDPA on the whole ``[B, Hk, max_len, D]`` cache with a key-padding mask
+table); and a sliding-window decode (``window=(512, -1)`` over max_len 4096; on a GPU 1024 of
+16384), contiguous and paged, its cost to track the window.  Peers: torch SDPA on the whole
+``[B, Hk, max_len, D]`` cache with a key-padding mask (and the window's band in it)
 ``[B, 1, 1, max_len]`` (the single call a padded batch makes; the new rows are written first as
 attention_with_kvcache does), and ``attnkit.softmax_attention`` on the whole cache with the same
 padding mask.  Plus one chunked-prefill step: 128 new queries / keys after 2048 cached ones, all
@@ -154,6 +157,7 @@ def make_varlen_case(kind: str, causal: bool, mode: str, device: torch.device, d
 # ---- KV cache --------------------------------------------------------------------------------
 
 KV_B, KV_HQ, KV_HK, KV_D, KV_MAX = 8, 32, 8, 128, 4096
+GPU_PRIORITY = 20  # bench/options.py's EXTRA (not imported: the families' modules stay apart)
 BLOCK = 256
 
 
@@ -164,7 +168,7 @@ def _cache_lengths(equal: bool, max_len: int) -> list[int]:
     return [rng.randrange(max_len // 2, max_len) for _ in range(KV_B)]
 
 
-def _kv_inputs(lengths, nq, paged, max_len, dtype, seed):
+def _kv_inputs(lengths, nq, paged, max_len, dtype, seed, window=None):
     def make(device):
         b = len(lengths)
         x = {
@@ -176,11 +180,16 @@ def _kv_inputs(lengths, nq, paged, max_len, dtype, seed):
             "seqlens": torch.tensor(lengths, dtype=torch.int32, device=device),
         }
         # The key-padding mask of the single-call peers: batch element b sees its first L_b keys
-        # (bottom-right causal for several queries).
+        # (bottom-right causal for several queries; with a window only the last `window` + 1
+        # keys up to each query's position).
         visible = torch.tensor(lengths, device=device)[:, None] + nq
         pos = torch.arange(max_len, device=device)
         row = torch.arange(nq, device=device)
-        x["mask"] = (pos[None, None, :] < (visible[:, :, None] - nq + row[None, :, None] + 1)).unsqueeze(1)
+        last = visible[:, :, None] - nq + row[None, :, None]  # [B, Nq, 1]: each query's position
+        mask = pos[None, None, :] <= last
+        if window is not None:
+            mask &= pos[None, None, :] >= last - window
+        x["mask"] = mask.unsqueeze(1)
         if paged:
             blocks = max_len // BLOCK
             perm = torch.randperm(b * blocks, generator=torch.Generator().manual_seed(seed))
@@ -195,10 +204,13 @@ def _kv_inputs(lengths, nq, paged, max_len, dtype, seed):
 
 
 def make_kvcache_case(nq: int, equal: bool, paged: bool, device: torch.device, max_len: int = KV_MAX,
-                      dtype=torch.float32, seed: int = 0) -> Case:
+                      dtype=torch.float32, seed: int = 0, window: int | None = None) -> Case:
     # Decoding: one new row after L_b - 1 cached ones; prefill: nq new rows filling the cache.
+    # window: a sliding window of that many keys left of each query (Mistral-style; attnkit takes
+    # window=(window, -1), the peers the equivalent dense mask).
     lengths = [max_len - nq] * KV_B if nq > 1 else _cache_lengths(equal, max_len)
     suffix = "_pages" if paged else ""
+    options = {} if window is None else {"window": (window, -1)}
 
     def call(backend):
         def fn(x):
@@ -206,7 +218,7 @@ def make_kvcache_case(nq: int, equal: bool, paged: bool, device: torch.device, m
 
             return attnkit.attention_with_kvcache(
                 x["q"], x["k_cache" + suffix], x["v_cache" + suffix], x["k"], x["v"], cache_seqlens=x["seqlens"],
-                block_table=x.get("table"), enable_gqa=True, backend=backend)
+                block_table=x.get("table"), enable_gqa=True, backend=backend, **options)
         return fn
 
     def write(x):
@@ -229,27 +241,45 @@ def make_kvcache_case(nq: int, equal: bool, paged: bool, device: torch.device, m
     impls += [Impl("torch SDPA + key-padding mask", "peer", fn=sdpa),
               Impl("attnkit softmax_attention + key-padding mask", "peer", fn=padded)]
     visible = [n + nq for n in lengths]
-    pairs = sum(visible_pairs(nq, m, False) - (nq * (nq - 1)) // 2 for m in visible)
+    if window is None:
+        pairs = sum(visible_pairs(nq, m, False) - (nq * (nq - 1)) // 2 for m in visible)
+        read = sum(visible)
+    else:  # query i (position L - nq + i) sees min(position, window) + 1 keys
+        pairs = sum(min(m - nq + i, window) + 1 for m in visible for i in range(nq))
+        read = sum(min(m, window + nq) for m in visible)
     esize = torch.empty((), dtype=dtype).element_size()
     what = "prefill" if nq > 1 else "decode"
     name = (f"kvcache-{what}-Nq{nq}-{'equal' if equal else 'distinct'}-{'paged' if paged else 'contiguous'}"
-            f"-max{max_len}-Hq{KV_HQ}-Hk{KV_HK}-D{KV_D}")
-    params = {"B": KV_B, "H": KV_HQ, "Hk": KV_HK, "N": nq, "max_len": max_len, "D": KV_D, "dtype": "float32",
-              "lengths": "equal" if equal else "distinct", "paged": paged, "causal": nq > 1}
+            f"{'' if window is None else f'-window{window}'}-max{max_len}-Hq{KV_HQ}-Hk{KV_HK}-D{KV_D}"
+            f"{'' if dtype == torch.float32 else '-' + str(dtype).replace('torch.', '')}")
+    params = {"B": KV_B, "H": KV_HQ, "Hk": KV_HK, "N": nq, "max_len": max_len, "D": KV_D,
+              "dtype": str(dtype).replace("torch.", ""), "lengths": "equal" if equal else "distinct", "paged": paged,
+              "causal": nq > 1, "window": window}
+    # On a GPU the sweep runs the target cases first (bench/options.py's EXTRA: no target here).
     return Case(FAMILY, name, "fwd", params, 4.0 * KV_HQ * KV_D * pairs,
-                _kv_inputs(lengths, nq, paged, max_len, dtype, seed), impls,
-                bytes=2.0 * KV_HK * KV_D * esize * sum(visible))
+                _kv_inputs(lengths, nq, paged, max_len, dtype, seed, window), impls,
+                bytes=2.0 * KV_HK * KV_D * esize * read, priority=0 if device.type == "cpu" else GPU_PRIORITY)
 
 
 def cases(quick: bool, device: torch.device) -> list[Case]:
-    if quick or device.type != "cpu":
+    if quick:
         return []
     out = []
-    for kind in ("mixed", "short"):
-        for causal in (False, True):
-            for mode in ("fwd", "fwd+bwd"):
-                out.append(make_varlen_case(kind, causal, mode, device))
+    if device.type == "cpu":
+        for kind in ("mixed", "short"):
+            for causal in (False, True):
+                for mode in ("fwd", "fwd+bwd"):
+                    out.append(make_varlen_case(kind, causal, mode, device))
+    # The decoding cases on a GPU too (the triton backend's split-KV kernel, a paged cache read in
+    # place, a window's keys only), in bfloat16 there, the dtype served.
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     for equal, paged in ((True, False), (False, False), (False, True)):
-        out.append(make_kvcache_case(1, equal, paged, device))
-    out.append(make_kvcache_case(128, True, False, device, max_len=2048 + 128))
+        out.append(make_kvcache_case(1, equal, paged, device, dtype=dtype))
+    # Sliding-window decoding (issue 28: the cost tracks the window): 512 keys of a 4096-key cache
+    # (a GPU: 1024 of 16384), contiguous and paged.
+    window_len, window = (KV_MAX, 512) if device.type == "cpu" else (4 * KV_MAX, 1024)
+    for paged in (False, True):
+        out.append(make_kvcache_case(1, False, paged, device, max_len=window_len, dtype=dtype, window=window))
+    if device.type == "cpu":
+        out.append(make_kvcache_case(128, True, False, device, max_len=2048 + 128))
     return out

@@ -15,7 +15,11 @@ base 2 (``s * scale * log2(e)``) and the stored lse is in natural log.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
+import operator
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -201,6 +205,35 @@ def tanh_and_grad(x):
     return t, (4.0 * e) / (one_e * one_e)
 
 
+@triton.jit
+def option_scores(a, b, rows, cols, qk_scale, cap_in, cap_out, slope2, off,
+                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, WANT_GRAD: tl.constexpr,
+                   DOT_PREC: tl.constexpr):
+    """Base-2 scores of a @ b^T with the score options, before any mask: ``(s, dcap)``.
+
+    HAS_SOFTCAP: s = cap_out * tanh(raw * cap_in) with cap_in = scale / softcap and cap_out =
+    softcap * log2(e) (the tanh acts on the natural-unit score scale * raw / softcap).  With
+    WANT_GRAD, dcap = 1 - tanh^2 (d capped / d uncapped); otherwise dcap is s (never read).
+    HAS_ALIBI: s -= slope2 * |cols - rows - off| (slope2 = slope * log2(e), off = M - N), i.e.
+    the bias -slope * |i + M - N - j| in base 2.  ``rows`` / ``cols`` are query / key indices
+    shaped to broadcast to the tile ([BM, 1] x [1, BN] or transposed)."""
+    if HAS_SOFTCAP:
+        raw = tl.dot(a, tl.trans(b), input_precision=DOT_PREC) * cap_in
+        if WANT_GRAD:
+            t, dcap = tanh_and_grad(raw)
+        else:
+            t = tanh_exp2(raw)
+            dcap = t
+        s = t * cap_out
+    else:
+        s = scores(a, b, qk_scale, DOT_PREC)
+        dcap = s
+    if HAS_ALIBI:
+        s = s - slope2 * tl.abs(cols - rows - off).to(tl.float32)
+    return s, dcap
+
+
+
 # Under TRITON_INTERPRET=1, @triton.jit gives an interpreted function instead of a JITFunction;
 # the autotuner cannot benchmark there (no GPU timers), so the launchers pick a config.
 INTERPRETED = not isinstance(load_2d, triton.runtime.JITFunction)
@@ -254,6 +287,73 @@ def fitting(configs, dmax, limit, names=TILE_NAMES):
 
     fit = [c for c in configs if area(c) * dmax <= limit]
     return fit or [min(configs, key=area)]
+
+
+class ScoreOptionArgs(NamedTuple):
+    """The score options of one launch, validated (:func:`score_option_args`)."""
+
+    left: int  # window sides as given: -1 = unbounded, else >= 0
+    right: int
+    cap_in: float  # softcap: s = cap_out * tanh(raw * cap_in) in base 2 (0.0, 0.0 when off)
+    cap_out: float
+    alibi: torch.Tensor  # float32 [B, H] view (stride 0 over B for [H]); q as a stand-in when off
+    alibi_strides: tuple
+    consts: dict  # HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI
+
+
+def _window_side(fn, name, x):
+    if isinstance(x, bool):
+        raise TypeError(f"{fn}: {name} must be an int >= -1 (-1 = unbounded); got {x!r}")
+    try:
+        x = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{fn}: {name} must be an int >= -1 (-1 = unbounded); got "
+                        f"{type(x).__name__} {x!r}") from None
+    if x < -1:
+        raise ValueError(f"{fn}: {name} must be >= -1 (-1 = unbounded); got {x}")
+    return x
+
+
+def score_option_args(fn, q, B, H, scale, window_left, window_right, softcap, alibi_slopes) -> ScoreOptionArgs:
+    """Validate a Triton launcher's score options (FlashAttention's: ``window_left`` /
+    ``window_right`` ints >= -1, ``softcap`` a finite real >= 0 with 0.0 = off, ``alibi_slopes``
+    None or float32 ``[H]`` / ``[B, H]`` on q's device) and turn them into kernel arguments for
+    ``scale``; raises TypeError / ValueError saying what was expected and what came."""
+    left = _window_side(fn, "window_left", window_left)
+    right = _window_side(fn, "window_right", window_right)
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"{fn}: softcap must be a real number (0.0 = off); got "
+                        f"{type(softcap).__name__} {softcap!r}")
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0.0):
+        raise ValueError(f"{fn}: softcap must be a finite number >= 0 (0.0 = off); got {softcap}")
+    has_softcap = softcap > 0.0
+    # s = softcap * tanh(scale * q.k / softcap), in base 2: tanh(raw * cap_in) * cap_out
+    cap_in = scale / softcap if has_softcap else 0.0
+    cap_out = softcap / math.log(2.0) if has_softcap else 0.0
+
+    if alibi_slopes is None:
+        alibi, alibi_strides = q, (0, 0)  # q is a stand-in pointer; HAS_ALIBI=0 never reads it
+    else:
+        if not torch.is_tensor(alibi_slopes):
+            raise TypeError(f"{fn}: alibi_slopes must be a float32 tensor [B, H] or [H]; got "
+                            f"{type(alibi_slopes).__name__}")
+        if alibi_slopes.dtype != torch.float32:
+            raise TypeError(f"{fn}: alibi_slopes must be float32; got {alibi_slopes.dtype}")
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"{fn}: alibi_slopes must be on q's device ({q.device}); got "
+                             f"{alibi_slopes.device}")
+        try:
+            if alibi_slopes.dim() > 2:
+                raise RuntimeError
+            alibi = alibi_slopes.detach().expand(B, H)  # a view: [H] -> stride 0 over B
+        except RuntimeError:
+            raise ValueError(f"{fn}: alibi_slopes of shape {tuple(alibi_slopes.shape)} does "
+                             f"not broadcast to [B, H] = {[B, H]}") from None
+        alibi_strides = alibi.stride()
+    consts = dict(HAS_WINDOW=left >= 0 or right >= 0, HAS_SOFTCAP=has_softcap,
+                  HAS_ALIBI=alibi_slopes is not None)
+    return ScoreOptionArgs(left, right, cap_in, cap_out, alibi, alibi_strides, consts)
 
 
 def check_attention_shapes(fn: str, q, k, v, max_head_dim: int = MAX_HEAD_DIM, paged: bool = False) -> None:

@@ -28,6 +28,15 @@ gives out = 0 and lse = -inf, never NaN.  NaN (README, "Shapes and NaN semantics
 or one that makes a score +inf -- makes NaN exactly the rows that see it (out and lse); a NaN
 value reaches at least the rows that see it.  ``scale`` None means ``1 / sqrt(D)``.
 
+Score options (issue 28; keyword-only, FlashAttention's semantics, the positions bottom-right:
+query i is at ``p = L_b - N + i``): ``window_left`` / ``window_right`` (-1 = unbounded) -- key j
+seen iff ``p - left <= j <= p + right``, on top of the causal bound; the splits cut only the keys
+some row sees, ``[L_b - N - left, L_b)`` (tile aligned), so a sliding-window decode reads the
+window, not the cache -- ``softcap`` (``s = softcap * tanh(s / softcap)`` after scaling) and
+``alibi_slopes`` (float32 ``[H]`` or ``[B, H]``: ``s -= slope * |p - j|``).  Each is a constexpr
+flag (HAS_WINDOW / HAS_SOFTCAP / HAS_ALIBI, in the autotune key): without them the kernel compiles
+as before.  Sinks are not a kernel option: ``attention_with_kvcache`` applies them to (out, lse).
+
 How it runs
 -----------
 Decoding is bound by reading K and V once.  A program of the split kernel handles one
@@ -85,7 +94,7 @@ from torch.library import wrap_triton
 
 from ._flash import (INTERPRETED, MAX_HEAD_DIM, SUPPORTED_DTYPES, _LN2, _LOG2E, accumulate_pv, cdiv,
                      check_attention_shapes, finish_rows, launch, load_2d, load_rows, next_pow2,
-                     online_softmax_update, pow2, scores)
+                     online_softmax_update, option_scores, pow2, score_option_args)
 
 __all__ = [
     "softmax_decode_fwd",
@@ -147,7 +156,8 @@ _PER_THREAD_LIMIT = {"mma": 4096, "wgmma": 8192}
 _SMEM_LIMIT = 232448
 # + dtypes (automatic).  The merge variant and the masking are constexprs the autotuner would not
 # tell apart otherwise: a config tuned for one must not be reused for the other.
-_TUNE_KEY = ["HEAD_D", "HEAD_DV", "GROUP", "N", "NUM_SPLITS", "IS_CAUSAL", "FUSED_MERGE"]
+_TUNE_KEY = ["HEAD_D", "HEAD_DV", "GROUP", "N", "NUM_SPLITS", "IS_CAUSAL", "FUSED_MERGE", "HAS_WINDOW",
+             "HAS_SOFTCAP", "HAS_ALIBI"]
 
 
 def _row_tile(rows: int, config, block_d: int, block_dv: int, esize: int) -> int:
@@ -230,15 +240,19 @@ def _paged_rows(base, block, slot, stride_blk, stride_n, offs_d, stride_d, row_o
 
 
 @triton.jit
-def _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, bound, qk_scale,
+def _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, bound, lower, qk_scale,
+                  pos_col, slope_col, cap_in, cap_out,
                   stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
                   table_row, block_size, stride_kblk, stride_vblk,
                   HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASKED: tl.constexpr, PAGED: tl.constexpr):
+                  MASKED: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """The key tiles [lo, hi) (lo a multiple of BLOCK_N) folded into (acc, l_i, m_i).
     MASKED=False: every key of every tile is in range and seen by every row.  MASKED: keys at or
-    past ``hi`` are not loaded, and row r sees key j iff j <= bound[r].  PAGED: key j is row
+    past ``hi`` are not loaded, and row r sees key j iff j <= bound[r] (and, HAS_WINDOW,
+    j >= lower[r]).  Scores: softcap (cap_in / cap_out as in _flash.option_scores), then ALiBi
+    ``- slope_col[r] * |j - pos_col[r]|`` (base 2; pos_col: the row's query position).  PAGED: key j is row
     ``j % block_size`` of block ``table_row[j // block_size]`` (blocks ``stride_kblk`` /
     ``stride_vblk`` elements apart from k_base / v_base): each tile's rows are gathered through
     the table, in place."""
@@ -249,8 +263,8 @@ def _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, bound, qk_scale,
     v_tile = v_base + lo.to(tl.int64) * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         in_range = offs < hi - start_n
+        keys = start_n + offs
         if PAGED:
-            keys = start_n + offs
             block = tl.load(table_row + keys // block_size, mask=in_range, other=0).to(tl.int64)
             slot = (keys % block_size).to(tl.int64)
             k = _paged_rows(k_base, block, slot, stride_kblk, stride_kn, offs_d, stride_kd, in_range,
@@ -258,9 +272,13 @@ def _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, bound, qk_scale,
         else:
             k = load_rows(k_tile, offs, stride_kn, offs_d, stride_kd, in_range, HEAD_D, BLOCK_D,
                           MASKED)
-        s = scores(q, k, qk_scale, DOT_PREC)
+        s, _ = option_scores(q, k, pos_col, keys[None, :], qk_scale, cap_in, cap_out, slope_col, 0,
+                             HAS_SOFTCAP, HAS_ALIBI, False, DOT_PREC)
         if MASKED:
-            s = tl.where((start_n + offs)[None, :] <= bound[:, None], s, float("-inf"))
+            visible = keys[None, :] <= bound[:, None]
+            if HAS_WINDOW:
+                visible = visible & (keys[None, :] >= lower[:, None])
+            s = tl.where(visible, s, float("-inf"))
         p, alpha, l_i, m_i = online_softmax_update(s, m_i, l_i)
         if PAGED:
             v = _paged_rows(v_base, block, slot, stride_vblk, stride_vn, offs_dv, stride_vd, in_range,
@@ -346,19 +364,20 @@ def _fused_merge(PartO, PartL, Out, Lse, b, hk, rb, H, N, GROUP, NUM_SPLITS,
         tl.store(Lse + row, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["M", "NUM_SPLITS"])
+@triton.jit(do_not_specialize=["M", "NUM_SPLITS", "win_left", "win_right"])
 def _decode_split_kernel(
-    Q, K, V, KvLens, Out, Lse, PartO, PartL, Counters, Table,
-    qk_scale,
+    Q, K, V, KvLens, Out, Lse, PartO, PartL, Counters, Table, Alibi,
+    qk_scale, win_left, win_right, cap_in, cap_out,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_on, stride_od,
-    stride_lens, stride_tb, block_size,
+    stride_lens, stride_tb, stride_ab, stride_ah, block_size,
     H, N, M, GROUP, NUM_SPLITS,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LENS: tl.constexpr, DIRECT: tl.constexpr, IS_CAUSAL: tl.constexpr,
     FUSED_MERGE: tl.constexpr, DOT_PREC: tl.constexpr, PAGED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One (row block, split) x kv head x batch program: the group's stacked query rows against
@@ -382,27 +401,44 @@ def _decode_split_kernel(
         kv_len = tl.minimum(tl.maximum(kv_len, 0), M)
     else:
         kv_len = M
-    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, kv_len)
-    hi = tl.maximum(hi, lo)  # an empty split past the end
-    # Causal (bottom-right): query i sees j <= kv_len - N + i, so keys before kv_len - N + 1 are
-    # seen by every row.  Not causal: every row sees every key before kv_len.
-    if IS_CAUSAL:
-        full_end = tl.maximum(kv_len - N + 1, 0)
-    else:
-        full_end = kv_len
-    full_hi = tl.maximum(tl.minimum(hi, (full_end // BLOCK_N) * BLOCK_N), lo)
-
     rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < rows_total
     g = rows // N
     qi = rows - g * N  # the query index of the row
     h = hk * GROUP + g  # its query head (int64)
+    pos = kv_len - N + qi  # its position in the sequence (bottom-right aligned)
+    # Row r sees key j iff lower[r] <= j <= bound[r].  Causal (bottom-right): j <= pos, so keys
+    # before kv_len - N + 1 are seen by every row; not causal: every key before kv_len.  A window
+    # (win_left / win_right: an unbounded side comes as M + N) bounds both sides around pos.
     if IS_CAUSAL:
-        bound = kv_len - N + qi  # row r sees key j iff j <= bound[r]
+        bound = pos
+        full_end = tl.maximum(kv_len - N + 1, 0)
     else:
         bound = kv_len - 1 + 0 * qi
+        full_end = kv_len
+    band_lo = 0  # no row sees a key before this (a multiple of BLOCK_N)
+    full_first = 0  # every row sees the keys in [full_first, full_end)
+    lower = bound
+    if HAS_WINDOW:
+        lower = pos - win_left
+        bound = tl.minimum(bound, pos + win_right)
+        band_lo = (tl.maximum(kv_len - N - win_left, 0) // BLOCK_N) * BLOCK_N
+        full_first = tl.maximum(kv_len - 1 - win_left, 0)
+        full_end = tl.maximum(tl.minimum(full_end, kv_len - N + win_right + 1), 0)
+    # The splits cut the band [band_lo, kv_len) into tile-aligned chunks (empty past the end);
+    # each chunk is masked before full_lo and from full_hi, whole in between.
+    chunk = tl.cdiv(tl.cdiv(kv_len - band_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = band_lo + split * chunk
+    hi = tl.minimum(lo + chunk, kv_len)
+    hi = tl.maximum(hi, lo)  # an empty split past the end
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(full_first, BLOCK_N) * BLOCK_N, lo), hi)
+    full_hi = tl.maximum(tl.minimum(hi, (full_end // BLOCK_N) * BLOCK_N), full_lo)
+    if HAS_ALIBI:
+        slope_col = (tl.load(Alibi + b * stride_ab + h * stride_ah, mask=row_ok, other=0.0).to(tl.float32)
+                     * _LOG2E)[:, None]
+    else:
+        slope_col = 0.0
+    pos_col = pos[:, None]
 
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -420,14 +456,25 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, full_hi, bound, qk_scale,
+    if HAS_WINDOW:  # the tiles before the window's left edge is behind every row
+        acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, full_lo, bound, lower, qk_scale,
+                                      pos_col, slope_col, cap_in, cap_out,
+                                      stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
+                                      table_row, block_size, stride_kb, stride_vb,
+                                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, True, PAGED,
+                                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+    acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, k_base, v_base, full_lo, full_hi, bound, lower, qk_scale,
+                                  pos_col, slope_col, cap_in, cap_out,
                                   stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
                                   table_row, block_size, stride_kb, stride_vb,
-                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, False, PAGED)
-    acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, k_base, v_base, full_hi, hi, bound, qk_scale,
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, False, PAGED,
+                                  HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+    acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, k_base, v_base, full_hi, hi, bound, lower, qk_scale,
+                                  pos_col, slope_col, cap_in, cap_out,
                                   stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
                                   table_row, block_size, stride_kb, stride_vb,
-                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, True, PAGED)
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, True, PAGED,
+                                  HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
     out, lse = finish_rows(acc, l_i, m_i)
 
     row = (b * H + h) * N + qi  # flat (b, h, i) index: lse [B, H, N] and the partials
@@ -695,7 +742,8 @@ def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, config=None,
-                       is_causal=True, merge=None, block_table=None):
+                       is_causal=True, merge=None, block_table=None, window_left=-1, window_right=-1,
+                       softcap=0.0, alibi_slopes=None):
     """Split-KV decoding forward.  Returns ``(out [B, H, N, Dv] in q.dtype, lse [B, H, N]
     float32)``; see the module docstring for the semantics (bottom-right causal alignment,
     ``kv_lens``, dead rows, NaN).
@@ -713,7 +761,13 @@ def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, co
     paged cache -- k / v ``[num_blocks, Hk, block_size, D / Dv]``, key j of batch element b
     being row ``j % block_size`` of block ``block_table[b, j // block_size]``, read in place
     (M = max_blocks * block_size; the entries that cover ``[0, L_b)`` must be blocks of the
-    cache: not checked on the device).  No autograd: the results carry no graph.
+    cache: not checked on the device).  Score options (FlashAttention's, as
+    ``kernels.softmax.softmax_fwd`` takes them, positions bottom-right: query i of batch b is at
+    position ``p = L_b - N + i``): ``window_left`` / ``window_right`` (-1 = unbounded) -- query i
+    sees key j iff ``p - left <= j <= p + right``, on top of ``is_causal`` (the key tiles before
+    the band are never read: the cost follows the window); ``softcap`` (> 0: ``s = softcap *
+    tanh(s / softcap)``); ``alibi_slopes`` (float32 ``[H]`` or ``[B, H]``: ``s -= slope * |p - j|``).
+    No autograd: the results carry no graph.
     """
     fn = "softmax_decode_fwd"
     paged = block_table is not None
@@ -734,6 +788,10 @@ def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, co
     if not isinstance(is_causal, bool):
         raise TypeError(f"{fn}: is_causal must be a bool; got {type(is_causal).__name__}")
     merge = _check_merge(fn, merge)
+    opts = score_option_args(fn, q, B, H, scale, window_left, window_right, softcap, alibi_slopes)
+    # An unbounded side (-1), or one wider than every sequence, as M + N: it hides nothing.
+    win_left = M + N if opts.left < 0 else min(opts.left, M + N)
+    win_right = M + N if opts.right < 0 else min(opts.right, M + N)
     group = H // Hk
     rows = group * N
     block_d, block_dv = pow2(D), pow2(Dv)
@@ -748,8 +806,10 @@ def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, co
         lse.fill_(float("-inf"))
         return out, lse
 
+    # With a window the keys read are at most its left side and the N query positions.
+    band = min(M, win_left + N) if opts.consts["HAS_WINDOW"] else M
     splits = num_splits if num_splits is not None else default_num_splits(
-        B, Hk, rows, M, sm_count(q.device))
+        B, Hk, rows, band, sm_count(q.device))
     direct = splits == 1
     fused = merge == "fused" and not direct
     if direct:
@@ -762,13 +822,14 @@ def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, co
     lens_t, lens_stride = (q, 0) if kv_lens is None else (kv_lens, kv_lens.stride(0))
 
     table_t, table_stride = (block_table, block_table.stride(0)) if paged else (lens_t, 0)
-    args = (q, k, v, lens_t, out, lse, part_o, part_l, counters, table_t, scale * 1.4426950408889634,
+    args = (q, k, v, lens_t, out, lse, part_o, part_l, counters, table_t, opts.alibi,
+            scale * 1.4426950408889634, win_left, win_right, opts.cap_in, opts.cap_out,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), lens_stride, table_stride,
-            block_size, H, N, M, group, splits)
+            *opts.alibi_strides, block_size, H, N, M, group, splits)
     consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
                   HAS_LENS=kv_lens is not None, DIRECT=direct, IS_CAUSAL=is_causal,
                   FUSED_MERGE=fused, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                  PAGED=paged)
+                  PAGED=paged, **opts.consts)
     launch(_decode_split_kernel, lambda: _autotuned(D, Dv, rows, q.dtype),
            lambda: configs_for(D, Dv, rows, q.dtype),
            lambda bm, bn: (cdiv(rows, bm) * splits, Hk, B), args, consts, config)

@@ -60,8 +60,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
-import operator
 
 import torch
 import triton
@@ -73,7 +71,7 @@ from ._flash import (INTERPRETED, MAX_HEAD_DIM, SUPPORTED_DTYPES, _LOG2E, accumu
                      check_attention_shapes, check_backward_inputs, config_list, dk_step,
                      dot_precision, dq_step, finish_rows, fitting, launch, load_bwd_rows,
                      load_row_pair, load_rows, next_pow2, online_softmax_update, pow2, scores,
-                     split_config, store_rows, strides, tanh_and_grad, tanh_exp2)
+                     option_scores, score_option_args, split_config, store_rows, strides, tanh_and_grad)
 
 __all__ = [
     "softmax_fwd",
@@ -162,34 +160,6 @@ def _dropout_keep(seed, dropout_p, row_base, rows, cols, M):
     ``row_base`` = (b*H + h)*N as int64; rows/cols broadcast like in _apply_user_mask."""
     offsets = (row_base + rows.to(tl.int64)) * M + cols.to(tl.int64)
     return tl.rand(seed, offsets) >= dropout_p
-
-
-@triton.jit
-def _option_scores(a, b, rows, cols, qk_scale, cap_in, cap_out, slope2, off,
-                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, WANT_GRAD: tl.constexpr,
-                   DOT_PREC: tl.constexpr):
-    """Base-2 scores of a @ b^T with the score options, before any mask: ``(s, dcap)``.
-
-    HAS_SOFTCAP: s = cap_out * tanh(raw * cap_in) with cap_in = scale / softcap and cap_out =
-    softcap * log2(e) (the tanh acts on the natural-unit score scale * raw / softcap).  With
-    WANT_GRAD, dcap = 1 - tanh^2 (d capped / d uncapped); otherwise dcap is s (never read).
-    HAS_ALIBI: s -= slope2 * |cols - rows - off| (slope2 = slope * log2(e), off = M - N), i.e.
-    the bias -slope * |i + M - N - j| in base 2.  ``rows`` / ``cols`` are query / key indices
-    shaped to broadcast to the tile ([BM, 1] x [1, BN] or transposed)."""
-    if HAS_SOFTCAP:
-        raw = tl.dot(a, tl.trans(b), input_precision=DOT_PREC) * cap_in
-        if WANT_GRAD:
-            t, dcap = tanh_and_grad(raw)
-        else:
-            t = tanh_exp2(raw)
-            dcap = t
-        s = t * cap_out
-    else:
-        s = scores(a, b, qk_scale, DOT_PREC)
-        dcap = s
-    if HAS_ALIBI:
-        s = s - slope2 * tl.abs(cols - rows - off).to(tl.float32)
-    return s, dcap
 
 
 @triton.jit
@@ -296,7 +266,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = load_rows(k_base, offs_n, stride_kn, offs_d, stride_kd, offs_n < M, HEAD_D, BLOCK_D,
                       MASKED)
-        s, _ = _option_scores(q, k, offs_m[:, None], offs_n[None, :], qk_scale, cap_in, cap_out,
+        s, _ = option_scores(q, k, offs_m[:, None], offs_n[None, :], qk_scale, cap_in, cap_out,
                               slope2, M - N, HAS_SOFTCAP, HAS_ALIBI, False, DOT_PREC)
         s = _apply_user_mask(s, mask_base, offs_m[:, None], offs_n[None, :], stride_mn,
                              stride_mm, N, M, MASK_KIND)
@@ -434,7 +404,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, 
         q, do, lse2, delta = load_bwd_rows(q_base, do_base, lse_base, delta_base, offs_m, row_ok,
                                            stride_qn, stride_qd, stride_gn, stride_gd, HEAD_D,
                                            HEAD_DV, BLOCK_D, BLOCK_DV)
-        s_t, dcap_t = _option_scores(k, q, offs_m[None, :], offs_n[:, None], qk_scale, cap_in,
+        s_t, dcap_t = option_scores(k, q, offs_m[None, :], offs_n[:, None], qk_scale, cap_in,
                                      cap_out, slope2, M - N, HAS_SOFTCAP, HAS_ALIBI, True,
                                      DOT_PREC)
         s_t = _apply_user_mask(s_t, mask_base, offs_m[None, :], offs_n[:, None], stride_mn,
@@ -571,7 +541,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
         k, v = load_row_pair(k_base, v_base, offs_n, offs_n < M, stride_kn, stride_kd, stride_vn,
                              stride_vd, offs_d, offs_dv, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV,
                              MASKED)
-        s, dcap = _option_scores(q, k, offs_m[:, None], offs_n[None, :], qk_scale, cap_in,
+        s, dcap = option_scores(q, k, offs_m[:, None], offs_n[None, :], qk_scale, cap_in,
                                  cap_out, slope2, M - N, HAS_SOFTCAP, HAS_ALIBI, True, DOT_PREC)
         s = _apply_user_mask(s, mask_base, offs_m[:, None], offs_n[None, :], stride_mn,
                              stride_mm, N, M, MASK_KIND)
@@ -721,67 +691,20 @@ def _prepare_mask(fn, mask, q, B, H, N, M):
     raise TypeError(f"{fn}: mask must be bool or floating; got {mask.dtype}")
 
 
-def _window_side(fn, name, x):
-    if isinstance(x, bool):
-        raise TypeError(f"{fn}: {name} must be an int >= -1 (-1 = unbounded); got {x!r}")
-    try:
-        x = operator.index(x)
-    except TypeError:
-        raise TypeError(f"{fn}: {name} must be an int >= -1 (-1 = unbounded); got "
-                        f"{type(x).__name__} {x!r}") from None
-    if x < -1:
-        raise ValueError(f"{fn}: {name} must be >= -1 (-1 = unbounded); got {x}")
-    return x
-
-
 def _prepare_options(fn, q, B, H, N, M, scale, window_left, window_right, softcap,
                      alibi_slopes):
     """The score options as kernel arguments: ``(scalars, alibi, alibi_strides, consts)`` with
-    scalars = (win_lo, win_hi, cap_in, cap_out) and consts the HAS_* flags.
+    scalars = (win_lo, win_hi, cap_in, cap_out) and consts the HAS_* flags
+    (:func:`kernels._flash.score_option_args` validates them).
 
     The window becomes win_lo <= j - i <= win_hi (win_lo = M - N - left, win_hi = M - N + right);
     an unbounded side (-1) or one wider than the sequences is clamped to a bound that hides
     nothing (left to M, right to N), so the kernels never test the sign of a side."""
-    left = _window_side(fn, "window_left", window_left)
-    right = _window_side(fn, "window_right", window_right)
-    has_window = left >= 0 or right >= 0
-    left = M if left < 0 else min(left, M)
-    right = N if right < 0 else min(right, N)
+    opts = score_option_args(fn, q, B, H, scale, window_left, window_right, softcap, alibi_slopes)
+    left = M if opts.left < 0 else min(opts.left, M)
+    right = N if opts.right < 0 else min(opts.right, N)
     win_lo, win_hi = (M - N) - left, (M - N) + right
-
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"{fn}: softcap must be a real number (0.0 = off); got "
-                        f"{type(softcap).__name__} {softcap!r}")
-    softcap = float(softcap)
-    if not (math.isfinite(softcap) and softcap >= 0.0):
-        raise ValueError(f"{fn}: softcap must be a finite number >= 0 (0.0 = off); got {softcap}")
-    has_softcap = softcap > 0.0
-    # s = softcap * tanh(scale * q.k / softcap), in base 2: tanh(raw * cap_in) * cap_out
-    cap_in = scale / softcap if has_softcap else 0.0
-    cap_out = softcap / math.log(2.0) if has_softcap else 0.0
-
-    if alibi_slopes is None:
-        alibi, alibi_strides = q, (0, 0)  # q is a stand-in pointer; HAS_ALIBI=0 never reads it
-    else:
-        if not torch.is_tensor(alibi_slopes):
-            raise TypeError(f"{fn}: alibi_slopes must be a float32 tensor [B, H] or [H]; got "
-                            f"{type(alibi_slopes).__name__}")
-        if alibi_slopes.dtype != torch.float32:
-            raise TypeError(f"{fn}: alibi_slopes must be float32; got {alibi_slopes.dtype}")
-        if alibi_slopes.device != q.device:
-            raise ValueError(f"{fn}: alibi_slopes must be on q's device ({q.device}); got "
-                             f"{alibi_slopes.device}")
-        try:
-            if alibi_slopes.dim() > 2:
-                raise RuntimeError
-            alibi = alibi_slopes.detach().expand(B, H)  # a view: [H] -> stride 0 over B
-        except RuntimeError:
-            raise ValueError(f"{fn}: alibi_slopes of shape {tuple(alibi_slopes.shape)} does "
-                             f"not broadcast to [B, H] = {[B, H]}") from None
-        alibi_strides = alibi.stride()
-    consts = dict(HAS_WINDOW=has_window, HAS_SOFTCAP=has_softcap,
-                  HAS_ALIBI=alibi_slopes is not None)
-    return (win_lo, win_hi, cap_in, cap_out), alibi, alibi_strides, consts
+    return (win_lo, win_hi, opts.cap_in, opts.cap_out), opts.alibi, opts.alibi_strides, opts.consts
 
 
 # ----------------------------------------------------------------------------------------------

@@ -47,9 +47,19 @@ is ``"attnkit"`` calls :func:`attention_forward`, i.e. :func:`attnkit.softmax_at
   its block-diagonal mask from the position ids (its mask function cannot tell the packing
   apart from other patterns); attnkit does not read it.
 
+- **Continuous batching** (``model.generate_batch`` / ``init_continuous_batching``: transformers
+  switches a model to ``"paged|" + its implementation``): :func:`register` adds
+  ``"paged|attnkit"`` too (:func:`paged_attention_forward`).  Each step is one packed batch of
+  requests -- prefill chunks and single decoding tokens mixed -- whose keys transformers' paged
+  cache gathers (``cache.update`` with its read / write indices); attnkit runs it as
+  :func:`attnkit.softmax_attention_varlen` with the causality bottom-right per request (the new
+  tokens are the last of each request's keys: ``window=(-1, 0)``, or ``(sliding_window - 1, 0)``
+  on a sliding layer), softcap and sinks as above.  transformers builds no mask for it (it
+  builds masks only for ``paged|eager`` / ``paged|sdpa``).
+
 Not supported: attention weights are never returned (``output_attentions=True`` gives ``None``
-weights, with a warning, like SDPA).  Paged attention (``"paged|attnkit"``, continuous batching)
-is not registered.  Bidirectional sliding windows (encoders) keep transformers' dense mask.
+weights, with a warning, like SDPA).  Bidirectional sliding windows (encoders) keep
+transformers' dense mask.
 
 Tested with transformers 5.17.0 (:data:`TESTED_TRANSFORMERS_VERSIONS`; CI pins it in
 ``requirements.txt``, and the GPU image ships it): Llama (GQA), GPT-2 and BERT built from small
@@ -79,6 +89,8 @@ __all__ = [
     "attention_forward",
     "attnkit_mask",
     "make_attention_forward",
+    "paged_attention_forward",
+    "make_paged_attention_forward",
 ]
 
 NAME = "attnkit"
@@ -157,11 +169,7 @@ def make_attention_forward(backend: Optional[str] = None) -> Callable:
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         """transformers' attention signature (see :func:`attention_forward`)."""
-        options = {}
-        if kwargs.get("softcap") is not None:
-            options["softcap"] = float(kwargs["softcap"])
-        if kwargs.get("s_aux") is not None:
-            options["sinks"] = kwargs["s_aux"].float()
+        options = _score_kwargs(kwargs)
         if kwargs.get("output_attentions", False) and not _warned:
             _warned.append(True)
             _log.warning("attn_implementation='attnkit' does not return attention weights "
@@ -237,6 +245,86 @@ Returns:
 """
 
 
+def _score_kwargs(kwargs) -> dict:
+    """softcap / sinks from transformers' attention kwargs, as attnkit's score options."""
+    options = {}
+    if kwargs.get("softcap") is not None:
+        options["softcap"] = float(kwargs["softcap"])
+    if kwargs.get("s_aux") is not None:
+        options["sinks"] = kwargs["s_aux"].float()
+    return options
+
+
+def make_paged_attention_forward(backend: Optional[str] = None) -> Callable:
+    """The ``"paged|<name>"`` function for continuous batching on attnkit ``backend`` (see
+    :func:`paged_attention_forward`)."""
+
+    def forward(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, *, cache=None,
+                cu_seq_lens_q=None, cu_seq_lens_k=None, max_seqlen_q=None, max_seqlen_k=None, **kwargs):
+        """transformers' paged attention signature (see :func:`paged_attention_forward`)."""
+        from ..ops.varlen import softmax_attention_varlen
+
+        if cache is None or cu_seq_lens_q is None or cu_seq_lens_k is None:
+            raise ValueError("attnkit's paged attention (attn_implementation 'paged|attnkit') needs the paged cache "
+                             "and the cu_seq_lens_q / cu_seq_lens_k of transformers' continuous batching; got "
+                             f"cache={type(cache).__name__}, cu_seq_lens_q={type(cu_seq_lens_q).__name__}, "
+                             f"cu_seq_lens_k={type(cu_seq_lens_k).__name__}.  Use 'attnkit' for a standard forward.")
+        # Mistral-style layers pass their window as a kwarg, Gemma / gpt-oss-style ones hold it.
+        sliding_window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        if isinstance(cu_seq_lens_k, dict):  # per layer type when the model mixes full and sliding layers
+            layer_type = "sliding_attention" if sliding_window else "full_attention"
+            cu_seq_lens_k, max_seqlen_k = cu_seq_lens_k[layer_type], max_seqlen_k[layer_type]
+        # The new tokens into the cache, and every request's keys back out of it: [total_k, Hk, D].
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                                  read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+        options = _score_kwargs(kwargs)
+        # A request's new tokens are the last of its keys: causal bottom-right, the window's right
+        # bound 0 (with a sliding layer's left bound).
+        options["window"] = (int(sliding_window) - 1 if sliding_window else -1, 0)
+        q = query[0].transpose(0, 1)  # [total_q, H, D]
+        cu_q, cu_k = cu_seq_lens_q.to(torch.int64), cu_seq_lens_k.to(torch.int64)
+        max_q = int(max_seqlen_q) if max_seqlen_q is not None else int((cu_q[1:] - cu_q[:-1]).max())
+        max_k = int(max_seqlen_k) if max_seqlen_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
+        out = softmax_attention_varlen(q, key, value, cu_q, cu_k, max_q, max_k, dropout_p=float(dropout),
+                                       is_causal=False, scale=scaling, enable_gqa=q.shape[1] != key.shape[1],
+                                       backend=backend, **options)
+        return out.unsqueeze(0), None  # [1, total_q, H, Dv]
+
+    forward.__name__ = forward.__qualname__ = (
+        "paged_attention_forward" if backend is None else f"paged_attention_forward_{backend}"
+    )
+    return forward
+
+
+paged_attention_forward = make_paged_attention_forward(None)
+paged_attention_forward.__doc__ = """transformers' paged attention function for continuous batching,
+``attn_implementation="paged|attnkit"`` (:func:`register` adds it).
+
+Args:
+    module: the calling attention layer (read: ``layer_idx``, and ``sliding_window`` unless the
+        call passes it).
+    query: ``[1, H, total_q, D]``: the step's new tokens of every request, packed.
+    key, value: ``[1, Hk, total_q, D / Dv]``: their keys and values, written into ``cache``.
+    attention_mask: ignored (transformers builds none for this implementation).
+    dropout, scaling: as in :func:`attention_forward`.
+    cache: transformers' ``PagedAttentionCache``; ``cache.update(..., read_index=,
+        write_index=)`` writes the new rows and returns every request's keys / values
+        ``[total_k, Hk, D]`` packed.
+    cu_seq_lens_q, cu_seq_lens_k: ``[requests + 1]`` cumulative query / key counts (the key
+        ones a dict per layer type when the model mixes full and sliding layers), with
+        ``max_seqlen_q`` / ``max_seqlen_k``.
+    **kwargs: ``read_index`` / ``write_index`` (required), ``sliding_window``, ``softcap``,
+        ``s_aux`` (sinks); the rest is ignored.
+
+Returns:
+    ``(out, None)``: ``out`` ``[1, total_q, H, Dv]``: request r's query t attends to its keys
+    ``<= m_r - n_r + t`` (bottom-right), within ``sliding_window`` on a sliding layer.
+
+Raises:
+    ValueError: no paged cache or no ``cu_seq_lens`` (a standard forward: use ``"attnkit"``).
+"""
+
+
 def attnkit_mask(*args, local_size=None, config=None, **kwargs):
     """The mask function registered with attnkit: transformers' ``sdpa_mask``, except that a
     *sliding-window* layer's mask is skipped (None) exactly where a full causal layer's is (no
@@ -271,8 +359,9 @@ def register(name: str = NAME, *, backend: Optional[str] = None) -> str:
     backend) in ``transformers.AttentionInterface`` and :func:`attnkit_mask` (transformers'
     ``sdpa_mask``: boolean masks, ``None`` where ``is_causal`` -- and, for sliding layers, the
     kernel's window -- suffices) in ``transformers.masking_utils.AttentionMaskInterface`` under
-    ``name``, for every model in this process.  Calling it
-    again is harmless (the entries are replaced).
+    ``name``, for every model in this process; and :func:`paged_attention_forward` (bound the
+    same way) under ``"paged|" + name``, the implementation transformers' continuous batching
+    switches such a model to.  Calling it again is harmless (the entries are replaced).
 
     Args:
         name: the ``attn_implementation`` string (default ``"attnkit"``).
@@ -302,6 +391,8 @@ def register(name: str = NAME, *, backend: Optional[str] = None) -> str:
     fn = attention_forward if backend is None else make_attention_forward(backend)
     attention_interface.register(name, fn)
     mask_interface.register(name, attnkit_mask)
+    paged = paged_attention_forward if backend is None else make_paged_attention_forward(backend)
+    attention_interface.register(f"paged|{name}", paged)
     return name
 
 

@@ -6,15 +6,16 @@ One call appends the new keys / values to the cache (in place) and attends each 
 queries to its cached keys plus the new ones, causally aligned bottom-right (the new queries are
 the last positions of the sequence).  Two routes:
 
-- **triton backend, Nq <= 16 new queries, no score option** (decoding, a short chunk): one call
+- **triton backend, Nq <= 16 new queries** (decoding, a short chunk): one call
   of the split-KV Triton kernel ``attnkit.kernels.decode.softmax_decode_fwd`` for the whole
   batch, with per-sequence lengths ``kv_lens = cache_seqlens + Nk`` and the kernel's own
   bottom-right causal alignment (``is_causal=False``: every query sees all L_b keys).  It reads
   each sequence's first L_b cache positions straight from the cache (one view of the first
   ``max_b L_b`` positions; a paged cache read in place through its block table), with no
-  grouping by length, no mask and no merge of a prefix and a causal part.  Forward only:
-  nothing here takes a gradient anyway (see below).
-- **otherwise** (the reference, cpu and cuda backends, more queries, score options, dtypes or
+  grouping by length, no mask and no merge of a prefix and a causal part.  The score options go
+  with it: window, softcap and ALiBi in the kernel (a window's keys only are read), sinks applied
+  to its (out, lse).  Forward only: nothing here takes a gradient anyway (see below).
+- **otherwise** (the reference, cpu and cuda backends, more queries, dtypes or
   head dims the Triton kernels lack): plain Python over :func:`attnkit.softmax_attention` (so
   every backend, dtype and score option it has), whose CPU backend sends few-query calls
   (N <= 16) to its split-KV decode kernel, as follows.
@@ -76,12 +77,12 @@ _DECODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _DECODE_MAX_HEAD_DIM = 256
 
 
-def _decode_kernel_fits(backend, q, value_dim, score_options) -> bool:
+def _decode_kernel_fits(backend, q, value_dim) -> bool:
     """Whether the call goes to the triton split-KV decode kernel (module docstring): the
-    triton backend, 1..16 new queries, no score option (the kernel has none), a dtype and head
-    dims it takes.  Anything else takes the softmax_attention route, which routes or raises as
+    triton backend, 1..16 new queries, a dtype and head dims it takes (any score option).
+    Anything else takes the softmax_attention route, which routes or raises as
     softmax_attention does."""
-    return (backend == "triton" and 1 <= q.shape[2] <= _DECODE_MAX_QUERIES and not score_options
+    return (backend == "triton" and 1 <= q.shape[2] <= _DECODE_MAX_QUERIES
             and q.dtype in _DECODE_DTYPES and 1 <= q.shape[3] <= _DECODE_MAX_HEAD_DIM
             and 1 <= value_dim <= _DECODE_MAX_HEAD_DIM)
 
@@ -107,33 +108,54 @@ if native_ops_declared("softmax_decode_paged"):
     torch.library.register_fake("attnkit::softmax_decode_paged", _decode_paged_fake)
 
 
+def _kernel_options(q, options):
+    """The score options of a decoding-kernel call on q [g, H, Nq, D], validated as
+    softmax_attention validates them: ``(opts or None, window_left, window_right, softcap,
+    alibi_slopes float32 [g, H] or None)``."""
+    group, heads = q.shape[0], q.shape[1]
+    opts = _score_options.build(OP_NAME, options.get("window"), options.get("softcap", 0.0),
+                               options.get("alibi_slopes"), options.get("sinks"), heads=heads, batch=(group,),
+                               device=q.device)
+    if opts is None:
+        return None, -1, -1, 0.0, None
+    return opts, opts.window[0], opts.window[1], opts.softcap, opts.to_kernel(group, heads).alibi_slopes
+
+
+def _with_sinks(opts, out, lse):
+    """The kernel's (out, lse) with the sinks of ``opts`` (if any) added."""
+    if opts is not None and opts.sinks is not None:
+        return _score_options.add_sinks(out, lse, opts.sinks)
+    return out, lse
+
+
 def _decode_paged_cpu(q, k_cache, v_cache, table, length, scale, is_causal, options):
     """(out, lse) of q [g, H, Nq, D] against the first ``length`` positions of each row of
     ``table`` (int64 [g, max_blocks]), the blocks read in place by the CPU decoding kernel:
     causality bottom-right as the window's right bound 0 (query i sees keys <= length - Nq + i),
     the other score options as softmax_attention takes them (validated by the same code), sinks
     applied to the kernel's (out, lse) afterwards."""
-    group, heads = q.shape[0], q.shape[1]
-    opts = _score_options.build(OP_NAME, options.get("window"), options.get("softcap", 0.0),
-                               options.get("alibi_slopes"), options.get("sinks"), heads=heads, batch=(group,),
-                               device=q.device)
-    left, right = opts.window if opts is not None else (-1, -1)
+    opts, left, right, softcap, slopes = _kernel_options(q, options)
     if is_causal and q.shape[2] > 1:
         right = 0  # with a window's right bound r >= 0 as well: min(r, 0) = 0
-    slopes = opts.to_kernel(group, heads).alibi_slopes if opts is not None else None
-    softcap = opts.softcap if opts is not None else 0.0
     out, lse = torch.ops.attnkit.softmax_decode_paged(q, k_cache, v_cache, table, length, scale, left, right,
                                                       softcap, slopes)
-    if opts is not None and opts.sinks is not None:
-        out, lse = _score_options.add_sinks(out, lse, opts.sinks)
-    return out, lse
+    return _with_sinks(opts, out, lse)
 
 
-def _decode_triton(q, k_cache, v_cache, visible, tables, is_causal, scale):
+def _decode_triton(q, k_cache, v_cache, visible, tables, is_causal, scale, options):
     """(out, lse) of every batch element at once from the split-KV Triton kernel: the cache's
     first max(L_b) positions (a view; a paged cache read in place through its block table),
-    kv_lens = L_b.  Cache positions at or past L_b are never read (the kernel loads only keys
-    < kv_lens[b])."""
+    kv_lens = L_b, the score options in the kernel (its own bottom-right alignment, causal or
+    not) and the sinks on its results.  Cache positions at or past L_b are never read (the kernel
+    loads only keys < kv_lens[b])."""
+    opts, left, right, softcap, slopes = _kernel_options(q, options)
+    out, lse = _decode_triton_kernel(q, k_cache, v_cache, visible, tables, is_causal, scale,
+                                     dict(window_left=left, window_right=right, softcap=softcap,
+                                          alibi_slopes=slopes))
+    return _with_sinks(opts, out, lse)
+
+
+def _decode_triton_kernel(q, k_cache, v_cache, visible, tables, is_causal, scale, kernel_options):
     from ..kernels.decode import softmax_decode_fwd
 
     kv_lens = torch.tensor(visible, dtype=torch.int32, device=q.device)
@@ -144,10 +166,10 @@ def _decode_triton(q, k_cache, v_cache, visible, tables, is_causal, scale):
         table = torch.tensor([row + [0] * (width - len(row)) for row in tables] if width else [[0]] * len(tables),
                              dtype=torch.int32, device=q.device)
         return softmax_decode_fwd(q, k_cache, v_cache, scale, kv_lens=kv_lens, is_causal=is_causal,
-                                  block_table=table)
+                                  block_table=table, **kernel_options)
     longest = max(visible)
     return softmax_decode_fwd(q, k_cache[:, :, :longest], v_cache[:, :, :longest], scale, kv_lens=kv_lens,
-                              is_causal=is_causal)
+                              is_causal=is_causal, **kernel_options)
 
 
 def _lengths(fn: str, cache_seqlens, batch: int) -> list[int]:
@@ -257,8 +279,8 @@ def attention_with_kvcache(
             Only the entries covering ``[0, L_b)`` are read (they must be valid block indices);
             blocks may be shared between batch elements for reading, but two batch elements may
             not write the same slot.  The decoding kernels read the blocks in place: on the
-            triton backend with Nq <= 16 and no score option, and on the cpu backend with
-            Nq <= 16 (one call per group of equal L_b, causal or not, any score option);
+            triton backend with Nq <= 16 (one call for the batch), and on the cpu backend with
+            Nq <= 16 (one call per group of equal L_b); causal or not, any score option;
             otherwise the blocks are gathered into a contiguous copy first, which a call pays
             on top.
         is_causal: query j (of Nq) sees the keys ``< L_b - Nq + j + 1``: causal **bottom-right**
@@ -288,9 +310,9 @@ def attention_with_kvcache(
 
     Cache positions at or past ``L_b`` are never read: they may hold anything (NaN included).
 
-    Cost: see the module docstring.  On the triton backend with Nq <= 16 and no score option:
-    one split-KV decode kernel call for the whole batch (per-sequence lengths, causal or not;
-    a paged cache read in place).  Otherwise views of a contiguous cache (one
+    Cost: see the module docstring.  On the triton backend with Nq <= 16: one split-KV decode
+    kernel call for the whole batch (per-sequence lengths, causal or not, any score option --
+    with a window only its keys are read; a paged cache read in place).  Otherwise views of a contiguous cache (one
     kernel call per run of adjacent batch elements with equal L_b); a paged cache read in place
     on the cpu backend (see ``block_table``), else a gathered copy of it; Nq <= 16 takes
     softmax_attention's decode kernel on CPU; causal Nq > 1 is two calls and a merge.
@@ -409,8 +431,8 @@ def attention_with_kvcache(
     with torch.no_grad():
         if new:
             _append(k_cache, v_cache, k, v, seqlens, tables, paged)
-        if batch and _decode_kernel_fits(chosen, q, value_dim, score_options):
-            out, lse = _decode_triton(q, k_cache, v_cache, visible, tables, is_causal, scale)
+        if batch and _decode_kernel_fits(chosen, q, value_dim):
+            out, lse = _decode_triton(q, k_cache, v_cache, visible, tables, is_causal, scale, score_options)
             return (out, lse) if return_lse else out
         out = q.new_empty((batch, heads, nq, value_dim))
         lse = q.new_empty((batch, heads, nq), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)

@@ -2,9 +2,10 @@
 decoding kernels read the blocks in place (cpu: attnkit::softmax_decode_paged; triton:
 softmax_decode_fwd's block_table), so every draw of block size, shuffled table, lengths (0 and
 1 included), GQA group, query count (up to 19: past the decoding kernel's 16 rows the blocks are
-gathered), appended rows, causality and score options (cpu) must give what the float64
-reference gives on the same cache laid out contiguously -- and, on triton, the contiguous call's
-bits (its key tiles are the same; only the rows' addresses differ).
+gathered), appended rows, causality and score options (window, softcap, sinks, ALiBi [H] / [B, H]) must
+give what the float64 reference gives on the same cache laid out contiguously -- and, on triton
+with at most 16 queries, the contiguous call's bits (the decode kernel's key tiles are the same,
+score options included; only the rows' addresses differ).
 
 The pool's spare blocks and every position past a sequence's length hold NaN: never read.
 Values are finite N(0, 1) draws; the tolerance is fuzzing.py's (DESIGN.md's rule).
@@ -46,15 +47,14 @@ def kv_case(draw, backend, device):
     lengths = draw(st.lists(st.integers(0, 40), min_size=1, max_size=3))
     is_causal = draw(st.booleans())
     options = {}
-    if backend == "cpu":
-        if draw(st.booleans()):
-            options["window"] = (draw(st.sampled_from([-1, 0, 3, 9])), draw(st.sampled_from([-1, 0, 2])))
-        if draw(st.booleans()):
-            options["softcap"] = draw(st.sampled_from([0.5, 3.0]))
-        if draw(st.booleans()):
-            options["sinks"] = "draw"
-        if draw(st.booleans()):
-            options["alibi_slopes"] = draw(st.sampled_from(["[H]", "[B, H]"]))
+    if draw(st.booleans()):
+        options["window"] = (draw(st.sampled_from([-1, 0, 3, 9])), draw(st.sampled_from([-1, 0, 2])))
+    if draw(st.booleans()):
+        options["softcap"] = draw(st.sampled_from([0.5, 3.0]))
+    if draw(st.booleans()):
+        options["sinks"] = "draw"
+    if draw(st.booleans()):
+        options["alibi_slopes"] = draw(st.sampled_from(["[H]", "[B, H]"]))
     seed = draw(st.integers(0, 2**16))
     return dtype, kv_heads, group, nq, nk, block_size, lengths, is_causal, options, seed
 
@@ -91,16 +91,17 @@ def test_paged_cache_matches_the_contiguous_cache_and_the_reference(backend, dev
     def run(kc, vc, tbl, on_backend, cast=None):
         args = [x if x is None or cast is None else x.to(cast) for x in (q, kc, vc, k, v)]
         moved = [x if x is None else x.to(device) for x in args]
+        on_device = {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in call.items()}
         return attnkit.attention_with_kvcache(*moved, cache_seqlens=seqlens, block_table=None if tbl is None else
                                              tbl.to(device), is_causal=is_causal, enable_gqa=True, return_lse=True,
-                                             backend=on_backend, **call)
+                                             backend=on_backend, **on_device)
 
     out_p, lse_p = run(k_pages.clone(), v_pages.clone(), table, backend)
     out_c, lse_c = run(k_cache.clone(), v_cache.clone(), None, backend)
     ref, ref_lse = run(k_cache.clone(), v_cache.clone(), None, "reference", cast=F64)
     naive = run(k_cache.clone(), v_cache.clone(), None, "reference") if dtype in LOW_PRECISION else (None, None)
     if interpreted(backend, device) or device == "cuda":
-        if not options and nq <= 16:  # the Triton decode kernel's route: the same tiles
+        if nq <= 16:  # the Triton decode kernel's route: the same tiles
             assert torch.equal(out_p, out_c) and torch.equal(lse_p, lse_c)
     for got, want, low, name in ((out_p, ref, naive[0], "out"), (lse_p, ref_lse, naive[1], "lse")):
         got64, want64 = got.cpu().to(F64), want.cpu()

@@ -242,6 +242,146 @@ def test_non_causal_matches_float64_reference(case, merge):
     assert not torch.equal(causal[1], got[1])  # the flag changes what the rows see
 
 
+# ----------------------------------------------------------------------------------------------
+# score options: window, softcap, ALiBi (positions bottom-right, relative to key L_b - 1)
+# ----------------------------------------------------------------------------------------------
+
+
+def option_reference(q, k, v, kv_lens, causal, window, softcap, slopes, dtype=F64):
+    """(out, lse) of the reference run in ``dtype``, one batch element at a time on its first L_b
+    keys (so the reference's bottom-right alignment of the window and ALiBi is the kernel's),
+    causality as a bool mask (bottom-right)."""
+    b, h, n, _ = q.shape
+    lens = lengths(kv_lens, b, k.shape[2])
+    outs, lses = [], []
+    for i in range(b):
+        m = int(lens[i])
+        mask = (torch.arange(m)[None, :] <= m - n + torch.arange(n)[:, None]).to(q.device) if causal else None
+        sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[i])
+        o, l = softmax_attention_reference(q[i:i + 1].to(dtype), k[i:i + 1, :, :m].to(dtype),
+                                           v[i:i + 1, :, :m].to(dtype), attn_mask=mask,
+                                           enable_gqa=h != k.shape[1], return_lse=True, window=window,
+                                           softcap=softcap, alibi_slopes=None if sl is None else sl.to(dtype))
+        outs.append(o)
+        lses.append(l)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def check_options(got, q, k, v, kv_lens, causal, window, softcap, slopes):
+    out, lse = got
+    ref = option_reference(q, k, v, kv_lens, causal, window, softcap, slopes)
+    lowp = None if q.dtype == F32 else option_reference(q, k, v, kv_lens, causal, window, softcap, slopes,
+                                                         dtype=q.dtype)
+    assert_close_to_reference(out, ref[0], None if lowp is None else lowp[0], dtype=q.dtype, name="out")
+    assert_close_to_reference(lse, ref[1], None if lowp is None else lowp[1], dtype=q.dtype, name="lse")
+    dead = ref[1] == float("-inf")  # rows that see no key: exactly 0 and -inf
+    assert torch.all(out[dead] == 0) and torch.all(lse[dead] == float("-inf"))
+    return ref
+
+
+def slopes_for(kind, b, h, device=DEVICE):
+    if kind is None:
+        return None
+    g = torch.Generator().manual_seed(5)
+    shape = (h,) if kind == "h" else (b, h)
+    return (torch.rand(shape, generator=g) * 0.5 + 0.05).to(device)
+
+
+# (B, H, Hk, N, M, D, Dv, dtype, kv_lens, num_splits, config, causal, window, softcap, alibi,
+#  block_size or None, merge)
+OPTION_CASES = {
+    # the band [L - N - left, L) cut over 3 splits; L = 0 and 17 (the band reaches key 0)
+    "window8_n1_splits3_lens": (3, 8, 2, 1, 300, 24, 40, F32, [300, 17, 0], 3, cfg(64), True, (8, 0), 0.0,
+                                None, None, "separate"),
+    # zero-width window, not causal: each row sees its own position only; L < N kills rows
+    "window00_noncausal_n3_lens012": (4, 4, 1, 3, 70, 16, 16, F32, [0, 1, 2, 70], 2, cfg(64), False, (0, 0),
+                                      0.0, None, None, "fused"),
+    # a right side, not causal: rows before the last see keys past their position
+    "window52_noncausal_n4_gqa": (2, 8, 2, 4, 150, 32, 24, F32, [150, 6], 2, cfg(64), False, (5, 2), 0.0,
+                                  None, None, "separate"),
+    # windows wider than the cache; left unbounded with a right bound
+    "window_wider_than_m": (2, 4, 2, 3, 90, 16, 16, F32, [90, 40], 2, cfg(64), True, (1000, 1000), 0.0,
+                            None, None, "separate"),
+    "window_left_unbounded_right3": (2, 4, 2, 5, 90, 16, 16, F32, [90, 4], 1, cfg(64), False, (-1, 3), 0.0,
+                                     None, None, None),
+    "softcap_n16_splits2": (2, 8, 2, 16, 200, 32, 32, F32, [200, 30], 2, cfg(64), True, (-1, -1), 5.0, None,
+                            None, "fused"),
+    "alibi_h_window_causal_n3": (2, 8, 2, 3, 130, 16, 16, F32, [130, 70], 3, cfg(64), True, (40, -1), 0.0,
+                                 "h", None, "separate"),
+    "alibi_bh_noncausal_mqa": (2, 4, 1, 2, 100, 16, 16, F32, [100, 9], 2, cfg(64), False, (-1, -1), 0.0,
+                               "bh", None, "fused"),
+    "all_three_f16_paged_bs16": (2, 8, 2, 3, 200, 32, 32, F16, [200, 45], 3, cfg(64), True, (50, 0), 8.0,
+                                 "bh", 16, "fused"),
+    "all_three_f32_paged_bs5_one_split": (2, 4, 2, 4, 60, 16, 16, F32, [60, 13], 1, cfg(64), False, (7, 1),
+                                          3.0, "h", 5, None),
+    "bf16_window_softcap": (2, 8, 2, 1, 100, 16, 16, BF16, [100, 3], 2, cfg(64), True, (20, 0), 4.0, None,
+                            None, "separate"),
+}
+
+
+def _run_options(case, seed=31):
+    (b, h, hk, n, m, d, dv, dtype, kv, splits, config, causal, window, softcap, alibi, block_size,
+     merge) = case
+    q, k, v = make_inputs(b, h, hk, n, m, d, dv, dtype, seed=seed)
+    kv_lens = lens_t(kv)
+    slopes = slopes_for(alibi, b, h)
+    kwargs = dict(kv_lens=kv_lens, num_splits=splits, config=config, merge=merge, is_causal=causal,
+                  window_left=window[0], window_right=window[1], softcap=softcap, alibi_slopes=slopes)
+    if block_size is None:
+        got = decode.softmax_decode_fwd(q, k, v, **kwargs)
+    else:
+        k_pages, v_pages, table = to_pages(k, v, block_size, seed=n)
+        got = decode.softmax_decode_fwd(q, k_pages, v_pages, block_table=table, **kwargs)
+        dense = decode.softmax_decode_fwd(q, k, v, **kwargs)
+        assert torch.equal(got[0], dense[0]) and torch.equal(got[1], dense[1])
+    return got, (q, k, v, kv_lens, causal, window, softcap, slopes)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=name, marks=TRITON_BF16_TEST if c[7] == BF16 else ())
+                                  for name, c in OPTION_CASES.items()])
+def test_score_options_match_float64_reference(case):
+    got, args = _run_options(case)
+    check_options(got, *args)
+    if case[-1] == "fused":
+        assert_counters_clear()
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_window_reads_only_its_band(splits):
+    """The key tiles wholly before the band [L - N - left, L) are never read: NaN there (K and V)
+    changes nothing.  With 64-key tiles, L = 300, N = 2, left = 30 the band starts at key 268, its
+    tile at 256: keys [0, 256) are NaN."""
+    q, k, v = make_inputs(2, 4, 2, 2, 300, 16, 16, F32, seed=3)
+    kv_lens = lens_t([300, 300])
+    kwargs = dict(kv_lens=kv_lens, num_splits=splits, config=cfg(64), window_left=30, window_right=0)
+    clean = decode.softmax_decode_fwd(q, k, v, **kwargs)
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[:, :, :256] = float("nan")
+    v_nan[:, :, :256] = float("nan")
+    got = decode.softmax_decode_fwd(q, k_nan, v_nan, **kwargs)
+    assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
+    assert torch.equal(got[0], clean[0]) and torch.equal(got[1], clean[1])
+    check_options(got, q, k, v, kv_lens, True, (30, 0), 0.0, None)
+    # the control: key 256 is outside the window but in the band's first tile, which is read
+    # (masked): its NaN value reaches the output through 0 * NaN
+    v_nan[:, :, 256] = float("nan")
+    assert torch.isnan(decode.softmax_decode_fwd(q, k, v_nan, **kwargs)[0]).all()
+
+
+def test_default_options_are_the_plain_kernel():
+    """window (-1, -1), softcap 0.0, no slopes: the kernel without options, bit for bit; each option
+    set changes the result."""
+    q, k, v = make_inputs(2, 4, 2, 3, 100, 16, 16, F32, seed=8)
+    kv_lens = lens_t([100, 50])
+    base = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, num_splits=2, config=cfg(64))
+    same = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, num_splits=2, config=cfg(64), window_left=-1,
+                                     window_right=-1, softcap=0.0, alibi_slopes=None)
+    assert torch.equal(base[0], same[0]) and torch.equal(base[1], same[1])
+    for option in ({"window_left": 10}, {"softcap": 2.0}, {"alibi_slopes": slopes_for("h", 2, 4)}):
+        other = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, num_splits=2, config=cfg(64), **option)
+        assert not torch.equal(base[1], other[1]), option
+
+
 @pytest.mark.parametrize("splits", [3, 12])
 def test_fused_merge_matches_separate_and_is_repeatable(splits, monkeypatch):
     # MQA with 2 row blocks of 16 (G * N = 4 * 5 = 20 rows), lengths 0, 1, a partial tile and
@@ -509,6 +649,14 @@ def _small(d=16, dv=16, h=4, hk=2, n=3, dtype=F32):
     (lambda: _small(), {"block_table": [[0]]}, TypeError, r"block_table must be an int32 tensor"),
     (lambda: [_small()[0], _small()[1][:, :, :0], _small()[2][:, :, :0]],
      {"block_table": torch.zeros(1, 2, dtype=torch.int32)}, ValueError, r"block_size >= 1"),
+    (lambda: _small(), {"window_left": -2}, ValueError, r"window_left must be >= -1 \(-1 = unbounded\); got -2"),
+    (lambda: _small(), {"window_right": 1.5}, TypeError, r"window_right must be an int >= -1"),
+    (lambda: _small(), {"softcap": -1.0}, ValueError, r"softcap must be a finite number >= 0"),
+    (lambda: _small(), {"softcap": "2"}, TypeError, r"softcap must be a real number"),
+    (lambda: _small(), {"alibi_slopes": torch.ones(4, dtype=F16)}, TypeError, r"alibi_slopes must be float32"),
+    (lambda: _small(), {"alibi_slopes": torch.ones(3)}, ValueError,
+     r"alibi_slopes of shape \(3,\) does not broadcast to \[B, H\] = \[1, 4\]"),
+    (lambda: _small(), {"alibi_slopes": [0.5] * 4}, TypeError, r"alibi_slopes must be a float32 tensor"),
     (lambda: [_small()[0], torch.zeros(3, 2, 5, 16), torch.zeros(4, 2, 5, 16)],
      {"block_table": torch.zeros(1, 2, dtype=torch.int32)}, ValueError, r"same number of blocks"),
 ])
@@ -606,6 +754,12 @@ BOUNDS_CASES = [
      "fused"),
     ("gqa_n3_m70_fused_noncausal", 3, 4, 2, 3, 70, 24, 40, [70, 0, 2], 3, [(64, None)], (F32,),
      "fused-noncausal"),
+    # the score options: a window (the band's splits start past key 0), softcap, ALiBi [B, H]
+    # slopes read from guarded memory
+    ("gqa_n3_m200_options_splits3", 3, 4, 2, 3, 200, 24, 40, [200, 0, 150], 3, [(64, None)], (F32,),
+     "separate-options"),
+    ("mqa_n5_m200_options_fused", 2, 8, 1, 5, 200, 24, 40, [200, 3], 4, [(64, 16)], (F16,),
+     "fused-noncausal-options"),
 ]
 
 
@@ -617,23 +771,29 @@ def _bounds_child():
     faulthandler.enable()
     decode._COUNTERS_MIN = 0  # fused-merge counters at the size the launch asks for
     for name, b, h, hk, n, m, d, dv, kv, splits, tiles, dtypes, variant in BOUNDS_CASES:
-        merge, _, causal = variant.partition("-")
-        kw = dict(num_splits=splits, merge=merge, is_causal=causal != "noncausal")
+        merge, *flags = variant.split("-")
+        kw = dict(num_splits=splits, merge=merge, is_causal="noncausal" not in flags)
+        options = "options" in flags
+        if options:
+            kw.update(window_left=70, window_right=2, softcap=3.0)
         for dtype in dtypes:
             q, k, v = make_inputs(b, h, hk, n, m, d, dv, dtype, seed=7, device="cpu")
             kv_lens = None if kv is None else torch.tensor(kv, dtype=torch.int32)
+            slopes = slopes_for("bh" if options else None, b, h, device="cpu")
             for bn, bm in tiles:
                 config = cfg(bn, bm)
-                plain = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, config=config, **kw)
+                plain = decode.softmax_decode_fwd(q, k, v, kv_lens=kv_lens, config=config, alibi_slopes=slopes,
+                                                  **kw)
                 for where in MODES:
                     label = f"{name} {dtype} BLOCK_N={bn} BLOCK_M={bm} guard at {where}"
                     print("start", label, flush=True)
                     gq, gk, gv = (guarded_copy(t, where) for t in (q, k, v))
                     glens = None if kv_lens is None else guarded_copy(kv_lens, where)
+                    gslopes = None if slopes is None else guarded_copy(slopes, where)
                     decode._COUNTERS.clear()  # allocated below, under the guard
                     with GuardedAllocations(where) as alloc:
                         out, lse = decode.softmax_decode_fwd(gq, gk, gv, kv_lens=glens,
-                                                             config=config, **kw)
+                                                             config=config, alibi_slopes=gslopes, **kw)
                     assert alloc.count > 0 and is_guarded(out) and is_guarded(lse), label
                     if merge == "fused":
                         assert all(is_guarded(c) for c in decode._COUNTERS.values()), label

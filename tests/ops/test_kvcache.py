@@ -551,15 +551,34 @@ def test_triton_decoding_steps_equal_one_causal_call_and_take_no_gradient(routes
 
 @needs_triton
 @pytest.mark.skipif(not HAS_SCORE_OPTIONS, reason=NO_SCORE_OPTIONS)
-def test_triton_score_options_take_the_softmax_attention_route(routes):
-    # The decode kernel computes no score option: with one, the call goes through
-    # softmax_attention (which runs it or raises, as it does for any call on that backend).
-    q, k, v, k_cache, v_cache, seqlens = _inputs(F32, 1, 1, seed=90)
-    sinks = torch.randn(H, generator=torch.Generator().manual_seed(3))
-    q, k, v, k_cache, v_cache, sinks = _on(TRITON_DEVICE, q, k, v, k_cache, v_cache, sinks)
-    try:
-        attnkit.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, enable_gqa=True,
-                                       backend="triton", sinks=sinks)
-    except attnkit.BackendUnavailableError:
-        pass  # this softmax_attention's triton backend has no sinks: its own error
-    assert routes["decode"] == [] and routes["softmax_attention"] > 0
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("nq,nk", [(1, 1), (6, 2), (5, 5)])
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("which", ["window-alibi", "softcap-sinks", "alibi-per-batch", "zero-window"])
+def test_triton_score_options_in_the_decode_kernel(which, is_causal, nq, nk, paged, routes):
+    # Every score option on the decode kernel's route, one call for the batch: window, softcap and
+    # ALiBi in the kernel (positions relative to each sequence's last key, causal or not), sinks on
+    # its (out, lse); lengths 3, 0, 21, 3 (+ Nk: L < Nq rows too), against the float64 reference.
+    q, k, v, k_cache, v_cache, seqlens = _inputs(F32, nq, nk, seed=110 + nq)
+    want_k, want_v = _appended(k_cache, v_cache, k, v, SEQLENS)
+    g = torch.Generator().manual_seed(9)
+    options = {"window-alibi": dict(window=(4, 2), alibi=torch.rand(H, generator=g)),
+               "softcap-sinks": dict(softcap=1.5, sinks=torch.randn(H, generator=g)),
+               "alibi-per-batch": dict(alibi=torch.rand(B, H, generator=g), window=(-1, 3)),
+               "zero-window": dict(window=(0, 0), sinks=torch.randn(H, generator=g))}[which]
+    call = {("alibi_slopes" if name == "alibi" else name): x for name, x in options.items()}
+    table = None
+    if paged:
+        k_cache, v_cache, table = _paged_copy(k_cache, v_cache, 8, seed=4)
+    q, k, v, k_cache, v_cache, table = _on(TRITON_DEVICE, q, k, v, k_cache, v_cache, table)
+    call = {name: x.to(TRITON_DEVICE) if isinstance(x, torch.Tensor) else x for name, x in call.items()}
+    out, lse = attnkit.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table,
+                                              is_causal=is_causal, enable_gqa=True, return_lse=True,
+                                              backend="triton", **call)
+    (kernel_call,) = routes["decode"]
+    assert routes["softmax_attention"] == 0
+    window = options.get("window", (-1, -1))
+    assert (kernel_call["window_left"], kernel_call["window_right"]) == window
+    assert kernel_call["softcap"] == options.get("softcap", 0.0)
+    assert (kernel_call["alibi_slopes"] is None) == ("alibi" not in options)
+    _check(out.cpu(), lse.cpu(), q.cpu(), want_k, want_v, SEQLENS, nk, is_causal, F32, **options)
