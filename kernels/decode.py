@@ -240,55 +240,86 @@ def _paged_rows(base, block, slot, stride_blk, stride_n, offs_d, stride_d, row_o
 
 
 @triton.jit
-def _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, bound, lower, qk_scale,
+def _decode_tile(acc, l_i, m_i, q, k_tile, v_tile, k_base, v_base, start_n, end, bound, lower, qk_scale,
+                 pos_col, slope_col, cap_in, cap_out,
+                 stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
+                 table_row, block_size, stride_kblk, stride_vblk,
+                 HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASKED: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """The key tile [start_n, start_n + BLOCK_N) (K / V rows from k_tile / v_tile, or through the
+    table when PAGED) folded into (acc, l_i, m_i); see _decode_tiles."""
+    offs = tl.arange(0, BLOCK_N)
+    in_range = offs < end - start_n
+    keys = start_n + offs
+    if PAGED:
+        block = tl.load(table_row + keys // block_size, mask=in_range, other=0).to(tl.int64)
+        slot = (keys % block_size).to(tl.int64)
+        k = _paged_rows(k_base, block, slot, stride_kblk, stride_kn, offs_d, stride_kd, in_range,
+                        HEAD_D, BLOCK_D, MASKED)
+    else:
+        k = load_rows(k_tile, offs, stride_kn, offs_d, stride_kd, in_range, HEAD_D, BLOCK_D, MASKED)
+    s, _ = option_scores(q, k, pos_col, keys[None, :], qk_scale, cap_in, cap_out, slope_col, 0,
+                         HAS_SOFTCAP, HAS_ALIBI, False, DOT_PREC)
+    if MASKED:
+        visible = keys[None, :] <= bound[:, None]
+        if HAS_WINDOW:
+            visible = visible & (keys[None, :] >= lower[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    p, alpha, l_i, m_i = online_softmax_update(s, m_i, l_i)
+    if PAGED:
+        v = _paged_rows(v_base, block, slot, stride_vblk, stride_vn, offs_dv, stride_vd, in_range,
+                        HEAD_DV, BLOCK_DV, MASKED)
+    else:
+        v = load_rows(v_tile, offs, stride_vn, offs_dv, stride_vd, in_range, HEAD_DV, BLOCK_DV, MASKED)
+    return accumulate_pv(acc, alpha, p, v, DOT_PREC), l_i, m_i
+
+
+@triton.jit
+def _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, lo2, hi2, bound, lower, qk_scale,
                   pos_col, slope_col, cap_in, cap_out,
                   stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
                   table_row, block_size, stride_kblk, stride_vblk,
                   HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """The key tiles [lo, hi) (lo a multiple of BLOCK_N) folded into (acc, l_i, m_i).
-    MASKED=False: every key of every tile is in range and seen by every row.  MASKED: keys at or
-    past ``hi`` are not loaded, and row r sees key j iff j <= bound[r] (and, HAS_WINDOW,
-    j >= lower[r]).  Scores: softcap (cap_in / cap_out as in _flash.option_scores), then ALiBi
-    ``- slope_col[r] * |j - pos_col[r]|`` (base 2; pos_col: the row's query position).  PAGED: key j is row
-    ``j % block_size`` of block ``table_row[j // block_size]`` (blocks ``stride_kblk`` /
-    ``stride_vblk`` elements apart from k_base / v_base): each tile's rows are gathered through
-    the table, in place."""
-    offs = tl.arange(0, BLOCK_N)
-    # Tile pointers advanced from an int64 start: lo * stride can pass 2**31 elements on long
-    # caches (offsets inside a tile stay small).
-    k_tile = k_base + lo.to(tl.int64) * stride_kn
-    v_tile = v_base + lo.to(tl.int64) * stride_vn
-    for start_n in range(lo, hi, BLOCK_N):
-        in_range = offs < hi - start_n
-        keys = start_n + offs
-        if PAGED:
-            block = tl.load(table_row + keys // block_size, mask=in_range, other=0).to(tl.int64)
-            slot = (keys % block_size).to(tl.int64)
-            k = _paged_rows(k_base, block, slot, stride_kblk, stride_kn, offs_d, stride_kd, in_range,
-                            HEAD_D, BLOCK_D, MASKED)
-        else:
-            k = load_rows(k_tile, offs, stride_kn, offs_d, stride_kd, in_range, HEAD_D, BLOCK_D,
-                          MASKED)
-        s, _ = option_scores(q, k, pos_col, keys[None, :], qk_scale, cap_in, cap_out, slope_col, 0,
-                             HAS_SOFTCAP, HAS_ALIBI, False, DOT_PREC)
-        if MASKED:
-            visible = keys[None, :] <= bound[:, None]
-            if HAS_WINDOW:
-                visible = visible & (keys[None, :] >= lower[:, None])
-            s = tl.where(visible, s, float("-inf"))
-        p, alpha, l_i, m_i = online_softmax_update(s, m_i, l_i)
-        if PAGED:
-            v = _paged_rows(v_base, block, slot, stride_vblk, stride_vn, offs_dv, stride_vd, in_range,
-                            HEAD_DV, BLOCK_DV, MASKED)
-        else:
-            v = load_rows(v_tile, offs, stride_vn, offs_dv, stride_vd, in_range, HEAD_DV, BLOCK_DV,
-                          MASKED)
-        acc = accumulate_pv(acc, alpha, p, v, DOT_PREC)
-        k_tile += BLOCK_N * stride_kn
-        v_tile += BLOCK_N * stride_vn
+                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, EDGES: tl.constexpr):
+    """The key tiles [lo, hi) (lo a multiple of BLOCK_N) folded into (acc, l_i, m_i); with EDGES
+    (a window's two band edges, both masked) the tiles of [lo, hi) and then those of
+    [lo2, hi2) (lo2 a multiple of BLOCK_N), in one loop: one copy of the tile step instead of
+    two (at the 16-row / 2-warp tile, GQA decoding's best, two copies spilled 40 bytes, one
+    none; bench/triton_sm90_resources.py).  MASKED=False: every key of every tile is in range
+    and seen by every row.  MASKED: keys at or past the range's end are not loaded, and row r
+    sees key j iff j <= bound[r] (and, HAS_WINDOW, j >= lower[r]).  Scores: softcap (cap_in /
+    cap_out as in _flash.option_scores), then ALiBi ``- slope_col[r] * |j - pos_col[r]|`` (base 2;
+    pos_col: the row's query position).  PAGED: key j is row ``j % block_size`` of block
+    ``table_row[j // block_size]`` (blocks ``stride_kblk`` / ``stride_vblk`` elements apart from
+    k_base / v_base): each tile's rows are gathered through the table, in place."""
+    if EDGES:
+        n_first = tl.cdiv(hi - lo, BLOCK_N)  # hi is not a multiple of BLOCK_N where [lo2, hi2) is empty
+        for step in range(0, n_first + tl.cdiv(hi2 - lo2, BLOCK_N)):
+            second = step >= n_first
+            start_n = tl.where(second, lo2 + (step - n_first) * BLOCK_N, lo + step * BLOCK_N)
+            acc, l_i, m_i = _decode_tile(
+                acc, l_i, m_i, q, k_base + start_n.to(tl.int64) * stride_kn,
+                v_base + start_n.to(tl.int64) * stride_vn, k_base, v_base, start_n, tl.where(second, hi2, hi),
+                bound, lower, qk_scale, pos_col, slope_col, cap_in, cap_out, stride_kn, stride_kd, stride_vn,
+                stride_vd, offs_d, offs_dv, table_row, block_size, stride_kblk, stride_vblk, HEAD_D, HEAD_DV,
+                BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, MASKED, PAGED, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+    else:
+        # Tile pointers advanced from an int64 start: lo * stride can pass 2**31 elements on long
+        # caches (offsets inside a tile stay small).
+        k_tile = k_base + lo.to(tl.int64) * stride_kn
+        v_tile = v_base + lo.to(tl.int64) * stride_vn
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, l_i, m_i = _decode_tile(
+                acc, l_i, m_i, q, k_tile, v_tile, k_base, v_base, start_n, hi, bound, lower, qk_scale,
+                pos_col, slope_col, cap_in, cap_out, stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
+                table_row, block_size, stride_kblk, stride_vblk, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC,
+                BLOCK_N, MASKED, PAGED, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+            k_tile += BLOCK_N * stride_kn
+            v_tile += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
@@ -456,25 +487,28 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    if HAS_WINDOW:  # the tiles before the window's left edge is behind every row
-        acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, full_lo, bound, lower, qk_scale,
-                                      pos_col, slope_col, cap_in, cap_out,
-                                      stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
-                                      table_row, block_size, stride_kb, stride_vb,
-                                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, True, PAGED,
-                                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
-    acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, k_base, v_base, full_lo, full_hi, bound, lower, qk_scale,
-                                  pos_col, slope_col, cap_in, cap_out,
+    # The whole tiles, then the masked ones: the causal / right edge [full_hi, hi) and, with a
+    # window, its left edge [lo, full_lo) in the same loop.
+    acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, k_base, v_base, full_lo, full_hi, 0, 0, bound, lower,
+                                  qk_scale, pos_col, slope_col, cap_in, cap_out,
                                   stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
                                   table_row, block_size, stride_kb, stride_vb,
                                   HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, False, PAGED,
-                                  HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
-    acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, k_base, v_base, full_hi, hi, bound, lower, qk_scale,
-                                  pos_col, slope_col, cap_in, cap_out,
-                                  stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
-                                  table_row, block_size, stride_kb, stride_vb,
-                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, True, PAGED,
-                                  HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                  HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, False)
+    if HAS_WINDOW:
+        acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, k_base, v_base, lo, full_lo, full_hi, hi, bound, lower,
+                                      qk_scale, pos_col, slope_col, cap_in, cap_out,
+                                      stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
+                                      table_row, block_size, stride_kb, stride_vb,
+                                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, True, PAGED,
+                                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, True)
+    else:
+        acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, k_base, v_base, full_hi, hi, 0, 0, bound, lower,
+                                      qk_scale, pos_col, slope_col, cap_in, cap_out,
+                                      stride_kn, stride_kd, stride_vn, stride_vd, offs_d, offs_dv,
+                                      table_row, block_size, stride_kb, stride_vb,
+                                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, True, PAGED,
+                                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, False)
     out, lse = finish_rows(acc, l_i, m_i)
 
     row = (b * H + h) * N + qi  # flat (b, h, i) index: lse [B, H, N] and the partials
