@@ -8,9 +8,13 @@ none).
 
     python bench/triton_sm90_resources.py decode
 
+    python bench/triton_sm90_resources.py softmax-fwd     (also softmax-dkdv, softmax-dq)
+
 prints, for kernels/decode.py's split kernel, every option variant (dense / paged, window,
-softcap, ALiBi) under the configs that lead on an H200 (bench/RESULTS.md, session 10): a check
-that each variant compiles, and whether an option costs spills, before a GPU run times it.
+softcap, ALiBi) under the configs that lead on an H200 (bench/RESULTS.md, session 10) -- and for
+``softmax-*``, kernels/softmax.py's forward or backward kernels, causal, plain / window /
+window + softcap + ALiBi, under every config of the kernel's autotune list: a check that each
+variant compiles, and whether an option costs spills, before a GPU run times it.
 Not a timing: registers and spills only.  Needs ``TRITON_INTERPRET`` unset.
 """
 from __future__ import annotations
@@ -89,14 +93,53 @@ def decode_table(head_dim: int = 128) -> list[tuple]:
     return rows
 
 
+_SOFTMAX_KERNELS = {"softmax-fwd": ("_attn_fwd_kernel", "FWD_CONFIGS"),
+                    "softmax-dkdv": ("_attn_bwd_dkdv_kernel", "BWD_DKDV_CONFIGS"),
+                    "softmax-dq": ("_attn_bwd_dq_kernel", "BWD_DQ_CONFIGS")}
+
+
+def softmax_table(which: str, head_dim: int = 128) -> list[tuple]:
+    """A kernel of kernels/softmax.py (``which``: softmax-fwd / -dkdv / -dq), bfloat16, D = Dv =
+    head_dim, no mask / dropout, causal, every config of its autotune list: the plain kernel, a
+    window (its band's edge loops), and a window with softcap and ALiBi."""
+    from attnkit.kernels import softmax
+
+    kernel_name, configs_name = _SOFTMAX_KERNELS[which]
+    fn = getattr(softmax, kernel_name)
+    floats = ("sm_scale", "dropout_p", "cap_in", "cap_out")
+    fp32_pointers = ("Alibi", "Lse", "Delta")
+    tensors = ("Q", "K", "V", "Mask", "Alibi", "Out", "Lse", "dO", "Delta", "dK", "dV", "dQ")
+    pointers = {n: "*fp32" if n in fp32_pointers else "*bf16" for n in fn.arg_names if n in tensors}
+    types = {n: pointers.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
+    unit = {n: 1 for n in fn.arg_names if n.startswith("stride_") and n.endswith("d") and n != "stride_md"}
+    divisible = [n for n in fn.arg_names if n in pointers or (n.startswith("stride_") and n not in unit
+                                                              and not n.startswith(("stride_m", "stride_a")))]
+    variants = [dict(HAS_WINDOW=w, HAS_SOFTCAP=c, HAS_ALIBI=a) for w, c, a in ((0, 0, 0), (1, 0, 0), (1, 1, 1))]
+    configs = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+               for c in getattr(softmax, configs_name)]
+    rows = []
+    for variant, (bm, bn, warps, stages) in itertools.product(variants, configs):
+        consts = dict(unit, HEAD_D=head_dim, HEAD_DV=head_dim, BLOCK_D=head_dim, BLOCK_DV=head_dim, IS_CAUSAL=True,
+                      MASK_KIND=0, HAS_DROPOUT=False, DOT_PREC="tf32", BLOCK_M=bm, BLOCK_N=bn,
+                      **{k: bool(v) for k, v in variant.items()})
+        try:
+            result = compile_sm90(fn, types, consts, divisible, warps, stages)
+        except Exception as exc:
+            result = f"does not compile: {str(exc).splitlines()[0][:200]}"
+        rows.append((dict(PAGED=0, **variant), (bm, bn, warps, stages), result))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kernel", choices=["decode"])
+    parser.add_argument("kernel", choices=["decode", *_SOFTMAX_KERNELS])
     parser.add_argument("--head-dim", type=int, default=128)
     args = parser.parse_args()
-    print("| paged | window | softcap | alibi | BLOCK_M x BLOCK_N, warps, stages | registers | spill st / ld (bytes) | smem (KiB) |")
+    print("| paged | window | softcap | alibi | BLOCK_M x BLOCK_N, warps, stages | registers "
+          "| spill st / ld (bytes) | smem (KiB) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for variant, (bm, bn, warps, stages), r in decode_table(args.head_dim):
+    rows = decode_table(args.head_dim) if args.kernel == "decode" else softmax_table(args.kernel, args.head_dim)
+    for variant, (bm, bn, warps, stages), r in rows:
         flags = " | ".join("yes" if variant[k] else "-" for k in ("PAGED", "HAS_WINDOW", "HAS_SOFTCAP", "HAS_ALIBI"))
         cells = (f"{r['regs']} | {r['spill_stores']} / {r['spill_loads']} | {r['smem'] / 1024:.0f}"
                  if isinstance(r, dict) else f"{r} | | ")

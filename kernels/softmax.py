@@ -251,36 +251,70 @@ def _key_bounds(i0, M, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: 
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, lo, hi,
+def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, start_n,
+              qk_scale, dropout_p, seed, drop_row, win_lo, win_hi, cap_in, cap_out, slope2,
+              stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
+              HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+              DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """The key tile at start_n folded into (acc, l_i, m_i); see _fwd_inner."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = load_rows(k_base, offs_n, stride_kn, offs_d, stride_kd, offs_n < M, HEAD_D, BLOCK_D,
+                  MASKED)
+    s, _ = option_scores(q, k, offs_m[:, None], offs_n[None, :], qk_scale, cap_in, cap_out,
+                         slope2, M - N, HAS_SOFTCAP, HAS_ALIBI, False, DOT_PREC)
+    s = _apply_user_mask(s, mask_base, offs_m[:, None], offs_n[None, :], stride_mn,
+                         stride_mm, N, M, MASK_KIND)
+    if MASKED:
+        s = _mask_tail_and_diagonal(s, offs_m, offs_n, M, win_lo, win_hi, IS_CAUSAL,
+                                    HAS_WINDOW)
+    # The normalizer l_i sums the undropped probabilities (dropout acts after the softmax).
+    p, alpha, l_i, m_i = online_softmax_update(s, m_i, l_i)
+    if HAS_DROPOUT:
+        keep = _dropout_keep(seed, dropout_p, drop_row, offs_m[:, None], offs_n[None, :], M)
+        p = tl.where(keep, p, 0.0)
+    v = load_rows(v_base, offs_n, stride_vn, offs_dv, stride_vd, offs_n < M, HEAD_DV,
+                  BLOCK_DV, MASKED)
+    return accumulate_pv(acc, alpha, p, v, DOT_PREC), l_i, m_i
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, lo, hi, lo2, hi2,
                qk_scale, dropout_p, seed, drop_row, win_lo, win_hi, cap_in, cap_out, slope2,
                stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-               DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+               DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               EDGES: tl.constexpr):
     # MASKED=False: every key tile in [lo, hi) lies inside M and is seen whole by every row of
     # this query tile (causal: at or left of the diagonal; window: inside every row's band), so
-    # no per-element bounds / causal / window test.
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = load_rows(k_base, offs_n, stride_kn, offs_d, stride_kd, offs_n < M, HEAD_D, BLOCK_D,
-                      MASKED)
-        s, _ = option_scores(q, k, offs_m[:, None], offs_n[None, :], qk_scale, cap_in, cap_out,
-                              slope2, M - N, HAS_SOFTCAP, HAS_ALIBI, False, DOT_PREC)
-        s = _apply_user_mask(s, mask_base, offs_m[:, None], offs_n[None, :], stride_mn,
-                             stride_mm, N, M, MASK_KIND)
-        if MASKED:
-            s = _mask_tail_and_diagonal(s, offs_m, offs_n, M, win_lo, win_hi, IS_CAUSAL,
-                                        HAS_WINDOW)
-        # The normalizer l_i sums the undropped probabilities (dropout acts after the softmax).
-        p, alpha, l_i, m_i = online_softmax_update(s, m_i, l_i)
-        if HAS_DROPOUT:
-            keep = _dropout_keep(seed, dropout_p, drop_row, offs_m[:, None], offs_n[None, :], M)
-            p = tl.where(keep, p, 0.0)
-        v = load_rows(v_base, offs_n, stride_vn, offs_dv, stride_vd, offs_n < M, HEAD_DV,
-                      BLOCK_DV, MASKED)
-        acc = accumulate_pv(acc, alpha, p, v, DOT_PREC)
+    # no per-element bounds / causal / window test.  EDGES (a window's two masked band edges):
+    # the tiles of [lo, hi), then those of [lo2, hi2) (lo2 a multiple of BLOCK_N), in one loop --
+    # one copy of the tile step instead of two: at 128 x 64 on 4 warps the window forward spilled
+    # 1224 bytes with two copies, at 128 x 128 on 8 warps 208 (sm_90 compiles,
+    # bench/triton_sm90_resources.py softmax-fwd; bench/RESULTS.md session 28 has the table).
+    if EDGES:
+        n_first = tl.cdiv(hi - lo, BLOCK_N)  # hi is not a multiple of BLOCK_N where [lo2, hi2) is empty
+        for step in range(0, n_first + tl.cdiv(hi2 - lo2, BLOCK_N)):
+            start_n = tl.where(step >= n_first, lo2 + (step - n_first) * BLOCK_N, lo + step * BLOCK_N)
+            acc, l_i, m_i = _fwd_tile(
+                acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, start_n,
+                qk_scale, dropout_p, seed, drop_row, win_lo, win_hi, cap_in, cap_out, slope2,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
+                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, HAS_WINDOW,
+                HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, MASKED)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, l_i, m_i = _fwd_tile(
+                acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, start_n,
+                qk_scale, dropout_p, seed, drop_row, win_lo, win_hi, cap_in, cap_out, slope2,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
+                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, HAS_WINDOW,
+                HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, MASKED)
     return acc, l_i, m_i
 
 
@@ -322,30 +356,29 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     if HAS_WINDOW:
-        # Only the key tiles of the band: masked on its two edges, whole in between.
+        # Only the key tiles of the band: whole in the middle, masked on its two edges.
         lo, full_lo, full_hi, hi = _key_band(i0, N, M, win_lo, win_hi, IS_CAUSAL, BLOCK_M,
                                              BLOCK_N)
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, lo, full_lo,
-            qk_scale, dropout_p, seed, drop_row, win_lo, win_hi, cap_in, cap_out, slope2,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
-            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, HAS_WINDOW,
-            HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, True)
+        # The masked tiles: the band's left edge [lo, full_lo), then its right edge / the
+        # diagonal [full_hi, hi), in one loop.
+        edge_lo, edge_hi, edge_lo2, edge_hi2 = lo, full_lo, full_hi, hi
     else:
         full_lo = 0
         full_hi, hi = _key_bounds(i0, M, IS_CAUSAL, BLOCK_M, BLOCK_N)
+        edge_lo, edge_hi, edge_lo2, edge_hi2 = full_hi, hi, 0, 0
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, full_lo, full_hi,
+        acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, full_lo, full_hi, 0, 0,
         qk_scale, dropout_p, seed, drop_row, win_lo, win_hi, cap_in, cap_out, slope2,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, HAS_WINDOW,
-        HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, False)
+        HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, False, False)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, full_hi, hi,
+        acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, edge_lo, edge_hi, edge_lo2,
+        edge_hi2,
         qk_scale, dropout_p, seed, drop_row, win_lo, win_hi, cap_in, cap_out, slope2,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, HAS_WINDOW,
-        HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, True)
+        HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, True, HAS_WINDOW)
 
     out, lse = finish_rows(acc, l_i, m_i)
     if HAS_DROPOUT:
@@ -383,54 +416,87 @@ def _attn_bwd_preprocess(
 
 
 @triton.jit
+def _dkdv_tile(dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, drop_row,
+               offs_n, start_m, qk_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out,
+               slope2,
+               stride_qn, stride_qd, stride_gn, stride_gd, stride_mn, stride_mm, N, M,
+               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+    """The query tile at start_m folded into (dk, dv); see _dkdv_inner."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < N
+    q, do, lse2, delta = load_bwd_rows(q_base, do_base, lse_base, delta_base, offs_m, row_ok,
+                                       stride_qn, stride_qd, stride_gn, stride_gd, HEAD_D,
+                                       HEAD_DV, BLOCK_D, BLOCK_DV)
+    s_t, dcap_t = option_scores(k, q, offs_m[None, :], offs_n[:, None], qk_scale, cap_in,
+                                 cap_out, slope2, M - N, HAS_SOFTCAP, HAS_ALIBI, True,
+                                 DOT_PREC)
+    s_t = _apply_user_mask(s_t, mask_base, offs_m[None, :], offs_n[:, None], stride_mn,
+                           stride_mm, N, M, MASK_KIND)
+    if MASKED:
+        if IS_CAUSAL:
+            s_t = tl.where(offs_n[:, None] <= offs_m[None, :], s_t, float("-inf"))
+        if HAS_WINDOW:
+            rel_t = offs_n[:, None] - offs_m[None, :]
+            s_t = tl.where((rel_t >= win_lo) & (rel_t <= win_hi), s_t, float("-inf"))
+    # Hidden entries (s = -inf) get p = 0 exactly: a NaN row's lse would make exp2 NaN there.
+    visible_t = (s_t != float("-inf")) & row_ok[None, :]
+    p_t = tl.where(visible_t, tl.math.exp2(s_t - lse2[None, :]), 0.0)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    if HAS_DROPOUT:
+        keep_t = _dropout_keep(seed, dropout_p, drop_row, offs_m[None, :], offs_n[:, None], M)
+        inv_keep = 1.0 / (1.0 - dropout_p)
+        pd_t = tl.where(keep_t, p_t * inv_keep, 0.0)
+        dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
+    else:
+        pd_t = p_t
+    dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    if HAS_SOFTCAP:  # dS of the uncapped score: dS_capped * (1 - tanh^2)
+        dk = dk_step(dk, p_t * dcap_t, dp_t, delta, q, visible_t, DOT_PREC)
+    else:
+        dk = dk_step(dk, p_t, dp_t, delta, q, visible_t, DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, drop_row,
-                offs_n, lo, hi, qk_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out,
+                offs_n, lo, hi, lo2, hi2, qk_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out,
                 slope2,
                 stride_qn, stride_qd, stride_gn, stride_gd, stride_mn, stride_mm, N, M,
                 HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+                DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                EDGES: tl.constexpr):
     # Works on transposed tiles ([keys, queries]) so that dk and dv come out of plain dots.
     # Query rows past N load lse = +inf, dO = 0, delta = 0 and q = 0, but p must still be
     # masked there: a key holding +-inf scores 0 * inf = NaN against the zero row, and NaN p
     # times dO = 0 is NaN in dk / dv (found by the fuzz test: N = M = 1, D = 3, an inf key).
     # Key rows past M give garbage rows of dk/dv that are never stored (dots are row-wise).
     # MASKED=True: the query tiles that cross the diagonal (causal) or a window edge.
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < N
-        q, do, lse2, delta = load_bwd_rows(q_base, do_base, lse_base, delta_base, offs_m, row_ok,
-                                           stride_qn, stride_qd, stride_gn, stride_gd, HEAD_D,
-                                           HEAD_DV, BLOCK_D, BLOCK_DV)
-        s_t, dcap_t = option_scores(k, q, offs_m[None, :], offs_n[:, None], qk_scale, cap_in,
-                                     cap_out, slope2, M - N, HAS_SOFTCAP, HAS_ALIBI, True,
-                                     DOT_PREC)
-        s_t = _apply_user_mask(s_t, mask_base, offs_m[None, :], offs_n[:, None], stride_mn,
-                               stride_mm, N, M, MASK_KIND)
-        if MASKED:
-            if IS_CAUSAL:
-                s_t = tl.where(offs_n[:, None] <= offs_m[None, :], s_t, float("-inf"))
-            if HAS_WINDOW:
-                rel_t = offs_n[:, None] - offs_m[None, :]
-                s_t = tl.where((rel_t >= win_lo) & (rel_t <= win_hi), s_t, float("-inf"))
-        # Hidden entries (s = -inf) get p = 0 exactly: a NaN row's lse would make exp2 NaN there.
-        visible_t = (s_t != float("-inf")) & row_ok[None, :]
-        p_t = tl.where(visible_t, tl.math.exp2(s_t - lse2[None, :]), 0.0)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        if HAS_DROPOUT:
-            keep_t = _dropout_keep(seed, dropout_p, drop_row, offs_m[None, :], offs_n[:, None], M)
-            inv_keep = 1.0 / (1.0 - dropout_p)
-            pd_t = tl.where(keep_t, p_t * inv_keep, 0.0)
-            dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
-        else:
-            pd_t = p_t
-        dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        if HAS_SOFTCAP:  # dS of the uncapped score: dS_capped * (1 - tanh^2)
-            dk = dk_step(dk, p_t * dcap_t, dp_t, delta, q, visible_t, DOT_PREC)
-        else:
-            dk = dk_step(dk, p_t, dp_t, delta, q, visible_t, DOT_PREC)
+    # EDGES (a window's two masked band edges): the query tiles of [lo, hi), then those of
+    # [lo2, hi2) (lo2 a multiple of BLOCK_M), in one loop: one copy of the tile step instead of
+    # two (bench/RESULTS.md session 28: sm_90 spills).
+    if EDGES:
+        n_first = tl.cdiv(hi - lo, BLOCK_M)  # hi is not a multiple of BLOCK_M where [lo2, hi2) is empty
+        for step in range(0, n_first + tl.cdiv(hi2 - lo2, BLOCK_M)):
+            start_m = tl.where(step >= n_first, lo2 + (step - n_first) * BLOCK_M, lo + step * BLOCK_M)
+            dk, dv = _dkdv_tile(
+                dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, drop_row, offs_n, start_m, qk_scale,
+                dropout_p, seed, win_lo, win_hi, cap_in, cap_out, slope2, stride_qn, stride_qd, stride_gn,
+                stride_gd, stride_mn, stride_mm, N, M, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND,
+                HAS_DROPOUT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_M, MASKED)
+    else:
+        for start_m in range(lo, hi, BLOCK_M):
+            dk, dv = _dkdv_tile(
+                dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, drop_row, offs_n, start_m, qk_scale,
+                dropout_p, seed, win_lo, win_hi, cap_in, cap_out, slope2, stride_qn, stride_qd, stride_gn,
+                stride_gd, stride_mn, stride_mm, N, M, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND,
+                HAS_DROPOUT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_M, MASKED)
     return dk, dv
 
 
@@ -496,26 +562,21 @@ def _attn_bwd_dkdv_kernel(
         lse_base = Lse + drop_row
         delta_base = Delta + drop_row
         slope2 = _load_slope2(Alibi, b, h, stride_ab, stride_ah, HAS_ALIBI)
+        # The masked query tiles -- the diagonal [lo, mid) and, with a window, its far edge
+        # [full_hi, hi), in one loop -- then those that see every key of this tile.
         if IS_CAUSAL or HAS_WINDOW:
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, drop_row,
-                offs_n, lo, mid, qk_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out,
+                offs_n, lo, mid, full_hi, hi, qk_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out,
                 slope2, stride_qn, stride_qd, stride_gn, stride_gd, stride_mn, stride_mm, N, M,
                 HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_M, True)
+                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_M, True, HAS_WINDOW)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, drop_row,
-            offs_n, mid, full_hi, qk_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out,
+            offs_n, mid, full_hi, 0, 0, qk_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out,
             slope2, stride_qn, stride_qd, stride_gn, stride_gd, stride_mn, stride_mm, N, M,
             HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_M, False)
-        if HAS_WINDOW:
-            dk, dv = _dkdv_inner(
-                dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, drop_row,
-                offs_n, full_hi, hi, qk_scale, dropout_p, seed, win_lo, win_hi, cap_in,
-                cap_out, slope2, stride_qn, stride_qd, stride_gn, stride_gd, stride_mn,
-                stride_mm, N, M, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND,
-                HAS_DROPOUT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_M, True)
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_M, False, False)
 
     store_rows(dK + b * stride_dkb + hk * stride_dkh, offs_n, stride_dkn, offs_d, stride_dkd,
                col_ok, dk * sm_scale, HEAD_D)
@@ -524,40 +585,72 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
+             offs_m, offs_d, offs_dv, start_n, qk_scale, dropout_p, seed,
+             win_lo, win_hi, cap_in, cap_out, slope2,
+             stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
+             HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+             IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+             HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+             DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """The key tile at start_n folded into dq; see _dq_inner."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k, v = load_row_pair(k_base, v_base, offs_n, offs_n < M, stride_kn, stride_kd, stride_vn,
+                         stride_vd, offs_d, offs_dv, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV,
+                         MASKED)
+    s, dcap = option_scores(q, k, offs_m[:, None], offs_n[None, :], qk_scale, cap_in,
+                             cap_out, slope2, M - N, HAS_SOFTCAP, HAS_ALIBI, True, DOT_PREC)
+    s = _apply_user_mask(s, mask_base, offs_m[:, None], offs_n[None, :], stride_mn,
+                         stride_mm, N, M, MASK_KIND)
+    if MASKED:
+        s = _mask_tail_and_diagonal(s, offs_m, offs_n, M, win_lo, win_hi, IS_CAUSAL,
+                                    HAS_WINDOW)
+    visible = s != float("-inf")  # hidden: p = 0 exactly (see the dK/dV loop)
+    p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    if HAS_DROPOUT:
+        keep = _dropout_keep(seed, dropout_p, drop_row, offs_m[:, None], offs_n[None, :], M)
+        dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+    if HAS_SOFTCAP:  # dS of the uncapped score: dS_capped * (1 - tanh^2)
+        dq = dq_step(dq, p * dcap, dp, delta, k, visible, DOT_PREC)
+    else:
+        dq = dq_step(dq, p, dp, delta, k, visible, DOT_PREC)
+    return dq
+
+
+@triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
-              offs_m, offs_d, offs_dv, lo, hi, qk_scale, dropout_p, seed,
+              offs_m, offs_d, offs_dv, lo, hi, lo2, hi2, qk_scale, dropout_p, seed,
               win_lo, win_hi, cap_in, cap_out, slope2,
               stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-              DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+              DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              EDGES: tl.constexpr):
     # Same tile split as the forward (MASKED: key tiles past M or across the diagonal or a
     # window edge).  Key columns past M must be masked here: they would otherwise get
     # p = exp2(-lse) != 0.
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = load_row_pair(k_base, v_base, offs_n, offs_n < M, stride_kn, stride_kd, stride_vn,
-                             stride_vd, offs_d, offs_dv, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV,
-                             MASKED)
-        s, dcap = option_scores(q, k, offs_m[:, None], offs_n[None, :], qk_scale, cap_in,
-                                 cap_out, slope2, M - N, HAS_SOFTCAP, HAS_ALIBI, True, DOT_PREC)
-        s = _apply_user_mask(s, mask_base, offs_m[:, None], offs_n[None, :], stride_mn,
-                             stride_mm, N, M, MASK_KIND)
-        if MASKED:
-            s = _mask_tail_and_diagonal(s, offs_m, offs_n, M, win_lo, win_hi, IS_CAUSAL,
-                                        HAS_WINDOW)
-        visible = s != float("-inf")  # hidden: p = 0 exactly (see the dK/dV loop)
-        p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-        if HAS_DROPOUT:
-            keep = _dropout_keep(seed, dropout_p, drop_row, offs_m[:, None], offs_n[None, :], M)
-            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-        if HAS_SOFTCAP:  # dS of the uncapped score: dS_capped * (1 - tanh^2)
-            dq = dq_step(dq, p * dcap, dp, delta, k, visible, DOT_PREC)
-        else:
-            dq = dq_step(dq, p, dp, delta, k, visible, DOT_PREC)
+    # EDGES (a window's two masked band edges): the key tiles of [lo, hi), then those of
+    # [lo2, hi2) (lo2 a multiple of BLOCK_N), in one loop, as in the forward's _fwd_inner.
+    if EDGES:
+        n_first = tl.cdiv(hi - lo, BLOCK_N)  # hi is not a multiple of BLOCK_N where [lo2, hi2) is empty
+        for step in range(0, n_first + tl.cdiv(hi2 - lo2, BLOCK_N)):
+            start_n = tl.where(step >= n_first, lo2 + (step - n_first) * BLOCK_N, lo + step * BLOCK_N)
+            dq = _dq_tile(
+                dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row, offs_m, offs_d, offs_dv, start_n,
+                qk_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out, slope2, stride_kn, stride_kd,
+                stride_vn, stride_vd, stride_mn, stride_mm, N, M, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL,
+                MASK_KIND, HAS_DROPOUT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, MASKED)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            dq = _dq_tile(
+                dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row, offs_m, offs_d, offs_dv, start_n,
+                qk_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out, slope2, stride_kn, stride_kd,
+                stride_vn, stride_vd, stride_mn, stride_mm, N, M, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL,
+                MASK_KIND, HAS_DROPOUT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, MASKED)
     return dq
 
 
@@ -601,27 +694,25 @@ def _attn_bwd_dq_kernel(
     if HAS_WINDOW:
         lo, full_lo, full_hi, hi = _key_band(i0, N, M, win_lo, win_hi, IS_CAUSAL, BLOCK_M,
                                              BLOCK_N)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
-                       offs_m, offs_d, offs_dv, lo, full_lo, qk_scale, dropout_p, seed,
-                       win_lo, win_hi, cap_in, cap_out, slope2,
-                       stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
-                       HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
-                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, True)
+        # The masked key tiles: the band's left edge [lo, full_lo), then its right edge / the
+        # diagonal [full_hi, hi), in one loop (after the whole tiles, as in the forward).
+        edge_lo, edge_hi, edge_lo2, edge_hi2 = lo, full_lo, full_hi, hi
     else:
         full_lo = 0
         full_hi, hi = _key_bounds(i0, M, IS_CAUSAL, BLOCK_M, BLOCK_N)
+        edge_lo, edge_hi, edge_lo2, edge_hi2 = full_hi, hi, 0, 0
     dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
-                   offs_m, offs_d, offs_dv, full_lo, full_hi, qk_scale, dropout_p, seed,
+                   offs_m, offs_d, offs_dv, full_lo, full_hi, 0, 0, qk_scale, dropout_p, seed,
                    win_lo, win_hi, cap_in, cap_out, slope2,
                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
                    HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
-                   HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, False)
+                   HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, False, False)
     dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
-                   offs_m, offs_d, offs_dv, full_hi, hi, qk_scale, dropout_p, seed,
+                   offs_m, offs_d, offs_dv, edge_lo, edge_hi, edge_lo2, edge_hi2, qk_scale, dropout_p, seed,
                    win_lo, win_hi, cap_in, cap_out, slope2,
                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
                    HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
-                   HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, True)
+                   HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, True, HAS_WINDOW)
     store_rows(dQ + b * stride_dqb + h * stride_dqh, offs_m, stride_dqn, offs_d, stride_dqd,
                row_ok, dq * sm_scale, HEAD_D)
 

@@ -88,8 +88,8 @@ def _reference(q, k, v, cu_q, cu_k, scale, window, softcap, sinks):
     ``<= m - n + t`` and (a window) ``>= m - n + t - left``."""
     outs = []
     for r in range(len(cu_q) - 1):
-        qr, kr, vr = (x[lo:hi].transpose(0, 1)[None].to(F64)
-                      for x, lo, hi in ((q, cu_q[r], cu_q[r + 1]), (k, cu_k[r], cu_k[r + 1]), (v, cu_k[r], cu_k[r + 1])))
+        rows_q, rows_k = slice(cu_q[r], cu_q[r + 1]), slice(cu_k[r], cu_k[r + 1])
+        qr, kr, vr = (x[rows].transpose(0, 1)[None].to(F64) for x, rows in ((q, rows_q), (k, rows_k), (v, rows_k)))
         n, m = qr.shape[2], kr.shape[2]
         pos = m - n + torch.arange(n)[:, None]
         j = torch.arange(m)[None, :]
