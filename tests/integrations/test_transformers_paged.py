@@ -28,19 +28,11 @@ from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, Generat
 import attnkit.integrations.transformers as attnkit_hf  # noqa: E402
 from attnkit.ops import varlen as varlen_op  # noqa: E402
 from attnkit.reference.softmax import softmax_attention_reference  # noqa: E402
-from test_transformers_features import VOCAB, WINDOW, _config  # noqa: E402
+from test_transformers_features import VOCAB, WINDOW, _config, one_thread  # noqa: E402,F401 (an autouse fixture)
 
 F64 = torch.float64
 PROMPTS = (5, 19, 3, 11)  # 19 > the step budget of 12 tokens: its prefill comes in chunks
 NEW_TOKENS = 6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: see test_transformers.py
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)
