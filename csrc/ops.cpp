@@ -54,7 +54,7 @@ TORCH_LIBRARY(attnkit, m) {
   // row sees the `length` keys, limited by the score options as in softmax_fwd (window and ALiBi
   // bottom-right aligned, M = length: window_right = 0 is bottom-right causality).  Returns out
   // [B,H,N,Dv] (q's dtype) and lse [B,H,N] float32; no key seen: out 0, lse -inf.
-  m.def("softmax_decode_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int length, float scale, int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor, Tensor)");
+  m.def("softmax_decode_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int length, float scale, int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None) -> (Tensor, Tensor)");
   // Gradients recomputed from lse (no N x M tensor stored): returns (dq, dk, dv) shaped like
   // q, k, v (dk, dv summed over the query heads of each GQA group).  No gradient for alibi_slopes.
   m.def("softmax_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, float scale, bool is_causal, int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)");
@@ -259,7 +259,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
         py::arg("alibi_slopes") = py::none());
   c.def("softmax_decode_paged", &checks::softmax_decode_paged, py::arg("target"), py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_table"), py::arg("length"), py::arg("scale"), py::arg("window_left") = -1,
-        py::arg("window_right") = -1, py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none());
+        py::arg("window_right") = -1, py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none(),
+        py::arg("sinks") = py::none());
   c.def("linear_fwd", &linear_fwd_check);
   c.def("linear_bwd", &linear_bwd_check);
   c.def("sparse_range_fwd", &checks::sparse_range_fwd);

@@ -89,7 +89,8 @@ void softmax_fwd(const Target& t, const at::Tensor& q, const at::Tensor& k, cons
 void softmax_decode_paged(const Target& t, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_table, int64_t length, double scale, int64_t window_left = -1,
                           int64_t window_right = -1, double softcap = 0.0,
-                          const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
+                          const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
+                          const std::optional<at::Tensor>& sinks = std::nullopt);
 void softmax_bwd(const Target& t, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                  const std::optional<at::Tensor>& mask, double scale, bool is_causal, int64_t window_left = -1,

@@ -99,7 +99,8 @@ void softmax_fwd(const Target& t, const at::Tensor& q, const at::Tensor& k, cons
 
 void softmax_decode_paged(const Target& t, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_table, int64_t length, double /*scale*/, int64_t window_left,
-                          int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+                          int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                          const std::optional<at::Tensor>& sinks) {
   const Op op{"softmax_decode_paged", t};
   check_flash_qkv_basics(op, "q [B,H,N,D], k_cache [num_blocks,Hk,block_size,D], v_cache [num_blocks,Hk,block_size,Dv]",
                          q, k_cache, v_cache);
@@ -120,6 +121,12 @@ void softmax_decode_paged(const Target& t, const at::Tensor& q, const at::Tensor
                 ", H = ", H, ", Hk = ", Hk);
   ATTNKIT_CHECK(length >= 0, op, ": length must be >= 0; got ", length);
   check_score_options(op, q, window_left, window_right, softcap, alibi_slopes);
+  if (defined(sinks)) {  // one logit a query head, folded into each row's softmax by the kernel
+    const at::Tensor& s = *sinks;
+    ATTNKIT_CHECK(s.dim() == 1 && s.size(0) == H, op, ": sinks must have shape [H] = [", H, "]; got ", s.sizes());
+    ATTNKIT_CHECK(s.scalar_type() == at::kFloat, op, ": sinks must be Float; got ", s.scalar_type());
+    check_same_device(op, "sinks", s, "q", q);
+  }
   ATTNKIT_CHECK(block_size > 0 || length == 0, op, ": the cache has block_size 0; got ", k_cache.sizes());
   ATTNKIT_CHECK(block_table.dim() == 2 && block_table.size(0) == B, op, ": block_table must be [B, max_blocks] with B = ",
                 B, "; got ", block_table.sizes());

@@ -83,6 +83,36 @@ inline void finish_row(const acc_t* o, acc_t m, acc_t l, int64_t Dv, scalar_t* d
   }
 }
 
+// finish_row with a learned sink (issue 28; sink2 = the sink's logit in base 2, -inf: none): one
+// more term of the row's softmax, with no value -- l' = l 2^(m - M) + 2^(sink2 - M) over
+// M = max(m, sink2), dst = o 2^(m - M) / l', lse = ln 2 * M + ln l'.  Folded in here, before the
+// row is rounded to scalar_t: applied to a finished 16-bit row it rounds twice (up to ~1 ulp;
+// tests/fuzz/test_regressions.py).  A row that saw no key: 0 and lse = the sink; a NaN row stays
+// NaN.
+template <typename scalar_t, typename acc_t>
+inline void finish_row(const acc_t* o, acc_t m, acc_t l, int64_t Dv, scalar_t* dst, acc_t* lse, acc_t sink2) {
+  if (sink2 == neg_inf<acc_t>() || l != l) {
+    finish_row(o, m, l, Dv, dst, lse);
+    return;
+  }
+  if (sink2 != sink2 || sink2 == -neg_inf<acc_t>()) {  // as attnkit.score_options.add_sinks: NaN -> NaN, +inf -> 0
+    const acc_t fill = sink2 != sink2 ? sink2 : acc_t(0);
+    for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(fill);
+    *lse = sink2;
+    return;
+  }
+  if (l == acc_t(0)) {  // no key: the sink alone
+    for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(0);
+    *lse = sink2 * static_cast<acc_t>(kLn2);
+    return;
+  }
+  const acc_t top = std::max(m, sink2);
+  const acc_t keys = std::exp2(m - top);
+  const acc_t total = l * keys + std::exp2(sink2 - top);
+  store_scaled_row(o, keys / total, Dv, dst);
+  *lse = top * static_cast<acc_t>(kLn2) + std::log(total);
+}
+
 // ---------------------------------------------------------------------------------------------
 // GEMM tiles:  C[r][c] (+)= sum_{k < K} A(r, k) * B[k * ldb + c]   (r < rows, c < cols)
 // with A(r, k) = A[r * sar + k * sak] (so A may be read transposed) and B row-major.

@@ -163,6 +163,13 @@ struct Problem {
   double softcap = 0.0;
   const float* alibi = nullptr;
   int64_t alibi_sb = 0, alibi_sh = 0;
+  // Learned sinks, float32 [H] contiguous (nullptr: none): one more logit of each row's softmax,
+  // folded in by finish_row (the decoding kernel only: the other paths apply them around the op).
+  const float* sinks = nullptr;
+  // Query head h's sink in base 2 (-inf: none).
+  float sink2(int64_t h) const {
+    return sinks ? static_cast<float>(sinks[h] * kLog2e) : -std::numeric_limits<float>::infinity();
+  }
 
   // The keys query row i sees, [key_lo(i), key_hi(i)), before the masks: causality and the
   // window (empty when key_lo >= key_hi).  Both are nondecreasing in i.
@@ -1065,10 +1072,9 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
   const int64_t Mb = p.key_lo(0);
   const int64_t Me = p.key_hi(N - 1) - Mb;
   if (Me <= 0) {
-    for (int64_t row = 0; row < B * H * N; ++row) {
-      std::fill(out + row * Dv, out + (row + 1) * Dv, static_cast<scalar_t>(0));
-      lse[row] = neg_inf<float>();
-    }
+    for (int64_t row = 0; row < B * H * N; ++row)
+      finish_row(static_cast<const float*>(nullptr), neg_inf<float>(), 0.f, Dv, out + row * Dv, lse + row,
+                 p.sink2((row / N) % H));
     return;
   }
   // bfloat16 K multiplies with vdpbf16ps (Q is bfloat16 already, so exact products, float32
@@ -1469,7 +1475,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
         if (splits == 1) {
           for (int64_t r = 0; r < R; ++r) {
             const int64_t row = (b * H + hk * G + r / N) * N + r % N;
-            finish_row(st.o.data() + r * Dv, st.m[r], st.l[r], Dv, out + row * Dv, lse + row);
+            finish_row(st.o.data() + r * Dv, st.m[r], st.l[r], Dv, out + row * Dv, lse + row, p.sink2(hk * G + r / N));
           }
         } else {
           std::copy(st.m.begin(), st.m.end(), part_m.begin() + t * R);
@@ -1502,7 +1508,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
         }
         const int64_t b = pair / Hk, hk = pair % Hk;
         const int64_t row = (b * H + hk * G + r / N) * N + r % N;
-        finish_row(o.data(), mx, l, Dv, out + row * Dv, lse + row);
+        finish_row(o.data(), mx, l, Dv, out + row * Dv, lse + row, p.sink2(hk * G + r / N));
       }
     });
   }
@@ -2015,22 +2021,25 @@ std::tuple<at::Tensor, at::Tensor> softmax_decode_paged_cpu(const at::Tensor& q,
                                                             const at::Tensor& v_cache, const at::Tensor& block_table,
                                                             int64_t length, double scale, int64_t window_left,
                                                             int64_t window_right, double softcap,
-                                                            const c10::optional<at::Tensor>& alibi_slopes) {
+                                                            const c10::optional<at::Tensor>& alibi_slopes,
+                                                            const c10::optional<at::Tensor>& sinks) {
   checks::softmax_decode_paged(checks::cpu_target(), q, k_cache, v_cache, block_table, length, scale, window_left,
-                               window_right, softcap, alibi_slopes);
-  const Problem p = make_problem(q, k_cache.size(1), length, v_cache.size(3), scale, window_left, window_right, softcap,
-                                 alibi_slopes);
+                               window_right, softcap, alibi_slopes, sinks);
+  Problem p = make_problem(q, k_cache.size(1), length, v_cache.size(3), scale, window_left, window_right, softcap,
+                           alibi_slopes);
+  const at::Tensor sink_values = sinks.has_value() && sinks->defined() ? sinks->contiguous() : at::Tensor();
+  if (sink_values.defined()) p.sinks = sink_values.const_data_ptr<float>();
   // Read here as in softmax_fwd_cpu, so that a bad ATTNKIT_CPU_GEMM / ATTNKIT_CPU_BF16 raises.
   (void)cpu_gemm_path(q.scalar_type(), GemmUse::kSoftmax);
   const bool bf16_dot = cpu_bf16_dot_products(GemmUse::kDecode);
   auto out = at::empty({p.B, p.H, p.N, p.Dv}, q.options());
   auto lse = at::empty({p.B, p.H, p.N}, q.options().dtype(at::kFloat));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
-  if (p.M == 0) {
+  if (p.M == 0 && !p.sinks) {
     out.zero_();
     lse.fill_(-std::numeric_limits<double>::infinity());
     return {out, lse};
-  }
+  }  // (with sinks the decoding kernel writes the empty rows: lse = the sink)
   const at::Tensor table = block_table.contiguous();
   const KvPages pages{table.const_data_ptr<int64_t>(), table.stride(0), k_cache.size(2)};
   run_decode(p, bf16_dot, q, k_cache, v_cache, out, lse, &pages);

@@ -36,7 +36,7 @@ How a call becomes kernel calls on the second route:
   is read in place: one call of the decoding kernel per group of equal L_b
   (``attnkit::softmax_decode_paged``: its key tiles cut at the blocks' ends, each tile's rows
   read from their block), bottom-right causality as its window's right bound 0, the score
-  options in the kernel, sinks applied to its (out, lse).  Otherwise (more queries) it is
+  options and the sinks in the kernel.  Otherwise (more queries) it is
   gathered: the blocks of each batch element (block_table) into one contiguous copy per group
   of equal L_b, one ``cat`` of block views each.
 - **bottom-right causality** (query j of Nq sees keys < L - Nq + j + 1): Nq = 1 needs no mask
@@ -98,7 +98,7 @@ def _paged_kernel_fits(backend, q, kv_heads) -> bool:
 
 
 def _decode_paged_fake(q, k_cache, v_cache, block_table, length, scale, window_left=-1, window_right=-1,
-                       softcap=0.0, alibi_slopes=None):
+                       softcap=0.0, alibi_slopes=None, sinks=None):
     """Shapes of attnkit::softmax_decode_paged's results (torch.compile, meta tensors)."""
     batch, heads, nq, _ = q.shape
     return q.new_empty((batch, heads, nq, v_cache.shape[3])), q.new_empty((batch, heads, nq), dtype=torch.float32)
@@ -132,14 +132,15 @@ def _decode_paged_cpu(q, k_cache, v_cache, table, length, scale, is_causal, opti
     """(out, lse) of q [g, H, Nq, D] against the first ``length`` positions of each row of
     ``table`` (int64 [g, max_blocks]), the blocks read in place by the CPU decoding kernel:
     causality bottom-right as the window's right bound 0 (query i sees keys <= length - Nq + i),
-    the other score options as softmax_attention takes them (validated by the same code), sinks
-    applied to the kernel's (out, lse) afterwards."""
+    the other score options as softmax_attention takes them (validated by the same code), the
+    sinks folded into each row's softmax by the kernel (before a 16-bit output is rounded: applied
+    to the finished row they would round it twice)."""
     opts, left, right, softcap, slopes = _kernel_options(q, options)
     if is_causal and q.shape[2] > 1:
         right = 0  # with a window's right bound r >= 0 as well: min(r, 0) = 0
-    out, lse = torch.ops.attnkit.softmax_decode_paged(q, k_cache, v_cache, table, length, scale, left, right,
-                                                      softcap, slopes)
-    return _with_sinks(opts, out, lse)
+    sinks = None if opts is None or opts.sinks is None else opts.sinks.detach().float().contiguous()
+    return torch.ops.attnkit.softmax_decode_paged(q, k_cache, v_cache, table, length, scale, left, right, softcap,
+                                                  slopes, sinks)
 
 
 def _decode_triton(q, k_cache, v_cache, visible, tables, is_causal, scale, options):
