@@ -71,7 +71,7 @@ def decode_table(head_dim: int = 128) -> list[tuple]:
 
     fn = decode._decode_split_kernel
     pointers = dict(Q="*bf16", K="*bf16", V="*bf16", KvLens="*i32", Out="*bf16", Lse="*fp32", PartO="*fp32",
-                    PartL="*fp32", Counters="*i32", Table="*i32", Alibi="*fp32")
+                    PartL="*fp32", Counters="*i32", Table="*i32", Alibi="*fp32", Sinks="*fp32")
     types = {n: pointers.get(n, "fp32" if n in ("qk_scale", "cap_in", "cap_out") else "i32") for n in fn.arg_names}
     unit = dict(stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1)
     divisible = [n for n in fn.arg_names if n in pointers or (n.startswith("stride_") and n not in unit
@@ -85,6 +85,8 @@ def decode_table(head_dim: int = 128) -> list[tuple]:
         consts = dict(unit, HEAD_D=head_dim, HEAD_DV=head_dim, BLOCK_D=head_dim, BLOCK_DV=head_dim, HAS_LENS=True,
                       DIRECT=False, IS_CAUSAL=True, FUSED_MERGE=False, DOT_PREC="tf32", BLOCK_M=bm, BLOCK_N=bn,
                       **{k: bool(v) for k, v in variant.items()})
+        if "HAS_SINKS" in fn.arg_names:  # off: the sinks add one step at the rows' finish
+            consts["HAS_SINKS"] = False
         try:
             result = compile_sm90(fn, types, consts, divisible, warps, stages)
         except Exception as exc:  # a variant that does not compile is the finding
@@ -107,8 +109,8 @@ def softmax_table(which: str, head_dim: int = 128) -> list[tuple]:
     kernel_name, configs_name = _SOFTMAX_KERNELS[which]
     fn = getattr(softmax, kernel_name)
     floats = ("sm_scale", "dropout_p", "cap_in", "cap_out")
-    fp32_pointers = ("Alibi", "Lse", "Delta")
-    tensors = ("Q", "K", "V", "Mask", "Alibi", "Out", "Lse", "dO", "Delta", "dK", "dV", "dQ")
+    fp32_pointers = ("Alibi", "Sinks", "Lse", "Delta")
+    tensors = ("Q", "K", "V", "Mask", "Alibi", "Sinks", "Out", "Lse", "dO", "Delta", "dK", "dV", "dQ")
     pointers = {n: "*fp32" if n in fp32_pointers else "*bf16" for n in fn.arg_names if n in tensors}
     types = {n: pointers.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
     unit = {n: 1 for n in fn.arg_names if n.startswith("stride_") and n.endswith("d") and n != "stride_md"}
@@ -122,6 +124,8 @@ def softmax_table(which: str, head_dim: int = 128) -> list[tuple]:
         consts = dict(unit, HEAD_D=head_dim, HEAD_DV=head_dim, BLOCK_D=head_dim, BLOCK_DV=head_dim, IS_CAUSAL=True,
                       MASK_KIND=0, HAS_DROPOUT=False, DOT_PREC="tf32", BLOCK_M=bm, BLOCK_N=bn,
                       **{k: bool(v) for k, v in variant.items()})
+        if "HAS_SINKS" in fn.arg_names:  # off: the sinks add one step at the rows' finish
+            consts["HAS_SINKS"] = False
         try:
             result = compile_sm90(fn, types, consts, divisible, warps, stages)
         except Exception as exc:

@@ -43,10 +43,13 @@ TORCH_LIBRARY(attnkit, m) {
   // iff i + M - N - window_left <= j <= i + M - N + window_right (bottom-right aligned; -1 =
   // unbounded), intersected with is_causal and the mask; softcap > 0: s = softcap tanh(s / softcap)
   // on s = scale q.k, first; alibi_slopes: None or float32 [B,H] (a stride-0 view of [H] is fine),
-  // s -= slope_bh |i + M - N - j| after the cap, before the masks.  (Sinks are applied around
-  // these ops: attnkit/score_options.py.)  The cuda kernels take the defaults only.
+  // s -= slope_bh |i + M - N - j| after the cap, before the masks; sinks: None or float32 [H], one
+  // more logit of each row's softmax with no value (Z_i = sum_j exp(s_ij) + exp(sink_h)), folded
+  // in before the row is rounded to q's dtype (out and lse are then those with the sink; a row
+  // with no visible key: out 0, lse = the sink).  softmax_bwd takes them as they are: it needs no
+  // sinks argument (attnkit/score_options.py gives d sinks).  The cuda kernels take the defaults only.
   // Returns out [B,H,N,Dv] (q's dtype) and lse [B,H,N] (float32; float64 for float64 inputs).
-  m.def("softmax_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal, int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor, Tensor)");
+  m.def("softmax_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal, int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None) -> (Tensor, Tensor)");
   // The decoding forward against a paged KV cache, read in place (CPU; issue 28's
   // attention_with_kvcache): q [B,H,N,D] (N <= 16, N * H / Hk <= 64), k_cache / v_cache
   // [num_blocks, Hk, block_size, D / Dv], block_table int64 [B, max_blocks]: key position p < length
@@ -252,7 +255,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // softmax: the score options default as in the schema.
   c.def("softmax_fwd", &checks::softmax_fwd, py::arg("target"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("mask"), py::arg("scale"), py::arg("is_causal"), py::arg("window_left") = -1,
-        py::arg("window_right") = -1, py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none());
+        py::arg("window_right") = -1, py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none(),
+        py::arg("sinks") = py::none());
   c.def("softmax_bwd", &checks::softmax_bwd, py::arg("target"), py::arg("grad_out"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("mask"), py::arg("scale"), py::arg("is_causal"),
         py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.0,

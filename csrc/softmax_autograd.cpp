@@ -44,8 +44,9 @@ std::tuple<at::Tensor, at::Tensor> call_softmax_fwd(const at::Tensor& q, const a
           .findSchemaOrThrow("attnkit::softmax_fwd", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const std::optional<at::Tensor>&, double, bool, int64_t, int64_t,
-                                                    double, const std::optional<at::Tensor>&)>();
-  return op.call(q, k, v, mask, scale, is_causal, -1, -1, 0.0, std::nullopt);
+                                                    double, const std::optional<at::Tensor>&,
+                                                    const std::optional<at::Tensor>&)>();
+  return op.call(q, k, v, mask, scale, is_causal, -1, -1, 0.0, std::nullopt, std::nullopt);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_softmax_bwd(const at::Tensor& grad_out, const at::Tensor& q,

@@ -132,6 +132,36 @@ def finish_rows(acc, l_i, m_i):
 
 
 @triton.jit
+def fold_sink(acc, l_i, m_i, sink, LOG2_SCALE: tl.constexpr):
+    """(acc, l, m) of online-softmax rows with one more logit ``sink`` of value 0 -- a learned
+    sink (issue 28) -- folded in before the rows are finished and rounded: one rounding of a
+    16-bit row, where adding it to the finished (out, lse) would round twice.
+
+    ``m_i`` and ``sink`` (a scalar or one per row) in the same log base: base 2 with
+    ``LOG2_SCALE`` 1.0 (the kernels' running max), natural with ``LOG2_SCALE`` log2(e) (the
+    decode merges).  A row that saw no key gets l = 1 and m = the sink (out 0, lse = the sink);
+    with a -inf sink too, out 0 and lse -inf.  A NaN row or sink stays NaN, and a +inf sink
+    gives out 0, lse +inf (as :func:`attnkit.score_options.add_sinks`): the sink's own weight is
+    exactly 1 whenever it is the new max (+inf included), never exp2(inf - inf)."""
+    top = tl.maximum(m_i, sink)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    keys = tl.math.exp2((m_i - top_safe) * LOG2_SCALE)
+    sink_w = tl.where(sink == top, 1.0, tl.math.exp2((sink - top_safe) * LOG2_SCALE))
+    return acc * keys[:, None], l_i * keys + sink_w, top
+
+
+@triton.jit
+def finish_rows_sink(acc, l_i, m_i, sink):
+    """:func:`finish_rows` of base-2 rows with the learned sink ``sink`` (natural log; a scalar
+    or one per row) folded in (:func:`fold_sink`); a row that saw no key gets lse = the sink
+    exactly, not its round trip through base 2."""
+    seen = l_i != 0.0
+    acc, l_i, m_i = fold_sink(acc, l_i, m_i, sink * _LOG2E, 1.0)
+    out, lse = finish_rows(acc, l_i, m_i)
+    return out, tl.where(seen, lse, sink)
+
+
+@triton.jit
 def load_row_stats(lse_base, delta_base, rows, row_ok):
     """(lse in base 2, delta) of the rows: what the backward needs to rebuild p and dS."""
     lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))
@@ -354,6 +384,22 @@ def score_option_args(fn, q, B, H, scale, window_left, window_right, softcap, al
     consts = dict(HAS_WINDOW=left >= 0 or right >= 0, HAS_SOFTCAP=has_softcap,
                   HAS_ALIBI=alibi_slopes is not None)
     return ScoreOptionArgs(left, right, cap_in, cap_out, alibi, alibi_strides, consts)
+
+
+def sink_args(fn, q, H, sinks) -> tuple:
+    """``(pointer, HAS_SINKS)`` of a launcher's learned sinks (None, or float32 ``[H]`` on q's
+    device; contiguous): q stands in for the pointer when there are none (never read)."""
+    if sinks is None:
+        return q, False
+    if not torch.is_tensor(sinks):
+        raise TypeError(f"{fn}: sinks must be a float32 tensor [H]; got {type(sinks).__name__}")
+    if sinks.dtype != torch.float32:
+        raise TypeError(f"{fn}: sinks must be float32; got {sinks.dtype}")
+    if tuple(sinks.shape) != (H,):
+        raise ValueError(f"{fn}: sinks must have shape [H] = [{H}]; got {list(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"{fn}: sinks must be on q's device ({q.device}); got {sinks.device}")
+    return sinks.detach().contiguous(), True
 
 
 def check_attention_shapes(fn: str, q, k, v, max_head_dim: int = MAX_HEAD_DIM, paged: bool = False) -> None:

@@ -93,8 +93,9 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ._flash import (INTERPRETED, MAX_HEAD_DIM, SUPPORTED_DTYPES, _LN2, _LOG2E, accumulate_pv, cdiv,
-                     check_attention_shapes, finish_rows, launch, load_2d, load_rows, next_pow2,
-                     online_softmax_update, option_scores, pow2, score_option_args)
+                     check_attention_shapes, finish_rows, finish_rows_sink, fold_sink, launch,
+                     load_2d, load_rows, next_pow2, online_softmax_update, option_scores, pow2,
+                     score_option_args, sink_args)
 
 __all__ = [
     "softmax_decode_fwd",
@@ -157,7 +158,7 @@ _SMEM_LIMIT = 232448
 # + dtypes (automatic).  The merge variant and the masking are constexprs the autotuner would not
 # tell apart otherwise: a config tuned for one must not be reused for the other.
 _TUNE_KEY = ["HEAD_D", "HEAD_DV", "GROUP", "N", "NUM_SPLITS", "IS_CAUSAL", "FUSED_MERGE", "HAS_WINDOW",
-             "HAS_SOFTCAP", "HAS_ALIBI"]
+             "HAS_SOFTCAP", "HAS_ALIBI", "HAS_SINKS"]
 
 
 def _row_tile(rows: int, config, block_d: int, block_dv: int, esize: int) -> int:
@@ -338,10 +339,12 @@ def _finish_merge(acc, l, m, poisoned):
 
 
 @triton.jit
-def _merge_row_partials(PartO, PartL, row, row_ok, NUM_SPLITS, offs_dv,
-                        HEAD_DV: tl.constexpr, ROWS: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """out, lse of the flat rows ``row`` [ROWS] from their NUM_SPLITS partials, one split at a
-    time (a [ROWS, BLOCK_DV] tile each), merged online like _decode_merge_kernel."""
+def _merge_row_partials(PartO, PartL, Sinks, row, h, row_ok, NUM_SPLITS, offs_dv,
+                        HEAD_DV: tl.constexpr, ROWS: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        HAS_SINKS: tl.constexpr):
+    """out, lse of the flat rows ``row`` [ROWS] (query heads ``h``) from their NUM_SPLITS
+    partials, one split at a time (a [ROWS, BLOCK_DV] tile each), merged online like
+    _decode_merge_kernel, with the heads' sinks folded in last."""
     dv_ok = offs_dv < HEAD_DV
     m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l = tl.zeros([ROWS], dtype=tl.float32)
@@ -365,13 +368,16 @@ def _merge_row_partials(PartO, PartL, row, row_ok, NUM_SPLITS, offs_dv,
         acc = acc * alpha[:, None] + w[:, None] * o_s
         l = l * alpha + w
         m = m_new
+    if HAS_SINKS:  # the partials are the keys' alone: the sink joins at the merge (natural log)
+        acc, l, m = fold_sink(acc, l, m, tl.load(Sinks + h, mask=row_ok, other=0.0), _LOG2E)
     return _finish_merge(acc, l, m, poisoned)
 
 
 @triton.jit
-def _fused_merge(PartO, PartL, Out, Lse, b, hk, rb, H, N, GROUP, NUM_SPLITS,
+def _fused_merge(PartO, PartL, Sinks, Out, Lse, b, hk, rb, H, N, GROUP, NUM_SPLITS,
                  stride_ob, stride_oh, stride_on, stride_od,
-                 HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr):
+                 HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                 HAS_SINKS: tl.constexpr):
     """The last program's merge of its row block: out and lse of rows ``rb * BLOCK_M ...`` from
     the partials, in sub-blocks of at most 32 rows -- at 128-row tiles one [128, Dv] tile of
     partials (and its 64-bit addresses) on top of the accumulator spilled 5 KB per thread (an
@@ -387,8 +393,8 @@ def _fused_merge(PartO, PartL, Out, Lse, b, hk, rb, H, N, GROUP, NUM_SPLITS,
         qi = rows - g * N
         h = hk * GROUP + g
         row = (b * H + h) * N + qi
-        out, lse = _merge_row_partials(PartO, PartL, row, row_ok, NUM_SPLITS, offs_dv, HEAD_DV,
-                                       SUB, BLOCK_DV)
+        out, lse = _merge_row_partials(PartO, PartL, Sinks, row, h, row_ok, NUM_SPLITS, offs_dv,
+                                       HEAD_DV, SUB, BLOCK_DV, HAS_SINKS)
         o_ptrs = (Out + b * stride_ob + h[:, None] * stride_oh + qi[:, None] * stride_on
                   + offs_dv[None, :] * stride_od)
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
@@ -397,7 +403,7 @@ def _fused_merge(PartO, PartL, Out, Lse, b, hk, rb, H, N, GROUP, NUM_SPLITS,
 
 @triton.jit(do_not_specialize=["M", "NUM_SPLITS", "win_left", "win_right"])
 def _decode_split_kernel(
-    Q, K, V, KvLens, Out, Lse, PartO, PartL, Counters, Table, Alibi,
+    Q, K, V, KvLens, Out, Lse, PartO, PartL, Counters, Table, Alibi, Sinks,
     qk_scale, win_left, win_right, cap_in, cap_out,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -409,7 +415,7 @@ def _decode_split_kernel(
     HAS_LENS: tl.constexpr, DIRECT: tl.constexpr, IS_CAUSAL: tl.constexpr,
     FUSED_MERGE: tl.constexpr, DOT_PREC: tl.constexpr, PAGED: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One (row block, split) x kv head x batch program: the group's stacked query rows against
     the split's keys.  Grid: (row_blocks * NUM_SPLITS, Hk, B), row block fastest.
@@ -509,7 +515,10 @@ def _decode_split_kernel(
                                       table_row, block_size, stride_kb, stride_vb,
                                       HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, DOT_PREC, BLOCK_N, True, PAGED,
                                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, False)
-    out, lse = finish_rows(acc, l_i, m_i)
+    if HAS_SINKS and DIRECT:  # the rows' sinks, folded in before the rounding (else at the merge)
+        out, lse = finish_rows_sink(acc, l_i, m_i, tl.load(Sinks + h, mask=row_ok, other=0.0))
+    else:
+        out, lse = finish_rows(acc, l_i, m_i)
 
     row = (b * H + h) * N + qi  # flat (b, h, i) index: lse [B, H, N] and the partials
     dv_ok = offs_dv[None, :] < HEAD_DV
@@ -531,22 +540,23 @@ def _decode_split_kernel(
             tl.debug_barrier()
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == NUM_SPLITS - 1:
-                _fused_merge(PartO, PartL, Out, Lse, b, hk, rb, H, N, GROUP, NUM_SPLITS,
+                _fused_merge(PartO, PartL, Sinks, Out, Lse, b, hk, rb, H, N, GROUP, NUM_SPLITS,
                              stride_ob, stride_oh, stride_on, stride_od,
-                             HEAD_DV, BLOCK_DV, BLOCK_M)
+                             HEAD_DV, BLOCK_DV, BLOCK_M, HAS_SINKS)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["NUM_SPLITS"])
 def _decode_merge_kernel(
-    PartO, PartL, Out, Lse,
+    PartO, PartL, Sinks, Out, Lse,
     stride_ob, stride_oh, stride_on, stride_od,
     H, N, ROWS, NUM_SPLITS,
     HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """out, lse of BLOCK_R flat (b, h, i) rows from their NUM_SPLITS partials each (grid:
-    cdiv(B * H * N, BLOCK_R)); BLOCK_S splits at a time, merged online."""
+    cdiv(B * H * N, BLOCK_R)); BLOCK_S splits at a time, merged online, then the heads'
+    sinks."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < ROWS
     qi = rows % N
@@ -579,6 +589,8 @@ def _decode_merge_kernel(
         acc = acc * alpha[:, None] + tl.sum(contrib, 1)
         l = l * alpha + tl.sum(w, 1)
         m = m_new
+    if HAS_SINKS:
+        acc, l, m = fold_sink(acc, l, m, tl.load(Sinks + h, mask=row_ok, other=0.0), _LOG2E)
     out, lse = _finish_merge(acc, l, m, poisoned)
     o_ptrs = (Out + b[:, None] * stride_ob + h[:, None] * stride_oh + qi[:, None] * stride_on
               + offs_dv[None, :] * stride_od)
@@ -777,7 +789,7 @@ def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
 
 def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, config=None,
                        is_causal=True, merge=None, block_table=None, window_left=-1, window_right=-1,
-                       softcap=0.0, alibi_slopes=None):
+                       softcap=0.0, alibi_slopes=None, sinks=None):
     """Split-KV decoding forward.  Returns ``(out [B, H, N, Dv] in q.dtype, lse [B, H, N]
     float32)``; see the module docstring for the semantics (bottom-right causal alignment,
     ``kv_lens``, dead rows, NaN).
@@ -800,8 +812,10 @@ def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, co
     position ``p = L_b - N + i``): ``window_left`` / ``window_right`` (-1 = unbounded) -- query i
     sees key j iff ``p - left <= j <= p + right``, on top of ``is_causal`` (the key tiles before
     the band are never read: the cost follows the window); ``softcap`` (> 0: ``s = softcap *
-    tanh(s / softcap)``); ``alibi_slopes`` (float32 ``[H]`` or ``[B, H]``: ``s -= slope * |p - j|``).
-    No autograd: the results carry no graph.
+    tanh(s / softcap)``); ``alibi_slopes`` (float32 ``[H]`` or ``[B, H]``: ``s -= slope * |p - j|``);
+    ``sinks`` (float32 ``[H]``: one more logit of each row's softmax with no value, folded in at
+    the rows' finish or at the merge -- one rounding of a 16-bit row; a row with no key: out 0,
+    lse = the sink).  No autograd: the results carry no graph.
     """
     fn = "softmax_decode_fwd"
     paged = block_table is not None
@@ -823,6 +837,7 @@ def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, co
         raise TypeError(f"{fn}: is_causal must be a bool; got {type(is_causal).__name__}")
     merge = _check_merge(fn, merge)
     opts = score_option_args(fn, q, B, H, scale, window_left, window_right, softcap, alibi_slopes)
+    sinks_t, has_sinks = sink_args(fn, q, H, sinks)
     # An unbounded side (-1), or one wider than every sequence, as M + N: it hides nothing.
     win_left = M + N if opts.left < 0 else min(opts.left, M + N)
     win_right = M + N if opts.right < 0 else min(opts.right, M + N)
@@ -835,9 +850,13 @@ def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, co
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     if B * H * N == 0:
         return out, lse
-    if M == 0:  # no key at all: every row is dead
+    if M == 0:  # no key at all: every row is dead (with sinks: the sink alone)
         out.zero_()
         lse.fill_(float("-inf"))
+        if has_sinks:
+            from .. import score_options
+
+            return score_options.add_sinks(out, lse, sinks_t)
         return out, lse
 
     # With a window the keys read are at most its left side and the N query positions.
@@ -856,20 +875,20 @@ def softmax_decode_fwd(q, k, v, scale=None, *, kv_lens=None, num_splits=None, co
     lens_t, lens_stride = (q, 0) if kv_lens is None else (kv_lens, kv_lens.stride(0))
 
     table_t, table_stride = (block_table, block_table.stride(0)) if paged else (lens_t, 0)
-    args = (q, k, v, lens_t, out, lse, part_o, part_l, counters, table_t, opts.alibi,
+    args = (q, k, v, lens_t, out, lse, part_o, part_l, counters, table_t, opts.alibi, sinks_t,
             scale * 1.4426950408889634, win_left, win_right, opts.cap_in, opts.cap_out,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), lens_stride, table_stride,
             *opts.alibi_strides, block_size, H, N, M, group, splits)
     consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
                   HAS_LENS=kv_lens is not None, DIRECT=direct, IS_CAUSAL=is_causal,
                   FUSED_MERGE=fused, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                  PAGED=paged, **opts.consts)
+                  PAGED=paged, **opts.consts, HAS_SINKS=has_sinks)
     launch(_decode_split_kernel, lambda: _autotuned(D, Dv, rows, q.dtype),
            lambda: configs_for(D, Dv, rows, q.dtype),
            lambda bm, bn: (cdiv(rows, bm) * splits, Hk, B), args, consts, config)
     if not direct and not fused:
         block_s, block_r = _merge_tiles(splits, block_dv, B * H * N)
         wrap_triton(_decode_merge_kernel)[(cdiv(B * H * N, block_r),)](
-            part_o, part_l, out, lse, *out.stride(), H, N, B * H * N, splits,
-            HEAD_DV=Dv, BLOCK_DV=block_dv, BLOCK_S=block_s, BLOCK_R=block_r)
+            part_o, part_l, sinks_t, out, lse, *out.stride(), H, N, B * H * N, splits,
+            HEAD_DV=Dv, BLOCK_DV=block_dv, BLOCK_S=block_s, BLOCK_R=block_r, HAS_SINKS=has_sinks)
     return out, lse

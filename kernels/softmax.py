@@ -69,9 +69,10 @@ from torch.library import wrap_triton
 from .._env import env_reader
 from ._flash import (INTERPRETED, MAX_HEAD_DIM, SUPPORTED_DTYPES, _LOG2E, accumulate_pv, cdiv,
                      check_attention_shapes, check_backward_inputs, config_list, dk_step,
-                     dot_precision, dq_step, finish_rows, fitting, launch, load_bwd_rows,
-                     load_row_pair, load_rows, next_pow2, online_softmax_update, pow2, scores,
-                     option_scores, score_option_args, split_config, store_rows, strides, tanh_and_grad)
+                     dot_precision, dq_step, finish_rows, finish_rows_sink, fitting, launch,
+                     load_bwd_rows, load_row_pair, load_rows, next_pow2, online_softmax_update, pow2,
+                     scores, option_scores, score_option_args, sink_args, split_config, store_rows,
+                     strides, tanh_and_grad)
 
 __all__ = [
     "softmax_fwd",
@@ -115,7 +116,8 @@ def configs_for(kernel: str, head_dim: int, value_dim: int | None = None) -> lis
 
 @functools.lru_cache(maxsize=None)
 def _autotuned(kernel: str, dmax: int):
-    return triton.autotune(configs=configs_for(kernel, dmax), key=_TUNE_KEY)(_kernel(kernel))
+    key = _TUNE_KEY + ["HAS_SINKS"] if kernel == "fwd" else _TUNE_KEY  # (the forward's only)
+    return triton.autotune(configs=configs_for(kernel, dmax), key=key)(_kernel(kernel))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,7 +322,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Mask, Alibi, Out, Lse,
+    Q, K, V, Mask, Alibi, Sinks, Out, Lse,
     sm_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -332,7 +334,7 @@ def _attn_fwd_kernel(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m, h, b, hk = _query_program(GROUP, IS_CAUSAL)
@@ -380,7 +382,10 @@ def _attn_fwd_kernel(
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, HAS_WINDOW,
         HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, True, HAS_WINDOW)
 
-    out, lse = finish_rows(acc, l_i, m_i)
+    if HAS_SINKS:  # head h's sink: one more logit of each row, folded in before the rounding
+        out, lse = finish_rows_sink(acc, l_i, m_i, tl.load(Sinks + h))
+    else:
+        out, lse = finish_rows(acc, l_i, m_i)
     if HAS_DROPOUT:
         out = out * (1.0 / (1.0 - dropout_p))
     store_rows(Out + b * stride_ob + h * stride_oh, offs_m, stride_on, offs_dv, stride_od, row_ok,
@@ -846,21 +851,24 @@ def _launch(name, dmax, grid, args, consts, config):
 
 
 def softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=0, config=None, *,
-                window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+                window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
     """Flash-attention forward.  Returns ``(out [B, H, N, Dv] in q.dtype, lse [B, H, N] f32)``.
 
     ``scale`` None means 1/sqrt(D).  ``config``: a ``triton.Config`` with BLOCK_M / BLOCK_N
     (and num_warps / num_stages) to skip autotuning; see ``FWD_CONFIGS``.  ``window_left`` /
     ``window_right`` (-1 = unbounded), ``softcap`` (0.0 = off), ``alibi_slopes`` (float32
-    [B, H] or [H], None = off): the score options of the module docstring.
+    [B, H] or [H], None = off): the score options of the module docstring.  ``sinks`` (float32
+    [H], None = off): one more logit of each row's softmax with no value, folded into the rows
+    before they are rounded; out and lse are then those with the sink (a row with no visible
+    key: out 0, lse = the sink), as :func:`softmax_bwd` takes them.
     """
     fn = "softmax_fwd"
     _check_inputs(fn, q, k, v, dropout_p)
     B, H, N, D = q.shape
     Hk, M, Dv = k.shape[1], k.shape[2], v.shape[3]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if _fast_path(q, k, v, mask, dropout_p, config, window_left, window_right, softcap,
-                  alibi_slopes):
+    if sinks is None and _fast_path(q, k, v, mask, dropout_p, config, window_left, window_right,
+                                    softcap, alibi_slopes):
         from .softmax_hopper import fast_fwd
 
         return fast_fwd(q, k, v, scale, is_causal)
@@ -869,21 +877,26 @@ def softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=0, config=N
     mask_kind, mask_t, mask_strides = _prepare_mask(fn, mask, q, B, H, N, M)
     opt_args, alibi, alibi_strides, opt_consts = _prepare_options(
         fn, q, B, H, N, M, scale, window_left, window_right, softcap, alibi_slopes)
+    sinks_t, has_sinks = sink_args(fn, q, H, sinks)
     if B * H * N == 0:
         return out, lse
-    if M == 0:  # no key at all: every row is fully masked
+    if M == 0:  # no key at all: every row is fully masked (with sinks: the sink alone)
         out.zero_()
         lse.fill_(float("-inf"))
+        if has_sinks:
+            from .. import score_options
+
+            return score_options.add_sinks(out, lse, sinks_t)
         return out, lse
     has_dropout = dropout_p > 0.0
     block_d, block_dv = pow2(D), pow2(Dv)
-    args = (q, k, v, mask_t, alibi, out, lse,
+    args = (q, k, v, mask_t, alibi, sinks_t, out, lse,
             scale, float(dropout_p) if has_dropout else 0.0, int(seed) if has_dropout else 0,
             *opt_args, *strides(q), *strides(k), *strides(v), *mask_strides, *alibi_strides,
             *strides(out), H, N, M, H // Hk)
     consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
                   IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout,
-                  **opt_consts, DOT_PREC=dot_precision(q.dtype))
+                  **opt_consts, HAS_SINKS=has_sinks, DOT_PREC=dot_precision(q.dtype))
     _launch("fwd", max(block_d, block_dv), lambda bm, bn: (cdiv(N, bm), H, B), args,
             consts, config)
     return out, lse

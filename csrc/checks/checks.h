@@ -81,7 +81,8 @@ inline void put(std::string& s, const Op& op) {
 void softmax_fwd(const Target& t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const std::optional<at::Tensor>& mask, double scale, bool is_causal, int64_t window_left = -1,
                  int64_t window_right = -1, double softcap = 0.0,
-                 const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
+                 const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
+                 const std::optional<at::Tensor>& sinks = std::nullopt);
 // The paged decoding forward (CPU): q [B,H,N,D] with N <= 16 and N * H / Hk <= 64 (the decoding
 // kernel's rows), caches [num_blocks, Hk, block_size, D / Dv], block_table int64 [B, max_blocks]
 // whose first ceil(length / block_size) entries of each row are blocks of the cache, length >= 0;

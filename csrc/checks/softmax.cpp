@@ -86,15 +86,32 @@ void check_score_options(const Op& op, const at::Tensor& q, int64_t window_left,
   }
 }
 
+// sinks: None or float32 [H] on q's device, one logit a query head that the kernel folds into
+// each row's softmax.  The cuda kernels do not (attnkit's Python layer applies the sinks around
+// them), so the cuda target refuses them.
+void check_sinks(const Op& op, const at::Tensor& q, const std::optional<at::Tensor>& sinks) {
+  if (!defined(sinks)) return;
+  const at::Tensor& s = *sinks;
+  const int64_t H = q.size(1);
+  ATTNKIT_CHECK(s.dim() == 1 && s.size(0) == H, op, ": sinks must have shape [H] = [", H, "]; got ", s.sizes());
+  ATTNKIT_CHECK(s.scalar_type() == at::kFloat, op, ": sinks must be Float; got ", s.scalar_type());
+  check_same_device(op, "sinks", s, "q", q);
+  ATTNKIT_CHECK(!op.target.cuda(), op,
+                ": the cuda kernels do not fold sinks into the softmax; got sinks (attnkit.softmax_attention "
+                "applies them around the kernel there)");
+}
+
 }  // namespace
 
 void softmax_fwd(const Target& t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const std::optional<at::Tensor>& mask, double /*scale*/, bool /*is_causal*/, int64_t window_left,
-                 int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+                 int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                 const std::optional<at::Tensor>& sinks) {
   const Op op{"softmax_fwd", t};
   check_qkv(op, q, k, v, defined(mask));
   check_mask(op, mask, q, k);
   check_score_options(op, q, window_left, window_right, softcap, alibi_slopes);
+  check_sinks(op, q, sinks);
 }
 
 void softmax_decode_paged(const Target& t, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -121,12 +138,7 @@ void softmax_decode_paged(const Target& t, const at::Tensor& q, const at::Tensor
                 ", H = ", H, ", Hk = ", Hk);
   ATTNKIT_CHECK(length >= 0, op, ": length must be >= 0; got ", length);
   check_score_options(op, q, window_left, window_right, softcap, alibi_slopes);
-  if (defined(sinks)) {  // one logit a query head, folded into each row's softmax by the kernel
-    const at::Tensor& s = *sinks;
-    ATTNKIT_CHECK(s.dim() == 1 && s.size(0) == H, op, ": sinks must have shape [H] = [", H, "]; got ", s.sizes());
-    ATTNKIT_CHECK(s.scalar_type() == at::kFloat, op, ": sinks must be Float; got ", s.scalar_type());
-    check_same_device(op, "sinks", s, "q", q);
-  }
+  check_sinks(op, q, sinks);
   ATTNKIT_CHECK(block_size > 0 || length == 0, op, ": the cache has block_size 0; got ", k_cache.sizes());
   ATTNKIT_CHECK(block_table.dim() == 2 && block_table.size(0) == B, op, ": block_table must be [B, max_blocks] with B = ",
                 B, "; got ", block_table.sizes());
@@ -183,9 +195,10 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cuda_checked(const at::Tensor& q,
                                                             const at::Tensor& v, const std::optional<at::Tensor>& mask,
                                                             double scale, bool is_causal, int64_t window_left,
                                                             int64_t window_right, double softcap,
-                                                            const std::optional<at::Tensor>& alibi_slopes) {
+                                                            const std::optional<at::Tensor>& alibi_slopes,
+                                                            const std::optional<at::Tensor>& sinks) {
   checks::softmax_fwd(checks::cuda_target(q), q, k, v, mask, scale, is_causal, window_left, window_right, softcap,
-                      alibi_slopes);
+                      alibi_slopes, sinks);
   auto result = softmax_fwd_cuda(q, k, v, mask, scale, is_causal);
   checks::raise_cuda_error("softmax_fwd");
   return result;

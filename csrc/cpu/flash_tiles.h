@@ -83,29 +83,30 @@ inline void finish_row(const acc_t* o, acc_t m, acc_t l, int64_t Dv, scalar_t* d
   }
 }
 
-// finish_row with a learned sink (issue 28; sink2 = the sink's logit in base 2, -inf: none): one
-// more term of the row's softmax, with no value -- l' = l 2^(m - M) + 2^(sink2 - M) over
-// M = max(m, sink2), dst = o 2^(m - M) / l', lse = ln 2 * M + ln l'.  Folded in here, before the
-// row is rounded to scalar_t: applied to a finished 16-bit row it rounds twice (up to ~1 ulp;
-// tests/fuzz/test_regressions.py).  A row that saw no key: 0 and lse = the sink; a NaN row stays
-// NaN.
+// finish_row with a learned sink (issue 28; sink = the sink's logit, natural log, -inf: none):
+// one more term of the row's softmax, with no value -- over s2 = sink log2 e and M = max(m, s2),
+// l' = l 2^(m - M) + 2^(s2 - M), dst = o 2^(m - M) / l', lse = ln 2 * M + ln l'.  Folded in here,
+// before the row is rounded to scalar_t: applied to a finished 16-bit row it rounds twice (up to
+// ~1 ulp; tests/fuzz/test_regressions.py).  A row that saw no key: 0 and lse = the sink exactly;
+// a NaN row stays NaN; as attnkit.score_options.add_sinks, a NaN sink gives NaN and +inf 0, +inf.
 template <typename scalar_t, typename acc_t>
-inline void finish_row(const acc_t* o, acc_t m, acc_t l, int64_t Dv, scalar_t* dst, acc_t* lse, acc_t sink2) {
-  if (sink2 == neg_inf<acc_t>() || l != l) {
+inline void finish_row(const acc_t* o, acc_t m, acc_t l, int64_t Dv, scalar_t* dst, acc_t* lse, acc_t sink) {
+  if (sink == neg_inf<acc_t>() || l != l) {
     finish_row(o, m, l, Dv, dst, lse);
     return;
   }
-  if (sink2 != sink2 || sink2 == -neg_inf<acc_t>()) {  // as attnkit.score_options.add_sinks: NaN -> NaN, +inf -> 0
-    const acc_t fill = sink2 != sink2 ? sink2 : acc_t(0);
+  if (sink != sink || sink == -neg_inf<acc_t>()) {
+    const acc_t fill = sink != sink ? sink : acc_t(0);
     for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(fill);
-    *lse = sink2;
+    *lse = sink;
     return;
   }
   if (l == acc_t(0)) {  // no key: the sink alone
     for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(0);
-    *lse = sink2 * static_cast<acc_t>(kLn2);
+    *lse = sink;
     return;
   }
+  const acc_t sink2 = sink * static_cast<acc_t>(kLog2e);
   const acc_t top = std::max(m, sink2);
   const acc_t keys = std::exp2(m - top);
   const acc_t total = l * keys + std::exp2(sink2 - top);

@@ -164,11 +164,13 @@ struct Problem {
   const float* alibi = nullptr;
   int64_t alibi_sb = 0, alibi_sh = 0;
   // Learned sinks, float32 [H] contiguous (nullptr: none): one more logit of each row's softmax,
-  // folded in by finish_row (the decoding kernel only: the other paths apply them around the op).
+  // folded in by finish_row before a row is rounded to its dtype (the flash forward and the
+  // decoding kernel; the backward takes the rows and lse with the sink in them).
   const float* sinks = nullptr;
-  // Query head h's sink in base 2 (-inf: none).
-  float sink2(int64_t h) const {
-    return sinks ? static_cast<float>(sinks[h] * kLog2e) : -std::numeric_limits<float>::infinity();
+  // Query head h's sink (-inf: none), as finish_row takes it.
+  template <typename acc_t = float>
+  acc_t sink(int64_t h) const {
+    return sinks ? static_cast<acc_t>(sinks[h]) : -std::numeric_limits<acc_t>::infinity();
   }
 
   // The keys query row i sees, [key_lo(i), key_hi(i)), before the masks: causality and the
@@ -671,7 +673,7 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, bool bf16_dot, const sc
         }
         for (int64_t r = 0; r < qn; ++r) {
           const int64_t row = (b * H + h) * N + q0 + r;
-          finish_row(st.o.data() + r * Dv, st.m[r], st.l[r], Dv, out + row * Dv, lse + row);
+          finish_row(st.o.data() + r * Dv, st.m[r], st.l[r], Dv, out + row * Dv, lse + row, p.sink<acc_t>(h));
         }
       });
 }
@@ -1074,7 +1076,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
   if (Me <= 0) {
     for (int64_t row = 0; row < B * H * N; ++row)
       finish_row(static_cast<const float*>(nullptr), neg_inf<float>(), 0.f, Dv, out + row * Dv, lse + row,
-                 p.sink2((row / N) % H));
+                 p.sink((row / N) % H));
     return;
   }
   // bfloat16 K multiplies with vdpbf16ps (Q is bfloat16 already, so exact products, float32
@@ -1475,7 +1477,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
         if (splits == 1) {
           for (int64_t r = 0; r < R; ++r) {
             const int64_t row = (b * H + hk * G + r / N) * N + r % N;
-            finish_row(st.o.data() + r * Dv, st.m[r], st.l[r], Dv, out + row * Dv, lse + row, p.sink2(hk * G + r / N));
+            finish_row(st.o.data() + r * Dv, st.m[r], st.l[r], Dv, out + row * Dv, lse + row, p.sink(hk * G + r / N));
           }
         } else {
           std::copy(st.m.begin(), st.m.end(), part_m.begin() + t * R);
@@ -1508,7 +1510,7 @@ void softmax_decode_kernel(const Problem& p, GemmPath path, bool bf16_dot, const
         }
         const int64_t b = pair / Hk, hk = pair % Hk;
         const int64_t row = (b * H + hk * G + r / N) * N + r % N;
-        finish_row(o.data(), mx, l, Dv, out + row * Dv, lse + row, p.sink2(hk * G + r / N));
+        finish_row(o.data(), mx, l, Dv, out + row * Dv, lse + row, p.sink(hk * G + r / N));
       }
     });
   }
@@ -1981,11 +1983,14 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
                                                    const c10::optional<at::Tensor>& mask,
                                                    double scale, bool is_causal, int64_t window_left,
                                                    int64_t window_right, double softcap,
-                                                   const c10::optional<at::Tensor>& alibi_slopes) {
+                                                   const c10::optional<at::Tensor>& alibi_slopes,
+                                                   const c10::optional<at::Tensor>& sinks) {
   checks::softmax_fwd(checks::cpu_target(), q, k, v, mask, scale, is_causal, window_left, window_right,
-                      softcap, alibi_slopes);
-  const Problem p = make_problem(q, k, v, mask, scale, is_causal, window_left, window_right, softcap,
-                                 alibi_slopes);
+                      softcap, alibi_slopes, sinks);
+  Problem p = make_problem(q, k, v, mask, scale, is_causal, window_left, window_right, softcap,
+                           alibi_slopes);
+  const at::Tensor sink_values = sinks.has_value() && sinks->defined() ? sinks->contiguous() : at::Tensor();
+  if (sink_values.defined()) p.sinks = sink_values.const_data_ptr<float>();
   // The tile-GEMM path of the flash forward and of the decoding path (read here, so that a bad
   // ATTNKIT_CPU_GEMM raises on every call).
   const GemmPath path = cpu_gemm_path(q.scalar_type(), GemmUse::kSoftmax);
@@ -1996,9 +2001,20 @@ std::tuple<at::Tensor, at::Tensor> softmax_fwd_cpu(const at::Tensor& q, const at
   auto out = at::empty({p.B, p.H, p.N, p.Dv}, q.options());
   auto lse = at::empty({p.B, p.H, p.N}, q.options().dtype(acc_type_of(q.scalar_type())));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
-  if (p.M == 0) {  // no keys: every row is fully masked
+  if (p.M == 0 && !p.sinks) {  // no keys: every row is fully masked
     out.zero_();
     lse.fill_(-std::numeric_limits<double>::infinity());
+    return {out, lse};
+  }
+  if (p.M == 0) {  // no keys, sinks: each row is its head's sink alone (finish_row's special values)
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_fwd", [&] {
+      using acc_t = acc_of<scalar_t>;
+      scalar_t* o = out.mutable_data_ptr<scalar_t>();
+      acc_t* l = lse.mutable_data_ptr<acc_t>();
+      for (int64_t row = 0; row < p.B * p.H * p.N; ++row)
+        finish_row(static_cast<const acc_t*>(nullptr), neg_inf<acc_t>(), acc_t(0), p.Dv, o + row * p.Dv, l + row,
+                   p.sink<acc_t>((row / p.N) % p.H));
+    });
     return {out, lse};
   }
   if (decode) {

@@ -13,8 +13,8 @@ the last positions of the sequence).  Two routes:
   each sequence's first L_b cache positions straight from the cache (one view of the first
   ``max_b L_b`` positions; a paged cache read in place through its block table), with no
   grouping by length, no mask and no merge of a prefix and a causal part.  The score options go
-  with it: window, softcap and ALiBi in the kernel (a window's keys only are read), sinks applied
-  to its (out, lse).  Forward only: nothing here takes a gradient anyway (see below).
+  with it: window, softcap and ALiBi in the kernel (a window's keys only are read), the sinks
+  folded into each row's finish or split merge.  Forward only: nothing here takes a gradient anyway (see below).
 - **otherwise** (the reference, cpu and cuda backends, more queries, dtypes or
   head dims the Triton kernels lack): plain Python over :func:`attnkit.softmax_attention` (so
   every backend, dtype and score option it has), whose CPU backend sends few-query calls
@@ -121,13 +121,6 @@ def _kernel_options(q, options):
     return opts, opts.window[0], opts.window[1], opts.softcap, opts.to_kernel(group, heads).alibi_slopes
 
 
-def _with_sinks(opts, out, lse):
-    """The kernel's (out, lse) with the sinks of ``opts`` (if any) added."""
-    if opts is not None and opts.sinks is not None:
-        return _score_options.add_sinks(out, lse, opts.sinks)
-    return out, lse
-
-
 def _decode_paged_cpu(q, k_cache, v_cache, table, length, scale, is_causal, options):
     """(out, lse) of q [g, H, Nq, D] against the first ``length`` positions of each row of
     ``table`` (int64 [g, max_blocks]), the blocks read in place by the CPU decoding kernel:
@@ -147,13 +140,13 @@ def _decode_triton(q, k_cache, v_cache, visible, tables, is_causal, scale, optio
     """(out, lse) of every batch element at once from the split-KV Triton kernel: the cache's
     first max(L_b) positions (a view; a paged cache read in place through its block table),
     kv_lens = L_b, the score options in the kernel (its own bottom-right alignment, causal or
-    not) and the sinks on its results.  Cache positions at or past L_b are never read (the kernel
-    loads only keys < kv_lens[b])."""
+    not), the sinks folded into each row's finish or merge.  Cache positions at or past L_b are
+    never read (the kernel loads only keys < kv_lens[b])."""
     opts, left, right, softcap, slopes = _kernel_options(q, options)
-    out, lse = _decode_triton_kernel(q, k_cache, v_cache, visible, tables, is_causal, scale,
-                                     dict(window_left=left, window_right=right, softcap=softcap,
-                                          alibi_slopes=slopes))
-    return _with_sinks(opts, out, lse)
+    sinks = None if opts is None or opts.sinks is None else opts.sinks.detach()
+    return _decode_triton_kernel(q, k_cache, v_cache, visible, tables, is_causal, scale,
+                                 dict(window_left=left, window_right=right, softcap=softcap,
+                                      alibi_slopes=slopes, sinks=sinks))
 
 
 def _decode_triton_kernel(q, k_cache, v_cache, visible, tables, is_causal, scale, kernel_options):

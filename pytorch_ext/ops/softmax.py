@@ -27,9 +27,11 @@ The score options (issue 28: ``window``, ``softcap``, ``alibi_slopes``, ``sinks`
 :class:`~attnkit.score_options.ScoreOptions` (None when all are default: the calls without them
 take exactly the paths they took before), the layout maps it onto the kernels' [B, H, N, D], the
 routing reads which backend runs which (``BACKEND_OPTIONS``) and each implementation receives
-it.  The C++ ops and the Triton ops take window / softcap / ALiBi as trailing (defaulted)
-arguments; sinks run on every kernel backend around the kernel (:class:`_WithSinks`), with no
-kernel change.
+it.  The C++ ops and the Triton ops take window / softcap / ALiBi and the sinks as trailing
+(defaulted) arguments; the cpu and triton kernels fold the sinks into each row's finish (one
+rounding of a 16-bit row), the cuda kernels' results get them after (add_sinks); on every kernel
+backend their gradients go through :class:`_WithSinks` (the backward kernels take out and lse
+with the sinks in them, and need nothing more).
 """
 from __future__ import annotations
 
@@ -176,15 +178,28 @@ def _differentiable_gradients(q, k, v, mask, is_causal, scale, options, grad_out
     return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(wanted, found))
 
 
-def _kernel_score_options(kernel_args) -> ScoreOptions | None:
+def _kernel_score_options(kernel_args, sinks=None) -> ScoreOptions | None:
     """The ScoreOptions of the C++ ops' trailing arguments (window_left, window_right, softcap,
-    alibi_slopes), or None for the defaults."""
-    if not kernel_args:
+    alibi_slopes) and the sinks the kernel folded in, or None for the defaults."""
+    left, right, softcap, alibi = kernel_args if kernel_args else (-1, -1, 0.0, None)
+    if (left, right, softcap) == (-1, -1, 0.0) and alibi is None and sinks is None:
         return None
-    left, right, softcap, alibi = kernel_args
-    if (left, right, softcap) == (-1, -1, 0.0) and alibi is None:
-        return None
-    return ScoreOptions((left, right), softcap, alibi)
+    return ScoreOptions((left, right), softcap, alibi, sinks)
+
+
+def _sink_backward(ctx, sink_index, kernel_gradients, differentiable_gradients, sinks, out, lse,
+                   grad_out, grad_lse):
+    """(dq, dk, dv, d sinks) of an op that folded ``sinks`` into its (out, lse): the kernel's
+    backward on them as they are (its recomputed probabilities carry the sink in their
+    denominator: see :class:`_WithSinks`) and :func:`attnkit.score_options.sink_gradient`; under
+    create_graph the reference's, differentiable.  ``sink_index``: the sinks' input position."""
+    if torch.is_grad_enabled():  # create_graph=True: a double backward will follow
+        return differentiable_gradients()
+    dq, dk, dv = kernel_gradients()
+    dsinks = None
+    if ctx.needs_input_grad[sink_index]:
+        dsinks = score_options.sink_gradient(sinks, out, lse, grad_out, grad_lse)
+    return dq, dk, dv, dsinks
 
 
 def _native_setup_context(ctx, inputs, output):
@@ -192,14 +207,17 @@ def _native_setup_context(ctx, inputs, output):
     # (..., window_left, window_right, softcap, alibi_slopes) with them or from the registered
     # op.  The first case is the old code to the statement: it runs on every differentiable call
     # (its cost is measured per call, issue 14).
+    # The registered op's inputs end with the sinks (folded in by the cpu kernel).
     out, lse = output
     if len(inputs) == 6:
         q, k, v, mask, scale, is_causal = inputs
         ctx.save_for_backward(q, k, v, out, lse, mask)
     else:
-        q, k, v, mask, scale, is_causal, left, right, softcap, alibi = inputs
-        ctx.save_for_backward(q, k, v, out, lse, mask, alibi)  # 7 saved: the backward tells by that
+        q, k, v, mask, scale, is_causal, left, right, softcap, alibi, *sinks = inputs
+        # 8 saved: the backward tells by that
+        ctx.save_for_backward(q, k, v, out, lse, mask, alibi, sinks[0] if sinks else None)
         ctx.kernel_args = (left, right, softcap)
+        ctx.num_inputs = len(inputs)
     ctx.scale, ctx.is_causal = scale, is_causal
     # An unused lse (return_lse=False) then gets grad None, not zeros: no second kernel call.
     ctx.set_materialize_grads(False)
@@ -209,15 +227,25 @@ def _native_backward(ctx, grad_out, grad_lse):
     saved = ctx.saved_tensors
     if len(saved) == 6:  # 6 inputs, no score options
         q, k, v, out, lse, mask = saved
-        kernel_args, no_grads = (), (None, None, None)
-    else:  # 10 inputs: (window_left, window_right, softcap, alibi_slopes) passed on to the kernel
-        q, k, v, out, lse, mask, alibi = saved
-        kernel_args, no_grads = ctx.kernel_args + (alibi,), (None,) * 7
+        kernel_args, sinks, no_grads = (), None, (None, None, None)
+    else:  # 10 or 11 inputs: (window_left, window_right, softcap, alibi_slopes[, sinks])
+        q, k, v, out, lse, mask, alibi, sinks = saved
+        kernel_args, no_grads = ctx.kernel_args + (alibi,), (None,) * (ctx.num_inputs - 3)
     # No gradient for the mask (a mask that requires grad is routed to the reference), scale,
-    # is_causal or the score options (alibi_slopes that require grad go to the reference too).
-    grads = _native_gradients(q, k, v, out, lse, mask, ctx.scale, ctx.is_causal, kernel_args,
-                              grad_out, grad_lse)
-    return (*grads, *no_grads)
+    # is_causal or the score options (alibi_slopes that require grad go to the reference too);
+    # the sinks get theirs.
+    if sinks is None:
+        grads = _native_gradients(q, k, v, out, lse, mask, ctx.scale, ctx.is_causal, kernel_args,
+                                  grad_out, grad_lse)
+        return (*grads, *no_grads)
+    *grads, dsinks = _sink_backward(
+        ctx, 10,
+        lambda: _native_gradients(q, k, v, out, lse, mask, ctx.scale, ctx.is_causal, kernel_args,
+                                  grad_out, grad_lse),
+        lambda: _differentiable_gradients(q, k, v, mask, ctx.is_causal, ctx.scale,
+                                          _kernel_score_options(kernel_args, sinks), grad_out, grad_lse),
+        sinks, out, lse, grad_out, grad_lse)
+    return (*grads, *no_grads[:-1], dsinks)
 
 
 def _native_gradients(q, k, v, out, lse, mask, scale, is_causal, kernel_args, grad_out, grad_lse):
@@ -365,12 +393,12 @@ register_kernel(FAMILY, "cuda")
 
 
 def _triton_fwd_impl(q, k, v, mask, scale, is_causal, dropout_p, seed, window_left=-1,
-                     window_right=-1, softcap=0.0, alibi_slopes=None):
+                     window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
     from ..kernels import softmax as kernels
 
     return kernels.softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p, int(seed),
                                window_left=window_left, window_right=window_right, softcap=softcap,
-                               alibi_slopes=alibi_slopes)
+                               alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 def _triton_bwd_impl(grad_out, q, k, v, out, lse, mask, scale, is_causal, dropout_p, seed,
@@ -396,13 +424,15 @@ def _triton_fwd(
     window_right: int = -1,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash forward (attnkit.kernels.softmax.softmax_fwd): (out, lse float32).  ``seed`` is a
     0-d int64 tensor (a tensor, not an int, so that drawing it does not break a compiled graph).
     The trailing score options are those of the C++ op ``attnkit::softmax_fwd`` (defaults: none;
-    alibi_slopes float32 [B, H]), defaulted so that calls without them keep their form."""
+    alibi_slopes float32 [B, H]; sinks float32 [H], folded into the rows: out and lse are those
+    with the sinks, differentiable in them), defaulted so that calls without them keep their form."""
     return _triton_fwd_impl(q, k, v, mask, scale, is_causal, dropout_p, seed, window_left,
-                            window_right, softcap, alibi_slopes)
+                            window_right, softcap, alibi_slopes, sinks)
 
 
 @torch.library.custom_op("attnkit::softmax_triton_bwd", mutates_args=())
@@ -443,10 +473,11 @@ def _triton_setup_context(ctx, inputs, output):
     if len(inputs) == 8:
         q, k, v, mask, scale, is_causal, dropout_p, seed = inputs
         ctx.save_for_backward(q, k, v, out, lse, mask, seed)
-    else:
-        q, k, v, mask, scale, is_causal, dropout_p, seed, left, right, softcap, alibi = inputs
-        ctx.save_for_backward(q, k, v, out, lse, mask, seed, alibi)
+    else:  # the registered op's inputs end with the sinks
+        q, k, v, mask, scale, is_causal, dropout_p, seed, left, right, softcap, alibi, *sinks = inputs
+        ctx.save_for_backward(q, k, v, out, lse, mask, seed, alibi, sinks[0] if sinks else None)
         ctx.kernel_args = (left, right, softcap)
+        ctx.num_inputs = len(inputs)
     ctx.scale, ctx.is_causal, ctx.dropout_p = scale, is_causal, dropout_p
     ctx.set_materialize_grads(False)
 
@@ -455,27 +486,33 @@ def _triton_backward(ctx, grad_out, grad_lse):
     saved = ctx.saved_tensors
     if len(saved) == 7:  # 8 inputs, no score options
         q, k, _, _, lse, mask, seed = saved
-        kernel_args, no_grads = (), (None,) * 5
-    else:  # 12 inputs: the score options passed on to the backward kernel
-        q, k, _, _, lse, mask, seed, alibi = saved
-        kernel_args, no_grads = ctx.kernel_args + (alibi,), (None,) * 9
+        kernel_args, sinks, no_grads = (), None, (None,) * 5
+    else:  # 12 or 13 inputs: the score options passed on to the backward kernel[, the sinks]
+        q, k, _, _, lse, mask, seed, alibi, sinks = saved
+        kernel_args, no_grads = ctx.kernel_args + (alibi,), (None,) * (ctx.num_inputs - 3)
         saved = saved[:7]
-    if torch.is_grad_enabled():  # create_graph=True: a double backward will follow
+
+    def differentiable_gradients():  # create_graph=True: a double backward will follow
         keep = None
         if ctx.dropout_p > 0.0:
             from ..kernels import softmax as kernels
 
             b, h, n, _ = q.shape
             keep = kernels.dropout_keep_mask(b, h, n, k.shape[2], ctx.dropout_p, int(seed), q.device)
-        grads = _differentiable_gradients(q, k, saved[2], mask, ctx.is_causal, ctx.scale,
-                                          _kernel_score_options(kernel_args), grad_out, grad_lse,
-                                          ctx.dropout_p, keep)
-        return (*grads, *no_grads)
+        return _differentiable_gradients(q, k, saved[2], mask, ctx.is_causal, ctx.scale,
+                                         _kernel_score_options(kernel_args, sinks), grad_out, grad_lse,
+                                         ctx.dropout_p, keep)
 
     def run_bwd(g, v, out, with_dropout):
         p = ctx.dropout_p if with_dropout else 0.0
         return _TRITON_BWD_OP(g, q, k, v, out, lse, mask, ctx.scale, ctx.is_causal, p, seed, *kernel_args)
 
+    if sinks is not None:  # the backward kernel on out', lse' as they are, and d sinks
+        *grads, dsinks = _sink_backward(ctx, 12, lambda: _gradients(run_bwd, saved, grad_out, grad_lse),
+                                        differentiable_gradients, sinks, saved[3], lse, grad_out, grad_lse)
+        return (*grads, *no_grads[:-1], dsinks)
+    if torch.is_grad_enabled():
+        return (*differentiable_gradients(), *no_grads)
     dq, dk, dv = _gradients(run_bwd, saved, grad_out, grad_lse)
     return (dq, dk, dv, *no_grads)
 
@@ -584,15 +621,28 @@ class _NativeKernel:
     def __init__(self, mask, scale, is_causal, kernel_args):
         self.mask, self.scale, self.is_causal, self.kernel_args = mask, scale, is_causal, kernel_args
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, sinks):
+        """(out', lse') with the sinks: folded into each row's finish by the cpu kernel (one
+        rounding of a 16-bit row); applied after the cuda kernels, which take no sinks."""
         with _BELOW_AUTOGRAD():
-            return _FWD_OP(q, k, v, self.mask, self.scale, self.is_causal, *self.kernel_args)
+            if q.is_cuda:
+                return score_options.add_sinks(*_FWD_OP(q, k, v, self.mask, self.scale, self.is_causal,
+                                                        *self.kernel_args), sinks)
+            return _FWD_OP(q, k, v, self.mask, self.scale, self.is_causal, *self._all_kernel_args(), sinks)
 
     def backward(self, g, q, k, v, out, lse, _with_dropout):  # no dropout in the C++ kernels
         return _BWD_OP(g, q, k, v, out, lse, self.mask, self.scale, self.is_causal, *self.kernel_args)
 
-    def differentiable(self, q, k, v):
-        return _call_native_options(q, k, v, self.mask, self.scale, self.is_causal, self.kernel_args)
+    def differentiable(self, q, k, v, sinks):
+        """forward's (out', lse') through the registered op's autograd (torch.compile)."""
+        if q.is_cuda:
+            return score_options.add_sinks(*_call_native_options(q, k, v, self.mask, self.scale,
+                                                                 self.is_causal, self.kernel_args), sinks)
+        return torch.ops.attnkit.softmax_fwd(q, k, v, self.mask, self.scale, self.is_causal,
+                                             *self._all_kernel_args(), sinks)
+
+    def _all_kernel_args(self):
+        return self.kernel_args or (-1, -1, 0.0, None)
 
     def probe_dim(self, q):
         return q.shape[-1] if q.is_cuda else None  # the CUDA kernels need Dv == D
@@ -610,19 +660,23 @@ class _TritonKernel:
         self.dropout_p, self.seed = dropout_p, seed
         self.kernel_args = kernel_args
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, sinks):
+        """(out', lse') with the sinks folded into each row's finish by the kernel."""
         with _BELOW_AUTOGRAD():
-            return _TRITON_FWD_OP(q, k, v, self.mask, self.scale, self.is_causal, self.dropout_p,
-                                  self.seed, *self.kernel_args)
+            return _TRITON_FWD_OP(q, k, v, self.mask, self.scale, self.is_causal, self.dropout_p, self.seed,
+                                  *self._all_kernel_args(), sinks)
 
     def backward(self, g, q, k, v, out, lse, with_dropout):
         p = self.dropout_p if with_dropout else 0.0
         return _TRITON_BWD_OP(g, q, k, v, out, lse, self.mask, self.scale, self.is_causal, p,
                               self.seed, *self.kernel_args)
 
-    def differentiable(self, q, k, v):  # the custom op carries its registered autograd
+    def differentiable(self, q, k, v, sinks):  # the custom op carries its registered autograd
         return torch.ops.attnkit.softmax_triton_fwd(q, k, v, self.mask, self.scale, self.is_causal,
-                                                    self.dropout_p, self.seed, *self.kernel_args)
+                                                    self.dropout_p, self.seed, *self._all_kernel_args(), sinks)
+
+    def _all_kernel_args(self):
+        return self.kernel_args or (-1, -1, 0.0, None)
 
     def probe_dim(self, q):
         return None
@@ -637,10 +691,12 @@ class _TritonKernel:
 
 
 class _WithSinks(torch.autograd.Function):
-    """Attention with learned sinks on a kernel backend, without a kernel change (issue 28).
+    """Attention with learned sinks on a kernel backend (issue 28).
 
-    Forward: the kernel without the sink, then lse' = logaddexp(lse, sink) and out' = out ·
-    exp(lse - lse') (:func:`attnkit.score_options.add_sinks`).  Backward: the kernel's own
+    Forward: ``kernel.forward`` gives (out', lse') with the sinks -- folded into each row's
+    finish by the kernel where it can (one rounding of a 16-bit row), else the kernel without
+    them followed by lse' = logaddexp(lse, sink) and out' = out · exp(lse - lse')
+    (:func:`attnkit.score_options.add_sinks`).  Backward: the kernel's own
     backward given out' and lse' -- the probabilities it recomputes, exp(s - lse'), carry the sink
     in their denominator and D_i = rowsum(dO ∘ out') is the sink softmax's, so dq, dk, dv are
     exact; the lse's gradient through :func:`_gradients`' probe call, as without sinks -- and
@@ -650,7 +706,7 @@ class _WithSinks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, kernel):
-        out, lse = score_options.add_sinks(*kernel.forward(q, k, v), sinks)
+        out, lse = kernel.forward(q, k, v, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.kernel = kernel
         ctx.set_materialize_grads(False)
@@ -682,13 +738,13 @@ class _WithSinks(torch.autograd.Function):
 def _with_sinks(kernel, q, k, v, sinks):
     """(out', lse') of ``kernel`` with ``sinks`` folded in, differentiable in q, k, v and sinks."""
     if torch.compiler.is_compiling():
-        # Traced: the op with its registered autograd, and the sinks as differentiable torch ops
-        # (the lse's gradient then takes the backward's probe call: exact, one more kernel call).
-        return score_options.add_sinks(*kernel.differentiable(q, k, v), sinks)
+        # Traced: the op with its registered autograd (the lse's gradient then takes the
+        # backward's probe call: exact, one more kernel call).
+        return kernel.differentiable(q, k, v, sinks)
     if torch.is_grad_enabled() and torch._C._any_requires_grad(q, k, v, sinks):
         return _WithSinks.apply(q, k, v, sinks, kernel)
     with torch.no_grad():
-        return score_options.add_sinks(*kernel.forward(q, k, v), sinks)
+        return kernel.forward(q, k, v, sinks)
 
 
 # ---- the implementations --------------------------------------------------------------------
@@ -708,7 +764,8 @@ def _run_native(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
                 options=None):
     # cpu and cuda: the same op, dispatched on the tensors' device.  GQA is native (H % Hk);
     # dropout_p is 0 here (routing).  Score options: the kernel computes window, softcap and
-    # ALiBi (the cuda kernels none: routing), the sinks are applied around it.
+    # ALiBi (the cuda kernels none: routing); the cpu kernel folds the sinks into its rows'
+    # finish, the cuda kernels' results get them after (_NativeKernel.forward).
     if not _NATIVE_OPS:
         raise BackendUnavailableError(
             f"{OP_NAME}: attnkit._C was built without the softmax ops; rebuild it "
@@ -743,26 +800,33 @@ def _draw_seed(dropout_p: float) -> torch.Tensor:
 DECODE_MAX_ROWS = 16
 
 
-def _decodes(query, key, value, attn_mask, dropout_p, is_causal) -> bool:
+def _decodes(query, key, value, attn_mask, dropout_p, is_causal, sinks=None) -> bool:
     """Whether a triton call goes to the decode kernel: 1..16 query rows and no mask, dropout
     or gradient (the kernel has no backward); causal only where N == M (the kernel aligns
     bottom-right, softmax_attention top-left: the same there); eager only (torch.compile
-    traces the flash op, which has a fake and a backward)."""
+    traces the flash op, which has a fake and a backward).  The score options go with it (its
+    window and ALiBi align bottom-right, as softmax_attention's)."""
     n, m = query.shape[2], key.shape[2]
+    wanted = (query, key, value) if sinks is None else (query, key, value, sinks)
     return (attn_mask is None and dropout_p == 0.0 and 1 <= n <= DECODE_MAX_ROWS and m >= 1
             and (not is_causal or n == m)
             and not torch.compiler.is_compiling()
-            and not (torch.is_grad_enabled() and torch._C._any_requires_grad(query, key, value)))
+            and not (torch.is_grad_enabled() and torch._C._any_requires_grad(*wanted)))
 
 
 def _run_triton(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                 options=None):
-    # As _run_native: the kernel computes window, softcap and ALiBi, the sinks are applied
-    # around it.  GQA is native (H % Hk); dropout from the call's seed.
-    if options is None and _decodes(query, key, value, attn_mask, dropout_p, is_causal):
+    # The kernels compute every score option, the sinks folded into the rows' finish.  GQA is
+    # native (H % Hk); dropout from the call's seed.
+    if _decodes(query, key, value, attn_mask, dropout_p, is_causal, None if options is None else options.sinks):
         from ..kernels import decode
 
-        out, lse = decode.softmax_decode_fwd(query, key, value, scale, is_causal=is_causal)
+        extra = {}
+        if options is not None:
+            left, right, softcap, slopes = options.kernel_args()
+            extra = dict(window_left=left, window_right=right, softcap=softcap, alibi_slopes=slopes,
+                         sinks=options.sinks)
+        out, lse = decode.softmax_decode_fwd(query, key, value, scale, is_causal=is_causal, **extra)
         return (out, lse) if return_lse else out
     mask = _kernel_mask(attn_mask, query, key)
     seed = _draw_seed(dropout_p)
@@ -1098,10 +1162,12 @@ def softmax_attention(
             ``learnable_sink``): float32 ``[H]``, one extra logit per head in each row's softmax
             denominator, with no value: ``Z_i = Σ_j exp(s_ij) + exp(sink_h)``,
             ``out_i = Σ_j exp(s_ij) / Z_i · v_j``, ``lse_i = log Z_i``.  A row with no visible
-            key then gives out 0 and lse = sink.  Differentiable (sinks get a gradient).  On the
-            kernel backends the kernel runs without the sink and its (out, lse) are rescaled
-            after it (lse' = logaddexp(lse, sink), out' = out · exp(lse - lse'), in float32), its
-            backward given those: exact, no kernel change (``attnkit.score_options``).
+            key then gives out 0 and lse = sink.  Differentiable (sinks get a gradient).  The
+            cpu and triton kernels fold the sink into each row before it is rounded to the
+            inputs' dtype; after the cuda kernels (out, lse) are rescaled (lse' =
+            logaddexp(lse, sink), out' = out · exp(lse - lse'), in float32), which rounds a
+            16-bit row twice (up to ~1 ulp).  The backward kernels take (out', lse') as they
+            are; d sinks from ``attnkit.score_options``.
         backend: ``"reference" | "cpu" | "triton" | "cuda"`` or None; see *Backends*.
 
     Returns:

@@ -206,3 +206,133 @@ def test_band_tiles_with_mask_softcap_alibi_and_gradients():
         for name, x, r in zip(("dq", "dk", "dv"), bwd(g, q, k, v, out, lse, mask, 0.25, causal, wl, wr, cap, slopes),
                               ref_grads):
             assert_close_to_reference(x, r, grad=True, name=f"{name} window ({wl}, {wr}) softcap {cap}")
+
+
+# ----------------------------------------------------------------------------------------------
+# sinks in the forward's finish (issue 28, session 29): the op takes them and returns out and lse
+# with them; its backward needs nothing more (softmax_bwd on those out, lse is the sink softmax's)
+# ----------------------------------------------------------------------------------------------
+
+
+def _sink_reference(q, k, v, dtype, sinks, **options):
+    rows = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rows, 1), v.repeat_interleave(rows, 1)
+    slopes = options.pop("alibi_slopes", None)
+    return softmax_attention_reference(q.to(dtype), k.to(dtype), v.to(dtype), return_lse=True,
+                                       alibi_slopes=None if slopes is None else slopes.to(dtype),
+                                       sinks=sinks.to(dtype), **options)
+
+
+@pytest.mark.parametrize("n,seed", [(8, 365), (40, 107)], ids=["decode-kernel", "flash-kernel"])
+def test_sinks_round_a_bfloat16_row_once(n, seed):
+    # A sink with softcap and ALiBi, bfloat16, through the op on both CPU kernels: N = 8 takes the
+    # decoding kernel, N = 40 the flash forward.  Folded into the rows' finish the result keeps
+    # DESIGN.md's rule; the sink applied to finished bfloat16 rows (add_sinks, what attnkit did
+    # before) misses it -- checked both ways, the second on the correctly rounded rows without the
+    # sink (the float64 reference's), so that it holds whatever a CPU's kernel rounds.  (The seeds:
+    # the first of a search over random inputs of these shapes where that misses; 1 in ~100-400.)
+    fwd, _ = ops()
+    g = torch.Generator().manual_seed(seed)
+    bf16 = torch.bfloat16
+    q = torch.randn(1, 1, n, 16, generator=g).to(bf16)
+    k, v = torch.randn(1, 1, 5, 16, generator=g).to(bf16), torch.randn(1, 1, 5, 8, generator=g).to(bf16)
+    sinks, slopes = torch.randn(1, generator=g), torch.rand(1, generator=g)
+    options = dict(window=(-1, 0), softcap=0.5, alibi_slopes=slopes)
+    want, naive = (_sink_reference(q, k, v, dtype, sinks, **options) for dtype in (F64, bf16))
+    args = (q, k, v, None, 0.25, False, -1, 0, 0.5, slopes.expand(1, 1))
+    out, lse = fwd(*args, sinks)
+    assert_close_to_reference(out, want[0], naive[0], name="out")
+    assert_close_to_reference(lse, want[1], naive[1], name="lse", dtype=bf16)
+    plain_out, plain_lse = softmax_attention_reference(q.double(), k.double(), v.double(), return_lse=True,
+                                                       window=(-1, 0), softcap=0.5, alibi_slopes=slopes.double())
+    twice = attnkit.score_options.add_sinks(plain_out.to(bf16), plain_lse.float(), sinks)[0]
+    with pytest.raises(AssertionError, match="out"):
+        assert_close_to_reference(twice, want[0], naive[0], name="out")
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("n", [3, 33])
+def test_sinks_in_the_op_match_float64(dtype, n):
+    # GQA, a mask hiding whole rows, a window: every row against the float64 reference; rows with
+    # no visible key give out 0 and lse = their head's sink exactly (float64: the sink's exact
+    # value, no float32 step on the way).
+    fwd, _ = ops()
+    q, k, v, _ = inputs(b=2, h=4, hk=2, n=n, m=21, dtype=dtype, seed=3)
+    mask = torch.rand(2, 4, n, 21, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask[0, :, 1] = False
+    sinks = torch.tensor([-2.0, 0.3, 1.7, 5.0])
+    out, lse = fwd(q, k, v, mask, 0.3, False, 9, 2, 0.0, None, sinks)
+    want = _sink_reference(q, k, v, F64, sinks, attn_mask=mask, scale=0.3, window=(9, 2))
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == F64 else dict(rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(out, want[0].to(dtype), **tol)
+    torch.testing.assert_close(lse, want[1].to(lse.dtype), **tol)
+    assert not out[0, :, 1].any()
+    assert torch.equal(lse[0, :, 1], sinks.to(lse.dtype))
+
+
+@pytest.mark.parametrize("n", [1, 40], ids=["decode-kernel", "flash-kernel"])
+def test_sinks_special_values_and_no_keys(n):
+    # As attnkit.score_options.add_sinks (and the reference): a NaN sink gives NaN rows, +inf out
+    # 0 and lse +inf, -inf nothing at all; with no key (M = 0) out 0 and lse = the sink.
+    fwd, _ = ops()
+    q, k, v, _ = inputs(b=1, h=4, hk=2, n=n, m=9, seed=5)
+    sinks = torch.tensor([math.nan, math.inf, -math.inf, 0.5])
+    out, lse = fwd(q, k, v, None, 0.25, False, -1, -1, 0.0, None, sinks)
+    want_out, want_lse = attnkit.score_options.add_sinks(*fwd(q, k, v, None, 0.25, False), sinks)
+    torch.testing.assert_close(out, want_out, equal_nan=True, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(lse, want_lse, equal_nan=True, rtol=2e-6, atol=2e-6)
+    assert torch.equal(out[:, 2], fwd(q, k, v, None, 0.25, False)[0][:, 2])  # -inf: bit for bit
+    out0, lse0 = fwd(q, k[:, :, :0], v[:, :, :0], None, 0.25, False, -1, -1, 0.0, None, sinks)
+    assert torch.isnan(out0[:, 0]).all() and not out0[:, 1:].any()
+    assert torch.equal(lse0, sinks.view(1, 4, 1).expand(1, 4, n)) or torch.isnan(lse0[:, 0]).all()
+    assert torch.equal(lse0[:, 1:], sinks[1:].view(1, 3, 1).expand(1, 3, n))
+
+
+def test_sinks_through_the_registered_autograd():
+    # torch.ops.attnkit.softmax_fwd with sinks, differentiated through its registered autograd
+    # (what torch.compile traces): q, k, v and the sinks against gradcheck, the lse in the loss;
+    # then opcheck (fake, autograd registration, schema).
+    fwd, _ = ops()
+    q, k, v, _ = inputs(b=1, h=4, hk=2, n=6, m=7, d=5, dv=3, dtype=F64, seed=9)
+    sinks = torch.tensor([-1.0, 0.2, 0.9, 2.0], requires_grad=True)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def loss(q, k, v, s):
+        out, lse = torch.ops.attnkit.softmax_fwd(q, k, v, None, 0.4, True, 3, -1, 1.5, None, s.float())
+        return out, lse
+
+    torch.autograd.gradcheck(lambda q, k, v: loss(q, k, v, sinks), (q, k, v))
+    out, lse = loss(q, k, v, sinks)
+    (dsinks,) = torch.autograd.grad((out.square().sum() + lse.sum()), (sinks,))
+    s64 = sinks.detach().double().requires_grad_()
+    ro, rl = _sink_reference(q.detach(), k.detach(), v.detach(), F64, s64, is_causal=True, scale=0.4, window=(3, -1),
+                             softcap=1.5)
+    (want,) = torch.autograd.grad(ro.square().sum() + rl.sum(), (s64,))
+    torch.testing.assert_close(dsinks, want.float(), rtol=1e-5, atol=1e-6)
+    qd, kd, vd = (t.detach().float().requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(fwd, (qd, kd, vd, None, 0.4, True, 3, -1, 1.5, None, sinks.detach()))
+
+
+@pytest.mark.parametrize("sinks,match", [
+    (torch.zeros(3), r"sinks must have shape \[H\] = \[4\]; got \[3\]"),
+    (torch.zeros(4, dtype=F64), r"sinks must be Float; got Double"),
+    (torch.zeros(1, 4), r"sinks must have shape \[H\] = \[4\]; got \[1, 4\]"),
+])
+def test_cpu_rejects_bad_sinks(sinks, match):
+    fwd, _ = ops()
+    q, k, v, _ = inputs()
+    with pytest.raises(RuntimeError, match=rf"attnkit::softmax_fwd \(cpu\): {match}"):
+        fwd(q, k, v, None, 0.25, False, -1, -1, 0.0, None, sinks)
+    with pytest.raises(RuntimeError, match=rf"attnkit::softmax_fwd \(cpu\): {match}"):
+        _checks.softmax_fwd(CPU, q, k, v, None, 0.25, False, -1, -1, 0.0, None, sinks)
+    with pytest.raises(RuntimeError, match=r"sinks must be on q's device \(cpu\); got meta"):
+        _checks.softmax_fwd(CPU, q, k, v, None, 0.25, False, -1, -1, 0.0, None, torch.zeros(4, device="meta"))
+
+
+def test_cuda_branch_refuses_sinks():
+    # The cuda kernels do not fold sinks in; attnkit applies them around those kernels.
+    q = torch.empty(1, 2, 4, 64, dtype=F16, device="meta")
+    with pytest.raises(RuntimeError, match=r"attnkit::softmax_fwd \(cuda\): the cuda kernels do not fold sinks into "
+                                           r"the softmax; got sinks"):
+        _checks.softmax_fwd(CUDA, q, q, q, None, 1.0, False, -1, -1, 0.0, None,
+                            torch.empty(2, dtype=F32, device="meta"))

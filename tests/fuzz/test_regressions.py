@@ -282,17 +282,12 @@ def test_softmax_key_whose_score_is_minus_inf_everywhere_gets_zero_dk_dv(backend
 
 
 # Found by the random fuzzing of the score options (session 28, ATTNKIT_FUZZ_EXAMPLES=500): the
-# sinks are applied around the kernels (pytorch_ext/ops/softmax.py, _WithSinks), so a 16-bit
-# output is rounded twice -- the kernel's out without the sink, then out * exp(lse - lse') --
-# up to ~1 ulp instead of 0.5.  Here the true 1.05341 becomes 1.1171875 (1.12015 rounded) *
+# sinks were applied around the kernels (pytorch_ext/ops/softmax.py, _WithSinks), so a 16-bit
+# output was rounded twice -- the kernel's out without the sink, then out * exp(lse - lse') --
+# up to ~1 ulp instead of 0.5.  Here the true 1.05341 became 1.1171875 (1.12015 rounded) *
 # 0.94041 = 1.05062 -> 1.046875, 0.84 ulp off; the reference in bfloat16 is off by 0.16 ulp.
-SINKS_ROUND_TWICE = pytest.mark.xfail(strict=True, reason=(
-    "sinks applied around the kernel round a 16-bit output twice (kernel out, then the sink's "
-    "weight); the fix is the sink in the kernels' finish (m = max(m, sink), l += exp(sink - m))"))
-
-
-@pytest.mark.parametrize("backend", [_mark(("cpu",), SINKS_ROUND_TWICE), "reference",
-                                     _mark(("triton",), [SINKS_ROUND_TWICE, TRITON_BF16_TEST])])
+# Fixed in session 29: the cpu and triton kernels fold the sink into each row's finish.
+@pytest.mark.parametrize("backend", ["cpu", "reference", _mark(("triton",), TRITON_BF16_TEST)])
 def test_softmax_sinks_round_a_bfloat16_output_once(backend):
     _usable("softmax", backend)
     bf16 = torch.bfloat16

@@ -247,7 +247,7 @@ def test_non_causal_matches_float64_reference(case, merge):
 # ----------------------------------------------------------------------------------------------
 
 
-def option_reference(q, k, v, kv_lens, causal, window, softcap, slopes, dtype=F64):
+def option_reference(q, k, v, kv_lens, causal, window, softcap, slopes, dtype=F64, sinks=None):
     """(out, lse) of the reference run in ``dtype``, one batch element at a time on its first L_b
     keys (so the reference's bottom-right alignment of the window and ALiBi is the kernel's),
     causality as a bool mask (bottom-right)."""
@@ -261,21 +261,23 @@ def option_reference(q, k, v, kv_lens, causal, window, softcap, slopes, dtype=F6
         o, l = softmax_attention_reference(q[i:i + 1].to(dtype), k[i:i + 1, :, :m].to(dtype),
                                            v[i:i + 1, :, :m].to(dtype), attn_mask=mask,
                                            enable_gqa=h != k.shape[1], return_lse=True, window=window,
-                                           softcap=softcap, alibi_slopes=None if sl is None else sl.to(dtype))
+                                           softcap=softcap, alibi_slopes=None if sl is None else sl.to(dtype),
+                                           sinks=None if sinks is None else sinks.to(dtype))
         outs.append(o)
         lses.append(l)
     return torch.cat(outs), torch.cat(lses)
 
 
-def check_options(got, q, k, v, kv_lens, causal, window, softcap, slopes):
+def check_options(got, q, k, v, kv_lens, causal, window, softcap, slopes, sinks=None):
     out, lse = got
-    ref = option_reference(q, k, v, kv_lens, causal, window, softcap, slopes)
+    ref = option_reference(q, k, v, kv_lens, causal, window, softcap, slopes, sinks=sinks)
     lowp = None if q.dtype == F32 else option_reference(q, k, v, kv_lens, causal, window, softcap, slopes,
-                                                         dtype=q.dtype)
+                                                         dtype=q.dtype, sinks=sinks)
     assert_close_to_reference(out, ref[0], None if lowp is None else lowp[0], dtype=q.dtype, name="out")
     assert_close_to_reference(lse, ref[1], None if lowp is None else lowp[1], dtype=q.dtype, name="lse")
-    dead = ref[1] == float("-inf")  # rows that see no key: exactly 0 and -inf
-    assert torch.all(out[dead] == 0) and torch.all(lse[dead] == float("-inf"))
+    if sinks is None:
+        dead = ref[1] == float("-inf")  # rows that see no key: exactly 0 and -inf
+        assert torch.all(out[dead] == 0) and torch.all(lse[dead] == float("-inf"))
     return ref
 
 
@@ -319,14 +321,15 @@ OPTION_CASES = {
 }
 
 
-def _run_options(case, seed=31):
+def _run_options(case, seed=31, sinks=None):
     (b, h, hk, n, m, d, dv, dtype, kv, splits, config, causal, window, softcap, alibi, block_size,
      merge) = case
     q, k, v = make_inputs(b, h, hk, n, m, d, dv, dtype, seed=seed)
     kv_lens = lens_t(kv)
     slopes = slopes_for(alibi, b, h)
     kwargs = dict(kv_lens=kv_lens, num_splits=splits, config=config, merge=merge, is_causal=causal,
-                  window_left=window[0], window_right=window[1], softcap=softcap, alibi_slopes=slopes)
+                  window_left=window[0], window_right=window[1], softcap=softcap, alibi_slopes=slopes,
+                  sinks=sinks)
     if block_size is None:
         got = decode.softmax_decode_fwd(q, k, v, **kwargs)
     else:
@@ -337,6 +340,11 @@ def _run_options(case, seed=31):
     return got, (q, k, v, kv_lens, causal, window, softcap, slopes)
 
 
+def sinks_for(h, device=DEVICE):
+    """Sinks [H] from below to above the scores' range: some rows dominated by their sink."""
+    return torch.linspace(-3.0, 4.0, h).to(device)
+
+
 @pytest.mark.parametrize("case", [pytest.param(c, id=name, marks=TRITON_BF16_TEST if c[7] == BF16 else ())
                                   for name, c in OPTION_CASES.items()])
 def test_score_options_match_float64_reference(case):
@@ -344,6 +352,53 @@ def test_score_options_match_float64_reference(case):
     check_options(got, *args)
     if case[-1] == "fused":
         assert_counters_clear()
+
+
+# name -> (merge, num_splits, dtype, block size or None): the sink joins at the rows' finish (one
+# split) or at either merge; paged; bfloat16 (one rounding of each row: the reference's budget).
+SINK_CASES = {
+    "direct": (None, 1, F32, None),
+    "separate": ("separate", 3, F32, None),
+    "fused": ("fused", 3, F32, None),
+    "fused_paged": ("fused", 2, F32, 16),
+    "bf16_separate": ("separate", 2, BF16, None),
+    "bf16_direct": (None, 1, BF16, None),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=TRITON_BF16_TEST if c[2] == BF16 else ())
+                                  for n, c in SINK_CASES.items()])
+def test_sinks_fold_into_the_finish_and_the_merges(name):
+    """Learned sinks (issue 28) with a window, softcap and ALiBi: every row against the float64
+    reference; rows that see no key (L = 0; the first row of L = 2 < N) give out 0 and lse =
+    their head's sink exactly, through the finish and through both merges."""
+    merge, splits, dtype, block_size = SINK_CASES[name]
+    b, h, hk, n = 3, 4, 2, 3
+    sinks = sinks_for(h)
+    case = (b, h, hk, n, 150, 16, 16, dtype, [150, 0, 2], splits, cfg(64), True, (40, 0), 2.5, "h",
+            block_size, merge)
+    got, args = _run_options(case, seed=12, sinks=sinks)
+    check_options(got, *args, sinks=sinks)
+    out, lse = got
+    dead = option_reference(*args)[1] == float("-inf")  # without the sinks
+    assert dead.sum() == h * (n + 1)
+    assert torch.all(out[dead] == 0)
+    assert torch.equal(lse[dead], sinks.view(1, h, 1).expand(b, h, n)[dead])
+    if merge == "fused":
+        assert_counters_clear()
+
+
+def test_sinks_off_is_the_plain_kernel():
+    """sinks=None is the kernel without the option, bit for bit, in each merge."""
+    q, k, v = make_inputs(2, 4, 2, 3, 100, 16, 16, F32, seed=8)
+    for merge, splits in ((None, 1), ("separate", 2), ("fused", 2)):
+        kw = dict(kv_lens=lens_t([100, 50]), num_splits=splits, config=cfg(64), merge=merge)
+        base = decode.softmax_decode_fwd(q, k, v, **kw)
+        with_sinks = decode.softmax_decode_fwd(q, k, v, sinks=torch.full((4,), float("-inf"), device=DEVICE), **kw)
+        same = decode.softmax_decode_fwd(q, k, v, sinks=None, **kw)
+        assert torch.equal(base[0], same[0]) and torch.equal(base[1], same[1])
+        # a -inf sink adds nothing (the other path through the finish)
+        assert torch.equal(base[0], with_sinks[0]) and torch.equal(base[1], with_sinks[1])
 
 
 @pytest.mark.parametrize("splits", [1, 3])

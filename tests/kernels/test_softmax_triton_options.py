@@ -95,9 +95,10 @@ def visible_keys(n, m, causal=False, window=(-1, -1), device="cpu"):
 
 
 def reference(q, k, v, go, *, mask=None, causal=False, scale=None, window=(-1, -1), softcap=0.0,
-              alibi=None, dropout_p=0.0, keep=None, dtype=F64):
+              alibi=None, dropout_p=0.0, keep=None, sinks=None, dtype=F64):
     """(out, lse, dq, dk, dv) in ``dtype`` with the semantics of the module docstring; gradients
-    by autograd.  ``keep``: the kernel's dropout keep mask (bool [B, H, N, M])."""
+    by autograd.  ``keep``: the kernel's dropout keep mask (bool [B, H, N, M]).  ``sinks``
+    ([H]): one more column of scores, the head's sink, in each row's softmax, with no value."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     qq, kk, vv = leaves
     b, h, n, d = q.shape
@@ -119,6 +120,15 @@ def reference(q, k, v, go, *, mask=None, causal=False, scale=None, window=(-1, -
         else:
             s = s + mask.to(dtype)
     s = s.masked_fill(~vis, float("-inf"))
+    if sinks is not None:
+        s_all = torch.cat([s, sinks.to(s.device, dtype).view(1, h, 1, 1).expand(b, h, n, 1)], -1)
+        lse = torch.logsumexp(s_all, -1)
+        p = torch.exp(s_all - lse[..., None])[..., :m]
+        if keep is not None:
+            p = p * keep / (1.0 - dropout_p)
+        out = p @ vv
+        out.backward(go.to(dtype))
+        return (out.detach(), lse.detach(), *(t.grad for t in leaves))
     alive = (s > float("-inf")).any(-1, keepdim=True)
     s_safe = torch.where(alive, s, torch.zeros_like(s))  # dead rows: no NaN, forward or backward
     p = torch.softmax(s_safe, -1) * alive
@@ -132,9 +142,10 @@ def reference(q, k, v, go, *, mask=None, causal=False, scale=None, window=(-1, -
 
 
 def run_kernels(q, k, v, go, *, mask=None, causal=False, scale=None, dropout_p=0.0, seed=0,
-                fwd_config=None, bwd_config=None, **options):
+                fwd_config=None, bwd_config=None, sinks=None, **options):
+    # The sinks are the forward's: the backward takes its out and lse as they are.
     out, lse = triton_softmax.softmax_fwd(q, k, v, mask, scale, causal, dropout_p, seed,
-                                          fwd_config, **options)
+                                          fwd_config, sinks=sinks, **options)
     grads = triton_softmax.softmax_bwd(go, q, k, v, out, lse, mask, scale, causal, dropout_p,
                                        seed, bwd_config, **options)
     return (out, lse, *grads)
@@ -532,6 +543,86 @@ def test_empty_sequences_with_options():
 
 def test_tune_key_has_the_option_flags():
     assert {"HAS_WINDOW", "HAS_SOFTCAP", "HAS_ALIBI"} <= set(triton_softmax._TUNE_KEY)
+
+
+# ----------------------------------------------------------------------------------------------
+# learned sinks, folded into the forward's finish (session 29): the backward kernels take the
+# forward's out and lse, which carry the sink (attnkit.score_options gives d sinks)
+# ----------------------------------------------------------------------------------------------
+
+SINKS = torch.tensor([-1.5, 0.4, 2.0, 6.0])
+
+# name: (B, H, Hk, N, M, D, Dv, dtype, causal, mask, window, softcap, alibi, scale, fwd tile,
+#        (dK/dV tile, dQ tile)) as CASES, each run with SINKS[:H]
+SINK_CASES = {
+    "sinks_plain_gqa2": (1, 4, 2, 33, 65, 16, 16, F32, False, None, (-1, -1), 0.0, None, None,
+                         cfg(32, 32), (cfg(32, 32), cfg(32, 32))),
+    # rows no key reaches: out 0, lse = the sink exactly, dq 0
+    "sinks_rows_outside_n129_m7": (1, 2, 1, 129, 7, 16, 16, F32, False, None, (2, 1), 0.0, None,
+                                   None, cfg(32, 16), (cfg(16, 32), cfg(32, 16))),
+    # and with causal (top-left) and a window (bottom-right) that leave rows i < 61 no key
+    "sinks_all_causal_bool": (1, 4, 2, 129, 63, 17, 17, F32, True, "bool", (30, 5), 3.0, "bh",
+                              0.5, cfg(32, 32), (cfg(32, 32), cfg(32, 32))),
+    "sinks_f16_window_add": (1, 2, 1, 63, 70, 16, 16, F16, False, "add", (20, 4), 0.0, "h", None,
+                             cfg(32, 32), (cfg(32, 32), cfg(32, 32))),
+}
+
+
+@pytest.mark.parametrize("case", SINK_CASES.values(), ids=SINK_CASES.keys())
+def test_sinks_match_float64_reference(case):
+    (q, k, v, go), kw, fwd_cfg, bwd_cfg = _case_inputs(case)
+    sinks = SINKS[:q.shape[1]].to(DEVICE)
+    got = run_kernels(q, k, v, go, mask=kw["mask"], causal=kw["causal"], scale=kw["scale"],
+                      fwd_config=fwd_cfg, bwd_config=bwd_cfg, sinks=sinks,
+                      **options_of(kw["window"], kw["softcap"], kw["alibi"]))
+    check(got, q, k, v, go, sinks=sinks, **kw)
+    dead = torch.isinf(reference(q, k, v, go, **kw)[1]).to(got[1].device)  # without the sinks
+    if case in (SINK_CASES["sinks_rows_outside_n129_m7"], SINK_CASES["sinks_all_causal_bool"]):
+        assert dead.any() and not dead.all()
+    lse_sink = sinks.view(1, -1, 1).expand_as(got[1])
+    assert torch.all(got[0][dead] == 0) and torch.all(got[2][dead] == 0)
+    assert torch.equal(got[1][dead], lse_sink[dead])
+
+
+def test_sinks_with_dropout_use_the_keep_mask():
+    b, h, hk, n, m, d, p, seed = 1, 2, 1, 40, 50, 16, 0.25, 77
+    q, k, v, go = make_inputs(b, h, hk, n, m, d, d, F32)
+    sinks = SINKS[:h].to(DEVICE)
+    got = run_kernels(q, k, v, go, causal=True, dropout_p=p, seed=seed, fwd_config=cfg(32, 32),
+                      bwd_config=cfg(32, 32), sinks=sinks, **options_of((10, 0)))
+    keep = triton_softmax.dropout_keep_mask(b, h, n, m, p, seed, DEVICE)
+    check(got, q, k, v, go, causal=True, window=(10, 0), dropout_p=p, keep=keep, sinks=sinks)
+
+
+def test_sinks_special_values_and_no_keys():
+    # As attnkit.score_options.add_sinks: NaN -> NaN rows, +inf -> out 0 and lse +inf, -inf ->
+    # the kernel without sinks bit for bit; no key (M = 0): out 0, lse = the sink.
+    from attnkit import score_options
+
+    q, k, v, _ = make_inputs(1, 4, 2, 5, 9, 16, 16, F32)
+    sinks = torch.tensor([math.nan, math.inf, -math.inf, 0.5], device=DEVICE)
+    out, lse = triton_softmax.softmax_fwd(q, k, v, None, None, False, sinks=sinks)
+    plain = triton_softmax.softmax_fwd(q, k, v, None, None, False)
+    want = score_options.add_sinks(*plain, sinks)
+    torch.testing.assert_close(out, want[0], equal_nan=True, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(lse, want[1], equal_nan=True, rtol=2e-6, atol=2e-6)
+    assert torch.equal(out[:, 2], plain[0][:, 2]) and torch.equal(lse[:, 2], plain[1][:, 2])
+    out0, lse0 = triton_softmax.softmax_fwd(q, k[:, :, :0], v[:, :, :0], None, None, False, sinks=sinks)
+    assert torch.isnan(out0[:, 0]).all() and not out0[:, 1:].any()
+    assert torch.isnan(lse0[:, 0]).all() and torch.equal(lse0[:, 1:], sinks[1:].view(1, 3, 1).expand(1, 3, 5))
+
+
+@pytest.mark.parametrize("sinks,exc,match", [
+    ([0.5, 0.25], TypeError, r"softmax_fwd: sinks must be a float32 tensor \[H\]; got list"),
+    (torch.ones(2, dtype=F64), TypeError, r"sinks must be float32; got torch.float64"),
+    (torch.ones(3), ValueError, r"sinks must have shape \[H\] = \[2\]; got \[3\]"),
+    (torch.ones(1, 2), ValueError, r"sinks must have shape \[H\] = \[2\]; got \[1, 2\]"),
+])
+def test_sinks_launcher_errors(sinks, exc, match):
+    q, k, v = _small()
+    sinks = sinks.to(DEVICE) if torch.is_tensor(sinks) else sinks
+    with pytest.raises(exc, match=match):
+        triton_softmax.softmax_fwd(q, k, v, None, None, False, sinks=sinks)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -656,5 +656,33 @@ def test_triton_calls_the_decode_kernel_cannot_serve_keep_the_flash_kernel(monke
     attnkit.softmax_attention(q, k, v, attn_mask=torch.ones(3, 9, dtype=torch.bool, device=TRITON_DEVICE),
                               backend="triton")  # a mask
     attnkit.softmax_attention(torch.randn(1, 2, 17, 8, device=TRITON_DEVICE), k, v, backend="triton")  # 17 rows
-    attnkit.softmax_attention(q, k, v, softcap=5.0, backend="triton")  # a score option
+    sinks = torch.zeros(2, device=TRITON_DEVICE, requires_grad=True)
+    attnkit.softmax_attention(q, k, v, sinks=sinks, backend="triton")  # a gradient for the sinks
     assert calls == []
+
+
+@needs_triton
+@pytest.mark.parametrize("n, causal", [(1, False), (4, False), (6, True)])
+def test_triton_decoding_calls_take_the_decode_kernel_with_score_options(monkeypatch, n, causal):
+    # Window, softcap, ALiBi [H] and sinks go into the decode kernel with the call (its window and
+    # ALiBi are bottom-right, as softmax_attention's; causal only where N == M): against float64.
+    from attnkit.kernels import decode
+
+    calls = []
+    real = decode.softmax_decode_fwd
+    monkeypatch.setattr(decode, "softmax_decode_fwd", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(40 + n)
+    m = n if causal else 90
+    q = torch.randn(2, 4, n, 16, generator=gen).to(TRITON_DEVICE)
+    k, v = (torch.randn(2, 2, m, 16, generator=gen).to(TRITON_DEVICE) for _ in range(2))
+    options = dict(window=(20, 1), softcap=4.0, alibi_slopes=torch.rand(4, generator=gen).to(TRITON_DEVICE),
+                   sinks=torch.randn(4, generator=gen).to(TRITON_DEVICE))
+    out, lse = attnkit.softmax_attention(q, k, v, is_causal=causal, enable_gqa=True, return_lse=True,
+                                         backend="triton", **options)
+    assert len(calls) == 1 and calls[0]["sinks"] is options["sinks"] and calls[0]["softcap"] == 4.0
+    ref, ref_lse = softmax_attention_reference(q.double(), k.double(), v.double(), is_causal=causal,
+                                               enable_gqa=True, return_lse=True,
+                                               **{name: x.double() if torch.is_tensor(x) else x
+                                                  for name, x in options.items()})
+    assert_close_to_reference(out, ref, None, dtype=F32)
+    assert_close_to_reference(lse, ref_lse, None, dtype=F32)
