@@ -975,14 +975,13 @@ def test_gpu_non_causal(merge):
 @pytest.mark.parametrize("n", [1, 4])
 def test_gpu_score_options(n, merge, paged):
     # Decoding sizes with every kernel option (issue 28): a 1024-key window of caches up to 8192
-    # (the band's splits), softcap, ALiBi [B, H]; bfloat16, a paged cache of 256-key blocks too,
-    # against the float64 reference request by request; paged = dense bit for bit.
+    # (the band's splits), softcap, ALiBi [B, H], sinks; bfloat16, a paged cache of 256-key blocks
+    # too, against the float64 reference request by request; paged = dense bit for bit.
     b, m = 4, 8192
-    q, k, v = make_inputs(b, 32, 8, n, m, 128, 128, BF16, seed=16 + n)
     case = (b, 32, 8, n, m, 128, 128, BF16, [8192, 1, 700, 5000], None, cfg(64, warps=2, stages=2), True,
             (1024, 0), 30.0, "bh", 256 if paged else None, merge)
-    got, args = _run_options(case, seed=16 + n)
-    check_options(got, *args)
+    got, args = _run_options(case, seed=16 + n, sinks=sinks_for(32))
+    check_options(got, *args, sinks=sinks_for(32))
 
 
 @pytest.mark.gpu
