@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from .. import _gpu_table as gpu_table
+from .._double_backward import reference_gradients
 from .._dispatch import (
     ENV_VAR,
     BackendUnavailableError,
@@ -160,12 +161,7 @@ def _backward(ctx, grad_out, grad_den, grad_S, grad_z, run_bwd=_native_bwd):
         inputs = [t for t in (q, k, v, S0, z0) if t is not None]
         outputs = _reference_outputs(q, k, v, S0, z0, causal, feature_map, normalize, eps, scale)
         pairs = [(o, g) for o, g in zip(outputs, (grad_out, grad_den, grad_S, grad_z)) if g is not None]
-        if pairs:
-            found = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
-                                        create_graph=True, allow_unused=True)
-        else:
-            found = [None] * len(inputs)
-        grads = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, found)]
+        grads = reference_gradients([o for o, _ in pairs], inputs, [g for _, g in pairs])
         dq, dk, dv = grads[:3]
         dS0, dz0 = (grads[3], grads[4]) if S0 is not None else (None, None)
     else:

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _gpu_table as gpu_table
+from .._double_backward import reference_gradients
 from .._dispatch import (
     ENV_VAR,
     BackendUnavailableError,
@@ -172,10 +173,7 @@ def _differentiable_gradients(q, k, v, mask, is_causal, scale, options, grad_out
             outputs.append(torch.where(finite, tensor, 0.0) if tensor is lse else tensor)
             grads.append(grad.to(tensor.dtype))
     wanted = (q, k, v) if extra.get("sinks") is None else (q, k, v, extra["sinks"])
-    if not outputs:
-        return tuple(torch.zeros_like(t) for t in wanted)
-    found = torch.autograd.grad(outputs, wanted, grads, create_graph=True, allow_unused=True)
-    return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(wanted, found))
+    return reference_gradients(outputs, wanted, grads)
 
 
 def _kernel_score_options(kernel_args, sinks=None) -> ScoreOptions | None:

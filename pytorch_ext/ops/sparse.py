@@ -50,6 +50,7 @@ import os
 
 import torch
 
+from .._double_backward import reference_gradients
 from .._dispatch import ENV_VAR, BackendUnavailableError, native_ops_declared, register_kernel, resolve
 from .._validation import RANK_HINT, check_real, check_same_dtype_device, check_size_match, check_tensor
 from ..patterns import BlockLayout, Fixed, Pattern, Star, Strided
@@ -116,10 +117,7 @@ def _double_backward(reference, ctx, grad_out, grad_lse, args):
         if g is not None:
             outputs.append(torch.where(torch.isfinite(t), t, 0.0) if t is lse else t)
             grads.append(g.to(t.dtype))
-    if not outputs:
-        return tuple(torch.zeros_like(t) for t in (q, k, v))
-    found = torch.autograd.grad(outputs, (q, k, v), grads, create_graph=True, allow_unused=True)
-    return tuple(torch.zeros_like(t) if g is None else g for t, g in zip((q, k, v), found))
+    return reference_gradients(outputs, (q, k, v), grads)
 
 
 def _range_setup(ctx, inputs, output):

@@ -198,3 +198,13 @@ def test_double_backward_runs_through_the_reference():
     p = patterns.strided(3)
     assert torch.autograd.gradgradcheck(lambda a, b, c: attnkit.sparse_attention(a, b, c, p, backend="cpu"),
                                         (q, k, v))
+
+
+def test_double_backward_through_q_alone():
+    # k and v held fixed: the reference recomputed for the first gradients differentiated them
+    # too and raised "One of the differentiated Tensors does not require grad" (session 29).
+    _usable("cpu")
+    q = torch.randn(1, 1, 20, 4, dtype=F64, requires_grad=True)
+    k, v = torch.randn(1, 1, 20, 4, dtype=F64), torch.randn(1, 1, 20, 4, dtype=F64)
+    p = patterns.strided(3)
+    assert torch.autograd.gradgradcheck(lambda a: attnkit.sparse_attention(a, k, v, p, backend="cpu"), (q,))
