@@ -232,7 +232,16 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, row_ok
                                        stride_qn, stride_qd, stride_gn, stride_gd, HEAD_D,
                                        HEAD_DV, BLOCK_D, BLOCK_DV)
     p_t = tl.where(keep_t, tl.math.exp2(scores(k, q, qk_scale, DOT_PREC) - lse2[None, :]), 0.0)
-    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    # A NaN dO row comes from the parts' merge (attnkit/ops/sparse.py) when the row is poisoned
+    # (a NaN / +inf score) in another part.  In dV = P^T dO it must reach the keys the row sees
+    # only: in the dot, P = 0 * NaN would spread it to the hidden ones (the tests' "poisoned row"
+    # case).  So the dot takes dO without its NaN, and the keys a NaN row sees become NaN.
+    do_nan = do != do
+    dv = tl.dot(p_t.to(do.dtype), tl.where(do_nan, 0.0, do).to(do.dtype), dv, input_precision=DOT_PREC)
+    row_nan = tl.max(do_nan.to(tl.int32), axis=1)  # [rows]
+    if tl.max(row_nan, axis=0) > 0:  # rare: a tile without one skips this
+        hit = tl.max(tl.where(keep_t, row_nan[None, :], 0), axis=1)  # [keys]
+        dv = tl.where(hit[:, None] > 0, float("nan"), dv)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     return dk_step(dk, p_t, dp_t, delta, q, keep_t, DOT_PREC), dv
 

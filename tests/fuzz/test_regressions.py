@@ -22,14 +22,6 @@ def _usable(family, backend):
         pytest.skip("triton on CPU tensors needs TRITON_INTERPRET=1")
 
 
-# Known failures outside this file's reach, as they stand (strict: a fix shows as XPASS -> fail).
-MERGED_PARTS_DO = pytest.mark.xfail(strict=True, reason=(
-    "sparse parts merged in attnkit/ops/sparse.py: a row poisoned in one part (NaN / +inf score) "
-    "gets NaN weights in the merge, so its other parts receive dO = NaN, and the Triton parts' "
-    "backward multiplies it by hidden entries' P = 0 tile-wide (dv = dot(p, dO)): dV of keys no "
-    "poisoned row sees become NaN (the cpu kernel adds such rows only where P != 0)"))
-
-
 def _mark(param, marks):
     return pytest.param(*param, marks=marks) if marks else pytest.param(*param)
 
@@ -199,11 +191,14 @@ def test_star_row_whose_keys_all_score_minus_inf_is_zero(backend):
 # sparse patterns decomposed into parts: a row poisoned by a +inf score in one part spreads NaN
 # to the gradients of keys it cannot see.  Found by test_fuzz_sparse [cpu, triton]:
 # fixed(stride=2, summary=1, causal=True), N = 5, D = 1, k[1] = +inf -- rows 3 and 4 score +inf
-# (NaN rows), rows 0..2 do not; key 0 is seen by rows 0 and 1 only.
+# (NaN rows), rows 0..2 do not; key 0 is seen by rows 0 and 1 only.  The parts' merge gives the
+# poisoned rows dO = NaN in every part; the Triton dK/dV step multiplied it by hidden entries'
+# P = 0 inside its dot (strict xfail since session 15).  Fixed in session 29 (kernels/sparse.py,
+# _dkdv_tile: the dot without the NaN, the keys a NaN row sees marked NaN).
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["cpu", _mark(("triton",), MERGED_PARTS_DO), "reference"])
+@pytest.mark.parametrize("backend", ["cpu", "triton", "reference"])
 def test_sparse_poisoned_row_keeps_unseen_keys_gradients_finite(backend):
     _usable("sparse", backend)
     pattern = patterns.fixed(2, 1, causal=True)
