@@ -92,7 +92,7 @@ def _initial_state(gen, b, h, d, dv, count, feature_map, dtype, device):
 # (2x the reference's error + 1e-3) fails by one bfloat16 ulp where that reference happens to be
 # exact (B=1 H=2 N=2 D=2 causal elu, normalized: 3.9e-3 > 1.0e-3; session 16).  bfloat16 stays
 # checked on a GPU until those roundings get a budget of their own (as the softmax options'
-# _flash_rounding does).
+# fuzzing.flash_rounding does).
 @pytest.mark.parametrize("backend,device", BACKENDS)
 @fuzz_settings(25)
 @given(data=st.data())

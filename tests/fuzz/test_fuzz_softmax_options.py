@@ -10,7 +10,7 @@ that test's derandomized examples (once, such a change exposed an unrelated Trit
 at N = M = 1 with an infinite key, fixed since).  The inputs here are finite N(0, 1) values
 (special values are that file's subject); the checks and the tolerance rule are fuzzing.py's,
 plus, for float16 / bfloat16 gradients of the kernel backends, the roundings that a flash
-backward makes and the reference run in that dtype does not (:func:`_flash_rounding`).
+backward makes and the reference run in that dtype does not (:func:`fuzzing.flash_rounding`).
 """
 import math
 
@@ -25,7 +25,7 @@ import attnkit
 from attnkit.reference.softmax import softmax_attention_reference
 from attnkit_testing import F64, LOW_PRECISION
 from fuzzing import (
-    BACKENDS, LAYOUTS, base_term_max, check_exact, dtypes_for, fuzz_settings, interpreted, leaves, make_input,
+    BACKENDS, LAYOUTS, base_term_max, check_exact, flash_rounding, dtypes_for, fuzz_settings, interpreted, leaves, make_input,
     require_backend, tolerance,
 )
 
@@ -84,46 +84,6 @@ def _term_sizes(inputs, bases64, p, out64, scale, group, g, g_lse):
     return base_term_max(inputs, bases64, (tq, tk, tv))
 
 
-def _flash_rounding(inputs, bases64, p, scale, group, delta, grad_sizes, u):
-    """Per base, what a flash backward in float16 / bfloat16 adds to DESIGN.md's rule (2x the
-    error of the reference run in that dtype + 1e-3) -- two roundings that the reference run in
-    the dtype, which differentiates the softmax without D, does not make:
-
-    - D = rowsum(dO ∘ O) comes from the output the kernel returned, rounded to the dtype (once
-      by the forward, with sinks once more by their rescale out' = out · exp(lse - lse'),
-      attnkit.score_options.add_sinks): off by delta_i = g_i · (out_i - out64_i) [B, H, N], the
-      forward's own error, already held to its tolerance.  dS = P (dP - D + g_lse) carries it
-      like g_lse: dq_i by |scale| Σ_j P_ij |delta_i| |k_j|, dk_j by |scale| Σ_i P_ij |delta_i| |q_i|
-      (dv not at all);
-    - each gradient the kernels return is rounded to the dtype, element by element of the view
-      they were given (a stride-0 view's copies are summed into the base after that rounding,
-      and may cancel there: session 28's random fuzzing, an expanded K, dk 1.38x the budget
-      counted on the base), and with the lse in the loss there are two, out's and the lse
-      probe's (ops.softmax._gradients), summed in the dtype: u times the sizes ``grad_sizes`` of
-      those parts and of their sum (u the unit roundoff), parts that cancel where the result
-      does.
-
-    Where a gradient cancels (few keys, a sink taking most of the weight) the reference run in
-    the dtype can be almost exact, far below these.  Measured on the cpu kernel in bfloat16,
-    1500 random cases through _check_case (N, M <= 17, D <= 31, masks, window, softcap, ALiBi,
-    sinks, GQA, the lse in the loss or not): DESIGN.md's rule alone failed 27 gradients (dq, dk,
-    dsinks; up to 2.7x the rule), the rule plus this budget none (the worst used 0.53 of the
-    budget).  Against the float64 reference fed the kernel's own D (g_lse - delta), out's and the
-    lse's parts rounded apart, the kernel was within 1.8 u max |grad| (3000 cases): rounding, not
-    a defect."""
-    with torch.no_grad():
-        q, k = (inp.view(b.detach()).cpu() for inp, b in zip(inputs[:2], bases64[:2]))
-        kk = k.repeat_interleave(group, dim=1) if group > 1 else k
-        a = p * delta.abs().unsqueeze(-1)
-        tq = abs(scale) * a @ kk.abs()
-        tk = abs(scale) * a.transpose(-2, -1) @ q.abs()
-        if group > 1:
-            tk = tk.unflatten(1, (-1, group)).sum(2)
-        tv = torch.zeros(inputs[2].view(bases64[2].detach()).shape, dtype=F64)
-    carried = base_term_max(inputs, bases64, (tq, tk, tv))
-    return [c + u * size for c, size in zip(carried, grad_sizes)]
-
-
 @pytest.mark.parametrize("backend,device", OPTION_BACKENDS)
 @fuzz_settings(20)
 @given(data=st.data())
@@ -134,7 +94,7 @@ def test_score_options_match_float64_reference(backend, device, data):
 
 # Fixed cases of the cpu kernel's bfloat16 gradients, which the derandomized examples above may
 # not draw: cases in which DESIGN.md's rule alone fails (found by random search; the kernel's
-# error there is a flash backward's rounding, _flash_rounding), with and without sinks, the lse
+# error there is a flash backward's rounding, fuzzing.flash_rounding), with and without sinks, the lse
 # in the loss or not.  The draws _check_case makes, by label.
 _BF16_BASE = {"dtype": torch.bfloat16, "B": 1, "Hk": 1, "GQA group": 1, "Dv = D": True, "mask": "none",
               "scale": None, "window": None, "softcap": 0.0, "alibi_slopes": "none", "slope size": 0.5,
@@ -217,7 +177,7 @@ def _check_case(backend, device, draw):
     bases, bases64 = leaves(inputs, want_grad)
     q, k, v = (inp.view(base) for inp, base in zip(inputs, bases))
     q64, k64, v64 = (inp.view(base) for inp, base in zip(inputs, bases64))
-    if want_grad:  # the views' own gradients too: what the kernels round (_flash_rounding)
+    if want_grad:  # the views' own gradients too: what the kernels round (fuzzing.flash_rounding)
         for view in (q64, k64, v64):
             view.retain_grad()
     sinks_leaf = None if sinks is None else sinks.clone().requires_grad_(want_grad)
@@ -286,7 +246,7 @@ def _check_case(backend, device, draw):
                        dict(opts64, sinks=None if sinks64 is None else sinks64.detach()))[0].cpu()
     sc = 1.0 / math.sqrt(d) if scale is None else scale
     term_sizes = _term_sizes(inputs, bases64, p, ref.detach().cpu(), sc, group, g, g_lse)
-    flash = [0.0] * 4  # q, k, v, sinks: a flash backward's own roundings (_flash_rounding)
+    flash = [0.0] * 4  # q, k, v, sinks: a flash backward's own roundings (fuzzing.flash_rounding)
     if low and backend != "reference":
         u = torch.finfo(dtype).eps / 2
         delta = (g * (out.detach().cpu().to(F64) - ref.detach().cpu())).sum(-1)
@@ -306,7 +266,7 @@ def _check_case(backend, device, draw):
             for i, (b, part) in enumerate(zip(bases64, out_parts)):
                 if part is not None and part.numel() and b.grad is not None:
                     grad_sizes[i] += part.abs().max().item() + (b.grad - part).abs().max().item()
-        flash[:3] = _flash_rounding(inputs, bases64, p, sc, group, delta, grad_sizes, u)
+        flash[:3] = flash_rounding(inputs, bases64, p, sc, group, delta, grad_sizes, u)
         if sinks is not None:  # d sink = Σ_{b,i} p_sink (g_lse - D), in float32: delta alone
             p_sink = torch.exp(sinks64.detach().reshape(1, h, 1) - ref_lse.detach()).cpu()
             flash[3] = (p_sink * delta.abs()).sum(dim=(0, 2)).max().item()

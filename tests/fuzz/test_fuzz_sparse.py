@@ -14,7 +14,8 @@ from attnkit import patterns
 from attnkit.reference.sparse import sparse_attention_reference
 from attnkit_testing import F64, spread_free_run
 from fuzzing import (
-    BACKENDS, LAYOUTS, SPECIALS, check_exact, check_grad_with_specials, base_support, max_score, check_v_mode, dtypes_for, fused_qkv, fuzz_settings,
+    BACKENDS, LAYOUTS, SPECIALS, base_term_max, check_exact, check_grad_with_specials, base_support, flash_rounding, max_score,
+    check_v_mode, dtypes_for, fused_qkv, fuzz_settings,
     grad_term_sizes, interpreted, leaves, make_input, require_backend, set_values, tolerance,
 )
 
@@ -44,6 +45,28 @@ def _draw_pattern(draw, n, h, gen, cuda_kernel, seq):
     heads = draw(st.sampled_from([1, h]), label="layout heads")
     layout = torch.rand(heads, nb, nb, generator=gen) < draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]), label="density")
     return patterns.block_layout(layout, block, causal=causal), nb * block
+
+
+def _flash_budget(inputs, bases64, views64, vis, scale, g, out, ref_out, dtype):
+    """fuzzing.flash_rounding for a sparse pattern: P the float64 probabilities under the
+    pattern's mask, D's error from the output the op returned.  Found needed by the random
+    fuzzing of session 29 (ATTNKIT_FUZZ_EXAMPLES=300): triton float16 strided(1) N = 7 D = 1
+    with v = ±1e4, dq 1.756 off against the rule's 1.512 -- the parts' D from outputs of size
+    1e4 (half an ulp: 4); the float64 reference fed the output's D alone is 1.553 off; this
+    budget 2.92."""
+    with torch.no_grad():
+        q, k = (view.detach().cpu() for view in views64[:2])
+        sc = 1.0 / q.shape[-1] ** 0.5 if scale is None else scale
+        s = (q @ k.transpose(-2, -1)) * sc
+        s = s.masked_fill(~vis, float("-inf"))
+        live = vis.any(-1, keepdim=True)
+        p = torch.where(live, torch.softmax(torch.where(live, s, 0.0), -1), 0.0)
+        delta = (g.cpu().to(F64) * (out.detach().cpu().to(F64) - ref_out.detach().cpu())).sum(-1)
+        delta = torch.where(torch.isfinite(delta), delta, 0.0)
+    view_grads = [torch.zeros(view.shape, dtype=F64) if view.grad is None else view.grad.detach().abs().cpu()
+                  for view in views64]
+    grad_sizes = base_term_max(inputs, bases64, view_grads)  # (autograd through the views)
+    return flash_rounding(inputs, bases64, p, sc, 1, delta, grad_sizes, torch.finfo(dtype).eps / 2)
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
@@ -86,12 +109,17 @@ def test_sparse_attention_matches_float64_reference(backend, device, data):
             set_values(inputs["qkv".index(name)], "huge", gen)
     elif special != "none":
         set_values(inputs["qkv".index(special[-1])], special[:3], gen)
-    huge = special == "huge" and targets != "v"
+    # (fused / shared q, k, v: "huge in v" writes into the one base, so q and k may get them too)
+    huge = special == "huge" and (targets != "v" or qkv != "separate")
     v_mode = special in ("nan_v", "inf_v")
 
     bases, bases64 = leaves(inputs, want_grad)
     q, k, v = (inp.view(x) for inp, x in zip(inputs, bases))
     q64, k64, v64 = (inp.view(x) for inp, x in zip(inputs, bases64))
+    if want_grad:  # the views' own gradients: what the kernels round (fuzzing.flash_rounding)
+        for view in (q64, k64, v64):
+            if view.requires_grad:
+                view.retain_grad()
     huge_scores = max_score(q64.detach(), k64.detach(), 1, scale) if huge else 0.0
     out = attnkit.sparse_attention(q, k, v, pattern, scale=scale, backend=backend)
     assert out.dtype == dtype and out.device.type == device and out.shape == (b, h, n, dv)
@@ -140,6 +168,9 @@ def test_sparse_attention_matches_float64_reference(backend, device, data):
 
         naive_grads = spread_free_run(naive_gradients, *bases)  # issue 24
     sizes = grad_term_sizes(inputs, bases64, vis, None, scale, 1, g.cpu(), torch.zeros(out.shape[:-1], dtype=F64))
+    flash = [0.0, 0.0, 0.0]  # a flash backward's own roundings (fuzzing.flash_rounding)
+    if dtype in (torch.float16, torch.bfloat16) and backend != "reference" and special in ("none", "huge"):
+        flash = _flash_budget(inputs, bases64, (q64, k64, v64), vis, scale, g, out, ref_out, dtype)
     poisoned = ~torch.isfinite(ref_out.detach().cpu()).all(-1)
     fed = (vis & poisoned.unsqueeze(-1)).any(-2).unsqueeze(-1)
     allowed = base_support(inputs, bases64, [poisoned.unsqueeze(-1), fed, fed])
@@ -154,7 +185,7 @@ def test_sparse_attention_matches_float64_reference(backend, device, data):
             gtol = tolerance(dtype, x64.grad[finite], grad=True, size=sizes[i])
         elif naive_grads is not None:
             gtol = tolerance(dtype, x64.grad[finite], grad=True, naive=naive_grads[i][finite.to(naive_grads[i].device)],
-                             huge_scores=huge_scores, size=sizes[i])
+                             huge_scores=huge_scores, size=sizes[i]) + flash[i]
         got = x.grad if x.grad is not None else torch.zeros_like(x)
         if special in ("none", "huge"):
             check_exact(f"{name} d{which}", got, x64.grad, gtol)
