@@ -19,10 +19,11 @@ them (and the public function's fast path never gets here).  The layout code map
 kernels' ``[B, H, N, D]`` (:meth:`ScoreOptions.to_kernel`), the routing asks which options a
 backend runs (:data:`BACKEND_OPTIONS`), and every backend implementation receives it.
 
-Sinks on the kernel backends need no kernel change (:func:`add_sinks`, :func:`sink_gradient`):
-the kernel runs without the sink, then lse' = logaddexp(lse, sink) and out' = out · exp(lse -
-lse') (in float32 -- float64 for float64 inputs -- then cast).  The kernel's backward given lse'
-and out' gives exact dq, dk, dv: the probabilities it recomputes from lse', exp(s - lse'), are
+Sinks on the kernel backends: the cpu and triton kernels fold them into each row's finish
+(before the row is rounded to the inputs' dtype); after the cuda kernels :func:`add_sinks` applies
+them -- lse' = logaddexp(lse, sink) and out' = out · exp(lse - lse') (in float32, float64 for
+float64 inputs, then cast: a 16-bit row rounded twice).  Either way the kernel's backward given
+lse' and out' gives exact dq, dk, dv: the probabilities it recomputes from lse', exp(s - lse'), are
 the ones with the sink in the denominator, and its row term D_i = rowsum(dO_i ∘ out'_i) is that
 of the sink's softmax too.  The sink's own gradient is
 d sink_h = Σ_{b,i} exp(sink_h - lse'_bhi) · (g_bhi - D_bhi), g the lse's gradient (0 if unused).
@@ -75,8 +76,8 @@ class ScoreOptions:
 
     @property
     def in_scores(self) -> bool:
-        """Whether a kernel must compute some of them (window, softcap, ALiBi); sinks are
-        applied after the kernel."""
+        """Whether a kernel must compute some of them in its scores (window, softcap, ALiBi);
+        sinks join at the rows' finish (:func:`add_sinks` where a kernel cannot)."""
         return self.window != (-1, -1) or self.softcap != 0.0 or self.alibi_slopes is not None
 
     def kernel_args(self) -> tuple:
