@@ -1851,6 +1851,13 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
                 const acc_t* pr = S + r * BKb;
                 acc_t* dpr = dP + r * BKb;
                 const acc_t di = Di[row0 + r];
+                if (L2[row0 + r] == neg_inf<acc_t>()) {
+                  // A row that sees no key gets no gradient.  Its P is 0, but dP = dO V^T is NaN
+                  // where a hidden key's value is NaN, while D is finite (the row's out is 0): the
+                  // general form below would make dS NaN (found by random fuzzing, session 29).
+                  std::fill(dpr, dpr + kn, acc_t(0));
+                  continue;
+                }
                 if (!std::isfinite(di)) {
                   // A NaN or infinite delta (the row's out is NaN, or sees an inf value): dS as
                   // usual where the row sees a key (P != 0) and exactly 0 where causality or a

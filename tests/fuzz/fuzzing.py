@@ -149,10 +149,27 @@ def fused_qkv(lead, n, heads, d, gen, dtype, device):
 SPECIALS = ["none", "none", "none", "nan_q", "nan_k", "inf_k", "nan_v", "inf_v", "huge"]
 
 
-def set_values(inp: Input, kind: str, gen: torch.Generator) -> None:
+def set_values(inp: Input, kind: str, gen: torch.Generator, within_view: bool = False) -> None:
     """A special value at a random position of ``inp``'s base: "nan", "inf" (random sign),
-    "pinf", "huge" (±1e4 at a few positions)."""
-    flat = inp.base.view(-1)
+    "pinf", "huge" (±1e4 at a few positions).  ``within_view``: at positions of the input's own
+    view instead -- for q, k, v sliced from one fused base, where a position of the base may
+    belong to another of them (session 29: "huge in v" put 1e4 into q and k, scores of 1e8)."""
+    if within_view:
+        view = inp.view(inp.base)
+        flat = view.reshape(-1) if view.is_contiguous() else None
+        if flat is None:  # write through the view, element by element
+            n = view.numel()
+            if n == 0:
+                return
+            count = 3 if kind == "huge" else 1
+            idx = torch.randint(n, (count,), generator=gen).tolist()
+            signs = (torch.randint(2, (count,), generator=gen) * 2 - 1).tolist()
+            with torch.no_grad():
+                for i, sgn in zip(idx, signs):
+                    view[torch.unravel_index(torch.tensor(i), view.shape)] = _special(kind, sgn)
+            return
+    else:
+        flat = inp.base.view(-1)
     n = flat.numel()
     if n == 0:
         return
@@ -160,17 +177,20 @@ def set_values(inp: Input, kind: str, gen: torch.Generator) -> None:
     idx = torch.randint(n, (count,), generator=gen).tolist()
     signs = (torch.randint(2, (count,), generator=gen) * 2 - 1).tolist()
     with torch.no_grad():
-        for i, s in zip(idx, signs):
-            if kind == "nan":
-                flat[i] = float("nan")
-            elif kind == "inf":
-                flat[i] = s * float("inf")
-            elif kind == "pinf":
-                flat[i] = float("inf")
-            elif kind == "huge":
-                flat[i] = s * HUGE
-            else:
-                raise AssertionError(kind)
+        for i, sgn in zip(idx, signs):
+            flat[i] = _special(kind, sgn)
+
+
+def _special(kind: str, sign: int) -> float:
+    if kind == "nan":
+        return float("nan")
+    if kind == "inf":
+        return sign * float("inf")
+    if kind == "pinf":
+        return float("inf")
+    if kind == "huge":
+        return sign * HUGE
+    raise AssertionError(kind)
 
 
 def leaves(inputs, requires_grad: bool):

@@ -106,11 +106,11 @@ def test_sparse_attention_matches_float64_reference(backend, device, data):
     if special == "huge":
         targets = "v" if dtype == torch.float16 else draw(st.sampled_from(["q", "k", "v", "qk"]), label="huge in")
         for name in targets:
-            set_values(inputs["qkv".index(name)], "huge", gen)
+            set_values(inputs["qkv".index(name)], "huge", gen, within_view=qkv == "fused")
     elif special != "none":
         set_values(inputs["qkv".index(special[-1])], special[:3], gen)
-    # (fused / shared q, k, v: "huge in v" writes into the one base, so q and k may get them too)
-    huge = special == "huge" and (targets != "v" or qkv != "separate")
+    # (q, k and v one shared tensor: "huge in v" is in q and k too)
+    huge = special == "huge" and (targets != "v" or qkv == "shared")
     v_mode = special in ("nan_v", "inf_v")
 
     bases, bases64 = leaves(inputs, want_grad)

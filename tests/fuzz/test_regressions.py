@@ -296,3 +296,31 @@ def test_softmax_sinks_round_a_bfloat16_output_once(backend):
     naive = softmax_attention_reference(q, k, v, mask, alibi_slopes=slopes, sinks=sinks)
     got = attnkit.softmax_attention(q, k, v, attn_mask=mask, alibi_slopes=slopes, sinks=sinks, backend=backend)
     assert_close_to_reference(got, want, naive)
+
+
+# ----------------------------------------------------------------------------------------------
+# A row that sees no key, with a NaN in a value it does not see: the cpu backward took dS = P (dP
+# - D) there with P = 0, D = 0 (the row's out is 0) and dP = dO V^T = NaN, so dq and the keys' dk
+# came out NaN; the reference (and the triton kernel) give such a row no gradient.  Found by
+# test_fuzz_softmax [cpu] (session 29, ATTNKIT_FUZZ_EXAMPLES=1000): float32, N = M = D = 1, a bool
+# mask hiding the one key, v = NaN.  Fixed in csrc/cpu/softmax.cpp (the backward's dS step).
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+def test_softmax_row_without_keys_gets_no_gradient_from_a_nan_value(backend):
+    _usable("softmax", backend)
+    g = torch.Generator().manual_seed(6)
+    q, k = torch.randn(1, 2, 5, 4, generator=g), torch.randn(1, 2, 7, 4, generator=g)
+    v = torch.randn(1, 2, 7, 3, generator=g)
+    v[0, :, 2, 1] = float("nan")  # key 2, hidden from every row
+    mask = torch.rand(5, 7, generator=g) > 0.4
+    mask[:, 2] = False
+    mask[1] = False  # row 1 sees no key
+    mask[3, 0] = True  # every other row sees one at least
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = attnkit.softmax_attention(q, k, v, attn_mask=mask, backend=backend)
+    out.backward(torch.ones_like(out))
+    assert torch.equal(q.grad[0, :, 1], torch.zeros(2, 4)), q.grad[0, :, 1].tolist()
+    assert torch.isfinite(k.grad[0, :, 2]).all(), "dk of the hidden NaN-valued key"
+    assert torch.equal(v.grad[0, :, 2], torch.zeros(2, 3))
