@@ -1851,24 +1851,16 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
                 const acc_t* pr = S + r * BKb;
                 acc_t* dpr = dP + r * BKb;
                 const acc_t di = Di[row0 + r];
-                if (L2[row0 + r] == neg_inf<acc_t>()) {
-                  // A row that sees no key gets no gradient.  Its P is 0, but dP = dO V^T is NaN
-                  // where a hidden key's value is NaN, while D is finite (the row's out is 0): the
-                  // general form below would make dS NaN (found by random fuzzing, session 29).
-                  std::fill(dpr, dpr + kn, acc_t(0));
-                  continue;
-                }
-                if (!std::isfinite(di)) {
-                  // A NaN or infinite delta (the row's out is NaN, or sees an inf value): dS as
-                  // usual where the row sees a key (P != 0) and exactly 0 where causality or a
-                  // bool mask hide it (P = 0): 0 * (dP - NaN / inf) would carry a NaN to the dK of
-                  // keys the row cannot see (issue 15).
-                  for (int64_t j = 0; j < kn; ++j)
-                    dpr[j] = pr[j] != acc_t(0) ? pr[j] * (dpr[j] - di) * scale : acc_t(0);
-                } else {
+                // dS = P (dP - D) scale where the row sees a key (P != 0), exactly 0 where
+                // causality, a bool mask or the tile's edge hide it (P = 0): there dP = dO V^T
+                // may be NaN -- a NaN value the forward never multiplied (a key past the causal
+                // bound in this tile, or every key of a row that sees none) -- and 0 * NaN would
+                // reach dQ and that key's dK (found by random fuzzing, session 29); and a NaN or
+                // infinite D (the row's out is NaN, or sees an inf value) would carry to the
+                // dK of keys the row cannot see (issue 15).  The select is one blend a vector.
 #pragma omp simd
-                  for (int64_t j = 0; j < kn; ++j) dpr[j] = pr[j] * (dpr[j] - di) * scale;
-                }
+                for (int64_t j = 0; j < kn; ++j)
+                  dpr[j] = pr[j] != acc_t(0) ? pr[j] * (dpr[j] - di) * scale : acc_t(0);
                 if (softcap) {
                   // Through the cap: dS_raw = dS_capped (1 - tanh^2) (0 on hidden keys).
                   const acc_t* dc = st.dcap.data() + r * BKb;

@@ -456,7 +456,9 @@ def test_nan_and_inf_propagate(where, val, mask_kind, causal, dtype, N, D=32):
     # Backward: NaN at least where the poisoned rows reach; nothing in kv head 1's gradients.
     seen = (vis & poisoned.unsqueeze(-1))[:2].any(0)          # keys a poisoned row sees
     if where == "v":
-        rows_v = vis[:2, :, j]                                # rows whose dP sees v[j]
+        rows_v = vis[:2, :, j]                                # rows whose dP sees v[j],
+        if mask_kind == "float":  # but not a row with no key (all -inf): zero gradients (README)
+            rows_v &= ~torch.isneginf(mask[0, :2]).all(-1)
         assert_rows(nan_rows(dq)[0], torch.cat([rows_v, torch.zeros(2, N, dtype=torch.bool)]),
                     "dq", exact=False)
         assert_rows(nan_rows(dk)[0, 0], (vis[:2] & rows_v.unsqueeze(-1)).any(0).any(0), "dk",

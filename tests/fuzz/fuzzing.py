@@ -424,7 +424,10 @@ def flash_rounding(inputs, bases64, p, scale, group, delta, grad_sizes, u):
     lse's parts rounded apart, the kernel was within 1.8 u max |grad| (3000 cases): rounding, not
     a defect."""
     with torch.no_grad():
-        q, k = (inp.view(b.detach()).cpu() for inp, b in zip(inputs[:2], bases64[:2]))
+        # (non-finite q / k entries -- special values -- count 0: the rows they poison have NaN
+        # gradients, checked as such, and P = 0 in ``p``)
+        q, k = (torch.nan_to_num(inp.view(b.detach()).cpu(), nan=0.0, posinf=0.0, neginf=0.0)
+                for inp, b in zip(inputs[:2], bases64[:2]))
         kk = k.repeat_interleave(group, dim=1) if group > 1 else k
         a = p * delta.abs().unsqueeze(-1)
         tq = abs(scale) * a @ kk.abs()

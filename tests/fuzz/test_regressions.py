@@ -299,12 +299,31 @@ def test_softmax_sinks_round_a_bfloat16_output_once(backend):
 
 
 # ----------------------------------------------------------------------------------------------
-# A row that sees no key, with a NaN in a value it does not see: the cpu backward took dS = P (dP
-# - D) there with P = 0, D = 0 (the row's out is 0) and dP = dO V^T = NaN, so dq and the keys' dk
-# came out NaN; the reference (and the triton kernel) give such a row no gradient.  Found by
-# test_fuzz_softmax [cpu] (session 29, ATTNKIT_FUZZ_EXAMPLES=1000): float32, N = M = D = 1, a bool
-# mask hiding the one key, v = NaN.  Fixed in csrc/cpu/softmax.cpp (the backward's dS step).
+# A NaN in a value a row does not see, where the row's out stays finite: the cpu backward took
+# dS = P (dP - D) with P = 0 on the hidden key, D finite and dP = dO V^T = NaN there, so dq and
+# the hidden key's dk came out NaN; the reference gives them none.  Found by test_fuzz_softmax
+# [cpu] (session 29, ATTNKIT_FUZZ_EXAMPLES=1000), twice: float32 N = M = D = 1, a bool mask hiding
+# the one key (a row that sees no key: out 0); N = 1, M = 2, causal, the NaN in the second value
+# (a key past the causal bound but in the row's tile).  Fixed in csrc/cpu/softmax.cpp (dS = 0
+# wherever P = 0).
 # ----------------------------------------------------------------------------------------------
+
+
+def test_softmax_causally_hidden_nan_value_gives_no_gradient():
+    # The cpu kernel never multiplies a key past a row's causal bound, so the rows' out stays
+    # finite (the reference's P V, and a Triton tile, carry 0 * NaN to every row: NaN, which the
+    # README allows too) -- and then their gradients must stay finite.
+    _usable("softmax", "cpu")
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(1, 2, 3, 4, generator=g), torch.randn(1, 2, 5, 4, generator=g)
+    v = torch.randn(1, 2, 5, 3, generator=g)
+    v[0, :, 4, 0] = float("nan")  # key 4: past every row's causal bound (top-left, N = 3)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = attnkit.softmax_attention(q, k, v, is_causal=True, backend="cpu")
+    assert torch.isfinite(out).all()
+    out.backward(torch.ones_like(out))
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all(), "dq / dk from a hidden NaN value"
+    assert torch.equal(k.grad[0, :, 4], torch.zeros(2, 4))
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
