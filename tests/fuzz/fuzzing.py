@@ -154,31 +154,16 @@ def set_values(inp: Input, kind: str, gen: torch.Generator, within_view: bool = 
     "pinf", "huge" (±1e4 at a few positions).  ``within_view``: at positions of the input's own
     view instead -- for q, k, v sliced from one fused base, where a position of the base may
     belong to another of them (session 29: "huge in v" put 1e4 into q and k, scores of 1e8)."""
-    if within_view:
-        view = inp.view(inp.base)
-        flat = view.reshape(-1) if view.is_contiguous() else None
-        if flat is None:  # write through the view, element by element
-            n = view.numel()
-            if n == 0:
-                return
-            count = 3 if kind == "huge" else 1
-            idx = torch.randint(n, (count,), generator=gen).tolist()
-            signs = (torch.randint(2, (count,), generator=gen) * 2 - 1).tolist()
-            with torch.no_grad():
-                for i, sgn in zip(idx, signs):
-                    view[torch.unravel_index(torch.tensor(i), view.shape)] = _special(kind, sgn)
-            return
-    else:
-        flat = inp.base.view(-1)
-    n = flat.numel()
+    target = inp.view(inp.base) if within_view else inp.base  # (the base: contiguous)
+    n = target.numel()
     if n == 0:
         return
     count = 3 if kind == "huge" else 1
     idx = torch.randint(n, (count,), generator=gen).tolist()
     signs = (torch.randint(2, (count,), generator=gen) * 2 - 1).tolist()
     with torch.no_grad():
-        for i, sgn in zip(idx, signs):
-            flat[i] = _special(kind, sgn)
+        for i, sgn in zip(idx, signs):  # (row-major: the base's flat index i)
+            target[torch.unravel_index(torch.tensor(i), target.shape)] = _special(kind, sgn)
 
 
 def _special(kind: str, sign: int) -> float:
