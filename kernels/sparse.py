@@ -236,6 +236,10 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, rows, row_ok
     # (a NaN / +inf score) in another part.  In dV = P^T dO it must reach the keys the row sees
     # only: in the dot, P = 0 * NaN would spread it to the hidden ones (the tests' "poisoned row"
     # case).  So the dot takes dO without its NaN, and the keys a NaN row sees become NaN.
+    # Registers (sm_90 compile on the CPU, bfloat16, D = 128, the first two configs; session 29):
+    # spills 452 / 360 -> 656 / 672 bytes at 64 x 64, 20 / 20 -> 188 / 216 at 32 x 64.  Both dots
+    # behind the branch (the plain one without the select) measured worse: 884 / 960, 220 / 228.
+    # Not timed yet: the next GPU run times the sparse backward against session 15's figures.
     do_nan = do != do
     dv = tl.dot(p_t.to(do.dtype), tl.where(do_nan, 0.0, do).to(do.dtype), dv, input_precision=DOT_PREC)
     row_nan = tl.max(do_nan.to(tl.int32), axis=1)  # [rows]

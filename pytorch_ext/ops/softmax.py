@@ -610,6 +610,12 @@ def _kernel_mask(attn_mask, query, key):
 # ---- sinks around a kernel (issue 28): no kernel change ----------------------------------------
 
 
+def _full_kernel_args(kernel_args) -> tuple:
+    """The four score-option arguments of the ops, their defaults when ``kernel_args`` is ()
+    (the sinks follow them positionally)."""
+    return kernel_args or (-1, -1, 0.0, None)
+
+
 class _NativeKernel:
     """The C++ ops of one call (mask, scale, is_causal and the score options the kernel computes
     fixed), as :class:`_WithSinks` runs them."""
@@ -626,7 +632,8 @@ class _NativeKernel:
             if q.is_cuda:
                 return score_options.add_sinks(*_FWD_OP(q, k, v, self.mask, self.scale, self.is_causal,
                                                         *self.kernel_args), sinks)
-            return _FWD_OP(q, k, v, self.mask, self.scale, self.is_causal, *self._all_kernel_args(), sinks)
+            return _FWD_OP(q, k, v, self.mask, self.scale, self.is_causal, *_full_kernel_args(self.kernel_args),
+                           sinks)
 
     def backward(self, g, q, k, v, out, lse, _with_dropout):  # no dropout in the C++ kernels
         return _BWD_OP(g, q, k, v, out, lse, self.mask, self.scale, self.is_causal, *self.kernel_args)
@@ -637,10 +644,8 @@ class _NativeKernel:
             return score_options.add_sinks(*_call_native_options(q, k, v, self.mask, self.scale,
                                                                  self.is_causal, self.kernel_args), sinks)
         return torch.ops.attnkit.softmax_fwd(q, k, v, self.mask, self.scale, self.is_causal,
-                                             *self._all_kernel_args(), sinks)
+                                             *_full_kernel_args(self.kernel_args), sinks)
 
-    def _all_kernel_args(self):
-        return self.kernel_args or (-1, -1, 0.0, None)
 
     def probe_dim(self, q):
         return q.shape[-1] if q.is_cuda else None  # the CUDA kernels need Dv == D
@@ -662,7 +667,7 @@ class _TritonKernel:
         """(out', lse') with the sinks folded into each row's finish by the kernel."""
         with _BELOW_AUTOGRAD():
             return _TRITON_FWD_OP(q, k, v, self.mask, self.scale, self.is_causal, self.dropout_p, self.seed,
-                                  *self._all_kernel_args(), sinks)
+                                  *_full_kernel_args(self.kernel_args), sinks)
 
     def backward(self, g, q, k, v, out, lse, with_dropout):
         p = self.dropout_p if with_dropout else 0.0
@@ -671,10 +676,9 @@ class _TritonKernel:
 
     def differentiable(self, q, k, v, sinks):  # the custom op carries its registered autograd
         return torch.ops.attnkit.softmax_triton_fwd(q, k, v, self.mask, self.scale, self.is_causal,
-                                                    self.dropout_p, self.seed, *self._all_kernel_args(), sinks)
+                                                    self.dropout_p, self.seed, *_full_kernel_args(self.kernel_args),
+                                                    sinks)
 
-    def _all_kernel_args(self):
-        return self.kernel_args or (-1, -1, 0.0, None)
 
     def probe_dim(self, q):
         return None
