@@ -245,7 +245,17 @@ def tolerance(dtype, ref64, *, grad=False, naive=None, huge_scores=0.0, unit=Non
             tol += max(2.0 * naive_err(), 2.0 * eps * huge_scores * (size if unit is None else unit))
         return tol
     if dtype in LOW_PRECISION:
-        return 2.0 * naive_err() + 1e-3
+        tol = 2.0 * naive_err() + 1e-3
+        if grad:
+            # The kernels compute a 16-bit gradient in float32 (dP = dO V^T and D = rowsum(dO ∘ O)
+            # summed in their own orders): the float32 rule's term, which the reference run in
+            # the dtype does not carry where the gradient cancels and that reference comes out
+            # exact.  Found by session 29's random fuzzing (ATTNKIT_FUZZ_EXAMPLES=1500
+            # test_fuzz_sparse): triton float16 strided(1), N = 1 -- a single key, dq = 0 exactly
+            # --, D = 16, v = ±1e4: dq 1.75e-3 against the 16-bit rule's 1.0e-3, dP and D each
+            # sums of 16 terms of ~1e4 |dO| in float32.
+            tol += 1e-4 * size
+        return tol
     raise AssertionError(dtype)
 
 
@@ -413,12 +423,12 @@ def flash_rounding(inputs, bases64, p, scale, group, delta, grad_sizes, u):
         # gradients, checked as such, and P = 0 in ``p``)
         q, k = (torch.nan_to_num(inp.view(b.detach()).cpu(), nan=0.0, posinf=0.0, neginf=0.0)
                 for inp, b in zip(inputs[:2], bases64[:2]))
-        kk = k.repeat_interleave(group, dim=1) if group > 1 else k
+        kk = k.repeat_interleave(group, dim=-3) if group > 1 else k  # (heads at dim -3)
         a = p * delta.abs().unsqueeze(-1)
         tq = abs(scale) * a @ kk.abs()
         tk = abs(scale) * a.transpose(-2, -1) @ q.abs()
         if group > 1:
-            tk = tk.unflatten(1, (-1, group)).sum(2)
+            tk = tk.unflatten(-3, (-1, group)).sum(-3)
         tv = torch.zeros(inputs[2].view(bases64[2].detach()).shape, dtype=F64)
     carried = base_term_max(inputs, bases64, (tq, tk, tv))
     return [c + u * size for c, size in zip(carried, grad_sizes)]
