@@ -370,7 +370,8 @@ def softmax_attention_varlen(
 
     if not groups:  # no query row at all
         out = _attached_empty((total_q, heads, value_dim), q, q.dtype, q, k, v)
-        lse = q.new_empty((total_q, heads), dtype=_lse_dtype(q.dtype))
+        # (the lse too, as softmax_attention's with N = 0: a loss on it backpropagates)
+        lse = _attached_empty((total_q, heads), q, _lse_dtype(q.dtype), q, k, v)
     else:
         out = _unpack(outs, groups)
         lse = _unpack(lses, groups) if return_lse else None

@@ -42,6 +42,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit._dispatch import triton_interpreted
+from attnkit.reference.linear import feature_map_reference
 from attnkit_testing import F64, LOW_PRECISION, triton_bf16_checkable
 
 ENV_EXAMPLES = "ATTNKIT_FUZZ_EXAMPLES"
@@ -373,6 +374,73 @@ def grad_term_sizes(inputs, bases64, vis, bias, scale, group, g, g_lse):
         if squeeze:
             tq, tk, tv = tq[0], tk[0], tv[0]
     return base_term_max(inputs, bases64, (tq, tk, tv))
+
+
+def softmax_term_sizes(inputs, bases64, p, out64, scale, group, g, g_lse):
+    """Per base, the largest term its float64 gradient sums -- the yardstick of a gradient that
+    cancels (grad_term_sizes, with the score options' probabilities ``p`` [..., H, N, M]: the
+    sinks' share is left out of them, and the softcap's derivative, at most 1, is bounded by 1).
+    dS = P (dP - D + g_lse): dq sums |scale| A |K|, dk |scale| Aᵀ |Q|, dv Pᵀ |g|, with
+    A = P (|dP| + |D| + |g_lse|)."""
+    with torch.no_grad():
+        q, k, v = (inp.view(b.detach()) for inp, b in zip(inputs, bases64))
+        kk, vv = (t.repeat_interleave(group, dim=-3) if group > 1 else t for t in (k, v))
+        gg = g.to(F64)
+        dp = (gg @ vv.transpose(-2, -1)).abs()
+        big_d = (gg * out64).sum(-1, keepdim=True).abs()
+        a = p * (dp + big_d + g_lse.to(F64).abs().unsqueeze(-1))
+        sc = abs(scale)
+        tq = sc * a @ kk.abs()
+        tk = sc * a.transpose(-2, -1) @ q.abs()
+        tv = p.transpose(-2, -1) @ gg.abs()
+        if group > 1:
+            tk, tv = (t.unflatten(-3, (-1, group)).sum(-3) for t in (tk, tv))
+    return base_term_max(inputs, bases64, (tq, tk, tv))
+
+
+def _linear_phi_prime(x, feature_map):
+    if feature_map == "elu":
+        return torch.where(x > 0, torch.ones_like(x), torch.exp(torch.clamp(x, max=0)))
+    if feature_map == "relu":
+        return (x > 0).to(x.dtype)
+    return torch.ones_like(x)
+
+
+def linear_term_sizes(inputs, bases64, causal, feature_map, normalize, eps, scale, g, state):
+    """Per base, the largest term its gradient sums (the yardstick of a gradient that cancels:
+    normalized with one key, out = v whatever q and k, so dq = dk = 0 up to rounding).  With
+    w_ij = φ(q_i)·φ(k_j): ∂L/∂w_ij = (g_i·v_j - g_i·out_i) / den_i normalized, scale g_i·v_j
+    otherwise; dq_i sums φ'(q_i) ∂L/∂w_ij φ(k_j) (and the initial state's terms), dk_j sums
+    φ'(k_j) ∂L/∂w_ij φ(q_i), dv_j sums w_ij g_i / den_i."""
+    with torch.no_grad():
+        q, k, v = (torch.nan_to_num(inp.view(b.detach()), nan=0.0, posinf=0.0, neginf=0.0)
+                   for inp, b in zip(inputs, bases64))
+        g = g.to(q.device, F64)
+        pq, pk = feature_map_reference(q, feature_map), feature_map_reference(k, feature_map)
+        w = pq @ pk.transpose(-2, -1)
+        if causal:
+            w = w * torch.ones(w.shape[-2:], dtype=F64, device=w.device).tril()
+        s0, z0 = state if state is not None else (None, None)
+        gv = (g @ v.transpose(-2, -1)).abs()
+        if normalize:
+            den = w.sum(-1) + eps + (0.0 if z0 is None else (pq * z0.to(F64).unsqueeze(-2)).sum(-1))
+            num = w @ v + (0.0 if s0 is None else pq @ s0.to(F64))
+            out = num / den.unsqueeze(-1)
+            gout = (g * out).sum(-1).abs()
+            t = (gv + gout.unsqueeze(-1)) / den.abs().unsqueeze(-1)
+            state_q = 0.0 if s0 is None else (g.abs() @ s0.to(F64).abs().transpose(-2, -1)
+                                              + gout.unsqueeze(-1) * z0.to(F64).abs().unsqueeze(-2)) / den.abs().unsqueeze(-1)
+            tv = w.abs().transpose(-2, -1) @ (g.abs() / den.abs().unsqueeze(-1))
+        else:
+            t = abs(scale) * gv
+            state_q = 0.0 if s0 is None else abs(scale) * g.abs() @ s0.to(F64).abs().transpose(-2, -1)
+            tv = abs(scale) * w.abs().transpose(-2, -1) @ g.abs()
+        if causal:
+            t = t * torch.ones(t.shape[-2:], dtype=F64, device=t.device).tril()
+        tq = _linear_phi_prime(q, feature_map) * (t @ pk.abs() + state_q)
+        tk = _linear_phi_prime(k, feature_map) * (t.transpose(-2, -1) @ pq.abs())
+        terms = [torch.nan_to_num(x, nan=0.0, posinf=0.0) for x in (tq, tk, tv)]
+    return base_term_max(inputs, bases64, terms)
 
 
 def base_term_max(inputs, bases64, terms):

@@ -9,7 +9,6 @@ import pytest
 
 pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (requirements.txt)")
 import torch
-import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,9 +18,9 @@ from attnkit.reference.linear import (
 )
 from attnkit_testing import F64, spread_free_run
 from fuzzing import (
-    BACKENDS, LAYOUTS, SPECIALS, amx_spread_rows, base_support, base_term_max, check_exact,
-    check_grad_with_specials, check_v_mode, dtypes_for, fused_qkv, fuzz_settings, interpreted, leaves, make_input,
-    require_backend, set_values, tolerance,
+    BACKENDS, LAYOUTS, SPECIALS, amx_spread_rows, base_support, check_exact,
+    check_grad_with_specials, check_v_mode, dtypes_for, fused_qkv, fuzz_settings, interpreted, leaves, linear_term_sizes,
+    make_input, require_backend, set_values, tolerance,
 )
 
 SEQ = [0, 1, 2, 3, 5, 7, 16, 17, 33, 63, 65, 129]
@@ -30,51 +29,6 @@ DIMS = [1, 2, 3, 8, 16, 31, 64, 100, 128, 256]
 # An output scale, or 0; not tiny: a result below float32's range is no test of the kernels.
 SCALES = st.one_of(st.just(0.0), st.floats(0.05, 2.0), st.floats(-2.0, -0.05))
 MODES = [("elu", True), ("elu", True), ("elu", False), ("relu", False), ("identity", False)]
-
-
-def _phi_prime(x, feature_map):
-    if feature_map == "elu":
-        return torch.where(x > 0, torch.ones_like(x), torch.exp(torch.clamp(x, max=0)))
-    if feature_map == "relu":
-        return (x > 0).to(x.dtype)
-    return torch.ones_like(x)
-
-
-def _term_sizes(inputs, bases64, causal, feature_map, normalize, eps, scale, g, state):
-    """Per base, the largest term its gradient sums (the yardstick of a gradient that cancels:
-    normalized with one key, out = v whatever q and k, so dq = dk = 0 up to rounding).  With
-    w_ij = φ(q_i)·φ(k_j): ∂L/∂w_ij = (g_i·v_j - g_i·out_i) / den_i normalized, scale g_i·v_j
-    otherwise; dq_i sums φ'(q_i) ∂L/∂w_ij φ(k_j) (and the initial state's terms), dk_j sums
-    φ'(k_j) ∂L/∂w_ij φ(q_i), dv_j sums w_ij g_i / den_i."""
-    with torch.no_grad():
-        q, k, v = (torch.nan_to_num(inp.view(b.detach()), nan=0.0, posinf=0.0, neginf=0.0)
-                   for inp, b in zip(inputs, bases64))
-        g = g.to(q.device, F64)
-        pq, pk = feature_map_reference(q, feature_map), feature_map_reference(k, feature_map)
-        w = pq @ pk.transpose(-2, -1)
-        if causal:
-            w = w * torch.ones(w.shape[-2:], dtype=F64, device=w.device).tril()
-        s0, z0 = state if state is not None else (None, None)
-        gv = (g @ v.transpose(-2, -1)).abs()
-        if normalize:
-            den = w.sum(-1) + eps + (0.0 if z0 is None else (pq * z0.to(F64).unsqueeze(-2)).sum(-1))
-            num = w @ v + (0.0 if s0 is None else pq @ s0.to(F64))
-            out = num / den.unsqueeze(-1)
-            gout = (g * out).sum(-1).abs()
-            t = (gv + gout.unsqueeze(-1)) / den.abs().unsqueeze(-1)
-            state_q = 0.0 if s0 is None else (g.abs() @ s0.to(F64).abs().transpose(-2, -1)
-                                              + gout.unsqueeze(-1) * z0.to(F64).abs().unsqueeze(-2)) / den.abs().unsqueeze(-1)
-            tv = w.abs().transpose(-2, -1) @ (g.abs() / den.abs().unsqueeze(-1))
-        else:
-            t = abs(scale) * gv
-            state_q = 0.0 if s0 is None else abs(scale) * g.abs() @ s0.to(F64).abs().transpose(-2, -1)
-            tv = abs(scale) * w.abs().transpose(-2, -1) @ g.abs()
-        if causal:
-            t = t * torch.ones(t.shape[-2:], dtype=F64, device=t.device).tril()
-        tq = _phi_prime(q, feature_map) * (t @ pk.abs() + state_q)
-        tk = _phi_prime(k, feature_map) * (t.transpose(-2, -1) @ pq.abs())
-        terms = [torch.nan_to_num(x, nan=0.0, posinf=0.0) for x in (tq, tk, tv)]
-    return base_term_max(inputs, bases64, terms)
 
 
 def _initial_state(gen, b, h, d, dv, count, feature_map, dtype, device):
@@ -210,7 +164,7 @@ def test_linear_attention_matches_float64_reference(backend, device, data):
             return [x.grad for x in nb]
 
         naive_grads = spread_free_run(naive_gradients, *bases)  # issue 24
-    sizes = _term_sizes(inputs, bases64, causal, feature_map, normalize, eps, scale, g, state64)
+    sizes = linear_term_sizes(inputs, bases64, causal, feature_map, normalize, eps, scale, g, state64)
     poisoned = ~torch.isfinite(ref_out.detach().cpu()).all(-1)
     fed = (vis & poisoned.unsqueeze(-1)).any(-2).unsqueeze(-1)
     allowed = base_support(inputs, bases64, [poisoned.unsqueeze(-1), fed, fed])

@@ -26,7 +26,7 @@ from attnkit.reference.softmax import softmax_attention_reference
 from attnkit_testing import F64, LOW_PRECISION
 from fuzzing import (
     BACKENDS, LAYOUTS, base_term_max, check_exact, flash_rounding, dtypes_for, fuzz_settings, interpreted, leaves, make_input,
-    require_backend, tolerance,
+    require_backend, softmax_term_sizes, tolerance,
 )
 
 SEQ = [1, 2, 3, 5, 7, 16, 17, 33, 63, 65]
@@ -60,28 +60,6 @@ def _visible(b, h, n, m, mask, is_causal, window):
 
 def _reference(q, k, v, mask, is_causal, scale, group, opts):
     return softmax_attention_reference(q, k, v, mask, 0.0, is_causal, scale, group > 1, return_lse=True, **opts)
-
-
-def _term_sizes(inputs, bases64, p, out64, scale, group, g, g_lse):
-    """Per base, the largest term its float64 gradient sums -- the yardstick of a gradient that
-    cancels (fuzzing.grad_term_sizes, with the options' probabilities ``p`` [B, H, N, M]: the
-    sinks' share is left out of them, and the softcap's derivative, at most 1, is bounded by 1).
-    dS = P (dP - D + g_lse): dq sums |scale| A |K|, dk |scale| Aᵀ |Q|, dv Pᵀ |g|, with
-    A = P (|dP| + |D| + |g_lse|)."""
-    with torch.no_grad():
-        q, k, v = (inp.view(b.detach()) for inp, b in zip(inputs, bases64))
-        kk, vv = (t.repeat_interleave(group, dim=1) if group > 1 else t for t in (k, v))
-        gg = g.to(F64)
-        dp = (gg @ vv.transpose(-2, -1)).abs()
-        big_d = (gg * out64).sum(-1, keepdim=True).abs()
-        a = p * (dp + big_d + g_lse.to(F64).abs().unsqueeze(-1))
-        sc = abs(scale)
-        tq = sc * a @ kk.abs()
-        tk = sc * a.transpose(-2, -1) @ q.abs()
-        tv = p.transpose(-2, -1) @ gg.abs()
-        if group > 1:
-            tk, tv = (t.unflatten(1, (-1, group)).sum(2) for t in (tk, tv))
-    return base_term_max(inputs, bases64, (tq, tk, tv))
 
 
 @pytest.mark.parametrize("backend,device", OPTION_BACKENDS)
@@ -245,7 +223,7 @@ def _check_case(backend, device, draw):
         p = _reference(q64.detach(), k64.detach(), eye, mask64, is_causal, scale, group,
                        dict(opts64, sinks=None if sinks64 is None else sinks64.detach()))[0].cpu()
     sc = 1.0 / math.sqrt(d) if scale is None else scale
-    term_sizes = _term_sizes(inputs, bases64, p, ref.detach().cpu(), sc, group, g, g_lse)
+    term_sizes = softmax_term_sizes(inputs, bases64, p, ref.detach().cpu(), sc, group, g, g_lse)
     flash = [0.0] * 4  # q, k, v, sinks: a flash backward's own roundings (fuzzing.flash_rounding)
     if low and backend != "reference":
         u = torch.finfo(dtype).eps / 2

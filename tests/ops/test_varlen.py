@@ -132,6 +132,10 @@ def test_empty_pack_and_no_query_rows():
     assert out.shape == (0, 4, 5) and lse.shape == (0, 4) and lse.dtype == F32
     dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
     assert not dk.any() and dk.shape == k.shape
+    # a loss on the lse alone backpropagates too, as softmax_attention's with N = 0 (session 30's
+    # varlen fuzz: the empty pack's lse was outside the graph, and the backward raised)
+    dq, dk = torch.autograd.grad(lse.sum(), (q, k))
+    assert not dq.any() and not dk.any()
     one = torch.zeros(1, dtype=torch.int32)  # batch 0
     empty = attnkit.softmax_attention_varlen(q, k[:0], v[:0], one, one, 0, 0, enable_gqa=True)
     assert empty.shape == (0, 4, 5)
