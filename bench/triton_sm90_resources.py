@@ -87,6 +87,8 @@ def decode_table(head_dim: int = 128) -> list[tuple]:
                       **{k: bool(v) for k, v in variant.items()})
         if "HAS_SINKS" in fn.arg_names:  # off: the sinks add one step at the rows' finish
             consts["HAS_SINKS"] = False
+        if "VARLEN" in fn.arg_names:
+            consts["VARLEN"] = varlen
         try:
             result = compile_sm90(fn, types, consts, divisible, warps, stages)
         except Exception as exc:  # a variant that does not compile is the finding
@@ -100,18 +102,20 @@ _SOFTMAX_KERNELS = {"softmax-fwd": ("_attn_fwd_kernel", "FWD_CONFIGS"),
                     "softmax-dq": ("_attn_bwd_dq_kernel", "BWD_DQ_CONFIGS")}
 
 
-def softmax_table(which: str, head_dim: int = 128) -> list[tuple]:
+def softmax_table(which: str, head_dim: int = 128, varlen: bool = False) -> list[tuple]:
     """A kernel of kernels/softmax.py (``which``: softmax-fwd / -dkdv / -dq), bfloat16, D = Dv =
     head_dim, no mask / dropout, causal, every config of its autotune list: the plain kernel, a
-    window (its band's edge loops), and a window with softcap and ALiBi."""
+    window (its band's edge loops), and a window with softcap and ALiBi.  ``varlen``: the
+    packed-sequence build (VARLEN, softmax_attention_varlen's one launch)."""
     from attnkit.kernels import softmax
 
     kernel_name, configs_name = _SOFTMAX_KERNELS[which]
     fn = getattr(softmax, kernel_name)
     floats = ("sm_scale", "dropout_p", "cap_in", "cap_out")
     fp32_pointers = ("Alibi", "Sinks", "Lse", "Delta")
-    tensors = ("Q", "K", "V", "Mask", "Alibi", "Sinks", "Out", "Lse", "dO", "Delta", "dK", "dV", "dQ")
-    pointers = {n: "*fp32" if n in fp32_pointers else "*bf16" for n in fn.arg_names if n in tensors}
+    tensors = ("Q", "K", "V", "Mask", "Alibi", "Sinks", "Out", "Lse", "dO", "Delta", "dK", "dV", "dQ", "CuQ", "CuK")
+    pointers = {n: "*fp32" if n in fp32_pointers else "*i32" if n.startswith("Cu") else "*bf16"
+                for n in fn.arg_names if n in tensors}
     types = {n: pointers.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
     unit = {n: 1 for n in fn.arg_names if n.startswith("stride_") and n.endswith("d") and n != "stride_md"}
     divisible = [n for n in fn.arg_names if n in pointers or (n.startswith("stride_") and n not in unit
@@ -126,6 +130,8 @@ def softmax_table(which: str, head_dim: int = 128) -> list[tuple]:
                       **{k: bool(v) for k, v in variant.items()})
         if "HAS_SINKS" in fn.arg_names:  # off: the sinks add one step at the rows' finish
             consts["HAS_SINKS"] = False
+        if "VARLEN" in fn.arg_names:
+            consts["VARLEN"] = varlen
         try:
             result = compile_sm90(fn, types, consts, divisible, warps, stages)
         except Exception as exc:
@@ -138,11 +144,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kernel", choices=["decode", *_SOFTMAX_KERNELS])
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--varlen", action="store_true", help="softmax-*: the packed-sequence build")
     args = parser.parse_args()
     print("| paged | window | softcap | alibi | BLOCK_M x BLOCK_N, warps, stages | registers "
           "| spill st / ld (bytes) | smem (KiB) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    rows = decode_table(args.head_dim) if args.kernel == "decode" else softmax_table(args.kernel, args.head_dim)
+    rows = decode_table(args.head_dim) if args.kernel == "decode" else softmax_table(args.kernel, args.head_dim, args.varlen)
     for variant, (bm, bn, warps, stages), r in rows:
         flags = " | ".join("yes" if variant[k] else "-" for k in ("PAGED", "HAS_WINDOW", "HAS_SOFTCAP", "HAS_ALIBI"))
         cells = (f"{r['regs']} | {r['spill_stores']} / {r['spill_loads']} | {r['smem'] / 1024:.0f}"

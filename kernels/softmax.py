@@ -13,6 +13,14 @@ window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None)``
 config=None, *, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None)``
     -> ``(dq, dk, dv)`` shaped and typed like ``q, k, v``
 ``dropout_keep_mask(B, H, N, M, dropout_p, seed, device)`` -> bool ``[B, H, N, M]``, True = kept
+``softmax_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+is_causal, config=None, **score options)`` / ``softmax_varlen_bwd(...)``
+    packed sequences (``q [total_q, H, D]``, FlashAttention's varlen layout) in one launch per
+    kernel: the same kernels built with ``VARLEN`` (the grid covers the longest sequence; each
+    program reads its sequence's first rows and lengths from the offsets on the device, so no
+    host read: a call can be captured in a CUDA graph).  lse ``[H, total_q]``.  No mask, no
+    dropout.  With ``VARLEN`` off the kernels compile as before (sm_90 registers and spills
+    unchanged, bench/triton_sm90_resources.py).
 
 Shapes: q ``[B, H, N, D]``, k ``[B, Hk, M, D]``, v ``[B, Hk, M, Dv]`` with ``H % Hk == 0``;
 query head ``h`` reads key/value head ``h // (H // Hk)`` (GQA / MQA; K and V are never
@@ -77,6 +85,8 @@ from ._flash import (INTERPRETED, MAX_HEAD_DIM, SUPPORTED_DTYPES, _LOG2E, accumu
 __all__ = [
     "softmax_fwd",
     "softmax_bwd",
+    "softmax_varlen_fwd",
+    "softmax_varlen_bwd",
     "dropout_keep_mask",
     "configs_for",
     "FWD_CONFIGS",
@@ -105,7 +115,7 @@ _CONFIG_LISTS = {"fwd": FWD_CONFIGS, "dkdv": BWD_DKDV_CONFIGS, "dq": BWD_DQ_CONF
 # (the forward keeps one [BLOCK_M, Dv] accumulator; each backward kernel keeps two).
 _TILE_LIMIT = {"fwd": 128 * 128 * 128, "dkdv": 32 * 128 * 128, "dq": 32 * 128 * 128}
 _TUNE_KEY = ["HEAD_D", "HEAD_DV", "IS_CAUSAL", "MASK_KIND", "HAS_DROPOUT", "HAS_WINDOW",
-             "HAS_SOFTCAP", "HAS_ALIBI"]  # + dtypes (automatic)
+             "HAS_SOFTCAP", "HAS_ALIBI", "VARLEN"]  # + dtypes (automatic)
 
 
 def configs_for(kernel: str, head_dim: int, value_dim: int | None = None) -> list:
@@ -136,6 +146,41 @@ def _query_program(GROUP, IS_CAUSAL: tl.constexpr):
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     return pid_m, h, b, h // GROUP
+
+
+@triton.jit
+def _sequence(b, N, M, CuQ, CuK, VARLEN: tl.constexpr):
+    """``(q0, k0, N, M)``: the first query / key row of batch element b and its lengths.  Packed
+    sequences (VARLEN): b is sequence b of the pack, rows ``CuQ[b]:CuQ[b + 1]`` of the queries
+    and ``CuK[b]:CuK[b + 1]`` of the keys; otherwise rows from 0 and the launch's N, M."""
+    if VARLEN:
+        q0 = tl.load(CuQ + b).to(tl.int64)
+        k0 = tl.load(CuK + b).to(tl.int64)
+        return q0, k0, (tl.load(CuQ + b + 1) - q0).to(tl.int32), (tl.load(CuK + b + 1) - k0).to(tl.int32)
+    else:
+        return 0, 0, N, M
+
+
+@triton.jit
+def _lse_row(b, h, H, ROWS, q0, VARLEN: tl.constexpr):
+    """Where the lse / delta rows of (b, h) start: in ``[B, H, ROWS]``, or, for packed sequences,
+    in ``[H, ROWS]`` (ROWS = the pack's query rows) at sequence b's first row q0."""
+    if VARLEN:
+        return h * ROWS + q0
+    else:
+        return (b * H + h) * ROWS
+
+
+@triton.jit
+def _sequence_window(win_lo, win_hi, N, M, VARLEN: tl.constexpr):
+    """The window bounds of a sequence (win_lo <= j - i <= win_hi).  Packed sequences get their
+    own alignment M - N: the launch passes -left and right clamped to the longest sequences,
+    clamped here to this one's (an unbounded or wider side hides nothing); otherwise the
+    launch's bounds as they are."""
+    if VARLEN:
+        return (M - N) + tl.maximum(win_lo, -M), (M - N) + tl.minimum(win_hi, N)
+    else:
+        return win_lo, win_hi
 
 
 @triton.jit
@@ -322,7 +367,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Mask, Alibi, Sinks, Out, Lse,
+    Q, K, V, Mask, Alibi, Sinks, CuQ, CuK, Out, Lse,
     sm_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -334,18 +379,24 @@ def _attn_fwd_kernel(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m, h, b, hk = _query_program(GROUP, IS_CAUSAL)
-    q_base = Q + b * stride_qb + h * stride_qh
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    i0 = pid_m * BLOCK_M
+    drop_row = _lse_row(b, h, H, N, 0, VARLEN)  # (VARLEN: the row of the pack's first query)
+    q0, k0, N, M = _sequence(b, N, M, CuQ, CuK, VARLEN)
+    if VARLEN:
+        if i0 >= N:  # the grid covers the longest sequence
+            return
+        drop_row += q0
+        win_lo, win_hi = _sequence_window(win_lo, win_hi, N, M, VARLEN)
+    q_base = Q + b * stride_qb + q0 * stride_qn + h * stride_qh
+    k_base = K + b * stride_kb + k0 * stride_kn + hk * stride_kh
+    v_base = V + b * stride_vb + k0 * stride_vn + hk * stride_vh
     mask_base = Mask + b * stride_mb + h * stride_mh
-    drop_row = (b * H + h) * N
     slope2 = _load_slope2(Alibi, b, h, stride_ab, stride_ah, HAS_ALIBI)
 
-    i0 = pid_m * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -388,8 +439,8 @@ def _attn_fwd_kernel(
         out, lse = finish_rows(acc, l_i, m_i)
     if HAS_DROPOUT:
         out = out * (1.0 / (1.0 - dropout_p))
-    store_rows(Out + b * stride_ob + h * stride_oh, offs_m, stride_on, offs_dv, stride_od, row_ok,
-               out, HEAD_DV)
+    store_rows(Out + b * stride_ob + q0 * stride_on + h * stride_oh, offs_m, stride_on, offs_dv,
+               stride_od, row_ok, out, HEAD_DV)
     tl.store(Lse + drop_row + offs_m, lse, mask=row_ok)
 
 
@@ -507,7 +558,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, mask_base, lse_base, delta_base, 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, Mask, Alibi, dO, Lse, Delta, dK, dV,
+    Q, K, V, Mask, Alibi, CuQ, CuK, dO, Lse, Delta, dK, dV,
     sm_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -521,19 +572,26 @@ def _attn_bwd_dkdv_kernel(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     j0 = pid_n * BLOCK_N
+    ROWS = N  # the lse / delta rows of a head (VARLEN: of the pack)
+    q0, k0, N, M = _sequence(b, N, M, CuQ, CuK, VARLEN)
+    if VARLEN:
+        if j0 >= M:  # the grid covers the longest sequence
+            return
+        win_lo, win_hi = _sequence_window(win_lo, win_hi, N, M, VARLEN)
     offs_n = j0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = offs_n < M
-    k, v = load_row_pair(K + b * stride_kb + hk * stride_kh, V + b * stride_vb + hk * stride_vh,
-                         offs_n, col_ok, stride_kn, stride_kd, stride_vn, stride_vd, offs_d,
+    k_base = K + b * stride_kb + k0 * stride_kn + hk * stride_kh
+    v_base = V + b * stride_vb + k0 * stride_vn + hk * stride_vh
+    k, v = load_row_pair(k_base, v_base, offs_n, col_ok, stride_kn, stride_kd, stride_vn, stride_vd, offs_d,
                          offs_dv, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -560,10 +618,10 @@ def _attn_bwd_dkdv_kernel(
     # here rather than materializing per-query-head dK/dV and reducing afterwards.
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        q_base = Q + b * stride_qb + h * stride_qh
-        do_base = dO + b * stride_gb + h * stride_gh
+        q_base = Q + b * stride_qb + q0 * stride_qn + h * stride_qh
+        do_base = dO + b * stride_gb + q0 * stride_gn + h * stride_gh
         mask_base = Mask + b * stride_mb + h * stride_mh
-        drop_row = (b * H + h) * N
+        drop_row = _lse_row(b, h, H, ROWS, q0, VARLEN)
         lse_base = Lse + drop_row
         delta_base = Delta + drop_row
         slope2 = _load_slope2(Alibi, b, h, stride_ab, stride_ah, HAS_ALIBI)
@@ -583,10 +641,10 @@ def _attn_bwd_dkdv_kernel(
             HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
             HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_M, False, False)
 
-    store_rows(dK + b * stride_dkb + hk * stride_dkh, offs_n, stride_dkn, offs_d, stride_dkd,
-               col_ok, dk * sm_scale, HEAD_D)
-    store_rows(dV + b * stride_dvb + hk * stride_dvh, offs_n, stride_dvn, offs_dv, stride_dvd,
-               col_ok, dv, HEAD_DV)
+    store_rows(dK + b * stride_dkb + k0 * stride_dkn + hk * stride_dkh, offs_n, stride_dkn, offs_d,
+               stride_dkd, col_ok, dk * sm_scale, HEAD_D)
+    store_rows(dV + b * stride_dvb + k0 * stride_dvn + hk * stride_dvh, offs_n, stride_dvn, offs_dv,
+               stride_dvd, col_ok, dv, HEAD_DV)
 
 
 @triton.jit
@@ -661,7 +719,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, mask_base, drop_row,
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, Mask, Alibi, dO, Lse, Delta, dQ,
+    Q, K, V, Mask, Alibi, CuQ, CuK, dO, Lse, Delta, dQ,
     sm_scale, dropout_p, seed, win_lo, win_hi, cap_in, cap_out,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -674,27 +732,33 @@ def _attn_bwd_dq_kernel(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m, h, b, hk = _query_program(GROUP, IS_CAUSAL)
-    drop_row = (b * H + h) * N
-
     i0 = pid_m * BLOCK_M
+    drop_row = _lse_row(b, h, H, N, 0, VARLEN)  # (VARLEN: the row of the pack's first query)
+    q0, k0, N, M = _sequence(b, N, M, CuQ, CuK, VARLEN)
+    if VARLEN:
+        if i0 >= N:  # the grid covers the longest sequence
+            return
+        drop_row += q0
+        win_lo, win_hi = _sequence_window(win_lo, win_hi, N, M, VARLEN)
+
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < N
-    q, do, lse2, delta = load_bwd_rows(Q + b * stride_qb + h * stride_qh,
-                                       dO + b * stride_gb + h * stride_gh, Lse + drop_row,
+    q, do, lse2, delta = load_bwd_rows(Q + b * stride_qb + q0 * stride_qn + h * stride_qh,
+                                       dO + b * stride_gb + q0 * stride_gn + h * stride_gh, Lse + drop_row,
                                        Delta + drop_row, offs_m, row_ok, stride_qn, stride_qd,
                                        stride_gn, stride_gd, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * _LOG2E
     slope2 = _load_slope2(Alibi, b, h, stride_ab, stride_ah, HAS_ALIBI)
 
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    k_base = K + b * stride_kb + k0 * stride_kn + hk * stride_kh
+    v_base = V + b * stride_vb + k0 * stride_vn + hk * stride_vh
     mask_base = Mask + b * stride_mb + h * stride_mh
     if HAS_WINDOW:
         lo, full_lo, full_hi, hi = _key_band(i0, N, M, win_lo, win_hi, IS_CAUSAL, BLOCK_M,
@@ -718,8 +782,8 @@ def _attn_bwd_dq_kernel(
                    stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_mm, N, M,
                    HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_DROPOUT,
                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, BLOCK_N, True, HAS_WINDOW)
-    store_rows(dQ + b * stride_dqb + h * stride_dqh, offs_m, stride_dqn, offs_d, stride_dqd,
-               row_ok, dq * sm_scale, HEAD_D)
+    store_rows(dQ + b * stride_dqb + q0 * stride_dqn + h * stride_dqh, offs_m, stride_dqn, offs_d,
+               stride_dqd, row_ok, dq * sm_scale, HEAD_D)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -890,13 +954,13 @@ def softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=0, config=N
         return out, lse
     has_dropout = dropout_p > 0.0
     block_d, block_dv = pow2(D), pow2(Dv)
-    args = (q, k, v, mask_t, alibi, sinks_t, out, lse,
+    args = (q, k, v, mask_t, alibi, sinks_t, q, q, out, lse,  # (q: the unread CuQ / CuK)
             scale, float(dropout_p) if has_dropout else 0.0, int(seed) if has_dropout else 0,
             *opt_args, *strides(q), *strides(k), *strides(v), *mask_strides, *alibi_strides,
             *strides(out), H, N, M, H // Hk)
     consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
                   IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout,
-                  **opt_consts, HAS_SINKS=has_sinks, DOT_PREC=dot_precision(q.dtype))
+                  **opt_consts, HAS_SINKS=has_sinks, DOT_PREC=dot_precision(q.dtype), VARLEN=False)
     _launch("fwd", max(block_d, block_dv), lambda bm, bn: (cdiv(N, bm), H, B), args,
             consts, config)
     return out, lse
@@ -950,14 +1014,151 @@ def softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal, dropout_p=0
               *strides(grad_out))
     consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
                   IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout,
-                  **opt_consts, DOT_PREC=dot_precision(q.dtype))
+                  **opt_consts, DOT_PREC=dot_precision(q.dtype), VARLEN=False)
     dmax = max(block_d, block_dv)
     _launch("dkdv", dmax, lambda bm, bn: (cdiv(M, bn), Hk, B),
-            (q, k, v, mask_t, alibi, grad_out, lse, delta, dk, dv, *common, *strides(dk),
+            (q, k, v, mask_t, alibi, q, q, grad_out, lse, delta, dk, dv, *common, *strides(dk),
              *strides(dv), H, N, M, H // Hk), consts, cfg_dkdv)
     _launch("dq", dmax, lambda bm, bn: (cdiv(N, bm), H, B),
-            (q, k, v, mask_t, alibi, grad_out, lse, delta, dq, *common, *strides(dq), H, N, M,
+            (q, k, v, mask_t, alibi, q, q, grad_out, lse, delta, dq, *common, *strides(dq), H, N, M,
              H // Hk), consts, cfg_dq)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# packed sequences (attnkit.softmax_attention_varlen): the same kernels, one launch for the pack
+# ----------------------------------------------------------------------------------------------
+
+_UNBOUNDED = 1 << 30  # a window side that hides nothing in any sequence (see _sequence_window)
+
+
+def _varlen_views(q, k, v):
+    """The packed ``[total, heads, dim]`` tensors as the kernels' ``[1, heads, total, dim]``."""
+    return tuple(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+
+
+def _varlen_strides(t):
+    """A ``[1, heads, total, dim]`` view's strides with 0 for the batch: the kernels index the
+    sequences through their first rows, not the batch stride."""
+    return (0, *t.stride()[1:])
+
+
+def _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{fn}: {name} must be 3-D [total, heads, dim]; got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{fn}: {name} must be float16, bfloat16 or float32; got {t.dtype}")
+    check_attention_shapes(fn, *_varlen_views(q, k, v))
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not torch.is_tensor(cu) or cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 \
+                or cu.numel() == 0 or cu.device != q.device:
+            raise ValueError(f"{fn}: {name} must be a 1-D int32 / int64 tensor [batch + 1] on q's device; "
+                             f"got {cu!r}"[:300])
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must have one length; got "
+                         f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    for name, x in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+            raise ValueError(f"{fn}: {name} must be an int >= 0; got {x!r}")
+    _check_device(fn, q)
+
+
+def _varlen_window(left, right):
+    """(win_lo, win_hi) launch arguments of a packed call: -left and right, an unbounded side
+    (-1) as a bound no sequence reaches; the kernels clamp them to each sequence's lengths and
+    align them at its M - N (_sequence_window)."""
+    return (-left if left >= 0 else -_UNBOUNDED), (right if right >= 0 else _UNBOUNDED)
+
+
+def softmax_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                       is_causal, config=None, *, window_left=-1, window_right=-1, softcap=0.0,
+                       alibi_slopes=None, sinks=None):
+    """Attention over packed sequences in one launch per kernel (FlashAttention's varlen layout).
+
+    q ``[total_q, H, D]``, k ``[total_k, Hk, D]``, v ``[total_k, Hk, Dv]`` (any strides);
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 / int64 ``[batch + 1]`` on q's device: sequence b
+    is query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` against key rows
+    ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``; ``max_seqlen_q`` / ``max_seqlen_k`` at least every
+    sequence's lengths (they size the grid: the offsets are never read by the host, so a call can
+    be captured in a CUDA graph).  The offsets are not checked here (``attnkit.
+    softmax_attention_varlen`` checks them): wrong ones read and write out of range.
+    ``is_causal`` top-left per sequence, the window bottom-right per sequence, ``alibi_slopes``
+    float32 ``[batch, H]`` (a row per sequence) or ``[H]``, ``sinks`` float32 ``[H]``: as
+    :func:`softmax_fwd` has them for each sequence.  No mask, no dropout.
+
+    Returns ``(out [total_q, H, Dv] in q.dtype, lse [H, total_q] float32)`` (the lse
+    head-major, as the backward takes it); a sequence with no key gives out 0 and lse -inf (or
+    the sink).
+    """
+    fn = "softmax_varlen_fwd"
+    _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    (total_q, H, D), (total_k, Hk, _), Dv = q.shape, k.shape, v.shape[2]
+    batch = cu_seqlens_q.numel() - 1
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out = torch.empty((total_q, H, Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((H, total_q), dtype=torch.float32, device=q.device)
+    q4, k4, v4 = _varlen_views(q, k, v)
+    opts = score_option_args(fn, q, max(batch, 1), H, scale, window_left, window_right, softcap, alibi_slopes)
+    sinks_t, has_sinks = sink_args(fn, q, H, sinks)
+    if batch == 0 or total_q == 0 or max_seqlen_q == 0:
+        return out, lse
+    block_d, block_dv = pow2(D), pow2(Dv)
+    args = (q4, k4, v4, q, opts.alibi, sinks_t, cu_seqlens_q, cu_seqlens_k, out, lse,
+            scale, 0.0, 0, *_varlen_window(opts.left, opts.right), opts.cap_in, opts.cap_out,
+            *_varlen_strides(q4), *_varlen_strides(k4), *_varlen_strides(v4), 0, 0, 0, 0, *opts.alibi_strides,
+            *_varlen_strides(out.transpose(0, 1).unsqueeze(0)), H, total_q, total_k, H // Hk)
+    consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_CAUSAL=bool(is_causal),
+                  MASK_KIND=0, HAS_DROPOUT=False, **opts.consts, HAS_SINKS=has_sinks,
+                  DOT_PREC=dot_precision(q.dtype), VARLEN=True)
+    _launch("fwd", max(block_d, block_dv), lambda bm, bn: (cdiv(max_seqlen_q, bm), H, batch), args,
+            consts, config)
+    return out, lse
+
+
+def softmax_varlen_bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                       max_seqlen_k, scale, is_causal, config=None, *, window_left=-1,
+                       window_right=-1, softcap=0.0, alibi_slopes=None):
+    """The backward of :func:`softmax_varlen_fwd` from its ``out [total_q, H, Dv]`` and ``lse
+    [H, total_q]`` (float32) -- with sinks, the ones they folded in; returns ``(dq, dk, dv)``
+    shaped and typed like q, k, v (contiguous).  ``config``: as :func:`softmax_bwd`'s."""
+    fn = "softmax_varlen_bwd"
+    _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    (total_q, H, D), (total_k, Hk, _), Dv = q.shape, k.shape, v.shape[2]
+    batch = cu_seqlens_q.numel() - 1
+    g4, o4 = (t.transpose(0, 1).unsqueeze(0) for t in (grad_out, out))
+    check_backward_inputs(fn, g4, o4, lse.unsqueeze(0), 1, H, total_q, Dv)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    opts = score_option_args(fn, q, max(batch, 1), H, scale, window_left, window_right, softcap, alibi_slopes)
+    cfg_dkdv, cfg_dq = split_config(config)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if batch == 0 or total_q == 0 or total_k == 0:  # no query-key pair: nothing flows back
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    lse = lse.contiguous()
+    # D = rowsum(dO o O): the pack as one sequence of total_q rows (the [H, total_q] layout)
+    delta = torch.empty((H, total_q), dtype=torch.float32, device=q.device)
+    block_d, block_dv = pow2(D), pow2(Dv)
+    pre_block = 64
+    wrap_triton(_attn_bwd_preprocess)[(cdiv(total_q, pre_block), H, 1)](
+        o4, g4, delta, *strides(o4), *strides(g4), H, total_q,
+        HEAD_DV=Dv, BLOCK_DV=block_dv, BLOCK_M=pre_block)
+    q4, k4, v4 = _varlen_views(q, k, v)
+    common = (scale, 0.0, 0, *_varlen_window(opts.left, opts.right), opts.cap_in, opts.cap_out,
+              *_varlen_strides(q4), *_varlen_strides(k4), *_varlen_strides(v4), 0, 0, 0, 0, *opts.alibi_strides,
+              *_varlen_strides(g4))
+    consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_CAUSAL=bool(is_causal),
+                  MASK_KIND=0, HAS_DROPOUT=False, **opts.consts, DOT_PREC=dot_precision(q.dtype), VARLEN=True)
+    dmax = max(block_d, block_dv)
+    dk4, dv4, dq4 = _varlen_views(dk, dv, dq)
+    cu = (cu_seqlens_q, cu_seqlens_k)
+    _launch("dkdv", dmax, lambda bm, bn: (cdiv(max_seqlen_k, bn), Hk, batch),
+            (q4, k4, v4, q, opts.alibi, *cu, g4, lse, delta, dk4, dv4, *common, *_varlen_strides(dk4),
+             *_varlen_strides(dv4), H, total_q, total_k, H // Hk), consts, cfg_dkdv)
+    _launch("dq", dmax, lambda bm, bn: (cdiv(max_seqlen_q, bm), H, batch),
+            (q4, k4, v4, q, opts.alibi, *cu, g4, lse, delta, dq4, *common, *_varlen_strides(dq4), H,
+             total_q, total_k, H // Hk), consts, cfg_dq)
     return dq, dk, dv
 
 

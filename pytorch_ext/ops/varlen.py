@@ -6,10 +6,11 @@ along one token axis, ``q [total_q, H, D]``, ``k / v [total_k, Hk, D / Dv]``, an
 ``cu_seqlens [batch + 1]`` holds the cumulative offsets (sequence i is rows
 ``cu_seqlens[i]:cu_seqlens[i + 1]``).  Each sequence attends within itself only.
 
-No new kernel: these are plain Python over the existing ops (:func:`attnkit.softmax_attention`,
-:func:`attnkit.linear_attention`), which keeps their backends, autograd, NaN semantics and score
-options.  How the sequences become kernel calls (no work across sequence boundaries, no dense
-block-diagonal mask):
+On the Triton backend (no dropout) softmax_attention_varlen runs the whole pack in one launch
+per kernel (ops/varlen_triton.py).  Everywhere else these are plain Python over the existing ops
+(:func:`attnkit.softmax_attention`, :func:`attnkit.linear_attention`), which keeps their
+backends, autograd, NaN semantics and score options.  How the sequences become kernel calls
+there (no work across sequence boundaries, no dense block-diagonal mask):
 
 - the sequences are grouped by their (query length, key length); a group is one kernel call on
   ``[g, H, n, D]`` tensors;
@@ -36,6 +37,8 @@ import torch
 
 from .._dispatch import resolve
 from .._validation import check_bool, check_real, check_same_dtype_device, check_size_match, check_tensor
+from ..score_options import build as build_score_options
+from . import varlen_triton
 from .linear import _check_options as _check_linear_options
 from .linear import linear_attention
 from .softmax import softmax_attention
@@ -349,12 +352,27 @@ def softmax_attention_varlen(
     lengths_k = [cu_k[i + 1] - cu_k[i] for i in range(batch)]
     _check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, lengths_q, "cu_seqlens_q")
     _check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k, lengths_k, "cu_seqlens_k")
-    resolve("softmax", backend, q.device, fn)  # an unknown / unusable backend: before any kernel
+    chosen = resolve("softmax", backend, q.device, fn)  # an unknown / unusable backend: before any kernel
 
     value_dim = v.shape[2]
     groups = _groups(lengths_q, lengths_k)
     for group in groups:  # per-batch options of the wrong size: before any kernel
         options_for(fn, score_options, _batch_rows(group), batch)
+    if groups and varlen_triton.takes(chosen, q, v, dropout_p):
+        # Triton: the whole pack in one launch per kernel (ops/varlen_triton.py)
+        options = build_score_options(fn, score_options.get("window"), score_options.get("softcap", 0.0),
+                                      score_options.get("alibi_slopes"), score_options.get("sinks"),
+                                      heads=heads, batch=(batch,), device=q.device)
+
+        def regroup(q_, k_, v_, sinks_):  # the grouped reference path, for a double backward
+            extra = dict(score_options, sinks=sinks_) if "sinks" in score_options else score_options
+            return softmax_attention_varlen(q_, k_, v_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                                            return_lse=True, backend="reference", **extra)
+
+        out, lse = varlen_triton.run(q, k, v, cu_seqlens_q, cu_seqlens_k, max(lengths_q), max(lengths_k),
+                                     is_causal, scale, options, regroup)
+        return (out, lse) if return_lse else out
     outs, lses = [], []
     queries = _split(q, groups, cu_q, lambda g: g.n)
     keys = _split(k, groups, cu_k, lambda g: g.m)

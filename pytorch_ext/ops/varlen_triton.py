@@ -1,0 +1,104 @@
+"""``attnkit.softmax_attention_varlen`` on the Triton backend: the whole pack in one launch per
+kernel (kernels/softmax.py's ``softmax_varlen_fwd`` / ``softmax_varlen_bwd``, FlashAttention's
+varlen scheme: the grid covers the longest sequence, each program reads its sequence's first
+rows and lengths from the offsets), with autograd.
+
+Against the grouped path (ops/varlen.py: one softmax_attention call per group of equal lengths,
+gathered copies for groups that are not adjacent in the pack), it spares the gathers and scatters
+and, on a GPU, the host's per-call cost: a pack of 256 sequences of distinct lengths is 1
+forward launch (and 3 for the backward) instead of 256 (and 3 x 256).  Not timed on a GPU yet.
+
+What it takes: float16 / bfloat16 / float32, head dims up to 256, GQA, is_causal, every score
+option (window, softcap, ALiBi [H] or [batch, H], sinks), the lse; dropout goes to the grouped
+path.  Gradients in q, k, v and the sinks (the slopes get none, as on softmax_attention's
+Triton backend); a double backward (``create_graph=True``) differentiates the grouped
+reference instead.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import score_options
+from .._double_backward import reference_gradients
+from .softmax import _gradients
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256  # attnkit.kernels.softmax.MAX_HEAD_DIM (not imported: triton is slow to import)
+
+
+def takes(chosen: str, q: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+    """Whether a call that resolved to backend ``chosen`` runs in one launch."""
+    return (chosen == "triton" and dropout_p == 0.0 and q.dtype in _TRITON_DTYPES
+            and q.shape[2] <= _MAX_HEAD_DIM and v.shape[2] <= _MAX_HEAD_DIM)
+
+
+class _Pack:
+    """The launch arguments of one call other than q, k, v and the sinks (no gradient)."""
+
+    def __init__(self, cu_q, cu_k, max_q, max_k, scale, is_causal, options):
+        self.args = (cu_q, cu_k, max_q, max_k, scale, is_causal)
+        window, softcap, alibi = (-1, -1), 0.0, None
+        if options is not None:
+            window, softcap, alibi = options.window, options.softcap, options.alibi_slopes
+        self.kwargs = dict(window_left=window[0], window_right=window[1], softcap=softcap,
+                           alibi_slopes=alibi)
+
+
+class _PackedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, pack, regroup):
+        from ..kernels import softmax as kernels
+
+        out, lse = kernels.softmax_varlen_fwd(q, k, v, *pack.args, sinks=sinks, **pack.kwargs)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.pack, ctx.regroup = pack, regroup
+        ctx.set_materialize_grads(False)
+        return out, lse.t()  # the lse token-major, as the public function returns it
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        from ..kernels import softmax as kernels
+
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a double backward will follow
+            ref_out, ref_lse = ctx.regroup(q, k, v, sinks)
+            outputs, grads = [], []
+            if grad_out is not None:
+                outputs.append(ref_out)
+                grads.append(grad_out)
+            if grad_lse is not None:
+                finite = torch.isfinite(ref_lse)  # no key: lse -inf, no gradient
+                outputs.append(torch.where(finite, ref_lse, 0.0))
+                grads.append(grad_lse.to(ref_lse.dtype))
+            wanted = (q, k, v) if sinks is None else (q, k, v, sinks)
+            grads = reference_gradients(outputs, wanted, grads)
+            return (*grads[:3], grads[3] if sinks is not None else None, None, None)
+
+        def run_bwd(g, v_, out_, _with_dropout):
+            return kernels.softmax_varlen_bwd(g, q, k, v_, out_, lse, *ctx.pack.args, **ctx.pack.kwargs)
+
+        dq = dk = dv = dsinks = None
+        if any(ctx.needs_input_grad[:3]):
+            dq, dk, dv = _gradients(run_bwd, (q, k, v, out, lse.t()), grad_out, grad_lse)
+        if sinks is not None and ctx.needs_input_grad[3]:
+            as_batch = (lambda t: None if t is None else t.transpose(0, 1).unsqueeze(0))  # [1, H, total, *]
+            dsinks = score_options.sink_gradient(sinks, as_batch(out), lse.unsqueeze(0), as_batch(grad_out),
+                                                 None if grad_lse is None else grad_lse.t().unsqueeze(0))
+        return dq, dk, dv, dsinks, None, None
+
+
+def run(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, options, regroup):
+    """(out [total_q, H, Dv], lse [total_q, H]) of the pack in one launch.  ``cu_q`` / ``cu_k``:
+    the checked offsets (any device, int32 / int64); ``max_q`` / ``max_k``: the longest
+    sequences; ``options``: the validated ScoreOptions or None; ``regroup(q, k, v, sinks)``: the
+    same call on the grouped reference path, differentiable (for a double backward)."""
+    cu_q, cu_k = (cu.to(device=q.device, dtype=torch.int32) for cu in (cu_q, cu_k))
+    pack = _Pack(cu_q, cu_k, max_q, max_k, scale, is_causal, options)
+    sinks = None if options is None else options.sinks
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(q, k, v, sinks):
+        return _PackedAttention.apply(q, k, v, sinks, pack, regroup)
+    from ..kernels import softmax as kernels
+
+    with torch.no_grad():
+        out, lse = kernels.softmax_varlen_fwd(q, k, v, *pack.args, sinks=sinks, **pack.kwargs)
+    return out, lse.t()
