@@ -94,9 +94,8 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_cu_seqlens(fn: str, name: str, cu, total: int, what: str) -> list[int]:
-    """``cu`` is a valid offsets tensor for ``total`` rows; returns it as a list of ints (read to
-    the host: one synchronization when it lives on a GPU)."""
+def _check_cu_tensor(fn: str, name: str, cu) -> None:
+    """``cu`` is an int32 / int64 1-D tensor (its values unread)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be an int32 or int64 torch.Tensor [batch + 1]; got "
                         f"{type(cu).__name__}")
@@ -105,6 +104,12 @@ def _check_cu_seqlens(fn: str, name: str, cu, total: int, what: str) -> list[int
     if cu.dim() != 1 or cu.numel() == 0:
         raise ValueError(f"{fn}: {name} must be a 1-D tensor [batch + 1] of cumulative offsets; got shape "
                          f"{list(cu.shape)}")
+
+
+def _check_cu_seqlens(fn: str, name: str, cu, total: int, what: str) -> list[int]:
+    """``cu`` is a valid offsets tensor for ``total`` rows; returns it as a list of ints (read to
+    the host: one synchronization when it lives on a GPU)."""
+    _check_cu_tensor(fn, name, cu)
     offsets = cu.tolist()
     if offsets[0] != 0:
         raise ValueError(f"{fn}: {name} must start at 0; got {name}[0] = {offsets[0]}")
@@ -340,6 +345,10 @@ def softmax_attention_varlen(
     check_real(fn, "dropout_p", dropout_p, low=0.0)
     check_real(fn, "scale", scale, allow_none=True)
     check_score_options(fn, score_options)
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        out, lse = _captured(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                             is_causal, scale, backend, score_options)
+        return (out, lse) if return_lse else out
     cu_q = _check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, total_q, "q")
     cu_k = _check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, total_k, "k / v")
     if len(cu_q) != len(cu_k):
@@ -394,6 +403,40 @@ def softmax_attention_varlen(
         out = _unpack(outs, groups)
         lse = _unpack(lses, groups) if return_lse else None
     return (out, lse) if return_lse else out
+
+
+def _captured(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale,
+              backend, score_options):
+    """softmax_attention_varlen under CUDA graph capture: the Triton one launch, which reads no
+    offset on the host -- so the offsets' values are not checked (wrong ones read and write out
+    of range) and ``max_seqlen_q`` / ``max_seqlen_k`` size the grid, as in FlashAttention."""
+    fn = OP_NAME
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _check_cu_tensor(fn, name, cu)
+        if cu.device != q.device:
+            raise ValueError(f"{fn}: under CUDA graph capture {name} must be on q's device ({q.device}); "
+                             f"got {cu.device}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); got "
+                         f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{fn}: {name} must be an int; got {value!r}")
+        if value < 0:
+            raise ValueError(f"{fn}: {name} must be >= 0; got {value}")
+    chosen = resolve("softmax", backend, q.device, fn)
+    if not varlen_triton.takes(chosen, q, v, dropout_p):
+        raise ValueError(
+            f"{fn}: under CUDA graph capture only the Triton one-launch path runs (backend triton, "
+            f"dropout_p = 0, float16 / bfloat16 / float32, head dims <= 256); got backend {chosen}, "
+            f"dropout_p = {dropout_p}, {q.dtype}, D = {q.shape[2]}, Dv = {v.shape[2]}"
+        )
+    batch = cu_seqlens_q.numel() - 1
+    options = build_score_options(fn, score_options.get("window"), score_options.get("softcap", 0.0),
+                                  score_options.get("alibi_slopes"), score_options.get("sinks"),
+                                  heads=q.shape[1], batch=(batch,), device=q.device)
+    return varlen_triton.run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                             options, None)
 
 
 def linear_attention_varlen(

@@ -61,6 +61,9 @@ class _PackedAttention(torch.autograd.Function):
 
         q, k, v, out, lse, sinks = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a double backward will follow
+            if ctx.regroup is None:
+                raise RuntimeError("attnkit.softmax_attention_varlen: no double backward of a call made "
+                                   "under CUDA graph capture (it reads the offsets on the host)")
             ref_out, ref_lse = ctx.regroup(q, k, v, sinks)
             outputs, grads = [], []
             if grad_out is not None:
@@ -91,7 +94,8 @@ def run(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, options, regroup):
     """(out [total_q, H, Dv], lse [total_q, H]) of the pack in one launch.  ``cu_q`` / ``cu_k``:
     the checked offsets (any device, int32 / int64); ``max_q`` / ``max_k``: the longest
     sequences; ``options``: the validated ScoreOptions or None; ``regroup(q, k, v, sinks)``: the
-    same call on the grouped reference path, differentiable (for a double backward)."""
+    same call on the grouped reference path, differentiable (for a double backward; None under
+    CUDA graph capture: no double backward there)."""
     cu_q, cu_k = (cu.to(device=q.device, dtype=torch.int32) for cu in (cu_q, cu_k))
     pack = _Pack(cu_q, cu_k, max_q, max_k, scale, is_causal, options)
     sinks = None if options is None else options.sinks

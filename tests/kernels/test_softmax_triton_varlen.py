@@ -288,3 +288,65 @@ def test_cuda_graph_replays_the_launches():
     torch.cuda.synchronize()
     for a, b in zip(eager, captured):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_the_public_function():
+    # Under capture softmax_attention_varlen reads no offset on the host: the one launch, sized by
+    # max_seqlen_q / max_seqlen_k.  Forward and backward captured, replayed with new inputs.
+    (q, k, v), cu_q, cu_k = _public_case(dtype=BF16)
+    static = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    go = torch.randn(sum(LENGTHS_Q), 4, 8, device=DEVICE, dtype=BF16)
+
+    def step():
+        out = attnkit.softmax_attention_varlen(*static, cu_q, cu_k, 33, 21, is_causal=True, enable_gqa=True,
+                                               backend="triton", window=(4, 0))
+        return (out, *torch.autograd.grad(out, static, go))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the capture: compiles the kernels
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for x in static:  # new values in the captured inputs
+        x.data.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    for a, b in zip(eager, captured):
+        assert torch.equal(a, b)
+    # a call that would need the host: a clear error, not a capture failure
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        with pytest.raises(ValueError, match="under CUDA graph capture"):
+            attnkit.softmax_attention_varlen(*static, cu_q, cu_k, 33, 21, dropout_p=0.1, enable_gqa=True,
+                                             backend="triton")
+
+
+def test_the_capture_path_without_a_gpu():
+    # What softmax_attention_varlen runs under CUDA graph capture (no host read of the offsets),
+    # called directly: the same result as the checked path; the grid from max_seqlen_*.
+    from attnkit.ops import varlen
+
+    (q, k, v), cu_q, cu_k = _public_case()
+    sinks = torch.randn(4, device=DEVICE)
+    opts = dict(window=(4, 0), sinks=sinks, alibi_slopes=torch.rand(len(LENGTHS_Q), 4, device=DEVICE))
+    out, lse = varlen._captured(q, k, v, cu_q, cu_k, 40, 30, 0.0, True, None, "triton", opts)
+    want, want_lse = attnkit.softmax_attention_varlen(q, k, v, cu_q, cu_k, 33, 21, is_causal=True, enable_gqa=True,
+                                                      return_lse=True, backend="triton", **opts)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    for kwargs, error, match in (
+        (dict(dropout_p=0.1), ValueError, "only the Triton one-launch path"),
+        (dict(backend="reference"), ValueError, "got backend reference"),
+        (dict(max_seqlen_k=-1), ValueError, "max_seqlen_k must be >= 0"),
+        (dict(max_seqlen_q=3.0), TypeError, "max_seqlen_q must be an int"),
+        (dict(cu_seqlens_k=cu_k[:-1]), ValueError, "the same length"),
+        (dict(cu_seqlens_q=cu_q.float()), TypeError, "int32 or int64"),
+    ):
+        call = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=33, max_seqlen_k=21,
+                    dropout_p=0.0, is_causal=True, scale=None, backend="triton", score_options={})
+        call.update(kwargs)
+        with pytest.raises(error, match=match):
+            varlen._captured(**call)
