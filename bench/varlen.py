@@ -1,10 +1,10 @@
 """Packed sequences and KV-cache decoding (issue 28): ``attnkit.softmax_attention_varlen`` and
 ``attnkit.attention_with_kvcache`` against what a user would write instead.  Full runs only
-(nothing under ``--quick``); the varlen cases on CPU only, the decoding cases on a GPU too (in
-bfloat16 there).
+(nothing under ``--quick``); on a GPU in bfloat16 (the varlen cases causal only there).
 
-**varlen** (:func:`make_varlen_case`): H=8, D=64, float32, a pack of sequences of seeded random
-lengths, self-attention (n_i = m_i), causal and not, forward and forward+backward:
+**varlen** (:func:`make_varlen_case`): H=8, D=64, float32 (on a GPU bfloat16, causal), a pack of
+sequences of seeded random lengths, self-attention (n_i = m_i), causal and not, forward and
+forward+backward:
 
 - ``mixed``: 16 sequences of 32..512 tokens (nearly all lengths distinct: one kernel call per
   sequence);
@@ -148,10 +148,13 @@ def make_varlen_case(kind: str, causal: bool, mode: str, device: torch.device, d
     pairs = sum(visible_pairs(n, n, causal) for n in lengths)
     flops = 4.0 * H * D * pairs * (3.5 if mode == "fwd+bwd" else 1.0)
     name = f"varlen-{kind}-{'causal' if causal else 'full'}-T{sum(lengths)}-seqs{len(lengths)}"
+    if dtype != torch.float32:
+        name += f"-{str(dtype).replace('torch.', '')}"
     params = {"H": H, "D": D, "T": sum(lengths), "sequences": len(lengths), "distinct_lengths": len(set(lengths)),
-              "max_len": longest, "dtype": "float32", "causal": causal}
+              "max_len": longest, "dtype": str(dtype).replace("torch.", ""), "causal": causal}
     return Case(FAMILY, name, mode, params, flops, make, impls,
-                grad_inputs=("q", "k", "v") if mode == "fwd+bwd" else ())
+                grad_inputs=("q", "k", "v") if mode == "fwd+bwd" else (),
+                priority=0 if device.type == "cpu" else GPU_PRIORITY)
 
 
 # ---- KV cache --------------------------------------------------------------------------------
@@ -270,6 +273,12 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
             for causal in (False, True):
                 for mode in ("fwd", "fwd+bwd"):
                     out.append(make_varlen_case(kind, causal, mode, device))
+    else:
+        # On a GPU, bfloat16: the triton backend runs the pack in one launch per kernel (session
+        # 30), against the per-sequence loops (a launch per sequence) and the dense-mask SDPA.
+        for kind in ("mixed", "short"):
+            for mode in ("fwd", "fwd+bwd"):
+                out.append(make_varlen_case(kind, True, mode, device, dtype=torch.bfloat16))
     # The decoding cases on a GPU too (the triton backend's split-KV kernel, a paged cache read in
     # place, a window's keys only), in bfloat16 there, the dtype served.
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
