@@ -443,6 +443,45 @@ def linear_term_sizes(inputs, bases64, causal, feature_map, normalize, eps, scal
     return base_term_max(inputs, bases64, terms)
 
 
+def linear_operand_rounding(q64, k64, v64, out64, causal, feature_map, normalize, eps, scale, state, u) -> float:
+    """What the linear kernels' 16-bit product operands add to DESIGN.md's rule for the output:
+    φ(q), φ(k) and the intra-chunk scores -- in bfloat16 also the state -- go to the products
+    rounded to the inputs' dtype (kernels/linear.py ``_dot_plain`` / ``_dot_state``), each by u
+    relative; the reference run in the dtype rounds others (φ computed in the dtype, its score
+    and output products) and may come out nearly exact.  With w_ij = |φ(q_i)|·|φ(k_j)| over the
+    visible j (and |φ(q_i)|·|S0|, |φ(q_i)|·|z0| for an initial state), three roundings a term:
+    unnormalized out_i moves by 3u |scale| Σ_j w_ij |v_j|, normalized by
+    3u (Σ_j w_ij |v_j| + |out_i| Σ_j w_ij) / |den_i|.  Found by session 30's random fuzzing
+    (tests/fuzz/test_fuzz_varlen.py, ATTNKIT_FUZZ_EXAMPLES=1500): triton float16, causal elu
+    unnormalized, scale -1.75, four sequences of 7 tokens, D = 3: out 3.84e-2 off, the float16
+    reference 1.6e-2 (the rule 3.25e-2).  Tensors ``[B, H, N, *]`` (views of float64 bases),
+    ``state`` None or (S0, z0); returns the largest entry."""
+    with torch.no_grad():
+        q, k, v = (torch.nan_to_num(t.detach(), nan=0.0, posinf=0.0, neginf=0.0) for t in (q64, k64, v64))
+        pq, pk = feature_map_reference(q, feature_map).abs(), feature_map_reference(k, feature_map).abs()
+        w = pq @ pk.transpose(-2, -1)
+        if causal:
+            w = w * torch.ones(w.shape[-2:], dtype=F64, device=w.device).tril()
+        num = w @ v.abs()
+        den_terms = w.sum(-1)
+        if state is not None:
+            s0, z0 = (t.to(F64).abs() for t in state)
+            num = num + pq @ s0
+            den_terms = den_terms + (pq * z0.unsqueeze(-2)).sum(-1)
+        if normalize:
+            pq_signed = feature_map_reference(q, feature_map)
+            den = (pq_signed @ feature_map_reference(k, feature_map).transpose(-2, -1)
+                   * (torch.ones(w.shape[-2:], dtype=F64, device=w.device).tril() if causal else 1.0)).sum(-1) + eps
+            if state is not None:
+                den = den + (pq_signed * state[1].to(F64).unsqueeze(-2)).sum(-1)
+            out = torch.nan_to_num(out64.detach().abs(), nan=0.0, posinf=0.0)
+            budget = 3 * u * (num + out * den_terms.unsqueeze(-1)) / den.abs().unsqueeze(-1)
+        else:
+            budget = 3 * u * abs(scale) * num
+        budget = budget[torch.isfinite(budget)]
+        return budget.max().item() if budget.numel() else 0.0
+
+
 def base_term_max(inputs, bases64, terms):
     """The largest gradient term per base, from the term sizes ``terms`` of each input (in the
     input's shape): pushed back through the views (transposes, sums over stride-0 copies, one
