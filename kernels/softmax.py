@@ -184,6 +184,23 @@ def _sequence_window(win_lo, win_hi, N, M, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _query_tile(GROUP, H, N, M, CuQ, CuK, win_lo, win_hi, IS_CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """A program of the (query tiles, H, B) grid: ``(i0, h, b, hk, q0, k0, N, M, row, win_lo,
+    win_hi)`` -- its first query row i0 within the sequence, (head, batch element or packed
+    sequence, key/value head), the sequence's first query / key row and lengths
+    (:func:`_sequence`), where its lse / delta rows start (:func:`_lse_row`, at the sequence's
+    first row) and its window bounds (:func:`_sequence_window`)."""
+    pid_m, h, b, hk = _query_program(GROUP, IS_CAUSAL)
+    row = _lse_row(b, h, H, N, 0, VARLEN)  # (VARLEN: N is the pack's query rows here)
+    q0, k0, N, M = _sequence(b, N, M, CuQ, CuK, VARLEN)
+    if VARLEN:
+        row += q0
+        win_lo, win_hi = _sequence_window(win_lo, win_hi, N, M, VARLEN)
+    return pid_m * BLOCK_M, h, b, hk, q0, k0, N, M, row, win_lo, win_hi
+
+
+@triton.jit
 def _apply_user_mask(s, mask_base, rows, cols, stride_mn, stride_mm, N, M,
                      MASK_KIND: tl.constexpr):
     """s (base-2 scores) with the user mask applied; ``rows`` are query indices and ``cols`` key
@@ -382,15 +399,11 @@ def _attn_fwd_kernel(
     HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m, h, b, hk = _query_program(GROUP, IS_CAUSAL)
-    i0 = pid_m * BLOCK_M
-    drop_row = _lse_row(b, h, H, N, 0, VARLEN)  # (VARLEN: the row of the pack's first query)
-    q0, k0, N, M = _sequence(b, N, M, CuQ, CuK, VARLEN)
+    i0, h, b, hk, q0, k0, N, M, drop_row, win_lo, win_hi = _query_tile(
+        GROUP, H, N, M, CuQ, CuK, win_lo, win_hi, IS_CAUSAL, VARLEN, BLOCK_M)
     if VARLEN:
         if i0 >= N:  # the grid covers the longest sequence
             return
-        drop_row += q0
-        win_lo, win_hi = _sequence_window(win_lo, win_hi, N, M, VARLEN)
     q_base = Q + b * stride_qb + q0 * stride_qn + h * stride_qh
     k_base = K + b * stride_kb + k0 * stride_kn + hk * stride_kh
     v_base = V + b * stride_vb + k0 * stride_vn + hk * stride_vh
@@ -735,15 +748,11 @@ def _attn_bwd_dq_kernel(
     DOT_PREC: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m, h, b, hk = _query_program(GROUP, IS_CAUSAL)
-    i0 = pid_m * BLOCK_M
-    drop_row = _lse_row(b, h, H, N, 0, VARLEN)  # (VARLEN: the row of the pack's first query)
-    q0, k0, N, M = _sequence(b, N, M, CuQ, CuK, VARLEN)
+    i0, h, b, hk, q0, k0, N, M, drop_row, win_lo, win_hi = _query_tile(
+        GROUP, H, N, M, CuQ, CuK, win_lo, win_hi, IS_CAUSAL, VARLEN, BLOCK_M)
     if VARLEN:
         if i0 >= N:  # the grid covers the longest sequence
             return
-        drop_row += q0
-        win_lo, win_hi = _sequence_window(win_lo, win_hi, N, M, VARLEN)
 
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)

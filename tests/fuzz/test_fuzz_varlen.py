@@ -79,6 +79,18 @@ def _sequences(inputs, cu_q, cu_k):
             for i in range(len(cq) - 1)]
 
 
+def _check_gradients(label, dtype, bases, bases64, sizes):
+    """Each packed base's gradient (once for a base q, k, v share) against the float64 one, held
+    to ``sizes`` (the largest term each sums, for gradients that cancel)."""
+    seen = set()
+    for i, (name, base, base64) in enumerate(zip("qkv", bases, bases64)):
+        if id(base) in seen or base64.grad is None or base64.grad.numel() == 0:
+            continue
+        seen.add(id(base))
+        got = base.grad if base.grad is not None else torch.zeros_like(base)
+        check_exact(f"{label} d{name}", got, base64.grad, tolerance(dtype, base64.grad, grad=True, size=sizes[i]))
+
+
 def _unpack(x):
     """[1, H, n, ...] -> [n, H, ...] (the packed layout)."""
     return x[0].transpose(0, 1)
@@ -207,13 +219,7 @@ def _check_softmax_case(backend, device, draw):
         each = softmax_term_sizes(views, bases64, p, seq_out, sc, group, seq_g.to(seq_out.device),
                                   seq_g_lse.to(seq_out.device))
         sizes = [max(a, b) for a, b in zip(sizes, each)]
-    seen = set()
-    for i, (name, base, base64) in enumerate(zip("qkv", bases, bases64)):
-        if id(base) in seen or base64.grad is None or base64.grad.numel() == 0:
-            continue
-        seen.add(id(base))
-        got = base.grad if base.grad is not None else torch.zeros_like(base)
-        check_exact(f"{backend} d{name}", got, base64.grad, tolerance(dtype, base64.grad, grad=True, size=sizes[i]))
+    _check_gradients(backend, dtype, bases, bases64, sizes)
     if sinks is not None:
         # d sink_h = Σ_rows p_sink (g_lse - D): held to the size of its terms, p_sink (|g_lse| + |D|)
         with torch.no_grad():
@@ -301,13 +307,7 @@ def _check_linear_case(backend, device, draw):
         seq_g = g[cs[i]:cs[i + 1]].transpose(0, 1).unsqueeze(0)
         each = linear_term_sizes(views, bases64, causal, feature_map, normalize, eps, scale, seq_g, None)
         sizes = [max(a, b) for a, b in zip(sizes, each)]
-    seen = set()
-    for i, (which, base, base64) in enumerate(zip("qkv", bases, bases64)):
-        if id(base) in seen or base64.grad is None or base64.grad.numel() == 0:
-            continue
-        seen.add(id(base))
-        got = base.grad if base.grad is not None else torch.zeros_like(base)
-        check_exact(f"{name} d{which}", got, base64.grad, tolerance(dtype, base64.grad, grad=True, size=sizes[i]))
+    _check_gradients(name, dtype, bases, bases64, sizes)
 
 
 @pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
