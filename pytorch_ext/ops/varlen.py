@@ -296,11 +296,18 @@ def softmax_attention_varlen(
     options) through softmax_attention's autograd: the gradients land in the packed tensors.
     NaN / empty-row semantics are softmax_attention's, per sequence.
 
-    Cost: no work across sequence boundaries and no block-diagonal mask.  Sequences of equal
-    (query, key) lengths form one kernel call ``[g, H, n, D]``: a view of the packed tensors when
-    they are adjacent in the pack, a gathered copy of their rows otherwise; so a pack of all
-    distinct lengths is one call per sequence (~0.15 ms of fixed cost each, measured for a tiny
-    call on a CPU), many short sequences of few lengths are few calls.
+    Cost: no work across sequence boundaries and no block-diagonal mask.  On the ``triton``
+    backend without dropout the whole pack is one launch per kernel (FlashAttention's varlen
+    scheme, ops/varlen_triton.py).  Elsewhere sequences of equal (query, key) lengths form one
+    kernel call ``[g, H, n, D]``: a view of the packed tensors when they are adjacent in the
+    pack, a gathered copy of their rows otherwise; so a pack of all distinct lengths is one call
+    per sequence (~0.15 ms of fixed cost each, measured for a tiny call on a CPU), many short
+    sequences of few lengths are few calls.
+
+    CUDA graphs: under capture (``torch.cuda.graph``) the offsets are never read on the host --
+    their values go unchecked and ``max_seqlen_q`` / ``max_seqlen_k`` size the grid, as in
+    FlashAttention -- which only the Triton one launch allows: other calls raise ValueError
+    there.  No double backward of a captured call.
 
     Raises:
         TypeError: non-tensors, non-floating q / k / v, cu_seqlens that are not int32 / int64,

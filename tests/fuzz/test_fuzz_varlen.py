@@ -255,9 +255,7 @@ def _linear_loop(seqs, bases, kwargs):
 
 
 def _check_linear_case(backend, device, draw):
-    # float16 / bfloat16 as test_fuzz_linear.py has them: interpreted Triton fuzzes float32 and
-    # float16 (the reason is written there)
-    dtype = draw(st.sampled_from(dtypes_for(backend, device, interpreted_bf16=False)), label="dtype")
+    dtype = draw(st.sampled_from(dtypes_for(backend, device)), label="dtype")
     lengths = _draw_pack(draw, device, backend, "pack")
     h = draw(st.integers(1, 3), label="H")
     dims = DIMS_INTERPRETED if interpreted(backend, device) else DIMS
