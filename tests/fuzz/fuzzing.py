@@ -482,6 +482,19 @@ def linear_operand_rounding(q64, k64, v64, out64, causal, feature_map, normalize
         return budget.max().item() if budget.numel() else 0.0
 
 
+def linear_state_rounding(k64, v64, feature_map, u) -> float:
+    """The returned state S = S0 + Σ_j φ(k_j) v_jᵀ of a linear kernel in float16 / bfloat16: φ(k)
+    goes to the product rounded to the dtype (kernels/linear.py ``_dot_plain``), by u relative,
+    a rounding the reference run in the dtype makes in its own way: u Σ_j |φ(k_j)| |v_j|ᵀ at
+    most.  Found by session 30's random fuzzing (bfloat16 interpreted, N = 2, D = 1: S 1.35e-2
+    off against the rule's 1.16e-2).  Tensors ``[B, H, M, *]``; returns the largest entry."""
+    with torch.no_grad():
+        k, v = (torch.nan_to_num(t.detach(), nan=0.0, posinf=0.0, neginf=0.0) for t in (k64, v64))
+        term = u * feature_map_reference(k, feature_map).abs().transpose(-2, -1) @ v.abs()
+        term = term[torch.isfinite(term)]
+        return term.max().item() if term.numel() else 0.0
+
+
 def base_term_max(inputs, bases64, terms):
     """The largest gradient term per base, from the term sizes ``terms`` of each input (in the
     input's shape): pushed back through the views (transposes, sums over stride-0 copies, one
