@@ -376,9 +376,7 @@ def softmax_attention_varlen(
         options_for(fn, score_options, _batch_rows(group), batch)
     if groups and varlen_triton.takes(chosen, q, v, dropout_p):
         # Triton: the whole pack in one launch per kernel (ops/varlen_triton.py)
-        options = build_score_options(fn, score_options.get("window"), score_options.get("softcap", 0.0),
-                                      score_options.get("alibi_slopes"), score_options.get("sinks"),
-                                      heads=heads, batch=(batch,), device=q.device)
+        options = _one_launch_options(score_options, heads, batch, q.device)
 
         def regroup(q_, k_, v_, sinks_):  # the grouped reference path, for a double backward
             extra = dict(score_options, sinks=sinks_) if "sinks" in score_options else score_options
@@ -412,6 +410,13 @@ def softmax_attention_varlen(
     return (out, lse) if return_lse else out
 
 
+def _one_launch_options(score_options: dict, heads: int, batch: int, device):
+    """The call's score options, validated, for the one launch (ALiBi ``[H]`` or ``[batch, H]``)."""
+    return build_score_options(OP_NAME, score_options.get("window"), score_options.get("softcap", 0.0),
+                               score_options.get("alibi_slopes"), score_options.get("sinks"),
+                               heads=heads, batch=(batch,), device=device)
+
+
 def _captured(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale,
               backend, score_options):
     """softmax_attention_varlen under CUDA graph capture: the Triton one launch, which reads no
@@ -439,9 +444,7 @@ def _captured(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
             f"dropout_p = {dropout_p}, {q.dtype}, D = {q.shape[2]}, Dv = {v.shape[2]}"
         )
     batch = cu_seqlens_q.numel() - 1
-    options = build_score_options(fn, score_options.get("window"), score_options.get("softcap", 0.0),
-                                  score_options.get("alibi_slopes"), score_options.get("sinks"),
-                                  heads=q.shape[1], batch=(batch,), device=q.device)
+    options = _one_launch_options(score_options, q.shape[1], batch, q.device)
     return varlen_triton.run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                              options, None)
 
