@@ -10,16 +10,22 @@ none).
 
     python bench/triton_sm90_resources.py softmax-fwd     (also softmax-dkdv, softmax-dq)
 
+    python bench/triton_sm90_resources.py linear-output   (also linear-state_fwd, -state_bwd,
+                                                           -dq, -dk, -dv)
+
 prints, for kernels/decode.py's split kernel, every option variant (dense / paged, window,
 softcap, ALiBi) under the configs that lead on an H200 (bench/RESULTS.md, session 10) -- and for
 ``softmax-*``, kernels/softmax.py's forward or backward kernels, causal, plain / window /
-window + softcap + ALiBi, under every config of the kernel's autotune list: a check that each
-variant compiles, and whether an option costs spills, before a GPU run times it.
+window + softcap + ALiBi, under every config of the kernel's autotune list -- and for ``linear-*``
+a kernel of kernels/linear.py, causal and not, under its autotune list: a check that each
+variant compiles, and whether an option costs spills, before a GPU run times it.  ``--ptx``
+adds a hash of each build's PTX (a change that should compile to the same code, checked).
 Not a timing: registers and spills only.  Needs ``TRITON_INTERPRET`` unset.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import os
 import re
@@ -50,6 +56,7 @@ def compile_sm90(fn, types: dict, consts: dict, divisible: list, num_warps: int,
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     kernel = triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
     ptx = kernel.asm["ptx"]
+    ptx_hash = hashlib.sha1(ptx.encode()).hexdigest()[:12]
     arch = "sm_90a" if "sm_90a" in ptx else "sm_90"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
@@ -61,7 +68,7 @@ def compile_sm90(fn, types: dict, consts: dict, divisible: list, num_warps: int,
     if not (regs and spill):
         raise RuntimeError(f"ptxas -v said nothing usable: {report[-400:]}")
     return dict(regs=int(regs.group(1)), spill_stores=int(spill.group(1)), spill_loads=int(spill.group(2)),
-                smem=int(kernel.metadata.shared))
+                smem=int(kernel.metadata.shared), ptx=ptx_hash)
 
 
 def decode_table(head_dim: int = 128) -> list[tuple]:
@@ -87,8 +94,6 @@ def decode_table(head_dim: int = 128) -> list[tuple]:
                       **{k: bool(v) for k, v in variant.items()})
         if "HAS_SINKS" in fn.arg_names:  # off: the sinks add one step at the rows' finish
             consts["HAS_SINKS"] = False
-        if "VARLEN" in fn.arg_names:
-            consts["VARLEN"] = varlen
         try:
             result = compile_sm90(fn, types, consts, divisible, warps, stages)
         except Exception as exc:  # a variant that does not compile is the finding
@@ -140,12 +145,55 @@ def softmax_table(which: str, head_dim: int = 128, varlen: bool = False) -> list
     return rows
 
 
+def linear_table(which: str, head_dim: int = 128, varlen: bool = False) -> list[tuple]:
+    """A kernel of kernels/linear.py (``which``: linear-state_fwd / -output / -state_bwd / -dq /
+    -dk / -dv), bfloat16, D = Dv = head_dim, elu, normalized, causal and not, every config of its
+    autotune list.  ``varlen``: the packed-sequence build (VARLEN, linear_attention_varlen's one
+    launch)."""
+    from attnkit.kernels import linear
+
+    fn, kind = linear._KERNELS[which.split("-", 1)[1]]
+    tensors = ("Q", "K", "V", "G", "S0", "Z0", "Hs", "Zs", "S_out", "Z_out", "Out", "Den", "Delta", "GDen", "GS",
+               "GZ", "dHs", "dZs", "dS_out", "dZ_out", "dQ", "dK", "dV", "Cu", "ChunkOff")
+    bf16 = ("Q", "K", "V", "G", "Out", "dQ", "dK", "dV")
+    pointers = {n: "*bf16" if n in bf16 else "*i32" if n in ("Cu", "ChunkOff") else "*fp32"
+                for n in fn.arg_names if n in tensors}
+    types = {n: pointers.get(n, "fp32" if n in ("eps", "scale") else "i32") for n in fn.arg_names}
+    unit = {n: 1 for n in fn.arg_names if n.startswith("stride_") and n.endswith("d")}
+    divisible = [n for n in fn.arg_names if n in pointers or (n.startswith("stride_") and n not in unit)]
+    rows = []
+    for causal, c in itertools.product((True, False), linear.configs_for(kind, head_dim, head_dim)):
+        consts = dict(unit, HEAD_D=head_dim, HEAD_DV=head_dim, FEATURE=0, CAUSAL=causal, NORMALIZE=True,
+                      HAS_GDEN=False, HAS_GS=False, HAS_GZ=False, HAS_INIT=False, STORE_CHUNKS=causal, LOWP=2,
+                      CHUNK=linear.DEFAULT_CHUNK, BLOCK_K=c.kwargs["BLOCK_K"], BLOCK_V=c.kwargs["BLOCK_V"],
+                      VARLEN=varlen)
+        consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+        key = (c.kwargs["BLOCK_K"], c.kwargs["BLOCK_V"], c.num_warps, c.num_stages)
+        try:
+            result = compile_sm90(fn, types, consts, divisible, c.num_warps, c.num_stages)
+        except Exception as exc:
+            result = f"does not compile: {str(exc).splitlines()[0][:200]}"
+        rows.append((dict(PAGED=0, HAS_WINDOW=0, HAS_SOFTCAP=0, HAS_ALIBI=0, CAUSAL=causal), key, result))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kernel", choices=["decode", *_SOFTMAX_KERNELS])
+    linear_kernels = [f"linear-{name}" for name in ("state_fwd", "output", "state_bwd", "dq", "dk", "dv")]
+    parser.add_argument("kernel", choices=["decode", *_SOFTMAX_KERNELS, *linear_kernels])
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--varlen", action="store_true", help="softmax-*: the packed-sequence build")
+    parser.add_argument("--varlen", action="store_true", help="softmax-*, linear-*: the packed-sequence build")
+    parser.add_argument("--ptx", action="store_true", help="add a hash of each build's PTX")
     args = parser.parse_args()
+    if args.kernel.startswith("linear-"):
+        print("| causal | BLOCK_K x BLOCK_V, warps, stages | registers | spill st / ld (bytes) | smem (KiB) |"
+              + (" PTX |" if args.ptx else ""))
+        print("| --- | --- | --- | --- | --- |" + (" --- |" if args.ptx else ""))
+        for variant, (bk, bv, warps, stages), r in linear_table(args.kernel, args.head_dim, args.varlen):
+            cells = (f"{r['regs']} | {r['spill_stores']} / {r['spill_loads']} | {r['smem'] / 1024:.0f}"
+                     + (f" | {r['ptx']}" if args.ptx else "") if isinstance(r, dict) else f"{r} | |")
+            print(f"| {'yes' if variant['CAUSAL'] else '-'} | {bk} x {bv}, {warps}, {stages} | {cells} |", flush=True)
+        return
     print("| paged | window | softcap | alibi | BLOCK_M x BLOCK_N, warps, stages | registers "
           "| spill st / ld (bytes) | smem (KiB) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -153,7 +201,7 @@ def main() -> None:
     for variant, (bm, bn, warps, stages), r in rows:
         flags = " | ".join("yes" if variant[k] else "-" for k in ("PAGED", "HAS_WINDOW", "HAS_SOFTCAP", "HAS_ALIBI"))
         cells = (f"{r['regs']} | {r['spill_stores']} / {r['spill_loads']} | {r['smem'] / 1024:.0f}"
-                 if isinstance(r, dict) else f"{r} | | ")
+                 + (f" | {r['ptx']}" if args.ptx else "") if isinstance(r, dict) else f"{r} | | ")
         print(f"| {flags} | {bm} x {bn}, {warps}, {stages} | {cells} |", flush=True)
 
 

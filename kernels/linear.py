@@ -96,6 +96,8 @@ from ._flash import INTERPRETED, SUPPORTED_DTYPES, cdiv, cfg, launch, pow2
 __all__ = [
     "linear_fwd",
     "linear_bwd",
+    "linear_varlen_fwd",
+    "linear_varlen_bwd",
     "configs_for",
     "STATE_CONFIGS",
     "CHUNK_CONFIGS",
@@ -311,6 +313,39 @@ def _chunk_causal(CHUNK: tl.constexpr, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
+def _sequence(Cu, b, N, VARLEN: tl.constexpr):
+    """(row0, n) of sequence b: with VARLEN its first packed row and its length, read from the
+    offsets Cu (int32 [batch + 1]); otherwise 0 and N (every batch element has N rows)."""
+    if VARLEN:
+        row0 = tl.load(Cu + b).to(tl.int64)
+        return row0, (tl.load(Cu + b + 1) - row0).to(tl.int32)
+    else:
+        return 0, N
+
+
+@triton.jit
+def _vector_base(b, h, H, N, row0, VARLEN: tl.constexpr):
+    """Offset of sequence b's first row, head h, in a contiguous per-row buffer (den, δ,
+    grad_den, and the dq / dk / dv outputs row by row): [B, H, N] dense, [H, total] packed (N
+    is then the total)."""
+    if VARLEN:
+        return h * N + row0
+    else:
+        return (b * H + h) * N
+
+
+@triton.jit
+def _chunk0(ChunkOff, b, VARLEN: tl.constexpr):
+    """Index of sequence b's first chunk state: with VARLEN from ChunkOff (int32 [batch + 1],
+    the running count of chunks per sequence), otherwise 0 (dense buffers index chunks per
+    batch element)."""
+    if VARLEN:
+        return tl.load(ChunkOff + b).to(tl.int64)
+    else:
+        return 0
+
+
+@triton.jit
 def _dot_plain(a, b, acc, LOWP: tl.constexpr):
     """acc + a @ b with the operands in the input dtype (3xTF32 for float32 inputs)."""
     if LOWP == 1:
@@ -344,19 +379,25 @@ def _dot_state(a, b, acc, LOWP: tl.constexpr):
 
 @triton.jit
 def _state_fwd_kernel(
-    K, V, S0, Z0, Hs, Zs, S_out, Z_out,
+    K, V, S0, Z0, Hs, Zs, S_out, Z_out, Cu, ChunkOff,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_hb, stride_hh, stride_ht,
     stride_zb, stride_zh, stride_zt,
     H, M, NT,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, FEATURE: tl.constexpr,
-    HAS_INIT: tl.constexpr, STORE_CHUNKS: tl.constexpr, LOWP: tl.constexpr,
+    HAS_INIT: tl.constexpr, STORE_CHUNKS: tl.constexpr, LOWP: tl.constexpr, VARLEN: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """S = S0 + Σ φ(k) vᵀ and z = z0 + Σ φ(k) over the M keys, chunk by chunk; with
-    STORE_CHUNKS the state before chunk t goes to Hs[b, h, t] / Zs[b, h, t]."""
+    STORE_CHUNKS the state before chunk t goes to Hs[b, h, t] / Zs[b, h, t].  VARLEN: b is a
+    sequence of the pack (M the total, NT unused), its chunks' states at Hs[0, h, ChunkOff[b] +
+    t]."""
     ik, iv, h, b, offs_k, offs_v = _program_tiles(BLOCK_K, HEAD_DV, BLOCK_V)
+    row0, M = _sequence(Cu, b, M, VARLEN)
+    if VARLEN:
+        NT = tl.cdiv(M, CHUNK)
+    chunk0 = _chunk0(ChunkOff, b, VARLEN)
     bh = b * H + h
     k_ok = offs_k < HEAD_D
     # z depends on the D-block only: every Dv-block computes it, the first one stores it.
@@ -369,10 +410,10 @@ def _state_fwd_kernel(
         state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
         z = tl.zeros([BLOCK_K], dtype=tl.float32)
 
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
-    h_base = Hs + b * stride_hb + h * stride_hh
-    zc_base = Zs + b * stride_zb + h * stride_zh
+    k_base = K + b * stride_kb + h * stride_kh + row0 * stride_kn
+    v_base = V + b * stride_vb + h * stride_vh + row0 * stride_vn
+    h_base = Hs + b * stride_hb + h * stride_hh + chunk0 * stride_ht
+    zc_base = Zs + b * stride_zb + h * stride_zh + chunk0 * stride_zt
     for t in range(NT):
         if STORE_CHUNKS:
             t64 = b * 0 + t  # int64 (t is a plain int in the interpreter: no .to())
@@ -390,7 +431,7 @@ def _state_fwd_kernel(
 
 @triton.jit
 def _output_kernel(
-    Q, K, V, Hs, Zs, Out, Den,
+    Q, K, V, Hs, Zs, Out, Den, Cu, ChunkOff,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -399,47 +440,54 @@ def _output_kernel(
     stride_zb, stride_zh, stride_zt,
     H, N, eps, scale,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, FEATURE: tl.constexpr,
-    CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr, LOWP: tl.constexpr,
+    CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr, LOWP: tl.constexpr, VARLEN: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """out rows of query chunk t, Dv-block iv: φQ_c Hs[t] (+ (φQ_c φK_cᵀ ∘ tril) V_c)."""
+    """out rows of query chunk t, Dv-block iv: φQ_c Hs[t] (+ (φQ_c φK_cᵀ ∘ tril) V_c).
+    VARLEN: chunk t of sequence b (N the total); programs past its end return."""
     t, iv, h, b, rows, offs_v = _program_tiles(CHUNK, HEAD_DV, BLOCK_V)
-    q_base = Q + b * stride_qb + h * stride_qh
-    k_base = K + b * stride_kb + h * stride_kh
-    h_base = Hs + b * stride_hb + h * stride_hh + t.to(tl.int64) * stride_ht
-    zc_base = Zs + b * stride_zb + h * stride_zh + t.to(tl.int64) * stride_zt
+    row0, n = _sequence(Cu, b, N, VARLEN)
+    if VARLEN:
+        if t * CHUNK >= n:
+            return
+    tc = _chunk0(ChunkOff, b, VARLEN) + t.to(tl.int64)
+    q_base = Q + b * stride_qb + h * stride_qh + row0 * stride_qn
+    k_base = K + b * stride_kb + h * stride_kh + row0 * stride_kn
+    h_base = Hs + b * stride_hb + h * stride_hh + tc * stride_ht
+    zc_base = Zs + b * stride_zb + h * stride_zh + tc * stride_zt
 
     acc = tl.zeros([CHUNK, BLOCK_V], dtype=tl.float32)
     den = tl.zeros([CHUNK], dtype=tl.float32)
     p = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     for k0 in range(0, HEAD_D, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        phiq, _ = _load_phi(q_base, rows, offs_k, stride_qn, stride_qd, N, HEAD_D, FEATURE)
+        phiq, _ = _load_phi(q_base, rows, offs_k, stride_qn, stride_qd, n, HEAD_D, FEATURE)
         state = _load_state(h_base, offs_k, offs_v, HEAD_D, HEAD_DV)
         z = tl.load(zc_base + offs_k, mask=offs_k < HEAD_D, other=0.0)
         acc = _dot_state(phiq, state, acc, LOWP)
         den += tl.sum(phiq * z[None, :], 1)
         if CAUSAL:
-            phik, _ = _load_phi(k_base, rows, offs_k, stride_kn, stride_kd, N, HEAD_D, FEATURE)
+            phik, _ = _load_phi(k_base, rows, offs_k, stride_kn, stride_kd, n, HEAD_D, FEATURE)
             p = _dot_plain(phiq, tl.trans(phik), p, LOWP)
     if CAUSAL:
         p = tl.where(_chunk_causal(CHUNK, False), p, 0.0)
-        vv = _load_raw(V + b * stride_vb + h * stride_vh, rows, offs_v, stride_vn, stride_vd,
-                       N, HEAD_DV)
+        vv = _load_raw(V + b * stride_vb + h * stride_vh + row0 * stride_vn, rows, offs_v,
+                       stride_vn, stride_vd, n, HEAD_DV)
         acc = _dot_plain(p, vv, acc, LOWP)
         den += tl.sum(p, 1)
     if NORMALIZE:
-        # Rows past N hold 0 / eps, NaN at eps = 0: never stored, but kept out anyway.
-        out = acc / tl.where(rows < N, den + eps, 1.0)[:, None]
+        # Rows past n hold 0 / eps, NaN at eps = 0: never stored, but kept out anyway.
+        out = acc / tl.where(rows < n, den + eps, 1.0)[:, None]
     else:
         out = acc * scale
 
-    row_ok = rows < N
-    o_ptrs = Out + b * stride_ob + h * stride_oh + rows.to(tl.int64)[:, None] * stride_on \
-        + offs_v[None, :] * stride_od
+    row_ok = rows < n
+    o_ptrs = Out + b * stride_ob + h * stride_oh + row0 * stride_on \
+        + rows.to(tl.int64)[:, None] * stride_on + offs_v[None, :] * stride_od
     tl.store(o_ptrs, out.to(Out.dtype.element_ty),
              mask=row_ok[:, None] & (offs_v[None, :] < HEAD_DV))
-    tl.store(Den + (b * H + h) * N + rows, den, mask=rows < tl.where(iv == 0, N, 0))
+    tl.store(Den + _vector_base(b, h, H, N, row0, VARLEN) + rows, den,
+             mask=rows < tl.where(iv == 0, n, 0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -492,7 +540,7 @@ def _row_factors(Den, Delta, GDen, row_base, rows, N, eps, scale, NORMALIZE: tl.
 
 @triton.jit
 def _state_bwd_kernel(
-    Q, G, Den, Delta, GDen, GS, GZ, dHs, dZs, dS_out, dZ_out,
+    Q, G, Den, Delta, GDen, GS, GZ, dHs, dZs, dS_out, dZ_out, Cu, ChunkOff,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_gb, stride_gh, stride_gn, stride_gd,
     stride_hb, stride_hh, stride_ht,
@@ -500,13 +548,17 @@ def _state_bwd_kernel(
     H, N, NT, eps, scale,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, FEATURE: tl.constexpr,
     NORMALIZE: tl.constexpr, HAS_GDEN: tl.constexpr, HAS_GS: tl.constexpr, HAS_GZ: tl.constexpr,
-    STORE_CHUNKS: tl.constexpr, LOWP: tl.constexpr,
+    STORE_CHUNKS: tl.constexpr, LOWP: tl.constexpr, VARLEN: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """dS = grad_S + Σ r_i φq_i g_iᵀ, dz = grad_z + Σ c_i φq_i over the N queries, walking
     the chunks backwards; with STORE_CHUNKS the value *after* chunk t (the sum over the later
-    chunks) goes to dHs[b, h, t] / dZs[b, h, t]."""
+    chunks) goes to dHs[b, h, t] / dZs[b, h, t].  VARLEN as in _state_fwd_kernel."""
     ik, iv, h, b, offs_k, offs_v = _program_tiles(BLOCK_K, HEAD_DV, BLOCK_V)
+    row0, n = _sequence(Cu, b, N, VARLEN)
+    if VARLEN:
+        NT = tl.cdiv(n, CHUNK)
+    chunk0 = _chunk0(ChunkOff, b, VARLEN)
     bh = b * H + h
     k_ok = offs_k < HEAD_D
     z_store = offs_k < tl.where(iv == 0, HEAD_D, 0)
@@ -520,11 +572,11 @@ def _state_bwd_kernel(
     else:
         dz = tl.zeros([BLOCK_K], dtype=tl.float32)
 
-    q_base = Q + b * stride_qb + h * stride_qh
-    g_base = G + b * stride_gb + h * stride_gh
-    h_base = dHs + b * stride_hb + h * stride_hh
-    zc_base = dZs + b * stride_zb + h * stride_zh
-    row_base = bh * N
+    q_base = Q + b * stride_qb + h * stride_qh + row0 * stride_qn
+    g_base = G + b * stride_gb + h * stride_gh + row0 * stride_gn
+    h_base = dHs + b * stride_hb + h * stride_hh + chunk0 * stride_ht
+    zc_base = dZs + b * stride_zb + h * stride_zh + chunk0 * stride_zt
+    row_base = _vector_base(b, h, H, N, row0, VARLEN)
     for tt in range(NT):
         t = NT - 1 - tt
         if STORE_CHUNKS:
@@ -532,9 +584,9 @@ def _state_bwd_kernel(
             _store_state_z(h_base + t64 * stride_ht, zc_base + t64 * stride_zt, dstate, dz,
                            offs_k, offs_v, z_store, HEAD_D, HEAD_DV)
         rows = t * CHUNK + tl.arange(0, CHUNK)
-        phiq, _ = _load_phi(q_base, rows, offs_k, stride_qn, stride_qd, N, HEAD_D, FEATURE)
-        g = _load_raw(g_base, rows, offs_v, stride_gn, stride_gd, N, HEAD_DV)
-        r, c = _row_factors(Den, Delta, GDen, row_base, rows, N, eps, scale, NORMALIZE,
+        phiq, _ = _load_phi(q_base, rows, offs_k, stride_qn, stride_qd, n, HEAD_D, FEATURE)
+        g = _load_raw(g_base, rows, offs_v, stride_gn, stride_gd, n, HEAD_DV)
+        r, c = _row_factors(Den, Delta, GDen, row_base, rows, n, eps, scale, NORMALIZE,
                             HAS_GDEN)
         dstate = _dot_state(tl.trans(phiq * r[:, None]), g, dstate, LOWP)
         if NORMALIZE or HAS_GDEN:
@@ -546,7 +598,7 @@ def _state_bwd_kernel(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, G, Den, Delta, GDen, Hs, Zs, dQ,
+    Q, K, V, G, Den, Delta, GDen, Hs, Zs, dQ, Cu, ChunkOff,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -556,45 +608,53 @@ def _dq_kernel(
     H, N, eps, scale,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, FEATURE: tl.constexpr,
     CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr, HAS_GDEN: tl.constexpr,
-    LOWP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    LOWP: tl.constexpr, VARLEN: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """dq of query chunk t, D-block ik: [r_i g_i Hs[t]ᵀ + c_i Zs[t] + Σ_{j<=i in chunk}
-    (r_i g_i·v_j + c_i) φk_j] · φ'(q_i).  Output contiguous [B, H, N, D]."""
+    (r_i g_i·v_j + c_i) φk_j] · φ'(q_i).  Output contiguous [B, H, N, D] ([H, total, D] with
+    VARLEN, as in _output_kernel)."""
     t, ik, h, b, rows, offs_k = _program_tiles(CHUNK, HEAD_D, BLOCK_K)
+    row0, n = _sequence(Cu, b, N, VARLEN)
+    if VARLEN:
+        if t * CHUNK >= n:
+            return
+    tc = _chunk0(ChunkOff, b, VARLEN) + t.to(tl.int64)
     k_ok = offs_k < HEAD_D
-    g_base = G + b * stride_gb + h * stride_gh
-    v_base = V + b * stride_vb + h * stride_vh
-    h_base = Hs + b * stride_hb + h * stride_hh + t.to(tl.int64) * stride_ht
+    g_base = G + b * stride_gb + h * stride_gh + row0 * stride_gn
+    v_base = V + b * stride_vb + h * stride_vh + row0 * stride_vn
+    h_base = Hs + b * stride_hb + h * stride_hh + tc * stride_ht
 
     acc = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
     w = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     for v0 in range(0, HEAD_DV, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
-        g = _load_raw(g_base, rows, offs_v, stride_gn, stride_gd, N, HEAD_DV)
+        g = _load_raw(g_base, rows, offs_v, stride_gn, stride_gd, n, HEAD_DV)
         state = _load_state(h_base, offs_k, offs_v, HEAD_D, HEAD_DV)
         acc = _dot_state(g, tl.trans(state), acc, LOWP)
         if CAUSAL:
-            vv = _load_raw(v_base, rows, offs_v, stride_vn, stride_vd, N, HEAD_DV)
+            vv = _load_raw(v_base, rows, offs_v, stride_vn, stride_vd, n, HEAD_DV)
             w = _dot_plain(g, tl.trans(vv), w, LOWP)
-    r, c = _row_factors(Den, Delta, GDen, (b * H + h) * N, rows, N, eps, scale, NORMALIZE,
+    vector_base = _vector_base(b, h, H, N, row0, VARLEN)
+    r, c = _row_factors(Den, Delta, GDen, vector_base, rows, n, eps, scale, NORMALIZE,
                         HAS_GDEN)
     acc = acc * r[:, None]
     if NORMALIZE or HAS_GDEN:
-        z = tl.load(Zs + b * stride_zb + h * stride_zh + t.to(tl.int64) * stride_zt + offs_k,
+        z = tl.load(Zs + b * stride_zb + h * stride_zh + tc * stride_zt + offs_k,
                     mask=k_ok, other=0.0)
         acc += c[:, None] * z[None, :]
     if CAUSAL:
         w = tl.where(_chunk_causal(CHUNK, False), w * r[:, None] + c[:, None], 0.0)
-        phik, _ = _load_phi(K + b * stride_kb + h * stride_kh, rows, offs_k, stride_kn,
-                            stride_kd, N, HEAD_D, FEATURE)
+        phik, _ = _load_phi(K + b * stride_kb + h * stride_kh + row0 * stride_kn, rows, offs_k,
+                            stride_kn, stride_kd, n, HEAD_D, FEATURE)
         acc = _dot_state(w, phik, acc, LOWP)
-    _store_times_dphi(dQ, acc, Q + b * stride_qb + h * stride_qh, (b * H + h) * N, rows,
-                      offs_k, stride_qn, stride_qd, N, HEAD_D, FEATURE)
+    _store_times_dphi(dQ, acc, Q + b * stride_qb + h * stride_qh + row0 * stride_qn,
+                      vector_base, rows, offs_k, stride_qn, stride_qd, n, HEAD_D, FEATURE)
 
 
 @triton.jit
 def _dk_kernel(
-    Q, K, V, G, Den, Delta, GDen, dHs, dZs, dK,
+    Q, K, V, G, Den, Delta, GDen, dHs, dZs, dK, Cu, ChunkOff,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -604,43 +664,52 @@ def _dk_kernel(
     H, N, M, eps, scale,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, FEATURE: tl.constexpr,
     CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr, HAS_GDEN: tl.constexpr,
-    LOWP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    LOWP: tl.constexpr, VARLEN: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """dk of key chunk t, D-block ik: [dHs[t] v_j + dZs[t] + Σ_{i>=j in chunk} (r_i g_i·v_j +
-    c_i) φq_i] · φ'(k_j).  Output contiguous [B, H, M, D]."""
+    c_i) φq_i] · φ'(k_j).  Output contiguous [B, H, M, D] ([H, total, D] with VARLEN: N = M =
+    the total, each sequence's queries its keys)."""
     t, ik, h, b, rows, offs_k = _program_tiles(CHUNK, HEAD_D, BLOCK_K)
+    row0, n = _sequence(Cu, b, N, VARLEN)
+    m = _sequence(Cu, b, M, VARLEN)[1]
+    if VARLEN:
+        if t * CHUNK >= n:
+            return
+    tc = _chunk0(ChunkOff, b, VARLEN) + t.to(tl.int64)
     k_ok = offs_k < HEAD_D
-    g_base = G + b * stride_gb + h * stride_gh
-    v_base = V + b * stride_vb + h * stride_vh
-    h_base = dHs + b * stride_hb + h * stride_hh + t.to(tl.int64) * stride_ht
+    g_base = G + b * stride_gb + h * stride_gh + row0 * stride_gn
+    v_base = V + b * stride_vb + h * stride_vh + row0 * stride_vn
+    h_base = dHs + b * stride_hb + h * stride_hh + tc * stride_ht
 
     acc = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
     wt = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # wt[j, i] = v_j · g_i
     for v0 in range(0, HEAD_DV, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
-        vv = _load_raw(v_base, rows, offs_v, stride_vn, stride_vd, M, HEAD_DV)
+        vv = _load_raw(v_base, rows, offs_v, stride_vn, stride_vd, m, HEAD_DV)
         dstate = _load_state(h_base, offs_k, offs_v, HEAD_D, HEAD_DV)
         acc = _dot_state(vv, tl.trans(dstate), acc, LOWP)
         if CAUSAL:
-            g = _load_raw(g_base, rows, offs_v, stride_gn, stride_gd, N, HEAD_DV)
+            g = _load_raw(g_base, rows, offs_v, stride_gn, stride_gd, n, HEAD_DV)
             wt = _dot_plain(vv, tl.trans(g), wt, LOWP)
-    dz = tl.load(dZs + b * stride_zb + h * stride_zh + t.to(tl.int64) * stride_zt + offs_k,
+    dz = tl.load(dZs + b * stride_zb + h * stride_zh + tc * stride_zt + offs_k,
                  mask=k_ok, other=0.0)
     acc += dz[None, :]
     if CAUSAL:
-        r, c = _row_factors(Den, Delta, GDen, (b * H + h) * N, rows, N, eps, scale,
-                            NORMALIZE, HAS_GDEN)
+        r, c = _row_factors(Den, Delta, GDen, _vector_base(b, h, H, N, row0, VARLEN), rows, n,
+                            eps, scale, NORMALIZE, HAS_GDEN)
         wt = tl.where(_chunk_causal(CHUNK, True), wt * r[None, :] + c[None, :], 0.0)
-        phiq, _ = _load_phi(Q + b * stride_qb + h * stride_qh, rows, offs_k, stride_qn,
-                            stride_qd, N, HEAD_D, FEATURE)
+        phiq, _ = _load_phi(Q + b * stride_qb + h * stride_qh + row0 * stride_qn, rows, offs_k,
+                            stride_qn, stride_qd, n, HEAD_D, FEATURE)
         acc = _dot_state(wt, phiq, acc, LOWP)
-    _store_times_dphi(dK, acc, K + b * stride_kb + h * stride_kh, (b * H + h) * M, rows,
-                      offs_k, stride_kn, stride_kd, M, HEAD_D, FEATURE)
+    _store_times_dphi(dK, acc, K + b * stride_kb + h * stride_kh + row0 * stride_kn,
+                      _vector_base(b, h, H, M, row0, VARLEN), rows, offs_k, stride_kn, stride_kd,
+                      m, HEAD_D, FEATURE)
 
 
 @triton.jit
 def _dv_kernel(
-    Q, K, G, Den, Delta, GDen, dHs, dV,
+    Q, K, G, Den, Delta, GDen, dHs, dV, Cu, ChunkOff,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_gb, stride_gh, stride_gn, stride_gd,
@@ -648,33 +717,40 @@ def _dv_kernel(
     H, N, M, eps, scale,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, FEATURE: tl.constexpr,
     CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr, HAS_GDEN: tl.constexpr,
-    LOWP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    LOWP: tl.constexpr, VARLEN: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """dv of key chunk t, Dv-block iv: dHs[t]ᵀ φk_j + Σ_{i>=j in chunk} r_i (φq_i·φk_j) g_i.
-    Output contiguous [B, H, M, Dv]."""
+    Output contiguous [B, H, M, Dv] ([H, total, Dv] with VARLEN, as in _dk_kernel)."""
     t, iv, h, b, rows, offs_v = _program_tiles(CHUNK, HEAD_DV, BLOCK_V)
-    q_base = Q + b * stride_qb + h * stride_qh
-    k_base = K + b * stride_kb + h * stride_kh
-    h_base = dHs + b * stride_hb + h * stride_hh + t.to(tl.int64) * stride_ht
+    row0, n = _sequence(Cu, b, N, VARLEN)
+    m = _sequence(Cu, b, M, VARLEN)[1]
+    if VARLEN:
+        if t * CHUNK >= n:
+            return
+    tc = _chunk0(ChunkOff, b, VARLEN) + t.to(tl.int64)
+    q_base = Q + b * stride_qb + h * stride_qh + row0 * stride_qn
+    k_base = K + b * stride_kb + h * stride_kh + row0 * stride_kn
+    h_base = dHs + b * stride_hb + h * stride_hh + tc * stride_ht
 
     acc = tl.zeros([CHUNK, BLOCK_V], dtype=tl.float32)
     pt = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # pt[j, i] = φk_j · φq_i
     for k0 in range(0, HEAD_D, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        phik, _ = _load_phi(k_base, rows, offs_k, stride_kn, stride_kd, M, HEAD_D, FEATURE)
+        phik, _ = _load_phi(k_base, rows, offs_k, stride_kn, stride_kd, m, HEAD_D, FEATURE)
         dstate = _load_state(h_base, offs_k, offs_v, HEAD_D, HEAD_DV)
         acc = _dot_state(phik, dstate, acc, LOWP)
         if CAUSAL:
-            phiq, _ = _load_phi(q_base, rows, offs_k, stride_qn, stride_qd, N, HEAD_D, FEATURE)
+            phiq, _ = _load_phi(q_base, rows, offs_k, stride_qn, stride_qd, n, HEAD_D, FEATURE)
             pt = _dot_plain(phik, tl.trans(phiq), pt, LOWP)
     if CAUSAL:
-        r, _ = _row_factors(Den, Delta, GDen, (b * H + h) * N, rows, N, eps, scale, NORMALIZE,
-                            False)
+        r, _ = _row_factors(Den, Delta, GDen, _vector_base(b, h, H, N, row0, VARLEN), rows, n,
+                            eps, scale, NORMALIZE, False)
         pt = tl.where(_chunk_causal(CHUNK, True), pt * r[None, :], 0.0)
-        g = _load_raw(G + b * stride_gb + h * stride_gh, rows, offs_v, stride_gn, stride_gd,
-                      N, HEAD_DV)
+        g = _load_raw(G + b * stride_gb + h * stride_gh + row0 * stride_gn, rows, offs_v,
+                      stride_gn, stride_gd, n, HEAD_DV)
         acc = _dot_state(pt, g, acc, LOWP)
-    _store_rows(dV, acc, (b * H + h) * M, rows, offs_v, M, HEAD_DV)
+    _store_rows(dV, acc, _vector_base(b, h, H, M, row0, VARLEN), rows, offs_v, m, HEAD_DV)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -804,30 +880,84 @@ def _initial_state(fn, initial_state, B, H, D, Dv, device):
     return s0, z0
 
 
-def _state_buffers(causal, B, H, nt, D, Dv, S, Z, device):
-    """(Hs, Zs, Hs strides (b, h, t), Zs strides (b, h, t)): per-chunk buffers when causal;
-    else the totals S, Z themselves, read by every chunk (chunk stride 0)."""
-    if causal:
-        hs = torch.empty((B, H, nt, D, Dv), dtype=torch.float32, device=device)
-        zs = torch.empty((B, H, nt, D), dtype=torch.float32, device=device)
-        return hs, zs, hs.stride()[:3], zs.stride()[:3]
-    return S, Z, (S.stride(0), S.stride(1), 0), (Z.stride(0), Z.stride(1), 0)
+class _Rows:
+    """Where the kernels find the rows of each sequence.
+
+    Dense (``cu`` None): ``batch`` = B elements of N queries and M keys, tensors [B, H, L, *].
+    Packed (the VARLEN build): the sequences of ``cu`` (int32 [batch + 1] on the device), each
+    its own queries and keys; tensors are [1, H, total, *] views of the packed [total, H, *]
+    with batch stride 0 (a program adds its sequence's first row itself), the kernels' N and M
+    are the total, the per-chunk grids cover ``longest`` rows (programs past their sequence
+    return), and the causal chunk states of all sequences share one [1, H, chunks, D, Dv]
+    buffer: sequence b's at ``chunk_off[b]``, a running count taken on the device (no host read
+    of the offsets here), ``chunks`` an upper bound that needs none either."""
+
+    def __init__(self, batch, n, m, cu=None, longest=0, chunk=DEFAULT_CHUNK):
+        self.batch, self.n, self.m, self.cu, self.chunk = batch, n, m, cu, chunk
+        self.varlen = cu is not None
+        self.longest = longest if self.varlen else n
+        if self.varlen:
+            lengths = (cu[1:] - cu[:-1]).to(torch.int64)
+            per_sequence = torch.div(lengths + (chunk - 1), chunk, rounding_mode="floor")
+            self.chunk_off = torch.cat([per_sequence.new_zeros(1), per_sequence.cumsum(0)]).to(torch.int32)
+            # Σ ceil(n_b / C) <= (total + batch (C - 1)) / C
+            self.chunks = (n + batch * (chunk - 1)) // chunk
+
+    def strides(self, x):
+        """x's strides as the kernels take them: batch stride 0 when packed."""
+        return (0, *x.stride()[1:]) if self.varlen else x.stride()
+
+    def offsets(self, stand_in):
+        """(Cu, ChunkOff) kernel arguments: stand-in pointers when dense (never read)."""
+        return (self.cu, self.chunk_off) if self.varlen else (stand_in, stand_in)
+
+    def state_buffers(self, causal, H, D, Dv, S, Z):
+        """(Hs, Zs, Hs strides (b, h, t), Zs strides (b, h, t)): per-chunk buffers when causal;
+        else the totals S, Z themselves, read by every chunk (chunk stride 0)."""
+        if causal:
+            lead, nt = (1, self.chunks) if self.varlen else (self.batch, cdiv(self.m, self.chunk))
+            hs = torch.empty((lead, H, nt, D, Dv), dtype=torch.float32, device=S.device)
+            zs = torch.empty((lead, H, nt, D), dtype=torch.float32, device=S.device)
+            hst, zst = hs.stride()[:3], zs.stride()[:3]
+            if self.varlen:
+                hst, zst = (0, *hst[1:]), (0, *zst[1:])
+            return hs, zs, hst, zst
+        return S, Z, (S.stride(0), S.stride(1), 0), (Z.stride(0), Z.stride(1), 0)
 
 
-def _run_state_fwd(k, v, s0, z0, S, Z, causal, feature, lowp, C, config):
+def _run_state_fwd(k, v, s0, z0, S, Z, rows, causal, feature, lowp, C, config):
     """Forward states: S_final / Z_final into S, Z; returns the chunk-state buffers."""
-    B, H, M, D = k.shape
-    Dv = v.shape[3]
-    nt = cdiv(M, C)
-    hs, zs, hst, zst = _state_buffers(causal, B, H, nt, D, Dv, S, Z, k.device)
+    H, D, Dv = k.shape[1], k.shape[3], v.shape[3]
+    hs, zs, hst, zst = rows.state_buffers(causal, H, D, Dv, S, Z)
     has_init = s0 is not None
-    args = (k, v, s0 if has_init else S, z0 if has_init else Z, hs, zs, S, Z,
-            *k.stride(), *v.stride(), *hst, *zst, H, M, nt)
+    args = (k, v, s0 if has_init else S, z0 if has_init else Z, hs, zs, S, Z, *rows.offsets(S),
+            *rows.strides(k), *rows.strides(v), *hst, *zst, H, rows.m, cdiv(rows.m, C))
     consts = dict(HEAD_D=D, HEAD_DV=Dv, FEATURE=feature, HAS_INIT=has_init,
-                  STORE_CHUNKS=bool(causal), LOWP=lowp, CHUNK=C)
-    _launch("state_fwd", lambda bk, bv: (cdiv(D, bk) * cdiv(Dv, bv), H, B),
+                  STORE_CHUNKS=bool(causal), LOWP=lowp, VARLEN=rows.varlen, CHUNK=C)
+    _launch("state_fwd", lambda bk, bv: (cdiv(D, bk) * cdiv(Dv, bv), H, rows.batch),
             args, consts, config, D, Dv)
     return hs, zs, hst, zst
+
+
+def _forward(q, k, v, out, S, Z, den, rows, s0, z0, *, causal, feature, lowp, normalize, eps,
+             scale, C, config):
+    """Both forward phases into the allocated out / S / Z / den (see linear_fwd)."""
+    H, D, Dv = q.shape[1], q.shape[3], v.shape[3]
+    hs, zs, hst, zst = _run_state_fwd(k, v, s0, z0, S, Z, rows, causal, feature, lowp, C, config)
+    if rows.n == 0:
+        return
+    if rows.m == 0 and s0 is None:
+        # Nothing to attend to: zeros whatever eps is (0 / eps would be NaN at eps = 0), as
+        # the reference has it.
+        out.zero_()
+        den.zero_()
+        return
+    args = (q, k, v, hs, zs, out, den, *rows.offsets(S), *rows.strides(q), *rows.strides(k),
+            *rows.strides(v), *rows.strides(out), *hst, *zst, H, rows.n, float(eps), float(scale))
+    consts = dict(HEAD_D=D, HEAD_DV=Dv, FEATURE=feature, CAUSAL=bool(causal),
+                  NORMALIZE=bool(normalize), LOWP=lowp, VARLEN=rows.varlen, CHUNK=C)
+    _launch("output", lambda bk, bv: (cdiv(rows.longest, C) * cdiv(Dv, bv), H, rows.batch),
+            args, consts, config, D, Dv)
 
 
 def linear_fwd(q, k, v, *, causal, feature_map, normalize, eps, scale, initial_state=None,
@@ -844,40 +974,87 @@ def linear_fwd(q, k, v, *, causal, feature_map, normalize, eps, scale, initial_s
     M, Dv = k.shape[2], v.shape[3]
     C = DEFAULT_CHUNK if chunk is None else chunk
     s0, z0 = _initial_state(fn, initial_state, B, H, D, Dv, q.device)
-    feature, lowp = _FEATURE_CODE[feature_map], _LOWP[q.dtype]
-    if N == 1 and M == 1:
-        # One token (linear_attention_step): float32 operands, whatever the dtype.  The 16-bit
-        # operands round the token's score once more than the reference in that dtype does --
-        # one float16 ulp of out past DESIGN.md's rule (session 29's random fuzzing: float16,
-        # elu, unnormalized, D = 3, Dv = 1: 4.35546875 against the true 4.35229 and the float16
-        # reference's 4.3515625) -- and a single token's tiles are mostly padding: the 3xTF32
-        # dots cost little there (not timed on a GPU).
-        lowp = _LOWP[torch.float32]
-    eps, scale = float(eps), float(scale)
-
     out = torch.empty((B, H, N, Dv), dtype=q.dtype, device=q.device)
     S = torch.empty((B, H, D, Dv), dtype=torch.float32, device=q.device)
     Z = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
     den = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     if B * H == 0:
         return out, S, Z, den
-
-    hs, zs, hst, zst = _run_state_fwd(k, v, s0, z0, S, Z, causal, feature, lowp, C, config)
-    if N == 0:
-        return out, S, Z, den
-    if M == 0 and s0 is None:
-        # Nothing to attend to: zeros whatever eps is (0 / eps would be NaN at eps = 0), as
-        # the reference has it.
-        out.zero_()
-        den.zero_()
-        return out, S, Z, den
-    args = (q, k, v, hs, zs, out, den, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            *hst, *zst, H, N, eps, scale)
-    consts = dict(HEAD_D=D, HEAD_DV=Dv, FEATURE=feature, CAUSAL=bool(causal),
-                  NORMALIZE=bool(normalize), LOWP=lowp, CHUNK=C)
-    _launch("output", lambda bk, bv: (cdiv(N, C) * cdiv(Dv, bv), H, B),
-            args, consts, config, D, Dv)
+    _forward(q, k, v, out, S, Z, den, _Rows(B, N, M, chunk=C), s0, z0, causal=causal,
+             feature=_FEATURE_CODE[feature_map], lowp=_operand_code(q.dtype, N == 1 and M == 1),
+             normalize=normalize, eps=eps, scale=scale, C=C, config=config)
     return out, S, Z, den
+
+
+def _operand_code(dtype, one_token):
+    """LOWP of the products: the dtype's, except for a single token (one query, one key):
+    float32 operands, whatever the dtype.  The 16-bit operands round the token's score once more
+    than the reference in that dtype does -- one float16 ulp of out past DESIGN.md's rule
+    (session 29's random fuzzing: float16, elu, unnormalized, D = 3, Dv = 1: 4.35546875 against
+    the true 4.35229 and the float16 reference's 4.3515625) -- and a single token's tiles are
+    mostly padding: the 3xTF32 dots cost little there (not timed on a GPU)."""
+    return _LOWP[torch.float32] if one_token else _LOWP[dtype]
+
+
+def _backward(grad_out, q, k, v, out, den, dq, dk, dv, dS0, dz0, rows, s0, z0, gs, gz, gden, *,
+              causal, feature, lowp, normalize, eps, scale, C, config):
+    """The backward's kernels into the allocated dq / dk / dv / dS0 / dz0 (see linear_bwd;
+    ``den`` float32 contiguous when ``normalize``, ``gden`` None = zero)."""
+    H, D, Dv = q.shape[1], q.shape[3], v.shape[3]
+    N, M = rows.n, rows.m
+    eps, scale = float(eps), float(scale)
+    # Forward chunk states (causal) or totals (non-causal), recomputed.
+    S = torch.empty((rows.batch, H, D, Dv), dtype=torch.float32, device=q.device)
+    Z = torch.empty((rows.batch, H, D), dtype=torch.float32, device=q.device)
+    hs, zs, hst, zst = _run_state_fwd(k, v, s0, z0, S, Z, rows, causal, feature, lowp, C, config)
+
+    # δ_i = g_i · out_i (normalize only; never read otherwise: stand-in pointers).  Packed, the
+    # [1, H, total] rows are one batch element: the kernel is the dense one.
+    if normalize:
+        lead = 1 if rows.varlen else rows.batch
+        delta = torch.empty((lead, H, N), dtype=torch.float32, device=q.device)
+        if N > 0:
+            block_r = 32
+            wrap_triton(_delta_kernel)[(cdiv(N, block_r), H, lead)](
+                grad_out, out, delta, *grad_out.stride(), *out.stride(), H, N,
+                HEAD_DV=Dv, BLOCK_R=block_r, BLOCK_V=min(pow2(Dv), 128))
+    else:
+        den = delta = dS0
+    has_gden = gden is not None
+    if gden is None:
+        gden = dS0  # stand-in, HAS_GDEN=False
+
+    # Reverse states over the queries: per chunk (causal) or the total, which is dS0 / dz0.
+    dhs, dzs, dhst, dzst = rows.state_buffers(causal, H, D, Dv, dS0, dz0)
+    offsets = rows.offsets(dS0)
+    args = (q, grad_out, den, delta, gden, gs if gs is not None else dS0,
+            gz if gz is not None else dz0, dhs, dzs, dS0, dz0, *offsets,
+            *rows.strides(q), *rows.strides(grad_out), *dhst, *dzst, H, N, cdiv(N, C), eps, scale)
+    consts = dict(HEAD_D=D, HEAD_DV=Dv, FEATURE=feature, NORMALIZE=normalize,
+                  HAS_GDEN=has_gden, HAS_GS=gs is not None, HAS_GZ=gz is not None,
+                  STORE_CHUNKS=bool(causal), LOWP=lowp, VARLEN=rows.varlen, CHUNK=C)
+    _launch("state_bwd", lambda bk, bv: (cdiv(D, bk) * cdiv(Dv, bv), H, rows.batch),
+            args, consts, config, D, Dv)
+
+    common = dict(HEAD_D=D, HEAD_DV=Dv, FEATURE=feature, CAUSAL=bool(causal),
+                  NORMALIZE=normalize, HAS_GDEN=has_gden, LOWP=lowp, VARLEN=rows.varlen, CHUNK=C)
+    strides = (*rows.strides(q), *rows.strides(k), *rows.strides(v), *rows.strides(grad_out))
+    longest_q = rows.longest if rows.varlen else N
+    longest_k = rows.longest if rows.varlen else M
+    if N > 0:
+        args = (q, k, v, grad_out, den, delta, gden, hs, zs, dq, *offsets, *strides, *hst, *zst,
+                H, N, eps, scale)
+        _launch("dq", lambda bk, bv: (cdiv(longest_q, C) * cdiv(D, bk), H, rows.batch),
+                args, common, config, D, Dv)
+    if M > 0:
+        args = (q, k, v, grad_out, den, delta, gden, dhs, dzs, dk, *offsets, *strides, *dhst,
+                *dzst, H, N, M, eps, scale)
+        _launch("dk", lambda bk, bv: (cdiv(longest_k, C) * cdiv(D, bk), H, rows.batch),
+                args, common, config, D, Dv)
+        args = (q, k, grad_out, den, delta, gden, dhs, dv, *offsets, *rows.strides(q),
+                *rows.strides(k), *rows.strides(grad_out), *dhst, H, N, M, eps, scale)
+        _launch("dv", lambda bk, bv: (cdiv(longest_k, C) * cdiv(Dv, bv), H, rows.batch),
+                args, common, config, D, Dv)
 
 
 def linear_bwd(grad_out, q, k, v, *, causal, feature_map, normalize, eps, scale,
@@ -900,15 +1077,7 @@ def linear_bwd(grad_out, q, k, v, *, causal, feature_map, normalize, eps, scale,
     gs = _check_state(fn, "grad_S", grad_S, (B, H, D, Dv), q.device)
     gz = _check_state(fn, "grad_z", grad_z, (B, H, D), q.device)
     gden = _check_state(fn, "grad_den", grad_den, (B, H, N), q.device)
-    if grad_out is None:
-        grad_out = torch.zeros((B, H, N, Dv), dtype=q.dtype, device=q.device)
-    elif not isinstance(grad_out, torch.Tensor) or tuple(grad_out.shape) != (B, H, N, Dv):
-        raise ValueError(f"{fn}: grad_out must have shape {[B, H, N, Dv]}; got "
-                         f"{list(getattr(grad_out, 'shape', ()))}")
-    elif grad_out.dtype != q.dtype:
-        grad_out = grad_out.to(q.dtype)
-    feature, lowp = _FEATURE_CODE[feature_map], _LOWP[q.dtype]
-    eps, scale = float(eps), float(scale)
+    grad_out = _grad_out(fn, grad_out, (B, H, N, Dv), q)
     normalize = bool(normalize)
     if normalize and (out is None or den is None):
         out, _, _, den = linear_fwd(q, k, v, causal=causal, feature_map=feature_map,
@@ -933,52 +1102,114 @@ def linear_bwd(grad_out, q, k, v, *, causal, feature_map, normalize, eps, scale,
         # keys: nothing flows back (and 1/(den + eps) would be 1/0 at eps = 0).
         dq.zero_()
         return result
-
-    # Forward chunk states (causal) or totals (non-causal), recomputed.
-    S = torch.empty((B, H, D, Dv), dtype=torch.float32, device=q.device)
-    Z = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
-    hs, zs, hst, zst = _run_state_fwd(k, v, s0, z0, S, Z, causal, feature, lowp, C, config)
-
-    # δ_i = g_i · out_i (normalize only; never read otherwise: stand-in pointers).
-    if normalize:
-        delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
-        if N > 0:
-            block_r = 32
-            wrap_triton(_delta_kernel)[(cdiv(N, block_r), H, B)](
-                grad_out, out, delta, *grad_out.stride(), *out.stride(), H, N,
-                HEAD_DV=Dv, BLOCK_R=block_r, BLOCK_V=min(pow2(Dv), 128))
-    else:
-        den = delta = dS0
-    if gden is None:
-        gden = dS0  # stand-in, HAS_GDEN=False
-
-    # Reverse states over the queries: per chunk (causal) or the total, which is dS0 / dz0.
-    nt_q = cdiv(N, C)
-    dhs, dzs, dhst, dzst = _state_buffers(causal, B, H, nt_q, D, Dv, dS0, dz0, q.device)
-    has_gden = grad_den is not None
-    args = (q, grad_out, den, delta, gden, gs if gs is not None else dS0,
-            gz if gz is not None else dz0, dhs, dzs, dS0, dz0,
-            *q.stride(), *grad_out.stride(), *dhst, *dzst, H, N, nt_q, eps, scale)
-    consts = dict(HEAD_D=D, HEAD_DV=Dv, FEATURE=feature, NORMALIZE=normalize,
-                  HAS_GDEN=has_gden, HAS_GS=gs is not None, HAS_GZ=gz is not None,
-                  STORE_CHUNKS=bool(causal), LOWP=lowp, CHUNK=C)
-    _launch("state_bwd", lambda bk, bv: (cdiv(D, bk) * cdiv(Dv, bv), H, B),
-            args, consts, config, D, Dv)
-
-    common = dict(HEAD_D=D, HEAD_DV=Dv, FEATURE=feature, CAUSAL=bool(causal),
-                  NORMALIZE=normalize, HAS_GDEN=has_gden, LOWP=lowp, CHUNK=C)
-    if N > 0:
-        args = (q, k, v, grad_out, den, delta, gden, hs, zs, dq, *q.stride(), *k.stride(),
-                *v.stride(), *grad_out.stride(), *hst, *zst, H, N, eps, scale)
-        _launch("dq", lambda bk, bv: (cdiv(N, C) * cdiv(D, bk), H, B),
-                args, common, config, D, Dv)
-    if M > 0:
-        args = (q, k, v, grad_out, den, delta, gden, dhs, dzs, dk, *q.stride(), *k.stride(),
-                *v.stride(), *grad_out.stride(), *dhst, *dzst, H, N, M, eps, scale)
-        _launch("dk", lambda bk, bv: (cdiv(M, C) * cdiv(D, bk), H, B),
-                args, common, config, D, Dv)
-        args = (q, k, grad_out, den, delta, gden, dhs, dv, *q.stride(), *k.stride(),
-                *grad_out.stride(), *dhst, H, N, M, eps, scale)
-        _launch("dv", lambda bk, bv: (cdiv(M, C) * cdiv(Dv, bv), H, B),
-                args, common, config, D, Dv)
+    _backward(grad_out, q, k, v, out, den, dq, dk, dv, dS0, dz0, _Rows(B, N, M, chunk=C), s0, z0, gs, gz,
+              gden, causal=causal, feature=_FEATURE_CODE[feature_map], lowp=_LOWP[q.dtype],
+              normalize=normalize, eps=eps, scale=scale, C=C, config=config)
     return result
+
+
+def _grad_out(fn, grad_out, shape, q):
+    """grad_out of the expected shape in q's dtype (zeros for None)."""
+    if grad_out is None:
+        return torch.zeros(shape, dtype=q.dtype, device=q.device)
+    if not isinstance(grad_out, torch.Tensor) or tuple(grad_out.shape) != tuple(shape):
+        raise ValueError(f"{fn}: grad_out must have shape {list(shape)}; got "
+                         f"{list(getattr(grad_out, 'shape', ()))}")
+    return grad_out.to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# packed sequences (linear_attention_varlen)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_pack(fn, q, k, v, cu_seqlens, max_seqlen, causal, feature_map, chunk):
+    """The packed inputs: q, k [total, H, D], v [total, H, Dv]; cu_seqlens int32 / int64
+    [batch + 1] on their device; max_seqlen an int >= 0.  The offsets' values are not read
+    here (the public function checks them): wrong ones read and write out of range."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{fn}: {name} must be a 3-D tensor [total, H, *]; got "
+                             f"{tuple(getattr(t, 'shape', ())) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if not (q.shape[:2] == k.shape[:2] == v.shape[:2]):
+        raise ValueError(f"{fn}: q, k, v must share [total, H]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1
+            or cu_seqlens.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"{fn}: cu_seqlens must be a 1-D int32 / int64 tensor [batch + 1]; got "
+                         f"{cu_seqlens!r}"[:300])
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"{fn}: cu_seqlens must be on q's device ({q.device}); got {cu_seqlens.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"{fn}: max_seqlen must be an int >= 0; got {max_seqlen!r}")
+    as_batch = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+    _check_inputs(fn, *as_batch, causal, feature_map, chunk)
+    return as_batch
+
+
+def linear_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, *, causal, feature_map, normalize, eps,
+                      scale, chunk=None, config=None):
+    """Linear attention over packed sequences in one launch per kernel (the kernels' VARLEN
+    build): sequence b is rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` of q, k and v, its own
+    queries and keys, its states starting from zero; ``max_seqlen`` its longest length (sizes
+    the grid).
+
+    q, k [total, H, D], v [total, H, Dv] (any strides); cu_seqlens int32 / int64 [batch + 1] on
+    q's device.  Returns ``(out [total, H, Dv] in q.dtype, S_final [batch, H, D, Dv] f32,
+    z_final [batch, H, D] f32, den [H, total] f32)`` -- each sequence's values exactly those of
+    :func:`linear_fwd` on it alone (same chunking and tiles), its final states included.
+    """
+    fn = "linear_varlen_fwd"
+    q4, k4, v4 = _check_pack(fn, q, k, v, cu_seqlens, max_seqlen, causal, feature_map, chunk)
+    total, H, D = q.shape
+    Dv, batch = v.shape[2], cu_seqlens.numel() - 1
+    C = DEFAULT_CHUNK if chunk is None else chunk
+    out = torch.empty((total, H, Dv), dtype=q.dtype, device=q.device)
+    S = torch.zeros((batch, H, D, Dv), dtype=torch.float32, device=q.device)
+    Z = torch.zeros((batch, H, D), dtype=torch.float32, device=q.device)
+    den = torch.empty((1, H, total), dtype=torch.float32, device=q.device)
+    if batch * H == 0:
+        return out, S, Z, den[0]
+    rows = _Rows(batch, total, total, cu=cu_seqlens.to(torch.int32), longest=max_seqlen, chunk=C)
+    _forward(q4, k4, v4, out.transpose(0, 1).unsqueeze(0), S, Z, den, rows, None, None,
+             causal=causal, feature=_FEATURE_CODE[feature_map],
+             lowp=_operand_code(q.dtype, max_seqlen == 1), normalize=normalize, eps=eps,
+             scale=scale, C=C, config=config)
+    return out, S, Z, den[0]
+
+
+def linear_varlen_bwd(grad_out, q, k, v, cu_seqlens, max_seqlen, *, causal, feature_map,
+                      normalize, eps, scale, out=None, den=None, chunk=None, config=None):
+    """Backward of :func:`linear_varlen_fwd`: ``(dq, dk, dv)`` as [total, H, *] views of
+    contiguous [H, total, *] buffers, the inputs' dtype.  ``grad_out`` [total, H, Dv] (None =
+    zero); ``out`` [total, H, Dv] / ``den`` [H, total]: the forward's, needed when
+    ``normalize`` (recomputed when either is None)."""
+    fn = "linear_varlen_bwd"
+    q4, k4, v4 = _check_pack(fn, q, k, v, cu_seqlens, max_seqlen, causal, feature_map, chunk)
+    total, H, D = q.shape
+    Dv, batch = v.shape[2], cu_seqlens.numel() - 1
+    C = DEFAULT_CHUNK if chunk is None else chunk
+    grad_out = _grad_out(fn, grad_out, (total, H, Dv), q)
+    normalize = bool(normalize)
+    if normalize and (out is None or den is None):
+        out, _, _, den = linear_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, causal=causal,
+                                           feature_map=feature_map, normalize=True, eps=eps,
+                                           scale=scale, chunk=chunk, config=config)
+    if normalize:
+        if tuple(out.shape) != (total, H, Dv) or tuple(den.shape) != (H, total):
+            raise ValueError(f"{fn}: out / den must have shapes {[total, H, Dv]} / {[H, total]};"
+                             f" got {list(out.shape)} / {list(den.shape)}")
+        den = den.to(torch.float32).contiguous().unsqueeze(0)
+        out = out.transpose(0, 1).unsqueeze(0)
+    grads = [torch.empty((1, H, total, width), dtype=q.dtype, device=q.device)
+             for width in (D, D, Dv)]
+    if batch * H * total > 0:
+        dS0 = torch.empty((batch, H, D, Dv), dtype=torch.float32, device=q.device)
+        dz0 = torch.empty((batch, H, D), dtype=torch.float32, device=q.device)
+        rows = _Rows(batch, total, total, cu=cu_seqlens.to(torch.int32), longest=max_seqlen,
+                     chunk=C)
+        _backward(grad_out.transpose(0, 1).unsqueeze(0), q4, k4, v4, out, den, *grads, dS0, dz0,
+                  rows, None, None, None, None, None, causal=causal,
+                  feature=_FEATURE_CODE[feature_map], lowp=_LOWP[q.dtype], normalize=normalize,
+                  eps=eps, scale=scale, C=C, config=config)
+    return tuple(g[0].transpose(0, 1) for g in grads)

@@ -38,8 +38,9 @@ import torch
 from .._dispatch import resolve
 from .._validation import check_bool, check_real, check_same_dtype_device, check_size_match, check_tensor
 from ..score_options import build as build_score_options
-from . import varlen_triton
+from . import linear_varlen_triton, varlen_triton
 from .linear import _check_options as _check_linear_options
+from .linear import _route as _linear_route
 from .linear import linear_attention
 from .softmax import softmax_attention
 
@@ -506,9 +507,18 @@ def linear_attention_varlen(
     check_bool(fn, "causal", causal)
     _check_linear_options(fn, feature_map, normalize, eps, scale)
     offsets = _check_cu_seqlens(fn, "cu_seqlens", cu_seqlens, q.shape[0], "q, k and v")
-    resolve("linear", backend, q.device, fn)
     lengths = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
     groups = _groups(lengths, lengths)
+    chosen = _linear_route(fn, backend, q.device, q.dtype, q.shape[2], v.shape[2], len(lengths), q.shape[1],
+                           causal)
+    if chosen == "triton" and groups:
+
+        def regroup(q_, k_, v_):  # the grouped reference path, for a double backward
+            return linear_attention_varlen(q_, k_, v_, cu_seqlens, causal=causal, feature_map=feature_map,
+                                           normalize=normalize, eps=eps, scale=scale, backend="reference")
+
+        return linear_varlen_triton.run(q, k, v, cu_seqlens, max(lengths), causal, feature_map, normalize,
+                                        float(eps), float(scale), regroup)
     parts = [_split(x, groups, offsets, lambda g: g.n) for x in (q, k, v)]
     outs = [
         linear_attention(qg, kg, vg, causal=causal, feature_map=feature_map, normalize=normalize,

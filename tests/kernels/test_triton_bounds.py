@@ -297,6 +297,88 @@ def softmax_cases():
             + keep)
 
 
+# ---- packed sequences (VARLEN builds) -----------------------------------------------------------
+
+# Lengths 0 and 1, a sequence over several chunks / tiles, the pack ending in a short one: the
+# packed tensors' ends are the last sequence's, so a tile read or written past a sequence's end
+# faults there (past an inner sequence it would land in the next one: the bit-for-bit tests in
+# tests/kernels/test_*_triton_varlen.py catch that).
+VARLEN_Q = [5, 0, 1, 70, 3]
+VARLEN_K = [9, 4, 0, 33, 2]
+
+
+def _offsets(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _linear_varlen_cases(*, H=2, D=24, Dv=40, causal, chunk=16, dtypes=(F32, F16)):
+    """linear_varlen_fwd then linear_varlen_bwd over VARLEN_Q, one config for every kernel of
+    the call, for every clamped entry of STATE_CONFIGS and CHUNK_CONFIGS (as _linear_cases)."""
+    from attnkit.kernels import linear as kl
+    from attnkit.kernels._flash import pow2
+
+    names = ("BLOCK_K", "BLOCK_V")
+    entries = [(f"linear.{kind}#{i}", c, (min(c.kwargs["BLOCK_K"], pow2(D)), min(c.kwargs["BLOCK_V"], pow2(Dv))))
+               for kind, raw in (("state", kl.STATE_CONFIGS), ("chunk", kl.CHUNK_CONFIGS)) for i, c in enumerate(raw)]
+    total = sum(VARLEN_Q)
+
+    def inputs(dt):
+        g = torch.Generator().manual_seed(total + D)
+        return dict(q=_randn(g, total, H, D, dtype=dt), k=_randn(g, total, H, D, dtype=dt),
+                    v=_randn(g, total, H, Dv, dtype=dt), go=_randn(g, total, H, Dv, dtype=dt),
+                    cu=_offsets(VARLEN_Q))
+
+    def make_call(config):
+        def call(q, k, v, go, cu):
+            kw = dict(causal=causal, feature_map="elu", normalize=True, eps=1e-3, scale=0.5, chunk=chunk,
+                      config=config)
+            out, S, z, den = kl.linear_varlen_fwd(q, k, v, cu, max(VARLEN_Q), **kw)
+            dq, dk, dv = kl.linear_varlen_bwd(go, q, k, v, cu, max(VARLEN_Q), out=out, den=den, **kw)
+            return dict(out=out, S=S, z=z, den=den, dq=dq, dk=dk, dv=dv)
+        return call
+
+    shape = f"lengths={VARLEN_Q} H={H} D={D} Dv={Dv} causal={causal} chunk={chunk}"
+    return _expand("varlen", "linear_varlen_fwd + linear_varlen_bwd", shape, dtypes, _groups(entries, names), inputs,
+                   make_call)
+
+
+def _softmax_varlen_cases(*, H=4, Hk=2, D=24, Dv=40, causal, dtypes=(F32, F16)):
+    """softmax_varlen_fwd then softmax_varlen_bwd over (VARLEN_Q, VARLEN_K), GQA, a window and
+    softcap, for every tile of the fwd, dkdv and dq lists (as _softmax_cases)."""
+    from attnkit.kernels import softmax as ksm
+
+    configs = _paired([_groups(_candidates("softmax", kind, ksm._CONFIG_LISTS[kind], ksm.configs_for(kind, D, Dv),
+                                           TILE_MN), TILE_MN) for kind in ("fwd", "dkdv", "dq")])
+    total_q, total_k = sum(VARLEN_Q), sum(VARLEN_K)
+
+    def inputs(dt):
+        g = torch.Generator().manual_seed(total_q * 1000 + total_k)
+        return dict(q=_randn(g, total_q, H, D, dtype=dt), k=_randn(g, total_k, Hk, D, dtype=dt),
+                    v=_randn(g, total_k, Hk, Dv, dtype=dt), go=_randn(g, total_q, H, Dv, dtype=dt),
+                    cu_q=_offsets(VARLEN_Q), cu_k=_offsets(VARLEN_K), sinks=torch.randn(H, generator=g))
+
+    def make_call(config):
+        fwd_cfg, dkdv_cfg, dq_cfg = config
+
+        def call(q, k, v, go, cu_q, cu_k, sinks):
+            args = (cu_q, cu_k, max(VARLEN_Q), max(VARLEN_K), 0.4, causal)
+            options = dict(window_left=20, window_right=3, softcap=5.0)
+            out, lse = ksm.softmax_varlen_fwd(q, k, v, *args, fwd_cfg, sinks=sinks, **options)
+            dq, dk, dv = ksm.softmax_varlen_bwd(go, q, k, v, out, lse, *args, (dkdv_cfg, dq_cfg), **options)
+            return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+        return call
+
+    shape = f"lengths_q={VARLEN_Q} lengths_k={VARLEN_K} H={H} Hk={Hk} D={D} Dv={Dv} causal={causal} window softcap sinks"
+    return _expand("varlen", "softmax_varlen_fwd + softmax_varlen_bwd", shape, dtypes, configs, inputs, make_call)
+
+
+def varlen_cases():
+    """The packed-sequence launchers: linear causal and not, softmax causal (float16 only: the
+    float32 addresses are the same rows, twice the bytes -- the linear cases run both)."""
+    return (_linear_varlen_cases(causal=True) + _linear_varlen_cases(causal=False, dtypes=(F16,))
+            + _softmax_varlen_cases(causal=True, dtypes=(F16,)))
+
+
 # ---- sparse ------------------------------------------------------------------------------------
 
 def _sparse_inputs(B, H, Nq, Nk, D, Dv, seed):
@@ -558,6 +640,7 @@ SWEEPS = {  # name -> case builder; the most expensive first (they start first)
     "linear-variants": linear_variant_cases,
     "sparse": sparse_cases,
     "softmax": softmax_cases,
+    "varlen": varlen_cases,
     "hopfield": hopfield_cases,
     "planted": planted_cases,
 }
