@@ -18,6 +18,9 @@ own gain) and of torch SDPA -- each over ``torch.split`` views of the pack.  FLO
 visible pairs within the sequences only (softmax.py's convention, summed over sequences), so
 the dense-mask peer's FLOP/s is its useful rate.
 
+**linear varlen** (:func:`make_linear_varlen_case`, GPU only): ``attnkit.linear_attention_varlen``
+over the same packs, bfloat16, causal, against one ``attnkit.linear_attention`` call per sequence.
+
 **kvcache** (:func:`make_kvcache_case`): one decoding step, B=8, Hq=32, Hk=8 (GQA), D=128,
 float32 (bfloat16 on a GPU), appending one key / value per batch element (at fixed positions: every timed call
 writes the same rows), cache lengths either all ``max_len`` - 1 or distinct (seeded, in
@@ -157,6 +160,41 @@ def make_varlen_case(kind: str, causal: bool, mode: str, device: torch.device, d
                 priority=0 if device.type == "cpu" else GPU_PRIORITY)
 
 
+def make_linear_varlen_case(kind: str, mode: str, device: torch.device, dtype=torch.bfloat16, seed: int = 0) -> Case:
+    """``attnkit.linear_attention_varlen`` (causal, elu, normalized) over the pack of
+    :func:`make_varlen_case`: on the triton backend one launch per kernel (session 31), against
+    one ``attnkit.linear_attention`` call per sequence (what the grouped path did for distinct
+    lengths).  FLOPs: the chunked form's 4 H D Dv per token (state and output products;
+    ~2.5x with the backward)."""
+    lengths = _lengths(kind)
+    base = _varlen_inputs(lengths, dtype, seed)
+
+    def call(backend):
+        def fn(x):
+            import attnkit
+
+            return attnkit.linear_attention_varlen(x["q"], x["k"], x["v"], x["cu"], causal=True, backend=backend)
+        return fn
+
+    def loop(x):
+        import attnkit
+
+        sizes = (x["cu"][1:] - x["cu"][:-1]).tolist()
+        parts = [t.split(sizes) for t in (x["q"], x["k"], x["v"])]
+        return torch.cat([attnkit.linear_attention(*(p.transpose(0, 1).unsqueeze(0) for p in seq),
+                                                   causal=True)[0].transpose(0, 1) for seq in zip(*parts)])
+
+    impls = attnkit_impls("linear", device, call, dtype=dtype, reference_skip_reason=REFERENCE_SKIP)
+    impls.append(Impl("attnkit linear_attention per-sequence loop", "peer", fn=loop))
+    flops = 4.0 * H * D * D * sum(lengths) * (2.5 if mode == "fwd+bwd" else 1.0)
+    name = f"linear-varlen-{kind}-causal-T{sum(lengths)}-seqs{len(lengths)}-{str(dtype).replace('torch.', '')}"
+    params = {"H": H, "D": D, "T": sum(lengths), "sequences": len(lengths), "distinct_lengths": len(set(lengths)),
+              "max_len": max(lengths), "dtype": str(dtype).replace("torch.", ""), "causal": True,
+              "feature_map": "elu"}
+    return Case(FAMILY, name, mode, params, flops, base, impls,
+                grad_inputs=("q", "k", "v") if mode == "fwd+bwd" else (), priority=GPU_PRIORITY)
+
+
 # ---- KV cache --------------------------------------------------------------------------------
 
 KV_B, KV_HQ, KV_HK, KV_D, KV_MAX = 8, 32, 8, 128, 4096
@@ -279,6 +317,10 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
         for kind in ("mixed", "short"):
             for mode in ("fwd", "fwd+bwd"):
                 out.append(make_varlen_case(kind, True, mode, device, dtype=torch.bfloat16))
+        # Linear attention's pack in one launch per kernel too (session 31).
+        for kind in ("mixed", "short"):
+            for mode in ("fwd", "fwd+bwd"):
+                out.append(make_linear_varlen_case(kind, mode, device))
     # The decoding cases on a GPU too (the triton backend's split-KV kernel, a paged cache read in
     # place, a window's keys only), in bfloat16 there, the dtype served.
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16

@@ -32,6 +32,14 @@ config=None)`` -> ``(dq, dk, dv)``, plus ``(dS0, dz0)`` (float32) when ``initial
     S_final / z_final / den (None = zero).  With ``normalize`` the backward needs the forward's
     ``out`` and ``den``; when they are not passed it reruns the forward to get them.
 
+``linear_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, ...)`` / ``linear_varlen_bwd(grad_out, q, k,
+v, cu_seqlens, max_seqlen, ..., out=None, den=None)``
+    Packed sequences (``linear_attention_varlen``): q, k [total, H, D], v [total, H, Dv], sequence
+    b rows ``cu_seqlens[b]:cu_seqlens[b + 1]``, its own queries and keys, states from zero; the
+    same kernels' VARLEN build in one launch each (see :class:`_Rows`).  Returns out [total, H,
+    Dv], S_final [batch, H, D, Dv], z_final [batch, H, D], den [H, total]; the backward (dq, dk,
+    dv) [total, H, *].  Each sequence's values are those of the dense launchers on it alone.
+
 Shapes: q [B, H, N, D], k [B, H, M, D], v [B, H, M, Dv] (Dv may differ from D; causal needs
 M == N).  ``initial_state`` is a pair ``(S0 [B, H, D, Dv], z0 [B, H, D])``, read as float32.
 Inputs float16 / bfloat16 / float32, any strides; float32 accumulation and states.

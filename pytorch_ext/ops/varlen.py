@@ -480,10 +480,11 @@ def linear_attention_varlen(
             :func:`attnkit.linear_attention`.
 
     Returns:
-        ``out`` ``[total, H, Dv]`` in the inputs' dtype.  Differentiable in q, k, v through
-        linear_attention's autograd.  Sequences of equal length form one call (a view when they
-        are adjacent in the pack, a gathered copy otherwise), as in
-        :func:`softmax_attention_varlen`.
+        ``out`` ``[total, H, Dv]`` in the inputs' dtype.  Differentiable in q, k, v.  On the
+        ``triton`` backend the whole pack runs in one launch per kernel (its kernels' packed
+        build: pytorch_ext/ops/linear_varlen_triton.py); elsewhere sequences of equal length
+        form one linear_attention call (a view when they are adjacent in the pack, a gathered
+        copy otherwise), as in :func:`softmax_attention_varlen`.
 
     Raises:
         TypeError / ValueError: as :func:`softmax_attention_varlen` for the packed inputs and
