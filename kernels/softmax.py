@@ -88,6 +88,7 @@ __all__ = [
     "softmax_varlen_fwd",
     "softmax_varlen_bwd",
     "dropout_keep_mask",
+    "varlen_dropout_keep_masks",
     "configs_for",
     "FWD_CONFIGS",
     "BWD_DKDV_CONFIGS",
@@ -221,7 +222,13 @@ def _apply_user_mask(s, mask_base, rows, cols, stride_mn, stride_mm, N, M,
 @triton.jit
 def _dropout_keep(seed, dropout_p, row_base, rows, cols, M):
     """True where element (row_base + rows, cols) of the flat [B*H*N, M] grid is kept.
-    ``row_base`` = (b*H + h)*N as int64; rows/cols broadcast like in _apply_user_mask."""
+    ``row_base`` = (b*H + h)*N as int64; rows/cols broadcast like in _apply_user_mask.
+
+    Packed sequences (VARLEN): sequence b draws with the key ``seed + b`` and counter ((h *
+    total_q + its first row + i) * its key length + j): unique within the sequence, and the
+    sequences' lengths differ, so one key for all of them could draw the same counter twice --
+    the mask of sequence b is ``dropout_keep_mask(1, H, total_q, m_b, p, seed + b)``'s rows of
+    the sequence (:func:`varlen_dropout_keep_masks`)."""
     offsets = (row_base + rows.to(tl.int64)) * M + cols.to(tl.int64)
     return tl.rand(seed, offsets) >= dropout_p
 
@@ -404,6 +411,8 @@ def _attn_fwd_kernel(
     if VARLEN:
         if i0 >= N:  # the grid covers the longest sequence
             return
+        if HAS_DROPOUT:
+            seed = seed + b  # a Philox key per sequence (see _dropout_keep)
     q_base = Q + b * stride_qb + q0 * stride_qn + h * stride_qh
     k_base = K + b * stride_kb + k0 * stride_kn + hk * stride_kh
     v_base = V + b * stride_vb + k0 * stride_vn + hk * stride_vh
@@ -598,6 +607,8 @@ def _attn_bwd_dkdv_kernel(
         if j0 >= M:  # the grid covers the longest sequence
             return
         win_lo, win_hi = _sequence_window(win_lo, win_hi, N, M, VARLEN)
+        if HAS_DROPOUT:
+            seed = seed + b  # a Philox key per sequence (see _dropout_keep)
     offs_n = j0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -753,6 +764,8 @@ def _attn_bwd_dq_kernel(
     if VARLEN:
         if i0 >= N:  # the grid covers the longest sequence
             return
+        if HAS_DROPOUT:
+            seed = seed + b  # a Philox key per sequence (see _dropout_keep)
 
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -839,9 +852,15 @@ def _check_inputs(fn, q, k, v, dropout_p):
             raise TypeError(f"{fn}: {name} must be float16, bfloat16 or float32; got {t.dtype}")
     check_attention_shapes(fn, q, k, v)
     B, H, _, D = q.shape
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"{fn}: dropout_p must be in [0, 1); got {dropout_p}")
+    _check_dropout(fn, dropout_p)
     _check_device(fn, q)
+
+
+def _check_dropout(fn, dropout_p):
+    """``dropout_p`` as a float in [0, 1)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1); got {dropout_p!r}")
+    return float(dropout_p)
 
 
 def _prepare_mask(fn, mask, q, B, H, N, M):
@@ -1082,7 +1101,7 @@ def _varlen_window(left, right):
 
 def softmax_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
                        is_causal, config=None, *, window_left=-1, window_right=-1, softcap=0.0,
-                       alibi_slopes=None, sinks=None):
+                       alibi_slopes=None, sinks=None, dropout_p=0.0, seed=0):
     """Attention over packed sequences in one launch per kernel (FlashAttention's varlen layout).
 
     q ``[total_q, H, D]``, k ``[total_k, Hk, D]``, v ``[total_k, Hk, Dv]`` (any strides);
@@ -1094,7 +1113,9 @@ def softmax_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     softmax_attention_varlen`` checks them): wrong ones read and write out of range.
     ``is_causal`` top-left per sequence, the window bottom-right per sequence, ``alibi_slopes``
     float32 ``[batch, H]`` (a row per sequence) or ``[H]``, ``sinks`` float32 ``[H]``: as
-    :func:`softmax_fwd` has them for each sequence.  No mask, no dropout.
+    :func:`softmax_fwd` has them for each sequence.  No mask.  ``dropout_p`` / ``seed``: dropout
+    on the probabilities, sequence b's mask drawn with the Philox key ``seed + b``
+    (:func:`varlen_dropout_keep_masks`).
 
     Returns ``(out [total_q, H, Dv] in q.dtype, lse [H, total_q] float32)`` (the lse
     head-major, as the backward takes it); a sequence with no key gives out 0 and lse -inf (or
@@ -1110,15 +1131,16 @@ def softmax_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     q4, k4, v4 = _varlen_views(q, k, v)
     opts = score_option_args(fn, q, max(batch, 1), H, scale, window_left, window_right, softcap, alibi_slopes)
     sinks_t, has_sinks = sink_args(fn, q, H, sinks)
+    dropout_p = _check_dropout(fn, dropout_p)
     if batch == 0 or total_q == 0 or max_seqlen_q == 0:
         return out, lse
     block_d, block_dv = pow2(D), pow2(Dv)
     args = (q4, k4, v4, q, opts.alibi, sinks_t, cu_seqlens_q, cu_seqlens_k, out, lse,
-            scale, 0.0, 0, *_varlen_window(opts.left, opts.right), opts.cap_in, opts.cap_out,
+            scale, dropout_p, int(seed), *_varlen_window(opts.left, opts.right), opts.cap_in, opts.cap_out,
             *_varlen_strides(q4), *_varlen_strides(k4), *_varlen_strides(v4), 0, 0, 0, 0, *opts.alibi_strides,
             *_varlen_strides(out.transpose(0, 1).unsqueeze(0)), H, total_q, total_k, H // Hk)
     consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_CAUSAL=bool(is_causal),
-                  MASK_KIND=0, HAS_DROPOUT=False, **opts.consts, HAS_SINKS=has_sinks,
+                  MASK_KIND=0, HAS_DROPOUT=dropout_p > 0.0, **opts.consts, HAS_SINKS=has_sinks,
                   DOT_PREC=dot_precision(q.dtype), VARLEN=True)
     _launch("fwd", max(block_d, block_dv), lambda bm, bn: (cdiv(max_seqlen_q, bm), H, batch), args,
             consts, config)
@@ -1127,10 +1149,11 @@ def softmax_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
 
 def softmax_varlen_bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                        max_seqlen_k, scale, is_causal, config=None, *, window_left=-1,
-                       window_right=-1, softcap=0.0, alibi_slopes=None):
+                       window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=0):
     """The backward of :func:`softmax_varlen_fwd` from its ``out [total_q, H, Dv]`` and ``lse
     [H, total_q]`` (float32) -- with sinks, the ones they folded in; returns ``(dq, dk, dv)``
-    shaped and typed like q, k, v (contiguous).  ``config``: as :func:`softmax_bwd`'s."""
+    shaped and typed like q, k, v (contiguous).  ``config``: as :func:`softmax_bwd`'s;
+    ``dropout_p`` / ``seed``: the forward's."""
     fn = "softmax_varlen_bwd"
     _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     (total_q, H, D), (total_k, Hk, _), Dv = q.shape, k.shape, v.shape[2]
@@ -1139,6 +1162,7 @@ def softmax_varlen_bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
     check_backward_inputs(fn, g4, o4, lse.unsqueeze(0), 1, H, total_q, Dv)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     opts = score_option_args(fn, q, max(batch, 1), H, scale, window_left, window_right, softcap, alibi_slopes)
+    dropout_p = _check_dropout(fn, dropout_p)
     cfg_dkdv, cfg_dq = split_config(config)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -1154,11 +1178,12 @@ def softmax_varlen_bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
         o4, g4, delta, *strides(o4), *strides(g4), H, total_q,
         HEAD_DV=Dv, BLOCK_DV=block_dv, BLOCK_M=pre_block)
     q4, k4, v4 = _varlen_views(q, k, v)
-    common = (scale, 0.0, 0, *_varlen_window(opts.left, opts.right), opts.cap_in, opts.cap_out,
+    common = (scale, dropout_p, int(seed), *_varlen_window(opts.left, opts.right), opts.cap_in, opts.cap_out,
               *_varlen_strides(q4), *_varlen_strides(k4), *_varlen_strides(v4), 0, 0, 0, 0, *opts.alibi_strides,
               *_varlen_strides(g4))
     consts = dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_CAUSAL=bool(is_causal),
-                  MASK_KIND=0, HAS_DROPOUT=False, **opts.consts, DOT_PREC=dot_precision(q.dtype), VARLEN=True)
+                  MASK_KIND=0, HAS_DROPOUT=dropout_p > 0.0, **opts.consts, DOT_PREC=dot_precision(q.dtype),
+                  VARLEN=True)
     dmax = max(block_d, block_dv)
     dk4, dv4, dq4 = _varlen_views(dk, dv, dq)
     cu = (cu_seqlens_q, cu_seqlens_k)
@@ -1169,6 +1194,17 @@ def softmax_varlen_bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
             (q4, k4, v4, q, opts.alibi, *cu, g4, lse, delta, dq4, *common, *_varlen_strides(dq4), H,
              total_q, total_k, H // Hk), consts, cfg_dq)
     return dq, dk, dv
+
+
+def varlen_dropout_keep_masks(cu_seqlens_q, cu_seqlens_k, H, dropout_p, seed, device):
+    """The keep masks that ``softmax_varlen_fwd`` / ``softmax_varlen_bwd`` apply, one bool
+    ``[H, n_b, m_b]`` per sequence (True = kept): sequence b's rows of
+    ``dropout_keep_mask(1, H, total_q, m_b, dropout_p, seed + b)`` (see _dropout_keep).  Reads
+    the offsets on the host (a checking tool, like dropout_keep_mask)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    total_q = cq[-1]
+    return [dropout_keep_mask(1, H, total_q, ck[b + 1] - ck[b], dropout_p, seed + b, device)[0, :, cq[b]:cq[b + 1]]
+            for b in range(len(cq) - 1)]
 
 
 def dropout_keep_mask(B, H, N, M, dropout_p, seed, device):

@@ -6,8 +6,8 @@ along one token axis, ``q [total_q, H, D]``, ``k / v [total_k, Hk, D / Dv]``, an
 ``cu_seqlens [batch + 1]`` holds the cumulative offsets (sequence i is rows
 ``cu_seqlens[i]:cu_seqlens[i + 1]``).  Each sequence attends within itself only.
 
-On the Triton backend (no dropout) softmax_attention_varlen runs the whole pack in one launch
-per kernel (ops/varlen_triton.py).  Everywhere else these are plain Python over the existing ops
+On the Triton backend softmax_attention_varlen runs the whole pack in one launch per kernel
+(ops/varlen_triton.py), and so does linear_attention_varlen (ops/linear_varlen_triton.py).  Everywhere else these are plain Python over the existing ops
 (:func:`attnkit.softmax_attention`, :func:`attnkit.linear_attention`), which keeps their
 backends, autograd, NaN semantics and score options.  How the sequences become kernel calls
 there (no work across sequence boundaries, no dense block-diagonal mask):
@@ -42,7 +42,7 @@ from . import linear_varlen_triton, varlen_triton
 from .linear import _check_options as _check_linear_options
 from .linear import _route as _linear_route
 from .linear import linear_attention
-from .softmax import softmax_attention
+from .softmax import _draw_seed, softmax_attention
 
 OP_NAME = "attnkit.softmax_attention_varlen"
 LINEAR_OP_NAME = "attnkit.linear_attention_varlen"
@@ -298,8 +298,9 @@ def softmax_attention_varlen(
     NaN / empty-row semantics are softmax_attention's, per sequence.
 
     Cost: no work across sequence boundaries and no block-diagonal mask.  On the ``triton``
-    backend without dropout the whole pack is one launch per kernel (FlashAttention's varlen
-    scheme, ops/varlen_triton.py).  Elsewhere sequences of equal (query, key) lengths form one
+    backend the whole pack is one launch per kernel (FlashAttention's varlen scheme,
+    ops/varlen_triton.py; with dropout, sequence b's mask comes from the Philox key seed + b, the
+    seed drawn from torch's generator as softmax_attention draws it).  Elsewhere sequences of equal (query, key) lengths form one
     kernel call ``[g, H, n, D]``: a view of the packed tensors when they are adjacent in the
     pack, a gathered copy of their rows otherwise; so a pack of all distinct lengths is one call
     per sequence (~0.15 ms of fixed cost each, measured for a tiny call on a CPU), many short
@@ -385,8 +386,9 @@ def softmax_attention_varlen(
                                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                                             return_lse=True, backend="reference", **extra)
 
+        seed = int(_draw_seed(dropout_p))
         out, lse = varlen_triton.run(q, k, v, cu_seqlens_q, cu_seqlens_k, max(lengths_q), max(lengths_k),
-                                     is_causal, scale, options, regroup)
+                                     is_causal, scale, options, regroup, dropout_p, seed)
         return (out, lse) if return_lse else out
     outs, lses = [], []
     queries = _split(q, groups, cu_q, lambda g: g.n)
@@ -438,7 +440,7 @@ def _captured(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
         if value < 0:
             raise ValueError(f"{fn}: {name} must be >= 0; got {value}")
     chosen = resolve("softmax", backend, q.device, fn)
-    if not varlen_triton.takes(chosen, q, v, dropout_p):
+    if not varlen_triton.takes(chosen, q, v, dropout_p, captured=True):
         raise ValueError(
             f"{fn}: under CUDA graph capture only the Triton one-launch path runs (backend triton, "
             f"dropout_p = 0, float16 / bfloat16 / float32, head dims <= 256); got backend {chosen}, "

@@ -9,8 +9,10 @@ and, on a GPU, the host's per-call cost: a pack of 256 sequences of distinct len
 forward launch (and 3 for the backward) instead of 256 (and 3 x 256).  Not timed on a GPU yet.
 
 What it takes: float16 / bfloat16 / float32, head dims up to 256, GQA, is_causal, every score
-option (window, softcap, ALiBi [H] or [batch, H], sinks), the lse; dropout goes to the grouped
-path.  Gradients in q, k, v and the sinks (the slopes get none, as on softmax_attention's
+option (window, softcap, ALiBi [H] or [batch, H], sinks), the lse, dropout (one seed drawn from
+torch's generator per call, as softmax_attention draws it; sequence b's mask from the Philox key
+seed + b: kernels/softmax.py ``varlen_dropout_keep_masks``) -- except under CUDA graph capture,
+where a seed drawn once would replay the same mask every step: dropout there raises.  Gradients in q, k, v and the sinks (the slopes get none, as on softmax_attention's
 Triton backend); a double backward (``create_graph=True``) differentiates the grouped
 reference instead.
 """
@@ -26,22 +28,23 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256  # attnkit.kernels.softmax.MAX_HEAD_DIM (not imported: triton is slow to import)
 
 
-def takes(chosen: str, q: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
-    """Whether a call that resolved to backend ``chosen`` runs in one launch."""
-    return (chosen == "triton" and dropout_p == 0.0 and q.dtype in _TRITON_DTYPES
+def takes(chosen: str, q: torch.Tensor, v: torch.Tensor, dropout_p: float, captured: bool = False) -> bool:
+    """Whether a call that resolved to backend ``chosen`` runs in one launch (``captured``: under
+    CUDA graph capture, where dropout is refused)."""
+    return (chosen == "triton" and (dropout_p == 0.0 or not captured) and q.dtype in _TRITON_DTYPES
             and q.shape[2] <= _MAX_HEAD_DIM and v.shape[2] <= _MAX_HEAD_DIM)
 
 
 class _Pack:
     """The launch arguments of one call other than q, k, v and the sinks (no gradient)."""
 
-    def __init__(self, cu_q, cu_k, max_q, max_k, scale, is_causal, options):
+    def __init__(self, cu_q, cu_k, max_q, max_k, scale, is_causal, options, dropout_p=0.0, seed=0):
         self.args = (cu_q, cu_k, max_q, max_k, scale, is_causal)
         window, softcap, alibi = (-1, -1), 0.0, None
         if options is not None:
             window, softcap, alibi = options.window, options.softcap, options.alibi_slopes
         self.kwargs = dict(window_left=window[0], window_right=window[1], softcap=softcap,
-                           alibi_slopes=alibi)
+                           alibi_slopes=alibi, dropout_p=float(dropout_p), seed=int(seed))
 
 
 class _PackedAttention(torch.autograd.Function):
@@ -77,8 +80,9 @@ class _PackedAttention(torch.autograd.Function):
             grads = reference_gradients(outputs, wanted, grads)
             return (*grads[:3], grads[3] if sinks is not None else None, None, None)
 
-        def run_bwd(g, v_, out_, _with_dropout):
-            return kernels.softmax_varlen_bwd(g, q, k, v_, out_, lse, *ctx.pack.args, **ctx.pack.kwargs)
+        def run_bwd(g, v_, out_, with_dropout):  # (the lse's probe call is dropout-free)
+            kwargs = ctx.pack.kwargs if with_dropout else dict(ctx.pack.kwargs, dropout_p=0.0)
+            return kernels.softmax_varlen_bwd(g, q, k, v_, out_, lse, *ctx.pack.args, **kwargs)
 
         dq = dk = dv = dsinks = None
         if any(ctx.needs_input_grad[:3]):
@@ -90,14 +94,15 @@ class _PackedAttention(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None
 
 
-def run(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, options, regroup):
+def run(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, options, regroup, dropout_p=0.0, seed=0):
     """(out [total_q, H, Dv], lse [total_q, H]) of the pack in one launch.  ``cu_q`` / ``cu_k``:
     the checked offsets (any device, int32 / int64); ``max_q`` / ``max_k``: the longest
     sequences; ``options``: the validated ScoreOptions or None; ``regroup(q, k, v, sinks)``: the
     same call on the grouped reference path, differentiable (for a double backward; None under
-    CUDA graph capture: no double backward there)."""
+    CUDA graph capture: no double backward there).  ``dropout_p`` / ``seed``: the call's dropout
+    and its Philox seed (an int)."""
     cu_q, cu_k = (cu.to(device=q.device, dtype=torch.int32) for cu in (cu_q, cu_k))
-    pack = _Pack(cu_q, cu_k, max_q, max_k, scale, is_causal, options)
+    pack = _Pack(cu_q, cu_k, max_q, max_k, scale, is_causal, options, dropout_p, seed)
     sinks = None if options is None else options.sinks
     if torch.is_grad_enabled() and torch._C._any_requires_grad(q, k, v, sinks):
         return _PackedAttention.apply(q, k, v, sinks, pack, regroup)

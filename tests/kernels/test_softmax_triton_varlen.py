@@ -43,9 +43,10 @@ def _pack(lengths_q, lengths_k, h, hk, d, dv, dtype, seed=0):
     return [t.to(dtype).to(DEVICE) for t in (q, k, v, go)]
 
 
-def _loop(q, k, v, cu_q, cu_k, is_causal, options, alibi=None):
+def _loop(q, k, v, cu_q, cu_k, is_causal, options, alibi=None, dropout=None):
     """Packed (out [total_q, H, Dv], lse [total_q, H]) from softmax_attention_reference called
-    per sequence, in the inputs' dtype."""
+    per sequence, in the inputs' dtype; ``dropout``: (p, the keep mask [H, n, m] of each
+    sequence)."""
     outs, lses = [], []
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for i in range(len(cq) - 1):
@@ -54,6 +55,8 @@ def _loop(q, k, v, cu_q, cu_k, is_causal, options, alibi=None):
         extra = dict(options)
         if alibi is not None:
             extra["alibi_slopes"] = alibi[i:i + 1] if alibi.dim() == 2 else alibi
+        if dropout is not None:
+            extra.update(dropout_p=dropout[0], dropout_mask=dropout[1][i].unsqueeze(0))
         out, lse = softmax_attention_reference(qi, ki, vi, is_causal=is_causal, enable_gqa=True, return_lse=True,
                                                **extra)
         outs.append(out[0].transpose(0, 1))
@@ -214,10 +217,80 @@ def test_the_public_function_takes_one_launch(monkeypatch):
     assert_close_to_reference(lse, ref_lse.detach())
     for nm, got, want in zip(("dq", "dk", "dv", "dsinks"), (q, k, v, sinks), leaves):
         assert_close_to_reference(got.grad, want.grad, grad=True, name=nm)
-    # dropout: the grouped path (the one launch has no dropout)
-    calls.clear()
-    attnkit.softmax_attention_varlen(q, k, v, cu_q, cu_k, 33, 21, dropout_p=0.5, enable_gqa=True, backend="triton")
-    assert "softmax_varlen_fwd" not in calls and "softmax_fwd" in calls
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_dropout_in_one_launch(dtype):
+    # Sequence b's keep mask is dropout_keep_mask(1, H, total_q, m_b, p, seed + b)'s rows of the
+    # sequence: the forward and both backward kernels against the float64 loop with those masks,
+    # with GQA, causality, a window and sinks on.
+    h, hk, d, dv, p, seed = 4, 2, 7, 5, 0.3, 2**31 - 2  # (seed + b passes 2^31: int64 keys)
+    q, k, v, go = _pack(LENGTHS_Q, LENGTHS_K, h, hk, d, dv, dtype, seed=9)
+    cu_q, cu_k = _cu(LENGTHS_Q), _cu(LENGTHS_K)
+    sinks = torch.randn(h, device=DEVICE)
+    args = (cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K), None, True, CFG)
+    kw = dict(window_left=6, window_right=1, dropout_p=p, seed=seed)
+    out, lse = triton_softmax.softmax_varlen_fwd(q, k, v, *args, sinks=sinks, **kw)
+    grads = triton_softmax.softmax_varlen_bwd(go, q, k, v, out, lse, *args, **kw)
+    keep = triton_softmax.varlen_dropout_keep_masks(cu_q, cu_k, h, p, seed, DEVICE)
+    assert [tuple(m.shape) for m in keep] == [(h, n, m) for n, m in zip(LENGTHS_Q, LENGTHS_K)]
+    kept = torch.cat([m.flatten() for m in keep]).float().mean().item()
+    assert abs(kept - (1 - p)) < 0.05, kept  # ~1100 draws
+    # one key per sequence: sequences 0 and 3 draw different masks where their shapes overlap
+    assert not torch.equal(keep[0][:, :4, :7], keep[3][:, :4, :7])
+    leaves = [x.detach().to(F64).requires_grad_() for x in (q, k, v)]
+    options = dict(window=(6, 1), sinks=sinks.to(F64))
+    ref, ref_lse = _loop(*leaves, cu_q, cu_k, True, options, dropout=(p, keep))
+    want = torch.autograd.grad(ref, leaves, go.to(F64))
+    low, low_grads = (None, None), (None,) * 3
+    if dtype in LOW_PRECISION:
+        low_leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        low = _loop(*low_leaves, cu_q, cu_k, True, dict(window=(6, 1), sinks=sinks), dropout=(p, keep))
+        low_grads = torch.autograd.grad(low[0], low_leaves, go)
+    assert_close_to_reference(out, ref, low[0], name="out")
+    assert_close_to_reference(lse.t(), ref_lse, low[1], name="lse", dtype=dtype)
+    ds = 2 * d ** -0.5 * dv * go.abs().max().item() * v.abs().max().item() / (1 - p)
+    terms = (ds * k.abs().max().item(), ds * q.abs().max().item() * max(LENGTHS_Q) * (h // hk), None)
+    for nm, got, w, lo, term in zip(("dq", "dk", "dv"), grads, want, low_grads, terms):
+        if term is None:
+            assert_close_to_reference(got, w, lo, grad=True, name=nm)
+        else:
+            _assert_gradient_close(got, w, lo, term, nm)
+    # without dropout the same seed changes nothing; another seed another mask
+    other = triton_softmax.softmax_varlen_fwd(q, k, v, *args, sinks=sinks, **dict(kw, seed=seed - 1))[0]
+    assert not torch.equal(other, out)
+
+
+def test_the_public_function_runs_dropout_in_one_launch(monkeypatch):
+    calls = []
+    for name in ("softmax_varlen_fwd", "softmax_varlen_bwd", "softmax_fwd"):
+        original = getattr(triton_softmax, name)
+        monkeypatch.setattr(triton_softmax, name, lambda *a, _f=original, _n=name, **kw: (calls.append(_n), _f(*a, **kw))[1])
+    (q, k, v), cu_q, cu_k = _public_case()
+    p = 0.4
+    torch.manual_seed(17)
+    out, lse = attnkit.softmax_attention_varlen(q, k, v, cu_q, cu_k, 33, 21, dropout_p=p, is_causal=True,
+                                                enable_gqa=True, return_lse=True, backend="triton")
+    (out.square().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()).backward()
+    # one forward; the backward's out gradient with the mask, the lse's probe without
+    assert calls == ["softmax_varlen_fwd", "softmax_varlen_bwd", "softmax_varlen_bwd"]
+    torch.manual_seed(17)
+    seed = int(torch.randint(2**31 - 1, (), dtype=torch.int64))  # the draw softmax_attention makes
+    keep = triton_softmax.varlen_dropout_keep_masks(cu_q, cu_k, 4, p, seed, DEVICE)
+    leaves = [x.detach().to(F64).requires_grad_() for x in (q, k, v)]
+    ref, ref_lse = _loop(*leaves, cu_q, cu_k, True, {}, dropout=(p, keep))
+    (ref.square().sum() + torch.where(torch.isfinite(ref_lse), ref_lse, 0.0).sum()).backward()
+    assert_close_to_reference(out, ref.detach())
+    assert_close_to_reference(lse, ref_lse.detach())
+    for nm, got, want in zip(("dq", "dk", "dv"), (q, k, v), leaves):
+        assert_close_to_reference(got.grad, want.grad, grad=True, name=nm)
+    # reproducible under torch.manual_seed, another draw another mask
+    torch.manual_seed(17)
+    again = attnkit.softmax_attention_varlen(q, k, v, cu_q, cu_k, 33, 21, dropout_p=p, is_causal=True,
+                                             enable_gqa=True, backend="triton")
+    assert torch.equal(again, out)
+    assert not torch.equal(attnkit.softmax_attention_varlen(q, k, v, cu_q, cu_k, 33, 21, dropout_p=p, is_causal=True,
+                                                            enable_gqa=True, backend="triton"), out)
 
 
 def test_double_backward_goes_through_the_grouped_reference():
