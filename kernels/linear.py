@@ -354,6 +354,14 @@ def _chunk0(ChunkOff, b, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _sequence_chunk(Cu, ChunkOff, b, t, N, VARLEN: tl.constexpr):
+    """(row0, n, tc) of a per-chunk program: sequence b's first row and length (_sequence) and
+    the index of its chunk t's state (_chunk0 + t)."""
+    row0, n = _sequence(Cu, b, N, VARLEN)
+    return row0, n, _chunk0(ChunkOff, b, VARLEN) + t.to(tl.int64)
+
+
+@triton.jit
 def _dot_plain(a, b, acc, LOWP: tl.constexpr):
     """acc + a @ b with the operands in the input dtype (3xTF32 for float32 inputs)."""
     if LOWP == 1:
@@ -454,11 +462,10 @@ def _output_kernel(
     """out rows of query chunk t, Dv-block iv: φQ_c Hs[t] (+ (φQ_c φK_cᵀ ∘ tril) V_c).
     VARLEN: chunk t of sequence b (N the total); programs past its end return."""
     t, iv, h, b, rows, offs_v = _program_tiles(CHUNK, HEAD_DV, BLOCK_V)
-    row0, n = _sequence(Cu, b, N, VARLEN)
+    row0, n, tc = _sequence_chunk(Cu, ChunkOff, b, t, N, VARLEN)
     if VARLEN:
-        if t * CHUNK >= n:
+        if t * CHUNK >= n:  # the grid covers the longest sequence
             return
-    tc = _chunk0(ChunkOff, b, VARLEN) + t.to(tl.int64)
     q_base = Q + b * stride_qb + h * stride_qh + row0 * stride_qn
     k_base = K + b * stride_kb + h * stride_kh + row0 * stride_kn
     h_base = Hs + b * stride_hb + h * stride_hh + tc * stride_ht
@@ -623,11 +630,10 @@ def _dq_kernel(
     (r_i g_i·v_j + c_i) φk_j] · φ'(q_i).  Output contiguous [B, H, N, D] ([H, total, D] with
     VARLEN, as in _output_kernel)."""
     t, ik, h, b, rows, offs_k = _program_tiles(CHUNK, HEAD_D, BLOCK_K)
-    row0, n = _sequence(Cu, b, N, VARLEN)
+    row0, n, tc = _sequence_chunk(Cu, ChunkOff, b, t, N, VARLEN)
     if VARLEN:
-        if t * CHUNK >= n:
+        if t * CHUNK >= n:  # the grid covers the longest sequence
             return
-    tc = _chunk0(ChunkOff, b, VARLEN) + t.to(tl.int64)
     k_ok = offs_k < HEAD_D
     g_base = G + b * stride_gb + h * stride_gh + row0 * stride_gn
     v_base = V + b * stride_vb + h * stride_vh + row0 * stride_vn
@@ -679,12 +685,11 @@ def _dk_kernel(
     c_i) φq_i] · φ'(k_j).  Output contiguous [B, H, M, D] ([H, total, D] with VARLEN: N = M =
     the total, each sequence's queries its keys)."""
     t, ik, h, b, rows, offs_k = _program_tiles(CHUNK, HEAD_D, BLOCK_K)
-    row0, n = _sequence(Cu, b, N, VARLEN)
+    row0, n, tc = _sequence_chunk(Cu, ChunkOff, b, t, N, VARLEN)
     m = _sequence(Cu, b, M, VARLEN)[1]
     if VARLEN:
-        if t * CHUNK >= n:
+        if t * CHUNK >= n:  # the grid covers the longest sequence
             return
-    tc = _chunk0(ChunkOff, b, VARLEN) + t.to(tl.int64)
     k_ok = offs_k < HEAD_D
     g_base = G + b * stride_gb + h * stride_gh + row0 * stride_gn
     v_base = V + b * stride_vb + h * stride_vh + row0 * stride_vn
@@ -731,12 +736,11 @@ def _dv_kernel(
     """dv of key chunk t, Dv-block iv: dHs[t]ᵀ φk_j + Σ_{i>=j in chunk} r_i (φq_i·φk_j) g_i.
     Output contiguous [B, H, M, Dv] ([H, total, Dv] with VARLEN, as in _dk_kernel)."""
     t, iv, h, b, rows, offs_v = _program_tiles(CHUNK, HEAD_DV, BLOCK_V)
-    row0, n = _sequence(Cu, b, N, VARLEN)
+    row0, n, tc = _sequence_chunk(Cu, ChunkOff, b, t, N, VARLEN)
     m = _sequence(Cu, b, M, VARLEN)[1]
     if VARLEN:
-        if t * CHUNK >= n:
+        if t * CHUNK >= n:  # the grid covers the longest sequence
             return
-    tc = _chunk0(ChunkOff, b, VARLEN) + t.to(tl.int64)
     q_base = Q + b * stride_qb + h * stride_qh + row0 * stride_qn
     k_base = K + b * stride_kb + h * stride_kh + row0 * stride_kn
     h_base = dHs + b * stride_hb + h * stride_hh + tc * stride_ht
