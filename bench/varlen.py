@@ -18,6 +18,9 @@ own gain) and of torch SDPA -- each over ``torch.split`` views of the pack.  FLO
 visible pairs within the sequences only (softmax.py's convention, summed over sequences), so
 the dense-mask peer's FLOP/s is its useful rate.
 
+On a GPU also the mixed pack's forward+backward with dropout 0.1 (a training step's call: the
+one launch against the loops and the masked SDPA, each with its own masks; timed, not compared).
+
 **linear varlen** (:func:`make_linear_varlen_case`, GPU only): ``attnkit.linear_attention_varlen``
 over the same packs, bfloat16, causal, against one ``attnkit.linear_attention`` call per sequence.
 
@@ -105,7 +108,9 @@ def _block_diagonal(cu: torch.Tensor, causal: bool) -> torch.Tensor:
 
 
 def make_varlen_case(kind: str, causal: bool, mode: str, device: torch.device, dtype=torch.float32,
-                     seed: int = 0) -> Case:
+                     seed: int = 0, dropout_p: float = 0.0) -> Case:
+    """``dropout_p``: every implementation drops with it (its own random masks: the outputs are
+    not compared, only timed)."""
     lengths = _lengths(kind)
     longest = max(lengths)
     base = _varlen_inputs(lengths, dtype, seed)
@@ -120,7 +125,7 @@ def make_varlen_case(kind: str, causal: bool, mode: str, device: torch.device, d
             import attnkit
 
             return attnkit.softmax_attention_varlen(x["q"], x["k"], x["v"], x["cu"], x["cu"], longest, longest,
-                                                    is_causal=causal, backend=backend)
+                                                    dropout_p=dropout_p, is_causal=causal, backend=backend)
         return fn
 
     def loop(attend):
@@ -134,27 +139,34 @@ def make_varlen_case(kind: str, causal: bool, mode: str, device: torch.device, d
 
     def dense(x):
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (x["q"], x["k"], x["v"]))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=x["mask"])[0].transpose(0, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=x["mask"], dropout_p=dropout_p)[0].transpose(0, 1)
 
     def attnkit_one(q, k, v):
         import attnkit
 
-        return attnkit.softmax_attention(q, k, v, is_causal=causal)
+        return attnkit.softmax_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
 
     impls = attnkit_impls("softmax", device, call, dtype=dtype, reference_skip_reason=REFERENCE_SKIP)
     impls += [
         Impl("torch SDPA block-diagonal mask", "peer", fn=dense),
         Impl("attnkit softmax_attention per-sequence loop", "peer", fn=loop(attnkit_one)),
         Impl("torch SDPA per-sequence loop", "peer",
-             fn=loop(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal))),
+             fn=loop(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal))),
     ]
+    if dropout_p > 0.0:
+        # (the cpu and cuda kernels have no dropout: the routing would send them to the reference)
+        impls = [impl for impl in impls if impl.backend not in ("cpu", "cuda")]
+        for impl in impls:
+            impl.same_result = False
     pairs = sum(visible_pairs(n, n, causal) for n in lengths)
     flops = 4.0 * H * D * pairs * (3.5 if mode == "fwd+bwd" else 1.0)
     name = f"varlen-{kind}-{'causal' if causal else 'full'}-T{sum(lengths)}-seqs{len(lengths)}"
     if dtype != torch.float32:
         name += f"-{str(dtype).replace('torch.', '')}"
+    if dropout_p > 0.0:
+        name += f"-dropout{dropout_p:g}"
     params = {"H": H, "D": D, "T": sum(lengths), "sequences": len(lengths), "distinct_lengths": len(set(lengths)),
-              "max_len": longest, "dtype": str(dtype).replace("torch.", ""), "causal": causal}
+              "max_len": longest, "dtype": str(dtype).replace("torch.", ""), "causal": causal, "dropout_p": dropout_p}
     return Case(FAMILY, name, mode, params, flops, make, impls,
                 grad_inputs=("q", "k", "v") if mode == "fwd+bwd" else (),
                 priority=0 if device.type == "cpu" else GPU_PRIORITY)
@@ -317,6 +329,8 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
         for kind in ("mixed", "short"):
             for mode in ("fwd", "fwd+bwd"):
                 out.append(make_varlen_case(kind, True, mode, device, dtype=torch.bfloat16))
+        # Dropout in the one launch (session 31; the grouped path before): a training step's call.
+        out.append(make_varlen_case("mixed", True, "fwd+bwd", device, dtype=torch.bfloat16, dropout_p=0.1))
         # Linear attention's pack in one launch per kernel too (session 31).
         for kind in ("mixed", "short"):
             for mode in ("fwd", "fwd+bwd"):
