@@ -11,7 +11,9 @@ The subject is the packing: the grouping, the gathers and scatters, the per-sequ
 and the gradients' way back into the packed tensors.  The kernels' own 16-bit gradient
 roundings are test_fuzz_softmax*.py's and test_fuzz_linear.py's subject (with their budgets):
 here float16 / bfloat16 cases check the forward (DESIGN.md's rule against the same loop run in
-that dtype), float32 / float64 cases the forward and the gradients."""
+that dtype), float32 / float64 cases the forward and the gradients.  On triton the softmax op
+also draws dropout: its one launch's masks are reproducible from the seed it draws
+(kernels/softmax.py ``varlen_dropout_keep_masks``), so the references apply the same ones."""
 import itertools
 
 import pytest
@@ -101,10 +103,11 @@ def _unpack(x):
 # ----------------------------------------------------------------------------------------------
 
 
-def _softmax_loop(seqs, bases, is_causal, scale, group, opts, alibi, v_eye=False):
+def _softmax_loop(seqs, bases, is_causal, scale, group, opts, alibi, v_eye=False, dropout=None):
     """Packed (out, lse) from one softmax_attention_reference call per sequence, on the views of
     ``bases`` (float64 or the inputs' dtype); ``alibi`` [batch, H] gives each sequence its row.
-    ``v_eye``: the probabilities instead, V = the identity (a list, one per sequence)."""
+    ``v_eye``: the probabilities instead, V = the identity (a list, one per sequence; without
+    dropout).  ``dropout``: (p, each sequence's keep mask [H, n, m])."""
     outs, lses = [], []
     for i, views in enumerate(seqs):
         q, k, v = (inp.view(b) for inp, b in zip(views, bases))
@@ -114,7 +117,10 @@ def _softmax_loop(seqs, bases, is_causal, scale, group, opts, alibi, v_eye=False
         extra = dict(opts)
         if alibi is not None:
             extra["alibi_slopes"] = alibi[i:i + 1] if alibi.dim() == 2 else alibi
-        out, lse = softmax_attention_reference(q, k, v, None, 0.0, is_causal, scale, group > 1, return_lse=True,
+        p = 0.0
+        if dropout is not None and not v_eye:
+            p, extra["dropout_mask"] = dropout[0], dropout[1][i].unsqueeze(0)
+        out, lse = softmax_attention_reference(q, k, v, None, p, is_causal, scale, group > 1, return_lse=True,
                                                **extra)
         outs.append(out)
         lses.append(lse)
@@ -145,6 +151,7 @@ def _check_softmax_case(backend, device, draw):
     cu_dtype = draw(st.sampled_from([torch.int32, torch.int64]), label="offsets dtype")
     want_grad = draw(st.booleans(), label="gradients") and dtype not in LOW_PRECISION
     lse_in_loss = want_grad and draw(st.booleans(), label="the lse in the loss")
+    dropout_p = draw(st.sampled_from([0.0, 0.0, 0.25]), label="dropout_p") if backend == "triton" else 0.0
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1), label="seed"))
 
     total_q, total_k = sum(lengths_q), sum(lengths_k)
@@ -160,21 +167,34 @@ def _check_softmax_case(backend, device, draw):
     sinks_leaf = None if sinks is None else sinks.clone().requires_grad_(want_grad)
     sinks64 = None if sinks is None else sinks.to(F64).requires_grad_(want_grad)
     opts = dict(window=window, softcap=softcap, sinks=sinks_leaf)
-    out, lse = attnkit.softmax_attention_varlen(
-        q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), is_causal=is_causal, scale=scale,
-        enable_gqa=group > 1, return_lse=True, backend=backend, alibi_slopes=alibi, **opts)
+    torch_seed = int(torch.randint(2**31, (), generator=gen)) if dropout_p else 0
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch_seed)
+        out, lse = attnkit.softmax_attention_varlen(
+            q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), dropout_p=dropout_p, is_causal=is_causal,
+            scale=scale, enable_gqa=group > 1, return_lse=True, backend=backend, alibi_slopes=alibi, **opts)
+    dropout = None
+    if dropout_p:  # the seed the call drew (softmax_attention's draw, ops/softmax.py _draw_seed), its masks
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(torch_seed)
+            call_seed = int(torch.randint(2**31 - 1, (), dtype=torch.int64))
+        from attnkit.kernels import softmax as triton_softmax
+
+        dropout = (dropout_p, triton_softmax.varlen_dropout_keep_masks(cu_q, cu_k, h, dropout_p, call_seed, device))
+
     assert out.shape == (total_q, h, dv) and out.dtype == dtype and out.device.type == device
     assert lse.shape == (total_q, h) and lse.dtype == (F64 if dtype == F64 else torch.float32)
 
     seqs = _sequences(inputs, cu_q.cpu(), cu_k.cpu())
     opts64 = dict(opts, sinks=sinks64)
     alibi64 = None if alibi is None else alibi.to(F64)
-    ref, ref_lse = _softmax_loop(seqs, bases64, is_causal, scale, group, opts64, alibi64)
+    ref, ref_lse = _softmax_loop(seqs, bases64, is_causal, scale, group, opts64, alibi64, dropout=dropout)
     naive = naive_lse = None
     if dtype in LOW_PRECISION:
         with torch.no_grad():
             naive, naive_lse = spread_free_run(  # issue 24
-                lambda *b: _softmax_loop(seqs, b, is_causal, scale, group, dict(opts, sinks=sinks), alibi),
+                lambda *b: _softmax_loop(seqs, b, is_causal, scale, group, dict(opts, sinks=sinks), alibi,
+                                         dropout=dropout),
                 *(b.detach() for b in bases))
     check_exact(f"{backend} out", out, ref, tolerance(dtype, ref, naive=naive))
     check_exact(f"{backend} lse", lse, ref_lse, tolerance(dtype, ref_lse, naive=naive_lse, unit=1.0))
@@ -218,7 +238,8 @@ def _check_softmax_case(backend, device, draw):
         seq_g_lse = g_lse[rows].transpose(0, 1).unsqueeze(0)
         each = softmax_term_sizes(views, bases64, p, seq_out, sc, group, seq_g.to(seq_out.device),
                                   seq_g_lse.to(seq_out.device))
-        sizes = [max(a, b) for a, b in zip(sizes, each)]
+        # (dropout scales the kept probabilities by 1 / (1 - p): terms at most that much larger)
+        sizes = [max(a, b / (1.0 - dropout_p)) for a, b in zip(sizes, each)]
     _check_gradients(backend, dtype, bases, bases64, sizes)
     if sinks is not None:
         # d sink_h = Σ_rows p_sink (g_lse - D): held to the size of its terms, p_sink (|g_lse| + |D|)
