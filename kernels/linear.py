@@ -1160,30 +1160,38 @@ def _check_pack(fn, q, k, v, cu_seqlens, max_seqlen, causal, feature_map, chunk)
 
 
 def linear_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, *, causal, feature_map, normalize, eps,
-                      scale, chunk=None, config=None):
+                      scale, initial_state=None, chunk=None, config=None):
     """Linear attention over packed sequences in one launch per kernel (the kernels' VARLEN
     build): sequence b is rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` of q, k and v, its own
     queries and keys, its states starting from zero; ``max_seqlen`` its longest length (sizes
     the grid).
 
     q, k [total, H, D], v [total, H, Dv] (any strides); cu_seqlens int32 / int64 [batch + 1] on
-    q's device.  Returns ``(out [total, H, Dv] in q.dtype, S_final [batch, H, D, Dv] f32,
-    z_final [batch, H, D] f32, den [H, total] f32)`` -- each sequence's values exactly those of
-    :func:`linear_fwd` on it alone (same chunking and tiles), its final states included.
+    q's device; ``initial_state`` ``(S0 [batch, H, D, Dv], z0 [batch, H, D])`` (read as float32):
+    sequence b's states start from S0[b], z0[b].  Returns ``(out [total, H, Dv] in q.dtype,
+    S_final [batch, H, D, Dv] f32, z_final [batch, H, D] f32, den [H, total] f32)`` -- each
+    sequence's values exactly those of :func:`linear_fwd` on it alone (same chunking and tiles),
+    its final states included.
     """
     fn = "linear_varlen_fwd"
     q4, k4, v4 = _check_pack(fn, q, k, v, cu_seqlens, max_seqlen, causal, feature_map, chunk)
     total, H, D = q.shape
     Dv, batch = v.shape[2], cu_seqlens.numel() - 1
     C = DEFAULT_CHUNK if chunk is None else chunk
+    s0, z0 = _initial_state(fn, initial_state, batch, H, D, Dv, q.device)
     out = torch.empty((total, H, Dv), dtype=q.dtype, device=q.device)
     S = torch.zeros((batch, H, D, Dv), dtype=torch.float32, device=q.device)
     Z = torch.zeros((batch, H, D), dtype=torch.float32, device=q.device)
     den = torch.empty((1, H, total), dtype=torch.float32, device=q.device)
     if batch * H == 0:
         return out, S, Z, den[0]
+    if total == 0:  # sequences without rows: their states are the initial ones
+        if s0 is not None:
+            S.copy_(s0)
+            Z.copy_(z0)
+        return out, S, Z, den[0]
     rows = _Rows(batch, total, total, cu=cu_seqlens.to(torch.int32), longest=max_seqlen, chunk=C)
-    _forward(q4, k4, v4, out.transpose(0, 1).unsqueeze(0), S, Z, den, rows, None, None,
+    _forward(q4, k4, v4, out.transpose(0, 1).unsqueeze(0), S, Z, den, rows, s0, z0,
              causal=causal, feature=_FEATURE_CODE[feature_map],
              lowp=_operand_code(q.dtype, max_seqlen == 1), normalize=normalize, eps=eps,
              scale=scale, C=C, config=config)
@@ -1191,22 +1199,29 @@ def linear_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, *, causal, feature_map, n
 
 
 def linear_varlen_bwd(grad_out, q, k, v, cu_seqlens, max_seqlen, *, causal, feature_map,
-                      normalize, eps, scale, out=None, den=None, chunk=None, config=None):
+                      normalize, eps, scale, initial_state=None, grad_S=None, grad_z=None, out=None,
+                      den=None, chunk=None, config=None):
     """Backward of :func:`linear_varlen_fwd`: ``(dq, dk, dv)`` as [total, H, *] views of
-    contiguous [H, total, *] buffers, the inputs' dtype.  ``grad_out`` [total, H, Dv] (None =
-    zero); ``out`` [total, H, Dv] / ``den`` [H, total]: the forward's, needed when
-    ``normalize`` (recomputed when either is None)."""
+    contiguous [H, total, *] buffers, the inputs' dtype, followed by ``(dS0, dz0)`` (float32)
+    when ``initial_state`` is given.  ``grad_out`` [total, H, Dv], ``grad_S`` [batch, H, D, Dv],
+    ``grad_z`` [batch, H, D] (of out / S_final / z_final; None = zero); ``out`` [total, H, Dv] /
+    ``den`` [H, total]: the forward's, needed when ``normalize`` (recomputed when either is
+    None)."""
     fn = "linear_varlen_bwd"
     q4, k4, v4 = _check_pack(fn, q, k, v, cu_seqlens, max_seqlen, causal, feature_map, chunk)
     total, H, D = q.shape
     Dv, batch = v.shape[2], cu_seqlens.numel() - 1
     C = DEFAULT_CHUNK if chunk is None else chunk
+    s0, z0 = _initial_state(fn, initial_state, batch, H, D, Dv, q.device)
+    gs = _check_state(fn, "grad_S", grad_S, (batch, H, D, Dv), q.device)
+    gz = _check_state(fn, "grad_z", grad_z, (batch, H, D), q.device)
     grad_out = _grad_out(fn, grad_out, (total, H, Dv), q)
     normalize = bool(normalize)
     if normalize and (out is None or den is None):
         out, _, _, den = linear_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, causal=causal,
                                            feature_map=feature_map, normalize=True, eps=eps,
-                                           scale=scale, chunk=chunk, config=config)
+                                           scale=scale, initial_state=initial_state, chunk=chunk,
+                                           config=config)
     if normalize:
         if tuple(out.shape) != (total, H, Dv) or tuple(den.shape) != (H, total):
             raise ValueError(f"{fn}: out / den must have shapes {[total, H, Dv]} / {[H, total]};"
@@ -1215,13 +1230,17 @@ def linear_varlen_bwd(grad_out, q, k, v, cu_seqlens, max_seqlen, *, causal, feat
         out = out.transpose(0, 1).unsqueeze(0)
     grads = [torch.empty((1, H, total, width), dtype=q.dtype, device=q.device)
              for width in (D, D, Dv)]
-    if batch * H * total > 0:
-        dS0 = torch.empty((batch, H, D, Dv), dtype=torch.float32, device=q.device)
-        dz0 = torch.empty((batch, H, D), dtype=torch.float32, device=q.device)
+    dS0 = torch.empty((batch, H, D, Dv), dtype=torch.float32, device=q.device)
+    dz0 = torch.empty((batch, H, D), dtype=torch.float32, device=q.device)
+    if batch * H > 0 and total > 0:
         rows = _Rows(batch, total, total, cu=cu_seqlens.to(torch.int32), longest=max_seqlen,
                      chunk=C)
         _backward(grad_out.transpose(0, 1).unsqueeze(0), q4, k4, v4, out, den, *grads, dS0, dz0,
-                  rows, None, None, None, None, None, causal=causal,
+                  rows, s0, z0, gs, gz, None, causal=causal,
                   feature=_FEATURE_CODE[feature_map], lowp=_LOWP[q.dtype], normalize=normalize,
                   eps=eps, scale=scale, C=C, config=config)
-    return tuple(g[0].transpose(0, 1) for g in grads)
+    else:  # no rows: the initial state reaches the final one unchanged
+        dS0.copy_(gs) if gs is not None else dS0.zero_()
+        dz0.copy_(gz) if gz is not None else dz0.zero_()
+    result = tuple(g[0].transpose(0, 1) for g in grads)
+    return result + (dS0, dz0) if s0 is not None else result

@@ -23,7 +23,8 @@ from .ops.linear import linear_attention, linear_attention_step
 from .ops.merge import merge_attention_states
 from .ops.softmax import softmax_attention
 from .ops.sparse import sparse_attention
-from .ops.varlen import linear_attention_varlen, softmax_attention_varlen
+from .ops.linear_varlen import linear_attention_varlen
+from .ops.varlen import softmax_attention_varlen
 
 __version__ = "0.1.0"
 

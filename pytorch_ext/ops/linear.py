@@ -404,15 +404,18 @@ def _route(fn: str, backend, device, dtype, head_dim: int, value_dim: int, batch
 # ==============================================================================================
 
 
-def _check_state(fn: str, name: str, state, b: int, h: int, d: int, dv: int, dtype, device) -> None:
-    """``state`` is a pair (S [B, H, D, Dv], z [B, H, D]) in the state dtype of ``dtype``."""
+def _check_state(fn: str, name: str, state, b: int, h: int, d: int, dv: int, dtype, device,
+                 lead: str = "B") -> None:
+    """``state`` is a pair (S [B, H, D, Dv], z [B, H, D]) in the state dtype of ``dtype``
+    (``lead``: the leading dim's name in the messages; linear_attention_varlen's is "batch")."""
     if not isinstance(state, (tuple, list)) or len(state) != 2:
         got = f"a {type(state).__name__} of length {len(state)}" if isinstance(state, (tuple, list)) \
             else type(state).__name__
         raise TypeError(f"{fn}: {name} must be a pair (S, z) of tensors; got {got}")
     s, z = state
-    check_tensor(fn, f"{name}[0] (S)", s, "[B, H, D, Dv]", RANK_HINT)
-    check_tensor(fn, f"{name}[1] (z)", z, "[B, H, D]", RANK_HINT)
+    hint = RANK_HINT if lead == "B" else ""
+    check_tensor(fn, f"{name}[0] (S)", s, f"[{lead}, H, D, Dv]", hint)
+    check_tensor(fn, f"{name}[1] (z)", z, f"[{lead}, H, D]", hint)
     want = state_dtype(dtype)
     for part, t, shape in ((f"{name}[0] (S)", s, (b, h, d, dv)), (f"{name}[1] (z)", z, (b, h, d))):
         if tuple(t.shape) != shape:

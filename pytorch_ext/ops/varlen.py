@@ -1,5 +1,5 @@
-"""Packed sequences (varlen): ``attnkit.softmax_attention_varlen`` and
-``attnkit.linear_attention_varlen`` (issue 28).
+"""Packed sequences (varlen): ``attnkit.softmax_attention_varlen`` (issue 28), and the packing
+helpers that ops/linear_varlen.py's ``attnkit.linear_attention_varlen`` shares.
 
 FlashAttention's ``flash_attn_varlen_func`` layout: the sequences of a batch are concatenated
 along one token axis, ``q [total_q, H, D]``, ``k / v [total_k, Hk, D / Dv]``, and
@@ -38,14 +38,10 @@ import torch
 from .._dispatch import resolve
 from .._validation import check_bool, check_real, check_same_dtype_device, check_size_match, check_tensor
 from ..score_options import build as build_score_options
-from . import linear_varlen_triton, varlen_triton
-from .linear import _check_options as _check_linear_options
-from .linear import _route as _linear_route
-from .linear import linear_attention
+from . import varlen_triton
 from .softmax import _draw_seed, softmax_attention
 
 OP_NAME = "attnkit.softmax_attention_varlen"
-LINEAR_OP_NAME = "attnkit.linear_attention_varlen"
 
 # The score options of softmax_attention (its keyword-only arguments other than these): window,
 # softcap, alibi_slopes, sinks once they exist there.  Read from its signature, so that the
@@ -450,84 +446,3 @@ def _captured(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     options = _one_launch_options(score_options, q.shape[1], batch, q.device)
     return varlen_triton.run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                              options, None)
-
-
-def linear_attention_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    causal: bool = False,
-    feature_map: str = "elu",
-    normalize: bool = True,
-    eps: float = 1e-6,
-    scale: float = 1.0,
-    backend: Optional[str] = None,
-):
-    """Linear attention over packed sequences (the layout of :func:`softmax_attention_varlen`),
-    each sequence on its own: the sums -- the causal state (S, z) -- start from zero at every
-    sequence start.
-
-    Sequence i is rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` of q, k and v alike (linear
-    attention's causal form needs as many keys as queries, so one ``cu_seqlens``); its result is
-    exactly ``linear_attention(q_i, k_i, v_i, ...)`` on ``[1, H, n_i, D]``.
-
-    Args:
-        q, k: ``[total, H, D]``; v: ``[total, H, Dv]`` (one floating dtype and device, equal H:
-            linear attention has no GQA).
-        cu_seqlens: int32 or int64 ``[batch + 1]`` cumulative offsets (start at 0,
-            non-decreasing, end at total); empty sequences are allowed.
-        causal, feature_map, normalize, eps, scale, backend: as in
-            :func:`attnkit.linear_attention`.
-
-    Returns:
-        ``out`` ``[total, H, Dv]`` in the inputs' dtype.  Differentiable in q, k, v.  On the
-        ``triton`` backend the whole pack runs in one launch per kernel (its kernels' packed
-        build: pytorch_ext/ops/linear_varlen_triton.py); elsewhere sequences of equal length
-        form one linear_attention call (a view when they are adjacent in the pack, a gathered
-        copy otherwise), as in :func:`softmax_attention_varlen`.
-
-    Raises:
-        TypeError / ValueError: as :func:`softmax_attention_varlen` for the packed inputs and
-            cu_seqlens, and as :func:`attnkit.linear_attention` for the options -- all before any
-            kernel runs.
-
-    Example::
-
-        >>> cu = torch.tensor([0, 100, 350], dtype=torch.int32)
-        >>> q, k, v = (torch.randn(350, 4, 32) for _ in range(3))
-        >>> out = attnkit.linear_attention_varlen(q, k, v, cu, causal=True)   # [350, 4, 32]
-    """
-    fn = LINEAR_OP_NAME
-    check_tensor(fn, "q", q, "[total, H, D]")
-    check_tensor(fn, "k", k, "[total, H, D]")
-    check_tensor(fn, "v", v, "[total, H, Dv]")
-    check_same_dtype_device(fn, {"q": q, "k": k, "v": v})
-    check_size_match(fn, "number of packed rows total", {"q": q.shape[0], "k": k.shape[0], "v": v.shape[0]})
-    check_size_match(fn, "number of heads H", {"q": q.shape[1], "k": k.shape[1], "v": v.shape[1]})
-    check_size_match(fn, "head dim D", {"q": q.shape[2], "k": k.shape[2]})
-    check_bool(fn, "causal", causal)
-    _check_linear_options(fn, feature_map, normalize, eps, scale)
-    offsets = _check_cu_seqlens(fn, "cu_seqlens", cu_seqlens, q.shape[0], "q, k and v")
-    lengths = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
-    groups = _groups(lengths, lengths)
-    chosen = _linear_route(fn, backend, q.device, q.dtype, q.shape[2], v.shape[2], len(lengths), q.shape[1],
-                           causal)
-    if chosen == "triton" and groups:
-
-        def regroup(q_, k_, v_):  # the grouped reference path, for a double backward
-            return linear_attention_varlen(q_, k_, v_, cu_seqlens, causal=causal, feature_map=feature_map,
-                                           normalize=normalize, eps=eps, scale=scale, backend="reference")
-
-        return linear_varlen_triton.run(q, k, v, cu_seqlens, max(lengths), causal, feature_map, normalize,
-                                        float(eps), float(scale), regroup)
-    parts = [_split(x, groups, offsets, lambda g: g.n) for x in (q, k, v)]
-    outs = [
-        linear_attention(qg, kg, vg, causal=causal, feature_map=feature_map, normalize=normalize,
-                         eps=eps, scale=scale, backend=backend)
-        for qg, kg, vg in zip(*parts)
-    ]
-    if not groups:
-        return _attached_empty((q.shape[0], q.shape[1], v.shape[2]), q, q.dtype, q, k, v)
-    return _unpack(outs, groups)

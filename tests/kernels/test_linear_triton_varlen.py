@@ -149,6 +149,51 @@ def test_one_launch_gives_the_per_sequence_launches_bits(causal, dtype):
             assert torch.equal(packed, alone), f"sequence {i} (length {b - a}): {name} differs"
 
 
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm", "scale"])
+def test_states_give_the_per_sequence_launches_bits(normalize):
+    # An initial state per sequence in, the final states' gradients back: each sequence's out, S,
+    # z, den and dq, dk, dv, dS0, dz0 are the dense launchers' on it alone, bit for bit (an empty
+    # sequence's: S = S0, dS0 = grad_S).
+    kw = _kwargs(True, "elu", normalize)
+    q, k, v, go = _pack(LENGTHS, 2, 20, 36, F32, seed=13)
+    g = torch.Generator().manual_seed(3)
+    batch = len(LENGTHS)
+    s0, gs = (torch.randn(batch, 2, 20, 36, generator=g).to(DEVICE) for _ in range(2))
+    z0, gz = torch.rand(batch, 2, 20, generator=g).to(DEVICE) + 1, torch.randn(batch, 2, 20, generator=g).to(DEVICE)
+    cu = _cu(LENGTHS)
+    out, s, z, den = triton_linear.linear_varlen_fwd(q, k, v, cu, max(LENGTHS), **kw, initial_state=(s0, z0),
+                                                     chunk=CHUNK, config=CFG)
+    grads = triton_linear.linear_varlen_bwd(go, q, k, v, cu, max(LENGTHS), **kw, initial_state=(s0, z0), grad_S=gs,
+                                            grad_z=gz, out=out, den=den, chunk=CHUNK, config=CFG)
+    assert len(grads) == 5
+    for i, (a, b) in enumerate(_sequences(cu)):
+        one = dict(initial_state=(s0[i:i + 1], z0[i:i + 1]), chunk=CHUNK, config=CFG)
+        as_batch = [x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v, go)]
+        o1, s1, z1, d1 = triton_linear.linear_fwd(*as_batch[:3], **kw, **one)
+        g1 = triton_linear.linear_bwd(as_batch[3], *as_batch[:3], **kw, **one, grad_S=gs[i:i + 1],
+                                      grad_z=gz[i:i + 1], out=o1, den=d1)
+        pairs = [("out", out[a:b], o1[0].transpose(0, 1)), ("S", s[i], s1[0]), ("z", z[i], z1[0]),
+                 ("den", den[:, a:b], d1[0])]
+        pairs += [(name, grads[j][a:b], g1[j][0].transpose(0, 1)) for j, name in enumerate(("dq", "dk", "dv"))]
+        pairs += [("dS0", grads[3][i], g1[3][0]), ("dz0", grads[4][i], g1[4][0])]
+        for name, packed, alone in pairs:
+            assert torch.equal(packed, alone), f"sequence {i} (length {b - a}): {name} differs"
+
+
+def test_double_backward_with_states():
+    q, k, v, go, cu = _public(lengths=[3, 0, 6, 1])
+    s0 = torch.randn(4, 2, 12, 8, device=DEVICE, requires_grad=True)
+    z0 = (torch.rand(4, 2, 12, device=DEVICE) + 1).requires_grad_()
+    results = []
+    for backend in ("triton", "reference"):
+        out, (S, z) = attnkit.linear_attention_varlen(q, k, v, cu, causal=True, initial_state=(s0, z0),
+                                                      return_state=True, backend=backend)
+        (dq,) = torch.autograd.grad((out * go).sum() + S.square().sum(), q, create_graph=True)
+        results.append(torch.autograd.grad(dq.square().sum() + z.sum(), (q, k, v, s0, z0)))
+    for got, want in zip(*results):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def _public(dtype=F32, causal=True, requires_grad=True, lengths=LENGTHS):
     q, k, v, go = _pack(lengths, 2, 12, 8, dtype, seed=11)
     q, k, v = (x.requires_grad_(requires_grad) for x in (q, k, v))
@@ -162,7 +207,7 @@ def test_the_public_function_takes_one_launch(monkeypatch):
         real = getattr(triton_linear, name)
         monkeypatch.setattr(triton_linear, name,
                             lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
-    monkeypatch.setattr("attnkit.ops.varlen.linear_attention",
+    monkeypatch.setattr("attnkit.ops.linear_varlen.linear_attention",
                         lambda *a, **kw: pytest.fail("the grouped path ran"))
     out = attnkit.linear_attention_varlen(q, k, v, cu, causal=True, backend="triton")
     grads = torch.autograd.grad(out, (q, k, v), go)

@@ -259,6 +259,77 @@ def test_linear_varlen_matches_per_sequence_reference(dtype, options, backend):
         assert_close_to_reference(x, y, z, grad=True, name=name)
 
 
+def _loop_linear_states(q, k, v, cu, s0, z0, **kwargs):
+    """(out, S, z) packed / per sequence from linear_attention_reference with each sequence's
+    initial state (an empty sequence: no rows, its state the initial one)."""
+    outs, states, sums = [], [], []
+    for i in range(len(cu) - 1):
+        qi, ki, vi = (_per_sequence(cu, x, i) for x in (q, k, v))
+        if qi.shape[2] == 0:
+            states.append(s0[i])
+            sums.append(z0[i])
+            continue
+        out, (s, z) = linear_attention_reference(qi, ki, vi, initial_state=(s0[i:i + 1], z0[i:i + 1]),
+                                                 return_state=True, **kwargs)
+        outs.append(out[0].transpose(0, 1))
+        states.append(s[0])
+        sums.append(z[0])
+    return torch.cat(outs), torch.stack(states), torch.stack(sums)
+
+
+@pytest.mark.parametrize("backend, dtype", [("cpu", F64), ("cpu", F32), ("reference", F64), ("reference", F32),
+                                            ("triton", F32)])  # (Triton: float16 / bfloat16 / float32)
+@pytest.mark.parametrize("options", [dict(), dict(feature_map="identity", normalize=False, scale=0.1)],
+                         ids=["elu", "identity"])
+def test_linear_varlen_initial_and_final_states(dtype, options, backend):
+    # Each sequence continues from its own initial state and returns its final one (an empty
+    # sequence's: the initial state), forward and gradients -- of q, k, v and the initial state,
+    # through out and both final states -- against the float64 loop.
+    lengths = [7, 0, 1, 7, 13, 1, 7]
+    q, k, v, cu, _ = _inputs(dtype, heads=3, kv_heads=3, d=6, dv=5, lengths_q=lengths, lengths_k=lengths, seed=8)
+    g = torch.Generator().manual_seed(2)
+    state_dtype = F64 if dtype == F64 else F32
+    s0 = torch.randn(len(lengths), 3, 6, 5, generator=g, dtype=state_dtype).requires_grad_()
+    z0 = (torch.rand(len(lengths), 3, 6, generator=g, dtype=state_dtype) + 1).requires_grad_()
+    out, (S, z) = attnkit.linear_attention_varlen(q, k, v, cu, causal=True, initial_state=(s0, z0),
+                                                  return_state=True, backend=backend, **options)
+    assert out.shape == (q.shape[0], 3, 5) and S.shape == (7, 3, 6, 5) and z.shape == (7, 3, 6)
+    assert S.dtype == z.dtype == state_dtype
+    grads = [torch.randn(t.shape, generator=g, dtype=F64) for t in (out, S, z)]
+
+    def loss(results):
+        return sum((r * gr.to(r.dtype)).sum() for r, gr in zip(results, grads))
+
+    got = torch.autograd.grad(loss((out, S, z)), (q, k, v, s0, z0))
+    leaves = [x.detach().to(F64).requires_grad_() for x in (q, k, v, s0, z0)]
+    ref = _loop_linear_states(*leaves[:3], cu, *leaves[3:], causal=True, **options)
+    want = torch.autograd.grad(loss(ref), leaves)
+    for name, x, y in zip(("out", "S", "z"), (out, S, z), ref):
+        assert_close_to_reference(x, y.detach(), name=name)
+    # the empty sequence's final state is its initial one, exactly
+    assert torch.equal(S[1], s0[1]) and torch.equal(z[1], z0[1])
+    for name, x, y in zip(("dq", "dk", "dv", "dS0", "dz0"), got, want):
+        assert_close_to_reference(x, y, grad=True, name=name)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(causal=False), ValueError, r"initial_state needs causal=True"),
+    (dict(initial_state=lambda s: (s[0][:1], s[1][:1])), ValueError, r"initial_state\[0\] \(S\) must have shape"),
+    (dict(initial_state=lambda s: (s[0].double(), s[1].double())), ValueError, r"must be float32"),
+    (dict(initial_state=lambda s: s[0]), TypeError, r"must be a pair \(S, z\)"),
+    (dict(initial_state=None, return_state=1), TypeError, "return_state must be a bool"),
+    (dict(initial_state=None, return_state=True, causal=False), ValueError, r"return_state=True needs causal=True"),
+])
+def test_linear_varlen_bad_states(change, error, match):
+    q, k, v, cu, _ = (x.detach() for x in _inputs(F32, heads=2, kv_heads=2, d=4, dv=3, lengths_q=[3, 4],
+                                                   lengths_k=[3, 4]))
+    kwargs = dict(causal=True, initial_state=(torch.zeros(2, 2, 4, 3), torch.zeros(2, 2, 4)))
+    for name, value in change.items():
+        kwargs[name] = value(kwargs[name]) if callable(value) else value
+    with pytest.raises(error, match=match):
+        attnkit.linear_attention_varlen(q, k, v, cu, **kwargs)
+
+
 def test_linear_varlen_state_resets_per_sequence():
     # Two copies of one sequence packed together give the same rows twice (causal: no state
     # carried over from the first).
@@ -283,7 +354,7 @@ def test_linear_varlen_bad_arguments(change, error, match, monkeypatch):
     for name, value in change.items():
         kwargs[name] = value(kwargs[name]) if callable(value) else value
     calls = []
-    monkeypatch.setattr(attnkit.ops.varlen, "linear_attention", lambda *a, **kw: calls.append(a))
+    monkeypatch.setattr(attnkit.ops.linear_varlen, "linear_attention", lambda *a, **kw: calls.append(a))
     with pytest.raises(error, match=match):
         attnkit.linear_attention_varlen(**kwargs)
     assert not calls
