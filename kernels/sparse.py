@@ -779,14 +779,18 @@ def _range_common(view, lo, hi, Nq, Nk, H):
     return (H, Nq, Nk, q_pg, q_pt, k_pg, k_pt, *lo, *hi)
 
 
-def sparse_range_fwd(q, k, v, view, lo, hi, scale, config=None):
+def sparse_range_fwd(q, k, v, view, lo, hi, scale, config=None, out_dtype=None):
     """One range part.  q [B,H,Nq,D], k [B,H,Nk,D], v [B,H,Nk,Dv]; ``view = [G, q_pg, q_pt,
     k_pg, k_pt]``, ``lo = hi = [a, d, m, b]`` (see the module docstring).  Returns ``(out
-    [B,H,Nq,Dv] in q.dtype, lse [B,H,Nq] float32)``; rows outside every group or with an empty
+    [B,H,Nq,Dv] in q.dtype -- or ``out_dtype`` (q's dtype or float32: a part that a merge
+    rounds once) --, lse [B,H,Nq] float32)``; rows outside every group or with an empty
     range: 0 / -inf.  ``scale`` None means 1/sqrt(D).  ``config``: a ``triton.Config``
     (BLOCK_M, BLOCK_N) to skip autotuning; see ``RANGE_FWD_CONFIGS``."""
     fn = "sparse_range_fwd"
     _check(fn, q, k, v)
+    out_dtype = q.dtype if out_dtype is None else out_dtype
+    if out_dtype not in (q.dtype, torch.float32):
+        raise ValueError(f"{fn}: out_dtype must be q's dtype or float32; got {out_dtype}")
     view, lo, hi = _range_setup(fn, q, k, v, view, lo, hi)
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
@@ -797,10 +801,10 @@ def sparse_range_fwd(q, k, v, view, lo, hi, scale, config=None):
     # Rows in no group are never written by the kernel: start from 0 / -inf unless every row
     # belongs to a group (then every row is written).
     if covered:
-        out = torch.empty((B, H, Nq, Dv), dtype=q.dtype, device=q.device)
+        out = torch.empty((B, H, Nq, Dv), dtype=out_dtype, device=q.device)
         lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
     else:
-        out = torch.zeros((B, H, Nq, Dv), dtype=q.dtype, device=q.device)
+        out = torch.zeros((B, H, Nq, Dv), dtype=out_dtype, device=q.device)
         lse = torch.full((B, H, Nq), float("-inf"), dtype=torch.float32, device=q.device)
     if B * H * Nq == 0 or G == 0:
         return out, lse

@@ -79,9 +79,10 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 # ==============================================================================================
 
 
-def _range_fwd_fake(q, k, v, view, lo, hi, scale):
+def _range_fwd_fake(q, k, v, view, lo, hi, scale, float32_out=False):
     b, h, n, _ = q.shape
-    return q.new_empty((b, h, n, v.shape[-1])), q.new_empty((b, h, n), dtype=_lse_dtype(q.dtype))
+    out_dtype = torch.float32 if float32_out else q.dtype
+    return q.new_empty((b, h, n, v.shape[-1]), dtype=out_dtype), q.new_empty((b, h, n), dtype=_lse_dtype(q.dtype))
 
 
 def _range_bwd_fake(grad_out, q, k, v, lse, delta, view, lo, hi, scale):
@@ -121,10 +122,11 @@ def _double_backward(reference, ctx, grad_out, grad_lse, args):
 
 
 def _range_setup(ctx, inputs, output):
-    q, k, v, view, lo, hi, scale = inputs
+    q, k, v, view, lo, hi, scale = inputs[:7]  # (the Triton op's float32_out after them)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.args = (list(view), list(lo), list(hi), scale)
+    ctx.extra_inputs = len(inputs) - 7
     ctx.set_materialize_grads(False)
 
 
@@ -138,13 +140,15 @@ def _block_setup(ctx, inputs, output):
 
 def _make_range_backward(bwd_op):
     def backward(ctx, grad_out, grad_lse):
+        unused = (None,) * (4 + ctx.extra_inputs)
         if torch.is_grad_enabled():  # double backward: through the reference
             grads = _double_backward(sparse_range_reference, ctx, grad_out, grad_lse, ctx.args)
-            return (*grads, None, None, None, None)
+            return (*grads, *unused)
         q, k, v, out, lse = ctx.saved_tensors
         g, delta = _delta(grad_out, grad_lse, out, lse)
-        dq, dk, dv = bwd_op(g.contiguous(), q, k, v, lse, delta.contiguous(), *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        # (a float32 out -- a part to be merged -- has a float32 gradient: the kernels take q's dtype)
+        dq, dk, dv = bwd_op(g.to(q.dtype).contiguous(), q, k, v, lse, delta.contiguous(), *ctx.args)
+        return (dq, dk, dv, *unused)
 
     return backward
 
@@ -340,11 +344,12 @@ def _wants_grad(*tensors) -> bool:
 
 @torch.library.custom_op("attnkit::sparse_range_triton_fwd", mutates_args=())
 def _range_triton_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: list[int], lo: list[int],
-                      hi: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """attnkit.kernels.sparse.sparse_range_fwd: (out, lse)."""
+                      hi: list[int], scale: float, float32_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """attnkit.kernels.sparse.sparse_range_fwd: (out, lse); ``float32_out``: out in float32 (a
+    part that a merge rounds once, at its end)."""
     from ..kernels import sparse as kernels
 
-    return kernels.sparse_range_fwd(q, k, v, view, lo, hi, scale)
+    return kernels.sparse_range_fwd(q, k, v, view, lo, hi, scale, out_dtype=torch.float32 if float32_out else None)
 
 
 @torch.library.custom_op("attnkit::sparse_range_triton_bwd", mutates_args=())
@@ -473,13 +478,17 @@ def _merge_pair(a, b):
     return out, torch.logaddexp(l1, l2)
 
 
-def _merge(parts):
+def _merge(parts, dtype):
     """Exact merge of attention parts over the same query rows: [(out_p, lse_p)] -> (out, lse),
-    out in the parts' dtype, lse in float32 (float64 for float64)."""
+    out in ``dtype``, lse in float32 (float64 for float64).  The merge runs in float32 (float64)
+    and rounds once: the Triton parts come in float32 for it (``_Parts.run``), since a 16-bit
+    part rounded, merged and rounded again missed DESIGN.md's rule (session 31's random fuzzing,
+    test_fuzz_sparse: triton bfloat16 star, out 9.22e-3 off against the rule's 9.13e-3, where
+    one rounding of the output alone is up to 7.8e-3)."""
     out, lse = parts[0]
     for part in parts[1:]:
         out, lse = _merge_pair((out, lse), part)
-    return out.to(parts[0][0].dtype), lse
+    return out.to(dtype), lse
 
 
 def _acc_dtype(dtype):
@@ -520,15 +529,17 @@ class _Parts:
     """The range / block ops of one backend."""
 
     def __init__(self, backend: str):
+        self.extra = ()
         if backend == "triton":
             self.range_fwd = torch.ops.attnkit.sparse_range_triton_fwd
             self.block_fwd = torch.ops.attnkit.block_sparse_triton_fwd
+            self.extra = (True,)  # float32 outs: the merge rounds once (see _merge)
         else:
             self.range_fwd = torch.ops.attnkit.sparse_range_fwd
             self.block_fwd = torch.ops.attnkit.block_sparse_fwd
 
     def run(self, q, k, v, parts, scale):
-        return [self.range_fwd(q, k, v, list(view), list(lo), list(hi), scale) for view, lo, hi in parts]
+        return [self.range_fwd(q, k, v, list(view), list(lo), list(hi), scale, *self.extra) for view, lo, hi in parts]
 
 
 def _run_kernels(backend, q, k, v, pattern, scale):
@@ -538,7 +549,7 @@ def _run_kernels(backend, q, k, v, pattern, scale):
     if isinstance(pattern, Strided):
         if backend == "cpu" and _STRIDED_KERNEL:
             return torch.ops.attnkit.sparse_strided_fwd(q, k, v, pattern.stride, pattern.causal, scale)[0]
-        out, _ = _merge(ops.run(q, k, v, strided_parts(n, pattern.stride, pattern.causal), scale))
+        out, _ = _merge(ops.run(q, k, v, strided_parts(n, pattern.stride, pattern.causal), scale), q.dtype)
         return out
     if isinstance(pattern, Fixed):
         own, summary = fixed_parts(n, pattern.stride, pattern.summary, pattern.causal)
@@ -548,7 +559,7 @@ def _run_kernels(backend, q, k, v, pattern, scale):
             ks = k.index_select(2, idx).contiguous()
             vs = v.index_select(2, idx).contiguous()
             results += ops.run(q, ks, vs, summary, scale)
-        return _merge(results)[0]
+        return _merge(results, q.dtype)[0]
     if isinstance(pattern, Star):
         if backend == "cpu" and _STAR_KERNEL and (_STAR_BWD_KERNEL or not _wants_grad(q, k, v)):
             return torch.ops.attnkit.sparse_star_fwd(q, k, v, pattern.relay, pattern.radius, pattern.cyclic,
@@ -559,13 +570,14 @@ def _run_kernels(backend, q, k, v, pattern, scale):
         band = ops.run(q, k, v, [star_band_part(pattern.radius, pattern.causal)], scale)[0]
         pos = torch.arange(n, device=q.device)
         visible = pos > r if pattern.causal else pos != r
-        out, _ = _merge([band, _relay_column(q, k[:, :, r:r + 1], v[:, :, r:r + 1], scale, visible)])
+        out, _ = _merge([band, _relay_column(q, k[:, :, r:r + 1], v[:, :, r:r + 1], scale, visible)],
+                        _acc_dtype(q.dtype))
         rows = star_patched_rows(n, r, pattern.radius, pattern.cyclic).to(q.device)
         exact = _rows_attention(q, k, v, rows, pattern.mask_rows(rows, n), scale)
         # In place: out is the merge's own result, which no backward saves (lerp keeps its
         # inputs); index_copy would copy all of it for a handful of rows (B=1 H=8 N=4096 Dv=64:
         # 0.7 of ~6 ms a call).
-        return out.index_copy_(2, rows, exact)
+        return out.index_copy_(2, rows, exact.to(out.dtype)).to(q.dtype)
     if isinstance(pattern, BlockLayout):
         row_ptr, col_idx, _, _ = pattern.index_lists(device=q.device)
         out, _ = ops.block_fwd(q, k, v, row_ptr, col_idx, pattern.block, pattern.causal, scale)

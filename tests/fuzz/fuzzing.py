@@ -246,6 +246,13 @@ def tolerance(dtype, ref64, *, grad=False, naive=None, huge_scores=0.0, unit=Non
             tol += max(2.0 * naive_err(), 2.0 * eps * huge_scores * (size if unit is None else unit))
         return tol
     if dtype in LOW_PRECISION:
+        if huge_scores * torch.finfo(torch.float32).eps > 0.5:
+            # The float32 case's reason above holds here too: the kernels compute 16-bit scores
+            # in float32.  Session 31's random fuzzing (ATTNKIT_FUZZ_EXAMPLES=1500
+            # test_fuzz_sparse, cpu): bfloat16 strided(1), N = 2, fused qkv, q / k holding
+            # ±9984 -- a row's single visible key at score 1.41e8 came back from the natural-log
+            # lse with P = 18.7 instead of 1, dv 26.6 off.  Dropped, as for float32.
+            reject()
         tol = 2.0 * naive_err() + 1e-3
         if grad:
             # The kernels compute a 16-bit gradient in float32 (dP = dO V^T and D = rowsum(dO ∘ O)
