@@ -735,7 +735,11 @@ struct BlockBwd {
 
 std::tuple<at::Tensor, at::Tensor> sparse_range_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                                          const at::Tensor& v_in, c10::IntArrayRef view,
-                                                         c10::IntArrayRef lo, c10::IntArrayRef hi, double scale) {
+                                                         c10::IntArrayRef lo, c10::IntArrayRef hi, double scale,
+                                                         bool float32_out) {
+  // (The CUDA kernels store q's dtype: the cuda backend merges its parts from those -- see
+  // attnkit/ops/sparse.py _Parts; the cpu and triton ones give float32.)
+  ATTNKIT_CHECK(!float32_out, "attnkit::sparse_range_fwd (cuda): float32_out is not supported by the CUDA kernels");
   const Shape s = shape_of(q_in, k_in);
   Params p = base_params(s, scale);
   set_range(p, view, lo, hi);
