@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import torch
 import triton
@@ -858,7 +859,7 @@ def _check_inputs(fn, q, k, v, dropout_p):
 
 def _check_dropout(fn, dropout_p):
     """``dropout_p`` as a float in [0, 1)."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{fn}: dropout_p must be in [0, 1); got {dropout_p!r}")
     return float(dropout_p)
 
