@@ -197,11 +197,17 @@ def _public_case(dtype=F32, requires_grad=True):
     return [x.requires_grad_(requires_grad) for x in (q, k, v)], _cu(LENGTHS_Q), _cu(LENGTHS_K)
 
 
-def test_the_public_function_takes_one_launch(monkeypatch):
+def _recorded_launches(monkeypatch):
+    """The list that the launchers' names are appended to as they run (varlen and dense)."""
     calls = []
     for name in ("softmax_varlen_fwd", "softmax_varlen_bwd", "softmax_fwd"):
         original = getattr(triton_softmax, name)
         monkeypatch.setattr(triton_softmax, name, lambda *a, _f=original, _n=name, **kw: (calls.append(_n), _f(*a, **kw))[1])
+    return calls
+
+
+def test_the_public_function_takes_one_launch(monkeypatch):
+    calls = _recorded_launches(monkeypatch)
     (q, k, v), cu_q, cu_k = _public_case()
     sinks = torch.randn(4, device=DEVICE, requires_grad=True)
     out, lse = attnkit.softmax_attention_varlen(q, k, v, cu_q, cu_k, 33, 21, is_causal=True, enable_gqa=True,
@@ -262,10 +268,7 @@ def test_dropout_in_one_launch(dtype):
 
 
 def test_the_public_function_runs_dropout_in_one_launch(monkeypatch):
-    calls = []
-    for name in ("softmax_varlen_fwd", "softmax_varlen_bwd", "softmax_fwd"):
-        original = getattr(triton_softmax, name)
-        monkeypatch.setattr(triton_softmax, name, lambda *a, _f=original, _n=name, **kw: (calls.append(_n), _f(*a, **kw))[1])
+    calls = _recorded_launches(monkeypatch)
     (q, k, v), cu_q, cu_k = _public_case()
     p = 0.4
     torch.manual_seed(17)
