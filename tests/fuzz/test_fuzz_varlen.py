@@ -24,12 +24,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attnkit
-from attnkit.reference.linear import linear_attention_reference
+from attnkit.reference.linear import feature_map_reference, linear_attention_reference
 from attnkit.reference.softmax import softmax_attention_reference
 from attnkit_testing import F64, LOW_PRECISION, spread_free_run
 from fuzzing import (
     BACKENDS, LAYOUTS, Input, check_exact, dtypes_for, fuzz_settings, interpreted, leaves, linear_operand_rounding,
-    linear_term_sizes, make_input, require_backend, softmax_term_sizes, tolerance,
+    linear_state_rounding, linear_term_sizes, make_input, require_backend, softmax_term_sizes, tolerance,
 )
 
 LENGTHS = [0, 1, 2, 3, 5, 7, 16, 17]
@@ -265,14 +265,54 @@ def test_softmax_varlen_matches_float64_reference(backend, device, data):
 # ----------------------------------------------------------------------------------------------
 
 
-def _linear_loop_parts(seqs, bases, kwargs):
-    """One linear_attention_reference call per sequence (its state from zero): [1, H, n_i, Dv] each."""
-    return [linear_attention_reference(*(inp.view(b) for inp, b in zip(views, bases)), **kwargs) for views in seqs]
+def _sequence_state(states, i):
+    """Sequence i's initial state ``(S0 [1, H, D, Dv], z0 [1, H, D])`` of the pack's, or None."""
+    return None if states is None else (states[0][i:i + 1], states[1][i:i + 1])
 
 
-def _linear_loop(seqs, bases, kwargs):
+def _linear_loop_parts(seqs, bases, kwargs, states=None):
+    """One linear_attention_reference call per sequence (its state from zero, or from its row of
+    ``states``): [1, H, n_i, Dv] each."""
+    return [linear_attention_reference(*(inp.view(b) for inp, b in zip(views, bases)),
+                                       initial_state=_sequence_state(states, i), **kwargs)
+            for i, views in enumerate(seqs)]
+
+
+def _linear_loop(seqs, bases, kwargs, states=None):
     """Packed out from :func:`_linear_loop_parts`."""
-    return torch.cat([_unpack(o) for o in _linear_loop_parts(seqs, bases, kwargs)])
+    return torch.cat([_unpack(o) for o in _linear_loop_parts(seqs, bases, kwargs, states)])
+
+
+def _check_final_states(name, kernel, dtype, got, seqs, bases, bases64, kwargs, states, states64):
+    """Each sequence's returned (S, z) against S0 + Σ φ(k_j) v_jᵀ, z0 + Σ φ(k_j) in float64: for
+    float32 / float64 inputs the rule of the state dtype on the size of those sums' terms; for
+    16-bit inputs DESIGN.md's rule against the reference run in the dtype, plus -- for the
+    kernels, whose φ(k) is a 16-bit product operand -- one rounding of each φ(k_j)
+    (fuzzing.linear_state_rounding)."""
+    feature_map = kwargs["feature_map"]
+    low = dtype in LOW_PRECISION
+    u = torch.finfo(dtype).eps / 2 if low else 0.0
+    for i, views in enumerate(seqs):
+        k, v = (inp.view(b).detach() for inp, b in list(zip(views, bases64))[1:])
+        pk = feature_map_reference(k, feature_map)[0]  # [H, n, D]
+        s0, z0 = (t[0] for t in _sequence_state(states64, i)) if states64 is not None else (0.0, 0.0)
+        want = (s0 + pk.transpose(-2, -1) @ v[0], z0 + pk.sum(-2))
+        sizes = ((abs(s0) + pk.abs().transpose(-2, -1) @ v[0].abs()).max().item(),
+                 (abs(z0) + pk.abs().sum(-2)).max().item())
+        extra = (linear_state_rounding(k, v, feature_map, u), u * pk.abs().sum(-2).max().item()) if low \
+            else (0.0, 0.0)
+        naive = (None, None)
+        if low:
+            with torch.no_grad():
+                naive = linear_attention_reference(*(inp.view(b).detach() for inp, b in zip(views, bases)),
+                                                   initial_state=_sequence_state(states, i), return_state=True,
+                                                   **kwargs)[1]
+        for what, j in (("S", 0), ("z", 1)):
+            if low:
+                tol = tolerance(dtype, want[j], naive=naive[j][0]) + (extra[j] if kernel else 0.0)
+            else:
+                tol = tolerance(F64 if dtype == F64 else torch.float32, want[j], size=sizes[j])
+            check_exact(f"{name} {what}[{i}]", got[j][i], want[j], tol)
 
 
 def _check_linear_case(backend, device, draw):
@@ -284,6 +324,8 @@ def _check_linear_case(backend, device, draw):
     dv = d if draw(st.booleans(), label="Dv = D") else draw(st.sampled_from(dims), label="Dv")
     fused = d == dv and draw(st.booleans(), label="fused qkv")
     causal = draw(st.booleans(), label="causal")
+    with_state = causal and draw(st.booleans(), label="initial state")
+    return_state = causal and draw(st.booleans(), label="return_state")
     feature_map, normalize = draw(st.sampled_from(LINEAR_MODES), label="feature map, normalize")
     eps = draw(st.sampled_from([1e-6, 1e-3]), label="eps") if normalize else 1e-6
     scale = 1.0 if normalize else draw(st.one_of(st.floats(0.05, 2.0), st.floats(-2.0, -0.05)), label="scale")
@@ -297,23 +339,36 @@ def _check_linear_case(backend, device, draw):
     kwargs = dict(causal=causal, feature_map=feature_map, normalize=normalize, eps=eps, scale=scale)
     bases, bases64 = leaves(inputs, want_grad)
     q, k, v = (inp.view(b) for inp, b in zip(inputs, bases))
-    out = attnkit.linear_attention_varlen(q, k, v, cu, backend=backend, **kwargs)
+    states = states64 = None
+    if with_state:  # one per sequence (z0 > 0: a normalizer away from 0); float32 (float64 for float64)
+        state_dtype = F64 if dtype == F64 else torch.float32
+        s0 = torch.randn(len(lengths), h, d, dv, generator=gen, dtype=F64) * 0.5
+        z0 = torch.rand(len(lengths), h, d, generator=gen, dtype=F64) + 0.5
+        states = tuple(t.to(device=device, dtype=state_dtype).requires_grad_(want_grad) for t in (s0, z0))
+        states64 = tuple(t.detach().to(F64) for t in states)
+    result = attnkit.linear_attention_varlen(q, k, v, cu, backend=backend, initial_state=states,
+                                             return_state=return_state, **kwargs)
+    out = result[0] if return_state else result
     assert out.shape == (total, h, dv) and out.dtype == dtype and out.device.type == device
 
     seqs = _sequences(inputs, cu.cpu(), cu.cpu())
-    ref = _linear_loop(seqs, bases64, kwargs)
+    ref = _linear_loop(seqs, bases64, kwargs, states64)
     naive = None
     if dtype in LOW_PRECISION:
         with torch.no_grad():
-            naive = spread_free_run(lambda *b: _linear_loop(seqs, b, kwargs), *(b.detach() for b in bases))  # issue 24
-    name = f"{backend} linear varlen({feature_map}, normalize={normalize}, causal={causal})"
+            naive = spread_free_run(lambda *b: _linear_loop(seqs, b, kwargs, states), *(b.detach() for b in bases))  # issue 24
+    name = f"{backend} linear varlen({feature_map}, normalize={normalize}, causal={causal}, state={with_state})"
     tol = tolerance(dtype, ref, naive=naive)
     if dtype in LOW_PRECISION and backend != "reference":  # the kernels' 16-bit product operands
         u = torch.finfo(dtype).eps / 2
         tol += max([linear_operand_rounding(*(inp.view(b) for inp, b in zip(views, bases64)), seq_ref, causal,
-                                            feature_map, normalize, eps, scale, None, u)
-                    for views, seq_ref in zip(seqs, _linear_loop_parts(seqs, bases64, kwargs))], default=0.0)
+                                            feature_map, normalize, eps, scale, _sequence_state(states64, i), u)
+                    for i, (views, seq_ref) in enumerate(zip(seqs, _linear_loop_parts(seqs, bases64, kwargs, states64)))],
+                   default=0.0)
     check_exact(f"{name} out", out, ref, tol)
+    if return_state:
+        _check_final_states(name, backend != "reference", dtype, result[1], seqs, bases, bases64, kwargs, states,
+                            states64)
 
     if not want_grad:
         return
@@ -324,7 +379,8 @@ def _check_linear_case(backend, device, draw):
     cs = cu.tolist()
     for i, views in enumerate(seqs):
         seq_g = g[cs[i]:cs[i + 1]].transpose(0, 1).unsqueeze(0)
-        each = linear_term_sizes(views, bases64, causal, feature_map, normalize, eps, scale, seq_g, None)
+        each = linear_term_sizes(views, bases64, causal, feature_map, normalize, eps, scale, seq_g,
+                                 _sequence_state(states64, i))
         sizes = [max(a, b) for a, b in zip(sizes, each)]
     _check_gradients(name, dtype, bases, bases64, sizes)
 
