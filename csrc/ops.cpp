@@ -83,7 +83,7 @@ TORCH_LIBRARY(attnkit, m) {
   // nondecreasing in t), clipped to [0, Tk_g - 1].  Rows with no key (or in no group): out 0,
   // lse -inf.  Returns out [B,H,Nq,Dv] (q's dtype), lse [B,H,Nq] (natural log of the sum of
   // exp(scale q.k); float32, float64 for float64 inputs).
-  // float32_out: a 16-bit call's out in float32 (a part that the pattern's merge rounds once; cpu only).
+  // float32_out: a 16-bit call's out in float32 (a part that the pattern's merge rounds once).
   m.def("sparse_range_fwd(Tensor q, Tensor k, Tensor v, int[] view, int[] lo, int[] hi, float scale, "
         "bool float32_out=False) -> (Tensor, Tensor)");
   // Gradients of one range part given the merged lse and delta_i = rowsum(dO_i * O_i) - dlse_i:

@@ -362,10 +362,22 @@ __device__ __forceinline__ void online_softmax_update(float (&s)[kNt][4], float 
 // < `valid`; its row of the contiguous [rows, kD] output is `base + (local + 8 r) · step`.
 // ---------------------------------------------------------------------------------------------
 
+// Two adjacent outputs of a thread: rounded to the 16-bit dtype, or float32 as they are (sparse.cu's
+// range parts that the pattern's merge rounds once).
+template <bool kBF16>
+__device__ __forceinline__ void store_out_pair(uint16_t* dst, float a, float b) {
+  *reinterpret_cast<uint32_t*>(dst) = pack2<kBF16>(a, b);
+}
+template <bool kBF16>
+__device__ __forceinline__ void store_out_pair(float* dst, float a, float b) {
+  dst[0] = a;
+  dst[1] = b;
+}
+
 // The forward's end: out = o / l (0 for a row that saw no key) and the natural-log lse (-inf for
-// such a row).  Every lane must call it (quad shuffles).
-template <bool kBF16, int kD>
-__device__ __forceinline__ void store_out_lse(uint16_t* out, float* lse, int64_t base, int64_t step, int local,
+// such a row); out 16-bit (OutT = uint16_t) or float32.  Every lane must call it (quad shuffles).
+template <bool kBF16, int kD, typename OutT>
+__device__ __forceinline__ void store_out_lse(OutT* out, float* lse, int64_t base, int64_t step, int local,
                                               int valid, const float (&o)[kD / 8][4], const float (&m_run)[2],
                                               const float (&l_run)[2], int t) {
 #pragma unroll
@@ -381,10 +393,10 @@ __device__ __forceinline__ void store_out_lse(uint16_t* out, float* lse, int64_t
     const float inv = empty ? 0.f : 1.f / l;
     if (local + 8 * r < valid) {
       const int64_t i = base + static_cast<int64_t>(local + 8 * r) * step;
-      uint16_t* o_g = out + i * kD;
+      OutT* o_g = out + i * kD;
 #pragma unroll
       for (int dt = 0; dt < kD / 8; ++dt) {
-        *reinterpret_cast<uint32_t*>(o_g + dt * 8 + 2 * t) = pack2<kBF16>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+        store_out_pair<kBF16>(o_g + dt * 8 + 2 * t, o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
       }
       if (t == 0) lse[i] = empty ? -INFINITY : (m_run[r] + log2f(l)) * kLn2;
     }

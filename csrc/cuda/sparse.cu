@@ -106,6 +106,7 @@ struct Params {
   const uint16_t* v;     // contiguous [B, H, Nk, D]
   const uint16_t* dout;  // contiguous [B, H, Nq, D]
   uint16_t* out;         // contiguous [B, H, Nq, D]
+  float* out_f32;        // or there, in float32 (when set: a part that the pattern's merge rounds once)
   float* lse_out;        // contiguous [B, H, Nq] (forward)
   const float* lse;      // contiguous [B, H, Nq] (backward: the merged lse, natural log)
   const float* delta;    // contiguous [B, H, Nq] (backward: rowsum(dO * O) - dlse)
@@ -456,7 +457,13 @@ __global__ void __launch_bounds__(kThreads) sparse_fwd_kernel(const Params p) {
     mma_pb<kBF16, kD, kNt>(o, s, v_s, lane);  // O += P V
   }
 
-  store_out_lse<kBF16, kD>(p.out, p.lse_out, bh * p.Nq + w.q_row0, w.q_step, row_local0, w.q_valid, o, m_run, l_run, t);
+  if (p.out_f32 != nullptr) {
+    store_out_lse<kBF16, kD>(p.out_f32, p.lse_out, bh * p.Nq + w.q_row0, w.q_step, row_local0, w.q_valid, o, m_run,
+                             l_run, t);
+  } else {
+    store_out_lse<kBF16, kD>(p.out, p.lse_out, bh * p.Nq + w.q_row0, w.q_step, row_local0, w.q_valid, o, m_run, l_run,
+                             t);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -737,9 +744,6 @@ std::tuple<at::Tensor, at::Tensor> sparse_range_fwd_cuda(const at::Tensor& q_in,
                                                          const at::Tensor& v_in, c10::IntArrayRef view,
                                                          c10::IntArrayRef lo, c10::IntArrayRef hi, double scale,
                                                          bool float32_out) {
-  // (The CUDA kernels store q's dtype: the cuda backend merges its parts from those -- see
-  // attnkit/ops/sparse.py _Parts; the cpu and triton ones give float32.)
-  ATTNKIT_CHECK(!float32_out, "attnkit::sparse_range_fwd (cuda): float32_out is not supported by the CUDA kernels");
   const Shape s = shape_of(q_in, k_in);
   Params p = base_params(s, scale);
   set_range(p, view, lo, hi);
@@ -749,11 +753,16 @@ std::tuple<at::Tensor, at::Tensor> sparse_range_fwd_cuda(const at::Tensor& q_in,
   const at::Tensor q = dense_rows(q_in), k = dense_rows(k_in), v = dense_rows(v_in);
   // Rows in no group: out 0, lse -inf (written here; the kernels write every row of a group).
   const bool all_rows = cq.rows == s.Nq;
-  at::Tensor out = all_rows ? at::empty({s.B, s.H, s.Nq, s.D}, q.options()) : at::zeros({s.B, s.H, s.Nq, s.D}, q.options());
+  const auto out_options = float32_out ? q.options().dtype(at::kFloat) : q.options();
+  at::Tensor out = all_rows ? at::empty({s.B, s.H, s.Nq, s.D}, out_options) : at::zeros({s.B, s.H, s.Nq, s.D}, out_options);
   at::Tensor lse = all_rows ? at::empty({s.B, s.H, s.Nq}, q.options().dtype(at::kFloat))
                             : at::full({s.B, s.H, s.Nq}, -INFINITY, q.options().dtype(at::kFloat));
   p.q = bits(q), p.k = bits(k), p.v = bits(v);
-  p.out = mutable_bits(out);
+  if (float32_out) {
+    p.out_f32 = out.data_ptr<float>();
+  } else {
+    p.out = mutable_bits(out);
+  }
   p.lse_out = lse.data_ptr<float>();
   dispatch<RangeFwd>(q, s.D, p, range_query_blocks(p, cq.used), s.B, c10::cuda::getCurrentCUDAStream());
   return {out, lse};

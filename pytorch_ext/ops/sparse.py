@@ -489,7 +489,7 @@ def _merge(parts, dtype):
     16-bit part rounded, merged and rounded again missed DESIGN.md's rule (session 31's random
     fuzzing, test_fuzz_sparse: triton bfloat16 star, out 9.22e-3 off against the rule's 9.13e-3,
     where one rounding of the output alone is up to 7.8e-3; a seeded search: cpu bfloat16
-    fixed(4, 1), 1.70e-2 against 1.52e-2).  The cuda backend's parts are still rounded first."""
+    fixed(4, 1), 1.70e-2 against 1.52e-2).  The cuda backend's parts too (csrc/cuda/sparse.cu)."""
     out, lse = parts[0]
     for part in parts[1:]:
         out, lse = _merge_pair((out, lse), part)
@@ -542,8 +542,7 @@ class _Parts:
         else:
             self.range_fwd = torch.ops.attnkit.sparse_range_fwd
             self.block_fwd = torch.ops.attnkit.block_sparse_fwd
-            if backend == "cpu":  # (the CUDA kernels store q's dtype only)
-                self.extra = (True,)
+            self.extra = (True,)
 
     def run(self, q, k, v, parts, scale):
         return [self.range_fwd(q, k, v, list(view), list(lo), list(hi), scale, *self.extra) for view, lo, hi in parts]

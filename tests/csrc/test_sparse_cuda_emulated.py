@@ -113,11 +113,13 @@ class Emulator(emu_build.Library):
         lib = self.lib
         rng = [_int] * 4 + [_i64x] * 3 + [_float]  # B, H, Nq, Nk, view, lo, hi, scale
         lib.emu_sparse_range_fwd.argtypes = [_int, _int] + [_ptr] * 5 + rng
+        lib.emu_sparse_range_fwd32.argtypes = [_int, _int] + [_ptr] * 5 + rng
         lib.emu_sparse_range_bwd.argtypes = [_int, _int] + [_ptr] * 9 + rng
         lib.emu_block_sparse_fwd.argtypes = [_int, _int] + [_ptr] * 5 + [_int] * 3 + [_ptr] * 2 + [_int] * 3 + [_float]
         lib.emu_block_sparse_bwd.argtypes = ([_int, _int] + [_ptr] * 9 + [_int] * 3 + [_ptr] * 4 + [_int] * 3
                                                 + [_float])
-        for f in ("emu_sparse_range_fwd", "emu_sparse_range_bwd", "emu_block_sparse_fwd", "emu_block_sparse_bwd"):
+        for f in ("emu_sparse_range_fwd", "emu_sparse_range_fwd32", "emu_sparse_range_bwd", "emu_block_sparse_fwd",
+                  "emu_block_sparse_bwd"):
             getattr(lib, f).restype = _int
 
 
@@ -385,6 +387,28 @@ def test_range_part_matches_reference(emulator, case):
             assert torch.equal(x[..., rows, :], torch.zeros_like(x[..., rows, :]))
     if case.name == "columns_causal":  # t = 0, 1 of every group: an empty range (hi = t - 2 < 0)
         assert torch.isneginf(lse[..., :16]).all()
+
+
+@pytest.mark.parametrize("case", [c for c in RANGE_CASES if c.name in ("band_noncausal", "fixed_summary",
+                                                                       "partial_groups", "strided_keys")], ids=str)
+def test_range_part_float32_out(emulator, case):
+    # float32_out (a part that the pattern's merge rounds once): the same lse, an out that rounds
+    # to the 16-bit call's bit for bit (the kernel's one store differs), rows outside every group 0.
+    emulator.configure(seed=7)
+    (out16, lse16, *_), reference = run_range(emulator, case)
+    g = torch.Generator().manual_seed(0)  # run_range's inputs (its first draws)
+    b, h, nq, nk, d, dtype = case.b, case.h, case.nq, case.nk, case.d, case.dtype
+    q, k, v = _randn((b, h, nq, d), dtype, g), _randn((b, h, nk, d), dtype, g), _randn((b, h, nk, d), dtype, g)
+    gq, gk, gv = (_guarded_copy(x) for x in (q, k, v))
+    out, lse = Guarded((b, h, nq, d), torch.float32, float("nan")), Guarded((b, h, nq), torch.float32, float("nan"))
+    _run_case(emulator, "sparse_range_fwd32", int(dtype == BF16), d, [gq, gk, gv], [out, lse],
+              [_p(gq.tensor), _p(gk.tensor), _p(gv.tensor), _p(out.tensor), _p(lse.tensor), b, h, nq, nk,
+               _i64(case.view), _i64(case.lo), _i64(case.hi), 1.0 / math.sqrt(d)],
+              {"q": gq, "k": gk, "v": gv, "out": out, "lse": lse})
+    assert torch.equal(lse.tensor, lse16)
+    assert torch.equal(out.tensor.to(dtype), out16)
+    ref64 = reference(F64)[0]
+    assert_close_to_reference(out.tensor, ref64, reference(dtype)[0], name=f"out [{case}]", dtype=dtype)
 
 
 @pytest.mark.parametrize("case", BLOCK_CASES, ids=str)

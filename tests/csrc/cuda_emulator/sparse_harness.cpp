@@ -122,6 +122,22 @@ extern "C" int emu_sparse_range_fwd(int bf16, int D, const uint16_t* q, const ui
   return dispatch<RangeFwd>(bf16, D, p, range_query_blocks(p, cq.used), 0, B) ? 0 : 1;
 }
 
+// The same with a float32 out (sparse.cu's float32_out: Params::out_f32).
+extern "C" int emu_sparse_range_fwd32(int bf16, int D, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                      float* out, float* lse, int B, int H, int Nq, int Nk, const int64_t* view,
+                                      const int64_t* lo, const int64_t* hi, float scale) {
+  Params p = base(H, Nq, Nk, scale);
+  set_range(p, view, lo, hi);
+  const GroupCover cq = group_cover(Nq, p.rg.G, p.rg.q_pg, p.rg.q_pt);
+  if (!cq.disjoint) return fail("query groups overlap (sparse.cu refuses this view)"), 1;
+  if (cq.rows != Nq) {
+    fill(out, size_t(B) * H * Nq * D, 0.f);
+    fill(lse, size_t(B) * H * Nq, -INFINITY);
+  }
+  p.q = q, p.k = k, p.v = v, p.out_f32 = out, p.lse_out = lse;
+  return dispatch<RangeFwd>(bf16, D, p, range_query_blocks(p, cq.used), 0, B) ? 0 : 1;
+}
+
 extern "C" int emu_sparse_range_bwd(int bf16, int D, const uint16_t* dout, const uint16_t* q, const uint16_t* k,
                                     const uint16_t* v, const float* lse, const float* delta, uint16_t* dq,
                                     uint16_t* dk, uint16_t* dv, int B, int H, int Nq, int Nk, const int64_t* view,
