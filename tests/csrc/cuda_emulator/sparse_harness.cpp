@@ -103,6 +103,28 @@ void fill(T* x, size_t n, T value) {
 }
 }  // namespace
 
+// The forward with a 16-bit out (Params::out) or a float32 one (Params::out_f32: sparse.cu's
+// float32_out).
+template <typename OutT>
+int range_fwd(int bf16, int D, const uint16_t* q, const uint16_t* k, const uint16_t* v, OutT* out, float* lse,
+              int B, int H, int Nq, int Nk, const int64_t* view, const int64_t* lo, const int64_t* hi, float scale) {
+  Params p = base(H, Nq, Nk, scale);
+  set_range(p, view, lo, hi);
+  const GroupCover cq = group_cover(Nq, p.rg.G, p.rg.q_pg, p.rg.q_pt);
+  if (!cq.disjoint) return fail("query groups overlap (sparse.cu refuses this view)"), 1;
+  if (cq.rows != Nq) {
+    fill(out, size_t(B) * H * Nq * D, OutT{0});
+    fill(lse, size_t(B) * H * Nq, -INFINITY);
+  }
+  p.q = q, p.k = k, p.v = v, p.lse_out = lse;
+  if constexpr (std::is_same_v<OutT, float>) {
+    p.out_f32 = out;
+  } else {
+    p.out = out;
+  }
+  return dispatch<RangeFwd>(bf16, D, p, range_query_blocks(p, cq.used), 0, B) ? 0 : 1;
+}
+
 // All tensors contiguous with 16-byte aligned rows (as sparse.cu's host side makes them):
 // q, dout, out, dq [B, H, Nq, D]; k, v, dk, dv [B, H, Nk, D]; lse, delta [B, H, Nq] float32.
 // Outputs are written as sparse.cu's host side and kernels write them (rows in no group: filled
@@ -110,32 +132,14 @@ void fill(T* x, size_t n, T value) {
 extern "C" int emu_sparse_range_fwd(int bf16, int D, const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                     uint16_t* out, float* lse, int B, int H, int Nq, int Nk, const int64_t* view,
                                     const int64_t* lo, const int64_t* hi, float scale) {
-  Params p = base(H, Nq, Nk, scale);
-  set_range(p, view, lo, hi);
-  const GroupCover cq = group_cover(Nq, p.rg.G, p.rg.q_pg, p.rg.q_pt);
-  if (!cq.disjoint) return fail("query groups overlap (sparse.cu refuses this view)"), 1;
-  if (cq.rows != Nq) {
-    fill(out, size_t(B) * H * Nq * D, uint16_t{0});
-    fill(lse, size_t(B) * H * Nq, -INFINITY);
-  }
-  p.q = q, p.k = k, p.v = v, p.out = out, p.lse_out = lse;
-  return dispatch<RangeFwd>(bf16, D, p, range_query_blocks(p, cq.used), 0, B) ? 0 : 1;
+  return range_fwd(bf16, D, q, k, v, out, lse, B, H, Nq, Nk, view, lo, hi, scale);
 }
 
-// The same with a float32 out (sparse.cu's float32_out: Params::out_f32).
+// The same with a float32 out.
 extern "C" int emu_sparse_range_fwd32(int bf16, int D, const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                       float* out, float* lse, int B, int H, int Nq, int Nk, const int64_t* view,
                                       const int64_t* lo, const int64_t* hi, float scale) {
-  Params p = base(H, Nq, Nk, scale);
-  set_range(p, view, lo, hi);
-  const GroupCover cq = group_cover(Nq, p.rg.G, p.rg.q_pg, p.rg.q_pt);
-  if (!cq.disjoint) return fail("query groups overlap (sparse.cu refuses this view)"), 1;
-  if (cq.rows != Nq) {
-    fill(out, size_t(B) * H * Nq * D, 0.f);
-    fill(lse, size_t(B) * H * Nq, -INFINITY);
-  }
-  p.q = q, p.k = k, p.v = v, p.out_f32 = out, p.lse_out = lse;
-  return dispatch<RangeFwd>(bf16, D, p, range_query_blocks(p, cq.used), 0, B) ? 0 : 1;
+  return range_fwd(bf16, D, q, k, v, out, lse, B, H, Nq, Nk, view, lo, hi, scale);
 }
 
 extern "C" int emu_sparse_range_bwd(int bf16, int D, const uint16_t* dout, const uint16_t* q, const uint16_t* k,
