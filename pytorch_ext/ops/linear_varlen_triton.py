@@ -4,7 +4,7 @@ build: each program reads its sequence's first row and length from the offsets, 
 grids cover the longest sequence, the causal chunk states of all sequences share one buffer),
 with autograd.
 
-Against the grouped path (ops/varlen.py: one linear_attention call per group of equal lengths,
+Against the grouped path (ops/linear_varlen.py: one linear_attention call per group of equal lengths,
 gathered copies for groups that are not adjacent in the pack), it spares the gathers and scatters
 and the host's per-call cost: a pack of 256 sequences of distinct lengths is 2 forward launches
 (and 6 for the backward) instead of 2 x 256 (and 6 x 256).  Not timed on a GPU yet.

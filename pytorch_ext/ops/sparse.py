@@ -122,7 +122,7 @@ def _double_backward(reference, ctx, grad_out, grad_lse, args):
 
 
 def _range_setup(ctx, inputs, output):
-    q, k, v, view, lo, hi, scale = inputs[:7]  # (the Triton op's float32_out after them)
+    q, k, v, view, lo, hi, scale = inputs[:7]  # (then float32_out)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.args = (list(view), list(lo), list(hi), scale)
@@ -534,18 +534,16 @@ class _Parts:
     """The range / block ops of one backend."""
 
     def __init__(self, backend: str):
-        self.extra = ()
         if backend == "triton":
             self.range_fwd = torch.ops.attnkit.sparse_range_triton_fwd
             self.block_fwd = torch.ops.attnkit.block_sparse_triton_fwd
-            self.extra = (True,)  # float32 outs: the merge rounds once (see _merge)
         else:
             self.range_fwd = torch.ops.attnkit.sparse_range_fwd
             self.block_fwd = torch.ops.attnkit.block_sparse_fwd
-            self.extra = (True,)
 
     def run(self, q, k, v, parts, scale):
-        return [self.range_fwd(q, k, v, list(view), list(lo), list(hi), scale, *self.extra) for view, lo, hi in parts]
+        """The parts' (out, lse), out in float32 (float32_out: the merge rounds once, see _merge)."""
+        return [self.range_fwd(q, k, v, list(view), list(lo), list(hi), scale, True) for view, lo, hi in parts]
 
 
 def _run_kernels(backend, q, k, v, pattern, scale):

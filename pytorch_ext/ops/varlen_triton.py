@@ -12,8 +12,9 @@ What it takes: float16 / bfloat16 / float32, head dims up to 256, GQA, is_causal
 option (window, softcap, ALiBi [H] or [batch, H], sinks), the lse, dropout (one seed drawn from
 torch's generator per call, as softmax_attention draws it; sequence b's mask from the Philox key
 seed + b: kernels/softmax.py ``varlen_dropout_keep_masks``) -- except under CUDA graph capture,
-where a seed drawn once would replay the same mask every step: dropout there raises.  Gradients in q, k, v and the sinks (the slopes get none, as on softmax_attention's
-Triton backend); a double backward (``create_graph=True``) differentiates the grouped
+where a seed drawn once would replay the same mask every step: dropout there raises.
+Gradients in q, k, v and the sinks (the slopes get none, as on softmax_attention's Triton
+backend); a double backward (``create_graph=True``) differentiates the grouped
 reference instead.
 """
 from __future__ import annotations
