@@ -90,7 +90,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ._validation import (

@@ -57,6 +57,7 @@ import torch
 from .. import score_options as _score_options
 from .._dispatch import native_ops_declared, resolve
 from .._validation import check_bool, check_real, check_same_dtype_device, check_tensor
+from . import compiled
 from .merge import merge_attention_states
 from .softmax import softmax_attention
 from .varlen import SCORE_OPTIONS, check_score_options, options_for
@@ -167,12 +168,24 @@ def _decode_triton_kernel(q, k_cache, v_cache, visible, tables, is_causal, scale
 
 
 def _lengths(fn: str, cache_seqlens, batch: int) -> list[int]:
+    _check_seqlens_type(fn, cache_seqlens, batch)
+    if isinstance(cache_seqlens, int):
+        return [cache_seqlens] * batch
+    lengths = cache_seqlens.tolist()
+    for b, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"{fn}: cache_seqlens must be >= 0; got cache_seqlens[{b}] = {n}")
+    return lengths
+
+
+def _check_seqlens_type(fn: str, cache_seqlens, batch: int) -> None:
+    """cache_seqlens is an int >= 0 or an int32 / int64 tensor [B] (its values unread)."""
     if isinstance(cache_seqlens, bool):
         raise TypeError(f"{fn}: cache_seqlens must be an int or an int32 / int64 tensor [B]; got {cache_seqlens!r}")
     if isinstance(cache_seqlens, int):
         if cache_seqlens < 0:
             raise ValueError(f"{fn}: cache_seqlens must be >= 0; got {cache_seqlens}")
-        return [cache_seqlens] * batch
+        return
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"{fn}: cache_seqlens must be an int or an int32 / int64 tensor [B]; got "
                         f"{type(cache_seqlens).__name__}")
@@ -181,11 +194,6 @@ def _lengths(fn: str, cache_seqlens, batch: int) -> list[int]:
                         f"{str(cache_seqlens.dtype).replace('torch.', '')}")
     if tuple(cache_seqlens.shape) != (batch,):
         raise ValueError(f"{fn}: cache_seqlens must have shape [B] = [{batch}]; got {list(cache_seqlens.shape)}")
-    lengths = cache_seqlens.tolist()
-    for b, n in enumerate(lengths):
-        if n < 0:
-            raise ValueError(f"{fn}: cache_seqlens must be >= 0; got cache_seqlens[{b}] = {n}")
-    return lengths
 
 
 def _runs(lengths: list[int]) -> list[tuple[int, int]]:
@@ -302,6 +310,9 @@ def attention_with_kvcache(
     written in place, which autograd could not differentiate through anyway); its results never
     require grad, whatever the inputs do.  Train with :func:`attnkit.softmax_attention`.
 
+    torch.compile: a call under compilation (``fullgraph=True`` included) is one opaque op that
+    runs this function at run time and writes the cache in place (ops/compiled.py).
+
     Cache positions at or past ``L_b`` are never read: they may hold anything (NaN included).
 
     Cost: see the module docstring.  On the triton backend with Nq <= 16: one split-KV decode
@@ -379,6 +390,12 @@ def attention_with_kvcache(
         if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
             raise ValueError(f"{fn}: k and v must be [B, Hk, Nk, D] = {list(want_k)} and [B, Hk, Nk, Dv] = "
                              f"{list(want_v)} (from q and the cache); got k {list(k.shape)}, v {list(v.shape)}")
+    if compiled.compiling():
+        # Under torch.compile: one opaque op that runs this function at run time (ops/compiled.py).
+        _check_seqlens_type(fn, cache_seqlens, batch)
+        out, lse = compiled.kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale,
+                                    enable_gqa, backend, score_options)
+        return (out, lse) if return_lse else out
     seqlens = _lengths(fn, cache_seqlens, batch)
     visible = [n + new for n in seqlens]
 

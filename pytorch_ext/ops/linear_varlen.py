@@ -14,12 +14,12 @@ from typing import Optional
 import torch
 
 from .._validation import check_bool, check_same_dtype_device, check_size_match, check_tensor
-from . import linear_varlen_triton
+from . import compiled, linear_varlen_triton
 from .linear import _check_options as _check_linear_options
 from .linear import _check_state
 from .linear import _route as _linear_route
 from .linear import linear_attention
-from .varlen import _attached_empty, _check_cu_seqlens, _groups, _split, _unpack
+from .varlen import _attached_empty, _check_cu_seqlens, _check_cu_tensor, _groups, _split, _unpack
 
 OP_NAME = "attnkit.linear_attention_varlen"
 
@@ -71,6 +71,9 @@ def linear_attention_varlen(
         linear_attention call (a view when they are adjacent in the pack, a gathered copy
         otherwise), as in :func:`softmax_attention_varlen`.
 
+    torch.compile: as :func:`softmax_attention_varlen` (one opaque op; its gradient recomputes
+    the forward).
+
     Raises:
         TypeError / ValueError: as :func:`softmax_attention_varlen` for the packed inputs and
             cu_seqlens, and as :func:`attnkit.linear_attention` for the options and the state
@@ -96,8 +99,8 @@ def linear_attention_varlen(
     check_bool(fn, "causal", causal)
     check_bool(fn, "return_state", return_state)
     _check_linear_options(fn, feature_map, normalize, eps, scale)
-    offsets = _check_cu_seqlens(fn, "cu_seqlens", cu_seqlens, q.shape[0], "q, k and v")
-    batch, heads, head_dim, value_dim = len(offsets) - 1, q.shape[1], q.shape[2], v.shape[2]
+    _check_cu_tensor(fn, "cu_seqlens", cu_seqlens)
+    batch, heads, head_dim, value_dim = cu_seqlens.shape[0] - 1, q.shape[1], q.shape[2], v.shape[2]
     if (initial_state is not None or return_state) and not causal:
         what = "initial_state" if initial_state is not None else "return_state=True"
         raise ValueError(f"{fn}: {what} needs causal=True (a recurrent state continues a causal sequence)")
@@ -105,6 +108,11 @@ def linear_attention_varlen(
         _check_state(fn, "initial_state", initial_state, batch, heads, head_dim, value_dim, q.dtype, q.device,
                      lead="batch")
         initial_state = tuple(initial_state)
+    if compiled.compiling():
+        # Under torch.compile: one opaque op that runs this function at run time (ops/compiled.py).
+        return compiled.linear_varlen(q, k, v, cu_seqlens, causal, feature_map, normalize, eps, scale, initial_state,
+                                      return_state, backend)
+    offsets = _check_cu_seqlens(fn, "cu_seqlens", cu_seqlens, q.shape[0], "q, k and v")
     lengths = [offsets[i + 1] - offsets[i] for i in range(batch)]
     groups = _groups(lengths, lengths)
     chosen = _linear_route(fn, backend, q.device, q.dtype, head_dim, value_dim, batch, heads, causal)

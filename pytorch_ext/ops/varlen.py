@@ -38,7 +38,7 @@ import torch
 from .._dispatch import resolve
 from .._validation import check_bool, check_real, check_same_dtype_device, check_size_match, check_tensor
 from ..score_options import build as build_score_options
-from . import varlen_triton
+from . import compiled, varlen_triton
 from .softmax import _draw_seed, softmax_attention
 
 OP_NAME = "attnkit.softmax_attention_varlen"
@@ -302,6 +302,10 @@ def softmax_attention_varlen(
     per sequence (~0.15 ms of fixed cost each, measured for a tiny call on a CPU), many short
     sequences of few lengths are few calls.
 
+    torch.compile: a call under compilation (``fullgraph=True`` included) is one opaque op that
+    runs this function at run time (ops/compiled.py; its gradient recomputes the forward, no
+    double backward); with ``dropout_p > 0`` it stays eager Python (a graph break).
+
     CUDA graphs: under capture (``torch.cuda.graph``) the offsets are never read on the host --
     their values go unchecked and ``max_seqlen_q`` / ``max_seqlen_k`` size the grid, as in
     FlashAttention -- which only the Triton one launch allows: other calls raise ValueError
@@ -350,6 +354,15 @@ def softmax_attention_varlen(
     check_real(fn, "dropout_p", dropout_p, low=0.0)
     check_real(fn, "scale", scale, allow_none=True)
     check_score_options(fn, score_options)
+    if compiled.compiling() and dropout_p == 0:
+        # Under torch.compile: one opaque op that runs this function at run time (ops/compiled.py).
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            _check_cu_tensor(fn, name, cu)
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            compiled.check_int(fn, name, value)
+        out, lse = compiled.softmax_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                           is_causal, scale, enable_gqa, backend, score_options)
+        return (out, lse) if return_lse else out
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         out, lse = _captured(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                              is_causal, scale, backend, score_options)
