@@ -15,7 +15,9 @@ and KV-cache functions as custom ops the same way.
 Gradients (the two varlen ops): the autograd graph of the eager call cannot cross an opaque op,
 so the backward op recomputes the eager forward with autograd on and differentiates it
 (:func:`recompute_gradients`): a compiled training step pays the packed forward twice (as
-activation checkpointing does).  No double backward through these ops (the eager functions have
+activation checkpointing does).  Measured (softmax_attention_varlen, 16 causal sequences of
+32-512 tokens, H=8, D=64, float32, cpu backend, one thread, Intel Xeon without AMX; an ad-hoc
+loop, min of 5): forward 22.6 ms compiled against 22.5 eager, forward+backward 118 against 81.  No double backward through these ops (the eager functions have
 one).  Dropout under compilation keeps the eager, graph-breaking path: a recomputed forward
 would draw another mask.
 """
@@ -148,6 +150,11 @@ def _softmax_varlen_bwd_op(grad_out: torch.Tensor, grad_lse: torch.Tensor, q: to
         return _softmax_varlen_eager(q_, k_, v_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                                      scale, enable_gqa, backend, window, softcap, alibi_slopes, sinks_)
 
+    # A loss that does not read the lse still gets a (zero) gradient for it from AOTAutograd;
+    # the eager backward without one is cheaper (16 causal sequences of 32-512 tokens, H=8 D=64
+    # float32, one thread: 80 against 116 ms), so an all-zero one is dropped.
+    if not grad_lse.any():
+        grad_lse = None
     dq, dk, dv, dsinks = recompute_gradients(forward, (q, k, v, sinks), (True, True, True, True),
                                              (grad_out, grad_lse))
     return dq, dk, dv, dsinks
