@@ -232,6 +232,10 @@ def _strided_fwd_fake(q, k, v, stride, causal, scale):
     return q.new_empty((b, h, n, v.shape[-1])), q.new_empty((b, h, n), dtype=_lse_dtype(q.dtype))
 
 
+def _strided_bwd_fake(grad_out, q, k, v, lse, delta, stride, causal, scale, out=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 def _pattern_reference(pattern_cls):
     """(q, k, v, *pattern args, scale) -> (out, lse) of that whole pattern in plain PyTorch (the
     fused ops' double backward)."""
@@ -290,6 +294,8 @@ def _strided_backward(ctx, grad_out, grad_lse):
 
 _STRIDED_OP = native_ops_declared("sparse_strided_fwd")
 _STRIDED_BWD = native_ops_declared("sparse_strided_bwd")
+if _STRIDED_BWD:  # (a compiled backward through the op needs its fake: it had none before session 32)
+    torch.library.register_fake("attnkit::sparse_strided_bwd", _strided_bwd_fake)
 if _STRIDED_OP:
     torch.library.register_fake("attnkit::sparse_strided_fwd", _strided_fwd_fake)
     torch.library.register_autograd("attnkit::sparse_strided_fwd", _strided_backward,
