@@ -132,7 +132,7 @@ def pytest_runtest_call(item):
 FAIL_LOG = os.environ.get("ATTNKIT_FAIL_LOG")
 
 
-def pytest_runtest_logreport(report):
+def _log_failure(report):
     # Written by the controller (it receives every worker's reports, crashes included), once.
     if FAIL_LOG and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
         text = report.longreprtext
@@ -164,13 +164,20 @@ def _file_time_lines():
     return [f"{secs:9.1f} s  {path}" for path, secs in rows]
 
 
-def pytest_runtest_logreport(report):
+def _count_file_seconds(report):
     path = report.nodeid.split("::", 1)[0]
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + float(getattr(report, "duration", 0.0))
     if _FILE_TIMES and not os.environ.get("PYTEST_XDIST_WORKER"):
         # rewritten after every report: a run stopped at its deadline still leaves the tally
         with open(_FILE_TIMES, "w") as out:
             out.write("\n".join(_file_time_lines()) + "\n")
+
+
+def pytest_runtest_logreport(report):
+    # One hook for both (a second definition of it replaced the first: until session 32 the
+    # failure log of the GPU runs was never written).
+    _log_failure(report)
+    _count_file_seconds(report)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -12,9 +12,11 @@ is the eager call's, and a bad value raises the eager call's error there, before
 and has a fake that gives the results' shapes for tracing.  FlashAttention registers its varlen
 and KV-cache functions as custom ops the same way.
 
-Gradients (the two varlen ops): the autograd graph of the eager call cannot cross an opaque op,
-so the backward op recomputes the eager forward with autograd on and differentiates it
-(:func:`recompute_gradients`): a compiled training step pays the packed forward twice (as
+Gradients (the two varlen ops): the autograd graph of the eager call cannot cross an opaque op.
+softmax_attention_varlen's one Triton launch has backward kernels that need only the forward's
+out and lse, so its backward op runs them (the eager call's backward, no recomputation).  Every
+other path's backward op recomputes the eager forward with autograd on and differentiates it
+(:func:`recompute_gradients`): a compiled training step pays the packed forward twice there (as
 activation checkpointing does).  Measured (softmax_attention_varlen, 16 causal sequences of
 32-512 tokens, H=8, D=64, float32, cpu backend, one thread, Intel Xeon without AMX; an ad-hoc
 loop, min of 5): forward 22.6 ms compiled against 22.5 eager, forward+backward 118 against 81.  No double backward through these ops (the eager functions have
@@ -139,31 +141,43 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal
 
 
 @torch.library.custom_op(_PREFIX + "softmax_varlen_compiled_bwd", mutates_args=())
-def _softmax_varlen_bwd_op(grad_out: torch.Tensor, grad_lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                           v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                           max_seqlen_k: int, is_causal: bool, scale: Optional[float], enable_gqa: bool,
-                           backend: Optional[str], window: Optional[list[int]], softcap: Optional[float],
+def _softmax_varlen_bwd_op(grad_out: torch.Tensor, grad_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                           q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+                           scale: Optional[float], enable_gqa: bool, backend: Optional[str],
+                           window: Optional[list[int]], softcap: Optional[float],
                            alibi_slopes: Optional[torch.Tensor],
                            sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                    torch.Tensor]:
-    def forward(q_, k_, v_, sinks_):
-        return _softmax_varlen_eager(q_, k_, v_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
-                                     scale, enable_gqa, backend, window, softcap, alibi_slopes, sinks_)
+    from .varlen import one_launch_backward
 
     # A loss that does not read the lse still gets a (zero) gradient for it from AOTAutograd;
     # the eager backward without one is cheaper (16 causal sequences of 32-512 tokens, H=8 D=64
     # float32, one thread: 80 against 116 ms), so an all-zero one is dropped.
     if not grad_lse.any():
         grad_lse = None
+    # The Triton one launch: its backward kernels from the saved out / lse, no recomputation.
+    options = _softmax_varlen_options(window, softcap, alibi_slopes, sinks)
+    grads = one_launch_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, is_causal, scale, backend, options,
+                                grad_out, grad_lse)
+    if grads is not None:
+        dq, dk, dv, dsinks = grads
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), (torch.empty(0) if dsinks is None
+                                                                   else dsinks.contiguous())
+
+    def forward(q_, k_, v_, sinks_):
+        return _softmax_varlen_eager(q_, k_, v_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                     scale, enable_gqa, backend, window, softcap, alibi_slopes, sinks_)
+
     dq, dk, dv, dsinks = recompute_gradients(forward, (q, k, v, sinks), (True, True, True, True),
                                              (grad_out, grad_lse))
     return dq, dk, dv, dsinks
 
 
 @_softmax_varlen_bwd_op.register_fake
-def _(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+def _(grad_out, grad_lse, out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
       enable_gqa, backend, window, softcap, alibi_slopes, sinks):
-    return (_like(q), _like(k), _like(v), _like(sinks))
+    return _like(q), _like(k), _like(v), _like(sinks)
 
 
 _SOFTMAX_VARLEN_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "is_causal",
@@ -172,20 +186,20 @@ _SOFTMAX_VARLEN_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seql
 
 def _softmax_varlen_setup(ctx, inputs, output):
     args = dict(zip(_SOFTMAX_VARLEN_ARGS, inputs))
-    ctx.save_for_backward(*(args[name] for name in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes",
-                                                    "sinks")))
+    ctx.save_for_backward(*output, *(args[name] for name in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k",
+                                                             "alibi_slopes", "sinks")))
     ctx.args = {name: value for name, value in args.items() if not isinstance(value, torch.Tensor)}
 
 
 def _softmax_varlen_backward(ctx, grad_out, grad_lse):
-    q, k, v, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
+    out, lse, q, k, v, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
     a = ctx.args
     if grad_out is None:
         grad_out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
     if grad_lse is None:
         grad_lse = q.new_zeros(q.shape[:2], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
     dq, dk, dv, dsinks = _softmax_varlen_bwd_op(
-        grad_out, grad_lse, q, k, v, cu_q, cu_k, a["max_seqlen_q"], a["max_seqlen_k"], a["is_causal"], a["scale"],
+        grad_out, grad_lse, out, lse, q, k, v, cu_q, cu_k, a["max_seqlen_q"], a["max_seqlen_k"], a["is_causal"], a["scale"],
         a["enable_gqa"], a["backend"], a["window"], a["softcap"], alibi_slopes, sinks)
     return (dq, dk, dv) + (None,) * 11 + (_none_if_empty(dsinks, sinks),)
 

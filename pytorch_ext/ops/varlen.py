@@ -422,6 +422,22 @@ def softmax_attention_varlen(
     return (out, lse) if return_lse else out
 
 
+def one_launch_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, is_causal, scale, backend, score_options,
+                        grad_out, grad_lse):
+    """The gradients (dq, dk, dv, dsinks) of a dropout-free call that ran in one Triton launch,
+    from its ``out`` / ``lse`` by the backward kernels alone (ops/compiled.py's backward, which
+    has no autograd graph of the forward); None when the call takes another path.  The
+    arguments were checked by the forward call."""
+    chosen = resolve("softmax", backend, q.device, OP_NAME)
+    if q.shape[0] == 0 or not varlen_triton.takes(chosen, q, v, 0.0):
+        return None
+    batch = cu_seqlens_q.numel() - 1
+    longest = [int((cu[1:] - cu[:-1]).max()) if batch else 0 for cu in (cu_seqlens_q, cu_seqlens_k)]
+    options = _one_launch_options(score_options, q.shape[1], batch, q.device)
+    return varlen_triton.backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *longest, is_causal, scale, options,
+                                  grad_out, grad_lse)
+
+
 def _one_launch_options(score_options: dict, heads: int, batch: int, device):
     """The call's score options, validated, for the one launch (ALiBi ``[H]`` or ``[batch, H]``)."""
     return build_score_options(OP_NAME, score_options.get("window"), score_options.get("softcap", 0.0),

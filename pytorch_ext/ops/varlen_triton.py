@@ -61,7 +61,6 @@ class _PackedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        from ..kernels import softmax as kernels
 
         q, k, v, out, lse, sinks = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a double backward will follow
@@ -81,18 +80,38 @@ class _PackedAttention(torch.autograd.Function):
             grads = reference_gradients(outputs, wanted, grads)
             return (*grads[:3], grads[3] if sinks is not None else None, None, None)
 
-        def run_bwd(g, v_, out_, with_dropout):  # (the lse's probe call is dropout-free)
-            kwargs = ctx.pack.kwargs if with_dropout else dict(ctx.pack.kwargs, dropout_p=0.0)
-            return kernels.softmax_varlen_bwd(g, q, k, v_, out_, lse, *ctx.pack.args, **kwargs)
-
-        dq = dk = dv = dsinks = None
-        if any(ctx.needs_input_grad[:3]):
-            dq, dk, dv = _gradients(run_bwd, (q, k, v, out, lse.t()), grad_out, grad_lse)
-        if sinks is not None and ctx.needs_input_grad[3]:
-            as_batch = (lambda t: None if t is None else t.transpose(0, 1).unsqueeze(0))  # [1, H, total, *]
-            dsinks = score_options.sink_gradient(sinks, as_batch(out), lse.unsqueeze(0), as_batch(grad_out),
-                                                 None if grad_lse is None else grad_lse.t().unsqueeze(0))
+        dq, dk, dv, dsinks = _kernel_gradients(q, k, v, out, lse, sinks, ctx.pack, grad_out, grad_lse,
+                                               any(ctx.needs_input_grad[:3]), ctx.needs_input_grad[3])
         return dq, dk, dv, dsinks, None, None
+
+
+def _kernel_gradients(q, k, v, out, lse, sinks, pack, grad_out, grad_lse, wants_qkv=True, wants_sinks=True):
+    """(dq, dk, dv, dsinks) by the backward kernels (None where not wanted); ``lse`` ``[H, total_q]``
+    as the forward kernel returns it, ``grad_lse`` token-major (either grad may be None)."""
+    from ..kernels import softmax as kernels
+
+    def run_bwd(g, v_, out_, with_dropout):  # (the lse's probe call is dropout-free)
+        kwargs = pack.kwargs if with_dropout else dict(pack.kwargs, dropout_p=0.0)
+        return kernels.softmax_varlen_bwd(g, q, k, v_, out_, lse, *pack.args, **kwargs)
+
+    dq = dk = dv = dsinks = None
+    if wants_qkv:
+        dq, dk, dv = _gradients(run_bwd, (q, k, v, out, lse.t()), grad_out, grad_lse)
+    if sinks is not None and wants_sinks:
+        as_batch = (lambda t: None if t is None else t.transpose(0, 1).unsqueeze(0))  # [1, H, total, *]
+        dsinks = score_options.sink_gradient(sinks, as_batch(out), lse.unsqueeze(0), as_batch(grad_out),
+                                             None if grad_lse is None else grad_lse.t().unsqueeze(0))
+    return dq, dk, dv, dsinks
+
+
+def backward(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, options, grad_out, grad_lse):
+    """The gradients (dq, dk, dv, dsinks) of a dropout-free call of :func:`run` from its results
+    ``out`` / ``lse`` (token-major, as run returns them), by the backward kernels alone: the
+    backward of ops/compiled.py's opaque op, which holds no autograd graph of the forward."""
+    cu_q, cu_k = (cu.to(device=q.device, dtype=torch.int32) for cu in (cu_q, cu_k))
+    pack = _Pack(cu_q, cu_k, max_q, max_k, scale, is_causal, options)
+    sinks = None if options is None else options.sinks
+    return _kernel_gradients(q, k, v, out, lse.t().contiguous(), sinks, pack, grad_out, grad_lse)
 
 
 def run(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, options, regroup, dropout_p=0.0, seed=0):

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from attnkit.reference.hopfield import hopfield_energy_reference, hopfield_update_reference
-from attnkit_testing import F64, assert_close_to_reference, loop_hopfield_update, make_hopfield_inputs
+from attnkit_testing import assert_close_to_reference, loop_hopfield_update, make_hopfield_inputs
 from cuda_emulator import emu_build
 from cuda_emulator.emu_build import EmulatorError
 

@@ -21,7 +21,7 @@ tests/csrc/test_sparse_cuda.py (``pytest -m gpu``) covers those.
 """
 import ctypes
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest

@@ -43,7 +43,14 @@ def _assert_same(got, want, what):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
-def test_softmax_varlen_fullgraph_gives_the_eager_results(backend):
+def test_softmax_varlen_fullgraph_gives_the_eager_results(backend, monkeypatch):
+    """(The Triton one launch's backward runs its kernels on the saved out / lse; the grouped
+    path's recomputes the forward.)"""
+    from attnkit.ops import compiled as compiled_ops
+
+    recomputed = []
+    real = compiled_ops.recompute_gradients
+    monkeypatch.setattr(compiled_ops, "recompute_gradients", lambda *a: recomputed.append(1) or real(*a))
     heads, kv_heads, d, dv = 4, 2, 7, 5
     lengths_q, lengths_k = [7, 0, 1, 7, 13, 3], [7, 3, 1, 7, 13, 5]
     cu_q, cu_k = _cu(lengths_q), _cu(lengths_k)
@@ -65,6 +72,7 @@ def test_softmax_varlen_fullgraph_gives_the_eager_results(backend):
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), _grads(got, (q, k, v, sinks), 10),
                           _grads(want, (q, k, v, sinks), 10)):
         _assert_same(g, w, name)
+    assert recomputed == ([] if backend == "triton" else [1])
 
 
 def test_softmax_varlen_fullgraph_new_lengths_and_output_only():
@@ -221,3 +229,37 @@ def test_opcheck(name, args):
     """torch.library.opcheck: schema (the caches' mutation declared), fake against real, the
     autograd registration, AOT dispatch with dynamic shapes."""
     torch.library.opcheck(getattr(torch.ops.attnkit, name).default, args)
+
+
+@pytest.mark.gpu
+def test_cuda_compiled_calls_give_the_eager_results():
+    # On a GPU the default backend is triton: the varlen one launches and the decoding kernel,
+    # bfloat16, compiled whole (fullgraph) against the eager calls, gradients included.
+    dev, bf16 = "cuda", torch.bfloat16
+    lengths = [33, 0, 1, 200, 7]
+    cu = _cu(lengths).to(dev)
+    q, k, v = (_randn(sum(lengths), 8, 64, seed=i, dtype=bf16).to(dev).requires_grad_() for i in range(3))
+    softmax = torch.compile(lambda q, k, v: attnkit.softmax_attention_varlen(q, k, v, cu, cu, 200, 200,
+                                                                             is_causal=True), fullgraph=True)
+    linear = torch.compile(lambda q, k, v: attnkit.linear_attention_varlen(q, k, v, cu, causal=True),
+                           fullgraph=True)
+    for name, compiled, eager in (
+            ("softmax", softmax, lambda q, k, v: attnkit.softmax_attention_varlen(q, k, v, cu, cu, 200, 200,
+                                                                                  is_causal=True)),
+            ("linear", linear, lambda q, k, v: attnkit.linear_attention_varlen(q, k, v, cu, causal=True))):
+        got, want = compiled(q, k, v), eager(q, k, v)
+        _assert_same(got, want, f"{name} out")
+        for n, g, w in zip("qkv", _grads([got], (q, k, v), 1), _grads([want], (q, k, v), 1)):
+            _assert_same(g, w, f"{name} d{n}")
+    cache = [torch.zeros(4, 2, 512, 64, device=dev, dtype=bf16) for _ in range(2)]
+    seqlens = torch.tensor([0, 100, 511, 37], dtype=torch.int32, device=dev)
+    qd = _randn(4, 8, 1, 64, seed=5, dtype=bf16).to(dev)
+    kd, vd = (_randn(4, 2, 1, 64, seed=i, dtype=bf16).to(dev) for i in (6, 7))
+    step = torch.compile(lambda *a: attnkit.attention_with_kvcache(*a, cache_seqlens=seqlens, enable_gqa=True),
+                         fullgraph=True)
+    caches_got = [c.clone() for c in cache]
+    got = step(qd, *caches_got, kd, vd)
+    want = attnkit.attention_with_kvcache(qd, *cache, kd, vd, cache_seqlens=seqlens, enable_gqa=True)
+    _assert_same(got, want, "decode out")
+    for a, b in zip(caches_got, cache):
+        _assert_same(a, b, "cache")
