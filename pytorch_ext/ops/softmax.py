@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .. import _autocast
 from .. import _gpu_table as gpu_table
 from .._double_backward import reference_gradients
 from .._dispatch import (
@@ -1241,6 +1242,8 @@ def softmax_attention(
         >>> out = attnkit.softmax_attention(q, k, v, enable_gqa=True, window=(4095, 0), softcap=50.0,
         ...                                 sinks=torch.zeros(8))
     """
+    if _autocast.any_enabled():  # SDPA's autocast policy (pytorch_ext/_autocast.py)
+        query, key, value = _autocast.cast_inputs(query, key, value)
     # --- fast path: the common call (three 4-D [B, H, N, D] tensors of one floating dtype and
     # device, equal heads -- or grouped ones, enable_gqa with Hk = Hv dividing H --, no mask, no
     # dropout, plain bool flags) passes every check below by construction and needs no layout

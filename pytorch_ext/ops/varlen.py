@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from .. import _autocast
 from .._dispatch import resolve
 from .._validation import check_bool, check_real, check_same_dtype_device, check_size_match, check_tensor
 from ..score_options import build as build_score_options
@@ -330,6 +331,8 @@ def softmax_attention_varlen(
         (torch.Size([23, 8, 64]), torch.Size([23, 8]))
     """
     fn = OP_NAME
+    if _autocast.any_enabled():  # SDPA's autocast policy, as softmax_attention (pytorch_ext/_autocast.py)
+        q, k, v = _autocast.cast_inputs(q, k, v)
     check_tensor(fn, "q", q, "[total_q, H, D]")
     check_tensor(fn, "k", k, "[total_k, Hk, D]")
     check_tensor(fn, "v", v, "[total_k, Hk, Dv]")

@@ -430,6 +430,47 @@ def test_dropout_expectation_is_the_undropped_output():
 
 
 # ----------------------------------------------------------------------------------------------
+# torch.autocast: SDPA's policy (pytorch_ext/_autocast.py)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_autocast_casts_the_inputs_as_sdpa_does(backend):
+    # Under autocast(cpu, bfloat16) SDPA runs float32 inputs in bfloat16 and takes mixed dtypes;
+    # so does softmax_attention: its result is exactly the call on the inputs cast by hand, and
+    # the gradients reach the float32 leaves through the casts.
+    q, k, v = make_qkv(2, 4, 2, 9, 11, 16, 8, dtype=torch.float32, requires_grad=True)
+    mask = torch.randn(9, 11)  # float32: follows the inputs' dtype (softmax_attention's rule)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), mask)
+        out, lse = attnkit.softmax_attention(q, k, v, mask, enable_gqa=True, return_lse=True, backend=backend)
+        mixed = attnkit.softmax_attention(q.to(torch.bfloat16), k, v, enable_gqa=True, backend=backend)
+    assert out.dtype == sdpa.dtype == mixed.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    cast = [t.detach().to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    want, want_lse = attnkit.softmax_attention(*cast, mask, enable_gqa=True, return_lse=True, backend=backend)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert torch.equal(mixed, attnkit.softmax_attention(*cast, enable_gqa=True, backend=backend))
+    g = torch.randn(out.shape).to(torch.bfloat16)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    for name, a, b in zip("qkv", got, torch.autograd.grad(want, cast, g)):
+        assert a.dtype == torch.float32 and torch.equal(a, b.float()), name
+    # float64 is not cast (autocast leaves it, as for SDPA); outside autocast nothing is cast.
+    q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attnkit.softmax_attention(q64, k64, v64, enable_gqa=True, backend=backend).dtype == torch.float64
+    assert attnkit.softmax_attention(q, k, v, enable_gqa=True, backend=backend).dtype == torch.float32
+
+
+def test_autocast_varlen():
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    q, k, v = (torch.randn(10, 2, 8) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attnkit.softmax_attention_varlen(q.to(torch.bfloat16), k, v, cu, cu, 7, 7, is_causal=True)
+    want = attnkit.softmax_attention_varlen(*(t.to(torch.bfloat16) for t in (q, k, v)), cu, cu, 7, 7, is_causal=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+
+
+# ----------------------------------------------------------------------------------------------
 # torch.compile
 # ----------------------------------------------------------------------------------------------
 
