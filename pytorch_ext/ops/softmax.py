@@ -1091,6 +1091,15 @@ class _Layout:
         return out, lse
 
 
+def _nested(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, backend, window,
+            softcap, alibi_slopes, sinks):
+    """Nested tensors, as SDPA takes them: the packed path (ops/varlen.py), which checks them."""
+    from .varlen import softmax_attention_nested
+
+    return softmax_attention_nested(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                                    backend, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
 def softmax_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -1117,7 +1126,11 @@ def softmax_attention(
 
     Args:
         query: ``[..., H, N, D]`` -- typically ``[B, H, N, D]``; ``[H, N, D]`` and ``[N, D]``
-            (one head) work too, and so do more batch dims (``[B1, B2, H, N, D]``).
+            (one head) work too, and so do more batch dims (``[B1, B2, H, N, D]``).  Or, with
+            key and value alike, a nested tensor of the jagged layout ``[B, H, j, D]`` as SDPA
+            takes it (each sequence attends within itself; run as one
+            :func:`attnkit.softmax_attention_varlen` call; the results nested with query's
+            offsets; no ``attn_mask``; ``is_causal`` per sequence, which SDPA's nested path lacks).
         key: ``[..., Hk, M, D]`` (M may differ from N).
         value: ``[..., Hk, M, Dv]`` (Dv may differ from D).
             query, key and value share one floating dtype (float16, bfloat16, float32, float64)
@@ -1244,6 +1257,9 @@ def softmax_attention(
     """
     if _autocast.any_enabled():  # SDPA's autocast policy (pytorch_ext/_autocast.py)
         query, key, value = _autocast.cast_inputs(query, key, value)
+    if query.__class__ is not _Tensor and getattr(query, "is_nested", False):  # (a jagged tensor's class)
+        return _nested(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, backend,
+                       window, softcap, alibi_slopes, sinks)
     # --- fast path: the common call (three 4-D [B, H, N, D] tensors of one floating dtype and
     # device, equal heads -- or grouped ones, enable_gqa with Hk = Hv dividing H --, no mask, no
     # dropout, plain bool flags) passes every check below by construction and needs no layout
@@ -1279,8 +1295,8 @@ def softmax_attention(
         dtype = query.dtype
         try:
             (b, h, n, d), (bk, hk, m, dk), (bv, hv, mv, _) = query.shape, key.shape, value.shape
-        except ValueError:
-            pass  # not three 4-D tensors: the full path
+        except (ValueError, RuntimeError):
+            pass  # not three 4-D tensors (RuntimeError: a nested tensor of the strided layout): the full path
         else:
             if (
                 dtype in FLOATING
@@ -1321,6 +1337,9 @@ def softmax_attention(
                     return implementation(query, key, value, None, 0.0, is_causal, scale, h != hk, return_lse)
 
     # --- validation: everything before any computation ---
+    if any(getattr(t, "is_nested", False) for t in (query, key, value)):
+        return _nested(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, backend,
+                       window, softcap, alibi_slopes, sinks)
     check_tensor(OP_NAME, "query", query, "[..., N, D]")
     check_tensor(OP_NAME, "key", key, "[..., M, D]")
     check_tensor(OP_NAME, "value", value, "[..., M, Dv]")

@@ -425,6 +425,57 @@ def softmax_attention_varlen(
     return (out, lse) if return_lse else out
 
 
+def softmax_attention_nested(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                             backend, **score_options):
+    """:func:`attnkit.softmax_attention` on nested tensors of the jagged layout, as torch's SDPA
+    takes them: ``query [B, H, j, D]``, ``key [B, Hk, j', D]``, ``value [B, Hk, j', Dv]`` -- a
+    ``[B, j, H, D]`` jagged tensor transposed(1, 2), the ragged dim third.  Each batch element's
+    sequence attends within itself: the jagged tensors' values and offsets are exactly
+    :func:`softmax_attention_varlen`'s packed layout, so the call is one softmax_attention_varlen
+    call (no padding, no mask).  Returns ``out [B, H, j, Dv]`` nested with query's offsets (and
+    with ``return_lse`` the lse ``[B, H, j]``, nested too); differentiable through the nested
+    tensors' values.  ``attn_mask`` is refused (SDPA's nested path takes none either)."""
+    fn = "attnkit.softmax_attention"
+    inputs = (("query", query), ("key", key), ("value", value))
+    for name, t in inputs:
+        if not (isinstance(t, torch.Tensor) and t.is_nested):
+            nested = ", ".join(n for n, x in inputs if getattr(x, "is_nested", False))
+            raise ValueError(f"{fn}: query, key and value must all be nested tensors or none; {nested} "
+                             f"{'is' if ',' not in nested else 'are'} nested, {name} is "
+                             f"{'a ' + type(t).__name__ if not isinstance(t, torch.Tensor) else 'not'}")
+        if t.layout != torch.jagged:
+            raise ValueError(f"{fn}: nested {name} must have the jagged layout (torch.nested.nested_tensor(..., "
+                             f"layout=torch.jagged)); got {t.layout}")
+        if t.dim() != 4 or t._ragged_idx != 2:
+            raise ValueError(f"{fn}: nested {name} must be [B, H, j, D] with the ragged dim third (SDPA's layout: "
+                             f"a [B, j, H, D] jagged tensor transposed(1, 2)); got {t.dim()}-D with the ragged "
+                             f"dim {t._ragged_idx}")
+        if t._lengths is not None:
+            raise ValueError(f"{fn}: nested {name} has holes (a non-contiguous jagged tensor with lengths); "
+                             "pass one whose sequences are contiguous in its values")
+    if attn_mask is not None:
+        raise ValueError(f"{fn}: attn_mask is not supported with nested tensors (SDPA's nested path takes none "
+                         "either); each sequence attends within itself, is_causal per sequence")
+    packed = [t.transpose(1, 2) for t in (query, key, value)]  # [B, j, H, D]: ragged dim 1
+    cu_q, cu_k, cu_v = (t.offsets() for t in packed)
+    if cu_v is not cu_k and not torch.equal(cu_v, cu_k):
+        raise ValueError(f"{fn}: nested key and value must have the same sequence lengths")
+
+    def longest(cu):
+        return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+    result = softmax_attention_varlen(packed[0].values(), packed[1].values(), packed[2].values(), cu_q, cu_k,
+                                      longest(cu_q), longest(cu_k), dropout_p=dropout_p, is_causal=is_causal,
+                                      scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, backend=backend,
+                                      **{name: value for name, value in score_options.items()
+                                         if value is not None and not (name == "softcap" and value == 0.0)})
+    out, lse = result if return_lse else (result, None)
+    out = torch.nested.nested_tensor_from_jagged(out, cu_q).transpose(1, 2)
+    if not return_lse:
+        return out
+    return out, torch.nested.nested_tensor_from_jagged(lse, cu_q).transpose(1, 2)
+
+
 def one_launch_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, is_causal, scale, backend, score_options,
                         grad_out, grad_lse):
     """The gradients (dq, dk, dv, dsinks) of a dropout-free call that ran in one Triton launch,

@@ -358,3 +358,64 @@ def test_linear_varlen_bad_arguments(change, error, match, monkeypatch):
     with pytest.raises(error, match=match):
         attnkit.linear_attention_varlen(**kwargs)
     assert not calls
+
+
+# ----------------------------------------------------------------------------------------------
+# softmax_attention on nested (jagged) tensors: the packed path (ops/varlen.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def _nested(packed, cu):
+    """The packed [total, H, D] as SDPA's nested layout [B, H, j, D] (sharing cu as offsets)."""
+    return torch.nested.nested_tensor_from_jagged(packed, cu.to(torch.int64)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_nested_tensors_match_the_per_sequence_reference(is_causal):
+    lengths_q, lengths_k = [7, 1, 13, 3], [9, 2, 13, 3]
+    cu_q, cu_k = _cu(lengths_q).to(torch.int64), _cu(lengths_k).to(torch.int64)
+    q = _packed(lengths_q, 4, 8, F32, 1, requires_grad=True)
+    k = _packed(lengths_k, 2, 8, F32, 2, requires_grad=True)
+    v = _packed(lengths_k, 2, 6, F32, 3, requires_grad=True)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(4))
+    out, lse = attnkit.softmax_attention(_nested(q, cu_q), _nested(k, cu_k), _nested(v, cu_k), is_causal=is_causal,
+                                         enable_gqa=True, return_lse=True, softcap=4.0, sinks=sinks)
+    assert out.is_nested and lse.is_nested and out.shape[:2] == (4, 4) and out.shape[3] == 6
+    got, got_lse = out.transpose(1, 2).values(), lse.transpose(1, 2).values()
+    want, want_lse = _loop_softmax(*(t.detach().to(F64).requires_grad_() for t in (q, k, v)), cu_q, cu_k,
+                                   is_causal=is_causal, enable_gqa=True, softcap=4.0, sinks=sinks.to(F64))
+    assert_close_to_reference(got, want)
+    assert_close_to_reference(got_lse, want_lse, name="lse")
+    # The output has query's ragged structure (its offsets), and gradients reach the values.
+    assert out.transpose(1, 2).offsets() is cu_q
+    g = torch.randn(got.shape, generator=torch.Generator().manual_seed(5))
+    grads = torch.autograd.grad(got, (q, k, v), g)
+    ref_inputs = [t.detach().to(F64).requires_grad_() for t in (q, k, v)]
+    ref, _ = _loop_softmax(*ref_inputs, cu_q, cu_k, is_causal=is_causal, enable_gqa=True, softcap=4.0,
+                           sinks=sinks.to(F64))
+    for name, a, b in zip("qkv", grads, torch.autograd.grad(ref, ref_inputs, g.to(F64))):
+        assert_close_to_reference(a, b, grad=True, name=f"grad {name}")
+
+
+def test_nested_tensors_match_sdpa_and_refuse_what_they_cannot_take():
+    lengths = [5, 3, 1]
+    cu = _cu(lengths).to(torch.int64)
+    q = _nested(_packed(lengths, 2, 8, F32, 0), cu)
+    want = torch.nn.functional.scaled_dot_product_attention(q, q, q)  # (SDPA's nested path: not causal)
+    got = attnkit.softmax_attention(q, q, q)
+    torch.testing.assert_close(got.values(), want.values(), rtol=2e-5, atol=2e-6)
+    dense = torch.randn(3, 2, 5, 8)
+    with pytest.raises(ValueError, match="must all be nested tensors or none; query, value are nested, key is not"):
+        attnkit.softmax_attention(q, dense, q)
+    with pytest.raises(ValueError, match="attn_mask is not supported with nested tensors"):
+        attnkit.softmax_attention(q, q, q, attn_mask=torch.ones(1, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"must be \[B, H, j, D\] with the ragged dim third"):
+        attnkit.softmax_attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2))
+    strided = torch.nested.nested_tensor([torch.randn(2, 5, 8), torch.randn(2, 3, 8)])
+    with pytest.raises(ValueError, match="must have the jagged layout"):
+        attnkit.softmax_attention(strided, strided, strided)
+    other = _nested(_packed([5, 4, 1], 2, 8, F32, 1), _cu([5, 4, 1]).to(torch.int64))
+    with pytest.raises(ValueError, match="nested key and value must have the same sequence lengths"):
+        attnkit.softmax_attention(q, q, other)
+    with pytest.raises(ValueError, match="must all be nested tensors or none; key is nested, query is not"):
+        attnkit.softmax_attention(dense, q, dense)
