@@ -23,6 +23,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def check_dense(fn: str, name: str, x: torch.Tensor, layout: str = "") -> None:
+    """The tensor ``x`` is dense: neither nested nor of a sparse layout.  (Those reached the
+    kernels before and failed there: a NotImplementedError of the dispatcher, or torch's
+    "NestedTensorImpl doesn't support sizes".)"""
+    if x.is_nested or x.layout is not torch.strided:
+        got = f"a nested tensor ({x.layout})" if x.is_nested else f"a tensor of layout {x.layout}"
+        raise ValueError(
+            f"{fn}: {name} must be a dense (strided) tensor{' ' + layout if layout else ''}; got {got}"
+            + (" -- attnkit.softmax_attention takes SDPA's jagged nested tensors; elsewhere pass their "
+               "values() and offsets() to the packed-sequence (varlen) functions" if x.is_nested else "")
+        )
+
+
 def check_tensor(fn: str, name: str, x, layout: str, hint: str = "") -> None:
     """``x`` is a floating-point tensor whose rank matches ``layout`` (e.g. "[B, H, N, D]").
 
@@ -31,6 +44,7 @@ def check_tensor(fn: str, name: str, x, layout: str, hint: str = "") -> None:
     (what to do instead)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor {layout}; got {type(x).__name__}")
+    check_dense(fn, name, x, layout)
     leading, rank = _parse_layout(layout)
     if (x.dim() < rank) if leading else (x.dim() != rank):
         what = f"a tensor of at least {rank} dims" if leading else f"a {rank}-D tensor"

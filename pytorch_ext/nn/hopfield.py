@@ -77,6 +77,7 @@ import math
 import torch
 from torch import nn
 
+from .._validation import check_dense
 from ..ops.hopfield import hopfield_update
 from ..ops.softmax import softmax_attention
 
@@ -318,6 +319,7 @@ class Hopfield(nn.Module):
                               ("pattern_projection", proj, self.pattern_projection_dim)):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{fn}: {name} must be a torch.Tensor; got {type(x).__name__}")
+            check_dense(fn, name, x)
             if x.dim() != 3:
                 layout = "[B, L, F]" if self.batch_first else "[L, B, F]"
                 raise ValueError(f"{fn}: {name} must be 3-D {layout}; got shape {tuple(x.shape)}")
@@ -468,6 +470,8 @@ class _HopfieldWrapper(nn.Module):
 
     def _batched(self, w: torch.Tensor, input: torch.Tensor, fn: str, what: str) -> torch.Tensor:
         """``w`` [quantity, size] expanded to the batch of the 3-D ``input`` (after checking it)."""
+        if isinstance(input, torch.Tensor):
+            check_dense(fn, "input", input)
         if not isinstance(input, torch.Tensor) or input.dim() != 3:
             raise ValueError(f"{fn}: input must be a 3-D tensor of {what}; got "
                              + (f"shape {tuple(input.shape)}" if isinstance(input, torch.Tensor) else type(input).__name__))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._validation import check_bool, check_choice, check_heads
+from .._validation import check_bool, check_choice, check_dense, check_heads
 from ..ops.linear import linear_attention, linear_attention_step
 from ..reference.linear import FEATURE_MAPS
 
@@ -88,6 +88,7 @@ class LinearAttention(nn.Module):
     def _check_input(self, name: str, x) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{_NAME}: {name} must be a torch.Tensor; got {type(x).__name__}")
+        check_dense(_NAME, name, x)
         layout = "[batch, seq, embed_dim]" if self.batch_first else "[seq, batch, embed_dim]"
         if x.dim() != 3:
             raise ValueError(f"{_NAME}: {name} must be 3-D {layout}; got shape {tuple(x.shape)}")
@@ -146,6 +147,7 @@ class LinearAttention(nn.Module):
             raise ValueError(f"{_NAME}: step() needs a causal layer (causal=True)")
         if not isinstance(x_t, torch.Tensor):
             raise TypeError(f"{_NAME}: x_t must be a torch.Tensor; got {type(x_t).__name__}")
+        check_dense(_NAME, "x_t", x_t)
         if x_t.dim() != 2 or x_t.shape[-1] != self.embed_dim:
             raise ValueError(
                 f"{_NAME}: x_t must be [batch, embed_dim={self.embed_dim}]; got shape {tuple(x_t.shape)}"

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
+from .._validation import check_dense
 from ..ops.softmax import softmax_attention
 
 _NAME = "attnkit.nn.MultiheadAttention"
@@ -183,6 +184,7 @@ class MultiheadAttention(nn.Module):
         for name, x in (("query", query), ("key", key), ("value", value)):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{_NAME}: {name} must be a torch.Tensor; got {type(x).__name__}")
+            check_dense(_NAME, name, x)
         if query.dim() not in (2, 3):
             raise ValueError(
                 f"{_NAME}: query must be 3-D (batched) or 2-D (unbatched); got shape {tuple(query.shape)}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._validation import check_bool, check_heads
+from .._validation import check_bool, check_dense, check_heads
 from ..ops.sparse import sparse_attention
 from ..patterns import BlockLayout, Pattern
 
@@ -101,6 +101,7 @@ class SparseSelfAttention(nn.Module):
         """``[B, N, E]`` (``[N, B, E]`` if not batch_first) -> the same shape."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{_NAME}: x must be a torch.Tensor; got {type(x).__name__}")
+        check_dense(_NAME, "x", x)
         layout = "[batch, seq, embed_dim]" if self.batch_first else "[seq, batch, embed_dim]"
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(

@@ -441,6 +441,11 @@ def _real(x) -> bool:
     return type(x) in (float, int) and -math.inf < x < math.inf
 
 
+def _dense(x) -> bool:
+    """Not nested, not sparse (those reached the kernels from the fast paths and crashed there)."""
+    return x.layout is torch.strided and not x.is_nested
+
+
 def _plain_call(query, key, value, causal, feature_map, normalize, eps, scale,
                 return_state) -> bool:
     """Whether a call without initial_state passes every check of _validate: then _validate
@@ -450,6 +455,7 @@ def _plain_call(query, key, value, causal, feature_map, normalize, eps, scale,
     if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
             and isinstance(value, torch.Tensor)
             and query.ndim == 4 and key.ndim == 4 and value.ndim == 4
+            and _dense(query) and _dense(key) and _dense(value)
             and type(causal) is bool and type(normalize) is bool and type(return_state) is bool
             and type(feature_map) is str and feature_map in FEATURE_MAPS
             and _real(eps) and eps >= 0 and _real(scale)):
@@ -470,6 +476,7 @@ def _plain_step(q_t, k_t, v_t, state, feature_map, normalize, eps, scale) -> boo
     if not (isinstance(q_t, torch.Tensor) and isinstance(k_t, torch.Tensor)
             and isinstance(v_t, torch.Tensor)
             and q_t.ndim == 3 and k_t.ndim == 3 and v_t.ndim == 3
+            and _dense(q_t) and _dense(k_t) and _dense(v_t)
             and type(normalize) is bool and type(feature_map) is str
             and feature_map in FEATURE_MAPS and _real(eps) and eps >= 0 and _real(scale)):
         return False

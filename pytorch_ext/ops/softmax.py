@@ -1325,11 +1325,18 @@ def softmax_attention(
                     and native_cpu(FAMILY, backend)
                     and not _is_compiling()
                 ):
-                    if (query.requires_grad or key.requires_grad or value.requires_grad) and _grad_enabled():
-                        result = _native_apply(query, key, value, None, scale, is_causal)
-                    else:
-                        with _BELOW_AUTOGRAD():
-                            result = _FWD_CALL(query, key, value, None, scale, is_causal)
+                    try:
+                        if (query.requires_grad or key.requires_grad or value.requires_grad) and _grad_enabled():
+                            result = _native_apply(query, key, value, None, scale, is_causal)
+                        else:
+                            with _BELOW_AUTOGRAD():
+                                result = _FWD_CALL(query, key, value, None, scale, is_causal)
+                    except NotImplementedError:
+                        # A sparse-layout tensor (no kernel for its dispatch key; nothing ran):
+                        # check_tensor reports it.  (A try costs nothing in Python 3.11.)
+                        for name, t in (("query", query), ("key", key), ("value", value)):
+                            check_tensor(OP_NAME, name, t, "[..., N, D]")
+                        raise
                     return result if return_lse else result[0]
                 if query.device == key.device == value.device:
                     chosen = _route(backend, query, key, value, None, 0.0, None, is_causal)
