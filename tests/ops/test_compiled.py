@@ -263,3 +263,25 @@ def test_cuda_compiled_calls_give_the_eager_results():
     _assert_same(got, want, "decode out")
     for a, b in zip(caches_got, cache):
         _assert_same(a, b, "cache")
+
+
+def test_torch_export_of_the_three():
+    """torch.export traces the opaque ops too; the exported program gives the eager results."""
+    cu = torch.tensor([0, 3, 12], dtype=torch.int32)
+    q, k, v = (_randn(12, 2, 16, seed=i) for i in range(3))
+    cache = [torch.zeros(2, 2, 8, 16) for _ in range(2)]
+    qd, kd, vd = (_randn(2, 2, 1, 16, seed=i) for i in (3, 4, 5))
+    seqlens = torch.tensor([2, 3], dtype=torch.int32)
+    calls = [
+        (lambda q, k, v, cu: attnkit.softmax_attention_varlen(q, k, v, cu, cu, 9, 9, is_causal=True), (q, k, v, cu)),
+        (lambda q, k, v, cu: attnkit.linear_attention_varlen(q, k, v, cu, causal=True), (q, k, v, cu)),
+        (lambda q, kc, vc, k, v, s: attnkit.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=s),
+         (qd, *cache, kd, vd, seqlens)),
+    ]
+    for i, (f, args) in enumerate(calls):
+        module = type("Call", (torch.nn.Module,), {"forward": lambda self, *a, f=f: f(*a)})()
+        exported = torch.export.export(module, tuple(a.clone() for a in args)).module()
+        got_args, want_args = [a.clone() for a in args], [a.clone() for a in args]
+        _assert_same(exported(*got_args), f(*want_args), f"call {i}")
+        for a, b in zip(got_args, want_args):  # the KV cache written alike
+            _assert_same(a, b, f"call {i} inputs after")
