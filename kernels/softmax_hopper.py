@@ -1177,10 +1177,14 @@ _FAST_BWD_REDUCE_ARGS = {key: _cfg(*tiles) for key, tiles in FAST_BWD_REDUCE.ite
 
 def fast_bwd(grad_out, q, k, v, out, lse, scale, is_causal):
     """kernels/softmax.py's fast-case backward: ``(dq, dk, dv)``, the measured scheme and tiles
-    (FAST_BWD_REDUCE where it holds, else split on FAST_BWD's)."""
+    (FAST_BWD_REDUCE where it holds and deterministic algorithms are off, else split on
+    FAST_BWD's)."""
     d = pow2(q.shape[-1])
     reduce_config = _FAST_BWD_REDUCE_ARGS.get((d, bool(is_causal)))
-    if reduce_config is not None and _reduce_usable(grad_out, q, k, v, out):
+    # Not under torch.use_deterministic_algorithms(True): the reduce-adds of dQ's shares come in
+    # no fixed order (dQ not bitwise reproducible); split computes dQ in a kernel of its own.
+    if (reduce_config is not None and not torch.are_deterministic_algorithms_enabled()
+            and _reduce_usable(grad_out, q, k, v, out)):
         return hopper_bwd(grad_out, q, k, v, out, lse, scale, is_causal,
                           variant=BWD_VARIANTS["tma_reduce"], config=reduce_config)
     return hopper_bwd(grad_out, q, k, v, out, lse, scale, is_causal, variant=BWD_VARIANTS["split"],

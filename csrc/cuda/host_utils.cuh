@@ -19,6 +19,7 @@
 #endif
 #endif
 
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>

@@ -1079,7 +1079,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cuda(
     if (auto hopper = softmax_bwd_cuda_sm90(dout, q, k, v, lse, delta, scale, is_causal)) return *hopper;
   }
   // The variants compute no mask: with one, the default kernels run whatever the variable says.
-  const BwdVariant variant = mk.kind == kNoMask ? bwd_variant() : kBwdDefault;
+  BwdVariant variant = mk.kind == kNoMask ? bwd_variant() : kBwdDefault;
+  // torch.use_deterministic_algorithms(True): not the fused variant, whose dQ atomics add in no
+  // fixed order; the stream variant is the same scheme with dQ by its own kernel.
+  if (variant == kBwdFused && at::globalContext().deterministicAlgorithms()) variant = kBwdStream;
   if (variant != kBwdDefault) {
     const bool bf16 = q.scalar_type() == at::kBFloat16;
     if (bf16) {

@@ -1489,7 +1489,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> softmax_bwd_cuda_s
   at::Tensor dq = at::empty({B, H, N, D}, q.options());
   at::Tensor dk = at::empty({B, Hk, M, D}, q.options());
   at::Tensor dv = at::empty({B, Hk, M, D}, q.options());
-  const bool atomic = sm90_requested() == Sm90Mode::kAtomic && D != kWideD;
+  // (torch.use_deterministic_algorithms(True): the two-kernel backward, whose dQ has no atomics.)
+  const bool atomic = sm90_requested() == Sm90Mode::kAtomic && D != kWideD &&
+                      !at::globalContext().deterministicAlgorithms();
   at::Tensor dq_acc = atomic ? at::zeros({B, H, N, D}, q.options().dtype(at::kFloat)) : at::Tensor();
   Sm90BwdParams p;
   p.dq_acc = atomic ? dq_acc.data_ptr<float>() : nullptr;

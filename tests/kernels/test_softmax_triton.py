@@ -17,6 +17,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+import attnkit  # noqa: E402
 from attnkit.kernels import softmax as triton_softmax  # noqa: E402
 from attnkit.reference.softmax import softmax_attention_reference  # noqa: E402
 from attnkit_testing import TRITON_BF16, TRITON_BF16_TEST, assert_close_to_reference  # noqa: E402
@@ -601,6 +602,29 @@ def test_fast_bwd_takes_tma_reduce_only_where_it_runs(monkeypatch):
     taken.clear()
     softmax_hopper.fast_bwd(go128, q128, k128, v128, torch.zeros_like(q128), lse, None, True)
     assert taken == ["split"]
+    # torch.use_deterministic_algorithms(True): never the reduce-adds (dQ's shares in no fixed order).
+    taken.clear()
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    softmax_hopper.fast_bwd(go, q, k, v, out, lse, None, True)
+    assert taken == ["split"]
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_mode_backward_is_reproducible():
+    # Under torch.use_deterministic_algorithms(True) the default backward (on an sm_90 GPU the
+    # fast path, whose D=64 causal case adds dQ by reduce-adds otherwise) gives the same bits
+    # on every run.
+    q, k, v, go = make_inputs(2, 8, 8, 1000, 1000, 64, 64, torch.bfloat16)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [torch.autograd.grad(attnkit.softmax_attention(q, k, v, is_causal=True), (q, k, v), go)
+                for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
