@@ -204,6 +204,17 @@ def _finite_err(x64: torch.Tensor, ref64: torch.Tensor, where: torch.Tensor) -> 
     return (x64[where] - ref64[where]).abs().max().item()
 
 
+def value_size(*values) -> float:
+    """The largest finite |v| of the value tensors: the size of the terms an attention output
+    sums (sum_j p_j v_j with p a distribution, the sinks' share included), the yardstick of its
+    float32 rule -- ``tolerance(..., size=value_size(v))`` -- where those terms cancel.  Found by
+    session 32's random fuzzing (ATTNKIT_FUZZ_EXAMPLES=2000 test_fuzz_softmax, cpu): float32,
+    N = 1, M = 63, Dv = 1, an output of 9e-4 from values of size ~1: the kernel's 2.4e-8 is a
+    fifth of float32's eps on the terms, against 2e-5 of the result's own size, 1.8e-8."""
+    sizes = [v[torch.isfinite(v)].abs().max().item() for v in values if v is not None and torch.isfinite(v).any()]
+    return max(sizes, default=0.0)
+
+
 def tolerance(dtype, ref64, *, grad=False, naive=None, huge_scores=0.0, unit=None, size=None) -> float:
     """DESIGN.md's rule for one tensor.  ``naive``: the same computation by the reference in
     the inputs' dtype (needed for float16 / bfloat16, and for float32 with huge scores).
