@@ -510,6 +510,49 @@ def _launch_first_fitting(kernel, configs, grid, args, consts, names):
         return
 
 
+# CUDA's limit on a launch grid's y and z dims (x takes 2^31 - 1).  The launchers put the heads
+# and the batch there (softmax: (query tiles, H, B); sparse, Hopfield: (..., B * H)), so a call
+# past it failed on a GPU ("invalid argument") -- B * H = 65536 is B = 4096 sequences of 16
+# heads.  Such calls run on slices of the batch (:func:`batch_slices`).
+MAX_GRID_YZ = 65535
+
+
+def batch_slices(batch: int, per_element: int = 1) -> list[slice] | None:
+    """None when ``batch`` elements of ``per_element`` programs each fit one grid dim
+    (``batch * per_element <= MAX_GRID_YZ``); else slices of at most ``MAX_GRID_YZ //
+    per_element`` batch elements that cover the batch."""
+    step = MAX_GRID_YZ // max(per_element, 1)
+    if batch <= step:
+        return None
+    if step < 1:
+        raise ValueError(f"{per_element} programs per batch element exceed CUDA's grid limit ({MAX_GRID_YZ})")
+    return [slice(b0, min(b0 + step, batch)) for b0 in range(0, batch, step)]
+
+
+def by_batch_slices(batched: int, per_element=lambda first: 1):
+    """Decorator for a launcher whose first ``batched`` positional arguments are tensors with the
+    batch as dim 0 (or None) and whose results -- a tensor or a tuple of tensors -- all have it as
+    dim 0: a call whose grid would pass :data:`MAX_GRID_YZ` (``per_element(first argument)``
+    programs per batch element on one grid dim) runs on batch slices, the results concatenated.
+    Every other argument is passed unchanged to each slice."""
+    def decorate(launcher):
+        def run(*args, **kwargs):
+            first = args[0]
+            slices = batch_slices(first.shape[0], per_element(first)) if first.dim() else None
+            if slices is None:
+                return launcher(*args, **kwargs)
+            parts = [launcher(*(a[sl] if i < batched and a is not None else a for i, a in enumerate(args)),
+                              **kwargs) for sl in slices]
+            if isinstance(parts[0], tuple):
+                return tuple(torch.cat(results) for results in zip(*parts))
+            return torch.cat(parts)
+
+        run.__name__, run.__qualname__, run.__doc__ = launcher.__name__, launcher.__qualname__, launcher.__doc__
+        run.__wrapped__ = launcher
+        return run
+    return decorate
+
+
 def launch(kernel, autotuned, candidates, grid, args, consts, config, tune=True,
            names=TILE_NAMES):
     """Run ``kernel`` with ``config`` or, when None, through ``autotuned()`` (its

@@ -61,8 +61,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._flash import (INTERPRETED, MAX_HEAD_DIM, SUPPORTED_DTYPES, _LN2, cdiv, cfg, dot_precision,
-                     fitting, launch, next_pow2, pow2)
+from ._flash import (INTERPRETED, MAX_HEAD_DIM, SUPPORTED_DTYPES, _LN2, by_batch_slices, cdiv, cfg,
+                     dot_precision, fitting, launch, next_pow2, pow2)
 
 __all__ = [
     "hopfield_update_fwd",
@@ -570,6 +570,7 @@ def hopfield_update_fwd(state, stored, values, beta, steps, tol, final_state, *,
     return out, states, lse, applied
 
 
+@by_batch_slices(2, per_element=lambda first: first.shape[1])  # (grid: (..., B * H))
 def hopfield_energy_fwd(state, stored, beta, config=None):
     """(energy, lse), float32 ``[B, H, S]``; see the module docstring.  ``config``: a
     ``triton.Config`` with BLOCK_S / BLOCK_N (default: 64 x 64, 16-row tiles for S <= 16)."""

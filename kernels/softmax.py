@@ -81,7 +81,7 @@ from ._flash import (INTERPRETED, MAX_HEAD_DIM, SUPPORTED_DTYPES, _LOG2E, accumu
                      dot_precision, dq_step, finish_rows, finish_rows_sink, fitting, launch,
                      load_bwd_rows, load_row_pair, load_rows, next_pow2, online_softmax_update, pow2,
                      scores, option_scores, score_option_args, sink_args, split_config, store_rows,
-                     strides, tanh_and_grad)
+                     strides, tanh_and_grad, batch_slices)
 
 __all__ = [
     "softmax_fwd",
@@ -943,6 +943,15 @@ def _launch(name, dmax, grid, args, consts, config):
            args, consts, config)
 
 
+def _batch_rows(x, sl, batch, rank):
+    """The rows ``sl`` of a per-batch argument (a mask [B, H | 1, N, M], ALiBi slopes [B, H]:
+    ``rank`` dims with the batch first); a broadcast or batch-free one (None, [1, ...], [H],
+    [N, M]) unchanged."""
+    if isinstance(x, torch.Tensor) and x.dim() == rank and x.shape[0] == batch and batch > 1:
+        return x[sl]
+    return x
+
+
 def softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=0, config=None, *,
                 window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
     """Flash-attention forward.  Returns ``(out [B, H, N, Dv] in q.dtype, lse [B, H, N] f32)``.
@@ -953,11 +962,19 @@ def softmax_fwd(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=0, config=N
     [B, H] or [H], None = off): the score options of the module docstring.  ``sinks`` (float32
     [H], None = off): one more logit of each row's softmax with no value, folded into the rows
     before they are rounded; out and lse are then those with the sink (a row with no visible
-    key: out 0, lse = the sink), as :func:`softmax_bwd` takes them.
+    key: out 0, lse = the sink), as :func:`softmax_bwd` takes them.  A batch past CUDA's grid
+    limit (B > 65535) runs in slices (batch slice i with dropout seed ``seed + i``).
     """
     fn = "softmax_fwd"
     _check_inputs(fn, q, k, v, dropout_p)
     B, H, N, D = q.shape
+    slices = batch_slices(B)  # (grid: (query tiles, H, B))
+    if slices is not None:
+        parts = [softmax_fwd(q[sl], k[sl], v[sl], _batch_rows(mask, sl, B, 4), scale, is_causal, dropout_p,
+                             int(seed) + i, config, window_left=window_left, window_right=window_right,
+                             softcap=softcap, alibi_slopes=_batch_rows(alibi_slopes, sl, B, 2), sinks=sinks)
+                 for i, sl in enumerate(slices)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     Hk, M, Dv = k.shape[1], k.shape[2], v.shape[3]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if sinks is None and _fast_path(q, k, v, mask, dropout_p, config, window_left, window_right,
@@ -1010,6 +1027,14 @@ def softmax_bwd(grad_out, q, k, v, out, lse, mask, scale, is_causal, dropout_p=0
     B, H, N, D = q.shape
     Hk, M, Dv = k.shape[1], k.shape[2], v.shape[3]
     check_backward_inputs(fn, grad_out, out, lse, B, H, N, Dv)
+    slices = batch_slices(B)  # as softmax_fwd's (the same slices and seeds)
+    if slices is not None:
+        parts = [softmax_bwd(grad_out[sl], q[sl], k[sl], v[sl], out[sl], lse[sl], _batch_rows(mask, sl, B, 4), scale,
+                             is_causal, dropout_p, int(seed) + i, config, window_left=window_left,
+                             window_right=window_right, softcap=softcap,
+                             alibi_slopes=_batch_rows(alibi_slopes, sl, B, 2))
+                 for i, sl in enumerate(slices)]
+        return tuple(torch.cat(grads) for grads in zip(*parts))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if _fast_path(q, k, v, mask, dropout_p, config, window_left, window_right, softcap,
                   alibi_slopes, grad_out):
@@ -1210,9 +1235,14 @@ def varlen_dropout_keep_masks(cu_seqlens_q, cu_seqlens_k, H, dropout_p, seed, de
 
 def dropout_keep_mask(B, H, N, M, dropout_p, seed, device):
     """The keep mask (bool [B, H, N, M], True = kept) that ``softmax_fwd`` / ``softmax_bwd``
-    apply for this ``dropout_p`` and ``seed``."""
+    apply for this ``dropout_p`` and ``seed`` (past CUDA's grid limit, per batch slice as they
+    take it: slice i's with ``seed + i``)."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_keep_mask: dropout_p must be in [0, 1); got {dropout_p}")
+    slices = batch_slices(B)
+    if slices is not None:
+        return torch.cat([dropout_keep_mask(sl.stop - sl.start, H, N, M, dropout_p, int(seed) + i, device)
+                          for i, sl in enumerate(slices)])
     keep = torch.empty((B, H, N, M), dtype=torch.bool, device=device)
     if keep.numel() == 0:
         return keep

@@ -79,7 +79,7 @@ import triton.language as tl
 from ._flash import (INTERPRETED, MAX_HEAD_DIM, SUPPORTED_DTYPES, _LOG2E, cdiv, config_list,
                      dk_step, dot_precision, dq_step, finish_rows, fitting, launch, load_bwd_rows,
                      load_row_pair, load_rows, next_pow2, online_softmax_step, pow2, scores,
-                     split_config, store_rows, strides)
+                     split_config, store_rows, strides, by_batch_slices)
 
 __all__ = [
     "sparse_range_fwd",
@@ -779,6 +779,7 @@ def _range_common(view, lo, hi, Nq, Nk, H):
     return (H, Nq, Nk, q_pg, q_pt, k_pg, k_pt, *lo, *hi)
 
 
+@by_batch_slices(3, per_element=lambda first: first.shape[1])  # (grid: (..., B * H))
 def sparse_range_fwd(q, k, v, view, lo, hi, scale, config=None, out_dtype=None):
     """One range part.  q [B,H,Nq,D], k [B,H,Nk,D], v [B,H,Nk,Dv]; ``view = [G, q_pg, q_pt,
     k_pg, k_pt]``, ``lo = hi = [a, d, m, b]`` (see the module docstring).  Returns ``(out
@@ -829,6 +830,7 @@ def _check_bwd_extras(fn, grad_out, q, v, lse, delta):
     return lse.contiguous(), delta.contiguous()
 
 
+@by_batch_slices(6, per_element=lambda first: first.shape[1])  # (grid: (..., B * H))
 def sparse_range_bwd(grad_out, q, k, v, lse, delta, view, lo, hi, scale, config=None):
     """Gradients of one range part given the merged ``lse`` and ``delta`` (float32 [B,H,Nq]):
     ``(dq, dk, dv)`` shaped and typed like q, k, v, zeros where the part touches nothing.
@@ -914,6 +916,7 @@ def _block_setup(fn, q, k, v, ptr, idx, block, ptr_name, idx_name):
     return block, nb, ptr, idx.contiguous(), head_stride
 
 
+@by_batch_slices(3, per_element=lambda first: first.shape[1])  # (grid: (..., B * H))
 def block_sparse_fwd(q, k, v, row_ptr, col_idx, block, causal, scale, config=None):
     """Block-sparse attention over per-row index lists (``BlockLayout.index_lists()``).
     q, k [B,H,N,D], v [B,H,N,Dv], N = nb * block (any block >= 1); ``row_ptr`` int32 [Hl,nb+1]
@@ -938,6 +941,7 @@ def block_sparse_fwd(q, k, v, row_ptr, col_idx, block, causal, scale, config=Non
     return out, lse
 
 
+@by_batch_slices(6, per_element=lambda first: first.shape[1])  # (grid: (..., B * H))
 def block_sparse_bwd(grad_out, q, k, v, lse, delta, row_ptr, col_idx, col_ptr, row_idx, block,
                      causal, scale, config=None):
     """Gradients of :func:`block_sparse_fwd` given the merged ``lse`` and ``delta`` (float32
