@@ -553,13 +553,29 @@ def by_batch_slices(batched: int, per_element=lambda first: 1):
     return decorate
 
 
+def _within_limits(kernel, grid):
+    """``grid`` checked against CUDA's limits when evaluated (a clear error instead of the
+    driver's "invalid argument" at launch)."""
+    def checked(*tiles):
+        dims = grid(*tiles)
+        if any(d > MAX_GRID_YZ for d in dims[1:]):
+            name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "kernel")
+            raise ValueError(f"attnkit: {name}'s launch grid {tuple(dims)} passes CUDA's limit of {MAX_GRID_YZ} "
+                             "on its y / z dims (the batch, or batch x heads): call it on slices of the batch")
+        return dims
+    return checked
+
+
 def launch(kernel, autotuned, candidates, grid, args, consts, config, tune=True,
            names=TILE_NAMES):
     """Run ``kernel`` with ``config`` or, when None, through ``autotuned()`` (its
     ``triton.autotune`` wrapper).  Instead of autotuning: the first of ``candidates()`` when
     interpreted, and the first that compiles on a GPU when ``tune`` is False (a kernel that is
     not idempotent) or autotuning is off (:func:`autotuning`).  ``grid(BLOCK_M, BLOCK_N)`` (the
-    two tile sizes ``names``) gives the launch grid."""
+    two tile sizes ``names``) gives the launch grid; a grid past :data:`MAX_GRID_YZ` on its y / z
+    dims raises ValueError (the launchers that can split their batch do so before: sparse,
+    softmax, Hopfield energy)."""
+    grid = _within_limits(kernel, grid)
     if config is None and INTERPRETED:
         config = candidates()[0]
     if config is None and (not tune or not _AUTOTUNE[0]):

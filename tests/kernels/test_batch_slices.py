@@ -60,7 +60,7 @@ def test_softmax_in_batch_slices(monkeypatch):
         return attnkit.softmax_attention(q, k, v, mask, enable_gqa=True, window=(6, 2), softcap=3.0,
                                          alibi_slopes=alibi, sinks=sinks, return_lse=True, backend="triton")
 
-    _same_with_a_lower_limit(monkeypatch, call, (q, k, v, sinks), g, limit=2)
+    _same_with_a_lower_limit(monkeypatch, call, (q, k, v, sinks), g, limit=4)  # (H = 4 fits; B = 5 does not)
 
 
 def test_softmax_dropout_in_batch_slices(monkeypatch):
@@ -99,3 +99,13 @@ def test_hopfield_energy_in_batch_slices(monkeypatch):
     whole = attnkit.hopfield_energy(state, stored, beta=0.7, backend="triton")
     monkeypatch.setattr(_flash, "MAX_GRID_YZ", 3)
     assert torch.equal(attnkit.hopfield_energy(state, stored, beta=0.7, backend="triton"), whole)
+
+
+def test_launchers_without_slices_refuse_a_grid_past_the_limit(monkeypatch):
+    # The others (linear, the decoding kernel, the Hopfield update) raise a clear error before
+    # the launch instead of the driver's "invalid argument".
+    monkeypatch.setattr(_flash, "MAX_GRID_YZ", 3)
+    q, k, v = (_randn(5, 2, 8, 4, seed=i) for i in range(3))
+    with pytest.raises(ValueError, match="passes CUDA's limit of 3 on its y / z dims"):
+        attnkit.linear_attention(q, k, v, backend="triton")
+    assert attnkit.linear_attention(q[:3], k[:3], v[:3], backend="triton").shape == (3, 2, 8, 4)
