@@ -13,6 +13,7 @@ import attnkit  # noqa: E402
 from attnkit.kernels import _flash  # noqa: E402
 from attnkit.kernels import softmax as triton_softmax  # noqa: E402
 from attnkit.patterns import fixed, strided  # noqa: E402
+from attnkit_testing import assert_close_to_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -39,7 +40,7 @@ def _results(fn, inputs, g):
     return [o.detach() for o in outs] + list(grads)
 
 
-def _same_with_a_lower_limit(monkeypatch, fn, inputs, g, limit):
+def _assert_same_with_a_lower_limit(monkeypatch, fn, inputs, g, limit):
     whole = _results(fn, inputs, g)
     monkeypatch.setattr(_flash, "MAX_GRID_YZ", limit)
     sliced = _results(fn, inputs, g)
@@ -60,7 +61,7 @@ def test_softmax_in_batch_slices(monkeypatch):
         return attnkit.softmax_attention(q, k, v, mask, enable_gqa=True, window=(6, 2), softcap=3.0,
                                          alibi_slopes=alibi, sinks=sinks, return_lse=True, backend="triton")
 
-    _same_with_a_lower_limit(monkeypatch, call, (q, k, v, sinks), g, limit=4)  # (H = 4 fits; B = 5 does not)
+    _assert_same_with_a_lower_limit(monkeypatch, call, (q, k, v, sinks), g, limit=4)  # (H = 4 fits; B = 5 does not)
 
 
 def test_softmax_dropout_in_batch_slices(monkeypatch):
@@ -76,11 +77,11 @@ def test_softmax_dropout_in_batch_slices(monkeypatch):
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     probs = torch.softmax(q64 @ k64.transpose(-1, -2) * scale, -1)
     ref = (probs * keep / (1 - p)) @ v64
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    assert_close_to_reference(out, ref)
     g = _randn(b, h, n, d, seed=9)
     dq, dk, dv = triton_softmax.softmax_bwd(g, q, k, v, out, lse, None, None, False, p, seed)
-    for got, want in zip((dq, dk, dv), torch.autograd.grad(ref, (q64, k64, v64), g.double())):
-        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    for name, got, want in zip("qkv", (dq, dk, dv), torch.autograd.grad(ref, (q64, k64, v64), g.double())):
+        assert_close_to_reference(got, want, grad=True, name=f"d{name}")
 
 
 @pytest.mark.parametrize("pattern", [strided(3), fixed(4, 1)], ids=repr)
@@ -89,7 +90,7 @@ def test_sparse_in_batch_slices(monkeypatch, pattern):
     b, h, n, d = 5, 2, 12, 8
     q, k, v = (_randn(b, h, n, d, seed=i, requires_grad=True) for i in range(3))
     g = _randn(b, h, n, d, seed=4)
-    _same_with_a_lower_limit(monkeypatch, lambda q, k, v: attnkit.sparse_attention(q, k, v, pattern,
+    _assert_same_with_a_lower_limit(monkeypatch, lambda q, k, v: attnkit.sparse_attention(q, k, v, pattern,
                                                                                     backend="triton"),
                              (q, k, v), g, limit=5)
 
