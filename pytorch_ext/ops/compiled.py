@@ -19,9 +19,9 @@ other path's backward op recomputes the eager forward with autograd on and diffe
 (:func:`recompute_gradients`): a compiled training step pays the packed forward twice there (as
 activation checkpointing does).  Measured (softmax_attention_varlen, 16 causal sequences of
 32-512 tokens, H=8, D=64, float32, cpu backend, one thread, Intel Xeon without AMX; an ad-hoc
-loop, min of 5): forward 22.6 ms compiled against 22.5 eager, forward+backward 118 against 81.  No double backward through these ops (the eager functions have
-one).  Dropout under compilation keeps the eager, graph-breaking path: a recomputed forward
-would draw another mask.
+loop, min of 5): forward 22.6 ms compiled against 22.5 eager, forward+backward 118 against 81.
+No double backward through these ops (the eager functions have one).  Dropout under
+compilation keeps the eager, graph-breaking path: a recomputed forward would draw another mask.
 """
 from __future__ import annotations
 
@@ -91,6 +91,8 @@ def _like(x: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def _none_if_empty(g: torch.Tensor, like: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The gradient of an optional input as autograd takes it: None where the input was None
+    (the op returned an empty placeholder for it)."""
     return None if like is None else g
 
 
