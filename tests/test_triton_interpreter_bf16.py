@@ -49,3 +49,29 @@ def test_interpreted_kernel_dots_and_casts_bfloat16():
     want = a.double() @ b.double()
     assert (c.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
     assert torch.equal(r, c.bfloat16())  # rounded to nearest even, as on a GPU
+
+
+def test_interpreted_comparisons_and_min_max_of_bfloat16():
+    # They compared the uint16 bits: NaN != NaN was False (the sparse backward's NaN guard did
+    # nothing), and negative values ordered as large integers.
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def compare(x_ptr, y_ptr, ne_ptr, lt_ptr, mx_ptr, mn_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        x, y = tl.load(x_ptr + i), tl.load(y_ptr + i)
+        tl.store(ne_ptr + i, (x != x).to(tl.int32))
+        tl.store(lt_ptr + i, (x < y).to(tl.int32))
+        tl.store(mx_ptr + i, tl.maximum(x, y))
+        tl.store(mn_ptr + i, tl.minimum(x, y))
+
+    x = torch.tensor([1.0, float("nan"), -2.0, -0.5, float("inf"), 3.0, -float("inf"), 0.0]).bfloat16()
+    y = torch.tensor([2.0, 1.0, -1.0, -4.0, 1.0, -3.0, 5.0, -0.0]).bfloat16()
+    ne, lt = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    mx, mn = torch.empty(8, dtype=torch.bfloat16), torch.empty(8, dtype=torch.bfloat16)
+    compare[(1,)](x, y, ne, lt, mx, mn, N=8)
+    assert ne.tolist() == torch.isnan(x).int().tolist()
+    assert lt.tolist() == (x < y).int().tolist()
+    finite = ~torch.isnan(x)
+    assert torch.equal(mx[finite], torch.maximum(x, y)[finite]) and torch.equal(mn[finite], torch.minimum(x, y)[finite])

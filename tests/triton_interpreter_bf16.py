@@ -92,8 +92,32 @@ def install() -> bool:
     builder.create_dot = create_dot
     builder.cast_impl = cast_impl
     builder.create_fp_to_fp = create_fp_to_fp
+    # Comparisons and min / max of bfloat16 operands compared their uint16 bits: a NaN was
+    # never != itself (the Triton sparse backward's NaN guard `do != do` did nothing in
+    # bfloat16, so a poisoned row's NaN spread to the keys it cannot see -- session 32's random
+    # fuzzing of test_fuzz_sparse, found as a kernel failure that a GPU would not show), and
+    # negative values ordered wrongly.  They widen both operands first (exact); min / max
+    # narrow their result back (exact: it is one of the operands).
+    for name in [n for n in dir(builder) if n.startswith("create_fcmp")]:
+        setattr(builder, name, _widening(getattr(builder, name), handle_type, tl, narrow=False))
+    for name in ("create_maximumf", "create_minimumf", "create_maxnumf", "create_minnumf"):
+        if hasattr(builder, name):
+            setattr(builder, name, _widening(getattr(builder, name), handle_type, tl, narrow=True))
     _ORIGINAL = original
     return True
+
+
+def _widening(original, handle_type, tl, narrow):
+    """``original(self, lhs, rhs)`` on float32 copies of bfloat16 operands."""
+    def op(self, lhs, rhs):
+        if lhs.get_element_ty() != tl.bfloat16 and rhs.get_element_ty() != tl.bfloat16:
+            return original(self, lhs, rhs)
+        wide = [_widen(x, handle_type, tl) if x.get_element_ty() == tl.bfloat16 else x for x in (lhs, rhs)]
+        result = original(self, *wide)
+        if narrow:
+            return handle_type(f32_to_bf16_bits(result.data), tl.bfloat16)
+        return result
+    return op
 
 
 def installed() -> bool:
