@@ -638,12 +638,14 @@ def hopfield_update(
         and isinstance(stored, torch.Tensor)
         and state.ndim == 4
         and stored.ndim == 4
-        and state.layout is torch.strided  # (not sparse, not nested: the full path reports those)
+        and state.layout is torch.strided  # (not sparse or jagged: the full path reports those)
         and stored.layout is torch.strided
-        and not (state.is_nested or stored.is_nested)
         and (beta is None or (type(beta) in (float, int) and 0 < beta < math.inf))
     ):
-        dtype, (b, h, s, d), (bx, hx, n, dx) = state.dtype, state.shape, stored.shape
+        try:
+            dtype, (b, h, s, d), (bx, hx, n, dx) = state.dtype, state.shape, stored.shape
+        except RuntimeError:  # a nested tensor of the strided layout: the full path reports it
+            dtype = None
         if (
             dtype in FLOATING
             and stored.dtype is dtype
