@@ -11,11 +11,12 @@ silently dropped); a fully masked row gives 0.
 - :func:`sparse_attention` with :mod:`attnkit.patterns` — strided, fixed, star, block layouts
 - :func:`hopfield_update`, :func:`hopfield_energy` — the modern Hopfield update and its energy
 - :func:`merge_attention_states` — exact merge of two partial results by their log-sum-exps
+- :mod:`flash_attn_interface` — FlashAttention 2's Python functions (layout, bottom-right causality) on attnkit
 - :func:`backends` — which backends (reference, cpu, triton, cuda) are usable here, per family
 """
 import torch  # noqa: F401  (loads libtorch before the native extension)
 
-from . import hopfield, nn, patterns
+from . import flash_attn_interface, hopfield, nn, patterns, rotary
 from ._dispatch import BackendStatus, BackendUnavailableError, backends
 from .ops.hopfield import hopfield_energy, hopfield_update
 from .ops.kvcache import attention_with_kvcache
@@ -42,6 +43,8 @@ __all__ = [
     "patterns",
     "nn",
     "hopfield",
+    "flash_attn_interface",
+    "rotary",
     "backends",
     "BackendStatus",
     "BackendUnavailableError",

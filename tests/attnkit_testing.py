@@ -539,3 +539,19 @@ def assert_nonfinite_like_reference(got, ref64, ref_low, visible, *, dtype, v=No
             torch.where(keep, x.to(F64), 0.0).to(x.dtype), torch.where(keep, r, 0.0),
             None if low is None else torch.where(keep, low.to(F64), 0.0).to(low.dtype),
             dtype=dtype, grad=i >= 2, name=name)
+
+
+def rotary_reference(x, cos, sin, positions, interleaved):
+    """x [B, N, H, D] with token (b, t) at positions[b][t]: each channel pair rotated, one by one."""
+    out = x.clone()
+    half = cos.shape[1]
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            p = positions[b][t]
+            for i in range(half):
+                a, c = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+                xa, xc = x[b, t, :, a].double(), x[b, t, :, c].double()
+                cs, sn = cos[p, i].double(), sin[p, i].double()
+                out[b, t, :, a] = (xa * cs - xc * sn).to(x.dtype)
+                out[b, t, :, c] = (xa * sn + xc * cs).to(x.dtype)
+    return out

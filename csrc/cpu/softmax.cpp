@@ -403,7 +403,7 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, bool bf16_dot, const sc
           st.release = BrgemmRelease(path);
         } else {
           st.kt.resize(static_cast<size_t>(nkb * D * kBK));
-          if (!(std::is_same_v<scalar_t, acc_t> && vs.d == 1)) st.v.resize(static_cast<size_t>(M * Dv));
+          if (!(std::is_same_v<scalar_t, acc_t> && vs.d == 1 && vs.n == Dv)) st.v.resize(static_cast<size_t>(M * Dv));
           st.q.resize(static_cast<size_t>(BQ * D));
         }
         st.s.resize(static_cast<size_t>(BQ * kBK));
@@ -417,8 +417,13 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, bool bf16_dot, const sc
         const int64_t qb = nqb - 1 - (t / G) % nqb;
         const int64_t bk = t / (G * nqb);  // b * Hk + hk
         const int64_t b = bk / Hk, hk = bk % Hk, h = hk * G + g;
-        // float32 values with unit stride along Dv are multiplied in place (no copy).
-        const bool v_in_place = std::is_same_v<scalar_t, acc_t> && vs.d == 1;
+        // float32 values in dense rows (unit stride, rows Dv apart) are multiplied in place (no
+        // copy).  Rows further apart are copied once per head: FlashAttention's [B, N, H, D]
+        // layout puts V's rows of one head H * Dv apart (2 KiB at H = 8, Dv = 64 in float32), and
+        // the P V panel's rows, at a power-of-two stride, then fall into few L1 sets -- in place,
+        // the forward of B=1 H=8 N=1024 D=64 took 17.3 against 15.0 ms on dense rows; copied, as
+        // the dense rows (one thread, Intel Xeon without AMX, session 33, /tmp/w_fa_bench.py).
+        const bool v_in_place = std::is_same_v<scalar_t, acc_t> && vs.d == 1 && vs.n == Dv;
         if (st.packed_head != bk) {
           // Padding (keys past M, an odd D's last pair) stays zero from the buffers' creation:
           // every head writes the same positions.
@@ -1629,11 +1634,12 @@ void softmax_bwd_kernel(const Problem& p, GemmPath path, const scalar_t* dout, S
     dq_acc = dq_partial.data();
   }
 
-  // `rows` rows of `cols` (sn, sd apart) as acc_t rows: read in place (acc_t, unit stride along
-  // the row; ld = sn) or converted into buf (ld = cols).
+  // `rows` rows of `cols` (sn, sd apart) as acc_t rows: read in place (acc_t, dense rows; ld =
+  // sn) or converted into buf (ld = cols).  Rows further apart are copied, as the forward copies
+  // V's (softmax_fwd_kernel): FlashAttention's [B, N, H, D] layout puts them H * D apart.
   const auto acc_rows = [](const scalar_t* src, int64_t sn, int64_t sd, int64_t rows, int64_t cols,
                            acc_t* buf, int64_t& ld) -> const acc_t* {
-    if (std::is_same_v<scalar_t, acc_t> && sd == 1) {
+    if (std::is_same_v<scalar_t, acc_t> && sd == 1 && sn == cols) {
       ld = sn;
       return reinterpret_cast<const acc_t*>(src);
     }
@@ -2101,11 +2107,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cpu(
   // lse is read through strides as a 4-D view [B,H,N,1].
   const at::Tensor lse4 = lse.unsqueeze(-1);
   const GemmPath path = cpu_gemm_path(q.scalar_type(), GemmUse::kSoftmax);
+  // float32 / float64 Q and dO rows go to the native tiles in place when dense, else as copies
+  // made per key block (the kernel's acc_rows): rows H * D apart -- FlashAttention's
+  // [B, N, H, D] layout seen as [B, H, N, D] -- made dense once here instead.  B=1 H=8 N=1024
+  // D=64 float32, backward op alone, one thread (Intel Xeon without AMX, session 33,
+  // /tmp/w_bwd_op.py): dense 38.1 ms, strided Q 40.4, strided dO 41.3, both 42.5 (copied per
+  // key block); read in place, their rows at a power-of-two stride share few L1 sets.
+  const bool float_rows = q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble;
+  const auto dense_rows = [&](const at::Tensor& x) {
+    return !float_rows || (x.stride(3) == 1 && (x.size(2) <= 1 || x.stride(2) == x.size(3))) ? x : x.contiguous();
+  };
+  const at::Tensor qd = dense_rows(q), gd = dense_rows(grad_out);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "softmax_bwd", [&] {
     using acc_t = acc_of<scalar_t>;
     softmax_bwd_kernel<scalar_t, acc_t>(
-        p, path, grad_out.const_data_ptr<scalar_t>(), Strides4(grad_out), q.const_data_ptr<scalar_t>(),
-        Strides4(q), k.const_data_ptr<scalar_t>(), Strides4(k), v.const_data_ptr<scalar_t>(),
+        p, path, gd.const_data_ptr<scalar_t>(), Strides4(gd), qd.const_data_ptr<scalar_t>(),
+        Strides4(qd), k.const_data_ptr<scalar_t>(), Strides4(k), v.const_data_ptr<scalar_t>(),
         Strides4(v), out.const_data_ptr<scalar_t>(), Strides4(out),
         lse4.const_data_ptr<acc_t>(), Strides4(lse4), dq.mutable_data_ptr<scalar_t>(),
         dk.mutable_data_ptr<scalar_t>(), dv.mutable_data_ptr<scalar_t>());
