@@ -422,7 +422,7 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, bool bf16_dot, const sc
         // layout puts V's rows of one head H * Dv apart (2 KiB at H = 8, Dv = 64 in float32), and
         // the P V panel's rows, at a power-of-two stride, then fall into few L1 sets -- in place,
         // the forward of B=1 H=8 N=1024 D=64 took 17.3 against 15.0 ms on dense rows; copied, as
-        // the dense rows (one thread, Intel Xeon without AMX, session 33, /tmp/w_fa_bench.py).
+        // the dense rows (one thread, Intel Xeon without AMX, session 33, bench/cpu_micro/fa_layout.py).
         const bool v_in_place = std::is_same_v<scalar_t, acc_t> && vs.d == 1 && vs.n == Dv;
         if (st.packed_head != bk) {
           // Padding (keys past M, an odd D's last pair) stays zero from the buffers' creation:
@@ -2111,7 +2111,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cpu(
   // made per key block (the kernel's acc_rows): rows H * D apart -- FlashAttention's
   // [B, N, H, D] layout seen as [B, H, N, D] -- made dense once here instead.  B=1 H=8 N=1024
   // D=64 float32, backward op alone, one thread (Intel Xeon without AMX, session 33,
-  // /tmp/w_bwd_op.py): dense 38.1 ms, strided Q 40.4, strided dO 41.3, both 42.5 (copied per
+  // bench/cpu_micro/fa_layout.py): dense 38.1 ms, strided Q 40.4, strided dO 41.3, both 42.5 (copied per
   // key block); read in place, their rows at a power-of-two stride share few L1 sets.
   const bool float_rows = q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble;
   const auto dense_rows = [&](const at::Tensor& x) {
