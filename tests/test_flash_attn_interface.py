@@ -475,3 +475,26 @@ def test_empty_inputs_give_empty_results():
     assert not out.any() and torch.isinf(lse).all() and (lse < 0).all()
     out = fai.flash_attn_varlen_func(_q(0, 2, 8), _q(0, 2, 8), _q(0, 2, 8), _cu([0, 0]), _cu([0, 0]), 0, 0)
     assert out.shape == (0, 2, 8)
+
+
+def test_compiles_whole_and_gives_the_eager_bits():
+    # torch.compile(fullgraph=True) of model code calling flash_attn_func (a window and a cap:
+    # the score-option path) and flash_attn_varlen_func (the packed call's compiled op).
+    torch._dynamo.reset()
+    q, k, v = _randn((2, 9, 4, 16), 161, F32, True), _randn((2, 12, 2, 16), 162, F32, True), _randn((2, 12, 2, 16), 163, F32, True)
+
+    def dense(q, k, v):
+        return fai.flash_attn_func(q, k, v, causal=True, window_size=(5, -1), softcap=3.0)
+
+    got, want = torch.compile(dense, fullgraph=True)(q, k, v), dense(q, k, v)
+    assert torch.equal(got, want)
+    grad = _randn(got.shape, 164, F32)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(got, (q, k, v), grad),
+                                                  torch.autograd.grad(want, (q, k, v), grad)))
+    cu = _cu([4, 5])
+    qv, kv = _randn((9, 4, 16), 165, F32), _randn((9, 2, 16), 166, F32)
+
+    def packed(q, k, v, cu):
+        return fai.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True)
+
+    assert torch.equal(torch.compile(packed, fullgraph=True)(qv, kv, kv, cu), packed(qv, kv, kv, cu))
