@@ -555,3 +555,36 @@ def rotary_reference(x, cos, sin, positions, interleaved):
                 out[b, t, :, a] = (xa * cs - xc * sn).to(x.dtype)
                 out[b, t, :, c] = (xa * sn + xc * cs).to(x.dtype)
     return out
+
+
+def fa_reference(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None):
+    """(out [B, N, H, Dv], lse [B, H, N]) by FlashAttention's definitions, in q's dtype: query i
+    sees key j iff ``j <= i + M - N + right`` (right = 0 when causal) and, with left >= 0,
+    ``j >= i + M - N - left``; the scores are scale · q·k, capped (softcap · tanh(s / softcap)),
+    minus slope · |i + M - N - j|.  A row that sees no key: out 0, lse -inf."""
+    batch, n, heads, head_dim = q.shape
+    m, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    scale = head_dim ** -0.5 if scale is None else scale
+    kx, vx = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bnhd,bmhd->bhnm", q, kx) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(n)[:, None]
+    j = torch.arange(m)[None, :]
+    dist = i + m - n - j  # how far key j lies left of query i's diagonal
+    if alibi is not None:
+        slopes = alibi.to(s.dtype).view(-1 if alibi.dim() == 2 else 1, heads, 1, 1)
+        s = s - slopes * dist.abs().to(s.dtype)
+    left, right = window
+    right = 0 if causal else right
+    visible = torch.ones(n, m, dtype=torch.bool)
+    if right >= 0:
+        visible &= dist >= -right
+    if left >= 0:
+        visible &= dist <= left
+    s = s.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.where(visible, torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    out = torch.einsum("bhnm,bmhd->bnhd", p.to(v.dtype), vx)
+    return out, lse

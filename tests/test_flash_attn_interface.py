@@ -2,15 +2,13 @@
 reference written here from FlashAttention's documented semantics (its layout [B, N, H, D],
 bottom-right causality, windows, ALiBi, softcap, the KV-cache positions and rotary rules) -- not
 from attnkit's score options, so that the mapping onto them is what is tested."""
-import math
-
 import pytest
 import torch
 
 import attnkit
 from attnkit import flash_attn_interface as fai
 from attnkit._dispatch import backend_status
-from attnkit_testing import F64, LOW_PRECISION, assert_close_to_reference, rotary_reference
+from attnkit_testing import F64, LOW_PRECISION, assert_close_to_reference, fa_reference, rotary_reference
 
 F32, BF16 = torch.float32, torch.bfloat16
 _TRITON = backend_status("triton")
@@ -20,39 +18,6 @@ needs_triton = pytest.mark.skipif(not _TRITON.usable, reason=f"triton backend un
 def _randn(shape, seed, dtype=F64, requires_grad=False):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=F64).to(dtype)
     return x.requires_grad_(requires_grad)
-
-
-def fa_reference(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None):
-    """(out [B, N, H, Dv], lse [B, H, N]) by FlashAttention's definitions, in q's dtype: query i
-    sees key j iff ``j <= i + M - N + right`` (right = 0 when causal) and, with left >= 0,
-    ``j >= i + M - N - left``; the scores are scale · q·k, capped (softcap · tanh(s / softcap)),
-    minus slope · |i + M - N - j|.  A row that sees no key: out 0, lse -inf."""
-    batch, n, heads, head_dim = q.shape
-    m, kv_heads = k.shape[1], k.shape[2]
-    group = heads // kv_heads
-    scale = head_dim ** -0.5 if scale is None else scale
-    kx, vx = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    s = torch.einsum("bnhd,bmhd->bhnm", q, kx) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(n)[:, None]
-    j = torch.arange(m)[None, :]
-    dist = i + m - n - j  # how far key j lies left of query i's diagonal
-    if alibi is not None:
-        slopes = alibi.to(s.dtype).view(-1 if alibi.dim() == 2 else 1, heads, 1, 1)
-        s = s - slopes * dist.abs().to(s.dtype)
-    left, right = window
-    right = 0 if causal else right
-    visible = torch.ones(n, m, dtype=torch.bool)
-    if right >= 0:
-        visible &= dist >= -right
-    if left >= 0:
-        visible &= dist <= left
-    s = s.masked_fill(~visible, -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.where(visible, torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None]), 0.0)
-    out = torch.einsum("bhnm,bmhd->bnhd", p.to(v.dtype), vx)
-    return out, lse
 
 
 def _check(got, want64, want_low=None, name="out", dtype=None, grad=False):
