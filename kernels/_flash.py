@@ -574,7 +574,7 @@ def launch(kernel, autotuned, candidates, grid, args, consts, config, tune=True,
     not idempotent) or autotuning is off (:func:`autotuning`).  ``grid(BLOCK_M, BLOCK_N)`` (the
     two tile sizes ``names``) gives the launch grid; a grid past :data:`MAX_GRID_YZ` on its y / z
     dims raises ValueError (the launchers that can split their batch do so before: sparse,
-    softmax, Hopfield energy)."""
+    softmax, linear, Hopfield energy)."""
     grid = _within_limits(kernel, grid)
     if config is None and INTERPRETED:
         config = candidates()[0]

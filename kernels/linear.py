@@ -99,6 +99,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from . import _flash
 from ._flash import INTERPRETED, SUPPORTED_DTYPES, cdiv, cfg, launch, pow2
 
 __all__ = [
@@ -986,6 +987,12 @@ def linear_fwd(q, k, v, *, causal, feature_map, normalize, eps, scale, initial_s
     M, Dv = k.shape[2], v.shape[3]
     C = DEFAULT_CHUNK if chunk is None else chunk
     s0, z0 = _initial_state(fn, initial_state, B, H, D, Dv, q.device)
+    slices = _flash.batch_slices(B)  # (every grid: (..., H, B)): past CUDA's limit, in slices
+    if slices is not None:
+        parts = [linear_fwd(q[sl], k[sl], v[sl], causal=causal, feature_map=feature_map, normalize=normalize,
+                            eps=eps, scale=scale, initial_state=None if s0 is None else (s0[sl], z0[sl]),
+                            chunk=chunk, config=config) for sl in slices]
+        return tuple(torch.cat(results) for results in zip(*parts))
     out = torch.empty((B, H, N, Dv), dtype=q.dtype, device=q.device)
     S = torch.empty((B, H, D, Dv), dtype=torch.float32, device=q.device)
     Z = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
@@ -1091,6 +1098,17 @@ def linear_bwd(grad_out, q, k, v, *, causal, feature_map, normalize, eps, scale,
     gden = _check_state(fn, "grad_den", grad_den, (B, H, N), q.device)
     grad_out = _grad_out(fn, grad_out, (B, H, N, Dv), q)
     normalize = bool(normalize)
+    slices = _flash.batch_slices(B)  # as linear_fwd's
+    if slices is not None:
+        def cut(x, sl):
+            return None if x is None else x[sl]
+
+        parts = [linear_bwd(grad_out[sl], q[sl], k[sl], v[sl], causal=causal, feature_map=feature_map,
+                            normalize=normalize, eps=eps, scale=scale,
+                            initial_state=None if s0 is None else (s0[sl], z0[sl]), grad_S=cut(gs, sl),
+                            grad_z=cut(gz, sl), grad_den=cut(gden, sl), out=cut(out, sl), den=cut(den, sl),
+                            chunk=chunk, config=config) for sl in slices]
+        return tuple(torch.cat(results) for results in zip(*parts))
     if normalize and (out is None or den is None):
         out, _, _, den = linear_fwd(q, k, v, causal=causal, feature_map=feature_map,
                                     normalize=True, eps=eps, scale=scale,

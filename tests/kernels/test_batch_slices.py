@@ -102,11 +102,44 @@ def test_hopfield_energy_in_batch_slices(monkeypatch):
     assert torch.equal(attnkit.hopfield_energy(state, stored, beta=0.7, backend="triton"), whole)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_linear_in_batch_slices(monkeypatch, causal):
+    # Grids (..., H, B): limit 2 is slices of 2 batch elements.  With initial states, the final
+    # states returned, and every gradient (q, k, v and the initial states').
+    b, h, n, d, dv = 5, 2, 9, 8, 4
+    q, k = (_randn(b, h, n, d, seed=i, requires_grad=True) for i in (1, 2))
+    v = _randn(b, h, n, dv, seed=3, requires_grad=True)
+    s0, z0 = _randn(b, h, d, dv, seed=4, requires_grad=True), _randn(b, h, d, seed=5).abs().requires_grad_()
+    g = _randn(b, h, n, dv, seed=6)
+
+    def call(q, k, v, s0, z0):
+        if not causal:
+            return attnkit.linear_attention(q, k, v, causal=False, backend="triton")
+        out, (s, z) = attnkit.linear_attention(q, k, v, causal=True, initial_state=(s0, z0), return_state=True,
+                                               backend="triton")
+        return out, s, z
+
+    def results():
+        outs = call(q, k, v, s0, z0)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        leaves = (q, k, v, s0, z0) if causal else (q, k, v)
+        grads = torch.autograd.grad([o.sum() * (i + 1) for i, o in enumerate(outs[1:])] + [(outs[0] * g).sum()],
+                                    leaves)
+        return [o.detach() for o in outs] + list(grads)
+
+    whole = results()
+    monkeypatch.setattr(_flash, "MAX_GRID_YZ", 2)
+    for a, b_ in zip(whole, results()):
+        assert torch.equal(a, b_)
+
+
 def test_launchers_without_slices_refuse_a_grid_past_the_limit(monkeypatch):
-    # The others (linear, the decoding kernel, the Hopfield update) raise a clear error before
-    # the launch instead of the driver's "invalid argument".
+    # The others (the decoding kernel, the Hopfield update, the packed linear launch) raise a
+    # clear error before the launch instead of the driver's "invalid argument".
+    from attnkit.kernels.decode import softmax_decode_fwd
+
     monkeypatch.setattr(_flash, "MAX_GRID_YZ", 3)
-    q, k, v = (_randn(5, 2, 8, 4, seed=i) for i in range(3))
+    q, k, v = _randn(5, 2, 1, 16, seed=1), _randn(5, 2, 8, 16, seed=2), _randn(5, 2, 8, 16, seed=3)
     with pytest.raises(ValueError, match="passes CUDA's limit of 3 on its y / z dims"):
-        attnkit.linear_attention(q, k, v, backend="triton")
-    assert attnkit.linear_attention(q[:3], k[:3], v[:3], backend="triton").shape == (3, 2, 8, 4)
+        softmax_decode_fwd(q, k, v)
+    assert softmax_decode_fwd(q[:3], k[:3], v[:3])[0].shape == (3, 2, 1, 16)
