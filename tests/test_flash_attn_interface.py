@@ -463,3 +463,41 @@ def test_compiles_whole_and_gives_the_eager_bits():
         return fai.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True)
 
     assert torch.equal(torch.compile(packed, fullgraph=True)(qv, kv, kv, cu), packed(qv, kv, kv, cu))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_flash_attention_layout_on_the_gpu_kernels(backend, monkeypatch):
+    # The [B, N, H, D] layout reaches the GPU kernels as strided views (the Hopper paths build
+    # their TMA descriptors from the strides): bfloat16 D = 128 forward and gradients against the
+    # float64 reference, causal bottom-right (N != M) and plain; then a KV-cache decoding step on
+    # a [B, max_len, Hk, D] cache.
+    if not backend_status(backend).usable:
+        pytest.skip(f"{backend}: {backend_status(backend).reason}")
+    dev, bf16 = "cuda", torch.bfloat16
+    for n, m, causal in ((512, 512, True), (300, 700, True), (256, 256, False)):
+        q = _randn((2, n, 8, 128), 171, bf16).to(dev).requires_grad_()
+        k, v = (_randn((2, m, 2, 128), s, bf16).to(dev).requires_grad_() for s in (172, 173))
+        out = fai.flash_attn_func(q, k, v, causal=causal, backend=backend)
+        inputs64 = [x.detach().cpu().double().requires_grad_() for x in (q, k, v)]
+        want = fa_reference(*inputs64, causal=causal)[0]
+        low = fa_reference(*(x.detach().cpu() for x in (q, k, v)), causal=causal)[0]
+        _check(out.cpu(), want, low)
+        g = _randn(out.shape, 174, bf16)
+        got = torch.autograd.grad(out, (q, k, v), g.to(dev))
+        ref = torch.autograd.grad(want, inputs64, g.double())
+        inputs16 = [x.detach().cpu().requires_grad_() for x in (q, k, v)]
+        naive = torch.autograd.grad(fa_reference(*inputs16, causal=causal)[0], inputs16, g)
+        for name, a, r, lo in zip("qkv", got, ref, naive):
+            _check(a.cpu(), r, lo, name=f"d{name}", grad=True)
+    k_cache, v_cache = (torch.zeros(3, 1024, 2, 128, device=dev, dtype=bf16) for _ in range(2))
+    lengths = torch.tensor([0, 700, 1023], dtype=torch.int32, device=dev)
+    q1, k1, v1 = _randn((3, 1, 8, 128), 175, bf16).to(dev), _randn((3, 1, 2, 128), 176, bf16).to(dev), \
+        _randn((3, 1, 2, 128), 177, bf16).to(dev)
+    out = fai.flash_attn_with_kvcache(q1, k_cache, v_cache, k1, v1, cache_seqlens=lengths, causal=True,
+                                      backend="triton")
+    for b, n in enumerate(lengths.tolist()):
+        assert torch.equal(k_cache[b, n], k1[b, 0]) and torch.equal(v_cache[b, n], v1[b, 0])
+        keys = [x[b:b + 1, :n + 1].cpu() for x in (k_cache, v_cache)]
+        want = fa_reference(q1[b:b + 1].cpu().double(), *(x.double() for x in keys), causal=True)[0]
+        _check(out[b:b + 1].cpu(), want, fa_reference(q1[b:b + 1].cpu(), *keys, causal=True)[0])
