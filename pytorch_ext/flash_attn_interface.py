@@ -1,6 +1,8 @@
 """FlashAttention's Python interface on attnkit: ``flash_attn_func`` and its packed / varlen /
-KV-cache siblings with FlashAttention 2's signatures, layouts and semantics, on every attnkit
-backend (so also on CPUs, with a backward).
+KV-cache siblings with FlashAttention 2's signatures (``flash_attn`` 2.6+, positional order
+included; FlashAttention 3's ``flash_attn_interface`` orders its arguments differently -- no
+``dropout_p`` -- so code written for it should pass keywords), layouts and semantics, on every
+attnkit backend (so also on CPUs, with a backward).
 
 Model code written against ``flash_attn`` switches with one import::
 
