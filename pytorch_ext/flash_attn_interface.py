@@ -52,7 +52,7 @@ from typing import Optional, Union
 import torch
 
 from ._validation import check_bool, check_int, check_real, check_same_dtype_device, check_tensor
-from .ops.kvcache import attention_with_kvcache
+from .ops.kvcache import attention_with_kvcache, check_call_tensors
 from .ops.softmax import softmax_attention
 from .ops.varlen import softmax_attention_varlen
 from .rotary import apply_rotary_emb, check_positions, check_tables, rotate
@@ -173,6 +173,15 @@ def _run_deterministic(deterministic: bool, run, *tensors):
     return (_DeterministicEnter.apply(state, out), *rest)
 
 
+def _unpack(fn: str, name: str, x, layout: str, dim: int, parts: int) -> tuple:
+    """The tensors stacked along ``dim`` of a packed input (``parts`` of them), as views: their
+    gradients come back as one tensor of x's shape (unbind's backward stacks them)."""
+    check_tensor(fn, name, x, layout)
+    if x.shape[dim] != parts:
+        raise ValueError(f"{fn}: {name} must be {layout}; got {list(x.shape)}")
+    return x.unbind(dim)
+
+
 def _bhnd(x: torch.Tensor) -> torch.Tensor:
     """[B, N, H, D] <-> [B, H, N, D] (a view)."""
     return x.transpose(1, 2)
@@ -271,10 +280,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """:func:`flash_attn_func` on q, k, v stacked in one tensor ``qkv [B, N, 3, H, D]``; the
     gradient comes back as one ``[B, N, 3, H, D]`` tensor."""
     fn = _PREFIX + "flash_attn_qkvpacked_func"
-    check_tensor(fn, "qkv", qkv, "[B, N, 3, H, D]")
-    if qkv.shape[2] != 3:
-        raise ValueError(f"{fn}: qkv must be [B, N, 3, H, D]; got {list(qkv.shape)}")
-    q, k, v = qkv.unbind(2)
+    q, k, v = _unpack(fn, "qkv", qkv, "[B, N, 3, H, D]", 2, 3)
     return _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                   return_attn_probs, backend)
 
@@ -284,10 +290,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              backend=None):
     """:func:`flash_attn_func` with k and v stacked in one tensor ``kv [B, Nk, 2, Hk, D]``."""
     fn = _PREFIX + "flash_attn_kvpacked_func"
-    check_tensor(fn, "kv", kv, "[B, Nk, 2, Hk, D]")
-    if kv.shape[2] != 2:
-        raise ValueError(f"{fn}: kv must be [B, Nk, 2, Hk, D]; got {list(kv.shape)}")
-    k, v = kv.unbind(2)
+    k, v = _unpack(fn, "kv", kv, "[B, Nk, 2, Hk, D]", 2, 2)
     return _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                   return_attn_probs, backend)
 
@@ -388,10 +391,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      return_attn_probs=False, *, backend=None):
     """:func:`flash_attn_varlen_func` on ``qkv [total, 3, H, D]`` with one ``cu_seqlens``."""
     fn = _PREFIX + "flash_attn_varlen_qkvpacked_func"
-    check_tensor(fn, "qkv", qkv, "[total, 3, H, D]")
-    if qkv.shape[1] != 3:
-        raise ValueError(f"{fn}: qkv must be [total, 3, H, D]; got {list(qkv.shape)}")
-    q, k, v = qkv.unbind(1)
+    q, k, v = _unpack(fn, "qkv", qkv, "[total, 3, H, D]", 1, 3)
     return _varlen(fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
                    window_size, softcap, alibi_slopes, deterministic, return_attn_probs, None, backend)
 
@@ -402,10 +402,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     backend=None):
     """:func:`flash_attn_varlen_func` with k and v stacked in ``kv [total_k, 2, Hk, D]``."""
     fn = _PREFIX + "flash_attn_varlen_kvpacked_func"
-    check_tensor(fn, "kv", kv, "[total_k, 2, Hk, D]")
-    if kv.shape[1] != 2:
-        raise ValueError(f"{fn}: kv must be [total_k, 2, Hk, D]; got {list(kv.shape)}")
-    k, v = kv.unbind(1)
+    k, v = _unpack(fn, "kv", kv, "[total_k, 2, Hk, D]", 1, 2)
     return _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                    causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, None, backend)
 
@@ -462,17 +459,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     fn = _PREFIX + "flash_attn_with_kvcache"
     paged = block_table is not None
     cache_layout = "[num_blocks, block_size, Hk, {}]" if paged else "[B_cache, max_len, Hk, {}]"
-    check_tensor(fn, "q", q, "[B, Nq, H, D]")
-    check_tensor(fn, "k_cache", k_cache, cache_layout.format("D"))
-    check_tensor(fn, "v_cache", v_cache, cache_layout.format("Dv"))
-    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
-    if (k is None) != (v is None):
-        raise ValueError(f"{fn}: pass both k and v (new rows to append) or neither")
-    if k is not None:
-        check_tensor(fn, "k", k, "[B, Nk, Hk, D]")
-        check_tensor(fn, "v", v, "[B, Nk, Hk, Dv]")
-        tensors.update(k=k, v=v)
-    check_same_dtype_device(fn, tensors)
+    check_call_tensors(fn, q, k_cache, v_cache, k, v, "[B, Nq, H, D]", cache_layout, "[B, Nk, Hk, {}]")
     window, options = _score_options(fn, causal, window_size, softcap, alibi_slopes, 0.0, False,
                                      "return_softmax_lse", return_softmax_lse)
     check_bool(fn, "rotary_interleaved", rotary_interleaved)

@@ -167,6 +167,22 @@ def _decode_triton_kernel(q, k_cache, v_cache, visible, tables, is_causal, scale
                               is_causal=is_causal, **kernel_options)
 
 
+def check_call_tensors(fn: str, q, k_cache, v_cache, k, v, q_layout: str, cache_layout: str, new_layout: str) -> None:
+    """The tensors of a KV-cache call: each of its layout (``cache_layout`` / ``new_layout`` with
+    ``{}`` for the head dim, D or Dv), k and v both or neither, one dtype and device."""
+    check_tensor(fn, "q", q, q_layout)
+    check_tensor(fn, "k_cache", k_cache, cache_layout.format("D"))
+    check_tensor(fn, "v_cache", v_cache, cache_layout.format("Dv"))
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if (k is None) != (v is None):
+        raise ValueError(f"{fn}: pass both k and v (new rows to append) or neither")
+    if k is not None:
+        check_tensor(fn, "k", k, new_layout.format("D"))
+        check_tensor(fn, "v", v, new_layout.format("Dv"))
+        tensors.update(k=k, v=v)
+    check_same_dtype_device(fn, tensors)
+
+
 def _lengths(fn: str, cache_seqlens, batch: int) -> list[int]:
     _check_seqlens_type(fn, cache_seqlens, batch)
     if isinstance(cache_seqlens, int):
@@ -349,17 +365,7 @@ def attention_with_kvcache(
     fn = OP_NAME
     paged = block_table is not None
     cache_layout = "[num_blocks, Hk, block_size, {}]" if paged else "[B, Hk, max_len, {}]"
-    check_tensor(fn, "q", q, "[B, H, Nq, D]")
-    check_tensor(fn, "k_cache", k_cache, cache_layout.format("D"))
-    check_tensor(fn, "v_cache", v_cache, cache_layout.format("Dv"))
-    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
-    if (k is None) != (v is None):
-        raise ValueError(f"{fn}: pass both k and v (new rows to append) or neither")
-    if k is not None:
-        check_tensor(fn, "k", k, "[B, Hk, Nk, D]")
-        check_tensor(fn, "v", v, "[B, Hk, Nk, Dv]")
-        tensors.update(k=k, v=v)
-    check_same_dtype_device(fn, tensors)
+    check_call_tensors(fn, q, k_cache, v_cache, k, v, "[B, H, Nq, D]", cache_layout, "[B, Hk, Nk, {}]")
     check_bool(fn, "is_causal", is_causal)
     check_bool(fn, "enable_gqa", enable_gqa)
     check_bool(fn, "return_lse", return_lse)
