@@ -115,7 +115,10 @@ def _causality(window: tuple[int, int], aligned: bool) -> tuple[bool, dict]:
 
 
 def _heads_fit(fn: str, heads: int, kv_heads: int) -> bool:
-    """Whether this is grouped-query attention (raises when the heads do not divide)."""
+    """Whether this is grouped-query attention (raises when the heads do not divide; no heads at
+    all is an empty call)."""
+    if heads == kv_heads:
+        return False
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(f"{fn}: the number of query heads ({heads}) must be a multiple of the number of key / "
                          f"value heads ({kv_heads})")

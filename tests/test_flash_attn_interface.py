@@ -440,6 +440,16 @@ def test_empty_inputs_give_empty_results():
     assert not out.any() and torch.isinf(lse).all() and (lse < 0).all()
     out = fai.flash_attn_varlen_func(_q(0, 2, 8), _q(0, 2, 8), _q(0, 2, 8), _cu([0, 0]), _cu([0, 0]), 0, 0)
     assert out.shape == (0, 2, 8)
+    # no heads, no batch, no queries
+    assert fai.flash_attn_func(_q(1, 3, 0, 8), _q(1, 5, 0, 8), _q(1, 5, 0, 8), causal=True).shape == (1, 3, 0, 8)
+    assert fai.flash_attn_func(_q(0, 3, 2, 8), _q(0, 3, 2, 8), _q(0, 3, 2, 8)).shape == (0, 3, 2, 8)
+    cache = _q(2, 10, 2, 8)
+    assert fai.flash_attn_with_kvcache(_q(2, 0, 2, 8), cache, cache, cache_seqlens=3).shape == (2, 0, 2, 8)
+    assert fai.flash_attn_with_kvcache(_q(2, 1, 0, 8), _q(2, 10, 0, 8), _q(2, 10, 0, 8), cache_seqlens=3).shape == \
+        (2, 1, 0, 8)
+    out = fai.flash_attn_with_kvcache(_q(0, 1, 2, 8), _q(0, 10, 2, 8), _q(0, 10, 2, 8), _q(0, 1, 2, 8), _q(0, 1, 2, 8),
+                                      cache_seqlens=torch.zeros(0, dtype=torch.int32))
+    assert out.shape == (0, 1, 2, 8)
 
 
 def test_compiles_whole_and_gives_the_eager_bits():
