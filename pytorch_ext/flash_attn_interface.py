@@ -309,6 +309,8 @@ def _paged_rows(fn, cache: torch.Tensor, block_table, cu_seqlens_k) -> torch.Ten
             or block_table.dim() != 2:
         raise TypeError(f"{fn}: block_table must be an int32 tensor [batch, max_blocks]")
     cu = [int(c) for c in cu_seqlens_k.tolist()]
+    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"{fn}: cu_seqlens_k must start at 0 and not decrease; got {cu}")
     lengths = [b - a for a, b in zip(cu, cu[1:])]
     num_blocks, block_size = cache.shape[0], cache.shape[1]
     if block_table.shape[0] != len(lengths):

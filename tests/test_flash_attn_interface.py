@@ -400,6 +400,9 @@ def _q(*shape):
     (lambda: fai.flash_attn_varlen_func(_q(4, 2, 8), _q(4, 2, 8, 1), _q(4, 2, 8, 1), _cu([4]), _cu([4]), 4, 4), ValueError, r"k must be a 3-D"),
     (lambda: fai.flash_attn_varlen_func(_q(4, 2, 8), _q(2, 4, 2, 8), _q(2, 4, 2, 8), _cu([4]), _cu([4]), 4, 4,
                                         block_table=torch.tensor([[5, 0]], dtype=torch.int32)), ValueError, "outside the cache"),
+    (lambda: fai.flash_attn_varlen_func(_q(4, 2, 8), _q(2, 4, 2, 8), _q(2, 4, 2, 8), _cu([4]),
+                                        torch.tensor([0, 3, 1], dtype=torch.int32), 4, 4,
+                                        block_table=torch.tensor([[0], [1]], dtype=torch.int32)), ValueError, "not decrease"),
 ])
 def test_bad_calls_raise_clearly(call, error, match):
     with pytest.raises(error, match=match):
