@@ -16,7 +16,7 @@ silently dropped); a fully masked row gives 0.
 """
 import torch  # noqa: F401  (loads libtorch before the native extension)
 
-from . import flash_attn_interface, hopfield, nn, patterns, rotary
+from . import bert_padding, flash_attn_interface, hopfield, nn, patterns, rotary
 from ._dispatch import BackendStatus, BackendUnavailableError, backends
 from .ops.hopfield import hopfield_energy, hopfield_update
 from .ops.kvcache import attention_with_kvcache
@@ -44,6 +44,7 @@ __all__ = [
     "nn",
     "hopfield",
     "flash_attn_interface",
+    "bert_padding",
     "rotary",
     "backends",
     "BackendStatus",
