@@ -419,10 +419,13 @@ void softmax_fwd_kernel(const Problem& p, GemmPath path, bool bf16_dot, const sc
         const int64_t b = bk / Hk, hk = bk % Hk, h = hk * G + g;
         // float32 values in dense rows (unit stride, rows Dv apart) are multiplied in place (no
         // copy).  Rows further apart are copied once per head: FlashAttention's [B, N, H, D]
-        // layout puts V's rows of one head H * Dv apart (2 KiB at H = 8, Dv = 64 in float32), and
-        // the P V panel's rows, at a power-of-two stride, then fall into few L1 sets -- in place,
-        // the forward of B=1 H=8 N=1024 D=64 took 17.3 against 15.0 ms on dense rows; copied, as
-        // the dense rows (one thread, Intel Xeon without AMX, session 33, bench/cpu_micro/fa_layout.py).
+        // layout -- and transformers' q / k / v, views of [B, N, H * D] projections -- puts V's
+        // rows of one head H * Dv apart (2 KiB at H = 8, Dv = 64 in float32), a power-of-two
+        // stride whose rows fall into few L1 sets while the P V panel is streamed.  Such views,
+        // B=1 H=8 N=1024 D=64 float32, one thread, builds alternated (Intel Xeon without AMX,
+        // session 33, a fuzz job on the other core): forward min 15.7-16.7 -> 15.3-15.4 ms
+        // (with the backward's change below, forward+backward 60.3-62.0 -> 56.1-58.7 ms); causal
+        // within noise.
         const bool v_in_place = std::is_same_v<scalar_t, acc_t> && vs.d == 1 && vs.n == Dv;
         if (st.packed_head != bk) {
           // Padding (keys past M, an odd D's last pair) stays zero from the buffers' creation:
@@ -2108,11 +2111,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_bwd_cpu(
   const at::Tensor lse4 = lse.unsqueeze(-1);
   const GemmPath path = cpu_gemm_path(q.scalar_type(), GemmUse::kSoftmax);
   // float32 / float64 Q and dO rows go to the native tiles in place when dense, else as copies
-  // made per key block (the kernel's acc_rows): rows H * D apart -- FlashAttention's
-  // [B, N, H, D] layout seen as [B, H, N, D] -- made dense once here instead.  B=1 H=8 N=1024
-  // D=64 float32, backward op alone, one thread (Intel Xeon without AMX, session 33,
-  // bench/cpu_micro/fa_layout.py): dense 38.1 ms, strided Q 40.4, strided dO 41.3, both 42.5 (copied per
-  // key block); read in place, their rows at a power-of-two stride share few L1 sets.
+  // made per key block (the kernel's acc_rows: read in place, rows at a power-of-two stride
+  // share few L1 sets); rows H * D apart -- FlashAttention's [B, N, H, D] layout seen as
+  // [B, H, N, D] -- are made dense once here instead.  B=1 H=8 N=1024 D=64 float32, backward op
+  // alone, one thread (Intel Xeon without AMX, session 33, bench/cpu_micro/fa_layout.py): copied
+  // per key block, dense 38.1 ms, strided Q 40.4, strided dO 41.3, both 42.5; made dense here,
+  // all within ~1 ms of dense (each copy ~0.5 ms).
   const bool float_rows = q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble;
   const auto dense_rows = [&](const at::Tensor& x) {
     return !float_rows || (x.stride(3) == 1 && (x.size(2) <= 1 || x.stride(2) == x.size(3))) ? x : x.contiguous();
