@@ -28,7 +28,8 @@ What differs from attnkit's own ops, and is done here:
 - ``deterministic=True`` runs the call's backward with ``torch.use_deterministic_algorithms``
   on (warn-only unless it was on already) and restores the previous setting after it: the GPU
   backward paths that add dQ by atomics take their deterministic kernels then (attnkit's CPU
-  kernels are deterministic always).
+  kernels are deterministic always).  Eager calls only: under torch.compile set
+  ``torch.use_deterministic_algorithms(True)`` around the compiled step instead.
 - ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: FlashAttention's third
   result (the dropout-encoded probabilities, "for testing only") is not materialized -- no
   attnkit kernel forms the N x M matrix.  ``softmax_lse`` is float32 ``[B, H, N]`` (varlen:
@@ -166,8 +167,12 @@ class _DeterministicEnter(torch.autograd.Function):
 
 def _run_deterministic(deterministic: bool, run, *tensors):
     """run(*tensors) -> (out, *rest); with ``deterministic`` and a gradient to take, the
-    backward of ``run`` happens under torch's deterministic algorithms."""
-    if not deterministic or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+    backward of ``run`` happens under torch's deterministic algorithms -- in eager mode.  Under
+    torch.compile the switch is left out: AOT autograd refuses a compiled backward run under
+    another deterministic setting than its forward was traced with (a RuntimeError at the
+    backward), so a compiled region follows the setting the caller makes around it."""
+    if (not deterministic or torch.compiler.is_compiling() or not torch.is_grad_enabled()
+            or not any(t.requires_grad for t in tensors)):
         return run(*tensors)
     state: dict = {}
     inner = _DeterministicExit.apply(state, *tensors)

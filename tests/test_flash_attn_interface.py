@@ -476,6 +476,14 @@ def test_compiles_whole_and_gives_the_eager_bits():
         return fai.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True)
 
     assert torch.equal(torch.compile(packed, fullgraph=True)(qv, kv, kv, cu), packed(qv, kv, kv, cu))
+    # deterministic=True compiles too (the per-call switch is eager-only: AOT autograd refuses a
+    # backward run under another setting than its forward was traced with)
+    def pinned(q, k, v):
+        return fai.flash_attn_func(q, k, v, causal=True, deterministic=True)
+
+    got = torch.compile(pinned, fullgraph=True)(q, k, v)
+    assert torch.equal(torch.autograd.grad(got, q, grad)[0], torch.autograd.grad(pinned(q, k, v), q, grad)[0])
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 @pytest.mark.gpu
