@@ -40,6 +40,8 @@ What differs from attnkit's own ops, and is done here:
   one-block-per-row page table over the cache: read and written in place), ``cache_leftpad``
   (one call per distinct pad, on the cache from the pad on); ``num_splits`` is accepted and
   ignored (attnkit's decode kernels choose their splits).  No gradient, as in FlashAttention.
+  Under torch.compile(fullgraph=True): calls without those three extras (one
+  attention_with_kvcache call, its compiled op); the extras read their indices on the host.
 
 Every function takes one more keyword, ``backend`` (attnkit's: None, "reference", "cpu",
 "triton", "cuda").  Bad input raises TypeError / ValueError naming FlashAttention's layout,

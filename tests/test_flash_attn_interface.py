@@ -484,6 +484,18 @@ def test_compiles_whole_and_gives_the_eager_bits():
     got = torch.compile(pinned, fullgraph=True)(q, k, v)
     assert torch.equal(torch.autograd.grad(got, q, grad)[0], torch.autograd.grad(pinned(q, k, v), q, grad)[0])
     assert not torch.are_deterministic_algorithms_enabled()
+    # a decoding step on a [B, max_len, Hk, D] cache, written in place through the compiled call
+    caches = [_randn((2, 16, 2, 8), 167 + i, F32) for i in range(2)]
+    step = [_randn((2, 1, 4, 8), 169, F32), _randn((2, 1, 2, 8), 170, F32), _randn((2, 1, 2, 8), 171, F32)]
+    lengths = torch.tensor([3, 7], dtype=torch.int32)
+
+    def decode(q, k_cache, v_cache, k, v):
+        return fai.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True)
+
+    compiled_caches = [c.clone() for c in caches]
+    got = torch.compile(decode, fullgraph=True)(step[0], *compiled_caches, *step[1:])
+    assert torch.equal(got, decode(step[0], *caches, *step[1:]))
+    assert all(torch.equal(a, b) for a, b in zip(compiled_caches, caches))
 
 
 @pytest.mark.gpu
