@@ -43,8 +43,9 @@ What differs from attnkit's own ops, and is done here:
   Under torch.compile(fullgraph=True): calls without those three extras (one
   attention_with_kvcache call, its compiled op); the extras read their indices on the host.
 
-Every function takes one more keyword, ``backend`` (attnkit's: None, "reference", "cpu",
-"triton", "cuda").  Bad input raises TypeError / ValueError naming FlashAttention's layout,
+Every function takes two more keywords: ``backend`` (attnkit's: None, "reference", "cpu",
+"triton", "cuda") and ``s_aux`` (learned sinks ``[H]``, as vLLM's FlashAttention fork takes
+them: attnkit's ``sinks``).  Bad input raises TypeError / ValueError naming FlashAttention's layout,
 before any kernel runs.  Beyond FlashAttention: any float dtype (float32 and float64 too), Dv
 != D, and ``cache_leftpad`` with ``cache_batch_idx``.
 """
@@ -87,7 +88,7 @@ def _window_pair(fn: str, window_size) -> tuple[int, int]:
 
 
 def _score_options(fn: str, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
-                   return_probs_name: str, return_probs) -> tuple[tuple[int, int], dict]:
+                   return_probs_name: str, return_probs, s_aux=None) -> tuple[tuple[int, int], dict]:
     """Checks the shared options; returns (the window as (left, right) with causal's right = 0
     folded in, the attnkit score options besides the window)."""
     check_bool(fn, "causal", causal)
@@ -103,6 +104,8 @@ def _score_options(fn: str, causal, window_size, softcap, alibi_slopes, dropout_
         options["softcap"] = float(softcap)
     if alibi_slopes is not None:
         options["alibi_slopes"] = alibi_slopes
+    if s_aux is not None:
+        options["sinks"] = s_aux  # (attnkit's name; checked as softmax_attention checks sinks)
     return (left, right), options
 
 
@@ -201,7 +204,7 @@ def _bhnd(x: torch.Tensor) -> torch.Tensor:
 # Dense batches
 # ---------------------------------------------------------------------------------------------
 def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-           return_attn_probs, backend):
+           return_attn_probs, backend, s_aux=None):
     # Fast path: the plain call (no window or causality that needs one, no cap, ALiBi or
     # determinism switch; sizes that fit) goes straight to softmax_attention, which checks the
     # rest (dtypes, devices, dropout_p, scale) itself; anything else, valid or not, takes the
@@ -209,7 +212,7 @@ def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     # thread (Intel Xeon without AMX, session 33, timeit): 22.4 -> 14.3 us a call (softmax_attention
     # alone 7.3, SDPA 6.3; the three transposes and the output copy ~4).
     if (window_size.__class__ is tuple and window_size == (-1, -1) and softcap.__class__ is float and softcap == 0.0
-            and alibi_slopes is None and deterministic is False and (causal is False or causal is True)
+            and alibi_slopes is None and s_aux is None and deterministic is False and (causal is False or causal is True)
             and (return_attn_probs is False or return_attn_probs is True)):
         try:
             (b, n, h, d), (bk, m, hk, dk), (bv, mv, hv, _) = q.shape, k.shape, v.shape
@@ -228,7 +231,7 @@ def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     check_tensor(fn, "v", v, "[B, Nk, Hk, Dv]")
     check_same_dtype_device(fn, {"q": q, "k": k, "v": v})
     window, options = _score_options(fn, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
-                                     "return_attn_probs", return_attn_probs)
+                                     "return_attn_probs", return_attn_probs, s_aux)
     check_real(fn, "softmax_scale", softmax_scale, allow_none=True)
     batch, n, heads, head_dim = q.shape
     if k.shape[0] != batch or v.shape[0] != batch:
@@ -253,7 +256,7 @@ def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, backend=None):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, s_aux=None, backend=None):
     """Softmax attention in FlashAttention's layout and semantics (``flash_attn.flash_attn_func``).
 
     Args:
@@ -270,6 +273,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         alibi_slopes: float32 ``[H]`` or ``[B, H]``: ``-slope * |i + Nk - N - j|`` added to the scores.
         deterministic: run this call's backward under torch's deterministic algorithms.
         return_attn_probs: also return the log-sum-exp (and None for the probabilities).
+        s_aux: keyword-only, beyond FlashAttention 2: float32 ``[H]`` learned sinks (gpt-oss's,
+            named as vLLM's FlashAttention fork names them; attnkit's ``sinks``): one more logit
+            per head in each row's softmax denominator, with no value; differentiable.  Every
+            function here takes it.
         backend: attnkit's backend (None: the default for the device).
 
     Returns:
@@ -281,28 +288,28 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         divide, bad options -- before any kernel runs.
     """
     return _dense(_PREFIX + "flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                  alibi_slopes, deterministic, return_attn_probs, backend)
+                  alibi_slopes, deterministic, return_attn_probs, backend, s_aux)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                              backend=None):
+                              s_aux=None, backend=None):
     """:func:`flash_attn_func` on q, k, v stacked in one tensor ``qkv [B, N, 3, H, D]``; the
     gradient comes back as one ``[B, N, 3, H, D]`` tensor."""
     fn = _PREFIX + "flash_attn_qkvpacked_func"
     q, k, v = _unpack(fn, "qkv", qkv, "[B, N, 3, H, D]", 2, 3)
     return _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                  return_attn_probs, backend)
+                  return_attn_probs, backend, s_aux)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                             backend=None):
+                             s_aux=None, backend=None):
     """:func:`flash_attn_func` with k and v stacked in one tensor ``kv [B, Nk, 2, Hk, D]``."""
     fn = _PREFIX + "flash_attn_kvpacked_func"
     k, v = _unpack(fn, "kv", kv, "[B, Nk, 2, Hk, D]", 2, 2)
     return _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                  return_attn_probs, backend)
+                  return_attn_probs, backend, s_aux)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,7 +347,8 @@ def _paged_rows(fn, cache: torch.Tensor, block_table, cu_seqlens_k) -> torch.Ten
 
 
 def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-            causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, backend):
+            causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, backend,
+            s_aux=None):
     check_tensor(fn, "q", q, "[total_q, H, D]")
     paged = block_table is not None
     layout_k = "[num_blocks, block_size, Hk, {}]" if paged else "[total_k, Hk, {}]"
@@ -348,7 +356,7 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     check_tensor(fn, "v", v, layout_k.format("Dv"))
     check_same_dtype_device(fn, {"q": q, "k": k, "v": v})
     window, options = _score_options(fn, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
-                                     "return_attn_probs", return_attn_probs)
+                                     "return_attn_probs", return_attn_probs, s_aux)
     check_real(fn, "softmax_scale", softmax_scale, allow_none=True)
     if k.shape[-1] != q.shape[-1] or v.shape[:-1] != k.shape[:-1]:
         raise ValueError(f"{fn}: k must be {layout_k.format('D')} with q's D and v must match it in all but the "
@@ -374,7 +382,8 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None, *, backend=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, *, s_aux=None,
+                           backend=None):
     """Softmax attention over packed sequences (``flash_attn.flash_attn_varlen_func``), each
     sequence attending within itself.
 
@@ -395,28 +404,29 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     return _varlen(_PREFIX + "flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                   return_attn_probs, block_table, backend)
+                   return_attn_probs, block_table, backend, s_aux)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False, *, backend=None):
+                                     return_attn_probs=False, *, s_aux=None, backend=None):
     """:func:`flash_attn_varlen_func` on ``qkv [total, 3, H, D]`` with one ``cu_seqlens``."""
     fn = _PREFIX + "flash_attn_varlen_qkvpacked_func"
     q, k, v = _unpack(fn, "qkv", qkv, "[total, 3, H, D]", 1, 3)
     return _varlen(fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
-                   window_size, softcap, alibi_slopes, deterministic, return_attn_probs, None, backend)
+                   window_size, softcap, alibi_slopes, deterministic, return_attn_probs, None, backend, s_aux)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                                    backend=None):
+                                    s_aux=None, backend=None):
     """:func:`flash_attn_varlen_func` with k and v stacked in ``kv [total_k, 2, Hk, D]``."""
     fn = _PREFIX + "flash_attn_varlen_kvpacked_func"
     k, v = _unpack(fn, "kv", kv, "[total_k, 2, Hk, D]", 1, 2)
     return _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                   causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, None, backend)
+                   causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, None, backend,
+                   s_aux)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,7 +448,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            backend=None):
+                            s_aux=None, backend=None):
     """Attention of new queries against a KV cache, appending k / v to it in place
     (``flash_attn.flash_attn_with_kvcache``), on :func:`attnkit.attention_with_kvcache`.
 
@@ -473,7 +483,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_layout = "[num_blocks, block_size, Hk, {}]" if paged else "[B_cache, max_len, Hk, {}]"
     check_call_tensors(fn, q, k_cache, v_cache, k, v, "[B, Nq, H, D]", cache_layout, "[B, Nk, Hk, {}]")
     window, options = _score_options(fn, causal, window_size, softcap, alibi_slopes, 0.0, False,
-                                     "return_softmax_lse", return_softmax_lse)
+                                     "return_softmax_lse", return_softmax_lse, s_aux)
     check_bool(fn, "rotary_interleaved", rotary_interleaved)
     check_int(fn, "num_splits", num_splits, low=0)
     batch, nq, heads, head_dim = q.shape

@@ -557,11 +557,12 @@ def rotary_reference(x, cos, sin, positions, interleaved):
     return out
 
 
-def fa_reference(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None):
+def fa_reference(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None, sinks=None):
     """(out [B, N, H, Dv], lse [B, H, N]) by FlashAttention's definitions, in q's dtype: query i
     sees key j iff ``j <= i + M - N + right`` (right = 0 when causal) and, with left >= 0,
     ``j >= i + M - N - left``; the scores are scale · q·k, capped (softcap · tanh(s / softcap)),
-    minus slope · |i + M - N - j|.  A row that sees no key: out 0, lse -inf."""
+    minus slope · |i + M - N - j|; ``sinks`` [H]: one more logit per head in each row's
+    denominator, with no value.  A row that sees no key: out 0, lse -inf (with sinks: the sink)."""
     batch, n, heads, head_dim = q.shape
     m, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -584,7 +585,12 @@ def fa_reference(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi=N
     if left >= 0:
         visible &= dist <= left
     s = s.masked_fill(~visible, -math.inf)
+    if sinks is not None:  # one more logit per head, with no value (gpt-oss's s_aux)
+        s = torch.cat([s, sinks.to(s.dtype).view(1, heads, 1, 1).expand(batch, heads, n, 1)], dim=-1)
+        visible = torch.cat([visible, visible.new_ones(n, 1)], dim=-1)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.where(visible, torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    if sinks is not None:
+        p = p[..., :m]
     out = torch.einsum("bhnm,bmhd->bnhd", p.to(v.dtype), vx)
     return out, lse

@@ -70,6 +70,40 @@ def test_func_softcap_alibi_and_scale(causal, softcap, alibi):
         _check(g, r, name=f"d{name}", grad=True)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_s_aux_sinks_everywhere(causal):
+    # gpt-oss's learned sinks (vLLM's name s_aux): flash_attn_func with its gradient, the varlen
+    # call per sequence, and a decoding step.
+    # (sinks are float32 whatever the inputs' dtype, as softmax_attention takes them)
+    sinks32 = _randn((4,), 181, F32, requires_grad=True)
+    sinks = sinks32.detach().double().requires_grad_()
+    q = _randn((2, 5, 4, 8), 182, requires_grad=True)
+    k, v = _randn((2, 9, 2, 8), 183, requires_grad=True), _randn((2, 9, 2, 8), 184, requires_grad=True)
+    out, lse, _ = fai.flash_attn_func(q, k, v, causal=causal, window_size=(3, -1), s_aux=sinks32,
+                                      return_attn_probs=True, backend="cpu")
+    want, want_lse = fa_reference(q, k, v, causal=causal, window=(3, -1), sinks=sinks)
+    _check(out, want)
+    _check(lse, want_lse, name="lse")
+    grad = _randn(out.shape, 185)
+    got = torch.autograd.grad(out, (q, k, v, sinks32), grad)
+    ref = torch.autograd.grad(want, (q, k, v, sinks), grad)
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), got, ref):
+        _check(g, r, name=name, grad=True)
+    sinks32 = sinks32.detach()
+    cu = _cu([2, 3])
+    packed = fai.flash_attn_varlen_func(q[0].detach(), k[0, :5].detach(), v[0, :5].detach(), cu, cu, 3, 3,
+                                        causal=causal, s_aux=sinks32, backend="cpu")
+    outs = [fa_reference(q[None, 0, a:b], k[None, 0, a:b], v[None, 0, a:b], causal=causal, sinks=sinks)[0][0]
+            for a, b in ((0, 2), (2, 5))]
+    _check(packed, torch.cat(outs).detach())
+    cache_k, cache_v = k.detach().clone(), v.detach().clone()
+    step = fai.flash_attn_with_kvcache(q[:, :1].detach(), cache_k, cache_v, cache_seqlens=torch.tensor([4, 9]),
+                                       causal=causal, s_aux=sinks32, backend="cpu")
+    for b, n in enumerate((4, 9)):
+        want_step = fa_reference(q[b:b + 1, :1], k[b:b + 1, :n], v[b:b + 1, :n], causal=causal, sinks=sinks)[0]
+        _check(step[b:b + 1], want_step.detach())
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
 def test_func_low_precision(dtype):
     q, k, v = _randn((2, 33, 4, 64), 21, dtype), _randn((2, 40, 2, 64), 22, dtype), _randn((2, 40, 2, 64), 23, dtype)

@@ -26,7 +26,7 @@ KV_COLUMNS = [p for p in BACKENDS if p.values[0] in ("cpu", "triton")]
 SIDES = [-1, -1, 0, 1, 3, 7]
 
 
-def _naive(q, k, v, *, causal, window, softcap, alibi, scale):
+def _naive(q, k, v, *, causal, window, softcap, alibi, scale, sinks=None):
     """The naive implementation's run in the inputs' dtype, DESIGN.md's yardstick for 16 bits:
     attnkit's reference (as every fuzz test takes it; its lse is computed in the dtype too), the
     FlashAttention options written in its terms here -- causality bottom-right as the window's
@@ -37,7 +37,7 @@ def _naive(q, k, v, *, causal, window, softcap, alibi, scale):
     right = 0 if causal else right
     out, lse = softmax_attention_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
                                            enable_gqa=True, return_lse=True, window=(left, right),
-                                           softcap=softcap, alibi_slopes=alibi)
+                                           softcap=softcap, alibi_slopes=alibi, sinks=sinks)
     return out.transpose(1, 2), lse
 
 
@@ -62,7 +62,9 @@ def dense_case(draw, backend, device):
     alibi = draw(st.sampled_from([None, None, "[H]", "[B, H]"]))
     scale = draw(st.sampled_from([None, 0.3, 2.0]))
     batch = draw(st.integers(1, 2))
-    return dtype, batch, kv_heads, group, n, m, d, dv, causal, window, softcap, alibi, scale, draw(st.integers(0, 2**16))
+    sinks = draw(st.sampled_from([False, False, True]))
+    return (dtype, batch, kv_heads, group, n, m, d, dv, causal, window, softcap, alibi, scale, sinks,
+            draw(st.integers(0, 2**16)))
 
 
 @pytest.mark.parametrize("backend,device", COLUMNS)
@@ -70,7 +72,7 @@ def dense_case(draw, backend, device):
 @given(data=st.data())
 def test_flash_attn_func_matches_flash_attention_semantics(backend, device, data):
     require_backend("softmax", backend, device)
-    dtype, batch, hk, group, n, m, d, dv, causal, window, softcap, alibi, scale, seed = data.draw(
+    dtype, batch, hk, group, n, m, d, dv, causal, window, softcap, alibi, scale, with_sinks, seed = data.draw(
         dense_case(backend, device))
     gen = torch.Generator().manual_seed(seed)
     heads = hk * group
@@ -79,13 +81,15 @@ def test_flash_attn_func_matches_flash_attention_semantics(backend, device, data
     v = torch.randn(batch, m, hk, dv, generator=gen).to(dtype)
     g = torch.randn(batch, n, heads, dv, generator=gen).to(dtype)
     slopes = None if alibi is None else torch.rand(*((heads,) if alibi == "[H]" else (batch, heads)), generator=gen)
+    sinks = torch.randn(heads, generator=gen) if with_sinks else None  # (float32, as attnkit takes them)
     grads = dtype in (torch.float32, F64)
     leaves = [x.to(device).requires_grad_(grads) for x in (q, k, v)]
     out, lse, probs = fai.flash_attn_func(*leaves, softmax_scale=scale, causal=causal, window_size=window,
                                           softcap=softcap, alibi_slopes=None if slopes is None else slopes.to(device),
-                                          return_attn_probs=True, backend=backend)
+                                          return_attn_probs=True, s_aux=None if sinks is None else sinks.to(device),
+                                          backend=backend)
     assert probs is None and out.shape == (batch, n, heads, dv) and out.is_contiguous() and lse.shape == (batch, heads, n)
-    options = dict(causal=causal, window=window, softcap=softcap, alibi=slopes, scale=scale)
+    options = dict(causal=causal, window=window, softcap=softcap, alibi=slopes, scale=scale, sinks=sinks)
     ref64 = [x.to(F64).requires_grad_(grads) for x in (q, k, v)]
     want, want_lse = fa_reference(*ref64, **options)
     naive = _naive(q, k, v, **options) if dtype in LOW_PRECISION else (None, None)
