@@ -93,11 +93,17 @@ def hopfield_energy_reference(state: torch.Tensor, stored: torch.Tensor, beta: f
 
     E(ξ) = −β⁻¹ logsumexp_i(β x_iᵀ ξ) + ½ ξᵀξ + β⁻¹ log N + ½ M², M = max_i ‖x_i‖ per batch
     and head.  The last two terms make E ≥ 0 (and E = 0 only at ξ = x_i with ‖x_i‖ = M as β → ∞).
-    Returned in the dtype of ``state``.
+    Returned in the dtype of ``state``.  The gradient of ½M² goes to the first row of largest
+    norm on a tie (the subgradient the kernels' backward takes).
     """
     n = stored.shape[-2]
     scores = torch.matmul(state, stored.transpose(-2, -1)) * beta
     lse = torch.logsumexp(scores, dim=-1)
-    # M² directly as the largest squared norm: same value as max‖x_i‖², no sqrt to differentiate.
-    max_sq = stored.pow(2).sum(dim=-1).amax(dim=-1, keepdim=True)
+    # M² directly as the largest squared norm: same value as max‖x_i‖², no sqrt to differentiate;
+    # taken at the first maximal row (gather at argmax) rather than by amax, whose gradient splits
+    # evenly between tied rows: both are subgradients, the kernels' backward documents the first
+    # (ops/hopfield.py).  Ties are common in 16 bits at small D -- session 33's random fuzzing,
+    # float16, D = 1, N = 65: two patterns +-x, dX 1.21 off against a tolerance of 1.3e-2.
+    sq = stored.pow(2).sum(dim=-1)
+    max_sq = sq.gather(-1, sq.argmax(dim=-1, keepdim=True))
     return -lse / beta + 0.5 * state.pow(2).sum(dim=-1) + math.log(n) / beta + 0.5 * max_sq

@@ -406,6 +406,27 @@ def test_energy_float32_gradients_match_float64_reference():
 
 
 @pytest.mark.parametrize("backend", ENERGY_BACKENDS)
+def test_energy_gradient_of_a_tied_max_norm_goes_to_the_first_row(backend):
+    # Two stored rows of the largest norm (x and -x): the subgradient of 1/2 M^2 goes whole to the
+    # first of them, on every backend and in the reference (session 33's random fuzzing found the
+    # reference's amax splitting it: float16, D = 1).
+    state = torch.randn(1, 1, 3, 4, dtype=F64, requires_grad=True)
+    stored = torch.randn(1, 1, 5, 4, dtype=F64)
+    stored[0, 0, 1] = stored[0, 0].norm(dim=-1).max() * torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=F64) + 1.0
+    stored[0, 0, 3] = -stored[0, 0, 1]
+    stored.requires_grad_()
+    grads = torch.autograd.grad(attnkit.hopfield_energy(state, stored, 0.7, backend=backend).sum(), (state, stored))
+    want = torch.autograd.grad(hopfield_energy_reference(state, stored, 0.7).sum(), (state, stored))
+    for got, ref in zip(grads, want):
+        assert torch.allclose(got, ref, rtol=1e-10, atol=1e-12)
+    # the M^2 term's share: 3 rows x (d 1/2 |x_1|^2 / d x_1 = x_1), row 1 only
+    plain = stored.detach().clone().requires_grad_()
+    (lse_part,) = torch.autograd.grad(hopfield_energy_reference(state, plain, 0.7).sum()
+                                      - 0.5 * 3 * plain[0, 0, 1].pow(2).sum(), plain)
+    assert torch.allclose(grads[1][0, 0, 3], lse_part[0, 0, 3], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ENERGY_BACKENDS)
 def test_energy_torch_compile_fullgraph(backend):
     state, stored, _ = _inputs(b=1, h=2, s=7, n=9, d=8)
     compiled = torch.compile(attnkit.hopfield_energy, fullgraph=True)
