@@ -195,12 +195,42 @@ def test_score_options_pass_through(which, nq, nk, backend):
     g = torch.Generator().manual_seed(5)
     if which == "window-alibi":  # positions relative to the last key: the causal bound folds into the window
         options = dict(window=(4, 2), alibi=torch.rand(B, H, generator=g))
-    else:  # split into prefix and causal part: the sink counted once
+    else:  # the causal bound as a window's
         options = dict(softcap=1.5, sinks=torch.randn(H, generator=g))
     call = {("alibi_slopes" if name == "alibi" else name): x for name, x in options.items()}
     out, lse = attnkit.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, enable_gqa=True,
                                               return_lse=True, backend=backend, **call)
     _check(out, lse, q, k_cache, v_cache, SEQLENS, nk, True, F32, **options)
+
+
+@pytest.mark.skipif(not HAS_SCORE_OPTIONS, reason=NO_SCORE_OPTIONS)
+@pytest.mark.parametrize("nq,nk", [(5, 5), (6, 2), (40, 3)])
+def test_windowless_backends_split_prefix_and_causal_part(nq, nk, monkeypatch):
+    # The cuda kernels take no window: there causal Nq > 1 is the prefix (unmasked) and the last
+    # Nq keys (top-left causal) merged by lse, the sink counted once -- checked here on the cpu
+    # backend put in their place (L < Nq included: rows that see no key).
+    from attnkit.ops import kvcache as op
+
+    monkeypatch.setattr(op, "_WINDOWLESS", {"cpu"})
+    q, k, v, k_cache, v_cache, seqlens = _inputs(F32, nq, nk, seed=70 + nq)
+    options = dict(softcap=1.5, sinks=torch.randn(H, generator=torch.Generator().manual_seed(6)))
+    out, lse = attnkit.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, enable_gqa=True,
+                                              return_lse=True, backend="cpu", **options)
+    _check(out, lse, q, k_cache, v_cache, SEQLENS, nk, True, F32, **options)
+
+
+def test_causal_chunks_round_a_16_bit_output_once():
+    # bfloat16, causal, two new queries: one kernel call with the causal bound as the window's
+    # right bound 0 -- the same bits as that call made directly (the prefix / causal split rounded
+    # each part's output and then their merge: session 33's random fuzzing).
+    q, k, v, k_cache, v_cache, seqlens = _inputs(torch.bfloat16, 2, 2, seed=80)
+    out = attnkit.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=seqlens,
+                                         enable_gqa=True, softcap=2.0, backend="cpu")
+    want_k, want_v = _appended(k_cache, v_cache, k, v, SEQLENS)
+    for b, n in enumerate(SEQLENS):
+        direct = attnkit.softmax_attention(q[b:b + 1], want_k[b:b + 1, :, :n + 2], want_v[b:b + 1, :, :n + 2],
+                                           enable_gqa=True, window=(-1, 0), softcap=2.0, backend="cpu")
+        assert torch.equal(out[b:b + 1], direct)
 
 
 def _bad_calls():
