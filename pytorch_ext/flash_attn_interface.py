@@ -470,8 +470,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             before it are not attended; causality, windows and ALiBi count from it, rotary
             positions do not); not with block_table.
         block_table: None, or int32 ``[B, max_blocks]`` for a paged cache.
-        softmax_scale, causal, window_size, softcap, alibi_slopes: as :func:`flash_attn_func`
-            (the keys of row b: its first ``cache_seqlens[b] + Nk`` positions).
+        softmax_scale, causal, window_size, softcap, alibi_slopes, s_aux: as
+            :func:`flash_attn_func` (the keys of row b: its first ``cache_seqlens[b] + Nk``
+            positions).
         num_splits: accepted for the signature, ignored.
         return_softmax_lse: also return the lse ``[B, H, Nq]`` float32.
 
