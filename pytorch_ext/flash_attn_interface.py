@@ -56,7 +56,7 @@ from typing import Optional, Union
 import torch
 
 from ._validation import check_bool, check_int, check_real, check_same_dtype_device, check_tensor
-from .ops.kvcache import attention_with_kvcache, check_call_tensors
+from .ops.kvcache import _check_seqlens_type, _lengths, attention_with_kvcache, check_call_tensors
 from .ops.softmax import softmax_attention
 from .ops.varlen import softmax_attention_varlen
 from .rotary import apply_rotary_emb, check_positions, check_tables, rotate
@@ -128,7 +128,7 @@ def _heads_fit(fn: str, heads: int, kv_heads: int) -> bool:
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(f"{fn}: the number of query heads ({heads}) must be a multiple of the number of key / "
                          f"value heads ({kv_heads})")
-    return heads != kv_heads
+    return True
 
 
 class _DeterministicExit(torch.autograd.Function):
@@ -315,18 +315,20 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 # ---------------------------------------------------------------------------------------------
 # Packed sequences
 # ---------------------------------------------------------------------------------------------
-def _paged_rows(fn, cache: torch.Tensor, block_table, cu_seqlens_k) -> torch.Tensor:
-    """The key (value) rows of every sequence gathered from a paged cache ``[num_blocks,
-    block_size, Hk, D]`` through ``block_table [batch, max_blocks]``: ``[total_k, Hk, D]`` (a copy;
-    differentiable into the cache), sequence b's rows being its first ``len_b`` positions."""
+def _paged_rows(fn, block_table, cu_seqlens_k, num_blocks: int, block_size: int, device) -> torch.Tensor:
+    """Where every sequence's key (value) rows lie in a paged cache ``[num_blocks, block_size,
+    Hk, D]`` flattened to ``[num_blocks * block_size, Hk, D]``: int64 ``[total_k]``, sequence b's
+    rows being its first ``len_b`` positions in its blocks of ``block_table [batch, max_blocks]``
+    (one index for K and V: the offsets read and checked once)."""
     if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (torch.int32, torch.int64) \
             or block_table.dim() != 2:
         raise TypeError(f"{fn}: block_table must be an int32 tensor [batch, max_blocks]")
+    if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dim() != 1:
+        raise ValueError(f"{fn}: cu_seqlens_k must be an int32 tensor [batch + 1]")
     cu = [int(c) for c in cu_seqlens_k.tolist()]
     if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"{fn}: cu_seqlens_k must start at 0 and not decrease; got {cu}")
     lengths = [b - a for a, b in zip(cu, cu[1:])]
-    num_blocks, block_size = cache.shape[0], cache.shape[1]
     if block_table.shape[0] != len(lengths):
         raise ValueError(f"{fn}: block_table must have one row per sequence ({len(lengths)}); got "
                          f"{list(block_table.shape)}")
@@ -335,15 +337,13 @@ def _paged_rows(fn, cache: torch.Tensor, block_table, cu_seqlens_k) -> torch.Ten
         if n > capacity:
             raise ValueError(f"{fn}: sequence {b} has {n} keys but its block_table row holds max_blocks * "
                              f"block_size = {capacity}")
-    device = cache.device
-    total = sum(lengths)
     seq = torch.repeat_interleave(torch.arange(len(lengths), device=device),
                                   torch.tensor(lengths, dtype=torch.int64, device=device))
-    pos = torch.arange(total, device=device) - torch.tensor(cu[:-1], dtype=torch.int64, device=device)[seq]
+    pos = torch.arange(sum(lengths), device=device) - torch.tensor(cu[:-1], dtype=torch.int64, device=device)[seq]
     blocks = block_table.to(device=device, dtype=torch.int64)[seq, pos // block_size]
     if blocks.numel() and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
         raise ValueError(f"{fn}: block_table holds indices outside the cache's {num_blocks} blocks")
-    return cache.flatten(0, 1).index_select(0, blocks * block_size + pos % block_size)
+    return blocks * block_size + pos % block_size
 
 
 def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
@@ -365,11 +365,9 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     is_causal, window_option = _causality(window, aligned=cu_seqlens_q is cu_seqlens_k and not paged)
 
     def run(q_, k_, v_):
-        if paged:
-            # softmax_attention_varlen checks cu_seqlens_k (against the gathered total) after this.
-            if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dim() != 1:
-                raise ValueError(f"{fn}: cu_seqlens_k must be an int32 tensor [batch + 1]")
-            k_, v_ = _paged_rows(fn, k_, block_table, cu_seqlens_k), _paged_rows(fn, v_, block_table, cu_seqlens_k)
+        if paged:  # the pages gathered into a pack (differentiable into them)
+            index = _paged_rows(fn, block_table, cu_seqlens_k, k_.shape[0], k_.shape[1], k_.device)
+            k_, v_ = k_.flatten(0, 1).index_select(0, index), v_.flatten(0, 1).index_select(0, index)
         result = softmax_attention_varlen(q_, k_, v_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           dropout_p=dropout_p, is_causal=is_causal, scale=softmax_scale,
                                           enable_gqa=gqa, return_lse=return_attn_probs, backend=backend,
@@ -516,14 +514,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     direct = (cache_batch_idx is None and cache_leftpad is None and rotary_cos is None and rotary_sin is None
               and (paged or rows == batch))
     if direct:  # (its values are read and checked by attention_with_kvcache, its type here)
-        if isinstance(cache_seqlens, torch.Tensor):
-            if cache_seqlens.dtype not in (torch.int32, torch.int64):
-                raise TypeError(f"{fn}: cache_seqlens must be an int32 tensor [B]; got {cache_seqlens.dtype}")
-            if tuple(cache_seqlens.shape) != (batch,):
-                raise ValueError(f"{fn}: cache_seqlens must have shape [B] = [{batch}]; got "
-                                 f"{list(cache_seqlens.shape)}")
-        elif cache_seqlens.__class__ is bool or not isinstance(cache_seqlens, int):
-            raise TypeError(f"{fn}: cache_seqlens must be an int or an int32 tensor [B]; got {cache_seqlens!r}")
+        _check_seqlens_type(fn, cache_seqlens, batch)
     # FlashAttention's causal is bottom-right, as attention_with_kvcache's is_causal; a window
     # goes with it as the score option (left, right) (with causal: (left, 0)).
     if window != (-1, -1) and not (causal and window[0] == -1):
@@ -536,13 +527,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                           block_table=block_table, **call, **options)
         out = _bhnd(out).contiguous()
         return (out, lse) if return_softmax_lse else out
-    lengths = cache_seqlens
-    if isinstance(cache_seqlens, torch.Tensor):
-        lengths = _index_vector(fn, "cache_seqlens", cache_seqlens, batch)
-    elif isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int):
-        raise TypeError(f"{fn}: cache_seqlens must be an int or an int32 tensor [B]; got {cache_seqlens!r}")
-    else:
-        lengths = [cache_seqlens] * batch
+    lengths = _lengths(fn, cache_seqlens, batch)
     pads = [0] * batch
     if cache_leftpad is not None:
         pads = _index_vector(fn, "cache_leftpad", cache_leftpad, batch)

@@ -454,7 +454,7 @@ def test_bad_calls_raise_clearly(call, error, match):
      ValueError, "rotary_dim"),
     (dict(cache_seqlens=torch.tensor([1, 2]), cache_leftpad=torch.tensor([2, 0])), ValueError, "cache_leftpad"),
     (dict(cache_seqlens=torch.tensor([1, 2]), cache_batch_idx=torch.tensor([0, 3])), ValueError, "not a row of the cache"),
-    (dict(cache_seqlens=torch.tensor([1.0, 2.0])), TypeError, "cache_seqlens must be an int32"),
+    (dict(cache_seqlens=torch.tensor([1.0, 2.0])), TypeError, "cache_seqlens must be int32 or int64"),
     (dict(cache_seqlens=torch.tensor([1, 2, 3])), ValueError, r"shape \[B\] = \[2\]"),
     (dict(cache_seqlens=torch.tensor([1, 9]), k=_q(2, 1, 2, 8), v=_q(2, 1, 2, 8)), ValueError, "does not fit"),
     (dict(cache_seqlens=2, num_splits=-1), ValueError, "num_splits"),
